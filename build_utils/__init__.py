@@ -1,0 +1,4 @@
+"""Data-side utilities: cfg parsing, datasets, augmentation, box math and samplers.
+
+This package imports no other project package (see ``tests/test_layout.py``).
+"""

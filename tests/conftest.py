@@ -1,0 +1,55 @@
+"""Shared fixtures: tiny generated datasets, the repository root and the optional ../shared folder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from data.make_shapes import make_dataset
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+SHARED_DIR = REPO_ROOT.parent / "shared"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _few_threads() -> None:
+    # Tests are small; more threads than cores only adds scheduling noise on CI's 2 cores.
+    torch.set_num_threads(min(2, torch.get_num_threads()))
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return REPO_ROOT
+
+
+@pytest.fixture(scope="session")
+def shared_dir() -> Path:
+    """``../shared`` beside the checkout (present for the developers and in CI, not for users)."""
+    if not SHARED_DIR.is_dir():
+        pytest.skip(f"{SHARED_DIR} is absent (it only exists beside the development checkout)")
+    return SHARED_DIR
+
+
+@pytest.fixture(scope="session")
+def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny shapes dataset (24 train, 10 val images, 160-256 px), shared by the session.
+
+    Tests must not modify it; use ``make_shapes_data`` for a private copy.
+    """
+    root = tmp_path_factory.mktemp("shapes")
+    return make_dataset(root, n_train=24, n_val=10, img_size_range=(160, 256), seed=0,
+                        obj_size_range=(16.0, 0.5), workers=1)
+
+
+@pytest.fixture
+def make_shapes_data(tmp_path: Path):
+    """Factory for a private shapes dataset: ``make_shapes_data(n_train=8, n_val=4, **kw)``."""
+
+    def _make(n_train: int = 8, n_val: int = 4, **kwargs) -> Path:
+        kwargs.setdefault("img_size_range", (160, 256))
+        kwargs.setdefault("workers", 1)
+        return make_dataset(tmp_path / "shapes", n_train, n_val, **kwargs)
+
+    return _make

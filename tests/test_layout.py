@@ -1,0 +1,58 @@
+"""Package boundaries point one way: build_utils <- models <- train_utils <- scripts and tools."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PACKAGES = ("build_utils", "models", "train_utils")
+# Which project packages each package may import.
+ALLOWED = {
+    "build_utils": set(),
+    "models": {"build_utils"},
+    "train_utils": {"build_utils", "models"},
+}
+SCRIPTS = {"train", "train_multi_GPU", "validation", "predict", "tools", "bench", "data"}
+
+
+def _imported_top_levels(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name.split(".")[0] for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_dependency_direction(package):
+    for path in sorted((REPO / package).rglob("*.py")):
+        imported = _imported_top_levels(path)
+        project = imported & (set(PACKAGES) | SCRIPTS)
+        forbidden = project - ALLOWED[package] - {package}
+        assert not forbidden, f"{path.relative_to(REPO)} imports {sorted(forbidden)}"
+
+
+def test_no_star_imports_and_no_pickle():
+    for path in sorted(REPO.glob("**/*.py")):
+        if ".venv" in path.parts or "tests" in path.parts:
+            continue
+        tree = ast.parse(path.read_text(encoding="utf-8"))
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                assert all(a.name != "*" for a in node.names), f"star import in {path}"
+                assert node.module != "pickle", f"pickle in {path}"
+            if isinstance(node, ast.Import):
+                assert all(a.name != "pickle" for a in node.names), f"pickle in {path}"
+
+
+def test_expected_layout_exists():
+    for name in ("models", "cfg", "data", "build_utils", "train_utils", "tools", "tests", "weights",
+                 "bench"):
+        assert (REPO / name).is_dir(), name
+    assert (REPO / "weights" / "README.md").is_file()

@@ -1,0 +1,106 @@
+"""The demo dataset generator: valid YOLO labels, labels that match the pixels, determinism."""
+
+from __future__ import annotations
+
+import hashlib
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from data.make_shapes import CLASS_NAMES, GeneratorOptions, main, make_dataset, render_image
+
+
+def _tree_digest(root: Path) -> str:
+    h = hashlib.sha256()
+    for p in sorted(root.rglob("*")):
+        if p.is_file():
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def test_layout_and_label_validity(make_shapes_data):
+    data = make_shapes_data(n_train=30, n_val=6, voc=True)
+    root = data.parent
+    assert data.read_text().splitlines() == [
+        f"classes={len(CLASS_NAMES)}", "train=train.txt", "valid=val.txt", "names=shapes.names"]
+    assert (root / "shapes.names").read_text().split() == list(CLASS_NAMES)
+    n_objects = n_empty = 0
+    for split, n in (("train", 30), ("val", 6)):
+        listed = (root / f"{split}.txt").read_text().splitlines()
+        assert len(listed) == n
+        for rel in listed:
+            img_path = root / rel
+            img = cv2.imread(str(img_path))
+            assert img is not None, rel
+            h, w = img.shape[:2]
+            label = img_path.parent.parent / "labels" / (img_path.stem + ".txt")
+            rows = np.loadtxt(label, ndmin=2) if label.read_text().strip() else np.zeros((0, 5))
+            n_empty += len(rows) == 0
+            n_objects += len(rows)
+            for cls, cx, cy, bw, bh in rows:
+                assert cls == int(cls) and 0 <= cls < len(CLASS_NAMES)
+                assert 0 < bw <= 1 and 0 < bh <= 1
+                # The box lies inside the image, in pixels, within label rounding.
+                assert (cx - bw / 2) * w >= -1e-3 and (cx + bw / 2) * w <= w + 1e-3
+                assert (cy - bh / 2) * h >= -1e-3 and (cy + bh / 2) * h <= h + 1e-3
+                # Objects are at least ~10 px and at most half the short side.
+                assert min(bw * w, bh * h) >= 6
+                assert max(bw * w, bh * h) <= 0.5 * min(w, h) + 2
+            xml = img_path.parent.parent / "Annotations" / (img_path.stem + ".xml")
+            assert xml.read_text().count("<object>") == len(rows)
+    assert n_objects > 36  # several objects per image on average
+
+
+def test_labels_match_drawn_pixels():
+    """For each object not covered by a later one, its colour fills its box up to every edge."""
+    checked = 0
+    for seed in range(40):
+        img, objects = render_image(np.random.default_rng(seed), GeneratorOptions())
+        for k, obj in enumerate(objects):
+            x1, y1, x2, y2 = obj.box
+            later = objects[k + 1:]
+            if any(min(x2, o.box[2]) > max(x1, o.box[0]) and min(y2, o.box[3]) > max(y1, o.box[1])
+                   for o in later):
+                continue
+            mask = np.all(img == np.array(obj.colour, np.uint8), axis=2)
+            ys, xs = np.nonzero(mask[y1:y2, x1:x2])
+            assert len(xs) > 0
+            # The coloured pixels touch all four sides of the labelled box.
+            assert xs.min() == 0 and ys.min() == 0
+            assert xs.max() == x2 - x1 - 1 and ys.max() == y2 - y1 - 1
+            # And the colour does not continue right outside the box.
+            ring = mask[max(0, y1 - 1):y2 + 1, max(0, x1 - 1):x2 + 1].sum()
+            assert ring == mask[y1:y2, x1:x2].sum() or ring - mask[y1:y2, x1:x2].sum() < 0.02 * ring
+            checked += 1
+    assert checked > 50
+
+
+def test_deterministic_for_seed_and_worker_count(tmp_path):
+    a = make_dataset(tmp_path / "a", 70, 3, seed=5, workers=1)
+    b = make_dataset(tmp_path / "b", 70, 3, seed=5, workers=2)
+    c = make_dataset(tmp_path / "c", 70, 3, seed=6, workers=1)
+    assert _tree_digest(a.parent) == _tree_digest(b.parent)
+    assert _tree_digest(a.parent) != _tree_digest(c.parent)
+
+
+def test_some_images_empty_and_some_overlapping():
+    n_empty = n_overlap = 0
+    for seed in range(200):
+        _, objects = render_image(np.random.default_rng(seed))
+        n_empty += not objects
+        boxes = [o.box for o in objects]
+        n_overlap += any(
+            min(a[2], b[2]) > max(a[0], b[0]) and min(a[3], b[3]) > max(a[1], b[1])
+            for i, a in enumerate(boxes) for b in boxes[i + 1:])
+    assert 0 < n_empty < 40
+    assert n_overlap > 0
+
+
+def test_cli_rejects_bad_arguments(tmp_path, capsys):
+    assert main(["--out", str(tmp_path), "--classes", "9", "--n-train", "1", "--n-val", "1"]) == 2
+    assert "n_classes" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["--img-size", "abc"])
