@@ -1,1 +1,1 @@
-"""Training side: configuration, the training loop, evaluation, checkpoints and distributed helpers."""
+"""Training side: configuration, the training loop, evaluation, checkpoints, distributed."""

@@ -1,0 +1,277 @@
+"""Tests for train_utils/checkpoint.py: atomic save, weights_only round trips, error messages."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections import OrderedDict
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from build_utils.errors import CheckpointError
+from train_utils import checkpoint as ck
+
+
+def tiny_model(width: int = 4) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, width, 3), nn.BatchNorm2d(width), nn.Conv2d(width, 2, 1))
+
+
+def training_state() -> dict:
+    """A checkpoint with real optimizer (momentum), LambdaLR and GradScaler states."""
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    model(torch.rand(2, 3, 8, 8)).sum().backward()
+    opt.step()  # creates the momentum buffers
+    sched.step()
+    return ck.make_checkpoint(
+        model=model,
+        epoch=3,
+        optimizer=opt,
+        scheduler=sched,
+        scaler=scaler,
+        ema=tiny_model(),
+        ema_updates=np.int64(42),
+        best_fitness=np.float64(0.25),
+        config=argparse.Namespace(img_size=416, data=Path("data/coco.data"), lr=np.float32(0.5)),
+        results=np.array([0.1, 0.2]),
+    )
+
+
+def assert_same(a, b) -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b)
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b)
+        for k in a:
+            assert_same(a[k], b[k])
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b)
+        for x, y in zip(a, b, strict=True):
+            assert_same(x, y)
+    else:
+        assert a == b and type(a) is type(b)
+
+
+def test_round_trip_weights_only(tmp_path: Path) -> None:
+    ckpt = training_state()
+    path = tmp_path / "last.pt"
+    ck.save_checkpoint(ckpt, path)
+    # The file itself must load with plain weights_only=True, not just through our loader.
+    raw = torch.load(path, map_location="cpu", weights_only=True)
+    loaded = ck.load_checkpoint(path)
+    assert_same(raw, loaded)
+    assert_same(ck.to_plain(ckpt), loaded)
+    assert loaded["version"] == ck.CHECKPOINT_VERSION and loaded["epoch"] == 3
+    assert loaded["best_fitness"] == 0.25 and type(loaded["best_fitness"]) is float
+    assert loaded["ema_updates"] == 42
+    assert loaded["config"] == {"img_size": 416, "data": "data/coco.data", "lr": 0.5}
+    assert loaded["scheduler"]["lr_lambdas"] == [None]
+    assert loaded["scaler"]["scale"] == 1024.0
+    assert torch.equal(loaded["results"], torch.tensor([0.1, 0.2], dtype=torch.float64))
+
+    # The states go back into fresh objects.
+    model = tiny_model()
+    model.load_state_dict(loaded["model"])
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    opt.load_state_dict(loaded["optimizer"])
+    assert all("momentum_buffer" in s for s in opt.state.values()) and len(opt.state) == 6
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+    sched.load_state_dict(loaded["scheduler"])
+    assert sched.last_epoch == 1
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.load_state_dict(loaded["scaler"])
+    assert scaler.get_scale() == 1024.0
+
+
+def test_make_checkpoint_unwraps_ddp_style_modules() -> None:
+    model = tiny_model()
+    ckpt = ck.make_checkpoint(model=nn.DataParallel(model), epoch=0)
+    assert list(ckpt["model"]) == list(model.state_dict())
+    assert ckpt["optimizer"] is None and ckpt["scaler"] is None
+
+
+def test_to_plain() -> None:
+    got = ck.to_plain(OrderedDict(a=np.float32(1.5), b=[np.int64(2), (np.bool_(True), Path("x"))]))
+    assert got == OrderedDict(a=1.5, b=[2, (True, "x")])
+    assert type(got) is OrderedDict and type(got["a"]) is float and type(got["b"][1][0]) is bool
+    arr = ck.to_plain(np.arange(6).reshape(2, 3)[:, ::2])  # non-contiguous view
+    assert torch.equal(arr, torch.tensor([[0, 2], [3, 5]]))
+    t = torch.ones(2)
+    assert ck.to_plain(t) is t
+
+
+def test_atomic_save_keeps_old_file_on_crash(tmp_path: Path, monkeypatch) -> None:
+    path = tmp_path / "last.pt"
+    ck.save_checkpoint({"epoch": 1, "model": {"w": torch.ones(3)}}, path)
+    real_save = torch.save
+
+    def crash_mid_write(obj, f, *args, **kwargs):
+        f.write(b"PK\x03\x04 half a checkpoint")  # a partial zip header, then the crash
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(torch, "save", crash_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_checkpoint({"epoch": 2, "model": {"w": torch.zeros(3)}}, path)
+    monkeypatch.setattr(torch, "save", real_save)
+
+    old = ck.load_checkpoint(path)
+    assert old["epoch"] == 1 and torch.equal(old["model"]["w"], torch.ones(3))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # temp file removed
+
+
+def test_save_error_is_checkpoint_error(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+        ck.save_checkpoint({"epoch": 0}, blocker / "sub" / "last.pt")
+
+
+def test_save_creates_parent_and_overwrites(tmp_path: Path) -> None:
+    path = tmp_path / "weights" / "best.pt"
+    ck.save_checkpoint({"epoch": 1}, path)
+    ck.save_checkpoint({"epoch": 2}, path)
+    assert ck.load_checkpoint(path)["epoch"] == 2
+    assert os.listdir(path.parent) == ["best.pt"]
+
+
+def test_truncated_file(tmp_path: Path) -> None:
+    path = tmp_path / "last.pt"
+    ck.save_checkpoint(training_state(), path)
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="truncated, corrupt") as info:
+        ck.load_checkpoint(path)
+    assert str(path) in str(info.value)
+
+
+@pytest.mark.parametrize("content", [b"", b"\x00" * 64, b"Darknet weights are not pickles\n"])
+def test_garbage_file(tmp_path: Path, content: bytes) -> None:
+    path = tmp_path / "yolov3.weights"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError, match="truncated, corrupt or not a PyTorch checkpoint"):
+        ck.load_checkpoint(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="file not found"):
+        ck.load_checkpoint(tmp_path / "nope.pt")
+    with pytest.raises(CheckpointError, match="is a directory"):
+        ck.load_checkpoint(tmp_path)
+
+
+@pytest.mark.parametrize("obj,kind", [([1, 2], "list"), (torch.ones(2), "Tensor")])
+def test_not_a_dict(tmp_path: Path, obj, kind: str) -> None:
+    path = tmp_path / "x.pt"
+    torch.save(obj, path)
+    with pytest.raises(CheckpointError, match=f"not a checkpoint: the file holds a {kind}"):
+        ck.load_checkpoint(path)
+
+
+def test_untrusted_objects_need_trust(tmp_path: Path, caplog) -> None:
+    path = tmp_path / "foreign.pt"
+    # What other trainers save: numpy scalars and whole namespaces.
+    torch.save({"epoch": np.int64(3), "opt": argparse.Namespace(x=1)}, path)
+    with pytest.raises(CheckpointError, match="pass --trust-checkpoint only if the file comes"):
+        ck.load_checkpoint(path)
+    loaded = ck.load_checkpoint(path, trust=True)
+    assert loaded["opt"].x == 1
+    assert "trusted source" in caplog.text
+
+
+def test_extract_state_dict_variants() -> None:
+    sd = tiny_model().state_dict()
+    keys = list(sd)
+    ddp_sd = {f"module.{k}": v for k, v in sd.items()}
+    compiled = {f"_orig_mod.{k}": v for k, v in sd.items()}
+    for obj in (
+        sd,
+        ddp_sd,
+        compiled,
+        {"model": sd, "optimizer": None, "epoch": 3},
+        {"model": None, "ema": sd, "epoch": -1},
+        {"state_dict": ddp_sd},
+        {"ema": {"state_dict": sd, "updates": 10}},
+    ):
+        got = ck.extract_state_dict(obj)
+        assert list(got) == keys
+        assert all(torch.equal(got[k], sd[k]) for k in keys)
+
+
+@pytest.mark.parametrize(
+    "obj,match",
+    [
+        ({"epoch": 3, "best": 0.5}, "keys 'epoch', 'best'"),
+        ({}, "keys none"),
+        ([torch.ones(1)], "a list"),
+        ({"model": {"a": 1}}, "keys 'model'"),
+    ],
+)
+def test_extract_state_dict_rejects(obj, match: str) -> None:
+    with pytest.raises(CheckpointError, match=f"not a checkpoint: no model weights.*{match}"):
+        ck.extract_state_dict(obj, path="x.pt")
+
+
+def test_validate_resume_ok() -> None:
+    ckpt = training_state()
+    model = tiny_model()
+    ckpt["model"] = {f"module.{k}": v for k, v in ckpt["model"].items()}
+    sd = ck.validate_resume_checkpoint(ckpt, model.state_dict())
+    model.load_state_dict(sd)
+
+
+def test_validate_resume_other_model() -> None:
+    ckpt = training_state()
+    other = tiny_model(width=8).state_dict()
+    with pytest.raises(CheckpointError) as info:
+        ck.validate_resume_checkpoint(ckpt, other, path="runs/last.pt")
+    msg = str(info.value)
+    assert msg.startswith("runs/last.pt: checkpoint is for another model: ")
+    assert "0.weight: checkpoint (4, 3, 3, 3) vs model (8, 3, 3, 3)" in msg
+    assert "; and 2 more; use --weights to initialise from it instead" in msg  # 7 mismatches
+
+
+def test_validate_resume_missing_and_extra_keys() -> None:
+    model_sd = tiny_model().state_dict()
+    saved = dict(model_sd)
+    del saved["2.bias"]
+    saved["3.weight"] = torch.ones(1)
+    ckpt = {"model": saved, "optimizer": {}, "epoch": 0}
+    with pytest.raises(CheckpointError, match=r"2\.bias missing from checkpoint; 3\.weight not"):
+        ck.validate_resume_checkpoint(ckpt, model_sd)
+
+
+@pytest.mark.parametrize(
+    "change,match",
+    [
+        ({"optimizer": None}, "not a resumable training checkpoint: missing 'optimizer'"),
+        ({"epoch": -1}, r"epoch=-1: this file holds weights, not a training state"),
+        ({"version": 99}, "schema version 99 is newer"),
+    ],
+)
+def test_validate_resume_not_resumable(change: dict, match: str) -> None:
+    ckpt = {**training_state(), **change}
+    with pytest.raises(CheckpointError, match=match):
+        ck.validate_resume_checkpoint(ckpt, tiny_model().state_dict())
+
+
+def test_weights_only_file_is_not_resumable() -> None:
+    with pytest.raises(CheckpointError, match="missing 'optimizer', 'epoch'; use --weights"):
+        ck.validate_resume_checkpoint({"model": tiny_model().state_dict()}, {})
+
+
+def test_trusted_file_needing_foreign_code(tmp_path: Path) -> None:
+    path = tmp_path / "foreign.pt"
+    torch.save({"model": nn.Identity()}, path)
+    raw = path.read_bytes()
+    # Point the pickled class at a module that does not exist here, as another repository's
+    # checkpoint (models.yolo.Model) would.
+    path.write_bytes(raw.replace(b"torch.nn.modules.linear", b"torch.nn.modules.lineaX"))
+    with pytest.raises(CheckpointError, match="pickles objects from code that is not available"):
+        ck.load_checkpoint(path, trust=True)

@@ -1,0 +1,117 @@
+"""CLI, hyperparameter and .data validation: every user error is one ConfigError naming the fix."""
+
+from __future__ import annotations
+
+import pytest
+
+from build_utils.errors import ConfigError
+from train_utils.config import (
+    HYP_SPECS,
+    accumulate_steps,
+    build_config,
+    check_img_size,
+    get_args_parser,
+    load_data_config,
+    load_hyp,
+    multi_scale_bounds,
+    scaled_lr0,
+)
+
+
+def _hyp_text(**override) -> str:
+    values = {k: (s.default if s.default is not None else (0.5 if s.kind is float else True))
+              for k, s in HYP_SPECS.items()}
+    values.update(override)
+    return "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n"
+                   for k, v in values.items() if v is not None)
+
+
+def test_repository_hyp_files_are_valid(repo_root):
+    for name in ("hyp.yaml", "hyp_demo.yaml"):
+        hyp = load_hyp(repo_root / "cfg" / name)
+        assert set(hyp) == set(HYP_SPECS)
+    lineage = load_hyp(repo_root / "cfg" / "hyp.yaml")
+    # The lineage's values for real datasets.
+    assert (lineage["giou"], lineage["cls"], lineage["obj"], lineage["lr0"]) == (3.54, 37.4, 64.3,
+                                                                                  0.001)
+
+
+def test_hyp_unknown_key_names_line(tmp_path):
+    p = tmp_path / "h.yaml"
+    p.write_text(_hyp_text() + "lr_0: 0.1\n")
+    with pytest.raises(ConfigError, match=rf"h.yaml:{len(HYP_SPECS) + 1}: unknown hyperparameter "
+                                          r"'lr_0'"):
+        load_hyp(p)
+
+
+def test_hyp_missing_wrong_type_and_range(tmp_path):
+    p = tmp_path / "h.yaml"
+    p.write_text(_hyp_text(lr0=None))
+    with pytest.raises(ConfigError, match="missing hyperparameter.*lr0"):
+        load_hyp(p)
+    p.write_text(_hyp_text(lr0="fast"))
+    with pytest.raises(ConfigError, match=r"h.yaml:\d+: 'lr0' must be a number, got 'fast'"):
+        load_hyp(p)
+    p.write_text(_hyp_text(momentum=1.5))
+    with pytest.raises(ConfigError, match=r"'momentum' = 1.5 is outside \[0.0, 1.0\]"):
+        load_hyp(p)
+    p.write_text(_hyp_text(mosaic=1))
+    with pytest.raises(ConfigError, match="'mosaic' must be true or false"):
+        load_hyp(p)
+    p.write_text("giou: [1\n")
+    with pytest.raises(ConfigError, match="not valid YAML"):
+        load_hyp(p)
+    with pytest.raises(ConfigError, match="not found"):
+        load_hyp(tmp_path / "nope.yaml")
+
+
+def test_hyp_optional_keys_get_defaults(tmp_path):
+    p = tmp_path / "h.yaml"
+    p.write_text(_hyp_text(warmup_epochs=None, mosaic=None))
+    hyp = load_hyp(p)
+    assert hyp["warmup_epochs"] == 1.0 and hyp["mosaic"] is True
+
+
+def test_data_config_checks(shapes_data, tmp_path):
+    d = load_data_config(shapes_data)
+    assert d.nc == 5 and d.names[0] == "circle" and d.train.is_file()
+    assert load_data_config(shapes_data, single_cls=True).nc == 1
+    bad = tmp_path / "bad.data"
+    bad.write_text(shapes_data.read_text().replace("classes=5", "classes=4")
+                   .replace("names=shapes.names", f"names={shapes_data.parent / 'shapes.names'}")
+                   .replace("train=train.txt", f"train={shapes_data.parent / 'train.txt'}")
+                   .replace("valid=val.txt", f"valid={shapes_data.parent / 'val.txt'}"))
+    with pytest.raises(ConfigError, match="classes=4 but .* lists 5 names"):
+        load_data_config(bad)
+    bad.write_text("classes=5\ntrain=nowhere.txt\nvalid=nowhere.txt\n"
+                   f"names={shapes_data.parent / 'shapes.names'}\n")
+    with pytest.raises(ConfigError, match="'train' points to nowhere.txt"):
+        load_data_config(bad)
+
+
+def test_cli_values(shapes_data, repo_root):
+    base = ["--data", str(shapes_data), "--cfg", str(repo_root / "cfg" / "yolov3-spp-nano.cfg"),
+            "--hyp", str(repo_root / "cfg" / "hyp.yaml")]
+    parser = get_args_parser()
+    with pytest.raises(ConfigError, match="--img-size 300 is not a positive multiple of 32; use "
+                                          "e.g. 288"):
+        build_config(parser.parse_args([*base, "--img-size", "300"]))
+    with pytest.raises(ConfigError, match="--batch-size must be >= 1, got 0"):
+        build_config(parser.parse_args([*base, "--batch-size", "0"]))
+    cfg = build_config(parser.parse_args([*base, "--no-multi-scale", "--no-ema", "--name", "x"]))
+    assert not cfg.multi_scale and not cfg.ema and str(cfg.output_dir).endswith("runs/x")
+    # Real booleans: the lineage's `--amp False` trap cannot happen.
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--amp", "False"])
+    assert parser.parse_args([*base, "--freeze-layers"]).freeze_layers == "all-but-heads"
+
+
+def test_derived_values():
+    assert check_img_size(416) == 416
+    assert accumulate_steps(64, 16, 1, None) == 4
+    assert accumulate_steps(64, 16, 2, None) == 2
+    assert accumulate_steps(64, 64, 4, None) == 1
+    assert accumulate_steps(64, 16, 1, 3) == 3
+    assert scaled_lr0(0.01, 32, 64) == 0.01 and scaled_lr0(0.01, 256, 64) == 0.04
+    lo, hi = multi_scale_bounds(512)
+    assert (lo, hi) == (352, 768) and lo % 32 == 0 and hi % 32 == 0

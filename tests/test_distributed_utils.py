@@ -1,0 +1,346 @@
+"""Tests for train_utils/distributed_utils.py: no-group behaviour in-process, collectives in
+real 2-process gloo groups launched by torchrun, by hand with SLURM variables, and with the
+legacy ``--local_rank`` argument."""
+
+from __future__ import annotations
+
+import builtins
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+from build_utils.errors import ConfigError
+from train_utils import distributed_utils as du
+
+REPO = Path(__file__).resolve().parents[1]
+LAUNCH_TIMEOUT_S = 90
+
+# Launcher variables that must not leak from the test runner's environment into the checks.
+_LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_LAUNCH_NODE_IPADDR",
+)
+
+WORKER = textwrap.dedent(
+    """
+    import argparse
+    import builtins
+    import json
+    import logging
+    import os
+    import time
+    from pathlib import Path
+
+    import torch
+
+    from train_utils import distributed_utils as du
+
+    original_print = builtins.print
+    parser = argparse.ArgumentParser()
+    parser.add_argument("out")
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=-1)
+    parser.add_argument("--device", default="cpu")
+    args = parser.parse_args()
+    out = Path(args.out)
+
+    with du.distributed_session(args, timeout_s=60) as info:
+        r = info.rank
+        res = {
+            "rank": r,
+            "world_size": info.world_size,
+            "local_rank": info.local_rank,
+            "backend": info.backend,
+            "device": str(info.device),
+            "distributed": info.distributed,
+            "is_main": info.is_main,
+            "get_rank": du.get_rank(),
+            "get_world_size": du.get_world_size(),
+            "is_main_process": du.is_main_process(),
+            "master_addr": os.environ.get("MASTER_ADDR"),
+            "env_rank": os.environ.get("RANK"),
+            "print_wrapped": builtins.print is not original_print,
+            "root_level": logging.getLogger().level,
+        }
+        # Keys inserted in different orders on the two ranks: reduction must match by name.
+        losses = {"box": torch.tensor(float(r + 1)), "obj": torch.tensor(10.0 * r)}
+        if r == 1:
+            losses = dict(reversed(list(losses.items())))
+        res["reduce_avg"] = {k: v.item() for k, v in du.reduce_dict(losses).items()}
+        res["reduce_sum"] = {k: v.item() for k, v in du.reduce_dict(losses, False).items()}
+        res["reduce_int"] = du.reduce_dict({"n": torch.tensor(r + 1)})["n"].item()
+        res["gather"] = du.all_gather({"rank": r, "items": list(range(r + 1))})
+        res["broadcast"] = du.broadcast_object(f"from rank {r}", src=1)
+        res["flag_none"] = du.all_reduce_flag(False)
+        res["flag_one"] = du.all_reduce_flag(r == 1)
+
+        marker = out / "marker.txt"
+        with du.torch_distributed_zero_first(r):
+            if r == 0:
+                # Rank 1 would read a missing file if it did not wait for this block.
+                time.sleep(1.0)
+                marker.write_text("written by rank 0")
+            else:
+                res["marker"] = marker.read_text()
+        du.barrier()
+    du.cleanup()
+    res["initialised_after_cleanup"] = du.is_dist_avail_and_initialized()
+    (out / f"rank{r}.json").write_text(json.dumps(res))
+    """
+)
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _base_env() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in _LAUNCH_VARS}
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"  # two ranks share two cores with other test runs
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def _write_worker(tmp_path: Path) -> tuple[Path, Path]:
+    script = tmp_path / "worker.py"
+    script.write_text(WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    return script, out
+
+
+def _run_pair(commands: list[list[str]], envs: list[dict[str, str]]) -> None:
+    """Start one process per command at once and fail with their stderr if any fails."""
+    procs = [
+        subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=LAUNCH_TIMEOUT_S))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, f"{p.args} failed:\n{stdout.decode()}\n{stderr.decode()}"
+
+
+def _results(out: Path) -> list[dict]:
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+def _check_collectives(res: list[dict]) -> None:
+    for r, got in enumerate(res):
+        assert got["rank"] == r and got["get_rank"] == r
+        assert got["world_size"] == 2 and got["get_world_size"] == 2
+        assert got["backend"] == "gloo" and got["device"] == "cpu"
+        assert got["distributed"] is True
+        assert got["is_main"] is (r == 0) and got["is_main_process"] is (r == 0)
+        assert got["print_wrapped"] is True
+        assert got["root_level"] == (logging.INFO if r == 0 else logging.WARNING)
+        assert got["reduce_avg"] == {"box": 1.5, "obj": 5.0}
+        assert got["reduce_sum"] == {"box": 3.0, "obj": 10.0}
+        assert got["reduce_int"] == 1.5
+        assert got["gather"] == [{"rank": 0, "items": [0]}, {"rank": 1, "items": [0, 1]}]
+        assert got["broadcast"] == "from rank 1"
+        assert got["flag_none"] is False
+        assert got["flag_one"] is True
+        assert got["initialised_after_cleanup"] is False
+    assert res[1]["marker"] == "written by rank 0"
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks(tmp_path: Path) -> None:
+    script, out = _write_worker(tmp_path)
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc_per_node=2",
+        "--master_addr=127.0.0.1",
+        f"--master_port={_free_port()}",
+        str(script),
+        str(out),
+    ]
+    _run_pair([cmd], [_base_env()])
+    res = _results(out)
+    _check_collectives(res)
+    assert [r["local_rank"] for r in res] == [0, 1]
+
+
+@pytest.mark.slow
+def test_slurm_variables(tmp_path: Path) -> None:
+    script, out = _write_worker(tmp_path)
+    port = str(_free_port())
+    envs = []
+    for rank in range(2):
+        env = _base_env()
+        env.update(
+            SLURM_PROCID=str(rank),
+            SLURM_NTASKS="2",
+            SLURM_LOCALID=str(rank),
+            SLURM_LAUNCH_NODE_IPADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        envs.append(env)
+    _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
+    res = _results(out)
+    _check_collectives(res)
+    assert [r["local_rank"] for r in res] == [0, 1]
+    # MASTER_ADDR came from SLURM_LAUNCH_NODE_IPADDR; RANK was exported for env:// init.
+    assert [r["master_addr"] for r in res] == ["127.0.0.1"] * 2
+    assert [r["env_rank"] for r in res] == ["0", "1"]
+
+
+@pytest.mark.slow
+def test_legacy_local_rank_argument(tmp_path: Path) -> None:
+    """torch.distributed.launch without --use_env: RANK/WORLD_SIZE in env, local rank as arg."""
+    script, out = _write_worker(tmp_path)
+    port = str(_free_port())
+    envs, cmds = [], []
+    # Older torch spells it --local_rank, newer --local-rank: one rank each.
+    for rank, flag in enumerate(["--local_rank", "--local-rank"]):
+        env = _base_env()
+        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        envs.append(env)
+        cmds.append([sys.executable, str(script), str(out), f"{flag}={rank}"])
+    _run_pair(cmds, envs)
+    res = _results(out)
+    _check_collectives(res)
+    assert [r["local_rank"] for r in res] == [0, 1]
+
+
+# ---------------------------------------------------------------- in-process, no process group
+
+
+@pytest.fixture
+def clean_env():
+    """Remove launcher variables for the test and restore the whole environment afterwards."""
+    saved = dict(os.environ)
+    for name in _LAUNCH_VARS:
+        os.environ.pop(name, None)
+    yield os.environ
+    os.environ.clear()
+    os.environ.update(saved)
+
+
+def test_no_launcher_gives_single_process(clean_env, caplog) -> None:
+    with caplog.at_level(logging.INFO, logger=du.__name__):
+        info = du.init_distributed_mode(None)
+    assert info.world_size == 1 and info.rank == 0 and info.local_rank == 0
+    assert info.backend is None
+    assert not info.distributed and info.is_main
+    assert not du.is_dist_avail_and_initialized()
+    assert "single process" in caplog.text
+
+
+def test_no_launcher_device_cpu_forced(clean_env) -> None:
+    class Args:
+        device = "cpu"
+        local_rank = -1
+
+    assert du.init_distributed_mode(Args()).device == torch.device("cpu")
+
+
+def test_helpers_without_group() -> None:
+    assert du.get_rank() == 0 and du.get_world_size() == 1 and du.is_main_process()
+    d = {"a": torch.tensor(2.0)}
+    assert du.reduce_dict(d) == d
+    assert du.all_gather({"x": 1}) == [{"x": 1}]
+    assert du.broadcast_object("obj") == "obj"
+    assert du.all_reduce_flag(True) is True and du.all_reduce_flag(False) is False
+    with du.torch_distributed_zero_first(0):
+        pass
+    with du.torch_distributed_zero_first(3):
+        pass
+    du.barrier()
+    du.cleanup()
+    du.cleanup()
+
+
+def test_distinfo() -> None:
+    info = du.DistInfo.single("cpu")
+    assert info == du.DistInfo(0, 1, 0, torch.device("cpu"), None)
+    assert not info.distributed and info.is_main
+    with pytest.raises(AttributeError):
+        info.rank = 1  # type: ignore[misc]
+    assert du.DistInfo(1, 2, 1, torch.device("cpu"), "gloo").distributed
+    assert not du.DistInfo(1, 2, 1, torch.device("cpu"), "gloo").is_main
+    assert du.DistInfo(0, 1, 0, torch.device("cpu"), "gloo").distributed
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert du.DistInfo.single().device.type == expected
+
+
+def test_launch_hint() -> None:
+    hint = du.launch_hint()
+    assert "torchrun --nproc_per_node=" in hint and "train_multi_GPU.py" in hint
+
+
+def test_slurm_env_exported(clean_env) -> None:
+    clean_env.update(
+        SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_JOB_ID="123",
+        SLURM_LAUNCH_NODE_IPADDR="10.1.2.3",
+    )  # fmt: skip
+    rank, world, local, launcher = du._read_launch_env(None)
+    assert (rank, world, local, launcher) == (3, 4, 1, "SLURM")
+    assert clean_env["RANK"] == "3" and clean_env["WORLD_SIZE"] == "4"
+    assert clean_env["LOCAL_RANK"] == "1"
+    assert clean_env["MASTER_ADDR"] == "10.1.2.3"
+    assert clean_env["MASTER_PORT"] == str(15000 + 123)
+
+
+def test_slurm_keeps_given_master(clean_env) -> None:
+    clean_env.update(SLURM_PROCID="0", SLURM_NTASKS="1", MASTER_ADDR="node7", MASTER_PORT="4242")
+    assert du._read_launch_env(None)[:3] == (0, 1, 0)
+    assert clean_env["MASTER_ADDR"] == "node7" and clean_env["MASTER_PORT"] == "4242"
+
+
+def test_bad_launcher_variables(clean_env) -> None:
+    clean_env.update(RANK="zero", WORLD_SIZE="2")
+    with pytest.raises(ConfigError, match="RANK='zero' is not an integer"):
+        du.init_distributed_mode(None)
+    clean_env.update(RANK="2", WORLD_SIZE="2", LOCAL_RANK="0")
+    with pytest.raises(ConfigError, match="rank 2 outside world size 2"):
+        du.init_distributed_mode(None)
+    assert not du.is_dist_avail_and_initialized()
+
+
+@pytest.fixture
+def restore_print_and_logging(monkeypatch):
+    monkeypatch.setattr(builtins, "print", builtins.print)
+    root = logging.getLogger()
+    level = root.level
+    yield
+    root.setLevel(level)
+
+
+def test_setup_for_distributed(restore_print_and_logging, capsys) -> None:
+    du.setup_for_distributed(False)
+    print("hidden")
+    print("forced", force=True)
+    assert logging.getLogger().level == logging.WARNING
+    du.setup_for_distributed(True)  # wraps the original print again, not the wrapper
+    print("shown")
+    assert logging.getLogger().level == logging.INFO
+    assert capsys.readouterr().out == "forced\nshown\n"

@@ -1,0 +1,34 @@
+"""Train a Darknet-cfg YOLO model in one process, on one GPU or on the CPU.
+
+    python train.py --cfg cfg/yolov3-spp.cfg --data data/my_data.data --weights weights/x.pt
+    python train.py --data demo_data/shapes/shapes.data --cfg cfg/yolov3-spp-nano.cfg --device cpu
+    python train.py ... --resume                 # continue runs/<name>/last.pt exactly
+
+For several GPUs or processes use ``torchrun --nproc_per_node=N train_multi_GPU.py`` with the
+same flags; both run the same loop (``train_utils/trainer.py``).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+from train_utils.cli import run_main, setup_console_logging
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed_utils import DistInfo
+from train_utils.trainer import run, select_device
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    setup_console_logging()
+
+    def body() -> None:
+        config = build_config(args)
+        run(config, DistInfo.single(select_device(config.device)))
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,386 @@
+"""Checkpoint files: atomic save, safe load, and the schema shared by train, resume and tools.
+
+A checkpoint is a dict of tensors and plain Python values, so that
+``torch.load(weights_only=True)`` reads it without running code from the file. Keys written by
+:func:`make_checkpoint` (schema version :data:`CHECKPOINT_VERSION`):
+
+- ``version`` (int), ``epoch`` (int; the last *finished* epoch, -1 for converted or pretrained
+  weights that are not a training state)
+- ``model``: state_dict of the unwrapped model (no ``module.`` prefix)
+- ``optimizer``, ``scheduler``, ``scaler``: their ``state_dict()`` or None
+- ``ema``: EMA model state_dict or None, ``ema_updates`` (int)
+- ``best_fitness`` (float or None), ``config`` (plain dict of the resolved run config)
+- any extra keyword given to :func:`make_checkpoint`
+
+``--resume`` needs :data:`RESUME_KEYS` (checked by :func:`validate_resume_checkpoint`);
+``--weights`` only needs a state_dict, found by :func:`extract_state_dict`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import enum
+import logging
+import os
+import re
+import secrets
+from collections import OrderedDict
+from collections.abc import Mapping
+from pathlib import Path, PurePath
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from build_utils.errors import CheckpointError
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_VERSION = 1
+
+# What --resume restores; without these a file can only initialise weights (--weights).
+RESUME_KEYS = ("model", "optimizer", "epoch")
+
+# Key prefixes added by wrappers: DistributedDataParallel/DataParallel and torch.compile.
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+
+# Where a state_dict may sit inside a checkpoint-like dict, in order of preference.
+_STATE_DICT_KEYS = ("model", "state_dict", "ema")
+_MAX_NESTING = 3
+
+_MAX_LISTED_MISMATCHES = 5
+
+
+def to_plain(obj: Any) -> Any:
+    """``obj`` with numpy values, paths, namespaces and dataclasses turned into plain types.
+
+    ``weights_only=True`` loading refuses numpy scalars (a ``np.float64`` mAP is enough to make
+    a checkpoint unloadable), ``Path`` objects and custom classes. Recursion goes through dicts,
+    lists and tuples (named tuples become plain tuples); numpy arrays become tensors, numpy
+    scalars Python numbers, ``PurePath`` ``str``, ``argparse.Namespace`` and dataclass instances
+    dicts, enums their value. Tensors and other values are returned as they are.
+    """
+    if isinstance(obj, torch.Tensor):
+        return obj
+    if isinstance(obj, np.ndarray):
+        if obj.dtype == object:
+            return [to_plain(x) for x in obj.tolist()]
+        return torch.from_numpy(np.ascontiguousarray(obj).copy())
+    if isinstance(obj, np.generic):
+        return obj.item()
+    if isinstance(obj, PurePath):
+        return str(obj)
+    if isinstance(obj, enum.Enum):
+        return to_plain(obj.value)
+    if isinstance(obj, argparse.Namespace):
+        return {k: to_plain(v) for k, v in vars(obj).items()}
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
+    if isinstance(obj, OrderedDict):
+        return OrderedDict((to_plain(k), to_plain(v)) for k, v in obj.items())
+    if isinstance(obj, Mapping):
+        return {to_plain(k): to_plain(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [to_plain(x) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(to_plain(x) for x in obj)
+    return obj
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make a rename in ``directory`` durable; best effort, as some OSes (Windows) refuse."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        with contextlib.suppress(OSError):
+            os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(obj: Mapping[str, Any], path: str | Path) -> None:
+    """Write ``obj`` to ``path`` atomically: readers see the old file or the new one, never half.
+
+    The dict goes through :func:`to_plain` first, then into a temp file in the same directory
+    (same file system, so the rename is atomic), which is flushed and fsynced before
+    ``os.replace`` moves it onto ``path``. A crash or a full disk mid-write leaves any previous
+    ``path`` intact and removes the temp file. Missing parent directories are created.
+
+    Raises:
+        CheckpointError: the file cannot be written (permissions, disk full, ...).
+    """
+    path = Path(path)
+    if not isinstance(obj, Mapping):
+        raise TypeError(f"a checkpoint must be a dict, got {type(obj).__name__}")
+    plain = to_plain(dict(obj))
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        # open() rather than NamedTemporaryFile so that the file gets the usual umask
+        # permissions and not 0600.
+        with open(tmp, "xb") as f:
+            torch.save(plain, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        # Best effort: a failed cleanup must not hide the error that caused it.
+        with contextlib.suppress(OSError):
+            tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError):
+            raise CheckpointError(f"cannot write checkpoint: {e.strerror or e}", path) from e
+        raise
+    _fsync_dir(path.parent)
+    logger.debug("saved checkpoint %s", path)
+
+
+def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
+    """Read a checkpoint dict onto the CPU.
+
+    Args:
+        path: a ``.pt``/``.pth`` file written by :func:`save_checkpoint` or another trainer.
+        trust: load with ``weights_only=False``, which unpickles arbitrary objects and so can run
+            code from the file: only for files from a trusted source (``--trust-checkpoint``).
+
+    Returns:
+        The dict as saved, tensors on the CPU.
+
+    Raises:
+        CheckpointError: missing, truncated or corrupt file, not a dict, or (without ``trust``)
+            a file holding Python objects other than tensors and plain types.
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a checkpoint file" if path.is_dir() else "file not found"
+        raise CheckpointError(what, path)
+    if trust:
+        logger.warning(
+            "%s: loading with weights_only=False (--trust-checkpoint): this runs code stored in "
+            "the file; do it only for files from a trusted source",
+            path,
+        )
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=not trust)
+    except MemoryError:
+        raise
+    except (ModuleNotFoundError, AttributeError) as e:
+        if not trust:
+            raise CheckpointError(_corrupt_message(e), path) from e
+        # Full unpickling needs the classes the writer pickled (e.g. another repository's
+        # models.yolo.Model).
+        raise CheckpointError(
+            f"checkpoint pickles objects from code that is not available here ({e}); save a "
+            f"plain state_dict from the project that wrote it and load that instead",
+            path,
+        ) from e
+    except Exception as e:
+        # A bad file surfaces as many types (UnpicklingError, the zip reader's RuntimeError,
+        # EOFError, struct.error, KeyError for legacy files, ...): all mean "cannot be read".
+        found = re.search(r"Unsupported global:\s*GLOBAL\s+(\S+)", str(e))
+        if not trust and found:
+            raise CheckpointError(
+                f"checkpoint contains Python objects other than tensors and plain types "
+                f"({found.group(1)}), which weights_only loading refuses; pass --trust-checkpoint "
+                f"only if the file comes from a trusted source (loading it runs code stored in it)",
+                path,
+            ) from e
+        raise CheckpointError(_corrupt_message(e), path) from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(
+            f"not a checkpoint: the file holds a {type(obj).__name__}, expected a dict "
+            f"(e.g. {{'model': state_dict, ...}})",
+            path,
+        )
+    return obj
+
+
+def _corrupt_message(e: BaseException) -> str:
+    detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    return (
+        f"cannot read checkpoint: the file is truncated, corrupt or not a PyTorch checkpoint "
+        f"({detail})"
+    )
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The model inside a DDP/DataParallel wrapper (or the model itself)."""
+    while isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+        model = model.module
+    return model
+
+
+def _state_dict_of(obj: Any) -> Any:
+    if obj is None:
+        return None
+    if isinstance(obj, nn.Module):
+        return unwrap_model(obj).state_dict()
+    if hasattr(obj, "state_dict"):
+        return obj.state_dict()
+    return obj
+
+
+def make_checkpoint(
+    *,
+    model: nn.Module | Mapping[str, torch.Tensor],
+    epoch: int,
+    optimizer: Any = None,
+    scheduler: Any = None,
+    scaler: Any = None,
+    ema: nn.Module | Mapping[str, torch.Tensor] | None = None,
+    ema_updates: int = 0,
+    best_fitness: float | None = None,
+    config: Any = None,
+    **extra: Any,
+) -> dict[str, Any]:
+    """Assemble a checkpoint dict in the current schema (see module docstring).
+
+    Objects with ``state_dict()`` are replaced by their state (modules unwrapped from DDP
+    first); ``config`` and ``extra`` go through :func:`to_plain`.
+    """
+    ckpt: dict[str, Any] = {
+        "version": CHECKPOINT_VERSION,
+        "epoch": int(epoch),
+        "model": _state_dict_of(model),
+        "optimizer": _state_dict_of(optimizer),
+        "scheduler": _state_dict_of(scheduler),
+        "scaler": _state_dict_of(scaler),
+        "ema": _state_dict_of(ema),
+        "ema_updates": int(ema_updates),
+        "best_fitness": None if best_fitness is None else float(best_fitness),
+        "config": to_plain(config),
+    }
+    ckpt.update(to_plain(extra))
+    return ckpt
+
+
+def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of ``state_dict`` without DDP's ``module.`` and torch.compile's ``_orig_mod.``."""
+    out: dict[str, torch.Tensor] = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in _WRAPPER_PREFIXES:
+                if key.startswith(prefix):
+                    key = key[len(prefix) :]
+                    changed = True
+        out[key] = value
+    return out
+
+
+def _is_state_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, Mapping)
+        and len(obj) > 0
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    )
+
+
+def _find_state_dict(obj: Any, depth: int) -> Mapping[str, torch.Tensor] | None:
+    if _is_state_dict(obj):
+        return obj
+    if not isinstance(obj, Mapping) or depth >= _MAX_NESTING:
+        return None
+    for key in _STATE_DICT_KEYS:
+        found = _find_state_dict(obj.get(key), depth + 1)
+        if found is not None:
+            return found
+    return None
+
+
+def extract_state_dict(obj: Any, path: str | Path | None = None) -> dict[str, torch.Tensor]:
+    """The model weights inside a loaded checkpoint, as ``name -> tensor``.
+
+    Accepts a bare state_dict, our checkpoint ``{'model': sd, ...}``, ``{'state_dict': sd}``
+    and ``{'ema': sd}`` (tried in that order, also nested, e.g. ``{'ema': {'state_dict': sd}}``).
+    Wrapper prefixes (``module.``, ``_orig_mod.``) are stripped.
+
+    Args:
+        obj: what :func:`load_checkpoint` returned.
+        path: the file it came from, for error messages.
+
+    Raises:
+        CheckpointError: no state_dict found ("not a checkpoint").
+    """
+    found = _find_state_dict(obj, 0)
+    if found is None:
+        if isinstance(obj, Mapping):
+            keys = ", ".join(repr(k) for k in list(obj)[:10]) or "none"
+            hint = f"a dict with keys {keys}"
+        else:
+            hint = f"a {type(obj).__name__}"
+        raise CheckpointError(
+            f"not a checkpoint: no model weights found in {hint}; expected a state_dict or a dict "
+            f"with one under 'model', 'state_dict' or 'ema'",
+            path,
+        )
+    return strip_prefixes(found)
+
+
+def _shape(t: torch.Tensor) -> str:
+    return "(" + ", ".join(str(s) for s in t.shape) + ")"
+
+
+def validate_resume_checkpoint(
+    ckpt: Mapping[str, Any],
+    model_state_dict: Mapping[str, torch.Tensor],
+    path: str | Path | None = None,
+) -> dict[str, torch.Tensor]:
+    """Check that ``ckpt`` can resume training of the model whose state is ``model_state_dict``.
+
+    Args:
+        ckpt: a loaded checkpoint.
+        model_state_dict: ``model.state_dict()`` of the freshly built (unwrapped) model.
+        path: the checkpoint file, for error messages.
+
+    Returns:
+        The checkpoint's model state_dict with wrapper prefixes stripped, ready for
+        ``model.load_state_dict``.
+
+    Raises:
+        CheckpointError: required keys missing, a pre-training file (``epoch < 0``), a newer
+            schema version, or any missing, unexpected or differently shaped model tensor (up
+            to five are listed).
+    """
+    use_weights = "use --weights to initialise from it instead"
+    missing_keys = [k for k in RESUME_KEYS if ckpt.get(k) is None]
+    if missing_keys:
+        names = ", ".join(repr(k) for k in missing_keys)
+        raise CheckpointError(
+            f"not a resumable training checkpoint: missing {names}; {use_weights}", path
+        )
+    version = ckpt.get("version", CHECKPOINT_VERSION)
+    if not isinstance(version, int) or version > CHECKPOINT_VERSION:
+        raise CheckpointError(
+            f"checkpoint schema version {version!r} is newer than this code supports "
+            f"({CHECKPOINT_VERSION}); update the code",
+            path,
+        )
+    epoch = ckpt["epoch"]
+    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
+        raise CheckpointError(
+            f"epoch={epoch!r}: this file holds weights, not a training state; {use_weights}", path
+        )
+    if not _is_state_dict(ckpt["model"]):
+        raise CheckpointError(f"'model' is not a state_dict of tensors; {use_weights}", path)
+
+    saved = strip_prefixes(ckpt["model"])
+    mismatches: list[str] = []
+    for key, tensor in model_state_dict.items():
+        if key not in saved:
+            mismatches.append(f"{key} missing from checkpoint")
+        elif saved[key].shape != tensor.shape:
+            mismatches.append(f"{key}: checkpoint {_shape(saved[key])} vs model {_shape(tensor)}")
+    mismatches += [f"{key} not in model" for key in saved if key not in model_state_dict]
+    if mismatches:
+        listed = "; ".join(mismatches[:_MAX_LISTED_MISMATCHES])
+        more = len(mismatches) - _MAX_LISTED_MISMATCHES
+        if more > 0:
+            listed += f"; and {more} more"
+        raise CheckpointError(f"checkpoint is for another model: {listed}; {use_weights}", path)
+    return saved

@@ -1,0 +1,426 @@
+"""Distributed (DDP) helpers: process-group set-up and collectives that degrade to no-ops.
+
+Every helper here also works in a single process without a process group (``get_rank() == 0``,
+``get_world_size() == 1``, ``all_gather(x) == [x]``, ...), so the training loop calls them
+unconditionally and one code path serves ``train.py`` and ``train_multi_GPU.py``.
+
+Launchers understood by :func:`init_distributed_mode`, checked in this order:
+
+1. ``torchrun`` (and ``python -m torch.distributed.launch --use_env``): ``RANK``, ``WORLD_SIZE``,
+   ``LOCAL_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` in the environment.
+2. legacy ``python -m torch.distributed.launch`` without ``--use_env``: ``RANK`` and
+   ``WORLD_SIZE`` in the environment and the local rank as ``--local_rank``/``--local-rank``
+   (``args.local_rank``).
+3. SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_ADDR``
+   defaults to ``SLURM_LAUNCH_NODE_IPADDR`` (else 127.0.0.1) and ``MASTER_PORT`` to a port
+   derived from the job id, unless already set.
+4. nothing of the above: one process, no process group (see :func:`launch_hint`).
+
+Every collective must be entered by all ranks of the group, in the same order; a rank that skips
+one (e.g. only rank 0 evaluates) makes the others wait until the timeout.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from build_utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# Long enough for rank 0 to build a label cache or run COCO evaluation on a large validation set
+# while the other ranks wait at a barrier (ultralytics/yolov5#4409 hung on the 10-minute default).
+DEFAULT_TIMEOUT_S = 1800.0
+
+# SLURM gives no rendezvous port: derive one from the job id so that two jobs sharing a node do
+# not collide; the range stays clear of the usual ephemeral ports (32768+ on Linux).
+_SLURM_PORT_BASE = 15000
+_SLURM_PORT_SPAN = 15000
+_DEFAULT_MASTER_ADDR = "127.0.0.1"
+
+# builtins.print as it was before setup_for_distributed wrapped it, so that repeated calls wrap
+# the original and not the previous wrapper.
+_original_print = None
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    """Where this process sits in the job.
+
+    Attributes:
+        rank: global rank, 0 .. world_size - 1.
+        world_size: number of processes in the job.
+        local_rank: rank on this node; the CUDA device index when on GPU.
+        device: the device this process computes on.
+        backend: ``"nccl"`` or ``"gloo"`` when :func:`init_distributed_mode` initialised a process
+            group, ``None`` in a single process.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str | None = None
+
+    @classmethod
+    def single(cls, device: torch.device | str | None = None) -> DistInfo:
+        """One process, no process group; ``device`` defaults to ``cuda`` when available."""
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        return cls(rank=0, world_size=1, local_rank=0, device=torch.device(device), backend=None)
+
+    @property
+    def distributed(self) -> bool:
+        """True when the model should be wrapped in DDP (a process group exists)."""
+        return self.world_size > 1 or self.backend is not None
+
+    @property
+    def is_main(self) -> bool:
+        """True on the rank that logs, evaluates with COCO tools and writes files."""
+        return self.rank == 0
+
+
+def launch_hint(script: str = "train_multi_GPU.py") -> str:
+    """How to launch ``script`` on several processes, for a message to the user."""
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    nproc = str(ngpu) if ngpu > 1 else "<number of GPUs>"
+    return (
+        f"launch it with torchrun, e.g. `torchrun --nproc_per_node={nproc} {script} ...` "
+        f"(or `srun --ntasks-per-node={nproc} python {script} ...` under SLURM); "
+        f"for a single process use train.py"
+    )
+
+
+def _env_int(name: str) -> int:
+    """An integer environment variable that is known to be set; ConfigError if malformed."""
+    value = os.environ[name]
+    try:
+        return int(value)
+    except ValueError as e:
+        raise ConfigError(f"environment variable {name}={value!r} is not an integer") from e
+
+
+def _arg_local_rank(args: Any) -> int | None:
+    """``--local_rank``/``--local-rank`` from the legacy launcher; -1 or None mean unset."""
+    value = getattr(args, "local_rank", None) if args is not None else None
+    if value is None or int(value) < 0:
+        return None
+    return int(value)
+
+
+def _wants_cpu(args: Any) -> bool:
+    """True when ``args.device`` forces the CPU (then gloo even if CUDA exists)."""
+    device = getattr(args, "device", None) if args is not None else None
+    if isinstance(device, torch.device):
+        return device.type == "cpu"
+    return isinstance(device, str) and device.strip().lower() == "cpu"
+
+
+def _requested_device(args: Any) -> str | None:
+    device = getattr(args, "device", None) if args is not None else None
+    if device is None:
+        return None
+    return str(device).strip() or None
+
+
+def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
+    """(rank, world_size, local_rank, launcher) from the environment, or None when not launched.
+
+    Under SLURM this also exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT,
+    which ``init_method='env://'`` reads.
+    """
+    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
+        if "LOCAL_RANK" in os.environ:
+            local_rank, launcher = _env_int("LOCAL_RANK"), "torchrun"
+        elif (arg_rank := _arg_local_rank(args)) is not None:
+            local_rank, launcher = arg_rank, "torch.distributed.launch"
+        else:
+            # RANK/WORLD_SIZE set by hand: assume ranks are packed onto nodes in order.
+            local_rank, launcher = (rank % ngpu if ngpu else 0), "environment"
+        return rank, world_size, local_rank, launcher
+    if "SLURM_PROCID" in os.environ:
+        rank = _env_int("SLURM_PROCID")
+        world_size = _env_int("SLURM_NTASKS") if "SLURM_NTASKS" in os.environ else 1
+        if "SLURM_LOCALID" in os.environ:
+            local_rank = _env_int("SLURM_LOCALID")
+        else:
+            local_rank = rank % ngpu if ngpu else 0
+        os.environ["RANK"] = str(rank)
+        os.environ["WORLD_SIZE"] = str(world_size)
+        os.environ["LOCAL_RANK"] = str(local_rank)
+        os.environ.setdefault(
+            "MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", _DEFAULT_MASTER_ADDR)
+        )
+        if "MASTER_PORT" not in os.environ:
+            job_id = os.environ.get("SLURM_JOB_ID", "0")
+            offset = int(job_id) % _SLURM_PORT_SPAN if job_id.isdigit() else 0
+            os.environ["MASTER_PORT"] = str(_SLURM_PORT_BASE + offset)
+        return rank, world_size, local_rank, "SLURM"
+    return None
+
+
+def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
+    """Join the process group described by the launcher's environment (see module docstring).
+
+    Args:
+        args: parsed CLI namespace or None. Read (all optional): ``device`` (``"cpu"`` forces
+            CPU and gloo) and ``local_rank`` (legacy ``--local_rank``/``--local-rank``).
+        timeout_s: how long a collective may wait for the slowest rank, in seconds.
+
+    Returns:
+        The process's :class:`DistInfo`. Without any launcher variables this is a single-process
+        ``DistInfo`` (``distributed`` False) and nothing is initialised.
+
+    Raises:
+        ConfigError: malformed launcher variables, or more processes on a node than GPUs.
+    """
+    if is_dist_avail_and_initialized():
+        # Someone (a notebook, a test harness) already set the group up: describe it.
+        backend = dist.get_backend()
+        local_rank = int(os.environ.get("LOCAL_RANK", _arg_local_rank(args) or 0))
+        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+        return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
+
+    launch = _read_launch_env(args)
+    cuda = torch.cuda.is_available() and not _wants_cpu(args)
+    requested = _requested_device(args)
+    if requested is not None and not _wants_cpu(args) and not torch.cuda.is_available():
+        logger.warning("device %r requested but CUDA is not available: using the CPU", requested)
+
+    if launch is None:
+        logger.info("not launched by torchrun or SLURM: running as a single process")
+        if not cuda:
+            return DistInfo.single("cpu")
+        if requested is not None and requested.startswith("cuda"):
+            return DistInfo.single(requested)
+        return DistInfo.single("cuda")
+
+    rank, world_size, local_rank, launcher = launch
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ConfigError(f"{launcher} gave rank {rank} outside world size {world_size}")
+    if local_rank < 0:
+        raise ConfigError(f"{launcher} gave a negative local rank {local_rank}")
+
+    if cuda:
+        ngpu = torch.cuda.device_count()
+        if local_rank >= ngpu:
+            raise ConfigError(
+                f"local rank {local_rank} but only {ngpu} CUDA device(s) on this node: "
+                f"start at most {ngpu} processes per node (--nproc_per_node)"
+            )
+        # Windows builds have no NCCL; gloo still works on CUDA tensors for the few collectives
+        # DDP needs, only slower.
+        backend = "nccl" if dist.is_nccl_available() else "gloo"
+        device = torch.device("cuda", local_rank)
+        # Before init so that NCCL communicators and default CUDA tensors land on our GPU and
+        # not all on GPU 0.
+        torch.cuda.set_device(device)
+    else:
+        backend, device = "gloo", torch.device("cpu")
+
+    logger.info(
+        "initialising process group: rank %d/%d (local rank %d, %s), backend %s, master %s:%s",
+        rank,
+        world_size,
+        local_rank,
+        launcher,
+        backend,
+        os.environ.get("MASTER_ADDR", "?"),
+        os.environ.get("MASTER_PORT", "?"),
+    )
+    dist.init_process_group(
+        backend,
+        init_method="env://",
+        world_size=world_size,
+        rank=rank,
+        timeout=timedelta(seconds=timeout_s),
+        # Binding the device lets NCCL connect eagerly and lets barrier() know its GPU.
+        device_id=device if device.type == "cuda" else None,
+    )
+    barrier()
+    setup_for_distributed(rank == 0)
+    return DistInfo(rank, world_size, local_rank, device, backend)
+
+
+def setup_for_distributed(is_master: bool) -> None:
+    """Silence ``print`` and INFO logging on every rank but the master.
+
+    Non-master ranks still print with ``print(..., force=True)`` and still log warnings and
+    errors, so a failure on any rank is visible.
+    """
+    global _original_print
+    if _original_print is None:
+        _original_print = builtins.print
+    original = _original_print
+
+    def print_master_only(*args: Any, **kwargs: Any) -> None:
+        force = kwargs.pop("force", False)
+        if is_master or force:
+            original(*args, **kwargs)
+
+    builtins.print = print_master_only
+    logging.getLogger().setLevel(logging.INFO if is_master else logging.WARNING)
+
+
+def is_dist_avail_and_initialized() -> bool:
+    """True when torch.distributed is built in and a default process group exists."""
+    return dist.is_available() and dist.is_initialized()
+
+
+def get_rank() -> int:
+    """Global rank; 0 without a process group."""
+    return dist.get_rank() if is_dist_avail_and_initialized() else 0
+
+
+def get_world_size() -> int:
+    """Number of processes; 1 without a process group."""
+    return dist.get_world_size() if is_dist_avail_and_initialized() else 1
+
+
+def is_main_process() -> bool:
+    """True on global rank 0 (and in a single process)."""
+    return get_rank() == 0
+
+
+def _collective_device() -> torch.device:
+    """Device for tensors passed to collectives: NCCL only moves CUDA tensors."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    """Wait until every rank arrives; no-op without a process group."""
+    if not is_dist_avail_and_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        # Without device_ids NCCL guesses the GPU from the rank, wrong when a group was set up
+        # without device_id.
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+@contextlib.contextmanager
+def torch_distributed_zero_first(rank: int | None = None) -> Iterator[None]:
+    """Run the block on rank 0 first; the other ranks enter it once rank 0 has left it.
+
+    Typical use: rank 0 builds a dataset cache, the others then read it instead of building it
+    concurrently. Every rank of the group must enter the context. Pass the local rank when the
+    work is per node (a node-local disk), the global rank when it is per job; ``-1`` (no DDP)
+    behaves like 0. Without a process group this is a no-op.
+    """
+    if rank is None:
+        rank = get_rank()
+    first = rank in (-1, 0)
+    if not is_dist_avail_and_initialized():
+        yield
+        return
+    if not first:
+        barrier()
+    try:
+        yield
+    finally:
+        # Also on an exception in rank 0's block: release the others so the job fails at once
+        # instead of hanging until the collective timeout.
+        if first:
+            barrier()
+
+
+def reduce_dict(
+    input_dict: Mapping[str, torch.Tensor], average: bool = True
+) -> dict[str, torch.Tensor]:
+    """Sum (or average) each tensor over all ranks; every rank gets the result.
+
+    Args:
+        input_dict: name -> tensor, the same names and shapes on every rank (e.g. 0-dim losses),
+            on the collective device (CUDA under NCCL).
+        average: divide by the world size (integer tensors become float).
+
+    Returns:
+        A new dict with the same keys; the input unchanged without a process group.
+    """
+    world_size = get_world_size()
+    if world_size < 2 or not input_dict:
+        return dict(input_dict)
+    # Sorted so that every rank reduces the same tensor in the same slot, whatever order the
+    # dicts were built in.
+    names = sorted(input_dict)
+    with torch.no_grad():
+        values = [input_dict[k].detach() for k in names]
+        if average:
+            values = [v if v.is_floating_point() else v.double() for v in values]
+        if all(v.shape == values[0].shape and v.dtype == values[0].dtype for v in values):
+            stacked = torch.stack(values)  # one collective instead of one per key
+            dist.all_reduce(stacked)
+            reduced = list(stacked.unbind(0))
+        else:
+            reduced = [v.clone() for v in values]
+            for v in reduced:
+                dist.all_reduce(v)
+        if average:
+            reduced = [v / world_size for v in reduced]
+    by_name = dict(zip(names, reduced, strict=True))
+    return {k: by_name[k] for k in input_dict}
+
+
+def all_gather(obj: Any) -> list[Any]:
+    """Every rank's picklable ``obj``, indexed by rank; ``[obj]`` without a process group."""
+    world_size = get_world_size()
+    if world_size == 1:
+        return [obj]
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def broadcast_object(obj: Any, src: int = 0) -> Any:
+    """Rank ``src``'s picklable ``obj`` on every rank; ``obj`` itself without a process group."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def all_reduce_flag(flag: bool) -> bool:
+    """True on every rank when ``flag`` is True on any rank.
+
+    Lets one rank's non-finite loss (or a stop request) end the loop on all ranks at the same
+    step, instead of the others waiting forever in the next gradient all-reduce.
+    """
+    if get_world_size() == 1:
+        return bool(flag)
+    t = torch.tensor([1 if flag else 0], dtype=torch.int32, device=_collective_device())
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def cleanup() -> None:
+    """Destroy the process group if there is one; safe to call more than once."""
+    if is_dist_avail_and_initialized():
+        dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def distributed_session(
+    args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> Iterator[DistInfo]:
+    """``with distributed_session(args) as dist_info:`` init, then cleanup even on errors."""
+    info = init_distributed_mode(args, timeout_s=timeout_s)
+    try:
+        yield info
+    finally:
+        cleanup()
