@@ -1,0 +1,288 @@
+"""YOLOv3 training loss (the ultralytics Darknet-cfg era / yolov3_spp lineage).
+
+Per head, each target is assigned to every anchor whose shape IoU with it (``wh_iou`` in grid
+units, both centred) exceeds ``iou_t``, in the grid cell that holds the target's centre. Then:
+
+- box loss: ``mean(1 - GIoU)`` over assignments, between the predicted box
+  ``(sigmoid(t_xy), exp(t_wh).clamp(max=1e3) * anchor)`` and the target box
+  ``(centre offset within the cell, wh)``, both in grid units;
+- objectness loss: BCE (``pos_weight = obj_pw``) over every cell and anchor, the target being
+  ``(1 - gr) + gr * GIoU.detach().clamp(0)`` at assigned cells and 0 elsewhere;
+- class loss: BCE (``pos_weight = cls_pw``) over assignments, one-hot targets, only when
+  ``nc > 1``;
+
+each head's terms summed, then multiplied by the ``giou``, ``obj`` and ``cls`` gains of the
+hyperparameters (already scaled by :func:`scale_loss_gains`). ``fl_gamma > 0`` wraps both BCEs
+in a focal loss.
+
+The implementation never leaves the device: every (anchor, target) pair is evaluated and the
+pairs that fail the ``iou_t`` test are masked out instead of compacted away, so there is no
+data-dependent shape, no ``.item()`` and no host synchronisation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple, Protocol
+
+import torch
+import torchvision
+from torch import nn
+
+from build_utils.boxes import wh_iou
+
+# scale_loss_gains: the published cls and obj gains were tuned for COCO's 80 classes at an
+# input size of 320 pixels; other datasets and sizes rescale them proportionally.
+GAIN_REFERENCE_NUM_CLASSES = 80
+GAIN_REFERENCE_IMG_SIZE = 320
+
+# Objectness target at an assigned cell: (1 - gr) + gr * GIoU (gr = "giou ratio"). The lineage
+# trains with gr = 1: the objectness of a positive learns to predict its box quality.
+OBJ_GIOU_RATIO = 1.0
+
+# Label smoothing of the class targets (the lineage's smooth_BCE eps): off.
+LABEL_SMOOTHING_EPS = 0.0
+
+# exp(t_wh) is clamped so that a diverging logit gives a huge box instead of inf/NaN.
+MAX_WH_EXP = 1e3
+
+# Focal loss alpha (Lin et al. 2017), used when hyp['fl_gamma'] > 0.
+FOCAL_ALPHA = 0.25
+
+
+class _YoloHead(Protocol):
+    anchor_vec: torch.Tensor  # (na, 2) anchors in grid units
+
+
+class _YoloModel(Protocol):
+    nc: int
+    yolo_layers: Sequence[int]
+    module_list: Sequence[Any]
+
+
+class LayerTargets(NamedTuple):
+    """Targets of one head for every (anchor, target) pair, anchor-major: pair ``p`` is anchor
+    ``p // nt`` with target row ``p % nt``. ``P = na * nt``.
+
+    Attributes:
+        tcls: (P,) int64 class id.
+        tbox: (P, 4) cxcywh in grid units: centre offset within cell (gi, gj), then w, h.
+        indices: (b, a, gj, gi), each (P,) int64: image in batch, anchor, cell row, cell column.
+        anchors: (P, 2) the pair's anchor w, h in grid units.
+        valid: (P,) bool, True where the pair is an assignment (wh-IoU > iou_t). Rows where it
+            is False are padding that keeps shapes static; select with ``[valid]`` to inspect.
+    """
+
+    tcls: torch.Tensor
+    tbox: torch.Tensor
+    indices: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+    anchors: torch.Tensor
+    valid: torch.Tensor
+
+
+def scale_loss_gains(hyp: dict[str, Any], nc: int, img_size: int) -> dict[str, Any]:
+    """A new hyp dict with the class and objectness gains scaled to the dataset and input size.
+
+    ``cls *= nc / 80`` (the per-class BCE is averaged over more or fewer classes) and
+    ``obj *= img_size / 320`` (the objectness BCE is averaged over more or fewer cells), as the
+    lineage's training script does. The input dict is not modified.
+    """
+    scaled = dict(hyp)
+    scaled["cls"] = hyp["cls"] * nc / GAIN_REFERENCE_NUM_CLASSES
+    scaled["obj"] = hyp["obj"] * img_size / GAIN_REFERENCE_IMG_SIZE
+    return scaled
+
+
+def smooth_bce(eps: float = 0.0) -> tuple[float, float]:
+    """Positive and negative BCE targets for label smoothing ``eps`` (arXiv:1902.04103 eq. 3)."""
+    return 1.0 - 0.5 * eps, 0.5 * eps
+
+
+class FocalLoss(nn.Module):
+    """Focal loss (arXiv:1708.02002) around an element-wise ``nn.BCEWithLogitsLoss``.
+
+    ``loss = bce * alpha_t * (1 - p_t) ** gamma`` with ``p_t = p`` where the target is 1 and
+    ``1 - p`` where it is 0 (``p = sigmoid(logit)``); soft targets interpolate linearly.
+    The result is element-wise: reduction is left to the caller.
+    """
+
+    def __init__(self, loss_fcn: nn.BCEWithLogitsLoss, gamma: float, alpha: float = FOCAL_ALPHA):
+        super().__init__()
+        if loss_fcn.reduction != "none":
+            raise ValueError("FocalLoss needs an element-wise loss (reduction='none')")
+        self.loss_fcn = loss_fcn
+        self.gamma = gamma
+        self.alpha = alpha
+
+    def forward(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+        """``pred``: logits, ``true``: targets in [0, 1], same shape; returns that shape."""
+        loss = self.loss_fcn(pred, true)
+        pred_prob = torch.sigmoid(pred)
+        p_t = true * pred_prob + (1 - true) * (1 - pred_prob)
+        alpha_factor = true * self.alpha + (1 - true) * (1 - self.alpha)
+        return loss * alpha_factor * (1.0 - p_t) ** self.gamma
+
+
+def build_targets(
+    preds: Sequence[torch.Tensor],
+    targets: torch.Tensor,
+    model: _YoloModel,
+    iou_t: float,
+) -> list[LayerTargets]:
+    """Assign targets to anchors and grid cells, one :class:`LayerTargets` per head.
+
+    Args:
+        preds: per head (bs, na, ny, nx, no) raw logits, in ``model.yolo_layers`` order; only
+            their grid sizes are read.
+        targets: (nt, 6) = image index in batch, class, cx, cy, w, h normalised to [0, 1].
+        model: the unwrapped model (``yolo_layers``, ``module_list[i].anchor_vec``).
+        iou_t: an anchor is assigned to a target when their wh-IoU exceeds this.
+
+    A target is assigned to the cell holding its centre (a centre exactly on the right or
+    bottom border goes to the last cell), to every anchor passing ``iou_t``, possibly none.
+    """
+    if len(preds) != len(model.yolo_layers):
+        raise ValueError(f"{len(preds)} prediction heads for {len(model.yolo_layers)} YOLO layers")
+    nt = targets.shape[0]
+    out = []
+    for pi, layer_index in zip(preds, model.yolo_layers):
+        anchors = model.module_list[layer_index].anchor_vec  # (na, 2) grid units
+        na = anchors.shape[0]
+        ny, nx = pi.shape[2], pi.shape[3]
+        # Boxes to grid units (Python-scalar products: no host-to-device copy of a gain tensor).
+        t = targets.clone()
+        t[:, 2:6:2] *= nx
+        t[:, 3:6:2] *= ny
+
+        # All na * nt pairs, anchor-major (the lineage's order, which decides duplicate cells).
+        valid = (wh_iou(anchors.to(t.dtype), t[:, 4:6]) > iou_t).reshape(-1)
+        a = torch.arange(na, device=targets.device).repeat_interleave(nt)
+        t = t.repeat(na, 1)
+
+        b = t[:, 0].long()
+        c = t[:, 1].long()
+        gxy = t[:, 2:4]
+        gwh = t[:, 4:6]
+        gi = gxy[:, 0].long().clamp(0, nx - 1)
+        gj = gxy[:, 1].long().clamp(0, ny - 1)
+        # The lineage clamps the cell in place before taking the offset, so a centre at the
+        # border gets offset 1.0 in the last cell; same here.
+        offset = gxy - torch.stack((gi, gj), 1).to(gxy.dtype)
+        out.append(
+            LayerTargets(
+                tcls=c,
+                tbox=torch.cat((offset, gwh), 1),
+                indices=(b, a, gj, gi),
+                anchors=anchors[a],
+                valid=valid,
+            )
+        )
+    return out
+
+
+def compute_loss(
+    preds: Sequence[torch.Tensor],
+    targets: torch.Tensor,
+    model: _YoloModel,
+    hyp: dict[str, Any],
+) -> dict[str, torch.Tensor]:
+    """YOLOv3 loss of one batch.
+
+    Args:
+        preds: per head (bs, na, ny, nx, 5 + nc) raw logits (training-mode output), in
+            ``model.yolo_layers`` order.
+        targets: (nt, 6) = image index in batch, class, cx, cy, w, h normalised; may be empty.
+        model: the unwrapped model: ``nc``, ``yolo_layers``, ``module_list[i].anchor_vec`` (and
+            ``scale_x_y`` when the heads have one).
+        hyp: validated hyperparameters with gains already scaled by :func:`scale_loss_gains`:
+            ``giou``, ``obj``, ``cls`` (gains), ``obj_pw``, ``cls_pw`` (BCE positive weights),
+            ``iou_t`` (anchor assignment threshold), ``fl_gamma`` (focal loss when > 0).
+
+    Returns:
+        ``{"box_loss", "obj_loss", "class_loss"}``: 0-dim tensors, already multiplied by their
+        gains; their sum is the loss to minimise. ``class_loss`` is 0 when ``nc == 1``.
+
+    Duplicates: several targets of one image may land on the same (anchor, cell). They all
+    count in the box and class losses; the objectness target there is the GIoU of the last
+    of them in ``targets`` order (anchor-major), exactly as the lineage's
+    ``tobj[b, a, gj, gi] = ...`` does on CPU. The lineage left the winner unspecified on CUDA,
+    where index assignment with duplicates is non-deterministic; here it is resolved
+    explicitly and the same on every device.
+    """
+    device = preds[0].device
+    layer_targets = build_targets(preds, targets, model, hyp["iou_t"])
+
+    # torch.full fills on the device; torch.tensor([...]) would copy from the host.
+    bce_cls = nn.BCEWithLogitsLoss(
+        pos_weight=torch.full((1,), float(hyp["cls_pw"]), device=device), reduction="none"
+    )
+    bce_obj = nn.BCEWithLogitsLoss(
+        pos_weight=torch.full((1,), float(hyp["obj_pw"]), device=device), reduction="none"
+    )
+    criterion_cls: nn.Module = bce_cls
+    criterion_obj: nn.Module = bce_obj
+    if hyp["fl_gamma"] > 0:
+        criterion_cls = FocalLoss(bce_cls, hyp["fl_gamma"])
+        criterion_obj = FocalLoss(bce_obj, hyp["fl_gamma"])
+    cp, cn = smooth_bce(LABEL_SMOOTHING_EPS)
+    nc = model.nc
+    gr = OBJ_GIOU_RATIO
+
+    lbox = torch.zeros((), device=device)
+    lobj = torch.zeros((), device=device)
+    lcls = torch.zeros((), device=device)
+    for pi, lt, layer_index in zip(preds, layer_targets, model.yolo_layers):
+        tobj = torch.zeros_like(pi[..., 0])
+        if lt.valid.shape[0]:  # a static shape (na * nt): no sync
+            b, a, gj, gi = lt.indices
+            valid = lt.valid
+            # Denominator of the means over assignments; 0 assignments give 0 / 1 = 0.
+            n_valid = valid.sum().clamp(min=1)
+            ps = pi[b, a, gj, gi]  # (P, no)
+
+            s = float(getattr(model.module_list[layer_index], "scale_x_y", 1.0))
+            pxy = ps[:, :2].sigmoid() * s - (s - 1) / 2
+            pwh = ps[:, 2:4].exp().clamp(max=MAX_WH_EXP) * lt.anchors.to(ps.dtype)
+            pbox = torch.cat((pxy, pwh), 1)
+            giou = 1.0 - torchvision.ops.generalized_box_iou_loss(
+                torchvision.ops.box_convert(pbox, "cxcywh", "xyxy"),
+                torchvision.ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),
+            )
+            # Padding pairs are masked out of the sums (where, not a multiply by 0: an inf/NaN
+            # there must not turn the value into NaN).
+            lbox = lbox + torch.where(valid, 1.0 - giou, 0.0).sum() / n_valid
+
+            tobj = _objectness_targets(tobj, lt, (1.0 - gr) + gr * giou.detach().clamp(0))
+
+            if nc > 1:
+                t = torch.full_like(ps[:, 5:], cn)
+                t.scatter_(1, lt.tcls[:, None], cp)
+                per_elem = criterion_cls(ps[:, 5:], t)  # (P, nc)
+                lcls = lcls + torch.where(valid[:, None], per_elem, 0.0).sum() / (n_valid * nc)
+
+        lobj = lobj + criterion_obj(pi[..., 4], tobj).mean()
+
+    return {
+        "box_loss": lbox * hyp["giou"],
+        "obj_loss": lobj * hyp["obj"],
+        "class_loss": lcls * hyp["cls"],
+    }
+
+
+def _objectness_targets(tobj: torch.Tensor, lt: LayerTargets, score: torch.Tensor) -> torch.Tensor:
+    """Objectness targets ``(bs, na, ny, nx)``: ``score[p]`` at the cell of each valid pair,
+    the last valid pair winning where several share a cell, 0 elsewhere.
+
+    Without compaction (which would need a host sync) each cell records the largest pair index
+    that writes to it (``scatter_reduce`` amax; padding pairs write -1 and never win), then
+    takes that pair's score.
+    """
+    b, a, gj, gi = lt.indices
+    _, na, ny, nx = tobj.shape
+    cell = ((b * na + a) * ny + gj) * nx + gi
+    pair = torch.arange(cell.shape[0], device=cell.device)
+    pair = torch.where(lt.valid, pair, -1)
+    winner = torch.full((tobj.numel(),), -1, dtype=torch.long, device=cell.device)
+    winner.scatter_reduce_(0, cell, pair, reduce="amax")
+    flat = torch.where(winner >= 0, score.to(tobj.dtype)[winner.clamp(min=0)], 0.0)
+    return flat.view_as(tobj)

@@ -1,0 +1,138 @@
+"""End-to-end training through train.py's code path on a tiny dataset: outputs, resume, weights."""
+
+from __future__ import annotations
+
+import csv
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import train as train_script
+import validation
+from train_utils import trainer as trainer_module
+from train_utils.checkpoint import load_checkpoint
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed_utils import DistInfo
+from train_utils.trainer import RESULTS_HEADER, run
+
+pytestmark = pytest.mark.slow
+
+IMG = "128"
+
+
+def _flags(data: Path, out: Path, repo: Path, epochs: int = 2, *extra: str) -> list[str]:
+    return ["--data", str(data), "--cfg", str(repo / "cfg" / "yolov3-spp-nano.cfg"),
+            "--hyp", str(repo / "cfg" / "hyp.yaml"), "--epochs", str(epochs), "--batch-size", "8",
+            "--img-size", IMG, "--no-multi-scale", "--workers", "0", "--device", "cpu",
+            "--output-dir", str(out), "--nbs", "8", "--log-interval", "1", *extra]
+
+
+def _run(argv: list[str]):
+    config = build_config(get_args_parser().parse_args(argv))
+    return run(config, DistInfo.single(torch.device("cpu")))
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def trained(shapes_data, repo_root, tmp_path_factory):
+    """One 3-epoch run shared by the tests that only read its outputs."""
+    out = tmp_path_factory.mktemp("run")
+    summary = _run(_flags(shapes_data, out, repo_root, 3, "--hyp",
+                          str(repo_root / "cfg" / "hyp_demo.yaml")))
+    return out, summary
+
+
+def test_training_writes_every_output_and_lowers_loss(trained):
+    out, summary = trained
+    for name in ("last.pt", "best.pt", "results.csv", "results.png", "args.yaml", "hyp.yaml",
+                 "model.cfg", "train.log"):
+        assert (out / name).is_file(), name
+    assert list(out.glob("events.out.tfevents.*"))
+    with (out / "results.csv").open() as f:
+        assert f.readline().strip() == ",".join(RESULTS_HEADER)
+    rows = _rows(out / "results.csv")
+    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
+    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+    for key in ("model", "train_model", "ema", "optimizer", "scheduler", "epoch", "best_fitness",
+                "config", "names", "nc", "cfg"):
+        assert key in ckpt, key
+    assert ckpt["epoch"] == 2 and ckpt["nc"] == 5 and ckpt["names"][0] == "circle"
+    assert summary.epochs_run == 3
+
+
+def test_validation_reproduces_training_map(trained, shapes_data, tmp_path):
+    out, summary = trained
+    stats_file = tmp_path / "stats.json"
+    code = validation.main(["--cfg", str(out / "model.cfg"), "--data", str(shapes_data),
+                            "--weights", str(out / "last.pt"), "--img-size", IMG,
+                            "--batch-size", "8", "--device", "cpu", "--workers", "0",
+                            "--json-out", str(stats_file), "--save-json", str(tmp_path / "js")])
+    assert code == 0
+    stats = json.loads(stats_file.read_text())
+    last = _rows(out / "results.csv")[-1]
+    for name, value in stats.items():
+        assert value == pytest.approx(float(last[name]), abs=1e-4), name
+    gt = json.loads((tmp_path / "js" / "ground_truth.json").read_text())
+    preds = json.loads((tmp_path / "js" / "predictions.json").read_text())
+    assert len(gt["images"]) == 10 and Path(gt["images"][0]["file_name"]).is_absolute()
+    assert all({"image_id", "category_id", "bbox", "score"} <= set(p) for p in preds)
+
+
+def test_resume_is_exact(shapes_data, repo_root, tmp_path, monkeypatch):
+    full = tmp_path / "full"
+    _run(_flags(shapes_data, full, repo_root, 2))
+
+    part = tmp_path / "part"
+    real = trainer_module.train_one_epoch
+
+    def interrupt_second_epoch(*args, **kwargs):
+        if args[5] == 1:  # the epoch argument
+            raise KeyboardInterrupt
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(trainer_module, "train_one_epoch", interrupt_second_epoch)
+    with pytest.raises(KeyboardInterrupt):
+        _run(_flags(shapes_data, part, repo_root, 2))
+    monkeypatch.setattr(trainer_module, "train_one_epoch", real)
+    assert load_checkpoint(part / "last.pt")["epoch"] == 0
+    _run(_flags(shapes_data, part, repo_root, 2, "--resume"))
+
+    a = load_checkpoint(full / "last.pt")
+    b = load_checkpoint(part / "last.pt")
+    for key in ("model", "train_model"):
+        assert a[key].keys() == b[key].keys()
+        for k in a[key]:
+            assert torch.equal(a[key][k], b[key][k]), (key, k)
+    ra, rb = _rows(full / "results.csv"), _rows(part / "results.csv")
+    assert [r["epoch"] for r in rb] == ["0", "1"]
+    for x, y in zip(ra, rb):
+        x.pop("train_seconds"), y.pop("train_seconds")
+        assert x == y
+
+
+def test_weights_with_other_class_count(trained, shapes_data, repo_root, tmp_path, caplog):
+    out, _ = trained
+    # --single-cls makes a 1-class model: the 5-class heads cannot load, everything else does.
+    run_dir = tmp_path / "ft"
+    with caplog.at_level("WARNING"):
+        _run(_flags(shapes_data, run_dir, repo_root, 1, "--single-cls", "--weights",
+                    str(out / "last.pt")))
+    skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert skipped and "Conv2d" in skipped[0]
+    assert load_checkpoint(run_dir / "last.pt")["nc"] == 1
+
+
+def test_cli_errors_are_one_line(shapes_data, repo_root, tmp_path, capsys):
+    code = train_script.main(_flags(shapes_data, tmp_path / "x", repo_root, 1, "--img-size", "100"))
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and err == ["error: --img-size 100 is not a positive multiple of 32; use "
+                                 "e.g. 96"]
+    code = train_script.main(_flags(shapes_data, tmp_path / "x", repo_root, 1, "--resume"))
+    assert code == 2 and "--resume: no checkpoint" in capsys.readouterr().err

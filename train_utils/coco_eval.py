@@ -1,0 +1,205 @@
+"""COCO bbox scoring of detections against a ground-truth ``COCO`` object.
+
+The official figures come from pycocotools; ``backend='faster-coco-eval'`` (the
+``faster-coco-eval`` package, ``requirements-extra.txt``) gives the same 12 numbers faster.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+from build_utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+# The 12 numbers of COCOeval.summarize(), in its order (AP at IoU 0.50:0.95 unless named; AR at
+# 1, 10, 100 detections per image; small/medium/large = area < 32^2, < 96^2, above).
+STAT_NAMES = [
+    "mAP50-95",
+    "mAP50",
+    "mAP75",
+    "mAP_small",
+    "mAP_medium",
+    "mAP_large",
+    "mAR1",
+    "mAR10",
+    "mAR100",
+    "mAR_small",
+    "mAR_medium",
+    "mAR_large",
+]
+BACKENDS = ("pycocotools", "faster-coco-eval")
+
+# Decimals kept in detection files: 1/1000 pixel and 1e-5 score are far below what changes
+# a COCO number, and keep the JSON small.
+BBOX_DECIMALS = 3
+SCORE_DECIMALS = 5
+
+
+def detections_to_coco(
+    outputs: Sequence[torch.Tensor], image_ids: Sequence[int]
+) -> list[dict[str, Any]]:
+    """COCO-format detection dicts from per-image NMS outputs.
+
+    Args:
+        outputs: per image (n, 6) = x1, y1, x2, y2 in original-image pixels, score, class id.
+        image_ids: the COCO image id of each output (the dataset index).
+
+    Returns:
+        ``[{"image_id", "category_id", "bbox": [x_min, y_min, w, h], "score"}, ...]``.
+    """
+    if len(outputs) != len(image_ids):
+        raise ValueError(f"{len(outputs)} outputs for {len(image_ids)} image ids")
+    if not outputs:
+        return []
+    counts = [int(o.shape[0]) for o in outputs]
+    if sum(counts) == 0:
+        return []
+    det = torch.cat([o.detach().reshape(-1, 6) for o in outputs]).to("cpu", torch.float64)
+    det = det.numpy()
+    xywh = np.stack((det[:, 0], det[:, 1], det[:, 2] - det[:, 0], det[:, 3] - det[:, 1]), 1).round(
+        BBOX_DECIMALS
+    )
+    scores = det[:, 4].round(SCORE_DECIMALS).tolist()
+    classes = det[:, 5].astype(np.int64).tolist()
+    ids = np.repeat(np.asarray(image_ids, dtype=np.int64), counts).tolist()
+    return [
+        {"image_id": i, "category_id": c, "bbox": b, "score": s}
+        for i, c, b, s in zip(ids, classes, xywh.tolist(), scores)
+    ]
+
+
+def faster_coco_eval_available() -> bool:
+    """Whether the optional ``faster-coco-eval`` backend can be imported."""
+    try:
+        import faster_coco_eval  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class CocoEvaluator:
+    """Accumulates COCO-format detections and scores them.
+
+    ``update()`` any number of times, then ``evaluate()`` returns the 12 stats (in
+    ``STAT_NAMES`` order); ``summary`` then holds pycocotools' summary text (which is not
+    printed, so that it can be logged), and ``per_class_ap()`` gives AP per category.
+    """
+
+    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = "pycocotools"):
+        if iou_type != "bbox":
+            raise ValueError(f"only iou_type='bbox' is supported, not {iou_type!r}")
+        if backend not in BACKENDS:
+            raise ConfigError(f"unknown COCO backend {backend!r}; choose one of {BACKENDS}")
+        if backend == "faster-coco-eval" and not faster_coco_eval_available():
+            raise ConfigError(
+                "COCO backend 'faster-coco-eval' is not installed; "
+                "run 'pip install -r requirements-extra.txt' or use --coco-backend pycocotools"
+            )
+        self.coco_gt = coco_gt
+        self.iou_type = iou_type
+        self.backend = backend
+        self.results: list[dict[str, Any]] = []
+        self.summary = ""
+        self.stats: np.ndarray | None = None
+        self.coco_eval: Any = None
+        self._img_ids = set(coco_gt.getImgIds())
+
+    def update(self, results: Sequence[dict[str, Any]]) -> None:
+        """Add detections: dicts with ``image_id``, ``category_id``, ``bbox`` (x_min, y_min, w,
+        h in original pixels) and ``score``. The dicts are copied (pycocotools edits them)."""
+        unknown = {r["image_id"] for r in results} - self._img_ids
+        if unknown:
+            raise ValueError(
+                f"detections for {len(unknown)} image ids absent from the ground truth, "
+                f"e.g. {sorted(unknown)[:5]}"
+            )
+        self.results.extend(dict(r) for r in results)
+
+    def evaluate(self) -> np.ndarray:
+        """Score everything added so far; returns the 12 stats (``STAT_NAMES`` order).
+
+        With no detections at all every stat is 0 (pycocotools cannot load an empty result).
+        """
+        if not self.results:
+            self.coco_eval = None
+            self.stats = np.zeros(len(STAT_NAMES))
+            self.summary = "no detections: every COCO metric is 0"
+            return self.stats.copy()
+        if self.backend == "pycocotools":
+            self.coco_eval, self.summary = self._evaluate_pycocotools()
+        else:
+            self.coco_eval, self.summary = self._evaluate_faster()
+        self.stats = np.asarray(self.coco_eval.stats[: len(STAT_NAMES)], dtype=np.float64)
+        return self.stats.copy()
+
+    def _evaluate_pycocotools(self) -> tuple[COCOeval, str]:
+        with contextlib.redirect_stdout(io.StringIO()):
+            coco_dt = self.coco_gt.loadRes(self.results)
+            coco_eval = COCOeval(self.coco_gt, coco_dt, self.iou_type)
+            coco_eval.evaluate()
+            coco_eval.accumulate()
+        summary = io.StringIO()
+        with contextlib.redirect_stdout(summary):
+            coco_eval.summarize()
+        return coco_eval, summary.getvalue().rstrip()
+
+    def _evaluate_faster(self) -> tuple[Any, str]:
+        from faster_coco_eval import COCO as FasterCOCO
+        from faster_coco_eval import COCOeval_faster
+
+        lines: list[str] = []
+
+        def quiet(*args: Any) -> None:
+            pass
+
+        # A deep copy: faster-coco-eval's index building may edit the dicts it is given, and
+        # those belong to the pycocotools ground truth.
+        gt = FasterCOCO(self.coco_gt.dataset, use_deepcopy=True, print_function=quiet)
+        dt = gt.loadRes(self.results)
+        coco_eval = COCOeval_faster(gt, dt, self.iou_type, print_function=quiet)
+        coco_eval.evaluate()
+        coco_eval.accumulate()
+        coco_eval.print_function = lambda *args: lines.append(" ".join(str(a) for a in args))
+        coco_eval.summarize()
+        return coco_eval, "\n".join(lines)
+
+    def per_class_ap(self) -> dict[int, tuple[float, float]]:
+        """``{category id: (AP@0.5:0.95, AP@0.5)}`` over all areas at 100 detections per image.
+
+        NaN for a category without ground truth (AP is undefined there); 0 for every other
+        category when there were no detections. Call after :meth:`evaluate`.
+        """
+        if self.stats is None:
+            raise RuntimeError("call evaluate() before per_class_ap()")
+        cat_ids = sorted(self.coco_gt.getCatIds())
+        if self.coco_eval is None:
+            return {
+                c: ((0.0, 0.0) if self.coco_gt.getAnnIds(catIds=[c]) else (math.nan, math.nan))
+                for c in cat_ids
+            }
+        # precision: (iou thresholds, recall points, categories, area ranges, max dets);
+        # area range 0 is 'all', the last max-dets entry is 100; -1 marks "no ground truth".
+        precision = self.coco_eval.eval["precision"]
+        out = {}
+        for k, c in enumerate(self.coco_eval.params.catIds):
+            out[int(c)] = (
+                _mean_valid(precision[:, :, k, 0, -1]),
+                _mean_valid(precision[0, :, k, 0, -1]),
+            )
+        return out
+
+
+def _mean_valid(p: np.ndarray) -> float:
+    p = p[p > -1]
+    return float(p.mean()) if p.size else math.nan

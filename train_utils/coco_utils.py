@@ -1,0 +1,209 @@
+"""Ground truth of a dataset as a COCO API object, for pycocotools scoring.
+
+Image ids are dataset indices; categories are the class ids ``0 .. nc - 1`` (no mapping to the
+91 COCO ids: the detections use the same class ids). Boxes are in original-image pixels,
+``[x_min, y_min, w, h]`` as COCO wants.
+
+Building the ground truth reads every label once; with ``cache_dir`` the result is kept as JSON
+keyed by the dataset's ``content_hash``, its ordered image list and the class count, so a changed
+label, image set, order or class count never reuses a stale file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import io
+import json
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from pycocotools.coco import COCO
+
+from build_utils.errors import DatasetError
+
+logger = logging.getLogger(__name__)
+
+# Bump when the layout of the cached dict changes, so that old cache files are not reused.
+CACHE_VERSION = 1
+CACHE_PREFIX = "coco_gt_"
+
+
+class _CocoIndexable(Protocol):
+    img_files: list[str]
+    content_hash: str
+
+    def __len__(self) -> int: ...
+
+    def coco_index(self, i: int) -> tuple[np.ndarray, tuple[int, int]]: ...
+
+
+def _resolve_num_classes(dataset: Any, num_classes: int | None) -> int | None:
+    if num_classes is not None:
+        return int(num_classes)
+    nc = getattr(dataset, "nc", None)
+    return int(nc) if nc is not None else None
+
+
+def coco_dict_from_dataset(dataset: _CocoIndexable, num_classes: int | None = None) -> dict:
+    """The dataset's ground truth as a COCO-format dict (``images``, ``annotations``,
+    ``categories``).
+
+    Args:
+        dataset: provides ``len()``, ``img_files`` and ``coco_index(i) -> (labels, (h0, w0))``
+            with ``labels (n, 5)`` = class, cx, cy, w, h normalised.
+        num_classes: categories ``0 .. num_classes - 1``; default ``dataset.nc`` when present,
+            else the largest class id + 1.
+
+    Returns:
+        image ``id`` = dataset index, ``file_name`` = absolute image path, ``height``/``width``
+        of the original image; annotations with ``bbox`` = [x_min, y_min, w, h] original
+        pixels, ``area = w * h``, ``iscrowd = 0``, ``category_id`` = class id, and ids from 1
+        (pycocotools treats an annotation id of 0 as "unmatched").
+
+    Raises:
+        DatasetError: a label's class id is outside ``0 .. num_classes - 1``.
+    """
+    nc = _resolve_num_classes(dataset, num_classes)
+    images: list[dict] = []
+    annotations: list[dict] = []
+    max_class = -1
+    for i in range(len(dataset)):
+        labels, (h0, w0) = dataset.coco_index(i)
+        images.append(
+            {
+                "id": i,
+                "file_name": os.path.abspath(dataset.img_files[i]),
+                "height": int(h0),
+                "width": int(w0),
+            }
+        )
+        labels = np.asarray(labels, dtype=np.float64).reshape(-1, 5)
+        if labels.shape[0] == 0:
+            continue
+        cls = labels[:, 0].astype(np.int64)
+        if nc is not None and (cls.min() < 0 or cls.max() >= nc):
+            bad = int(cls[(cls < 0) | (cls >= nc)][0])
+            raise DatasetError(
+                f"class id {bad} in the labels is outside 0..{nc - 1} ({nc} classes); "
+                "check the .data file's classes against the labels",
+                path=dataset.img_files[i],
+            )
+        max_class = max(max_class, int(cls.max()))
+        w = labels[:, 3] * w0
+        h = labels[:, 4] * h0
+        x = labels[:, 1] * w0 - w / 2
+        y = labels[:, 2] * h0 - h / 2
+        boxes = np.stack((x, y, w, h), 1).tolist()
+        areas = (w * h).tolist()
+        first_id = len(annotations) + 1
+        annotations.extend(
+            {
+                "id": first_id + k,
+                "image_id": i,
+                "category_id": c,
+                "bbox": box,
+                "area": area,
+                "iscrowd": 0,
+            }
+            for k, (c, box, area) in enumerate(zip(cls.tolist(), boxes, areas))
+        )
+    if nc is None:
+        nc = max(max_class + 1, 1)
+    categories = [{"id": c, "name": str(c), "supercategory": "none"} for c in range(nc)]
+    return {
+        "info": {"description": "ground truth built from the dataset"},
+        "images": images,
+        "annotations": annotations,
+        "categories": categories,
+    }
+
+
+def coco_from_dict(dataset_dict: dict) -> COCO:
+    """A pycocotools COCO object from a COCO-format dict, without pycocotools' prints."""
+    coco = COCO()
+    coco.dataset = dataset_dict
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco.createIndex()
+    return coco
+
+
+def cache_key(dataset: _CocoIndexable, num_classes: int | None = None) -> str:
+    """sha256 hex of everything that defines the ground truth: the dataset's ``content_hash``,
+    its ordered image list, the class count and the cache layout version."""
+    h = hashlib.sha256()
+    h.update(f"v{CACHE_VERSION}\n{dataset.content_hash}\n".encode())
+    h.update(f"classes={_resolve_num_classes(dataset, num_classes)}\n".encode())
+    for f in dataset.img_files:
+        h.update(os.fsencode(f))
+        h.update(b"\n")
+    return h.hexdigest()
+
+
+def get_coco_api_from_dataset(
+    dataset: _CocoIndexable, cache_dir: Path | None = None, num_classes: int | None = None
+) -> COCO:
+    """The dataset's ground truth as a pycocotools ``COCO`` (see :func:`coco_dict_from_dataset`).
+
+    With ``cache_dir``, the dict is read from ``cache_dir / coco_gt_<key>.json`` when present
+    and intact (``key`` = :func:`cache_key`), else built and written there atomically. A
+    corrupt cache file is rebuilt; a cache that cannot be written (read-only folder) only logs
+    a warning.
+    """
+    if cache_dir is None:
+        return coco_from_dict(coco_dict_from_dataset(dataset, num_classes))
+
+    key = cache_key(dataset, num_classes)
+    path = Path(cache_dir) / f"{CACHE_PREFIX}{key}.json"
+    cached = _read_cache(path, key)
+    if cached is not None:
+        logger.debug("COCO ground truth read from %s", path)
+        return coco_from_dict(cached)
+
+    coco_dict = coco_dict_from_dataset(dataset, num_classes)
+    coco_dict["info"]["cache_key"] = key
+    _write_cache(path, coco_dict)
+    return coco_from_dict(coco_dict)
+
+
+def _read_cache(path: Path, key: str) -> dict | None:
+    if not path.is_file():
+        return None
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        logger.warning("COCO ground-truth cache %s is unreadable (%s); rebuilding it", path, e)
+        return None
+    valid = (
+        isinstance(data, dict)
+        and isinstance(data.get("info"), dict)
+        and data["info"].get("cache_key") == key
+        and all(isinstance(data.get(k), list) for k in ("images", "annotations", "categories"))
+    )
+    if not valid:
+        logger.warning("COCO ground-truth cache %s is not a valid cache file; rebuilding it", path)
+        return None
+    return data
+
+
+def _write_cache(path: Path, coco_dict: dict) -> None:
+    tmp_name = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp_name = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            json.dump(coco_dict, f)
+        os.replace(tmp_name, path)
+        tmp_name = None
+        logger.info("COCO ground truth cached to %s", path)
+    except OSError as e:
+        logger.warning("could not write the COCO ground-truth cache %s: %s", path, e)
+    finally:
+        if tmp_name is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp_name)
