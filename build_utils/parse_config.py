@@ -1,0 +1,742 @@
+"""Darknet model cfg, ``.data`` and ``.names`` parsing.
+
+A model cfg is a list of ``[section]`` blocks of ``key=value`` lines. :func:`parse_model_cfg`
+returns one dict per block, ``[net]`` first::
+
+    {"type": "convolutional", "filters": 255, "size": 1, ..., "_path": "cfg/x.cfg",
+     "_line": 812, "_lines": {"filters": 815, "size": 816, ...}}
+
+Values are converted by key: integers, floats, lists of integers (``mask``, ``layers``,
+``from``) or of numbers (``anchors``, ``steps``, ``scales``), strings (``activation``).
+Keys starting with ``_`` are bookkeeping: the file, the line of the section header and the line
+of each key, so that every later check (here or while building the model) can name
+``path:line``. Missing keys take Darknet's defaults when the model is built; nothing is filled in
+here, so that :func:`write_model_cfg` writes back what was read.
+
+Every problem is a :class:`~build_utils.errors.ConfigError` naming the file and line.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+from build_utils.errors import ConfigError
+
+Block = dict[str, Any]
+
+# Value kinds of the cfg keys.
+INT, FLOAT, INTS, NUMS, STR = "int", "float", "ints", "nums", "str"
+
+# Canonical section names, with the aliases Darknet's own parser accepts.
+SECTION_ALIASES: dict[str, str] = {
+    "net": "net",
+    "network": "net",
+    "convolutional": "convolutional",
+    "conv": "convolutional",
+    "maxpool": "maxpool",
+    "max": "maxpool",
+    "upsample": "upsample",
+    "route": "route",
+    "shortcut": "shortcut",
+    "yolo": "yolo",
+    "dropout": "dropout",
+}
+
+# Activation names accepted in [convolutional] and [shortcut]. models/layers.py maps each one to a
+# module (a test checks both lists agree); the names are Darknet's plus `silu`, PyTorch's name
+# for swish.
+ACTIVATIONS: tuple[str, ...] = (
+    "leaky",
+    "mish",
+    "swish",
+    "silu",
+    "logistic",
+    "relu",
+    "relu6",
+    "elu",
+    "selu",
+    "gelu",
+    "tanh",
+    "linear",
+)
+
+# [net] options of Darknet: the training loop takes its settings from the hyp file and the CLI,
+# so apart from the input size and channels these are only read and kept. A key in no list is
+# an error, to catch typos.
+_NET_KEYS: dict[str, str] = {
+    "batch": INT,
+    "subdivisions": INT,
+    "width": INT,
+    "height": INT,
+    "channels": INT,
+    "inputs": INT,
+    "momentum": FLOAT,
+    "decay": FLOAT,
+    "angle": FLOAT,
+    "aspect": FLOAT,
+    "saturation": FLOAT,
+    "exposure": FLOAT,
+    "hue": FLOAT,
+    "learning_rate": FLOAT,
+    "learning_rate_min": FLOAT,
+    "burn_in": INT,
+    "max_batches": INT,
+    "policy": STR,
+    "steps": NUMS,
+    "scales": NUMS,
+    "step": INT,
+    "scale": FLOAT,
+    "gamma": FLOAT,
+    "power": FLOAT,
+    "seq_scales": NUMS,
+    "mosaic": INT,
+    "mosaic_bound": INT,
+    "mixup": INT,
+    "cutmix": INT,
+    "blur": INT,
+    "gaussian_noise": INT,
+    "flip": INT,
+    "letter_box": INT,
+    "max_crop": INT,
+    "min_crop": INT,
+    "adam": INT,
+    "B1": FLOAT,
+    "B2": FLOAT,
+    "eps": FLOAT,
+    "time_steps": INT,
+    "track": INT,
+    "augment_speed": INT,
+    "sequential_subdivisions": INT,
+    "init_sequential_subdivisions": INT,
+    "try_fix_nan": INT,
+    "loss_scale": FLOAT,
+    "dynamic_minibatch": INT,
+    "optimized_memory": INT,
+    "workspace_size_limit_MB": INT,
+    "batches_per_cycle": INT,
+    "batches_cycle_mult": INT,
+    "max_chart_loss": FLOAT,
+    "label_smooth_eps": FLOAT,
+    "resize_step": INT,
+    "ema_alpha": FLOAT,
+    "weights_reject_freq": INT,
+    "equidistant_point": INT,
+    "badlabels_rejection_percentage": FLOAT,
+    "num_sigmas_reject_badlabels": FLOAT,
+    "contrastive": INT,
+    "contrastive_jit_flip": INT,
+    "contrastive_color": INT,
+    "unsupervised": INT,
+    "attention": INT,
+    "adversarial_lr": FLOAT,
+    "show_receptive_field": INT,
+}
+
+_CONV_KEYS: dict[str, str] = {
+    "batch_normalize": INT,
+    "filters": INT,
+    "size": INT,
+    "stride": INT,
+    "stride_x": INT,
+    "stride_y": INT,
+    "pad": INT,
+    "padding": INT,
+    "groups": INT,
+    "activation": STR,
+}
+_MAXPOOL_KEYS: dict[str, str] = {"size": INT, "stride": INT, "stride_x": INT, "stride_y": INT}
+_UPSAMPLE_KEYS: dict[str, str] = {"stride": INT}
+_ROUTE_KEYS: dict[str, str] = {"layers": INTS, "groups": INT, "group_id": INT}
+_SHORTCUT_KEYS: dict[str, str] = {"from": INTS, "activation": STR, "weights_type": STR}
+_YOLO_KEYS: dict[str, str] = {
+    "mask": INTS,
+    "anchors": NUMS,
+    "classes": INT,
+    "num": INT,
+    "scale_x_y": FLOAT,
+    # Training-time options of Darknet's loss and NMS: read and kept, the model ignores them.
+    "jitter": FLOAT,
+    "ignore_thresh": FLOAT,
+    "truth_thresh": FLOAT,
+    "iou_thresh": FLOAT,
+    "random": FLOAT,
+    "resize": FLOAT,
+    "iou_normalizer": FLOAT,
+    "cls_normalizer": FLOAT,
+    "obj_normalizer": FLOAT,
+    "delta_normalizer": FLOAT,
+    "iou_loss": STR,
+    "iou_thresh_kind": STR,
+    "nms_kind": STR,
+    "beta_nms": FLOAT,
+    "max_delta": FLOAT,
+    "label_smooth_eps": FLOAT,
+    "focal_loss": INT,
+    "objectness_smooth": INT,
+    "counters_per_class": INTS,
+    "max": INT,
+    "map": STR,
+    "show_details": INT,
+    "track_history_size": INT,
+    "sim_thresh": FLOAT,
+    "dets_for_track": INT,
+    "dets_for_show": INT,
+    "track_ciou_norm": FLOAT,
+    "embedding_layer": INT,
+}
+_DROPOUT_KEYS: dict[str, str] = {"probability": FLOAT}
+
+KEYS: dict[str, dict[str, str]] = {
+    "net": _NET_KEYS,
+    "convolutional": _CONV_KEYS,
+    "maxpool": _MAXPOOL_KEYS,
+    "upsample": _UPSAMPLE_KEYS,
+    "route": _ROUTE_KEYS,
+    "shortcut": _SHORTCUT_KEYS,
+    "yolo": _YOLO_KEYS,
+    "dropout": _DROPOUT_KEYS,
+}
+
+# Darknet options that change what a layer computes but that this implementation does not
+# implement. They are accepted only with their neutral value (shown), so that a file using them
+# fails with a clear message instead of silently building a different network.
+UNSUPPORTED: dict[str, dict[str, Any]] = {
+    "convolutional": {
+        "dilation": 1,
+        "binary": 0,
+        "xnor": 0,
+        "bin_output": 0,
+        "sway": 0,
+        "rotate": 0,
+        "stretch": 0,
+        "stretch_sway": 0,
+        "deform": 0,
+        "flipped": 0,
+        "dot": 0,
+        "antialiasing": 0,
+        "assisted_excitation": 0,
+        "cbn": 0,
+        "coordconv": 0,
+        "reverse": 0,
+        "grad_centr": 0,
+    },
+    "maxpool": {"antialiasing": 0, "maxpool_depth": 0},
+    "upsample": {"scale": 1},
+    "route": {"stopbackward": 0},
+    "shortcut": {"weights_normalization": "none"},
+    "yolo": {"new_coords": 0},
+    "dropout": {"dropblock": 0},
+}
+
+# Keys without which a layer means nothing (Darknet's defaults for them are not useful).
+REQUIRED: dict[str, tuple[str, ...]] = {
+    "route": ("layers",),
+    "shortcut": ("from",),
+    "yolo": ("anchors",),
+}
+
+# Keys holding file paths in a .data file, resolved by parse_data_cfg.
+DATA_PATH_KEYS: tuple[str, ...] = ("train", "valid", "test", "names", "backup")
+DATA_REQUIRED_KEYS: tuple[str, ...] = ("classes", "train", "valid", "names")
+
+_COMMENT_CHARS = ("#", ";")
+
+
+# ---------------------------------------------------------------------------------------------
+# Values
+
+
+def _to_int(text: str) -> int:
+    return int(text, 10)
+
+
+def _to_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(text)
+    return value
+
+
+def _to_num(text: str) -> int | float:
+    try:
+        return _to_int(text)
+    except ValueError:
+        return _to_float(text)
+
+
+def _split_list(text: str) -> list[str]:
+    # Darknet tolerates spaces and a trailing comma ("10,13,  16,30,").
+    return [p.strip() for p in text.split(",") if p.strip()]
+
+
+_CONVERTERS: dict[str, tuple[Callable[[str], Any], str]] = {
+    INT: (_to_int, "an integer"),
+    FLOAT: (_to_float, "a finite number"),
+    INTS: (lambda t: [_to_int(p) for p in _split_list(t)], "a comma-separated list of integers"),
+    NUMS: (lambda t: [_to_num(p) for p in _split_list(t)], "a comma-separated list of numbers"),
+    STR: (str, "a string"),
+}
+
+
+def _auto_value(text: str) -> Any:
+    for kind in (INT, FLOAT, NUMS):
+        try:
+            value = _CONVERTERS[kind][0](text)
+        except ValueError:
+            continue
+        if kind != NUMS or value:
+            return value
+    return text
+
+
+def _convert(kind: str, text: str, key: str, section: str, path: str, line: int) -> Any:
+    func, what = _CONVERTERS[kind]
+    try:
+        value = func(text)
+    except ValueError as e:
+        raise ConfigError(
+            f"value {text!r} of key '{key}' in [{section}] must be {what}", path, line
+        ) from e
+    if kind in (INTS, NUMS) and not value:
+        raise ConfigError(f"key '{key}' in [{section}] must list at least one number", path, line)
+    return value
+
+
+def _format_value(value: Any) -> str:
+    if isinstance(value, (list, tuple)):
+        return ",".join(_format_value(v) for v in value)
+    if isinstance(value, float):
+        return repr(value)
+    return str(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Model cfg
+
+
+def _read_text(path: Path, what: str) -> str:
+    if not path.is_file():
+        raise ConfigError(f"{what} not found", path)
+    try:
+        # utf-8-sig drops the byte-order mark some Windows editors write.
+        return path.read_text(encoding="utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})", path) from e
+    except OSError as e:
+        raise ConfigError(f"cannot read {what}: {e.strerror}", path) from e
+
+
+def _content_lines(text: str) -> Iterable[tuple[int, str]]:
+    """(1-based line number, stripped content) of every line that is not blank or a comment.
+    ``splitlines`` takes care of CRLF and CR endings; a comment may also end a line."""
+    for number, raw in enumerate(text.splitlines(), start=1):
+        line = raw
+        for c in _COMMENT_CHARS:
+            line = line.split(c, 1)[0]
+        line = line.strip()
+        if line:
+            yield number, line
+
+
+def parse_model_cfg(path: str | os.PathLike[str]) -> list[Block]:
+    """Parse and validate a Darknet model cfg.
+
+    Args:
+        path: the ``.cfg`` file.
+
+    Returns:
+        One dict per section in file order, the ``[net]`` block first; see the module docstring
+        for the layout. The result has passed :func:`validate_model_cfg`.
+
+    Raises:
+        ConfigError: naming ``path:line`` for an unknown section or key, a non-numeric value where
+            a number is needed, a duplicate key, a malformed line, an empty file, and every
+            structural problem listed in :func:`validate_model_cfg`.
+    """
+    path = Path(path)
+    spath = str(path)
+    text = _read_text(path, "model cfg")
+    blocks: list[Block] = []
+    block: Block | None = None
+    for number, line in _content_lines(text):
+        if line.startswith("["):
+            if not line.endswith("]"):
+                raise ConfigError(
+                    f"malformed section header {line!r}: expected '[name]'", path, number
+                )
+            name = line[1:-1].strip().lower()
+            section = SECTION_ALIASES.get(name)
+            if section is None:
+                known = ", ".join(f"[{s}]" for s in KEYS)
+                raise ConfigError(
+                    f"unknown section [{name}]; known sections: {known}", path, number
+                )
+            block = {"type": section, "_path": spath, "_line": number, "_lines": {}}
+            blocks.append(block)
+            continue
+        if block is None:
+            raise ConfigError(f"{line!r} appears before the first [section] header", path, number)
+        key, sep, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        section = block["type"]
+        if not sep or not key:
+            raise ConfigError(
+                f"expected 'key=value' or a [section] header in [{section}], got {line!r}",
+                path,
+                number,
+            )
+        if not value:
+            raise ConfigError(f"key '{key}' in [{section}] has no value", path, number)
+        if key in block["_lines"]:
+            raise ConfigError(
+                f"duplicate key '{key}' in [{section}] (first set at line {block['_lines'][key]})",
+                path,
+                number,
+            )
+        if key in KEYS[section]:
+            block[key] = _convert(KEYS[section][key], value, key, section, spath, number)
+        elif key in UNSUPPORTED.get(section, {}):
+            neutral = UNSUPPORTED[section][key]
+            parsed = _auto_value(value)
+            if parsed != neutral:
+                raise ConfigError(
+                    f"key '{key}={value}' in [{section}] is a Darknet option this implementation "
+                    f"does not support (only {key}={neutral} is accepted)",
+                    path,
+                    number,
+                )
+            block[key] = parsed
+        else:
+            raise ConfigError(
+                f"unknown key '{key}' in [{section}]; known keys: {', '.join(KEYS[section])}",
+                path,
+                number,
+            )
+        block["_lines"][key] = number
+    if not blocks:
+        raise ConfigError("empty model cfg: no [net] section and no layers", path, 1)
+    return validate_model_cfg(blocks)
+
+
+def _where(block: Block, key: str | None = None) -> tuple[str | None, int | None]:
+    """(path, line) of a block's key, or of its section header when the key is absent."""
+    lines = block.get("_lines", {})
+    line = lines.get(key, block.get("_line")) if key is not None else block.get("_line")
+    return block.get("_path"), line
+
+
+def layer_error(block: Block, message: str, key: str | None = None) -> ConfigError:
+    """A :class:`ConfigError` at the line of ``key`` in ``block`` (or of its section header),
+    prefixing the message with the section name. For the model builder as well as this module."""
+    path, line = _where(block, key)
+    return ConfigError(f"[{block['type']}]: {message}", path, line)
+
+
+def yolo_mask(block: Block) -> list[int]:
+    """The anchor indices a ``[yolo]`` block uses: its ``mask``, or all anchors (Darknet's
+    default when there is no mask)."""
+    if "mask" in block:
+        return list(block["mask"])
+    return list(range(len(block["anchors"]) // 2))
+
+
+def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
+    """Index in ``blocks`` of the ``[convolutional]`` that feeds the ``[yolo]`` at ``yolo_index``
+    (skipping ``[dropout]`` in between), or None when the block before it is something else."""
+    j = yolo_index - 1
+    while j > 0 and blocks[j]["type"] == "dropout":
+        j -= 1
+    return j if j > 0 and blocks[j]["type"] == "convolutional" else None
+
+
+def validate_model_cfg(blocks: list[Block]) -> list[Block]:
+    """Check the structure of parsed cfg blocks (``[net]`` first) and return them unchanged.
+
+    Checks: ``[net]`` comes first and only once, at least one layer follows; required keys;
+    ``route``/``shortcut`` indices point to an earlier layer (negative: relative, otherwise
+    absolute; the ``[net]`` block is not a layer); route ``groups``/``group_id``; activation
+    names; positive sizes; ``[yolo]`` anchors come in pairs, ``num`` agrees with them, ``mask``
+    stays inside them, and the ``[convolutional]`` before each head has
+    ``filters == len(mask) * (classes + 5)``.
+
+    Raises:
+        ConfigError: naming the file and line of the offending key.
+    """
+    if not blocks or blocks[0].get("type") != "net":
+        first = blocks[0] if blocks else {}
+        path, line = _where(first)
+        raise ConfigError("the first section must be [net] (or [network])", path, line)
+    if len(blocks) == 1:
+        raise layer_error(blocks[0], "the cfg defines no layers after [net]")
+    for key in ("width", "height", "channels"):
+        if key in blocks[0] and blocks[0][key] < 1:
+            raise layer_error(blocks[0], f"{key}={blocks[0][key]} must be positive", key)
+    layers = blocks[1:]
+    for i, block in enumerate(layers):
+        kind = block["type"]
+        if kind == "net":
+            raise layer_error(block, "a second [net] section; [net] must come once, first")
+        for key in REQUIRED.get(kind, ()):
+            if key not in block:
+                raise layer_error(block, f"missing required key '{key}'")
+        if kind == "convolutional":
+            _check_conv(block)
+        elif kind == "maxpool":
+            for key in ("size", "stride", "stride_x", "stride_y"):
+                if key in block and block[key] < 1:
+                    raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
+        elif kind == "upsample":
+            if block.get("stride", 2) < 1:
+                raise layer_error(
+                    block,
+                    f"stride={block['stride']} must be at least 1 (no downsampling)",
+                    "stride",
+                )
+        elif kind in ("route", "shortcut"):
+            key = "layers" if kind == "route" else "from"
+            for ref in block[key]:
+                target = i + ref if ref < 0 else ref
+                if not 0 <= target < i:
+                    raise layer_error(
+                        block,
+                        f"{key}={ref} points to layer {target}, outside the network: layer {i} "
+                        f"can only use layers 0..{i - 1} (relative -1..{-i})",
+                        key,
+                    )
+                if layers[target]["type"] == "yolo":
+                    raise layer_error(
+                        block, f"{key}={ref} points to a [yolo] layer (layer {target})", key
+                    )
+            if kind == "route":
+                groups = block.get("groups", 1)
+                if groups < 1:
+                    raise layer_error(block, f"groups={groups} must be at least 1", "groups")
+                gid = block.get("group_id", 0)
+                if not 0 <= gid < groups:
+                    raise layer_error(
+                        block,
+                        f"group_id={gid} must be in 0..{groups - 1} (groups={groups})",
+                        "group_id",
+                    )
+            else:
+                _check_activation(block, default="linear")
+                wtype = block.get("weights_type", "none")
+                if wtype not in ("none", "per_feature"):
+                    raise layer_error(
+                        block,
+                        f"weights_type={wtype} is not supported (use none or per_feature)",
+                        "weights_type",
+                    )
+        elif kind == "dropout":
+            p = block.get("probability", 0.5)
+            if not 0.0 <= p < 1.0:
+                raise layer_error(block, f"probability={p} must be in [0, 1)", "probability")
+        elif kind == "yolo":
+            _check_yolo(blocks, i + 1)
+    return blocks
+
+
+def _check_activation(block: Block, default: str) -> None:
+    act = block.get("activation", default)
+    if act not in ACTIVATIONS:
+        raise layer_error(
+            block, f"unknown activation '{act}'; known: {', '.join(ACTIVATIONS)}", "activation"
+        )
+
+
+def _check_conv(block: Block) -> None:
+    for key in ("filters", "size", "stride", "stride_x", "stride_y", "groups"):
+        if key in block and block[key] < 1:
+            raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
+    if block.get("padding", 0) < 0:
+        raise layer_error(block, f"padding={block['padding']} must not be negative", "padding")
+    # Darknet's default activation for a convolution is logistic.
+    _check_activation(block, default="logistic")
+
+
+def _check_yolo(blocks: list[Block], index: int) -> None:
+    block = blocks[index]
+    anchors = block["anchors"]
+    if len(anchors) % 2:
+        raise layer_error(
+            block, f"anchors has {len(anchors)} numbers; they must come in w,h pairs", "anchors"
+        )
+    if any(a <= 0 for a in anchors):
+        raise layer_error(block, "anchor sizes must be positive (pixels)", "anchors")
+    n_anchors = len(anchors) // 2
+    if "num" in block and block["num"] != n_anchors:
+        raise layer_error(
+            block, f"num={block['num']} but anchors lists {n_anchors} w,h pairs", "num"
+        )
+    mask = yolo_mask(block)
+    for m in mask:
+        if not 0 <= m < n_anchors:
+            raise layer_error(
+                block,
+                f"mask index {m} is outside the {n_anchors} anchors (valid: 0..{n_anchors - 1})",
+                "mask",
+            )
+    nc = block.get("classes", 20)
+    if nc < 1:
+        raise layer_error(block, f"classes={nc} must be at least 1", "classes")
+    scale = block.get("scale_x_y", 1.0)
+    if scale <= 0:
+        raise layer_error(block, f"scale_x_y={scale} must be positive", "scale_x_y")
+    j = head_conv_index(blocks, index)
+    if j is not None:
+        conv = blocks[j]
+        filters = conv.get("filters", 1)
+        expected = len(mask) * (nc + 5)
+        if filters != expected:
+            _, yolo_line = _where(block)
+            raise layer_error(
+                conv,
+                f"filters={filters} before the [yolo] at line {yolo_line} must be "
+                f"len(mask) * (classes + 5) = {len(mask)} * ({nc} + 5) = {expected}",
+                "filters",
+            )
+
+
+def rewrite_cfg_classes(blocks: list[Block], nc: int) -> list[Block]:
+    """Return a copy of ``blocks`` for ``nc`` classes: every ``[yolo]`` gets ``classes=nc`` and
+    the ``[convolutional]`` feeding it ``filters=len(mask) * (nc + 5)``.
+
+    The input is not modified; bookkeeping keys keep the original lines, so later messages
+    still point into the source file.
+
+    Raises:
+        ConfigError: ``nc < 1``, or a ``[yolo]`` not fed by a ``[convolutional]``.
+    """
+    if isinstance(nc, bool) or not isinstance(nc, int) or nc < 1:
+        raise ConfigError(f"the number of classes must be a positive integer, got {nc!r}")
+    out = copy.deepcopy(blocks)
+    for i, block in enumerate(out):
+        if block["type"] != "yolo":
+            continue
+        j = head_conv_index(out, i)
+        if j is None:
+            raise layer_error(block, "cannot rewrite classes: no [convolutional] feeds this head")
+        block["classes"] = nc
+        out[j]["filters"] = len(yolo_mask(block)) * (nc + 5)
+    return validate_model_cfg(out)
+
+
+def write_model_cfg(blocks: list[Block], path: str | os.PathLike[str], header: str = "") -> None:
+    """Write parsed blocks back as a Darknet cfg (``key=value`` lines, lists comma-separated).
+
+    ``header`` becomes ``#`` comment lines at the top. Bookkeeping keys (``_...``) are dropped,
+    so comments and the original formatting are not preserved; the values are.
+    """
+    lines = [f"# {h}".rstrip() for h in header.splitlines()]
+    for block in blocks:
+        if lines:
+            lines.append("")
+        lines.append(f"[{block['type']}]")
+        lines.extend(
+            f"{k}={_format_value(v)}" for k, v in block.items() if k != "type" and k[0] != "_"
+        )
+    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+# ---------------------------------------------------------------------------------------------
+# .data and .names
+
+
+def _resolve_data_path(value: str, data_dir: Path) -> str:
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return str(p)
+    beside = data_dir / p
+    return str(beside) if beside.exists() else str(p)
+
+
+def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse a Darknet ``.data`` file (``key=value`` lines; ``#``/``;`` comments).
+
+    Required keys: ``classes`` (positive integer), ``train``, ``valid``, ``names``; other keys
+    (``backup``, ``eval``, ...) are kept as strings.
+
+    Relative paths (``train``, ``valid``, ``test``, ``names``, ``backup``) are resolved this way:
+    if the path exists relative to the folder of the ``.data`` file, that one is used (a
+    self-contained dataset folder); otherwise it is taken relative to the current directory
+    (the lineage convention, ``train=data/coco/train.txt`` run from the repository root).
+    Absolute paths are kept. ``~`` is expanded.
+
+    The ``names`` file must exist and list exactly ``classes`` names.
+
+    Returns:
+        dict with ``classes: int`` and strings for everything else.
+
+    Raises:
+        ConfigError: naming the file and line (or the missing key).
+    """
+    path = Path(path)
+    text = _read_text(path, ".data file")
+    out: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    for number, line in _content_lines(text):
+        key, sep, value = line.partition("=")
+        key, value = key.strip(), value.strip()
+        if not sep or not key:
+            raise ConfigError(f"expected 'key=value', got {line!r}", path, number)
+        if key in lines:
+            raise ConfigError(
+                f"duplicate key '{key}' (first set at line {lines[key]})", path, number
+            )
+        if not value:
+            raise ConfigError(f"key '{key}' has no value", path, number)
+        lines[key] = number
+        if key == "classes":
+            try:
+                out[key] = _to_int(value)
+            except ValueError as e:
+                raise ConfigError(
+                    f"classes={value!r} must be an integer number of classes", path, number
+                ) from e
+            if out[key] < 1:
+                raise ConfigError(f"classes={out[key]} must be at least 1", path, number)
+        elif key in DATA_PATH_KEYS:
+            out[key] = _resolve_data_path(value, path.parent)
+        else:
+            out[key] = value
+    for key in DATA_REQUIRED_KEYS:
+        if key not in out:
+            raise ConfigError(
+                f"missing required key '{key}' (needs {', '.join(DATA_REQUIRED_KEYS)})", path
+            )
+    names_file = Path(out["names"])
+    if not names_file.is_file():
+        raise ConfigError(
+            f"names file '{out['names']}' not found (looked beside the .data file and in the "
+            "current directory)",
+            path,
+            lines["names"],
+        )
+    names = load_class_names(names_file)
+    if len(names) != out["classes"]:
+        raise ConfigError(
+            f"classes={out['classes']} but '{out['names']}' lists {len(names)} names",
+            path,
+            lines["classes"],
+        )
+    return out
+
+
+def load_class_names(path: str | os.PathLike[str]) -> list[str]:
+    """Class names of a ``.names`` file: one per line, surrounding spaces stripped, blank lines
+    skipped (a trailing newline is common).
+
+    Raises:
+        ConfigError: missing or unreadable file, or no names in it.
+    """
+    path = Path(path)
+    text = _read_text(path, "class names file")
+    names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise ConfigError("class names file lists no names", path)
+    return names

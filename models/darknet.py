@@ -1,0 +1,447 @@
+"""The Darknet network built from a parsed cfg.
+
+Each cfg block becomes one entry of ``module_list`` through the ``BUILDERS`` table; module
+names inside an entry (``Conv2d``, ``BatchNorm2d``, ``activation``) follow the ultralytics
+Darknet-cfg lineage so that its ``.pt`` checkpoints load with ``strict=True``.
+
+While building, every layer's output channels and cumulative downsampling (stride, as
+``(sy, sx)`` input pixels per output pixel) are tracked: convolutions and max-pools multiply the
+stride, upsampling divides it and a route takes that of the layers it references. Each YOLO
+head's stride is read from there, never assumed (YOLOv4's heads come in the order 8, 16, 32).
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from build_utils.errors import ConfigError
+from build_utils.parse_config import (
+    Block,
+    head_conv_index,
+    layer_error,
+    parse_model_cfg,
+    validate_model_cfg,
+    yolo_mask,
+)
+from models.layers import FeatureConcat, WeightedFeatureFusion, YOLOLayer, make_activation
+
+LOGGER = logging.getLogger(__name__)
+
+# BatchNorm settings of the lineage (its published checkpoints were trained with them).
+BN_MOMENTUM = 0.03
+BN_EPS = 1e-4
+
+# Head bias priors (focal-loss paper, https://arxiv.org/abs/1708.02002 section 3.3), as in the
+# ultralytics yolov3 archive and the yolov3_spp tutorial repository: objectness starts at
+# sigmoid(-4.5) ~ 0.011 so that the many background cells do not swamp the first steps, class
+# logits at log(0.6 / (nc - 0.99)).
+OBJ_BIAS_PRIOR = -4.5
+CLS_BIAS_PRIOR_NUM = 0.6
+CLS_BIAS_PRIOR_OFFSET = 0.99
+
+# Darknet's defaults for keys a block may omit.
+CONV_DEFAULTS: dict[str, Any] = {
+    "batch_normalize": 0,
+    "filters": 1,
+    "size": 1,
+    "stride": 1,
+    "pad": 0,
+    "padding": 0,
+    "groups": 1,
+    "activation": "logistic",
+}
+DEFAULT_CLASSES = 20  # Darknet's default for [yolo] classes
+DEFAULT_UPSAMPLE_STRIDE = 2
+DEFAULT_DROPOUT = 0.5
+
+Stride = tuple[float, float]
+
+
+@dataclass
+class _State:
+    """What a builder knows about the network built so far."""
+
+    blocks: list[Block]  # all blocks, [net] first
+    index: int  # index of the layer being built (module_list index)
+    channels: list[int]  # output channels of each layer built so far
+    strides: list[Stride]  # cumulative downsampling of each layer built so far
+    in_channels: int  # channels of this layer's input
+    in_stride: Stride  # downsampling of this layer's input
+
+
+@dataclass
+class _Built:
+    module: nn.Module
+    channels: int
+    stride: Stride
+
+
+def _stride_pair(mdef: Block, default: int) -> tuple[int, int]:
+    s = mdef.get("stride", default)
+    return mdef.get("stride_y", s), mdef.get("stride_x", s)
+
+
+def _build_conv(mdef: Block, st: _State) -> _Built:
+    c = {**CONV_DEFAULTS, **mdef}
+    filters, k, groups = c["filters"], c["size"], c["groups"]
+    sy, sx = _stride_pair(mdef, CONV_DEFAULTS["stride"])
+    if st.in_channels % groups or filters % groups:
+        raise layer_error(
+            mdef,
+            f"groups={groups} must divide both the input channels ({st.in_channels}) and "
+            f"filters ({filters})",
+            "groups",
+        )
+    bn = bool(c["batch_normalize"])
+    seq = nn.Sequential()
+    seq.add_module(
+        "Conv2d",
+        nn.Conv2d(
+            st.in_channels,
+            filters,
+            kernel_size=k,
+            stride=(sy, sx) if sy != sx else sy,
+            # Darknet: pad=1 means "same" padding (size // 2); otherwise `padding` pixels.
+            padding=k // 2 if c["pad"] else c["padding"],
+            groups=groups,
+            bias=not bn,
+        ),
+    )
+    if bn:
+        seq.add_module("BatchNorm2d", nn.BatchNorm2d(filters, momentum=BN_MOMENTUM, eps=BN_EPS))
+    act = make_activation(c["activation"])
+    if act is not None:
+        seq.add_module("activation", act)
+    return _Built(seq, filters, (st.in_stride[0] * sy, st.in_stride[1] * sx))
+
+
+def _build_maxpool(mdef: Block, st: _State) -> _Built:
+    k = mdef.get("size", 1)
+    sy, sx = _stride_pair(mdef, 1)
+    stride = (sy, sx) if sy != sx else sy
+    if k == 2 and sy == sx == 1:
+        # Darknet pads size - 1 = 1 pixel on the right/bottom only; symmetric padding cannot
+        # express that, and without it YOLOv3-tiny's 13x13 grid shrinks to 12x12.
+        module: nn.Module = nn.Sequential()
+        module.add_module("ZeroPad2d", nn.ZeroPad2d((0, 1, 0, 1)))
+        module.add_module("MaxPool2d", nn.MaxPool2d(kernel_size=k, stride=1))
+    else:
+        module = nn.MaxPool2d(kernel_size=k, stride=stride, padding=(k - 1) // 2)
+    return _Built(module, st.in_channels, (st.in_stride[0] * sy, st.in_stride[1] * sx))
+
+
+def _build_upsample(mdef: Block, st: _State) -> _Built:
+    s = mdef.get("stride", DEFAULT_UPSAMPLE_STRIDE)
+    return _Built(
+        nn.Upsample(scale_factor=s, mode="nearest"),
+        st.in_channels,
+        (st.in_stride[0] / s, st.in_stride[1] / s),
+    )
+
+
+def _abs_layers(refs: list[int], index: int) -> list[int]:
+    return [index + r if r < 0 else r for r in refs]
+
+
+def _build_route(mdef: Block, st: _State) -> _Built:
+    layers = _abs_layers(mdef["layers"], st.index)
+    groups, group_id = mdef.get("groups", 1), mdef.get("group_id", 0)
+    strides = {st.strides[j] for j in layers}
+    if len(strides) > 1:
+        detail = ", ".join(f"layer {j}: /{st.strides[j][1]:g}" for j in layers)
+        raise layer_error(
+            mdef, f"layers={mdef['layers']} have different resolutions ({detail})", "layers"
+        )
+    for j in layers:
+        if st.channels[j] % groups:
+            raise layer_error(
+                mdef,
+                f"groups={groups} does not divide the {st.channels[j]} channels of layer {j}",
+                "groups",
+            )
+    channels = sum(st.channels[j] for j in layers) // groups
+    return _Built(FeatureConcat(layers, groups, group_id), channels, st.strides[layers[0]])
+
+
+def _build_shortcut(mdef: Block, st: _State) -> _Built:
+    layers = _abs_layers(mdef["from"], st.index)
+    for j in layers:
+        if st.strides[j] != st.in_stride:
+            raise layer_error(
+                mdef,
+                f"from={mdef['from']}: layer {j} is at /{st.strides[j][1]:g} but the input is at "
+                f"/{st.in_stride[1]:g}",
+                "from",
+            )
+    module = WeightedFeatureFusion(
+        layers,
+        weight=mdef.get("weights_type", "none") == "per_feature",
+        activation=make_activation(mdef.get("activation", "linear")),
+        channels=[st.in_channels, *(st.channels[j] for j in layers)],
+    )
+    return _Built(module, st.in_channels, st.in_stride)
+
+
+def _build_dropout(mdef: Block, st: _State) -> _Built:
+    return _Built(
+        nn.Dropout(p=mdef.get("probability", DEFAULT_DROPOUT)), st.in_channels, st.in_stride
+    )
+
+
+def _build_yolo(mdef: Block, st: _State) -> _Built:
+    mask = yolo_mask(mdef)
+    nc = mdef.get("classes", DEFAULT_CLASSES)
+    anchors = torch.tensor(mdef["anchors"], dtype=torch.float32).view(-1, 2)[mask]
+    sy, sx = st.in_stride
+    if sy != sx or sy < 1:
+        raise layer_error(
+            mdef,
+            f"the head's input is downsampled by {sy:g} x {sx:g}; a square stride >= 1 is needed",
+        )
+    expected = len(mask) * (nc + 5)
+    if st.in_channels != expected:
+        raise layer_error(
+            mdef,
+            f"the head's input has {st.in_channels} channels, expected len(mask) * (classes + 5) "
+            f"= {expected}",
+        )
+    module = YOLOLayer(anchors, nc=nc, stride=sy, scale_x_y=mdef.get("scale_x_y", 1.0))
+    return _Built(module, st.in_channels, st.in_stride)
+
+
+BUILDERS: dict[str, Callable[[Block, _State], _Built]] = {
+    "convolutional": _build_conv,
+    "maxpool": _build_maxpool,
+    "upsample": _build_upsample,
+    "route": _build_route,
+    "shortcut": _build_shortcut,
+    "dropout": _build_dropout,
+    "yolo": _build_yolo,
+}
+
+
+def _init_head_bias(module_list: nn.ModuleList, conv_index: int, head: YOLOLayer) -> None:
+    """Add the objectness and class priors to the bias feeding ``head``."""
+    seq = module_list[conv_index]
+    target = seq.BatchNorm2d.bias if hasattr(seq, "BatchNorm2d") else seq.Conv2d.bias
+    with torch.no_grad():
+        b = target.view(head.na, head.no)
+        b[:, 4] += OBJ_BIAS_PRIOR
+        b[:, 5:] += math.log(CLS_BIAS_PRIOR_NUM / (head.nc - CLS_BIAS_PRIOR_OFFSET))
+
+
+class Darknet(nn.Module):
+    """YOLO network defined by a Darknet cfg.
+
+    Args:
+        cfg: a ``.cfg`` path, or parsed blocks (``[net]`` first) as returned by
+            :func:`~build_utils.parse_config.parse_model_cfg` or ``rewrite_cfg_classes``; blocks
+            are validated again and copied.
+        img_size: (h, w) or one int; the default size for :meth:`info` and export.
+
+    Attributes:
+        hyperparams: the ``[net]`` block. module_defs: the other blocks.
+        module_list: one module per block. yolo_layers: indices of the heads in module_list.
+        nc: classes. strides: input pixels per grid cell of each head, in head order.
+        seen: images seen in training, read from and written to Darknet ``.weights`` headers.
+        fused: True after :meth:`fuse` (inference only; no longer matches the cfg's state_dict).
+
+    Forward: ``x`` (bs, channels, H, W) float in [0, 1], H and W multiples of the largest
+    stride. Training mode: list with one (bs, na, ny, nx, no) raw tensor per head. Eval mode:
+    ``(det, raw)``, ``det`` (bs, N, no) = cx, cy, w, h in input pixels, sigmoid objectness,
+    sigmoid class scores (1 when nc == 1), ``raw`` as in training mode.
+
+    Raises:
+        ConfigError: for a cfg that cannot be built (naming file:line).
+    """
+
+    def __init__(
+        self,
+        cfg: str | os.PathLike[str] | list[Block],
+        img_size: int | tuple[int, int] = (416, 416),
+    ):
+        super().__init__()
+        if isinstance(cfg, (str, os.PathLike)):
+            blocks = parse_model_cfg(cfg)
+            self.cfg_path: str | None = str(Path(cfg))
+        else:
+            blocks = validate_model_cfg(copy.deepcopy(list(cfg)))
+            self.cfg_path = blocks[0].get("_path")
+        self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        self.hyperparams: Block = blocks[0]
+        self.module_defs: list[Block] = blocks[1:]
+        self.module_list, self.routs = self._build(blocks)
+        self.yolo_layers: list[int] = [
+            i for i, m in enumerate(self.module_list) if isinstance(m, YOLOLayer)
+        ]
+        if not self.yolo_layers:
+            raise ConfigError(
+                "the cfg has no [yolo] layer; a detection model needs one", self.cfg_path
+            )
+        heads = [self.module_list[i] for i in self.yolo_layers]
+        ncs = {h.nc for h in heads}
+        if len(ncs) > 1:
+            raise layer_error(
+                self.module_defs[self.yolo_layers[-1]],
+                f"the [yolo] layers disagree on classes ({sorted(ncs)})",
+                "classes",
+            )
+        self.nc: int = heads[0].nc
+        self.strides: list[float] = [h.stride for h in heads]
+        self.seen = 0
+        self.fused = False
+
+    def _build(self, blocks: list[Block]) -> tuple[nn.ModuleList, list[bool]]:
+        net = blocks[0]
+        in_channels = net.get("channels", 3)
+        module_list = nn.ModuleList()
+        st = _State(blocks, 0, [], [], in_channels, (1.0, 1.0))
+        referenced: set[int] = set()
+        for i, mdef in enumerate(blocks[1:]):
+            st.index = i
+            built = BUILDERS[mdef["type"]](mdef, st)
+            module_list.append(built.module)
+            st.channels.append(built.channels)
+            st.strides.append(built.stride)
+            st.in_channels, st.in_stride = built.channels, built.stride
+            if isinstance(built.module, (FeatureConcat, WeightedFeatureFusion)):
+                referenced.update(built.module.layers)
+            if isinstance(built.module, YOLOLayer):
+                j = head_conv_index(blocks, i + 1)
+                if j is not None:
+                    _init_head_bias(module_list, j - 1, built.module)
+        # Only outputs some later layer reads are kept during forward.
+        routs = [i in referenced for i in range(len(module_list))]
+        return module_list, routs
+
+    def forward(
+        self, x: torch.Tensor
+    ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
+        """See the class docstring for shapes and conventions."""
+        outputs: list[torch.Tensor | None] = []
+        yolo_out = []
+        for module, keep in zip(self.module_list, self.routs):
+            if isinstance(module, (FeatureConcat, WeightedFeatureFusion)):
+                x = module(x, outputs)
+            elif isinstance(module, YOLOLayer):
+                # The head does not change x: a later route reads the conv output through it.
+                yolo_out.append(module(x))
+            else:
+                x = module(x)
+            outputs.append(x if keep else None)
+        if self.training:
+            return yolo_out
+        det, raw = zip(*yolo_out)
+        return torch.cat(det, 1), list(raw)
+
+    def fuse(self) -> Darknet:
+        """Fold each BatchNorm2d into its Conv2d, in place, for inference.
+
+        The fused model's outputs equal the unfused model's in eval mode (to float rounding).
+        Its state_dict no longer matches the cfg's (no BatchNorm2d keys, conv biases instead):
+        save checkpoints and ``.weights`` before fusing.
+        """
+        with torch.no_grad():
+            for i, m in enumerate(self.module_list):
+                if not (isinstance(m, nn.Sequential) and hasattr(m, "BatchNorm2d")):
+                    continue
+                seq = nn.Sequential()
+                seq.add_module("Conv2d", fuse_conv_and_bn(m.Conv2d, m.BatchNorm2d))
+                if hasattr(m, "activation"):
+                    seq.add_module("activation", m.activation)
+                self.module_list[i] = seq
+        self.fused = True
+        return self
+
+    def info(
+        self, img_size: int | tuple[int, int] | None = None, verbose: bool = False
+    ) -> tuple[int, float]:
+        """Log a layer table (at INFO with ``verbose``, else DEBUG), the parameter count and
+        GFLOPs.
+
+        GFLOPs are counted by ``torch.utils.flop_counter`` for one image of ``img_size`` (h, w)
+        (default: ``self.img_size``), counting a multiply-add as 2 FLOPs.
+
+        Returns:
+            (number of parameters, GFLOPs per image).
+        """
+        size = img_size if img_size is not None else self.img_size
+        h, w = (size, size) if isinstance(size, int) else size
+        n_params = sum(p.numel() for p in self.parameters())
+        n_grad = sum(p.numel() for p in self.parameters() if p.requires_grad)
+        shapes: dict[int, tuple[int, ...]] = {}
+        hooks = [
+            m.register_forward_hook(
+                lambda _m, _i, out, i=i: shapes.__setitem__(
+                    i, tuple((out[1] if isinstance(out, tuple) else out).shape)
+                )
+            )
+            for i, m in enumerate(self.module_list)
+        ]
+        p0 = next(self.parameters())
+        was_training = self.training
+        self.eval()
+        try:
+            counter = FlopCounterMode(display=False)
+            with torch.no_grad(), counter:
+                self(
+                    torch.zeros(
+                        1,
+                        self.hyperparams.get("channels", 3),
+                        h,
+                        w,
+                        dtype=p0.dtype,
+                        device=p0.device,
+                    )
+                )
+        finally:
+            for hk in hooks:
+                hk.remove()
+            self.train(was_training)
+        gflops = counter.get_total_flops() / 1e9
+        level = logging.INFO if verbose else logging.DEBUG
+        LOGGER.log(level, "%5s %-14s %12s  %s", "layer", "type", "params", "output shape")
+        for i, (mdef, m) in enumerate(zip(self.module_defs, self.module_list)):
+            n = sum(p.numel() for p in m.parameters())
+            LOGGER.log(level, "%5d %-14s %12s  %s", i, mdef["type"], f"{n:,}", shapes.get(i))
+        LOGGER.info(
+            "Darknet: %d layers, %s parameters, %s gradients, %.1f GFLOPs at %dx%d (h x w)",
+            len(self.module_list),
+            f"{n_params:,}",
+            f"{n_grad:,}",
+            gflops,
+            h,
+            w,
+        )
+        return n_params, gflops
+
+
+@torch.no_grad()
+def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
+    """A Conv2d (with bias) computing ``bn(conv(x))`` with ``bn`` in eval mode."""
+    fused = nn.Conv2d(
+        conv.in_channels,
+        conv.out_channels,
+        kernel_size=conv.kernel_size,
+        stride=conv.stride,
+        padding=conv.padding,
+        dilation=conv.dilation,
+        groups=conv.groups,
+        bias=True,
+    ).to(device=conv.weight.device, dtype=conv.weight.dtype)
+    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
+    fused.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1))
+    conv_bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
+    fused.bias.copy_(bn.bias + (conv_bias - bn.running_mean) * scale)
+    return fused

@@ -1,0 +1,151 @@
+"""tools/make_cfg.py, tools/convert_weights.py, tools/export_onnx.py (called through main())."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from build_utils.parse_config import parse_model_cfg
+from models.darknet import Darknet
+from models.weights import load_checkpoint_state_dict, save_pt
+from tools import convert_weights, export_onnx, make_cfg
+
+REPO = Path(__file__).resolve().parents[1]
+NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
+TINY = REPO / "cfg" / "yolov3-tiny.cfg"
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# make_cfg
+
+
+def test_make_cfg_classes(tmp_path):
+    out = tmp_path / "nano3.cfg"
+    assert make_cfg.main([str(NANO), "--classes", "3", "-o", str(out)]) == 0
+    src, dst = parse_model_cfg(NANO), parse_model_cfg(out)
+    assert len(src) == len(dst)
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if b["type"] == "yolo":
+            assert b["classes"] == 3 and dst[i - 1]["filters"] == 24
+        elif i + 1 < len(dst) and dst[i + 1]["type"] == "yolo":
+            assert a["filters"] == 255
+        else:
+            assert {k: v for k, v in a.items() if k[0] != "_"} == {
+                k: v for k, v in b.items() if k[0] != "_"
+            }
+    model = Darknet(out)
+    assert model.nc == 3
+
+
+def test_make_cfg_from_data_and_default_name(tmp_path):
+    cfg = tmp_path / "tiny.cfg"
+    cfg.write_text(TINY.read_text())
+    (tmp_path / "x.names").write_text("a\nb\n")
+    (tmp_path / "x.data").write_text("classes=2\ntrain=t.txt\nvalid=v.txt\nnames=x.names\n")
+    assert make_cfg.main([str(cfg), "--data", str(tmp_path / "x.data")]) == 0
+    blocks = parse_model_cfg(tmp_path / "tiny-2cls.cfg")
+    assert [b["classes"] for b in blocks if b["type"] == "yolo"] == [2, 2]
+
+
+def test_make_cfg_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.cfg"
+    bad.write_text("[net]\n[convolutional]\nfilters=x\n")
+    assert make_cfg.main([str(bad), "--classes", "3"]) == 2
+    assert f"{bad}:3: value 'x'" in one_error_line(capsys)
+    assert make_cfg.main([str(NANO), "--classes", "0", "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "positive integer" in one_error_line(capsys)
+    assert not (tmp_path / "o.cfg").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# convert_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_pt(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = Darknet(TINY)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+    path = tmp_path_factory.mktemp("convert") / "tiny.pt"
+    save_pt(model, path)
+    return path
+
+
+def test_convert_weights_both_ways(tiny_pt, tmp_path):
+    weights, back = tmp_path / "tiny.weights", tmp_path / "back.pt"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(weights)]) == 0
+    assert convert_weights.main([str(TINY), str(weights), str(back)]) == 0
+    a, b = load_checkpoint_state_dict(tiny_pt), load_checkpoint_state_dict(back)
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.endswith("num_batches_tracked"))
+    ckpt = torch.load(back, map_location="cpu", weights_only=True)
+    assert ckpt["epoch"] == -1  # weights to start from, never a run to resume
+
+
+def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(tmp_path / "x.pt")]) == 2
+    assert "one file must end in .weights" in one_error_line(capsys)
+    assert convert_weights.main([str(NANO), str(tiny_pt), str(tmp_path / "x.weights")]) == 2
+    assert "does not match" in one_error_line(capsys)
+    short = tmp_path / "short.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(short)]) == 0
+    short.write_bytes(short.read_bytes()[:-400])
+    assert convert_weights.main([str(TINY), str(short), str(tmp_path / "y.pt")]) == 2
+    assert "truncated" in one_error_line(capsys)
+    assert not (tmp_path / "y.pt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# export_onnx
+
+HAVE_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
+needs_onnx = pytest.mark.skipif(
+    not HAVE_ONNX, reason="onnx/onnxruntime not installed (pip install -r requirements-onnx.txt)"
+)
+
+
+@needs_onnx
+def test_export_onnx_matches_pytorch_with_dynamic_batch(tmp_path):
+    import onnx
+
+    out = tmp_path / "nano.onnx"
+    assert export_onnx.main(["--cfg", str(NANO), "--img-size", "128", "160", "-o", str(out)]) == 0
+    graph = onnx.load(str(out)).graph
+    assert graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    assert [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim[1:]] == [3, 128, 160]
+    torch.manual_seed(0)
+    model = Darknet(NANO)
+    export_onnx.export_onnx(model, out, (128, 160))
+    assert not model.training
+    # verify_onnx runs a batch of 2 (exported with 1) and asserts 1e-4 agreement.
+    assert export_onnx.verify_onnx(model, out, (128, 160)) < 1e-3
+
+
+@needs_onnx
+def test_export_onnx_cli_verify_with_weights(tiny_pt, tmp_path):
+    out = tmp_path / "tiny.onnx"
+    argv = ["--cfg", str(TINY), "--weights", str(tiny_pt), "--img-size", "64", "-o", str(out)]
+    assert export_onnx.main([*argv, "--verify"]) == 0
+
+
+def test_export_onnx_errors(tmp_path, capsys):
+    out = str(tmp_path / "x.onnx")
+    assert export_onnx.main(["--cfg", str(TINY), "--opset", "10", "-o", out]) == 2
+    assert "opset 11" in one_error_line(capsys)
+    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "100", "-o", out]) == 2
+    assert "multiples of 32" in one_error_line(capsys)
+    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "64", "64", "-o", out]) == 2
+    assert "H or H W" in one_error_line(capsys)
