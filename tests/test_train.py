@@ -41,10 +41,9 @@ def _rows(path: Path) -> list[dict[str, str]]:
 
 @pytest.fixture(scope="module")
 def trained(shapes_data, repo_root, tmp_path_factory):
-    """One 3-epoch run shared by the tests that only read its outputs."""
+    """One 2-epoch run shared by the tests that only read its outputs."""
     out = tmp_path_factory.mktemp("run")
-    summary = _run(_flags(shapes_data, out, repo_root, 3, "--hyp",
-                          str(repo_root / "cfg" / "hyp_demo.yaml")))
+    summary = _run(_flags(shapes_data, out, repo_root, 2))
     return out, summary
 
 
@@ -57,18 +56,44 @@ def test_training_writes_every_output_and_lowers_loss(trained):
     with (out / "results.csv").open() as f:
         assert f.readline().strip() == ",".join(RESULTS_HEADER)
     rows = _rows(out / "results.csv")
-    assert [int(r["epoch"]) for r in rows] == [0, 1, 2]
-    assert float(rows[-1]["loss"]) < float(rows[0]["loss"])
+    assert [int(r["epoch"]) for r in rows] == [0, 1]
+    assert all(float(r["loss"]) > 0 and float(r["train_seconds"]) > 0 for r in rows)
     ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
     for key in ("model", "train_model", "ema", "optimizer", "scheduler", "epoch", "best_fitness",
                 "config", "names", "nc", "cfg"):
         assert key in ckpt, key
-    assert ckpt["epoch"] == 2 and ckpt["nc"] == 5 and ckpt["names"][0] == "circle"
-    assert summary.epochs_run == 3
+    assert ckpt["epoch"] == 1 and ckpt["nc"] == 5 and ckpt["names"][0] == "circle"
+    assert summary.epochs_run == 2
+
+
+def test_training_lowers_the_loss(make_shapes_data, repo_root, tmp_path):
+    """Six epochs of one 8-image batch without augmentation: the last epoch's loss is clearly
+    below the first's. (From scratch, the loss of a few steps over varied augmented images is
+    dominated by noise and by the objectness target rising with box quality, so a fixed batch
+    is what makes this a property of learning rather than luck.)"""
+    data = make_shapes_data(n_train=8, n_val=4)
+    hyp = tmp_path / "no_aug.yaml"
+    text = (repo_root / "cfg" / "hyp_demo.yaml").read_text()
+    for key in ("hsv_h", "hsv_s", "hsv_v", "translate", "scale", "fliplr", "warmup_epochs"):
+        text = "\n".join(
+            f"{key}: 0.0" if line.startswith(f"{key}:") else line for line in text.splitlines()
+        )
+    hyp.write_text(text.replace("mosaic: true", "mosaic: false"))
+    out = tmp_path / "run"
+    _run(_flags(data, out, repo_root, 6, "--hyp", str(hyp), "--notest", "--no-ema"))
+    rows = _rows(out / "results.csv")
+    assert [r["epoch"] for r in rows] == ["5"]  # --notest: only the final epoch is evaluated
+    log = (out / "train.log").read_text()
+    losses = [
+        float(line.split("loss ")[1].split()[0].rstrip(","))
+        for line in log.splitlines()
+        if "epoch " in line and "loss " in line
+    ]
+    assert len(losses) == 6 and losses[-1] < 0.9 * losses[0], losses
 
 
 def test_validation_reproduces_training_map(trained, shapes_data, tmp_path):
-    out, summary = trained
+    out, _ = trained
     stats_file = tmp_path / "stats.json"
     code = validation.main(["--cfg", str(out / "model.cfg"), "--data", str(shapes_data),
                             "--weights", str(out / "last.pt"), "--img-size", IMG,

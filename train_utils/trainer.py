@@ -74,7 +74,7 @@ RANK_SEED_STRIDE = 1_000_003
 class RunSummary:
     output_dir: Path
     epochs_run: int
-    best_map: float
+    best_map: float | None
     last_stats: dict[str, float] | None
     seconds: float
 
@@ -194,13 +194,20 @@ def plot_results(csv_path: Path, png_path: Path) -> None:
     plt.close(fig)
 
 
-def _setup_logging(output_dir: Path, is_main: bool) -> logging.Handler | None:
+def _setup_logging(output_dir: Path, is_main: bool) -> tuple[logging.Handler | None, int]:
+    """Send INFO and above to ``train.log`` on rank 0, whatever the caller's logging set-up;
+    returns the handler and the root level to restore."""
+    root = logging.getLogger()
+    level = root.level
     if not is_main:
-        return None
+        return None, level
     handler = logging.FileHandler(output_dir / "train.log")
+    handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    logging.getLogger().addHandler(handler)
-    return handler
+    root.addHandler(handler)
+    if level > logging.INFO or level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    return handler, level
 
 
 def _resolve_resume_path(config: TrainConfig) -> Path | None:
@@ -222,13 +229,14 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     if is_main:
         out.mkdir(parents=True, exist_ok=True)
     barrier()
-    log_handler = _setup_logging(out, is_main)
+    log_handler, root_level = _setup_logging(out, is_main)
     try:
         return _run(config, dist, device, is_main, out, t_start)
     finally:
         if log_handler is not None:
             logging.getLogger().removeHandler(log_handler)
             log_handler.close()
+            logging.getLogger().setLevel(root_level)
 
 
 def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: bool, out: Path,
@@ -280,7 +288,7 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
     scaler = torch.amp.GradScaler("cuda") if (config.amp and device.type == "cuda") else None
     ema = ModelEMA(model) if config.ema else None
 
-    start_epoch, best_map = 0, 0.0
+    start_epoch, best_map = 0, None
     if ckpt is not None:
         optimizer.load_state_dict(ckpt["optimizer"])
         scheduler.load_state_dict(ckpt["scheduler"])
@@ -290,9 +298,9 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
             ema.ema.load_state_dict(ckpt["ema"])
             ema.updates = int(ckpt.get("ema_updates", 0))
         start_epoch = int(ckpt["epoch"]) + 1
-        best_map = float(ckpt.get("best_fitness") or 0.0)
-        logger.info("resuming from %s: epoch %d done, best mAP@0.5:0.95 %.4f", resume_path,
-                    start_epoch - 1, best_map)
+        best_map = ckpt.get("best_fitness")
+        logger.info("resuming from %s: epoch %d done, best mAP@0.5:0.95 %s", resume_path,
+                    start_epoch - 1, "-" if best_map is None else f"{best_map:.4f}")
         if start_epoch >= config.epochs:
             logger.info("the checkpoint already finished all %d epochs; nothing to do",
                         config.epochs)
@@ -403,8 +411,8 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
                     for k, v in last_stats.items():
                         writer.add_scalar(f"val/{k}", v, epoch)
                     map_now = last_stats["mAP50-95"]
-                    is_best = map_now > best_map
-                    best_map = max(best_map, map_now)
+                    is_best = best_map is None or map_now > best_map
+                    best_map = map_now if is_best else best_map
                     logger.info("epoch %d/%d: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, "
                                 "%.1f s | mAP@0.5:0.95 %.4f mAP@0.5 %.4f", epoch, config.epochs - 1,
                                 stats.loss, stats.box_loss, stats.obj_loss, stats.cls_loss,
@@ -441,8 +449,9 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
 
     seconds = time.time() - t_start
     if is_main and not interrupted:
-        logger.info("done: %d epochs in %.1f min | best mAP@0.5:0.95 %.4f | results %s | "
-                    "weights %s, %s", config.epochs - start_epoch, seconds / 60, best_map,
+        logger.info("done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | "
+                    "weights %s, %s", config.epochs - start_epoch, seconds / 60,
+                    "-" if best_map is None else f"{best_map:.4f}",
                     results_path, out / "last.pt", out / "best.pt")
     if interrupted:
         raise KeyboardInterrupt
@@ -460,7 +469,7 @@ def _raise_keyboard_interrupt(signum: int, frame: Any) -> None:
 
 
 def _make_checkpoint(model: nn.Module, ema: ModelEMA | None, optimizer, scheduler, scaler,
-                     epoch: int, best_map: float, config: TrainConfig, data,
+                     epoch: int, best_map: float | None, config: TrainConfig, data,
                      cfg_text: str) -> dict:
     """Everything needed to resume, as tensors and plain types (``weights_only`` loadable).
 

@@ -1,0 +1,233 @@
+"""Detect objects in images, folders or videos with a trained checkpoint and draw the boxes.
+
+    python predict.py --weights runs/demo/best.pt --source img.jpg
+    python predict.py --weights best.pt --source folder/ clip.mp4 --output out/ --conf-thres 0.25
+    python predict.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --names coco.names ...
+
+A checkpoint written by train.py carries its cfg and class names, so ``--weights`` alone is
+enough; state_dicts and Darknet ``.weights`` need ``--cfg`` and ``--names``/``--data``.
+Each image's detections are printed (class, confidence, xyxy box in original pixels) and the
+drawn image is saved under ``--output`` with the same name.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import tempfile
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import cv2
+import numpy as np
+import torch
+
+from build_utils.augmentations import letterbox
+from build_utils.boxes import non_max_suppression, scale_coords
+from build_utils.errors import ConfigError, DatasetError
+from build_utils.image_io import is_image_file, list_images, read_image
+from build_utils.parse_config import load_class_names, parse_data_cfg, parse_model_cfg
+from models.darknet import Darknet
+from train_utils.builders import load_inference_weights, model_blocks_for
+from train_utils.checkpoint import load_checkpoint
+from train_utils.cli import run_main, setup_console_logging
+from train_utils.config import check_img_size
+from train_utils.train_eval_utils import autocast_context
+from train_utils.trainer import select_device
+
+logger = logging.getLogger("predict")
+
+VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv"}
+BOX_THICKNESS = 2
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("YOLOv3-SPP prediction",
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--weights", required=True, help="checkpoint .pt, state_dict .pt or .weights")
+    p.add_argument("--source", nargs="+", required=True,
+                   help="image files, folders of images, or video files")
+    p.add_argument("--cfg", default=None, help="model cfg (default: the one in the checkpoint)")
+    p.add_argument("--data", default=None, help=".data file whose names= gives class names")
+    p.add_argument("--names", default=None, help=".names file (one class per line)")
+    p.add_argument("--output", default="runs/predict", help="folder for the drawn images/videos")
+    p.add_argument("--img-size", type=int, default=512, help="inference size (multiple of 32)")
+    p.add_argument("--conf-thres", type=float, default=0.3)
+    p.add_argument("--iou-thres", type=float, default=0.6)
+    p.add_argument("--max-det", type=int, default=300)
+    p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if present)")
+    p.add_argument("--amp", action="store_true", help="bf16 (CPU) / fp16 (CUDA) inference")
+    p.add_argument("--trust-checkpoint", action="store_true",
+                   help="allow full-pickle checkpoint loading (only for files you trust)")
+    return p
+
+
+def class_colour(c: int) -> tuple[int, int, int]:
+    """A stable, distinct BGR colour per class."""
+    hue = (c * 47) % 180
+    hsv = np.uint8([[[hue, 220, 255]]])
+    return tuple(int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)[0, 0])
+
+
+def draw_detections(img: np.ndarray, det: torch.Tensor, names: Sequence[str]) -> np.ndarray:
+    """Draw ``det`` ((n, 6) xyxy original pixels, conf, cls) on a copy of BGR ``img``."""
+    out = img.copy()
+    scale = max(0.4, min(out.shape[:2]) / 800)
+    for x1, y1, x2, y2, conf, cls in det.tolist():
+        c = int(cls)
+        colour = class_colour(c)
+        p1, p2 = (round(x1), round(y1)), (round(x2), round(y2))
+        cv2.rectangle(out, p1, p2, colour, BOX_THICKNESS, cv2.LINE_AA)
+        label = f"{names[c] if c < len(names) else c} {conf:.2f}"
+        (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
+        top = max(p1[1], th + base)
+        cv2.rectangle(out, (p1[0], top - th - base), (p1[0] + tw, top), colour, -1)
+        cv2.putText(out, label, (p1[0], top - base), cv2.FONT_HERSHEY_SIMPLEX, scale,
+                    (255, 255, 255), 1, cv2.LINE_AA)
+    return out
+
+
+class Predictor:
+    """A model plus the letterbox/NMS/rescale steps around it, for BGR images of any size."""
+
+    def __init__(self, model: Darknet, device: torch.device, img_size: int, conf_thres: float,
+                 iou_thres: float, max_det: int, agnostic: bool, amp: bool):
+        self.model = model.to(device).eval()
+        self.device, self.img_size, self.amp = device, img_size, amp
+        self.conf_thres, self.iou_thres = conf_thres, iou_thres
+        self.max_det, self.agnostic = max_det, agnostic
+
+    @torch.no_grad()
+    def __call__(self, img: np.ndarray) -> torch.Tensor:
+        """Detections ``(n, 6)``: xyxy in ``img`` pixels, confidence, class."""
+        lb, ratio, pad = letterbox(img, self.img_size, auto=True, scale_up=False)
+        x = torch.from_numpy(np.ascontiguousarray(lb[:, :, ::-1].transpose(2, 0, 1)))
+        x = x.to(self.device).float().div_(255).unsqueeze(0)
+        with autocast_context(self.device, self.amp):
+            pred = self.model(x)[0]
+        det = non_max_suppression(pred.float(), self.conf_thres, self.iou_thres,
+                                  multi_label=False, agnostic=self.agnostic,
+                                  max_det=self.max_det)[0].cpu()
+        if len(det):
+            det[:, :4] = scale_coords(x.shape[2:], det[:, :4], img.shape[:2],
+                                      ((ratio[1], ratio[0]), pad))
+        return det
+
+
+def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str]]:
+    """Build the model from ``--cfg`` or the checkpoint's own cfg, and find the class names."""
+    names: list[str] | None = None
+    ckpt_cfg = None
+    if not args.weights.endswith(".weights"):
+        ckpt = load_checkpoint(args.weights, trust=args.trust_checkpoint)
+        ckpt_cfg = ckpt.get("cfg") if isinstance(ckpt.get("cfg"), str) else None
+        if isinstance(ckpt.get("names"), list):
+            names = [str(n) for n in ckpt["names"]]
+    if args.names:
+        names = load_class_names(args.names)
+    elif args.data:
+        names = load_class_names(parse_data_cfg(args.data)["names"])
+    with tempfile.TemporaryDirectory() as tmp:
+        cfg = args.cfg
+        if cfg is None:
+            if ckpt_cfg is None:
+                raise ConfigError("these weights carry no cfg; pass --cfg (and --names)",
+                                  args.weights)
+            cfg = Path(tmp) / "model.cfg"
+            cfg.write_text(ckpt_cfg)
+        cfg_nc = max(int(b["classes"]) for b in parse_model_cfg(cfg) if b["type"] == "yolo")
+        nc = len(names) if names else cfg_nc
+        model = Darknet(model_blocks_for(cfg, nc), img_size=(args.img_size, args.img_size))
+    load_inference_weights(model, args.weights, args.trust_checkpoint)
+    return model, names or [str(i) for i in range(nc)]
+
+
+def iter_sources(sources: Sequence[str]) -> Iterator[Path]:
+    for s in sources:
+        p = Path(s)
+        if p.is_dir():
+            yield from (Path(f) for f in list_images(p))
+        elif p.is_file():
+            yield p
+        else:
+            raise ConfigError("--source: no such file or folder", p)
+
+
+def predict_video(predictor: Predictor, path: Path, out_dir: Path, names: Sequence[str]) -> int:
+    cap = cv2.VideoCapture(str(path))
+    if not cap.isOpened():
+        logger.warning("%s: cannot open as a video; skipped", path)
+        return 0
+    fps = cap.get(cv2.CAP_PROP_FPS) or 25.0
+    writer = None
+    frames = 0
+    try:
+        while True:
+            ok, frame = cap.read()
+            if not ok:
+                break
+            det = predictor(frame)
+            drawn = draw_detections(frame, det, names)
+            if writer is None:
+                h, w = drawn.shape[:2]
+                writer = cv2.VideoWriter(str(out_dir / f"{path.stem}.mp4"),
+                                         cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+            writer.write(drawn)
+            frames += 1
+            print(f"{path} frame {frames}: {len(det)} detections")
+    finally:
+        cap.release()
+        if writer is not None:
+            writer.release()
+    return frames
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_parser().parse_args(argv)
+    setup_console_logging()
+
+    def body() -> None:
+        check_img_size(args.img_size)
+        if not Path(args.weights).is_file():
+            raise ConfigError("weights file not found; check --weights", args.weights)
+        for flag, v in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
+            if not 0 <= v <= 1:
+                raise ConfigError(f"{flag} must be in [0, 1], got {v}")
+        device = select_device(args.device)
+        model, names = load_model(args)
+        predictor = Predictor(model, device, args.img_size, args.conf_thres, args.iou_thres,
+                              args.max_det, args.agnostic_nms, args.amp)
+        out_dir = Path(args.output)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        n_images = 0
+        for path in iter_sources(args.source):
+            if path.suffix.lower() in VIDEO_SUFFIXES:
+                predict_video(predictor, path, out_dir, names)
+                continue
+            if not is_image_file(path):
+                logger.warning("%s: not an image or video file; skipped", path)
+                continue
+            try:
+                img = read_image(path)
+            except DatasetError as e:  # one bad image is reported and skipped, never fatal
+                logger.warning("skipped: %s", e)
+                continue
+            det = predictor(img)
+            items = ", ".join(f"{names[int(c)] if int(c) < len(names) else int(c)} {conf:.2f} "
+                              f"[{x1:.0f},{y1:.0f},{x2:.0f},{y2:.0f}]"
+                              for x1, y1, x2, y2, conf, c in det.tolist())
+            print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
+            target = out_dir / path.name
+            ok, buf = cv2.imencode(target.suffix or ".jpg", draw_detections(img, det, names))
+            if ok:
+                target.write_bytes(buf.tobytes())
+            n_images += 1
+        logger.info("%d images drawn in %s", n_images, out_dir)
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
