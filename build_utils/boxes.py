@@ -136,23 +136,24 @@ def scale_coords(
             (confidence, class) are copied unchanged.
         img0_shape: (h0, w0) of the original image.
         ratio_pad: ``((gain_h, gain_w), (padw, padh))`` as recorded by the dataset in
-            ``shapes[1]``. Letterbox scales both sides by the same factor, so only ``gain_h``
-            is used, as in the lineage. When ``None`` it is recomputed assuming a centred
-            letterbox: ``gain = min(h1 / h0, w1 / w0)``.
+            ``shapes[1]``. Each axis uses its own gain: letterbox rounds the resized sides to
+            whole pixels, so the two differ slightly (the lineage used ``gain_h`` for both,
+            up to ~1 px off at the far edge). When ``None`` it is recomputed assuming a
+            centred letterbox: ``gain = min(h1 / h0, w1 / w0)``.
 
     Returns:
         A new array of the input's type, boxes xyxy in original-image pixels clipped to it.
     """
     if ratio_pad is None:
-        gain = min(img1_shape[0] / img0_shape[0], img1_shape[1] / img0_shape[1])
-        padw = (img1_shape[1] - img0_shape[1] * gain) / 2
-        padh = (img1_shape[0] - img0_shape[0] * gain) / 2
+        gain_h = gain_w = min(img1_shape[0] / img0_shape[0], img1_shape[1] / img0_shape[1])
+        padw = (img1_shape[1] - img0_shape[1] * gain_w) / 2
+        padh = (img1_shape[0] - img0_shape[0] * gain_h) / 2
     else:
-        gain = ratio_pad[0][0]
+        gain_h, gain_w = ratio_pad[0]
         padw, padh = ratio_pad[1]
     y = _empty_like(coords)
-    y[:, [0, 2]] = (coords[:, [0, 2]] - padw) / gain
-    y[:, [1, 3]] = (coords[:, [1, 3]] - padh) / gain
+    y[:, [0, 2]] = (coords[:, [0, 2]] - padw) / gain_w
+    y[:, [1, 3]] = (coords[:, [1, 3]] - padh) / gain_h
     y[:, :4] = clip_coords(y[:, :4], img0_shape)
     return y
 

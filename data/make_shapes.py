@@ -43,7 +43,7 @@ P_EMPTY = 0.08
 MAX_OBJECTS = 6
 # A shape's colour differs from the background under it by at least this much (sum over BGR).
 MIN_COLOUR_CONTRAST = 150
-# Images are generated in parallel above this many per split; below it a pool costs more than it saves.
+# Images are made in parallel above this many per split; below, a pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
 
 
@@ -67,7 +67,8 @@ def _background(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
     """A textured, noisy background: a smooth random colour field plus clutter and pixel noise."""
     kind = rng.integers(3)
     if kind == 0:  # smooth colour field upsampled from a few random pixels
-        small = rng.integers(0, 256, size=(rng.integers(2, 6), rng.integers(2, 6), 3), dtype=np.uint8)
+        grid = (int(rng.integers(2, 6)), int(rng.integers(2, 6)), 3)
+        small = rng.integers(0, 256, size=grid, dtype=np.uint8)
         img = cv2.resize(small, (w, h), interpolation=cv2.INTER_CUBIC)
     elif kind == 1:  # stripes / checker texture
         period = int(rng.integers(8, 40))
@@ -113,7 +114,7 @@ def _polygon(cls: int, cx: float, cy: float, s: float, rng: np.random.Generator)
                (-r, t), (-r, -t), (-t, -t)]
     else:
         raise ValueError(f"class {cls} is not a polygon")
-    return np.round(np.array(pts) + (cx, cy)).astype(np.int32)
+    return np.round(np.array(pts) + np.array([cx, cy])).astype(np.int32)
 
 
 def _iou(a: tuple[int, int, int, int], b: tuple[int, int, int, int]) -> float:
@@ -196,7 +197,8 @@ def _voc_xml(filename: str, w: int, h: int, objects: list[ShapeObject]) -> str:
             "  <object>",
             f"    <name>{CLASS_NAMES[o.cls]}</name>",
             "    <pose>Unspecified</pose><truncated>0</truncated><difficult>0</difficult>",
-            f"    <bndbox><xmin>{x1}</xmin><ymin>{y1}</ymin><xmax>{x2}</xmax><ymax>{y2}</ymax></bndbox>",
+            f"    <bndbox><xmin>{x1}</xmin><ymin>{y1}</ymin>"
+            f"<xmax>{x2}</xmax><ymax>{y2}</ymax></bndbox>",
             "  </object>",
         ]
     parts.append("</annotation>")
@@ -224,7 +226,8 @@ def _write_one(job: tuple[Path, str, int, int, int, bool, GeneratorOptions]) -> 
     (root / split / "images" / f"{name}.jpg").write_bytes(buf.tobytes())
     (root / split / "labels" / f"{name}.txt").write_text(_label_text(w, h, objects))
     if voc:
-        (root / split / "Annotations" / f"{name}.xml").write_text(_voc_xml(f"{name}.jpg", w, h, objects))
+        xml = _voc_xml(f"{name}.jpg", w, h, objects)
+        (root / split / "Annotations" / f"{name}.xml").write_text(xml)
     return f"{split}/images/{name}.jpg"
 
 
@@ -288,7 +291,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--min-obj-size", type=float, default=10.0,
                         help="smallest object side in pixels (default 10)")
     parser.add_argument("--max-obj-frac", type=float, default=0.5,
-                        help="largest object side as a fraction of the short image side (default 0.5)")
+                        help="largest object side as a fraction of the short image side "
+                        "(default 0.5)")
     parser.add_argument("--classes", type=int, default=len(CLASS_NAMES),
                         help=f"number of shape classes, 1..{len(CLASS_NAMES)}")
     parser.add_argument("--seed", type=int, default=0)

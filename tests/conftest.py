@@ -1,4 +1,4 @@
-"""Shared fixtures: tiny generated datasets, the repository root and the optional ../shared folder."""
+"""Shared fixtures: tiny generated datasets, the repository root, the optional ../shared folder."""
 
 from __future__ import annotations
 

@@ -23,7 +23,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import predict  # noqa: E402
-
 import validation  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import run_main, setup_console_logging  # noqa: E402

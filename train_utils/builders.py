@@ -7,11 +7,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 from torch.utils.data import DataLoader
 
-from build_utils.datasets import LoadImagesAndLabels
+from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
 from build_utils.errors import CheckpointError, ConfigError
 from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
 from build_utils.samplers import ShardedEvalBatchSampler
@@ -57,16 +55,6 @@ def load_inference_weights(model: Darknet, path: str | Path, trust: bool = False
                               f"with", path)
 
 
-def worker_init(worker_id: int) -> None:
-    """DataLoader worker set-up: numpy seeding and a single-threaded OpenCV per worker."""
-    # Torch seeds python's random and itself per worker; numpy needs it done by hand.
-    np.random.seed(torch.initial_seed() % 2**32)
-    import cv2
-
-    # OpenCV's own thread pool in every worker would oversubscribe the cores.
-    cv2.setNumThreads(0)
-
-
 def make_eval_dataset(list_path: str | Path, img_size: int, batch_size: int, nc: int,
                       single_cls: bool = False, rank: int = -1, cache_images: str | None = None,
                       hyp: dict[str, Any] | None = None) -> LoadImagesAndLabels:
@@ -86,4 +74,4 @@ def make_eval_loader(dataset: LoadImagesAndLabels, batch_size: int, world_size: 
                                       world_size, rank)
     return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
                       collate_fn=LoadImagesAndLabels.collate_fn,
-                      worker_init_fn=worker_init if workers else None)
+                      worker_init_fn=worker_init_fn if workers else None)

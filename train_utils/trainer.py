@@ -25,7 +25,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 from torch.utils.tensorboard import SummaryWriter
 
-from build_utils.datasets import LoadImagesAndLabels
+from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.parse_config import write_model_cfg
 from build_utils.samplers import make_train_batch_sampler
@@ -36,7 +36,6 @@ from train_utils.builders import (
     make_eval_dataset,
     make_eval_loader,
     model_blocks_for,
-    worker_init,
 )
 from train_utils.checkpoint import (
     load_checkpoint,
@@ -340,7 +339,7 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
     pin = device.type == "cuda"
     train_loader = DataLoader(train_set, batch_sampler=train_batches, num_workers=config.workers,
                               pin_memory=pin, collate_fn=LoadImagesAndLabels.collate_fn,
-                              worker_init_fn=worker_init)
+                              worker_init_fn=worker_init_fn)
     if len(train_loader) == 0:
         raise DatasetError(f"{len(train_set)} usable training images are fewer than one batch "
                            f"of {config.batch_size} x {world} process(es); lower --batch-size")

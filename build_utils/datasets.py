@@ -1,0 +1,999 @@
+"""Detection dataset: images + YOLO label files, checked once, cached, augmented.
+
+Layout: every image ``.../images/.../x.jpg`` has its labels in ``.../labels/.../x.txt`` (the *last*
+``images`` folder of the path becomes ``labels``; with no ``images`` folder the label file sits
+beside the image). A label file has one ``class cx cy w h`` line per object, normalised to
+[0, 1] by the image's upright size (EXIF orientation applied). A missing label file means an
+image without objects.
+
+Checking and caching. Every image is decoded once (in a thread pool) and every label line parsed
+once; the result (sizes, labels, what was wrong) goes to ``<stem>.cache.npz`` beside the label
+folder (in the folder holding ``images/`` and ``labels/``; ``stem`` is the list file's name, so
+train and val never share a cache), keyed by a hash of the image and label file names, sizes and
+modification times and of the class count: any change rebuilds it, a corrupt cache is rebuilt and
+a read-only folder only costs a warning. A per-file list of problems goes to
+``<stem>.cache_report.txt`` beside it, and one summary line to the log. Bad images are excluded
+and bad label lines dropped (rules in :func:`parse_label_text`); only a dataset with no usable
+image at all raises :class:`~build_utils.errors.DatasetError`. No pickle anywhere (``np.savez``
+with ``allow_pickle=False``). The cache holds every listed file in list order; the rect sort is
+applied after loading, so one cache serves every order.
+
+Speed (see ``bench/bench_data.py``): mosaics are resized straight into the output
+(:mod:`build_utils.augmentations`), HSV jitter runs on uint8 lookup tables over the fewest pixels,
+large JPEGs are decoded at 1/2, 1/4 or 1/8 scale when that is all the output needs, and recently
+decoded images are reused for the three extra mosaic tiles (``mosaic_buffer``).
+
+Randomness: augmentations draw from a ``np.random.Generator`` seeded from ``torch.initial_seed()``
+of the process, which PyTorch makes different for every DataLoader worker and epoch and which is
+reproducible after ``torch.manual_seed``. No global random state is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import tempfile
+import zipfile
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import cv2
+import numpy as np
+import torch
+from torch.utils.data import Dataset, default_collate
+from tqdm import tqdm
+
+from build_utils.augmentations import (
+    PAD_COLOR,
+    AffineParams,
+    Tile,
+    affine_scale,
+    apply_hsv_lut,
+    box_candidates,
+    compose,
+    filled,
+    flip_lr,
+    flip_ud,
+    hsv_lut,
+    is_axis_aligned,
+    letterbox_geometry,
+    mosaic_layout,
+    random_affine_matrix,
+    resize_into,
+)
+from build_utils.boxes import xywhn2xyxy, xyxy2xywhn
+from build_utils.errors import ConfigError, DatasetError
+from build_utils.image_io import (
+    IMG_FORMATS,
+    check_image,
+    decode_image,
+    is_image_file,
+    list_images,
+    read_file_bytes,
+    reduce_factor,
+    write_npy_atomic,
+)
+
+LOGGER = logging.getLogger(__name__)
+ColorFn = Callable[[np.ndarray], np.ndarray]
+
+CACHE_VERSION = 1
+LABEL_FIELDS = 5  # class cx cy w h
+# Label values this close outside [0, 1] are rounding noise from conversion tools: clipped.
+# Farther out the line is rejected.
+COORD_TOLERANCE = 1e-3
+# A normalised side below this is a zero-size box (log(w) in the loss would blow up).
+MIN_BOX_SIDE = 1e-5
+GRID = 32  # rect batch shapes are multiples of the network's largest stride
+CHECK_THREADS = min(8, os.cpu_count() or 1)  # decoding releases the GIL, threads scale
+# cache_images="ram" is refused when the estimate exceeds this fraction of available memory.
+RAM_CACHE_MAX_FRACTION = 0.8
+HYP_AUGMENT_KEYS = (
+    "hsv_h",
+    "hsv_s",
+    "hsv_v",
+    "degrees",
+    "translate",
+    "scale",
+    "shear",
+    "flipud",
+    "fliplr",
+)
+_REPORT_LINE_CHARS = 80
+# Mosaic buffer (see LoadImagesAndLabels): images per process, at least/at most, and memory cap.
+MOSAIC_BUFFER_MIN, MOSAIC_BUFFER_MAX = 64, 1000
+MOSAIC_BUFFER_MAX_BYTES = 512 * 2**20
+
+
+# ---------------------------------------------------------------------------------------------
+# Paths
+
+
+def img2label_path(img_path: str) -> str:
+    """Label file of an image: the last ``images`` folder component becomes ``labels`` and the
+    extension ``.txt`` (``/d/images/a/images/x.jpg`` -> ``/d/images/a/labels/x.txt``)."""
+    head, tail = os.path.split(img_path)
+    parts = head.split(os.sep)
+    for k in range(len(parts) - 1, -1, -1):
+        if parts[k] == "images":
+            parts[k] = "labels"
+            break
+    return os.path.join(os.sep.join(parts), os.path.splitext(tail)[0] + ".txt")
+
+
+def label_root(img_path: str) -> str:
+    """Folder that holds the label folder of an image: the parent of the last ``images``
+    component (``/d/train/images/a/x.jpg`` -> ``/d/train``), or the parent of the image's folder
+    when there is none. Caches and reports go there, beside the labels, not inside them."""
+    parts = os.path.dirname(img_path).split(os.sep)
+    for k in range(len(parts) - 1, -1, -1):
+        if parts[k] == "images":
+            return os.sep.join(parts[:k]) or os.sep
+    return os.path.dirname(os.path.dirname(img_path))
+
+
+def _read_list_file(path: Path) -> list[str]:
+    """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
+    falling back to the current directory (the lineage's convention) when only that exists."""
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except (OSError, UnicodeDecodeError) as e:
+        raise DatasetError(f"cannot read image list: {e}", path) from e
+    base = path.parent
+    out, from_cwd = [], 0
+    for line in text.splitlines():
+        line = line.strip()
+        if not line:
+            continue
+        p = Path(line).expanduser()
+        if not p.is_absolute():
+            beside = base / p
+            if not beside.exists() and p.exists():
+                beside, from_cwd = p, from_cwd + 1
+            p = beside
+        out.append(os.path.abspath(p))
+    if from_cwd:
+        LOGGER.warning(
+            "%s: %d relative path(s) exist only relative to the current directory, "
+            "not to the list's folder; used them that way",
+            path,
+            from_cwd,
+        )
+    return out
+
+
+def collect_image_files(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> tuple[list[str], str]:
+    """Image paths (absolute, in dataset order) and a short name for cache files.
+
+    ``path`` is a ``.txt`` list of images, a folder (searched recursively, sorted), a single
+    image, or a list of any of these.
+
+    Raises:
+        DatasetError: a path that does not exist or is of an unsupported kind.
+    """
+    sources = list(path) if isinstance(path, list | tuple) else [path]
+    files: list[str] = []
+    stems: list[str] = []
+    for src in sources:
+        p = Path(os.fspath(src)).expanduser()
+        if p.is_dir():
+            files += list_images(p)
+            stems.append(p.parent.name if p.name == "images" and p.parent.name else p.name)
+        elif p.is_file() and p.suffix.lower() == ".txt":
+            files += _read_list_file(p)
+            stems.append(p.stem)
+        elif p.is_file() and is_image_file(p):
+            files.append(os.path.abspath(p))
+            stems.append(p.stem)
+        elif not p.exists():
+            raise DatasetError(
+                "image list or folder not found; check the path (and the "
+                "train/valid entries of the .data file)",
+                p,
+            )
+        else:
+            raise DatasetError(
+                "expected a .txt list of image paths, a folder of images or an "
+                f"image ({', '.join(IMG_FORMATS)})",
+                p,
+            )
+    stem = "+".join(stems) or "dataset"
+    if len(stem) > 64:
+        digest = hashlib.sha1(stem.encode()).hexdigest()[:8]
+        stem = f"{stems[0][:40]}+{len(stems) - 1}-{digest}"
+    return files, stem
+
+
+# ---------------------------------------------------------------------------------------------
+# Label parsing and checking
+
+
+@dataclass
+class FileCheck:
+    """What checking one image and its label file found.
+
+    ``size`` is the upright ``(w, h)``, or ``None`` when the image is excluded (``reason`` says
+    why). ``labels``: ``(n, 5) float32`` class + normalised cxcywh. ``state`` of the label
+    file: ``found``, ``missing``, ``empty`` or ``corrupt``. ``notes``: report lines.
+    """
+
+    size: tuple[int, int] | None
+    labels: np.ndarray
+    state: str
+    reason: str = ""
+    n_duplicate: int = 0
+    n_bad: int = 0
+    notes: list[str] = field(default_factory=list)
+
+
+def _short(line: str) -> str:
+    return line if len(line) <= _REPORT_LINE_CHARS else line[: _REPORT_LINE_CHARS - 3] + "..."
+
+
+def parse_label_text(
+    text: str, nc: int | None, where: str = ""
+) -> tuple[np.ndarray, int, int, list[str]]:
+    """Parse and check the lines of a YOLO label file.
+
+    Blank lines are ignored. A line is dropped, with a note ``where:line: dropped: reason``, when
+    it does not have 5 fields, holds a non-number, NaN or infinity, a class id that is not an
+    integer in ``[0, nc)`` (only ``>= 0`` when ``nc`` is None), a value outside ``[0, 1]`` by
+    more than :data:`COORD_TOLERANCE`, or a zero-size box. Values within the tolerance and box
+    corners beyond the image are clipped (corners with a note). Exact duplicate rows are dropped.
+
+    Returns:
+        ``(labels (n, 5) float32 class + cxcywh normalised, n_duplicate, n_bad, notes)``.
+    """
+    rows: list[tuple[float, ...]] = []
+    seen: set[tuple[float, ...]] = set()
+    n_dup = n_bad = 0
+    notes: list[str] = []
+
+    def bad(lineno: int, why: str, line: str) -> None:
+        nonlocal n_bad
+        n_bad += 1
+        notes.append(f"{where}:{lineno}: dropped: {why}: {_short(line)!r}")
+
+    for lineno, raw in enumerate(text.splitlines(), 1):
+        line = raw.strip()
+        if not line:
+            continue
+        fields = line.split()
+        if len(fields) != LABEL_FIELDS:
+            bad(lineno, f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h)", line)
+            continue
+        try:
+            values = [float(v) for v in fields]
+        except ValueError:
+            bad(lineno, "not a number", line)
+            continue
+        if not all(math.isfinite(v) for v in values):
+            bad(lineno, "NaN or infinite value", line)
+            continue
+        c, coords = values[0], values[1:]
+        if c != int(c) or c < 0:
+            bad(lineno, f"class id {fields[0]} is not a non-negative integer", line)
+            continue
+        if nc is not None and c >= nc:
+            bad(lineno, f"class id {int(c)} outside [0, {nc})", line)
+            continue
+        if any(v < -COORD_TOLERANCE or v > 1 + COORD_TOLERANCE for v in coords):
+            bad(lineno, "coordinate outside [0, 1]", line)
+            continue
+        cx, cy, w, h = (min(max(v, 0.0), 1.0) for v in coords)
+        x1, y1, x2, y2 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
+        overshoot = max(-x1, -y1, x2 - 1, y2 - 1)
+        if overshoot > 0:
+            if overshoot > COORD_TOLERANCE:
+                notes.append(
+                    f"{where}:{lineno}: clipped: box extends {overshoot:.4f} beyond the image"
+                )
+            x1, y1, x2, y2 = max(x1, 0.0), max(y1, 0.0), min(x2, 1.0), min(y2, 1.0)
+            cx, cy, w, h = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
+        if w < MIN_BOX_SIDE or h < MIN_BOX_SIDE:
+            bad(lineno, "zero-size box", line)
+            continue
+        row = (float(int(c)), cx, cy, w, h)
+        if row in seen:
+            n_dup += 1
+            notes.append(f"{where}:{lineno}: dropped: duplicate of an earlier row")
+            continue
+        seen.add(row)
+        rows.append(row)
+    labels = np.array(rows, dtype=np.float32).reshape(-1, 5)
+    return labels, n_dup, n_bad, notes
+
+
+def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
+    """Check one image and its label file (see :func:`parse_label_text`)."""
+    empty = np.zeros((0, 5), np.float32)
+    if not is_image_file(img_path):
+        return FileCheck(
+            None, empty, "missing", f"not an image file type (supported: {', '.join(IMG_FORMATS)})"
+        )
+    size, reason = check_image(img_path)
+    if size is None:
+        return FileCheck(None, empty, "missing", reason or "unreadable image")
+    try:
+        with open(label_path, encoding="utf-8") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return FileCheck(size, empty, "missing")
+    except (OSError, UnicodeDecodeError) as e:
+        return FileCheck(None, empty, "corrupt", f"label file {label_path} is unreadable ({e})")
+    if not text.strip():
+        return FileCheck(size, empty, "empty")
+    labels, n_dup, n_bad, notes = parse_label_text(text, nc, label_path)
+    return FileCheck(size, labels, "found", "", n_dup, n_bad, notes)
+
+
+def _stat_key(path: str) -> str:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "-"
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
+def label_cache_key(img_files: Sequence[str], label_files: Sequence[str], nc: int | None) -> str:
+    """Hash of the file names, sizes and modification times and of the class count."""
+    h = hashlib.sha256(f"v{CACHE_VERSION}|nc={nc}\n".encode())
+    for img, lbl in zip(img_files, label_files):
+        h.update(f"{img}|{_stat_key(img)}|{lbl}|{_stat_key(lbl)}\n".encode())
+    return h.hexdigest()
+
+
+@dataclass
+class LabelCache:
+    """Checked labels of a list of images (all of them, excluded ones with ``ok = False``).
+
+    ``sizes``: ``(N, 2) int64`` upright ``(w, h)`` (0 when excluded); ``labels``: per image
+    ``(n, 5) float32``; ``stats``: counts ``found, missing, empty, corrupt, duplicate, bad``.
+    """
+
+    files: list[str]
+    ok: np.ndarray
+    sizes: np.ndarray
+    labels: list[np.ndarray]
+    stats: dict[str, int]
+    report: list[str]
+
+    STAT_NAMES = ("found", "missing", "empty", "corrupt", "duplicate", "bad")
+
+    def summary(self) -> str:
+        s = self.stats
+        return (
+            f"{len(self.files)} images: {s['found']} label files found, {s['missing']} "
+            f"missing, {s['empty']} empty, {s['corrupt']} corrupt images excluded, "
+            f"{s['duplicate']} duplicate rows and {s['bad']} bad label lines dropped"
+        )
+
+
+def build_label_cache(
+    img_files: Sequence[str],
+    label_files: Sequence[str],
+    nc: int | None,
+    progress: bool = False,
+    desc: str = "checking labels",
+) -> LabelCache:
+    """Check every image and label file (in a thread pool) and gather the results."""
+    with ThreadPoolExecutor(CHECK_THREADS) as pool:
+        results = list(
+            tqdm(
+                pool.map(check_file, img_files, label_files, [nc] * len(img_files)),
+                total=len(img_files),
+                desc=desc,
+                disable=not progress,
+                leave=False,
+            )
+        )
+    stats = dict.fromkeys(LabelCache.STAT_NAMES, 0)
+    report: list[str] = []
+    for img, r in zip(img_files, results):
+        if r.size is None:
+            stats["corrupt"] += 1
+            report.append(f"{img}: excluded: {r.reason}")
+        else:
+            stats[r.state] += 1
+        stats["duplicate"] += r.n_duplicate
+        stats["bad"] += r.n_bad
+        report.extend(r.notes)
+    return LabelCache(
+        files=list(img_files),
+        ok=np.array([r.size is not None for r in results], dtype=bool),
+        sizes=np.array([r.size or (0, 0) for r in results], dtype=np.int64).reshape(-1, 2),
+        labels=[r.labels for r in results],
+        stats=stats,
+        report=report,
+    )
+
+
+def save_label_cache(path: Path, key: str, cache: LabelCache) -> bool:
+    """Write the cache atomically (temporary file + rename). Returns False, with a warning,
+    when the folder is not writable: a read-only dataset is fine, it is just checked again."""
+    counts = np.array([len(x) for x in cache.labels], dtype=np.int64)
+    labels = np.concatenate(cache.labels) if cache.labels else np.zeros((0, 5), np.float32)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                np.savez(
+                    f,
+                    version=np.int64(CACHE_VERSION),
+                    key=np.str_(key),
+                    files=np.array(cache.files, dtype=np.str_),
+                    ok=cache.ok,
+                    sizes=cache.sizes,
+                    counts=counts,
+                    labels=labels.astype(np.float32),
+                    stats=np.array([cache.stats[k] for k in LabelCache.STAT_NAMES]),
+                    report=np.array(cache.report, dtype=np.str_),
+                )
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    except OSError as e:
+        LOGGER.warning(
+            "cannot write label cache %s (%s); labels will be checked again next time",
+            path,
+            e.strerror or e,
+        )
+        return False
+    return True
+
+
+def load_label_cache(path: Path, key: str) -> LabelCache | None:
+    """The cache at ``path`` if it is readable and was made for ``key``; else None (a corrupt
+    file is reported with a warning and will be rebuilt)."""
+    if not path.is_file():
+        return None
+    try:
+        with np.load(path, allow_pickle=False) as z:
+            if int(z["version"]) != CACHE_VERSION or str(z["key"]) != key:
+                LOGGER.info("label cache %s is out of date; rebuilding", path)
+                return None
+            counts = z["counts"]
+            labels = z["labels"]
+            files = [str(f) for f in z["files"]]
+            ok, sizes = z["ok"].astype(bool), z["sizes"].astype(np.int64)
+            stats = dict(zip(LabelCache.STAT_NAMES, (int(v) for v in z["stats"])))
+            report = [str(r) for r in z["report"]]
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
+        LOGGER.warning("label cache %s is unreadable (%s); rebuilding", path, e)
+        return None
+    if len(counts) != len(files) or counts.sum() != len(labels) or len(stats) != 6:
+        LOGGER.warning("label cache %s is inconsistent; rebuilding", path)
+        return None
+    split = np.split(labels.reshape(-1, 5), np.cumsum(counts)[:-1]) if len(counts) else []
+    return LabelCache(files, ok, sizes, [s.astype(np.float32) for s in split], stats, report)
+
+
+def write_report(path: Path, header: str, lines: Sequence[str]) -> None:
+    """Write the per-file problem list; a failure is only a warning."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(f"# {header}\n")
+            f.writelines(line + "\n" for line in lines)
+        os.replace(tmp, path)
+    except OSError as e:
+        LOGGER.warning("cannot write label report %s (%s)", path, e.strerror or e)
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory
+
+
+def available_memory_bytes() -> int | None:
+    """Memory available to new allocations (Linux ``MemAvailable``), None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def _processes_per_node() -> int:
+    # torchrun sets LOCAL_WORLD_SIZE; every process on the node holds its own image cache.
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
+def worker_init_fn(worker_id: int) -> None:
+    """``DataLoader(worker_init_fn=...)``: one OpenCV thread per worker process (the workers are
+    the parallelism; OpenCV's own pool in each would oversubscribe the cores)."""
+    cv2.setNumThreads(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Dataset
+
+
+class LoadImagesAndLabels(Dataset):
+    """Images and YOLO labels for training (augmented, mosaic) and evaluation (letterboxed).
+
+    Args:
+        path: ``.txt`` list of images (relative paths from the list's folder), a folder of
+            images, one image, or a list of these.
+        img_size: output side in pixels (mosaic output and square letterbox); the long side of
+            rect batches.
+        batch_size: images per batch, for the rect batch shapes.
+        augment: training augmentation from ``hyp`` (mosaic unless ``rect`` or
+            ``hyp["mosaic"]`` is false; random affine, HSV, flips).
+        hyp: hyperparameters (``cfg/hyp.yaml`` keys); required when ``augment``.
+        rect: rectangular batches: images sorted by aspect ratio (stable sort, the same on every
+            rank), one letterbox shape per batch of ``batch_size`` (:attr:`batch_shapes`).
+        cache_images: ``False``/``None``, ``True`` or ``"ram"`` (decoded, resized images in
+            memory; refused when they would not fit) or ``"disk"`` (``.npy`` files next to the
+            label cache).
+        single_cls: fold every class into class 0.
+        pad: extra rect padding in units of 32 px.
+        rank: DDP rank; progress bars and the summary only on rank -1/0.
+        nc: number of classes; label lines with class ids ``>= nc`` are dropped (with None,
+            only negative or fractional ids are).
+        mosaic_buffer: how many recently decoded images each process keeps for mosaics. Once
+            the buffer is full, the three extra images of a mosaic are drawn from it instead of
+            from the whole dataset, so a mosaic costs one JPEG decode instead of four (YOLOv8
+            does the same; with shuffling the buffer is a random sample of the dataset). None
+            picks ``8 * batch_size`` within [64, 1000] (at most 512 MB per process); 0 turns it
+            off (the lineage: every mosaic decodes four images). Unused with an image cache.
+
+    Attributes:
+        img_files: usable images in dataset order; ``label_files`` their label paths.
+        labels: per image ``(n, 5) float32`` class + normalised cxcywh (of the original image).
+        shapes: ``(N, 2) int64`` original upright ``(w, h)``.
+        batch: ``(N,) int64`` batch index of every image (``i // batch_size``).
+        batch_shapes: ``(nb, 2) int64`` ``(h, w)`` per batch when ``rect``, else None.
+        content_hash: hash of the images, labels and ``single_cls``/``nc`` (ground truth key).
+        cache_path, report_path: the label cache and problem report files.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+        img_size: int = 416,
+        batch_size: int = 16,
+        augment: bool = False,
+        hyp: dict[str, Any] | None = None,
+        rect: bool = False,
+        cache_images: bool | str | None = False,
+        single_cls: bool = False,
+        pad: float = 0.0,
+        rank: int = -1,
+        *,
+        nc: int | None = None,
+        mosaic_buffer: int | None = None,
+    ) -> None:
+        if isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < GRID:
+            raise ConfigError(f"img_size must be an integer >= {GRID}, got {img_size!r}")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc < 1):
+            raise ConfigError(f"nc must be a positive integer or None, got {nc!r}")
+        if mosaic_buffer is not None and (
+            isinstance(mosaic_buffer, bool)
+            or not isinstance(mosaic_buffer, int)
+            or mosaic_buffer < 0
+        ):
+            raise ConfigError(
+                f"mosaic_buffer must be an integer >= 0 or None, got {mosaic_buffer!r}"
+            )
+        mode = _cache_mode(cache_images)
+        if augment:
+            if hyp is None:
+                raise ConfigError("augment=True needs hyp (the cfg/hyp.yaml values)")
+            missing = [k for k in HYP_AUGMENT_KEYS if k not in hyp]
+            if missing:
+                raise ConfigError(f"hyp lacks augmentation key(s) {', '.join(missing)}")
+        self.img_size = img_size
+        self.batch_size = batch_size
+        self.augment = augment
+        self.hyp = dict(hyp) if hyp is not None else {}
+        self.rect = rect
+        self.mosaic = augment and not rect and bool(self.hyp.get("mosaic", True))
+        self.single_cls = single_cls
+        self.nc = nc
+        self.pad = pad
+        self.rank = rank
+        self._affine = AffineParams(
+            *(float(self.hyp.get(k, 0.0)) for k in ("degrees", "translate", "scale", "shear"))
+        )
+        is_main = rank in (-1, 0)
+
+        files, stem = collect_image_files(path)
+        if not files:
+            raise DatasetError(f"no images ({', '.join(IMG_FORMATS)}) found", _describe(path))
+        label_files = [img2label_path(f) for f in files]
+        cache_dir = Path(label_root(files[0]))
+        self.cache_path = cache_dir / f"{stem}.cache.npz"
+        self.report_path = cache_dir / f"{stem}.cache_report.txt"
+
+        key = label_cache_key(files, label_files, nc)
+        cache = load_label_cache(self.cache_path, key)
+        if cache is None or cache.files != files:
+            cache = build_label_cache(
+                files, label_files, nc, progress=is_main, desc=f"checking {stem}"
+            )
+            save_label_cache(self.cache_path, key, cache)
+            write_report(self.report_path, cache.summary(), cache.report)
+        if is_main:
+            problems = cache.stats["corrupt"] + cache.stats["duplicate"] + cache.stats["bad"]
+            LOGGER.log(
+                logging.WARNING if problems else logging.INFO,
+                "%s: %s%s",
+                stem,
+                cache.summary(),
+                f"; details in {self.report_path}" if problems else "",
+            )
+
+        keep = np.flatnonzero(cache.ok)
+        if len(keep) == 0:
+            raise DatasetError(
+                f"no usable image: {cache.summary()}; see {self.report_path}", _describe(path)
+            )
+        self.img_files = [files[i] for i in keep]
+        self.label_files = [label_files[i] for i in keep]
+        self.labels = [cache.labels[i].copy() for i in keep]
+        self.shapes = cache.sizes[keep].copy()
+        if single_cls:
+            for lb in self.labels:
+                lb[:, 0] = 0
+        if is_main and sum(len(lb) for lb in self.labels) == 0:
+            LOGGER.warning(
+                "%s: no objects in any of %d label files (expected e.g. %s); training "
+                "or evaluating on it is pointless",
+                stem,
+                len(self.img_files),
+                self.label_files[0],
+            )
+
+        n = len(self.img_files)
+        self.batch = np.arange(n, dtype=np.int64) // batch_size
+        self.batch_shapes: np.ndarray | None = None
+        if rect:
+            self._sort_for_rect()
+        self.content_hash = self._hash_content()
+
+        self._rng_seed: int | None = None
+        self._rng_gen = np.random.default_rng(0)
+        self._imgs: list[np.ndarray] | None = None
+        self._npy_files: list[Path] | None = None
+        if mode == "ram":
+            self._cache_in_ram(is_main)
+        elif mode == "disk":
+            self._cache_on_disk(cache_dir / f"{stem}.img{img_size}", is_main)
+
+        if mosaic_buffer is None:
+            mosaic_buffer = min(max(8 * batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX)
+        use_buffer = self.mosaic and self._imgs is None
+        self._buffer_cap = min(mosaic_buffer, n) if use_buffer else 0
+        # index -> (pixels, decoded width / original width); insertion order = age.
+        self._buffer: OrderedDict[int, tuple[np.ndarray, float]] = OrderedDict()
+        self._buffer_bytes = 0
+
+    # ---- construction helpers -----------------------------------------------------------------
+
+    def _sort_for_rect(self) -> None:
+        ar = self.shapes[:, 1] / self.shapes[:, 0]  # h / w
+        order = np.argsort(ar, kind="stable")  # stable: every rank gets the same order
+        self.img_files = [self.img_files[i] for i in order]
+        self.label_files = [self.label_files[i] for i in order]
+        self.labels = [self.labels[i] for i in order]
+        self.shapes = self.shapes[order]
+        ar = ar[order]
+        nb = int(self.batch[-1]) + 1
+        shapes = np.ones((nb, 2))
+        for i in range(nb):
+            ari = ar[self.batch == i]
+            lo, hi = ari.min(), ari.max()
+            if hi < 1:
+                shapes[i] = [hi, 1]
+            elif lo > 1:
+                shapes[i] = [1, 1 / lo]
+        self.batch_shapes = (
+            np.ceil(shapes * self.img_size / GRID + self.pad).astype(np.int64) * GRID
+        )
+
+    def _hash_content(self) -> str:
+        h = hashlib.sha256(f"single_cls={self.single_cls}|nc={self.nc}\n".encode())
+        for f, s, lb in zip(self.img_files, self.shapes, self.labels):
+            h.update(f"{f}|{int(s[0])}x{int(s[1])}\n".encode())
+            h.update(np.ascontiguousarray(lb, dtype=np.float32).tobytes())
+        return h.hexdigest()
+
+    def _cached_size(self, i: int) -> tuple[int, int]:
+        """(w, h) of image ``i`` in the image cache: long side at most img_size, never larger
+        than the original (small images are enlarged later, on the fly)."""
+        w0, h0 = (int(v) for v in self.shapes[i])
+        r = min(1.0, self.img_size / max(w0, h0))
+        return max(1, round(w0 * r)), max(1, round(h0 * r))
+
+    def _decode_for_cache(self, i: int) -> np.ndarray:
+        w, h = self._cached_size(i)
+        img = self._decode(i, w / int(self.shapes[i][0]))
+        if img.shape[:2] != (h, w):
+            img = cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)
+        return img
+
+    def _cache_in_ram(self, is_main: bool) -> None:
+        need = sum(w * h * 3 for w, h in map(self._cached_size, range(len(self))))
+        procs = _processes_per_node()
+        avail = available_memory_bytes()
+        gb = 1e9
+        if avail is not None and need * procs > RAM_CACHE_MAX_FRACTION * avail:
+            raise DatasetError(
+                f"caching {len(self)} images in RAM needs {need / gb:.1f} GB x {procs} "
+                f"process(es) but only {avail / gb:.1f} GB is available; use "
+                f"cache_images='disk' (--cache-images disk) or no image cache"
+            )
+        if is_main:
+            LOGGER.info("caching %d images in RAM (%.2f GB)", len(self), need / gb)
+        with ThreadPoolExecutor(CHECK_THREADS) as pool:
+            self._imgs = list(
+                tqdm(
+                    pool.map(self._decode_for_cache, range(len(self))),
+                    total=len(self),
+                    desc="caching images",
+                    disable=not is_main,
+                    leave=False,
+                )
+            )
+
+    def _cache_on_disk(self, folder: Path, is_main: bool) -> None:
+        names = []
+        for f in self.img_files:
+            digest = hashlib.sha1(f"{f}|{_stat_key(f)}|{self.img_size}".encode()).hexdigest()
+            names.append(folder / f"{digest[:20]}.npy")
+        todo = [i for i, p in enumerate(names) if not p.is_file()]
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+
+            def write(i: int) -> None:
+                write_npy_atomic(names[i], self._decode_for_cache(i))
+
+            with ThreadPoolExecutor(CHECK_THREADS) as pool:
+                list(
+                    tqdm(
+                        pool.map(write, todo),
+                        total=len(todo),
+                        desc="caching images to disk",
+                        disable=not is_main or not todo,
+                        leave=False,
+                    )
+                )
+        except OSError as e:
+            LOGGER.warning(
+                "cannot write the image cache in %s (%s); images are decoded on the fly",
+                folder,
+                e.strerror or e,
+            )
+            return
+        self._npy_files = names
+
+    # ---- image access -------------------------------------------------------------------------
+
+    def _decode(self, i: int, scale: float) -> np.ndarray:
+        """Decode image ``i`` from its file, JPEGs reduced in the decoder when only ``scale``
+        (output pixels per original pixel) of the resolution is needed."""
+        path = self.img_files[i]
+        try:
+            data = read_file_bytes(path)
+        except OSError as e:
+            raise DatasetError(
+                f"image became unreadable after the dataset was checked: {e.strerror or e}", path
+            ) from e
+        img = decode_image(data, reduce_factor(scale))
+        if img is None:
+            raise DatasetError("image became undecodable after the dataset was checked", path)
+        return img
+
+    def load_image(self, i: int, scale: float = 1.0) -> np.ndarray:
+        """Pixels of image ``i`` as BGR ``(h, w, 3) uint8``: from the image cache if any, else
+        decoded (possibly at a reduced size when ``scale`` < 0.5). Boxes must be scaled to the
+        returned size, not the original one."""
+        if self._imgs is not None:
+            return self._imgs[i]
+        if self._npy_files is not None:
+            try:
+                return np.load(self._npy_files[i], allow_pickle=False)
+            except (OSError, ValueError) as e:
+                LOGGER.warning(
+                    "image cache file %s is unreadable (%s); decoding the image",
+                    self._npy_files[i],
+                    e,
+                )
+        return self._decode(i, scale)
+
+    def _buffered_image(self, i: int, scale: float) -> np.ndarray:
+        """:meth:`load_image` through the mosaic buffer (oldest entries evicted first)."""
+        hit = self._buffer.get(i)
+        if hit is not None and hit[1] >= min(scale, 1.0):  # decoded with enough resolution
+            return hit[0]
+        img = self.load_image(i, scale)
+        if self._buffer_cap:
+            if hit is not None:
+                self._buffer_bytes -= hit[0].nbytes
+            self._buffer[i] = (img, img.shape[1] / int(self.shapes[i][0]))
+            self._buffer_bytes += img.nbytes
+            while len(self._buffer) > self._buffer_cap or (
+                self._buffer_bytes > MOSAIC_BUFFER_MAX_BYTES and len(self._buffer) > 1
+            ):
+                _, (old, _) = self._buffer.popitem(last=False)
+                self._buffer_bytes -= old.nbytes
+        return img
+
+    def _boxes_px(self, i: int, w: int, h: int) -> np.ndarray:
+        """Labels of image ``i`` as ``(n, 5)`` class + xyxy pixels of an image of size (w, h)."""
+        lb = self.labels[i].astype(np.float64)
+        out = np.empty_like(lb)
+        out[:, 0] = lb[:, 0]
+        out[:, 1:] = xywhn2xyxy(lb[:, 1:], w, h)
+        return out
+
+    def _rng(self) -> np.random.Generator:
+        # torch seeds every DataLoader worker (and every epoch's workers) differently.
+        seed = torch.initial_seed()
+        if seed != self._rng_seed:
+            self._rng_seed = seed
+            self._rng_gen = np.random.default_rng(seed)
+            # A new seed starts a new random stream (a new epoch, or a resumed run): the mosaic
+            # tiles must depend on that stream alone, not on what an earlier one decoded.
+            self._buffer.clear()
+            self._buffer_bytes = 0
+        return self._rng_gen
+
+    # ---- samples ------------------------------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.img_files)
+
+    def _load_mosaic(
+        self, index: int, rng: np.random.Generator, color: ColorFn | None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        s = self.img_size
+        if self._buffer_cap and len(self._buffer) >= self._buffer_cap:
+            recent = list(self._buffer)
+            ids = [index] + [recent[k] for k in rng.integers(0, len(recent), 3)]
+        else:
+            ids = [index] + [int(i) for i in rng.integers(0, len(self), 3)]
+        extents = mosaic_layout([(int(w), int(h)) for w, h in self.shapes[ids]], s, rng)
+        M = random_affine_matrix(rng, (s, s), (s, s), self._affine)
+        zoom = affine_scale(M) if is_axis_aligned(M) else 1.0
+        tiles = []
+        for i, e in zip(ids, extents):
+            img = self._buffered_image(i, (e[2] - e[0]) / int(self.shapes[i][0]) * zoom)
+            tiles.append(Tile(img, self._boxes_px(i, img.shape[1], img.shape[0]), e))
+        img, boxes, area0 = compose(tiles, (2 * s, 2 * s), M, (s, s), color=color)
+        return img, boxes[box_candidates(boxes[:, 1:5], area0)]
+
+    def _target_shape(self, index: int) -> tuple[int, int]:
+        if self.rect:
+            h, w = self.batch_shapes[self.batch[index]]
+            return int(h), int(w)
+        return self.img_size, self.img_size
+
+    def _load_augmented(
+        self, index: int, rng: np.random.Generator, color: ColorFn | None
+    ) -> tuple[np.ndarray, np.ndarray, tuple]:
+        H, W = self._target_shape(index)
+        w0, h0 = (int(v) for v in self.shapes[index])
+        r = min(H / h0, W / w0)
+        left, top = (W - w0 * r) / 2, (H - h0 * r) / 2
+        extent = (left, top, left + w0 * r, top + h0 * r)
+        M = random_affine_matrix(rng, (W / 2, H / 2), (W, H), self._affine)
+        zoom = affine_scale(M) if is_axis_aligned(M) else 1.0
+        img = self.load_image(index, r * zoom)
+        tile = Tile(img, self._boxes_px(index, img.shape[1], img.shape[0]), extent)
+        img, boxes, area0 = compose([tile], (W, H), M, (W, H), color=color)
+        shapes = ((h0, w0), ((r, r), (left, top)))
+        return img, boxes[box_candidates(boxes[:, 1:5], area0)], shapes
+
+    def _load_letterboxed(self, index: int) -> tuple[np.ndarray, np.ndarray, tuple]:
+        H, W = self._target_shape(index)
+        w0, h0 = (int(v) for v in self.shapes[index])
+        g = letterbox_geometry((h0, w0), (H, W), max_ratio=self.img_size / max(h0, w0))
+        (w, h), (left, top) = g.new_unpad, g.pad
+        src = self.load_image(index, min(w / w0, h / h0))
+        out = filled((H, W), PAD_COLOR)
+        resize_into(src, out[top : top + h, left : left + w])
+        boxes = self._boxes_px(index, w, h)
+        boxes[:, 1:] += (left, top, left, top)
+        return out, boxes, ((h0, w0), ((h / h0, w / w0), (left, top)))
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
+        """One sample.
+
+        Returns:
+            ``img``: ``(3, H, W) uint8`` RGB tensor; ``labels``: ``(n, 6) float32`` = (0, class,
+            cx, cy, w, h) normalised to ``img`` (column 0 is filled by :meth:`collate_fn`);
+            ``path``; ``shapes``: ``((h0, w0), ((h / h0, w / w0), (padw, padh)))`` mapping the
+            output back to the original image, None for mosaics; ``index``.
+        """
+        rng = self._rng()
+        if self.augment:
+            hyp = self.hyp
+            # HSV jitter is applied inside compose(), before resizing when that is cheaper.
+            lut = hsv_lut(hyp["hsv_h"], hyp["hsv_s"], hyp["hsv_v"], rng)
+            color = None if lut is None else partial(apply_hsv_lut, lut=lut)
+            if self.mosaic:
+                img, boxes = self._load_mosaic(index, rng, color)
+                shapes = None
+            else:
+                img, boxes, shapes = self._load_augmented(index, rng, color)
+            # Always draw both numbers so the stream does not depend on the probabilities.
+            lr, ud = rng.random(2)
+            if lr < hyp["fliplr"]:
+                img, boxes = flip_lr(img, boxes)
+            if ud < hyp["flipud"]:
+                img, boxes = flip_ud(img, boxes)
+        else:
+            img, boxes, shapes = self._load_letterboxed(index)
+        h, w = img.shape[:2]
+        labels = torch.zeros((len(boxes), 6), dtype=torch.float32)
+        if len(boxes):
+            labels[:, 1] = torch.from_numpy(boxes[:, 0])
+            labels[:, 2:] = torch.from_numpy(xyxy2xywhn(boxes[:, 1:5], w, h))
+        return torch.from_numpy(_to_chw_rgb(img)), labels, self.img_files[index], shapes, index
+
+    def coco_index(self, index: int) -> tuple[np.ndarray, tuple[int, int]]:
+        """Ground truth of image ``index`` without reading pixels: ``(labels (n, 5) float32
+        class + cxcywh normalised to the original image, (h0, w0))``."""
+        w0, h0 = (int(v) for v in self.shapes[index])
+        return self.labels[index].copy(), (h0, w0)
+
+    @staticmethod
+    def collate_fn(
+        batch: Sequence[tuple],
+    ) -> tuple[torch.Tensor, torch.Tensor, tuple, tuple, tuple]:
+        """``(imgs (bs, 3, H, W) uint8, targets (nt, 6) = (image index in batch, class, cx, cy,
+        w, h), paths, shapes, indices)``. Inside a worker the image batch is built directly in
+        shared memory (``default_collate``), saving a copy on the way to the main process."""
+        imgs, labels, paths, shapes, indices = zip(*batch)
+        for i, lb in enumerate(labels):
+            lb[:, 0] = i
+        return default_collate(list(imgs)), torch.cat(labels, 0), paths, shapes, indices
+
+
+def _to_chw_rgb(img: np.ndarray) -> np.ndarray:
+    """BGR ``(H, W, 3)`` -> contiguous RGB ``(3, H, W)``; ``cv2.split`` into the planes of the
+    result is about 3x faster than a numpy transpose copy."""
+    out = np.empty((3, *img.shape[:2]), np.uint8)
+    planes = cv2.split(img, mv=[out[2], out[1], out[0]])
+    if planes[0].ctypes.data != out[2].ctypes.data:  # OpenCV allocated new planes after all
+        out[...] = img[:, :, ::-1].transpose(2, 0, 1)
+    return out
+
+
+def _cache_mode(cache_images: bool | str | None) -> str | None:
+    if cache_images is None or cache_images is False:
+        return None
+    if cache_images is True or cache_images == "ram":
+        return "ram"
+    if cache_images == "disk":
+        return "disk"
+    raise ConfigError(f"cache_images must be False, True, 'ram' or 'disk', got {cache_images!r}")
+
+
+def _describe(path: Any) -> str:
+    if isinstance(path, list | tuple):
+        return ", ".join(os.fspath(p) for p in path)
+    return os.fspath(path)

@@ -1,0 +1,672 @@
+"""LoadImagesAndLabels: inputs, label checking and caching, geometry, augmentation, image cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from build_utils import datasets as ds_mod
+from build_utils.datasets import (
+    LoadImagesAndLabels,
+    collect_image_files,
+    img2label_path,
+    label_root,
+    parse_label_text,
+    worker_init_fn,
+)
+from build_utils.errors import ConfigError, DatasetError
+from build_utils.image_io import exif_orientation, orient_boxes, oriented_size
+
+HYP = {
+    "hsv_h": 0.0,
+    "hsv_s": 0.0,
+    "hsv_v": 0.0,
+    "degrees": 0.0,
+    "translate": 0.0,
+    "scale": 0.0,
+    "shear": 0.0,
+    "flipud": 0.0,
+    "fliplr": 0.5,
+    "mosaic": True,
+}
+# Unique colours that no blend of two others (or with black/grey) imitates; see
+# test_augmentations.py for the construction.
+_ARC = [(x, round((x - 80) ** 2 / 40)) for x in (0, 40, 80, 120, 160)]
+PALETTE = [tuple(int(v) for v in np.roll([255, a, b], k)) for k in range(3) for a, b in _ARC]
+
+
+def imwrite(path: Path, img: np.ndarray, params: tuple = ()) -> Path:
+    """cv2.imwrite that works for non-ASCII paths and creates folders."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ok, buf = cv2.imencode(
+        path.suffix.lower() if path.suffix.lower() != ".jpeg" else ".jpg", img, list(params)
+    )
+    assert ok
+    buf.tofile(str(path))
+    return path
+
+
+def scene(w: int, h: int, boxes: list[tuple[int, int, int, int, int]]) -> tuple[np.ndarray, str]:
+    """Black BGR image with filled rectangles ``(colour, x1, y1, x2, y2)`` (pixel edges) and the
+    matching label text (class = colour index)."""
+    img = np.zeros((h, w, 3), np.uint8)
+    lines = []
+    for k, x1, y1, x2, y2 in boxes:
+        img[y1:y2, x1:x2] = PALETTE[k]
+        lines.append(
+            f"{k} {(x1 + x2) / 2 / w:.8f} {(y1 + y2) / 2 / h:.8f} {(x2 - x1) / w:.8f} "
+            f"{(y2 - y1) / h:.8f}"
+        )
+    return img, "\n".join(lines) + "\n"
+
+
+def add_image(
+    root: Path,
+    name: str,
+    img: np.ndarray,
+    label: str | None,
+    split: str = "train",
+    params: tuple = (),
+) -> Path:
+    p = imwrite(root / split / "images" / name, img, params)
+    if label is not None:
+        lp = root / split / "labels" / (Path(name).stem + ".txt")
+        lp.parent.mkdir(parents=True, exist_ok=True)
+        lp.write_text(label)
+    return p
+
+
+def write_list(path: Path, entries: list[str]) -> Path:
+    path.write_text("".join(e + "\n" for e in entries))
+    return path
+
+
+def small_dataset(root: Path, n: int = 6, seed: int = 0) -> Path:
+    """``n`` images with 1-3 coloured rectangles each; returns the list file."""
+    rng = np.random.default_rng(seed)
+    names = []
+    for i in range(n):
+        w, h = int(rng.integers(60, 140)), int(rng.integers(60, 140))
+        boxes = []
+        for j in range(int(rng.integers(1, 4))):
+            bw, bh = int(rng.integers(10, 24)), int(rng.integers(10, 24))
+            x1 = 4 + j * (w // 3)
+            y1 = int(rng.integers(2, h - bh - 2))
+            boxes.append(((3 * i + j) % len(PALETTE), x1, y1, min(x1 + bw, w - 2), y1 + bh))
+        img, label = scene(w, h, boxes)
+        add_image(root, f"im{i}.png", img, label)
+        names.append(f"train/images/im{i}.png")
+    return write_list(root / "train.txt", names)
+
+
+def colour_mask(img_rgb_chw: torch.Tensor | np.ndarray, k: int) -> np.ndarray:
+    img = (
+        img_rgb_chw.numpy().transpose(1, 2, 0)[:, :, ::-1]
+        if isinstance(img_rgb_chw, torch.Tensor)
+        else img_rgb_chw
+    )
+    return np.abs(img.astype(np.int16) - PALETTE[k]).max(axis=2) <= 8
+
+
+def boxes_px(labels: torch.Tensor, w: int, h: int) -> np.ndarray:
+    """(n, 6) normalised dataset labels -> (n, 5) class + xyxy pixels."""
+    lb = labels.numpy().astype(np.float64)
+    out = np.empty((len(lb), 5))
+    out[:, 0] = lb[:, 1]
+    out[:, 1] = (lb[:, 2] - lb[:, 4] / 2) * w
+    out[:, 2] = (lb[:, 3] - lb[:, 5] / 2) * h
+    out[:, 3] = (lb[:, 2] + lb[:, 4] / 2) * w
+    out[:, 4] = (lb[:, 3] + lb[:, 5] / 2) * h
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Inputs
+
+
+def test_label_path_replaces_only_the_last_images_folder():
+    sep = os.sep
+    p = sep.join(["", "d", "images", "a", "images", "x.JPG"])
+    assert img2label_path(p) == sep.join(["", "d", "images", "a", "labels", "x.txt"])
+    assert img2label_path(sep.join(["", "d", "myimages", "x.png"])) == sep.join(
+        ["", "d", "myimages", "x.txt"]
+    )
+    assert label_root(p) == sep.join(["", "d", "images", "a"])
+    assert label_root(sep.join(["", "d", "train", "images", "s", "x.png"])) == sep.join(
+        ["", "d", "train"]
+    )
+    assert label_root(sep.join(["", "d", "imgs", "x.png"])) == sep.join(["", "d"])
+
+
+def test_list_folder_relative_and_mixed_inputs(tmp_path, monkeypatch):
+    img = np.full((40, 50, 3), 90, np.uint8)
+    names = ["a.jpg", "b.PNG", "c.bmp", "d.tif", "e.webp", "f.JPEG", "g.tiff", "ü ñ.jpg"]
+    for n in names:
+        add_image(tmp_path, n, img, "0 0.5 0.5 0.2 0.2\n")
+    (tmp_path / "train" / "images" / "notes.txt").write_text("not an image")
+    sub = add_image(tmp_path, "sub/h.png", img, None)  # nested folder, no label file
+    lst = write_list(
+        tmp_path / "train.txt",
+        [
+            f"train/images/{names[0]}",
+            f"./train/images/{names[1]}",
+            str(tmp_path / "train" / "images" / names[2]),
+        ],
+    )
+    d = LoadImagesAndLabels(str(lst), 64)
+    assert [Path(f).name for f in d.img_files] == names[:3]
+    assert all(Path(f).is_absolute() for f in d.img_files)
+    assert d.label_files[1] == str(tmp_path / "train" / "labels" / "b.txt")
+
+    folder = LoadImagesAndLabels(tmp_path / "train" / "images", 64)
+    assert sorted(Path(f).name for f in folder.img_files) == sorted([*names, "h.png"])
+    assert folder.cache_path.name == "train.cache.npz"  # named after the split, not "images"
+    assert folder.label_files[folder.img_files.index(str(sub))].endswith(
+        os.path.join("labels", "sub", "h.txt")
+    )
+
+    both = LoadImagesAndLabels([lst, str(sub)], 64)
+    assert len(both) == 4
+    monkeypatch.chdir(tmp_path)  # the lineage wrote lists relative to the current directory
+    lst2 = write_list(tmp_path / "train" / "other.txt", [f"train/images/{names[3]}"])
+    assert len(LoadImagesAndLabels(lst2, 64)) == 1
+
+
+def test_missing_or_empty_inputs_raise(tmp_path):
+    with pytest.raises(DatasetError, match="not found"):
+        LoadImagesAndLabels(tmp_path / "nope.txt")
+    with pytest.raises(DatasetError, match="no images"):
+        LoadImagesAndLabels(write_list(tmp_path / "empty.txt", []))
+    (tmp_path / "x.csv").write_text("a")
+    with pytest.raises(DatasetError, match="expected a .txt list"):
+        LoadImagesAndLabels(tmp_path / "x.csv")
+    with pytest.raises(ConfigError, match="hyp"):
+        LoadImagesAndLabels(tmp_path, augment=True)
+    with pytest.raises(ConfigError, match="lacks"):
+        LoadImagesAndLabels(tmp_path, augment=True, hyp={"hsv_h": 0.1})
+    with pytest.raises(ConfigError, match="mosaic_buffer"):
+        LoadImagesAndLabels(tmp_path, mosaic_buffer=-1)
+    with pytest.raises(ConfigError, match="img_size"):
+        LoadImagesAndLabels(tmp_path, img_size=0)
+    with pytest.raises(ConfigError, match="cache_images"):
+        LoadImagesAndLabels(small_dataset(tmp_path / "s"), cache_images="gpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# Label checking
+
+
+def test_parse_label_text_rules():
+    text = "\n".join(
+        [
+            "0 0.5 0.5 0.2 0.2",  # good
+            "",  # blank lines are ignored
+            "1 0.5 0.5 0.2",  # 4 fields
+            "1 0.5 0.5 0.2 0.2 0.1",  # 6 fields (a segment?)
+            "a 0.5 0.5 0.2 0.2",  # not a number
+            "1 nan 0.5 0.2 0.2",  # NaN
+            "7 0.5 0.5 0.2 0.2",  # class >= nc
+            "-1 0.5 0.5 0.2 0.2",  # negative class
+            "1.5 0.5 0.5 0.2 0.2",  # fractional class
+            "1 1.5 0.5 0.2 0.2",  # coordinate > 1
+            "1 0.5 -0.2 0.2 0.2",  # negative coordinate
+            "1 1.0005 0.5 0.2 0.2",  # within tolerance: clipped
+            "1 0.5 0.5 0.0 0.2",  # zero size
+            "0 0.5 0.5 0.2 0.2",  # duplicate of line 1
+            "2 0.95 0.5 0.3 0.2",  # extends beyond the image: clipped, noted
+        ]
+    )
+    labels, n_dup, n_bad, notes = parse_label_text(text, nc=5, where="f.txt")
+    assert n_dup == 1
+    assert n_bad == 10
+    np.testing.assert_allclose(labels[0], [0, 0.5, 0.5, 0.2, 0.2], atol=1e-7)
+    np.testing.assert_allclose(labels[1], [1, 0.95, 0.5, 0.1, 0.2], atol=1e-6)  # 1.0005 -> 1
+    np.testing.assert_allclose(labels[2], [2, 0.9, 0.5, 0.2, 0.2], atol=1e-6)
+    report = "\n".join(notes)
+    for lineno, reason in [
+        (3, "4 fields"),
+        (4, "6 fields"),
+        (5, "not a number"),
+        (6, "NaN"),
+        (7, "class id 7 outside [0, 5)"),
+        (8, "not a non-negative integer"),
+        (9, "not a non-negative integer"),
+        (10, "outside [0, 1]"),
+        (11, "outside [0, 1]"),
+        (13, "zero-size"),
+        (14, "duplicate"),
+        (15, "clipped"),
+    ]:
+        assert f"f.txt:{lineno}: " in report and reason in report, reason
+    assert len(parse_label_text("5 0.5 0.5 0.1 0.1", nc=None)[0]) == 1  # no nc: any id >= 0
+
+
+def _jpeg_with_exif(img: np.ndarray, orientation: int) -> bytes:
+    """JPEG bytes with an APP1 EXIF segment holding only the orientation tag."""
+    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 95])
+    assert ok
+    tiff = b"MM\x00\x2a" + struct.pack(">I", 8) + struct.pack(">H", 1)
+    tiff += struct.pack(">HHIHH", 0x0112, 3, 1, orientation, 0) + struct.pack(">I", 0)
+    app1 = b"Exif\x00\x00" + tiff
+    data = buf.tobytes()
+    return data[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + data[2:]
+
+
+def test_bad_inputs_are_excluded_and_reported(tmp_path, caplog):
+    good = np.full((48, 64, 3), 100, np.uint8)
+    ok_label = "0 0.5 0.5 0.25 0.25\n"
+    add_image(tmp_path, "good.jpg", good, ok_label)
+    add_image(tmp_path, "nolabel.jpg", good, None)
+    add_image(tmp_path, "empty.jpg", good, "")
+    add_image(tmp_path, "badlines.jpg", good, ok_label + "0 2.0 0.5 0.1 0.1\n" + ok_label)
+    zero = tmp_path / "train" / "images" / "zero.jpg"
+    zero.write_bytes(b"")
+    (tmp_path / "train" / "labels" / "zero.txt").write_text(ok_label)
+    data = imwrite(tmp_path / "full.jpg", good).read_bytes()
+    (tmp_path / "train" / "images" / "trunc.jpg").write_bytes(data[: len(data) // 2])
+    (tmp_path / "train" / "images" / "junk.png").write_bytes(b"\x89PNG not really" * 10)
+    add_image(tmp_path, "badlabel.jpg", good, None)
+    (tmp_path / "train" / "labels" / "badlabel.txt").write_bytes(b"\xff\xfe\x00garbage")
+    lst = write_list(
+        tmp_path / "train.txt",
+        [
+            "train/images/good.jpg",
+            "train/images/nolabel.jpg",
+            "train/images/empty.jpg",
+            "train/images/badlines.jpg",
+            "train/images/zero.jpg",
+            "train/images/trunc.jpg",
+            "train/images/junk.png",
+            "train/images/badlabel.jpg",
+            "train/images/missing.jpg",
+            "train/images/readme.gif",
+        ],
+    )
+    with caplog.at_level(logging.INFO, logger="build_utils.datasets"):
+        d = LoadImagesAndLabels(lst, 64, nc=1)
+    assert [Path(f).name for f in d.img_files] == [
+        "good.jpg",
+        "nolabel.jpg",
+        "empty.jpg",
+        "badlines.jpg",
+    ]
+    assert [len(lb) for lb in d.labels] == [1, 0, 0, 1]
+    summary = [r.message for r in caplog.records if "images:" in r.message]
+    assert len(summary) == 1
+    assert (
+        "10 images: 2 label files found, 1 missing, 1 empty, 6 corrupt images excluded, "
+        "1 duplicate rows and 1 bad label lines dropped"
+    ) in summary[0]
+    assert caplog.records[-1].levelno == logging.WARNING
+    report = d.report_path.read_text()
+    for reason in [
+        "zero.jpg: excluded: zero-byte image file",
+        "trunc.jpg: excluded: truncated JPEG",
+        "junk.png: excluded: not a readable image",
+        "badlabel.jpg: excluded: label file",
+        "missing.jpg: excluded: image file not found",
+        "readme.gif: excluded: not an image file type",
+        "badlines.txt:2: dropped: coordinate outside [0, 1]",
+        "badlines.txt:3: dropped: duplicate",
+    ]:
+        assert reason in report, reason
+    assert d.report_path.parent == d.cache_path.parent
+
+
+def test_no_usable_image_raises_with_the_counts(tmp_path):
+    (tmp_path / "images").mkdir()
+    (tmp_path / "images" / "a.jpg").write_bytes(b"")
+    with pytest.raises(DatasetError, match="no usable image: 1 images: .* 1 corrupt"):
+        LoadImagesAndLabels(tmp_path / "images")
+
+
+def test_grey_rgba_16bit_and_exif_images(tmp_path):
+    grey = np.zeros((30, 40), np.uint8)
+    grey[:, :20] = 200
+    add_image(tmp_path, "grey.png", grey, "")
+    rgba = np.zeros((30, 40, 4), np.uint8)
+    rgba[..., 2] = 255  # red in BGR(A)
+    rgba[..., 3] = 10  # mostly transparent: the colour is kept, the alpha dropped
+    add_image(tmp_path, "rgba.png", rgba, "")
+    deep = np.full((30, 40, 3), 0x1234, np.uint16)
+    deep[..., 0] = 0xFF00  # blue channel (BGR) near full scale
+    add_image(tmp_path, "deep.png", deep, "")
+    # A sideways phone photo: stored 60 wide x 30 high with orientation 6 (rotate 90 clockwise);
+    # a box in the stored top-left corner appears top-right when upright.
+    raw = np.zeros((30, 60, 3), np.uint8)
+    raw[:10, :20] = (0, 0, 255)
+    exif = tmp_path / "train" / "images" / "exif.jpg"
+    exif.write_bytes(_jpeg_with_exif(raw, 6))
+    box = orient_boxes(np.array([[0, 0, 20, 10]]), 6, 60, 30)[0]
+    w, h = oriented_size(60, 30, 6)
+    (tmp_path / "train" / "labels" / "exif.txt").write_text(
+        f"0 {(box[0] + box[2]) / 2 / w} {(box[1] + box[3]) / 2 / h} {(box[2] - box[0]) / w} "
+        f"{(box[3] - box[1]) / h}\n"
+    )
+    d = LoadImagesAndLabels(tmp_path / "train" / "images", 64)
+    by_name = {Path(f).name: i for i, f in enumerate(d.img_files)}
+    assert d.shapes[by_name["exif.jpg"]].tolist() == [30, 60]  # upright (w, h)
+    for name, rgb in [
+        ("grey.png", (200, 200, 200)),
+        ("rgba.png", (255, 0, 0)),
+        ("deep.png", (0x12, 0x12, 0xFF)),
+    ]:
+        img = d[by_name[name]][0]
+        assert img.shape == (3, 64, 64) and img.dtype == torch.uint8
+        assert tuple(img[:, 32, 5].tolist()) == rgb, name  # RGB order
+    img, labels, *_ = d[by_name["exif.jpg"]]
+    red = (img[0] > 150) & (img[1] < 80)
+    ys, xs = np.nonzero(red.numpy())
+    b = boxes_px(labels, 64, 64)[0]
+    np.testing.assert_allclose([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], b[1:], atol=1.5)
+    assert exif_orientation(exif.read_bytes()) == 6
+
+
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_orient_boxes_agrees_with_opencv(orientation):
+    raw = np.zeros((24, 40, 3), np.uint8)
+    raw[3:9, 5:17] = 255
+    data = _jpeg_with_exif(raw, orientation)
+    assert exif_orientation(data) == orientation
+    upright = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    assert (upright.shape[1], upright.shape[0]) == oriented_size(40, 24, orientation)
+    ys, xs = np.nonzero(upright[..., 0] > 127)
+    box = orient_boxes(np.array([[5, 3, 17, 9]]), orientation, 40, 24)[0]
+    np.testing.assert_allclose([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], box, atol=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Geometry
+
+
+@pytest.mark.parametrize("rect", [False, True])
+def test_letterboxed_box_lands_where_the_label_says(tmp_path, rect):
+    specs = [
+        (90, 60, (2, 20, 10, 70, 50)),
+        (50, 120, (5, 10, 40, 45, 100)),
+        (300, 200, (7, 100, 50, 260, 190)),
+        (1300, 600, (9, 200, 100, 1000, 500)),
+    ]
+    names = []
+    for i, (w, h, box) in enumerate(specs):
+        img, label = scene(w, h, [box])
+        add_image(
+            tmp_path,
+            f"{i}.jpg" if i == 3 else f"{i}.png",
+            img,
+            label,
+            params=(cv2.IMWRITE_JPEG_QUALITY, 100) if i == 3 else (),
+        )
+        names.append(f"train/images/{i}.jpg" if i == 3 else f"train/images/{i}.png")
+    d = LoadImagesAndLabels(write_list(tmp_path / "train.txt", names), 128, batch_size=2, rect=rect)
+    for i in range(len(d)):
+        img, labels, path, shapes, index = d[i]
+        assert index == i and path == d.img_files[i]
+        H, W = img.shape[1:]
+        if rect:
+            assert tuple(d.batch_shapes[d.batch[i]]) == (H, W)
+        else:
+            assert (H, W) == (128, 128)
+        k, x1, y1, x2, y2 = boxes_px(labels, W, H)[0]
+        mask = colour_mask(img, int(k))
+        ys, xs = np.nonzero(mask)
+        # The big JPEG is decoded at reduced size and JPEG blurs edges: 1.5 px there.
+        tol = 1.5 if path.endswith(".jpg") else 1.0
+        np.testing.assert_allclose(
+            [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], [x1, y1, x2, y2], atol=tol
+        )
+        # shapes maps the output back to the original image.
+        (h0, w0), ((rh, rw), (padw, padh)) = shapes
+        orig = d.labels[i][0, 1:] * [w0, h0, w0, h0]
+        back = [(x1 - padw) / rw, (y1 - padh) / rh, (x2 - padw) / rw, (y2 - padh) / rh]
+        want = [
+            orig[0] - orig[2] / 2,
+            orig[1] - orig[3] / 2,
+            orig[0] + orig[2] / 2,
+            orig[1] + orig[3] / 2,
+        ]
+        np.testing.assert_allclose(back, want, atol=1e-3 * max(w0, h0))
+
+
+def test_rect_batches_sorted_by_aspect_ratio(tmp_path):
+    sizes = [(100, 50), (50, 100), (80, 80), (120, 40), (40, 60), (90, 45)]  # (w, h)
+    names = []
+    for i, (w, h) in enumerate(sizes):
+        add_image(tmp_path, f"{i}.png", np.zeros((h, w, 3), np.uint8), "")
+        names.append(f"train/images/{i}.png")
+    lst = write_list(tmp_path / "train.txt", names)
+    d = LoadImagesAndLabels(lst, 128, batch_size=2, rect=True)
+    ar = d.shapes[:, 1] / d.shapes[:, 0]
+    assert (np.diff(ar) >= 0).all()
+    # Ties (100x50 and 90x45) keep list order: a stable sort, the same on every rank.
+    assert [Path(f).name for f in d.img_files] == [
+        "3.png",
+        "0.png",
+        "5.png",
+        "2.png",
+        "4.png",
+        "1.png",
+    ]
+    np.testing.assert_array_equal(d.batch, [0, 0, 1, 1, 2, 2])
+    # batch 0: h/w 1/3 and 1/2 -> [0.5, 1] * 128 -> (64, 128); batch 1: 1/2, 1 -> (128, 128);
+    # batch 2: 1.5, 2 -> [1, 1/1.5] -> (128, 96)
+    np.testing.assert_array_equal(d.batch_shapes, [[64, 128], [128, 128], [128, 96]])
+    padded = LoadImagesAndLabels(lst, 128, batch_size=2, rect=True, pad=0.5)
+    np.testing.assert_array_equal(padded.batch_shapes, [[96, 160], [160, 160], [160, 128]])
+    batch = LoadImagesAndLabels.collate_fn([d[4], d[5]])
+    assert batch[0].shape == (2, 3, 128, 96)
+
+
+def test_labels_follow_their_images_in_every_order(tmp_path):
+    lst = small_dataset(tmp_path, n=7)
+    for rect in (False, True, False):
+        d = LoadImagesAndLabels(lst, 96, batch_size=3, rect=rect)
+        for f, lf, lb in zip(d.img_files, d.label_files, d.labels):
+            assert Path(lf).stem == Path(f).stem
+            np.testing.assert_allclose(lb, np.loadtxt(lf, ndmin=2), atol=1e-6)
+
+
+def test_deterministic_order_hash_and_samples(tmp_path):
+    lst = small_dataset(tmp_path, n=8)
+    a = LoadImagesAndLabels(lst, 96, augment=True, hyp=HYP)
+    b = LoadImagesAndLabels(lst, 96, augment=True, hyp=HYP)
+    assert a.img_files == b.img_files and a.content_hash == b.content_hash
+    torch.manual_seed(3)
+    xa = [a[i] for i in range(4)]
+    torch.manual_seed(3)
+    xb = [b[i] for i in range(4)]
+    for s, t in zip(xa, xb):
+        assert torch.equal(s[0], t[0]) and torch.equal(s[1], t[1])
+    assert LoadImagesAndLabels(lst, 96, single_cls=True).content_hash != a.content_hash
+
+
+def test_single_cls_folds_classes(tmp_path):
+    d = LoadImagesAndLabels(small_dataset(tmp_path), 96, single_cls=True)
+    assert all((lb[:, 0] == 0).all() for lb in d.labels)
+    assert sum(len(lb) for lb in d.labels) > len(d)
+
+
+def test_coco_index_reads_no_pixels(tmp_path, monkeypatch):
+    d = LoadImagesAndLabels(small_dataset(tmp_path), 96)
+    monkeypatch.setattr(d, "load_image", lambda *a: pytest.fail("pixels were read"))
+    labels, (h0, w0) = d.coco_index(2)
+    np.testing.assert_array_equal(labels, d.labels[2])
+    assert (w0, h0) == tuple(d.shapes[2])
+
+
+def test_collate_fills_the_batch_index(tmp_path):
+    d = LoadImagesAndLabels(small_dataset(tmp_path), 96)
+    imgs, targets, paths, shapes, indices = LoadImagesAndLabels.collate_fn([d[0], d[1], d[2]])
+    assert imgs.shape == (3, 3, 96, 96) and imgs.dtype == torch.uint8
+    counts = [len(d.labels[i]) for i in range(3)]
+    assert targets.shape == (sum(counts), 6)
+    np.testing.assert_array_equal(targets[:, 0].numpy(), np.repeat([0, 1, 2], counts))
+    assert paths == tuple(d.img_files[:3]) and indices == (0, 1, 2) and len(shapes) == 3
+
+
+# ---------------------------------------------------------------------------------------------
+# Caches
+
+
+def test_label_cache_reuse_and_invalidation(tmp_path, monkeypatch, caplog):
+    lst = small_dataset(tmp_path)
+    calls = []
+    real = ds_mod.build_label_cache
+    monkeypatch.setattr(
+        ds_mod, "build_label_cache", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+    d = LoadImagesAndLabels(lst, 96)
+    assert len(calls) == 1 and d.cache_path.is_file() and d.cache_path.name == "train.cache.npz"
+    LoadImagesAndLabels(lst, 96)
+    assert len(calls) == 1  # reused
+    LoadImagesAndLabels(lst, 96, nc=80)
+    assert len(calls) == 2  # the class count is part of the key
+
+    label = Path(d.label_files[0])
+    label.write_text("0 0.5 0.5 0.5 0.5\n")
+    os.utime(label, ns=(1, 1))  # even with an old timestamp: the size differs
+    d2 = LoadImagesAndLabels(lst, 96, nc=80)
+    assert len(calls) == 3
+    np.testing.assert_allclose(d2.labels[0], [[0, 0.5, 0.5, 0.5, 0.5]])
+    assert d2.content_hash != d.content_hash
+
+    d2.cache_path.write_bytes(b"not a zip file")
+    with caplog.at_level(logging.WARNING, logger="build_utils.datasets"):
+        LoadImagesAndLabels(lst, 96, nc=80)
+    assert len(calls) == 4 and "unreadable" in caplog.text
+
+    def read_only(*a, **k):
+        raise PermissionError(13, "Permission denied")
+
+    caplog.clear()
+    monkeypatch.setattr(ds_mod.tempfile, "mkstemp", read_only)
+    with caplog.at_level(logging.WARNING, logger="build_utils.datasets"):
+        d3 = LoadImagesAndLabels(lst, 96, nc=3)
+    assert len(d3) == len(d) and "cannot write label cache" in caplog.text
+
+
+def test_train_and_val_caches_do_not_collide(tmp_path):
+    lst = small_dataset(tmp_path, n=6)
+    names = lst.read_text().split()
+    tr = LoadImagesAndLabels(write_list(tmp_path / "a.txt", names[:4]), 96)
+    va = LoadImagesAndLabels(write_list(tmp_path / "b.txt", names[4:]), 96)
+    assert tr.cache_path != va.cache_path
+    assert len(LoadImagesAndLabels(tmp_path / "a.txt", 96)) == 4
+    assert len(LoadImagesAndLabels(tmp_path / "b.txt", 96)) == 2
+
+
+def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
+    lst = small_dataset(tmp_path)
+    plain = LoadImagesAndLabels(lst, 96)
+    ram = LoadImagesAndLabels(lst, 96, cache_images=True)
+    disk = LoadImagesAndLabels(lst, 96, cache_images="disk")
+    npys = list(disk.cache_path.parent.glob("train.img96/*.npy"))
+    assert len(npys) == len(plain)
+    disk2 = LoadImagesAndLabels(lst, 96, cache_images="disk")
+    for i in range(len(plain)):
+        a = plain[i][0]
+        assert torch.equal(a, ram[i][0]) and torch.equal(a, disk[i][0])
+        assert torch.equal(a, disk2[i][0])
+    monkeypatch.setattr(ds_mod, "available_memory_bytes", lambda: 1000)
+    with pytest.raises(DatasetError, match="cache_images='disk'"):
+        LoadImagesAndLabels(lst, 96, cache_images="ram")
+
+
+# ---------------------------------------------------------------------------------------------
+# Augmentation through the dataset
+
+
+def _check_labels_on_objects(img: torch.Tensor, labels: torch.Tensor, tol: float) -> None:
+    """Each label box holds its colour and hugs it (when not cut by the border); every pixel of
+    a labelled colour lies in one of that colour's boxes (a mosaic may show an image twice)."""
+    H, W = img.shape[1:]
+    boxes = boxes_px(labels, W, H)
+    for k in np.unique(boxes[:, 0]).astype(int):
+        ys, xs = np.nonzero(colour_mask(img, k))
+        covered = np.zeros(len(xs), bool)
+        for _, x1, y1, x2, y2 in boxes[boxes[:, 0] == k]:
+            near = (xs + 0.5 >= x1 - tol) & (xs + 0.5 <= x2 + tol)
+            near &= (ys + 0.5 >= y1 - tol) & (ys + 0.5 <= y2 + tol)
+            assert near.any(), f"label {k} has none of its colour"
+            covered |= near
+            if x1 > 2 and y1 > 2 and x2 < W - 2 and y2 < H - 2:  # uncut: the box hugs it
+                bx, by = xs[near], ys[near]
+                assert abs(bx.min() - x1) <= tol + 1 and abs(bx.max() + 1 - x2) <= tol + 1
+                assert abs(by.min() - y1) <= tol + 1 and abs(by.max() + 1 - y2) <= tol + 1
+        assert covered.all(), f"pixels of colour {k} outside its boxes"
+
+
+@pytest.mark.parametrize("mode", ["mosaic", "mosaic-affine", "single", "rect"])
+def test_augmented_samples_keep_labels_on_objects(tmp_path, mode):
+    lst = small_dataset(tmp_path, n=5, seed=1)  # 5 x up to 3 boxes: unique colours
+    hyp = dict(HYP, flipud=0.5, mosaic=mode.startswith("mosaic"))
+    if mode == "mosaic-affine":
+        hyp.update(scale=0.3, translate=0.1)  # axis-aligned: boxes stay exact
+    if mode == "single":
+        hyp.update(degrees=0.0, scale=0.4, translate=0.2)
+    d = LoadImagesAndLabels(
+        lst, 96, batch_size=4, augment=True, hyp=hyp, rect=mode == "rect", mosaic_buffer=4
+    )
+    torch.manual_seed(0)
+    n_labels = 0
+    for i in list(range(len(d))) * 2:
+        img, labels, _, shapes, _ = d[i]
+        assert (shapes is None) == mode.startswith("mosaic")
+        _check_labels_on_objects(img, labels, tol=2.5)
+        n_labels += len(labels)
+    assert n_labels > len(d)
+    if mode.startswith("mosaic"):
+        assert len(d._buffer) == 4  # the buffer stays at its size
+
+
+def test_hsv_and_rotation_through_the_dataset(tmp_path):
+    lst = small_dataset(tmp_path, n=6, seed=2)
+    hyp = dict(HYP, hsv_h=0.0138, hsv_s=0.678, hsv_v=0.36, degrees=10.0, shear=2.0)
+    d = LoadImagesAndLabels(lst, 96, augment=True, hyp=hyp)
+    torch.manual_seed(1)
+    grey_levels = set()
+    for i in range(len(d)):
+        img, labels, *_ = d[i]
+        assert img.shape == (3, 96, 96)
+        assert ((labels[:, 2:] >= 0) & (labels[:, 2:] <= 1)).all()
+        r, g, b = img.numpy().astype(int)
+        grey = (r == g) & (g == b) & (r > 40) & (r < 230)  # the padding, jittered by hsv_v
+        grey_levels.update(np.unique(r[grey]).tolist())
+    assert len(grey_levels) > 1
+
+
+def test_dataloader_with_workers(shapes_data):
+    lst = shapes_data.parent / "train.txt"
+    d = LoadImagesAndLabels(lst, 128, batch_size=4, augment=True, hyp=dict(HYP, hsv_v=0.3), nc=5)
+    loader = DataLoader(
+        d,
+        batch_size=4,
+        num_workers=2,
+        collate_fn=d.collate_fn,
+        worker_init_fn=worker_init_fn,
+        shuffle=True,
+        generator=torch.Generator().manual_seed(0),
+    )
+    seen = 0
+    for imgs, targets, paths, _, _ in loader:
+        assert imgs.shape == (4, 3, 128, 128) and imgs.dtype == torch.uint8
+        assert targets.shape[1] == 6 and set(targets[:, 0].tolist()) <= {0, 1, 2, 3}
+        assert ((targets[:, 1] >= 0) & (targets[:, 1] < 5)).all()
+        seen += len(paths)
+    assert seen == len(d)
+
+
+def test_collect_image_files_names_the_cache_after_the_list(tmp_path):
+    lst = small_dataset(tmp_path, n=2)
+    files, stem = collect_image_files(lst)
+    assert stem == "train" and len(files) == 2
+    files, stem = collect_image_files([lst, tmp_path / "train" / "images"])
+    assert stem == "train+train" and len(files) == 4

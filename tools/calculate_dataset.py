@@ -1,0 +1,182 @@
+"""Write the image lists, the ``.data`` file and a model cfg for a YOLO-layout dataset.
+
+    python tools/calculate_dataset.py --root my_yolo_dataset --names my_yolo_dataset/voc.names \\
+        --cfg cfg/yolov3-spp.cfg
+
+reads ``ROOT/train/labels`` and ``ROOT/val/labels`` (or ``--train-labels``/``--val-labels``), lists
+the images of the sibling ``images`` folders and writes into ``--out-dir`` (default ROOT)::
+
+    my_train_data.txt my_val_data.txt   image paths, relative to the list's folder
+    my_data.data                        classes, train, valid, names (paths relative to it)
+    my_yolov3-spp.cfg                   the cfg with every [yolo] head rewritten for the classes
+
+(``--name`` replaces ``my``.) Every label file is checked as the data loader checks it; the counts
+per split are printed, and a split without images or without any object is an error (a val set
+with no objects makes mAP silently 0). Images without a label file are negatives and are listed;
+label files without an image are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from build_utils.datasets import parse_label_text
+from build_utils.errors import ConfigError, DatasetError
+from build_utils.image_io import list_images
+from build_utils.parse_config import load_class_names
+from train_utils.cli import run_main, setup_console_logging
+
+LOGGER = logging.getLogger("calculate_dataset")
+
+
+@dataclass
+class SplitSummary:
+    """Counts for one split: images, label files, objects, images without labels, orphans."""
+
+    name: str
+    images: list[Path]
+    n_labels: int
+    n_objects: int
+    n_negatives: int
+    orphans: list[Path]
+    bad_lines: list[str]
+
+    def line(self) -> str:
+        return (
+            f"{self.name}: {len(self.images)} images, {self.n_labels} label files, "
+            f"{self.n_objects} objects, {self.n_negatives} images without labels, "
+            f"{len(self.orphans)} label files without an image, {len(self.bad_lines)} bad lines"
+        )
+
+
+def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
+    """Images of ``labels_dir/../images`` and the check of their labels.
+
+    Raises:
+        DatasetError: missing folders or no images.
+    """
+    if not labels_dir.is_dir():
+        raise DatasetError(f"{name} label folder not found", labels_dir)
+    images_dir = labels_dir.parent / "images"
+    if not images_dir.is_dir():
+        raise DatasetError(f"{name} images folder not found beside the labels", images_dir)
+    images = [Path(p) for p in list_images(images_dir)]
+    if not images:
+        raise DatasetError(f"no images in the {name} split", images_dir)
+    stems = {p.relative_to(images_dir).with_suffix("") for p in images}
+    n_labels = n_objects = n_neg = 0
+    bad: list[str] = []
+    for img in images:
+        label = labels_dir / img.relative_to(images_dir).with_suffix(".txt")
+        if not label.is_file():
+            n_neg += 1
+            continue
+        n_labels += 1
+        labels, _, _, notes = parse_label_text(label.read_text(encoding="utf-8"), nc, str(label))
+        n_objects += len(labels)
+        bad += [n for n in notes if ": dropped: " in n]
+    orphans = [
+        p
+        for p in sorted(labels_dir.rglob("*.txt"))
+        if p.relative_to(labels_dir).with_suffix("") not in stems
+    ]
+    return SplitSummary(name, images, n_labels, n_objects, n_neg, orphans, bad)
+
+
+def write_list(path: Path, images: Sequence[Path]) -> None:
+    """One image per line, relative to the list's folder (the loader resolves it there)."""
+    base = path.parent.resolve()
+    path.write_text(
+        "".join(Path(os.path.relpath(p.resolve(), base)).as_posix() + "\n" for p in images)
+    )
+
+
+def write_data_file(path: Path, nc: int, train: Path, valid: Path, names: Path) -> None:
+    """Darknet ``.data`` with paths relative to its folder."""
+    base = path.parent.resolve()
+
+    def rel(p: Path) -> str:
+        return Path(os.path.relpath(p.resolve(), base)).as_posix()
+
+    path.write_text(f"classes={nc}\ntrain={rel(train)}\nvalid={rel(valid)}\nnames={rel(names)}\n")
+
+
+def write_cfg(template: Path, nc: int, out: Path) -> None:
+    """``template`` with every ``[yolo]`` head (and the conv before it) set to ``nc`` classes."""
+    from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes, write_model_cfg
+
+    blocks = rewrite_cfg_classes(parse_model_cfg(template), nc)
+    write_model_cfg(
+        blocks,
+        out,
+        header=f"{template.name} for {nc} classes, written by tools/calculate_dataset.py",
+    )
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
+    p.add_argument("--root", type=Path, help="dataset root with train/labels and val/labels")
+    p.add_argument("--train-labels", type=Path, help="training label folder")
+    p.add_argument("--val-labels", type=Path, help="validation label folder")
+    p.add_argument("--names", type=Path, required=True, help="class names file (.names)")
+    p.add_argument("--cfg", type=Path, help="model cfg to rewrite for the class count")
+    p.add_argument("--out-dir", type=Path, help="where to write the files (default: --root)")
+    p.add_argument("--name", default="my", help="prefix of the written files")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    setup_console_logging()
+
+    def body() -> int:
+        train_labels = args.train_labels or (args.root / "train" / "labels" if args.root else None)
+        val_labels = args.val_labels or (args.root / "val" / "labels" if args.root else None)
+        if train_labels is None or val_labels is None:
+            raise ConfigError("give --root, or both --train-labels and --val-labels")
+        out_dir = args.out_dir or args.root or train_labels.parent.parent
+        names = load_class_names(args.names)
+        nc = len(names)
+        if args.cfg is not None and not args.cfg.is_file():
+            raise ConfigError("model cfg not found", args.cfg)
+        splits = [scan_split("train", train_labels, nc), scan_split("val", val_labels, nc)]
+        for s in splits:
+            LOGGER.info("%s", s.line())
+            for b in s.bad_lines[:5]:
+                LOGGER.warning("%s", b)
+            for o in s.orphans[:5]:
+                LOGGER.warning("%s: no image for this label file", o)
+            if s.n_objects == 0:
+                raise DatasetError(
+                    f"the {s.name} split has no objects ({s.line()}); check the "
+                    "labels folder and the class ids",
+                    train_labels if s.name == "train" else val_labels,
+                )
+        out_dir.mkdir(parents=True, exist_ok=True)
+        train_list = out_dir / f"{args.name}_train_data.txt"
+        val_list = out_dir / f"{args.name}_val_data.txt"
+        write_list(train_list, splits[0].images)
+        write_list(val_list, splits[1].images)
+        data = out_dir / f"{args.name}_data.data"
+        write_data_file(data, nc, train_list, val_list, args.names)
+        written = [train_list, val_list, data]
+        if args.cfg is not None:
+            cfg_out = out_dir / f"{args.name}_{args.cfg.stem}.cfg"
+            write_cfg(args.cfg, nc, cfg_out)
+            written.append(cfg_out)
+        LOGGER.info("%d classes; wrote %s", nc, ", ".join(str(p) for p in written))
+        return 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""Convert Pascal VOC XML annotations to YOLO label files (``class cx cy w h``, normalised).
+
+Two layouts:
+
+    # one folder of XML files -> one folder of label files
+    python tools/trans_voc2yolo.py --xml-dir D/train/Annotations --img-dir D/train/images \\
+        --label-dir D/train/labels --classes D/shapes.names
+
+    # a VOC devkit year folder -> OUT/<split>/{images,labels} for the ImageSets/Main splits
+    python tools/trans_voc2yolo.py --voc-root VOCdevkit/VOC2012 --out my_yolo_dataset \\
+        --classes data/pascal_voc_classes.json --names-out my_yolo_dataset/voc.names
+
+Classes come from ``--classes`` (a ``.names`` file, one name per line, or a JSON list or
+``{name: id}`` mapping; 0- or 1-based ids are both accepted, ids are taken in increasing order)
+or, without it, are collected from the XML files and sorted by name. ``--names-out`` writes the
+class list used. What is done about problems (all listed in the report file, never fatal):
+
+- ``difficult`` objects are skipped unless ``--include-difficult``;
+- boxes reaching outside the image are clipped, boxes left empty skipped;
+- a missing or zero ``<size>`` is read from the image;
+- EXIF-rotated JPEGs: the loader sees them upright; when the XML size is that of the pixels as
+  stored (sideways), as LabelImg writes it, the boxes are rotated into the upright frame;
+- an XML size that disagrees with the image: boxes are normalised by the XML size when it has the
+  image's aspect ratio (a resized copy), else by the image size;
+- unreadable or empty XML files, unknown class names and missing images are reported and skipped;
+  an image whose objects were all skipped gets an empty label file (a negative example).
+
+Coordinates are taken as pixel edges (``xmin = 10`` is the left edge of column 10), as written by
+LabelImg and the demo generator; ``--one-based`` follows the VOC devkit instead (``xmin - 1``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import shutil
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import numpy as np
+
+from build_utils.errors import ConfigError, DatasetError
+from build_utils.image_io import (
+    exif_orientation,
+    is_image_file,
+    orient_boxes,
+    oriented_size,
+    raw_image_size,
+    read_file_bytes,
+)
+from train_utils.cli import run_main, setup_console_logging
+
+LOGGER = logging.getLogger("trans_voc2yolo")
+# Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).
+ASPECT_TOLERANCE = 0.01
+LABEL_DECIMALS = 6
+
+
+@dataclass
+class ConvertReport:
+    """What a conversion did: counts and one line per problem (``path: what``)."""
+
+    files: int = 0
+    written: int = 0
+    objects: int = 0
+    skipped_files: int = 0
+    skipped_objects: int = 0
+    lines: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"{self.files} XML files: {self.written} label files written with {self.objects} "
+            f"objects; {self.skipped_files} files and {self.skipped_objects} objects skipped"
+        )
+
+    def merge(self, other: ConvertReport) -> None:
+        for name in ("files", "written", "objects", "skipped_files", "skipped_objects"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.lines += other.lines
+
+
+def load_class_list(path: str | os.PathLike[str]) -> list[str]:
+    """Class names from a ``.names`` file or a JSON list / ``{name: id}`` mapping.
+
+    Raises:
+        ConfigError: unreadable file, no names, duplicate names or ids.
+    """
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8-sig")
+    except OSError as e:
+        raise ConfigError(f"cannot read class list: {e.strerror or e}", path) from e
+    if path.suffix.lower() == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"not valid JSON: {e.msg}", path, e.lineno) from e
+        if isinstance(data, dict):
+            if not all(isinstance(v, int) for v in data.values()):
+                raise ConfigError("a class mapping must map names to integer ids", path)
+            if len(set(data.values())) != len(data):
+                raise ConfigError("two classes share an id", path)
+            names = [str(k) for k, _ in sorted(data.items(), key=lambda kv: kv[1])]
+        elif isinstance(data, list):
+            names = [str(n) for n in data]
+        else:
+            raise ConfigError("expected a JSON list of names or a {name: id} mapping", path)
+    else:
+        names = [line.strip() for line in text.splitlines() if line.strip()]
+    if not names:
+        raise ConfigError("the class list is empty", path)
+    if len(set(names)) != len(names):
+        raise ConfigError("a class name appears twice", path)
+    return names
+
+
+def _text(node: ET.Element | None, tag: str) -> str | None:
+    child = node.find(tag) if node is not None else None
+    return child.text.strip() if child is not None and child.text else None
+
+
+def _number(node: ET.Element | None, tag: str) -> float | None:
+    value = _text(node, tag)
+    try:
+        return float(value) if value is not None else None
+    except ValueError:
+        return None
+
+
+def collect_class_names(xml_files: Sequence[Path]) -> list[str]:
+    """Sorted object names found in the XML files (unparsable files are ignored here)."""
+    names = set()
+    for f in xml_files:
+        try:
+            root = ET.parse(f).getroot()
+        except (ET.ParseError, OSError):
+            continue
+        names.update(n for n in (_text(o, "name") for o in root.iter("object")) if n)
+    return sorted(names)
+
+
+def _image_index(img_dir: Path | None) -> dict[str, Path]:
+    if img_dir is None or not img_dir.is_dir():
+        return {}
+    return {p.stem: p for p in sorted(img_dir.iterdir()) if is_image_file(p)}
+
+
+def _same_aspect(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return abs(a[0] * b[1] - a[1] * b[0]) <= ASPECT_TOLERANCE * a[0] * b[1]
+
+
+def convert_file(
+    xml_path: Path,
+    image: Path | None,
+    class_ids: dict[str, int],
+    include_difficult: bool = False,
+    one_based: bool = False,
+) -> tuple[list[str] | None, list[str], int]:
+    """Convert one XML file.
+
+    Returns:
+        ``(label lines or None when the file is skipped, report lines, skipped objects)``.
+    """
+    notes: list[str] = []
+    try:
+        root = ET.parse(xml_path).getroot()
+    except (ET.ParseError, OSError) as e:
+        return None, [f"{xml_path}: skipped: unreadable XML ({e})"], 0
+    size = root.find("size")
+    w, h = _number(size, "width"), _number(size, "height")
+
+    img_w = img_h = None
+    orientation = 1
+    raw = None
+    if image is not None:
+        raw = raw_image_size(image)
+        if raw is None:
+            notes.append(f"{xml_path}: image {image} is unreadable")
+        else:
+            try:
+                orientation = exif_orientation(read_file_bytes(image)[: 1 << 16])
+            except OSError:
+                orientation = 1
+            img_w, img_h = oriented_size(*raw, orientation)
+    if not w or not h:
+        if img_w is None:
+            return None, [f"{xml_path}: skipped: no <size> and no readable image"], 0
+        w, h = float(img_w), float(img_h)
+        frame = "upright"
+        notes.append(f"{xml_path}: no <size>; used the image's {img_w}x{img_h}")
+    elif img_w is None:
+        frame = "upright"
+    elif orientation != 1 and raw is not None and (w, h) == raw:
+        # Annotated on the pixels as stored (LabelImg and the classic VOC tools ignore EXIF);
+        # when the stored and upright sizes are equal this is an assumption, and says so.
+        frame = "stored"
+        notes.append(f"{xml_path}: boxes rotated to the image's EXIF orientation {orientation}")
+    elif (w, h) == (img_w, img_h):
+        frame = "upright"
+    elif _same_aspect((w, h), (img_w, img_h)):
+        frame = "upright"
+        notes.append(f"{xml_path}: <size> {w:g}x{h:g} is a resized {img_w}x{img_h}; used <size>")
+    else:
+        notes.append(
+            f"{xml_path}: <size> {w:g}x{h:g} disagrees with the image {img_w}x{img_h}; "
+            "normalised by the image size"
+        )
+        w, h, frame = float(img_w), float(img_h), "upright"
+
+    rotate = frame == "stored"
+    W, H = (float(v) for v in oriented_size(int(w), int(h), orientation)) if rotate else (w, h)
+    lines: list[str] = []
+    skipped = 0
+    for k, obj in enumerate(root.iter("object"), 1):
+        name = _text(obj, "name")
+        if name not in class_ids:
+            notes.append(f"{xml_path}: object {k}: unknown class {name!r}, skipped")
+            skipped += 1
+            continue
+        difficult = _number(obj, "difficult") or 0
+        if difficult and not include_difficult:
+            skipped += 1
+            continue
+        bb = obj.find("bndbox")
+        coords = [_number(bb, t) for t in ("xmin", "ymin", "xmax", "ymax")]
+        if any(c is None for c in coords):
+            notes.append(f"{xml_path}: object {k}: missing or non-numeric <bndbox>, skipped")
+            skipped += 1
+            continue
+        x1, y1, x2, y2 = coords
+        if one_based:
+            x1, y1 = x1 - 1, y1 - 1
+        if rotate:
+            x1, y1, x2, y2 = orient_boxes(np.array([[x1, y1, x2, y2]]), orientation, w, h)[0]
+        cx1, cy1, cx2, cy2 = max(x1, 0.0), max(y1, 0.0), min(x2, W), min(y2, H)
+        if (cx1, cy1, cx2, cy2) != (x1, y1, x2, y2):
+            notes.append(
+                f"{xml_path}: object {k}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) "
+                f"clipped to the {W:g}x{H:g} image"
+            )
+        if cx2 <= cx1 or cy2 <= cy1:
+            notes.append(f"{xml_path}: object {k}: empty box, skipped")
+            skipped += 1
+            continue
+        d = LABEL_DECIMALS
+        lines.append(
+            f"{class_ids[name]} {(cx1 + cx2) / 2 / W:.{d}f} {(cy1 + cy2) / 2 / H:.{d}f} "
+            f"{(cx2 - cx1) / W:.{d}f} {(cy2 - cy1) / H:.{d}f}"
+        )
+    if not lines:
+        notes.append(f"{xml_path}: no objects kept; wrote an empty label file")
+    return lines, notes, skipped
+
+
+def convert_dir(
+    xml_dir: Path,
+    img_dir: Path | None,
+    label_dir: Path,
+    class_names: Sequence[str],
+    include_difficult: bool = False,
+    one_based: bool = False,
+    ids: Sequence[str] | None = None,
+) -> ConvertReport:
+    """Convert every ``xml_dir/*.xml`` (or only ``ids``) into ``label_dir/<stem>.txt``."""
+    if not xml_dir.is_dir():
+        raise DatasetError("annotation folder not found", xml_dir)
+    xml_files = (
+        [xml_dir / f"{i}.xml" for i in ids] if ids is not None else sorted(xml_dir.glob("*.xml"))
+    )
+    images = _image_index(img_dir)
+    class_ids = {n: i for i, n in enumerate(class_names)}
+    label_dir.mkdir(parents=True, exist_ok=True)
+    report = ConvertReport(files=len(xml_files))
+    for xml_path in xml_files:
+        image = images.get(xml_path.stem)
+        if image is None and img_dir is not None:
+            report.lines.append(f"{xml_path}: no image {xml_path.stem}.* in {img_dir}")
+        lines, notes, skipped = convert_file(
+            xml_path, image, class_ids, include_difficult, one_based
+        )
+        report.lines += notes
+        report.skipped_objects += skipped
+        if lines is None:
+            report.skipped_files += 1
+            continue
+        (label_dir / f"{xml_path.stem}.txt").write_text("".join(x + "\n" for x in lines))
+        report.written += 1
+        report.objects += len(lines)
+    return report
+
+
+def _link_or_copy(src: Path, dst: Path) -> None:
+    if dst.exists():
+        return
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def convert_voc_root(
+    voc_root: Path,
+    out: Path,
+    splits: Sequence[str],
+    class_names: Sequence[str],
+    include_difficult: bool = False,
+    one_based: bool = False,
+) -> ConvertReport:
+    """A VOC devkit year folder (``Annotations``, ``JPEGImages``, ``ImageSets/Main``) to
+    ``out/<split>/images`` (hard links, or copies across file systems) and ``out/<split>/labels``.
+    """
+    report = ConvertReport()
+    for split in splits:
+        id_file = voc_root / "ImageSets" / "Main" / f"{split}.txt"
+        if not id_file.is_file():
+            raise DatasetError(f"no image id list for split '{split}'", id_file)
+        ids = [line.split()[0] for line in id_file.read_text().splitlines() if line.strip()]
+        img_out = out / split / "images"
+        img_out.mkdir(parents=True, exist_ok=True)
+        images = _image_index(voc_root / "JPEGImages")
+        for i in ids:
+            if i in images:
+                _link_or_copy(images[i], img_out / images[i].name)
+        report.merge(
+            convert_dir(
+                voc_root / "Annotations",
+                voc_root / "JPEGImages",
+                out / split / "labels",
+                class_names,
+                include_difficult,
+                one_based,
+                ids=ids,
+            )
+        )
+    return report
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
+    p.add_argument("--xml-dir", type=Path, help="folder of VOC XML files")
+    p.add_argument("--img-dir", type=Path, help="folder of the images (for sizes and EXIF)")
+    p.add_argument("--label-dir", type=Path, help="output folder for the label files")
+    p.add_argument("--voc-root", type=Path, help="VOC devkit year folder (instead of --xml-dir)")
+    p.add_argument("--out", type=Path, help="output root for --voc-root")
+    p.add_argument("--splits", nargs="+", default=["train", "val"], help="splits of --voc-root")
+    p.add_argument("--classes", type=Path, help=".names or JSON class list (default: from XML)")
+    p.add_argument("--names-out", type=Path, help="write the class list used here (.names)")
+    p.add_argument("--include-difficult", action="store_true", help="keep 'difficult' objects")
+    p.add_argument(
+        "--one-based",
+        action="store_true",
+        help="VOC devkit convention: xmin/ymin are 1-based pixel indices",
+    )
+    p.add_argument("--report", type=Path, help="problem report (default: beside the labels)")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    setup_console_logging()
+
+    def body() -> int:
+        if (args.voc_root is None) == (args.xml_dir is None):
+            raise ConfigError("give either --xml-dir (with --label-dir) or --voc-root (with --out)")
+        if args.xml_dir is not None and args.label_dir is None:
+            raise ConfigError("--xml-dir needs --label-dir")
+        if args.voc_root is not None and args.out is None:
+            raise ConfigError("--voc-root needs --out")
+        xml_dir = args.xml_dir or args.voc_root / "Annotations"
+        if args.classes is not None:
+            names = load_class_list(args.classes)
+        else:
+            names = collect_class_names(sorted(Path(xml_dir).glob("*.xml")))
+            if not names:
+                raise DatasetError("no object names found in the XML files", xml_dir)
+        if args.voc_root is not None:
+            report = convert_voc_root(
+                args.voc_root, args.out, args.splits, names, args.include_difficult, args.one_based
+            )
+            report_path = args.report or args.out / "voc2yolo_report.txt"
+        else:
+            report = convert_dir(
+                args.xml_dir,
+                args.img_dir,
+                args.label_dir,
+                names,
+                args.include_difficult,
+                args.one_based,
+            )
+            report_path = args.report or args.label_dir.parent / "voc2yolo_report.txt"
+        if args.names_out is not None:
+            args.names_out.parent.mkdir(parents=True, exist_ok=True)
+            args.names_out.write_text("".join(n + "\n" for n in names))
+        report_path.parent.mkdir(parents=True, exist_ok=True)
+        report_path.write_text(f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines))
+        LOGGER.info("%s; %d classes; report: %s", report.summary(), len(names), report_path)
+        return 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
