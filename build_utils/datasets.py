@@ -141,7 +141,8 @@ def label_root(img_path: str) -> str:
 
 def _read_list_file(path: Path) -> list[str]:
     """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
-    falling back to the current directory (the lineage's convention) when only that exists."""
+    falling back to the current directory (the lineage's convention) when only that exists.
+    Blank lines and lines starting with ``#`` (comments) are skipped."""
     try:
         text = path.read_text(encoding="utf-8-sig")
     except (OSError, UnicodeDecodeError) as e:
@@ -150,7 +151,7 @@ def _read_list_file(path: Path) -> list[str]:
     out, from_cwd = [], 0
     for line in text.splitlines():
         line = line.strip()
-        if not line:
+        if not line or line.startswith("#"):
             continue
         p = Path(line).expanduser()
         if not p.is_absolute():
@@ -263,7 +264,8 @@ def parse_label_text(
         n_bad += 1
         notes.append(f"{where}:{lineno}: dropped: {why}: {_short(line)!r}")
 
-    for lineno, raw in enumerate(text.splitlines(), 1):
+    # Editors on Windows save UTF-8 with a byte-order mark; it is not part of the first number.
+    for lineno, raw in enumerate(text.removeprefix("\ufeff").splitlines(), 1):
         line = raw.strip()
         if not line:
             continue

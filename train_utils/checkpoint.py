@@ -181,7 +181,9 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
     except Exception as e:
         # A bad file surfaces as many types (UnpicklingError, the zip reader's RuntimeError,
         # EOFError, struct.error, KeyError for legacy files, ...): all mean "cannot be read".
-        found = re.search(r"Unsupported global:\s*GLOBAL\s+(\S+)", str(e))
+        # torch words it "Unsupported global: GLOBAL x.y" or, for blocked modules such as
+        # os/posix, "unsupported GLOBAL x.y whose module x is blocked".
+        found = re.search(r"[Uu]nsupported (?:global:\s*)?GLOBAL\s+([\w.]+)", str(e))
         if not trust and found:
             raise CheckpointError(
                 f"checkpoint contains Python objects other than tensors and plain types "

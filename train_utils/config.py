@@ -27,6 +27,7 @@ MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fr
 DEFAULT_EVAL_CONF = 0.001
 DEFAULT_EVAL_IOU = 0.6
 FREEZE_CHOICES = ("none", "backbone", "all-but-heads")
+OPTIMIZER_CHOICES = ("sgd", "adam")
 
 
 # Hyperparameters: name -> (type, min, max, required). Booleans have no range.
@@ -53,6 +54,7 @@ HYP_SPECS: dict[str, HypSpec] = {
     "momentum": HypSpec(float, 0.0, 1.0),
     "weight_decay": HypSpec(float, 0.0, 1.0),
     "warmup_epochs": HypSpec(float, 0.0, 1e3, default=1.0),
+    "warmup_bias_lr": HypSpec(float, 0.0, 1.0, default=0.0),
     # augmentation
     "hsv_h": HypSpec(float, 0.0, 1.0),
     "hsv_s": HypSpec(float, 0.0, 1.0),
@@ -187,6 +189,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="mixed precision: fp16 + GradScaler on CUDA, bf16 autocast on CPU")
     p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
                    help="keep an exponential moving average of the weights for eval and saving")
+    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES,
+                   help="Nesterov SGD (lineage) or Adam (betas momentum, 0.999)")
     p.add_argument("--nbs", type=int, default=NOMINAL_BATCH_SIZE,
                    help="nominal batch size: gradients accumulate up to it across steps/ranks")
     p.add_argument("--accumulate", type=int, default=None,
@@ -232,6 +236,7 @@ class TrainConfig:
     freeze_layers: str
     amp: bool
     ema: bool
+    optimizer: str
     nbs: int
     accumulate: int | None
     savebest: bool
@@ -297,7 +302,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         rect=args.rect, cache_images=args.cache_images, weights=args.weights, resume=args.resume,
         trust_checkpoint=args.trust_checkpoint, output_dir=output_dir, device=args.device,
         workers=args.workers, seed=args.seed, single_cls=args.single_cls,
-        freeze_layers=args.freeze_layers, amp=args.amp, ema=args.ema, nbs=args.nbs,
+        freeze_layers=args.freeze_layers, amp=args.amp, ema=args.ema, optimizer=args.optimizer,
+        nbs=args.nbs,
         accumulate=args.accumulate, savebest=args.savebest, notest=args.notest,
         eval_interval=args.eval_interval, conf_thres=args.conf_thres, iou_thres=args.iou_thres,
         channels_last=args.channels_last, compile=args.compile, coco_backend=args.coco_backend,

@@ -7,6 +7,8 @@ process group, so the same code serves one process and DDP.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import random
 from collections.abc import Callable, Iterable
@@ -32,6 +34,8 @@ WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iter
 LOSS_NAMES = ("box_loss", "obj_loss", "cls_loss", "loss")
 MAX_DET = 300
 
+logger = logging.getLogger(__name__)
+
 
 class NonFiniteLossError(YoloError):
     """The loss became NaN or infinite; training stops without saving the broken weights."""
@@ -51,19 +55,47 @@ class EpochStats:
                 "loss": self.loss}
 
 
+@functools.cache
+def cpu_bf16_is_fast() -> bool:
+    """True when oneDNN has native bf16 kernels on this CPU (AVX512-BF16 or AMX).
+
+    Without them (e.g. AVX2-only CPUs) a bf16 convolution falls back to ATen's generic
+    ``_slow_conv2d`` and a YOLO training step runs about 10x slower than in fp32
+    (``bench/bench_model.py`` measures it), so ``--amp`` would only cost time there.
+    """
+    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    return bool(check()) if check is not None else True
+
+
+@functools.cache
+def _warn_slow_cpu_bf16() -> None:
+    logger.warning("--amp: this CPU has no native bf16 kernels (AVX512-BF16/AMX); bf16 autocast "
+                   "would make training and evaluation about 10x slower, so they run in fp32")
+
+
 def autocast_context(device: torch.device, amp: bool) -> Any:
-    """bf16 autocast on CPU, fp16 on CUDA (with a GradScaler); a no-op without amp."""
+    """bf16 autocast on CPU, fp16 on CUDA (with a GradScaler); a no-op without amp, and on a
+    CPU without native bf16 kernels (with a warning, once): see :func:`cpu_bf16_is_fast`."""
     if not amp:
+        return nullcontext()
+    if device.type == "cpu" and not cpu_bf16_is_fast():
+        _warn_slow_cpu_bf16()
         return nullcontext()
     dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
-def warmup_factor(ni: int, warmup_iters: int) -> float:
-    """Linear warm-up multiplier for global iteration ``ni`` (1.0 once warm-up is over)."""
+def warmup_lr(base: float, ni: int, warmup_iters: int, start: float | None = None) -> float:
+    """Learning rate at global iteration ``ni``: linear from ``start`` (default
+    ``base * WARMUP_START_FACTOR``) to the scheduled ``base`` over ``warmup_iters`` iterations.
+
+    ``start`` above ``base`` gives the lineage's bias warm-up, which falls from a high value so
+    that the objectness and class priors settle in the first steps."""
     if ni >= warmup_iters:
-        return 1.0
-    return WARMUP_START_FACTOR + (1.0 - WARMUP_START_FACTOR) * ni / warmup_iters
+        return base
+    if start is None:
+        start = base * WARMUP_START_FACTOR
+    return start + (base - start) * ni / warmup_iters
 
 
 def resize_batch(imgs: torch.Tensor, img_size: int) -> torch.Tensor:
@@ -113,6 +145,7 @@ def train_one_epoch(
     pending_paths: list[list[str]] = []
     n_images = 0
     lr = base_lrs[0]
+    bias_start = hyp.get("warmup_bias_lr", 0.0)
     img_size = None
     pbar = tqdm(total=nb, desc=f"epoch {epoch}", disable=not show_progress, leave=False,
                 dynamic_ncols=True)
@@ -128,9 +161,9 @@ def train_one_epoch(
         if channels_last:
             imgs = imgs.contiguous(memory_format=torch.channels_last)
 
-        factor = warmup_factor(ni, warmup_iters)
         for g, base in zip(optimizer.param_groups, base_lrs):
-            g["lr"] = base * factor
+            start = bias_start if g.get("name") == "bias" and bias_start else None
+            g["lr"] = warmup_lr(base, ni, warmup_iters, start)
         lr = optimizer.param_groups[0]["lr"]
 
         with autocast_context(device, amp):

@@ -108,8 +108,12 @@ def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
     raise ConfigError(f"unknown --freeze-layers mode {mode!r}")
 
 
-def build_optimizer(model: nn.Module, hyp: dict[str, Any], lr0: float) -> torch.optim.SGD:
-    """Nesterov SGD with three groups: BN weights and biases get no weight decay."""
+def build_optimizer(model: nn.Module, hyp: dict[str, Any], lr0: float,
+                    kind: str = "sgd") -> torch.optim.Optimizer:
+    """Nesterov SGD (or Adam) with three named groups; BN weights and biases get no weight decay.
+
+    The group names let the warm-up treat biases apart (``warmup_bias_lr``).
+    """
     bn_weights, conv_weights, biases = [], [], []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
@@ -122,12 +126,16 @@ def build_optimizer(model: nn.Module, hyp: dict[str, Any], lr0: float) -> torch.
             else:
                 conv_weights.append(p)
     groups = [
-        {"params": bn_weights, "weight_decay": 0.0},
-        {"params": conv_weights, "weight_decay": hyp["weight_decay"]},
-        {"params": biases, "weight_decay": 0.0},
+        {"params": bn_weights, "weight_decay": 0.0, "name": "bn"},
+        {"params": conv_weights, "weight_decay": hyp["weight_decay"], "name": "weights"},
+        {"params": biases, "weight_decay": 0.0, "name": "bias"},
     ]
-    return torch.optim.SGD([g for g in groups if g["params"]], lr=lr0, momentum=hyp["momentum"],
-                           nesterov=True)
+    groups = [g for g in groups if g["params"]]
+    if kind == "adam":
+        return torch.optim.Adam(groups, lr=lr0, betas=(hyp["momentum"], 0.999))
+    if kind != "sgd":
+        raise ConfigError(f"unknown --optimizer {kind!r}; use sgd or adam")
+    return torch.optim.SGD(groups, lr=lr0, momentum=hyp["momentum"], nesterov=True)
 
 
 def cosine_lambda(epochs: int, lrf: float):
@@ -262,8 +270,12 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
         ckpt = load_checkpoint(resume_path, trust=config.trust_checkpoint)
         # Resuming continues from the raw training weights, not their EMA.
         raw = ckpt["train_model"] if ckpt.get("train_model") is not None else ckpt.get("model")
-        model.load_state_dict(validate_resume_checkpoint({**ckpt, "model": raw},
-                                                         model.state_dict(), resume_path))
+        state = {**ckpt, "model": raw}
+        if ckpt.get("train_model") is not None and ckpt.get("epoch") == -1:
+            # Saved by this loop on Ctrl-C before epoch 0 finished: a training state (partly
+            # trained weights, optimizer) that resumes by running epoch 0 again.
+            state["epoch"] = 0
+        model.load_state_dict(validate_resume_checkpoint(state, model.state_dict(), resume_path))
     elif config.weights:
         skipped = load_initial_weights(model, config.weights, config.trust_checkpoint)
         if skipped:
@@ -281,7 +293,7 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
     world = dist.world_size
     accumulate = accumulate_steps(config.nbs, config.batch_size, world, config.accumulate)
     lr0 = scaled_lr0(hyp["lr0"], config.batch_size * world, config.nbs)
-    optimizer = build_optimizer(model, hyp, lr0)
+    optimizer = build_optimizer(model, hyp, lr0, config.optimizer)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(config.epochs,
                                                                            hyp["lrf"]))
     scaler = torch.amp.GradScaler("cuda") if (config.amp and device.type == "cuda") else None
