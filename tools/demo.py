@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -34,18 +35,19 @@ logger = logging.getLogger("demo")
 
 # The demo recipe. Each value is a flag of train.py; see README "The demo" for why.
 DEMO_DATA_DIR = REPO / "demo_data" / "shapes"
-DEMO_DATASET = {"n_train": 1000, "n_val": 200, "img_size_range": (256, 480), "seed": 0,
+DEMO_DATASET = {"n_train": 1500, "n_val": 200, "img_size_range": (160, 224), "seed": 0,
                 "obj_size_range": (16.0, 0.5)}
 DEMO_TRAIN_FLAGS = {
     "--cfg": str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
     "--hyp": str(REPO / "cfg" / "hyp_demo.yaml"),
-    "--img-size": "320",
+    "--img-size": "160",
     "--batch-size": "16",
     "--nbs": "16",
-    "--epochs": "30",
-    "--eval-interval": "10",
+    "--epochs": "20",
+    "--eval-interval": "5",
     "--workers": "2",
 }
+DEMO_TRAIN_SWITCHES = ["--no-multi-scale"]
 N_PREDICT_IMAGES = 4
 TARGET_MAP50 = 0.85
 
@@ -58,6 +60,9 @@ def ensure_demo_dataset(root: Path) -> Path:
     if stamp.is_file() and stamp.read_text() == wanted and (root / "shapes.data").is_file():
         logger.info("using the existing demo dataset in %s", root)
         return root / "shapes.data"
+    if stamp.is_file():
+        # Made by an older recipe: start afresh so that no stale image or cache stays behind.
+        shutil.rmtree(root)
     t0 = time.time()
     data = make_dataset(root, **DEMO_DATASET)
     stamp.write_text(wanted)
@@ -83,7 +88,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                  "--device": args.device}
         if args.epochs is not None:
             flags["--epochs"] = str(args.epochs)
-        train_argv = [x for kv in flags.items() for x in kv] + (["--amp"] if args.amp else [])
+        train_argv = [x for kv in flags.items() for x in kv] + DEMO_TRAIN_SWITCHES
+        if args.amp:
+            train_argv.append("--amp")
         logger.info("training: python train.py %s", " ".join(train_argv))
         config = build_config(get_args_parser().parse_args(train_argv))
         device = select_device(config.device)
