@@ -117,11 +117,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise SystemExit(code)
 
         minutes = (time.time() - t0) / 60
-        verdict = "reached" if stats["mAP50"] >= TARGET_MAP50 else "did NOT reach"
+        verdict = "reached" if stats["mAP50"] >= TARGET_MAP50 else "NOT reached"
         print(
             f"\nDemo finished in {minutes:.1f} min (training {summary.seconds / 60:.1f} min).\n"
             f"  mAP@0.5 = {stats['mAP50']:.3f}, mAP@0.5:0.95 = {stats['mAP50-95']:.3f} on "
-            f"{data} (the demo target mAP@0.5 >= {TARGET_MAP50} was {verdict})\n"
+            f"{data}; the demo target mAP@0.5 >= {TARGET_MAP50} was {verdict}\n"
             f"  results:     {out / 'results.csv'} and {out / 'results.png'}\n"
             f"  weights:     {out / 'best.pt'}, {out / 'last.pt'}\n"
             f"  predictions: {pred_dir}/\n"
