@@ -240,12 +240,21 @@ def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
         os.environ.get("MASTER_ADDR", "?"),
         os.environ.get("MASTER_PORT", "?"),
     )
+    timeout = timedelta(seconds=timeout_s)
+    # torch's own env:// rendezvous (it knows when torchrun's agent hosts the store) ...
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
+                                       timeout=timeout))
+    # ... but under torchrun's static rendezvous (--master_port with --max-restarts) the agent
+    # keeps one store across restarts: a restarted rank could read its peer's address from the
+    # failed attempt and gloo's connect fails with "Connection refused". One key space per
+    # attempt keeps every attempt's addresses apart.
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     dist.init_process_group(
         backend,
-        init_method="env://",
+        store=dist.PrefixStore(f"yolo/attempt_{attempt}", store),
         world_size=world_size,
         rank=rank,
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timeout,
         # Binding the device lets NCCL connect eagerly and lets barrier() know its GPU.
         device_id=device if device.type == "cuda" else None,
     )
