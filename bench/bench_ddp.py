@@ -1,0 +1,271 @@
+"""DDP scaling on the CPU: training images/s with 1 process vs N processes (gloo).
+
+Each measurement runs in fresh processes with one thread each (``OMP_NUM_THREADS=1`` and
+``torch.set_num_threads(1)``), so that N processes use N cores:
+
+- ``1 process``: ``python bench/bench_ddp.py --worker``: the model as ``train.py`` trains it
+  (no process group, no DDP wrapper);
+- ``N processes``: ``torchrun --standalone --nproc_per_node=N bench/bench_ddp.py --worker``:
+  ``init_distributed_mode`` (gloo) and ``DistributedDataParallel`` exactly as
+  ``train_multi_GPU.py`` sets them up (``trainer.run``), each rank with its own batch;
+- ``N processes, no all-reduce``: the same inside ``DDP.no_sync()``: the compute-only bound,
+  which separates the cost of sharing the machine (memory bandwidth, caches, other processes)
+  from the cost of the gradient all-reduce.
+
+What is measured is the train-step loop (``bench_model.TrainStep``: uint8 -> float, forward,
+fp32 loss, backward with DDP's bucketed all-reduce, SGD, ``zero_grad(set_to_none=True)``) on
+synthetic batches held in memory: the data pipeline is not measured (see ``bench_data.py``).
+Images/s = processes x batch x steps / wall time of the timed steps, which start and end at a
+barrier. The ratio is N-process images/s over 1-process images/s; ideal is N.
+
+On a shared machine other work takes cores from the N processes more than from one, so each
+measurement also reports its CPU share (CPU seconds of its processes / (wall seconds x N)) and
+images per CPU-second; N x (img/CPU-s of N processes) / (img/CPU-s of 1 process) is the ratio
+projected for N idle cores ("free cores"): it shows what DDP itself costs (the all-reduce,
+gloo's threads, the caches shared by the processes) apart from what the other work took.
+
+Usage, from the repository root::
+
+    python bench/bench_ddp.py                              # nano cfg, 256 px, batch 16 per rank
+    python bench/bench_ddp.py --repeat 3 --json ddp.json
+    python bench/bench_ddp.py --cfg cfg/yolov3-spp.cfg --img-size 320 --batch 2 --steps 3
+
+Runs alternate (1, N, N no-sync, 1, N, ...) ``--repeat`` times and the best of each counts, so a
+burst of other work on a shared machine hurts one run, not the figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench.bench_model import FORMATS, TrainStep, cpu_description, memory_format, synthetic_batch
+from models.darknet import Darknet
+from train_utils.distributed_utils import barrier, cleanup, init_distributed_mode
+
+REPO = Path(__file__).resolve().parents[1]
+DISTINCT_BATCHES = 4  # synthetic batches per rank, cycled through
+
+
+def worker(args: argparse.Namespace) -> dict[str, Any]:
+    """One process of a measurement; returns (on every rank) the timing of this process."""
+    torch.set_num_threads(1)
+    info = init_distributed_mode(argparse.Namespace(device="cpu", local_rank=-1))
+    try:
+        torch.manual_seed(0)  # the same initial weights on every rank, as DDP requires anyway
+        raw = Darknet(args.cfg, img_size=args.img_size).to(memory_format=memory_format(args.format))
+        model: nn.Module = raw
+        if info.distributed:
+            model = nn.parallel.DistributedDataParallel(raw, device_ids=None)
+        step = TrainStep(model, raw, "fp32", args.format, args.img_size)
+        batches = [
+            synthetic_batch(args.batch, args.img_size, raw.nc, seed=1000 * info.rank + k)
+            for k in range(DISTINCT_BATCHES)
+        ]
+        no_sync = args.no_sync and info.distributed
+
+        def one(k: int) -> None:
+            imgs, targets = batches[k % DISTINCT_BATCHES]
+            if no_sync:
+                with model.no_sync():
+                    step(imgs, targets)
+            else:
+                step(imgs, targets)
+
+        for k in range(args.warmup):
+            one(k)
+        barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        for k in range(args.steps):
+            one(k)
+        cpu = torch.tensor([time.process_time() - c0], dtype=torch.float64)
+        barrier()
+        seconds = time.perf_counter() - t0
+        if info.distributed:
+            dist.all_reduce(cpu)  # CPU seconds of all ranks
+        images = info.world_size * args.batch * args.steps
+        return {
+            "rank": info.rank,
+            "world_size": info.world_size,
+            "seconds": seconds,
+            "img_per_s": images / seconds,
+            "img_per_cpu_s": images / float(cpu),
+            "cpu_share": float(cpu) / (seconds * info.world_size),
+            "threads": torch.get_num_threads(),
+        }
+    finally:
+        cleanup()
+
+
+def _launch(args: argparse.Namespace, nproc: int, no_sync: bool, out: Path) -> dict[str, Any]:
+    """Run one measurement in fresh processes; returns rank 0's result."""
+    worker_args = [
+        str(Path(__file__).resolve()),
+        "--worker",
+        "--result",
+        str(out),
+        "--cfg",
+        str(args.cfg),
+        "--img-size",
+        str(args.img_size),
+        "--batch",
+        str(args.batch),
+        "--warmup",
+        str(args.warmup),
+        "--steps",
+        str(args.steps),
+        "--format",
+        args.format,
+    ] + (["--no-sync"] if no_sync else [])
+    if nproc == 1:
+        cmd = [sys.executable, *worker_args]
+    else:
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            *worker_args,
+        ]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    # torchrun would otherwise inherit a process group description from a calling launcher.
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
+    if proc.returncode != 0 or not out.is_file():
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"measurement failed ({' '.join(cmd[:4])} ...): exit {proc.returncode}")
+    result = json.loads(out.read_text())
+    out.unlink()
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cfg", type=Path, default=REPO / "cfg" / "yolov3-spp-nano.cfg")
+    p.add_argument("--img-size", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16, help="images per process per step")
+    p.add_argument("--format", choices=FORMATS, default="contiguous", help="memory format")
+    p.add_argument("--nproc", type=int, default=2, help="processes of the DDP measurement")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per measurement")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each measurement; best counts")
+    p.add_argument("--skip-no-sync", action="store_true", help="skip the no-all-reduce bound")
+    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-sync", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+
+    if args.worker:
+        result = worker(args)
+        if result["rank"] == 0 and args.result is not None:
+            args.result.write_text(json.dumps(result))
+        return 0
+
+    kinds = [(1, False), (args.nproc, False)]
+    if not args.skip_no_sync:
+        kinds.append((args.nproc, True))
+    best: dict[tuple[int, bool], dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for rep in range(args.repeat):
+            for nproc, no_sync in kinds:
+                r = _launch(args, nproc, no_sync, Path(tmp) / "result.json")
+                print(
+                    f"run {rep + 1}: {nproc} process(es){' no-sync' if no_sync else ''}: "
+                    f"{r['img_per_s']:.2f} img/s",
+                    file=sys.stderr,
+                )
+                key = (nproc, no_sync)
+                if key not in best or r["img_per_s"] > best[key]["img_per_s"]:
+                    best[key] = r
+    single = best[(1, False)]["img_per_s"]
+    single_cpu = best[(1, False)]["img_per_cpu_s"]
+    rows = [
+        {
+            "processes": nproc,
+            "all_reduce": nproc > 1 and not no_sync,
+            "batch_per_process": args.batch,
+            "img_per_s": round(best[(nproc, no_sync)]["img_per_s"], 3),
+            "img_per_s_per_process": round(best[(nproc, no_sync)]["img_per_s"] / nproc, 3),
+            "vs_1_process": round(best[(nproc, no_sync)]["img_per_s"] / single, 3),
+            "cpu_share": round(best[(nproc, no_sync)]["cpu_share"], 3),
+            "img_per_cpu_s": round(best[(nproc, no_sync)]["img_per_cpu_s"], 3),
+            "projected_vs_1_process": round(
+                nproc * best[(nproc, no_sync)]["img_per_cpu_s"] / single_cpu, 3
+            ),
+        }
+        for nproc, no_sync in kinds
+    ]
+    info = {
+        **cpu_description(),
+        "cfg": str(args.cfg),
+        "img_size": args.img_size,
+        "format": args.format,
+        "threads_per_process": 1,
+        "backend": "gloo",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "repeat": args.repeat,
+        "gloo_available": dist.is_gloo_available(),
+    }
+    print(
+        f"\nDDP scaling, {Path(args.cfg).name} at {args.img_size} px, batch {args.batch} per "
+        f"process, {args.format}, 1 thread per process, gloo; {info['cpu']}, "
+        f"{info['cpu_count']} CPUs; train step on synthetic data (no data pipeline), "
+        f"best of {args.repeat}"
+    )
+    print(
+        f"{'processes':>9s} {'all-reduce':>10s} {'img/s':>8s} {'img/s/proc':>10s} "
+        f"{'vs 1 proc':>9s} {'CPU share':>9s} {'img/CPU-s':>9s} {'free cores':>10s}"
+    )
+    for r in rows:
+        reduce = "-" if r["processes"] == 1 else "yes" if r["all_reduce"] else "no"
+        print(
+            f"{r['processes']:9d} {reduce:>10s} "
+            f"{r['img_per_s']:8.2f} {r['img_per_s_per_process']:10.2f} "
+            f"{r['vs_1_process']:8.2f}x {r['cpu_share']:9.0%} {r['img_per_cpu_s']:9.2f} "
+            f"{r['projected_vs_1_process']:9.2f}x"
+        )
+    ratio = rows[1]["vs_1_process"]
+    print(f"{args.nproc}-process / 1-process throughput: {ratio:.2f}x (ideal {args.nproc}.00x)")
+    print(
+        "CPU share: CPU time the processes got / (wall time x processes); below 100% other work "
+        "took cores. free cores: the ratio projected for idle cores from images per CPU-second "
+        f"(processes x img/CPU-s / 1-process img/CPU-s): {rows[1]['projected_vs_1_process']:.2f}x"
+    )
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "info": info,
+                    "results": rows,
+                    "ratio": ratio,
+                    "ratio_projected_free_cores": rows[1]["projected_vs_1_process"],
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,196 @@
+"""End to end: seconds per epoch and time to a target mAP of the demo recipe.
+
+Trains the demo recipe (``tools/demo.py``: ``cfg/yolov3-spp-nano.cfg``, ``cfg/hyp_demo.yaml``,
+the shapes dataset in ``demo_data/shapes``, generated if missing) through ``trainer.run`` --
+``train.py``'s code path, data pipeline, EMA and evaluation included -- for ``--epochs`` epochs,
+evaluating after every epoch, and reports per epoch the training seconds, the evaluation
+mAP@0.5 and mAP@0.5:0.95, and the cumulative training time at which mAP@0.5 first reached
+``--target-map50`` (time to target). ``--amp``, ``--channels-last`` and ``--compile`` are
+passed to the trainer, so the same command compares precisions and formats.
+
+Only ``--epochs`` and ``--eval-interval`` (1, to see every epoch) differ from the recipe; the
+cosine learning-rate schedule spans ``--epochs``, so a short run is not a prefix of the 30-epoch
+demo. Evaluation time is not in "train s" (it is the rest of "total s", with start-up).
+
+Usage, from the repository root::
+
+    python bench/bench_e2e.py --epochs 2                      # fp32, about 1 min per epoch here
+    python bench/bench_e2e.py --epochs 2 --amp --json amp.json
+    python bench/bench_e2e.py --epochs 30 --target-map50 0.85  # the whole demo recipe
+
+On a CPU without native bf16 kernels the trainer runs ``--amp`` in fp32 (it says so in a
+warning); ``--force-bf16`` makes it use bf16 autocast anyway, e.g. to compare the mAP of bf16
+training with fp32 on such a machine (slowly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import logging
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch
+
+from bench.bench_model import cpu_description
+from build_utils.errors import YoloError
+from tools.demo import DEMO_DATA_DIR, DEMO_TRAIN_FLAGS, TARGET_MAP50, ensure_demo_dataset
+from train_utils import train_eval_utils
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed_utils import DistInfo
+from train_utils.trainer import run, select_device
+
+
+def train_flags(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
+    """The demo recipe's train.py flags with this benchmark's overrides."""
+    flags = {
+        **DEMO_TRAIN_FLAGS,
+        "--data": str(data),
+        "--output-dir": str(out),
+        "--epochs": str(args.epochs),
+        "--eval-interval": "1",
+        "--device": args.device,
+    }
+    if args.workers is not None:
+        flags["--workers"] = str(args.workers)
+    if args.img_size is not None:
+        flags["--img-size"] = str(args.img_size)
+    argv = [x for kv in flags.items() for x in kv]
+    if args.amp:
+        argv.append("--amp")
+    if args.channels_last is not None:
+        argv.append("--channels-last" if args.channels_last else "--no-channels-last")
+    if args.compile:
+        argv.append("--compile")
+    return argv
+
+
+def summarise(rows: list[dict[str, str]], target: float) -> tuple[list[dict[str, Any]], Any]:
+    """Per-epoch rows with cumulative training seconds, and the time to ``target`` mAP@0.5."""
+    out, total, reached = [], 0.0, None
+    for r in rows:
+        total += float(r["train_seconds"])
+        row = {
+            "epoch": int(r["epoch"]),
+            "train_s": round(float(r["train_seconds"]), 2),
+            "cumulative_train_s": round(total, 2),
+            "mAP50": round(float(r["mAP50"]), 4),
+            "mAP50-95": round(float(r["mAP50-95"]), 4),
+            "loss": round(float(r["loss"]), 4),
+        }
+        out.append(row)
+        if reached is None and row["mAP50"] >= target:
+            reached = {"epoch": row["epoch"], "cumulative_train_s": row["cumulative_train_s"]}
+    return out, reached
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--data", type=Path, default=None, help="a .data file (default: the demo's)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--amp", action="store_true", help="train.py --amp (bf16 autocast on CPU)")
+    p.add_argument(
+        "--force-bf16",
+        action="store_true",
+        help="with --amp on a CPU without native bf16: use bf16 anyway (slow)",
+    )
+    p.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="train.py --channels-last / --no-channels-last (default: the trainer's)",
+    )
+    p.add_argument("--compile", action="store_true", help="train.py --compile")
+    p.add_argument("--img-size", type=int, default=None, help="override the recipe's size")
+    p.add_argument("--workers", type=int, default=None, help="override the recipe's workers")
+    p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
+    p.add_argument("--target-map50", type=float, default=TARGET_MAP50)
+    p.add_argument(
+        "--output-dir",
+        type=Path,
+        default=None,
+        help="keep the run here (default: a temporary folder)",
+    )
+    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.force_bf16:
+        # Benchmark-only switch: the trainer's check for native bf16 kernels says yes.
+        train_eval_utils.cpu_bf16_is_fast = lambda: True
+
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = args.output_dir or Path(tmp) / "run"
+            data = args.data or ensure_demo_dataset(DEMO_DATA_DIR)
+            flags = train_flags(args, data, out)
+            print(f"python train.py {' '.join(flags)}", file=sys.stderr)
+            config = build_config(get_args_parser().parse_args(flags))
+            t0 = time.perf_counter()
+            summary = run(config, DistInfo.single(select_device(config.device)))
+            total = time.perf_counter() - t0
+            with (out / "results.csv").open() as f:
+                rows, reached = summarise(list(csv.DictReader(f)), args.target_map50)
+    except YoloError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    info = {
+        **cpu_description(),
+        "flags": flags,
+        "threads": torch.get_num_threads(),
+        "force_bf16": args.force_bf16,
+        "total_s": round(total, 1),
+        "epochs": summary.epochs_run,
+    }
+    train_s = [r["train_s"] for r in rows]
+    mean_epoch = sum(train_s[1:]) / len(train_s[1:]) if len(train_s) > 1 else train_s[0]
+    print(
+        f"\ndemo recipe, {args.epochs} epoch(s), amp {'on' if args.amp else 'off'}"
+        f"{' (forced bf16)' if args.force_bf16 else ''}, channels_last "
+        f"{'default' if args.channels_last is None else args.channels_last}, compile "
+        f"{args.compile}; {info['cpu']}, {info['cpu_count']} CPUs, {info['threads']} threads"
+    )
+    print(f"{'epoch':>5s} {'train s':>8s} {'cum. s':>8s} {'mAP@0.5':>8s} {'mAP@.5:.95':>10s}")
+    for r in rows:
+        print(
+            f"{r['epoch']:5d} {r['train_s']:8.1f} {r['cumulative_train_s']:8.1f} "
+            f"{r['mAP50']:8.4f} {r['mAP50-95']:10.4f}"
+        )
+    print(
+        f"seconds per epoch (training, epochs after the first): {mean_epoch:.1f}; "
+        f"total with evaluation and start-up: {total:.1f} s"
+    )
+    if reached:
+        print(
+            f"mAP@0.5 >= {args.target_map50} after epoch {reached['epoch']}, "
+            f"{reached['cumulative_train_s']:.1f} s of training"
+        )
+    else:
+        print(f"mAP@0.5 did not reach {args.target_map50} in {args.epochs} epoch(s)")
+    if args.json:
+        args.json.write_text(
+            json.dumps(
+                {
+                    "info": info,
+                    "epochs": rows,
+                    "s_per_epoch": round(mean_epoch, 2),
+                    "target_map50": args.target_map50,
+                    "time_to_target": reached,
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
