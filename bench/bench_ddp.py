@@ -161,7 +161,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--cfg", type=Path, default=REPO / "cfg" / "yolov3-spp-nano.cfg")
     p.add_argument("--img-size", type=int, default=256)
     p.add_argument("--batch", type=int, default=16, help="images per process per step")
-    p.add_argument("--format", choices=FORMATS, default="contiguous", help="memory format")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="channels_last",
+        help="memory format (trainer's default)",
+    )
     p.add_argument("--nproc", type=int, default=2, help="processes of the DDP measurement")
     p.add_argument("--warmup", type=int, default=2, help="untimed steps per measurement")
     p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")

@@ -9,14 +9,14 @@ mAP@0.5 and mAP@0.5:0.95, and the cumulative training time at which mAP@0.5 firs
 passed to the trainer, so the same command compares precisions and formats.
 
 Only ``--epochs`` and ``--eval-interval`` (1, to see every epoch) differ from the recipe; the
-cosine learning-rate schedule spans ``--epochs``, so a short run is not a prefix of the 30-epoch
+cosine learning-rate schedule spans ``--epochs``, so a short run is not a prefix of the full
 demo. Evaluation time is not in "train s" (it is the rest of "total s", with start-up).
 
 Usage, from the repository root::
 
-    python bench/bench_e2e.py --epochs 2                      # fp32, about 1 min per epoch here
+    python bench/bench_e2e.py --epochs 2                      # fp32 (channels_last, the default)
     python bench/bench_e2e.py --epochs 2 --amp --json amp.json
-    python bench/bench_e2e.py --epochs 30 --target-map50 0.85  # the whole demo recipe
+    python bench/bench_e2e.py --epochs 20 --target-map50 0.85  # the whole demo recipe
 
 On a CPU without native bf16 kernels the trainer runs ``--amp`` in fp32 (it says so in a
 warning); ``--force-bf16`` makes it use bf16 autocast anyway, e.g. to compare the mAP of bf16
@@ -42,7 +42,13 @@ import torch
 
 from bench.bench_model import cpu_description
 from build_utils.errors import YoloError
-from tools.demo import DEMO_DATA_DIR, DEMO_TRAIN_FLAGS, TARGET_MAP50, ensure_demo_dataset
+from tools.demo import (
+    DEMO_DATA_DIR,
+    DEMO_TRAIN_FLAGS,
+    DEMO_TRAIN_SWITCHES,
+    TARGET_MAP50,
+    ensure_demo_dataset,
+)
 from train_utils import train_eval_utils
 from train_utils.config import build_config, get_args_parser
 from train_utils.distributed_utils import DistInfo
@@ -63,7 +69,7 @@ def train_flags(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
         flags["--workers"] = str(args.workers)
     if args.img_size is not None:
         flags["--img-size"] = str(args.img_size)
-    argv = [x for kv in flags.items() for x in kv]
+    argv = [x for kv in flags.items() for x in kv] + list(DEMO_TRAIN_SWITCHES)
     if args.amp:
         argv.append("--amp")
     if args.channels_last is not None:

@@ -31,6 +31,7 @@ YOLOv3-SPP at 416) measured in the same run, precision and memory format.
 Usage, from the repository root::
 
     python bench/bench_model.py                                   # YOLOv3-SPP at 416, CPU
+    python bench/bench_model.py --threads 1 --train-batch 1 --precisions fp32 bf16 --profile
     python bench/bench_model.py --sizes 320 416 --json model.json
     python bench/bench_model.py --cfg cfg/yolov3-spp-nano.cfg --sizes 320 --train-batch 16
     python bench/bench_model.py --precisions fp32 --compile       # adds torch.compile rows
@@ -40,7 +41,8 @@ Usage, from the repository root::
 Numbers depend on the machine and on what else runs on it; quote them with the machine. On a
 CPU, bf16 is only fast where oneDNN has native bf16 kernels (AVX512-BF16 or AMX); the header
 says whether this CPU has them (``mkldnn bf16``). Without them a bf16 convolution falls back to
-ATen's ``_slow_conv2d`` (im2col + a generic GEMM) and is many times slower than fp32.
+ATen's ``_slow_conv2d`` (im2col + a generic GEMM) and is many times slower than fp32, so bf16
+is then only timed when asked for (``--precisions fp32 bf16``).
 """
 
 from __future__ import annotations
@@ -358,7 +360,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=tuple(DTYPES),
         default=None,
-        help="default: fp32 bf16 on CPU, fp32 fp16 bf16 on CUDA",
+        help="default: fp32 fp16 bf16 on CUDA; fp32 bf16 on a CPU with native bf16, else fp32",
     )
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     p.add_argument("--compile", action="store_true", help="also time torch.compile (fp32)")
@@ -376,12 +378,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.device = torch.device(args.device)
     if args.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed sizes, as the trainer sets it
+    info = {**machine_description(args.device), "cfg": str(args.cfg), "threads": args.threads}
     if args.precisions is None:
-        args.precisions = ["fp32", "bf16"] + (["fp16"] if args.device.type == "cuda" else [])
+        if args.device.type == "cuda":
+            args.precisions = ["fp32", "fp16", "bf16"]
+        elif info["mkldnn_bf16"] is False:
+            args.precisions = ["fp32"]
+            print(
+                "this CPU has no native bf16 kernels: bf16 is skipped (it is 5-30x slower than "
+                "fp32 here); --precisions fp32 bf16 times it anyway",
+                file=sys.stderr,
+            )
+        else:
+            args.precisions = ["fp32", "bf16"]
     if "fp32" not in args.precisions:
         args.precisions.insert(0, "fp32")  # the baseline of every ratio
 
-    info = {**machine_description(args.device), "cfg": str(args.cfg), "threads": args.threads}
     ceiling: dict[str, float] = {}
     if not args.skip_ceiling:
         for precision in args.precisions:

@@ -186,7 +186,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    choices=FREEZE_CHOICES,
                    help="freeze the Darknet-53 backbone, or everything but the output layers")
     p.add_argument("--amp", action="store_true",
-                   help="mixed precision: fp16 + GradScaler on CUDA, bf16 autocast on CPU")
+                   help="mixed precision: fp16 + GradScaler on CUDA, bf16 autocast on CPU "
+                        "(fp32 on CPUs without native bf16 kernels)")
     p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
                    help="keep an exponential moving average of the weights for eval and saving")
     p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES,
@@ -202,7 +203,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="evaluation confidence threshold")
     p.add_argument("--iou-thres", type=float, default=DEFAULT_EVAL_IOU, help="evaluation NMS IoU")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="channels_last memory format (default: on for CUDA, off for CPU)")
+                   help="channels_last memory format (default: on; see bench/README.md)")
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
     p.add_argument("--coco-backend", default="pycocotools",
                    choices=("pycocotools", "faster-coco-eval"), help="COCO scoring library")

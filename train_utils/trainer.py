@@ -253,8 +253,11 @@ def _run(config: TrainConfig, dist: DistInfo, device: torch.device, is_main: boo
     if device.type == "cuda":
         # Fixed input sizes let cuDNN pick the fastest kernels once; multi-scale would re-tune.
         torch.backends.cudnn.benchmark = not config.multi_scale and not config.rect
-    channels_last = (config.channels_last if config.channels_last is not None
-                     else device.type == "cuda")
+    # On by default on CUDA and CPU: NHWC is the layout of the fast cuDNN and oneDNN kernels.
+    # Measured on a 2-core AVX2 CPU (bench/README.md): the nano cfg trains 1.3x and evaluates
+    # 1.5x faster with it, and its 2-process DDP scales better; YOLOv3-SPP training is ~0.9x
+    # there (--no-channels-last), its evaluation ~1.05x.
+    channels_last = config.channels_last if config.channels_last is not None else True
 
     # ---- model -------------------------------------------------------------------------------
     blocks = model_blocks_for(config.cfg, data.nc)
