@@ -35,17 +35,19 @@ logger = logging.getLogger("demo")
 
 # The demo recipe. Each value is a flag of train.py; see README "The demo" for why.
 DEMO_DATA_DIR = REPO / "demo_data" / "shapes"
-DEMO_DATASET = {"n_train": 1500, "n_val": 200, "img_size_range": (160, 224), "seed": 0,
-                "obj_size_range": (16.0, 0.5)}
+DEMO_DATASET = {"n_train": 1500, "n_val": 200, "img_size_range": (160, 192), "seed": 0,
+                "obj_size_range": (20.0, 0.5)}
 DEMO_TRAIN_FLAGS = {
     "--cfg": str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
     "--hyp": str(REPO / "cfg" / "hyp_demo.yaml"),
     "--img-size": "160",
     "--batch-size": "16",
     "--nbs": "16",
-    "--epochs": "20",
+    "--optimizer": "adam",
+    "--epochs": "27",
     "--eval-interval": "5",
-    "--workers": "2",
+    "--cache-images": "ram",
+    "--workers": "0",
 }
 DEMO_TRAIN_SWITCHES = ["--no-multi-scale"]
 N_PREDICT_IMAGES = 4
