@@ -16,7 +16,7 @@ Usage, from the repository root::
 
     python bench/bench_e2e.py --epochs 2                      # fp32 (channels_last, the default)
     python bench/bench_e2e.py --epochs 2 --amp --json amp.json
-    python bench/bench_e2e.py --epochs 20 --target-map50 0.85  # the whole demo recipe
+    python bench/bench_e2e.py --epochs 27 --target-map50 0.85  # the whole demo recipe
 
 On a CPU without native bf16 kernels the trainer runs ``--amp`` in fp32 (it says so in a
 warning); ``--force-bf16`` makes it use bf16 autocast anyway, e.g. to compare the mAP of bf16

@@ -49,6 +49,9 @@ def test_bench_ddp_reports_the_ratio(tmp_path):
     result = json.loads(out.read_text())
     assert [r["processes"] for r in result["results"]] == [1, 2]
     assert result["ratio"] > 0
+    # One repetition: the paired median is that repetition's own 2-process / 1-process ratio.
+    assert len(result["ratios_paired"]) == 1
+    assert result["ratio_paired_median"] == result["ratios_paired"][0] > 0
     assert "2-process / 1-process throughput" in proc.stdout
 
 
