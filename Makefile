@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-stamp
 venv: $(STAMP)
 
 # Reinstall only when a requirements file changed since the last install.
-$(STAMP): requirements.txt requirements-dev.txt
+$(STAMP): requirements.txt requirements-dev.txt requirements-extra.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
 	@touch $(STAMP)
