@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import pytest
@@ -53,3 +54,17 @@ def make_shapes_data(tmp_path: Path):
         return make_dataset(tmp_path / "shapes", n_train, n_val, **kwargs)
 
     return _make
+
+
+@pytest.fixture
+def console(capsys):
+    """The scripts' console handler bound to this test's captured stderr, removed after."""
+
+    def drop() -> None:
+        root = logging.getLogger()
+        for h in [h for h in root.handlers if getattr(h, "_yolo_console", False)]:
+            root.removeHandler(h)
+
+    drop()
+    yield capsys
+    drop()

@@ -110,20 +110,6 @@ def env(tmp_path_factory):
     return f
 
 
-@pytest.fixture
-def console(capsys):
-    """The scripts' console handler bound to this test's captured stderr, removed after."""
-
-    def drop() -> None:
-        root = logging.getLogger()
-        for h in [h for h in root.handlers if getattr(h, "_yolo_console", False)]:
-            root.removeHandler(h)
-
-    drop()
-    yield capsys
-    drop()
-
-
 def _train_argv(f: dict, out: Path, *extra: str) -> list[str]:
     return ["--data", str(f["data"]), "--cfg", str(NANO), "--hyp", str(HYP), "--epochs", "1",
             "--img-size", "128", "--batch-size", "4", "--no-multi-scale", "--workers", "0",

@@ -322,20 +322,6 @@ def test_no_cache_or_result_file_needs_pickle(bad_run):
     assert leftovers == []
 
 
-@pytest.fixture
-def console(capsys):
-    """The scripts' console handler bound to this test's captured stderr, removed after."""
-
-    def drop() -> None:
-        root = logging.getLogger()
-        for h in [h for h in root.handlers if getattr(h, "_yolo_console", False)]:
-            root.removeHandler(h)
-
-    drop()
-    yield capsys
-    drop()
-
-
 @pytest.mark.slow
 def test_validation_and_predict_skip_bad_images(bad_run, console, tmp_path):
     root, out, _, _ = bad_run

@@ -13,7 +13,6 @@ torchrun worker under ``--max-restarts=1`` is tests/test_ddp.py
 from __future__ import annotations
 
 import csv
-import logging
 import os
 import signal
 import subprocess
@@ -225,20 +224,6 @@ def test_sigint_and_sigkill_at_every_point_then_resume_completes(make_shapes_dat
     load_checkpoint(out / "best.pt")
     log = (out / "train.log").read_text()
     assert log.count("resuming from") == 4
-
-
-@pytest.fixture
-def console(capsys):
-    """The scripts' console handler bound to this test's captured stderr, removed after."""
-
-    def drop() -> None:
-        root = logging.getLogger()
-        for h in [h for h in root.handlers if getattr(h, "_yolo_console", False)]:
-            root.removeHandler(h)
-
-    drop()
-    yield capsys
-    drop()
 
 
 @pytest.mark.slow
