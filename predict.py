@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-import tempfile
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -27,14 +26,20 @@ from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import is_image_file, list_images, read_image
-from build_utils.parse_config import load_class_names, parse_data_cfg, parse_model_cfg
+from build_utils.parse_config import (
+    load_class_names,
+    parse_data_cfg,
+    parse_model_cfg,
+    parse_model_cfg_text,
+)
 from models.darknet import Darknet
-from train_utils.builders import load_inference_weights, model_blocks_for
-from train_utils.checkpoint import load_checkpoint
+from models.weights import load_darknet_weights
+from train_utils.builders import model_blocks_for
+from train_utils.checkpoint import extract_state_dict, fit_state_dict, load_checkpoint
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import check_img_size
+from train_utils.devices import select_device
 from train_utils.train_eval_utils import autocast_context
-from train_utils.trainer import select_device
 
 logger = logging.getLogger("predict")
 
@@ -119,28 +124,28 @@ class Predictor:
 def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str]]:
     """Build the model from ``--cfg`` or the checkpoint's own cfg, and find the class names."""
     names: list[str] | None = None
-    ckpt_cfg = None
+    ckpt = None
     if not args.weights.endswith(".weights"):
         ckpt = load_checkpoint(args.weights, trust=args.trust_checkpoint)
-        ckpt_cfg = ckpt.get("cfg") if isinstance(ckpt.get("cfg"), str) else None
         if isinstance(ckpt.get("names"), list):
             names = [str(n) for n in ckpt["names"]]
     if args.names:
         names = load_class_names(args.names)
     elif args.data:
         names = load_class_names(parse_data_cfg(args.data)["names"])
-    with tempfile.TemporaryDirectory() as tmp:
-        cfg = args.cfg
-        if cfg is None:
-            if ckpt_cfg is None:
-                raise ConfigError("these weights carry no cfg; pass --cfg (and --names)",
-                                  args.weights)
-            cfg = Path(tmp) / "model.cfg"
-            cfg.write_text(ckpt_cfg)
-        cfg_nc = max(int(b["classes"]) for b in parse_model_cfg(cfg) if b["type"] == "yolo")
-        nc = len(names) if names else cfg_nc
-        model = Darknet(model_blocks_for(cfg, nc), img_size=(args.img_size, args.img_size))
-    load_inference_weights(model, args.weights, args.trust_checkpoint)
+    if args.cfg is not None:
+        blocks = parse_model_cfg(args.cfg)
+    elif ckpt is not None and isinstance(ckpt.get("cfg"), str):
+        blocks = parse_model_cfg_text(ckpt["cfg"], f"{args.weights} (its cfg)")
+    else:
+        raise ConfigError("these weights carry no cfg; pass --cfg (and --names)", args.weights)
+    cfg_nc = max(int(b["classes"]) for b in blocks if b["type"] == "yolo")
+    nc = len(names) if names else cfg_nc
+    model = Darknet(model_blocks_for(blocks, nc), img_size=(args.img_size, args.img_size))
+    if ckpt is None:
+        load_darknet_weights(model, args.weights)
+    else:
+        fit_state_dict(model, extract_state_dict(ckpt, args.weights), args.weights, strict=True)
     return model, names or [str(i) for i in range(nc)]
 
 

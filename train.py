@@ -15,8 +15,9 @@ from collections.abc import Sequence
 
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import build_config, get_args_parser
+from train_utils.devices import select_device
 from train_utils.distributed_utils import DistInfo
-from train_utils.trainer import run, select_device
+from train_utils.trainer import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -22,12 +22,8 @@ import torch
 
 from build_utils.errors import ConfigError
 from models.darknet import Darknet
-from train_utils.builders import (
-    load_inference_weights,
-    make_eval_dataset,
-    make_eval_loader,
-    model_blocks_for,
-)
+from train_utils.builders import make_eval_dataset, make_eval_loader, model_blocks_for
+from train_utils.checkpoint import load_weights
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.coco_eval import STAT_NAMES
 from train_utils.coco_utils import coco_dict_from_dataset, get_coco_api_from_dataset
@@ -38,8 +34,7 @@ from train_utils.config import (
     load_data_config,
 )
 from train_utils.distributed_utils import cleanup, init_distributed_mode
-from train_utils.train_eval_utils import evaluate
-from train_utils.trainer import select_device
+from train_utils.train_eval_utils import EvalOptions, evaluate
 
 logger = logging.getLogger("validation")
 
@@ -96,11 +91,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("weights file not found; check --weights", args.weights)
         dist = init_distributed_mode(args)
         try:
-            device = dist.device if dist.distributed else select_device(args.device)
+            device = dist.device
             data = load_data_config(args.data, args.single_cls)
             model = Darknet(model_blocks_for(args.cfg, data.nc),
                             img_size=(args.img_size, args.img_size))
-            load_inference_weights(model, args.weights, args.trust_checkpoint)
+            load_weights(model, args.weights, strict=True, trust=args.trust_checkpoint)
             model.to(device).eval()
             dataset = make_eval_dataset(data.valid, args.img_size, args.batch_size, data.nc,
                                         args.single_cls, dist.rank)
@@ -109,10 +104,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             coco_gt = None
             if dist.is_main:
                 coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc)
-            stats, per_class, detections = evaluate(
-                model, loader, device, coco_gt, args.conf_thres, args.iou_thres,
-                multi_label=args.multi_label, amp=args.amp, backend=args.coco_backend,
-                show_progress=dist.is_main, per_class=True)
+            opts = EvalOptions(device, args.conf_thres, args.iou_thres, args.multi_label,
+                               amp=args.amp, backend=args.coco_backend,
+                               show_progress=dist.is_main, per_class=True)
+            stats, per_class, detections = evaluate(model, loader, coco_gt, opts)
             if not dist.is_main:
                 return
             logger.info("%d images, conf %.3g, NMS IoU %.2f, img %d, weights %s\n%s",

@@ -51,8 +51,9 @@ from tools.demo import (
 )
 from train_utils import train_eval_utils
 from train_utils.config import build_config, get_args_parser
+from train_utils.devices import select_device
 from train_utils.distributed_utils import DistInfo
-from train_utils.trainer import run, select_device
+from train_utils.trainer import run
 
 
 def train_flags(args: argparse.Namespace, data: Path, out: Path) -> list[str]:

@@ -69,7 +69,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from models.darknet import Darknet
 from models.loss import compute_loss, scale_loss_gains
 from train_utils.config import load_hyp
-from train_utils.trainer import build_optimizer
+from train_utils.optim import build_optimizer
 
 REPO = Path(__file__).resolve().parents[1]
 OBJECTS_PER_IMAGE = 8

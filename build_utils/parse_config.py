@@ -344,10 +344,18 @@ def _content_lines(text: str) -> Iterable[tuple[int, str]]:
 
 
 def parse_model_cfg(path: str | os.PathLike[str]) -> list[Block]:
-    """Parse and validate a Darknet model cfg.
+    """Parse and validate a Darknet model cfg file; see :func:`parse_model_cfg_text`."""
+    path = Path(path)
+    return parse_model_cfg_text(_read_text(path, "model cfg"), path)
+
+
+def parse_model_cfg_text(text: str, path: str | os.PathLike[str] = "<cfg text>") -> list[Block]:
+    """Parse and validate the text of a Darknet model cfg.
 
     Args:
-        path: the ``.cfg`` file.
+        text: the cfg's content (e.g. the ``cfg`` stored in a checkpoint).
+        path: the name messages give for it: the file it came from, or a description such as
+            ``"runs/x/last.pt (cfg)"``.
 
     Returns:
         One dict per section in file order, the ``[net]`` block first; see the module docstring
@@ -358,9 +366,7 @@ def parse_model_cfg(path: str | os.PathLike[str]) -> list[Block]:
             a number is needed, a duplicate key, a malformed line, an empty file, and every
             structural problem listed in :func:`validate_model_cfg`.
     """
-    path = Path(path)
     spath = str(path)
-    text = _read_text(path, "model cfg")
     blocks: list[Block] = []
     block: Block | None = None
     for number, line in _content_lines(text):
@@ -626,11 +632,12 @@ def rewrite_cfg_classes(blocks: list[Block], nc: int) -> list[Block]:
     return validate_model_cfg(out)
 
 
-def write_model_cfg(blocks: list[Block], path: str | os.PathLike[str], header: str = "") -> None:
-    """Write parsed blocks back as a Darknet cfg (``key=value`` lines, lists comma-separated).
+def format_model_cfg(blocks: list[Block], header: str = "") -> str:
+    """Parsed blocks as Darknet cfg text (``key=value`` lines, lists comma-separated).
 
     ``header`` becomes ``#`` comment lines at the top. Bookkeeping keys (``_...``) are dropped,
-    so comments and the original formatting are not preserved; the values are.
+    so comments and the original formatting are not preserved; the values are, and
+    :func:`parse_model_cfg_text` reads the text back into equal blocks.
     """
     lines = [f"# {h}".rstrip() for h in header.splitlines()]
     for block in blocks:
@@ -640,7 +647,12 @@ def write_model_cfg(blocks: list[Block], path: str | os.PathLike[str], header: s
         lines.extend(
             f"{k}={_format_value(v)}" for k, v in block.items() if k != "type" and k[0] != "_"
         )
-    Path(path).write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return "\n".join(lines) + "\n"
+
+
+def write_model_cfg(blocks: list[Block], path: str | os.PathLike[str], header: str = "") -> None:
+    """Write :func:`format_model_cfg`'s text to ``path``."""
+    Path(path).write_text(format_model_cfg(blocks, header), encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,8 +3,8 @@
 Two problems with ``torch.utils.data.DistributedSampler`` motivate this module:
 
 - it pads the index list by repeating samples so that every rank gets the same count; for
-  evaluation that scores the repeats twice (pytorch/pytorch#25162). :class:`ShardedEvalSampler`
-  and :class:`ShardedEvalBatchSampler` shard without padding.
+  evaluation that scores the repeats twice (pytorch/pytorch#25162). :class:`ShardedEvalBatchSampler`
+  shards without padding.
 - it interleaves (and shuffles) single images across ranks, while rectangular (``--rect``)
   batches need consecutive images of the aspect-ratio-sorted dataset that share one letterbox
   shape; mixing them crashes collate with "stack expects each tensor to be equal size"
@@ -96,27 +96,6 @@ def make_batches(
         for start in range(0, group.size, batch_size):
             batches.append(group[start : start + batch_size].tolist())
     return batches
-
-
-class ShardedEvalSampler(Sampler[int]):
-    """Contiguous, unpadded shards for evaluation: each index on exactly one rank.
-
-    Rank ``r`` gets indices ``[r * n // k, (r + 1) * n // k)``: shard sizes differ by at most one
-    (a rank may get none when ``n < k``), and concatenating the ranks' results in rank order
-    restores dataset order. Use :class:`ShardedEvalBatchSampler` for rect datasets.
-    """
-
-    def __init__(self, dataset_len: int, num_replicas: int | None = None, rank: int | None = None):
-        self.dataset_len = _check_len(dataset_len)
-        self.num_replicas, self.rank = _resolve_replicas(num_replicas, rank)
-        self.start = self.rank * self.dataset_len // self.num_replicas
-        self.end = (self.rank + 1) * self.dataset_len // self.num_replicas
-
-    def __iter__(self) -> Iterator[int]:
-        return iter(range(self.start, self.end))
-
-    def __len__(self) -> int:
-        return self.end - self.start
 
 
 class ShardedEvalBatchSampler(Sampler[list[int]]):
@@ -266,31 +245,3 @@ class DistributedBatchSampler(Sampler[list[int]]):
         if self.batch_sampler is not None:
             return len(self.batch_sampler)
         return self._rect_batches_per_rank()
-
-
-def make_train_batch_sampler(
-    dataset_len: int,
-    batch_size: int,
-    num_replicas: int | None = None,
-    rank: int | None = None,
-    shuffle: bool = True,
-    seed: int = 0,
-    drop_last: bool = True,
-    batch_index: np.ndarray | Sequence[int] | None = None,
-) -> DistributedBatchSampler:
-    """The training batch sampler for this rank; see :class:`DistributedBatchSampler`.
-
-    Use as ``DataLoader(dataset, batch_sampler=s)`` and call ``s.set_epoch(epoch)`` each epoch
-    (it reaches the inner DistributedSampler). Pass the dataset's ``batch`` attribute as
-    ``batch_index`` for rect training, None otherwise.
-    """
-    return DistributedBatchSampler(
-        dataset_len,
-        batch_size,
-        num_replicas=num_replicas,
-        rank=rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-        batch_index=batch_index,
-    )

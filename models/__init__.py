@@ -16,8 +16,6 @@ _EXPORTS = {
     "WeightedFeatureFusion": "models.layers",
     "load_darknet_weights": "models.weights",
     "save_weights": "models.weights",
-    "load_state_dict_flexible": "models.weights",
-    "load_weights": "models.weights",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -301,6 +301,7 @@ class Darknet(nn.Module):
         self.strides: list[float] = [h.stride for h in heads]
         self.seen = 0
         self.fused = False
+        self.frozen: list[int] = []
 
     def _build(self, blocks: list[Block]) -> tuple[nn.ModuleList, list[bool]]:
         net = blocks[0]
@@ -425,6 +426,61 @@ class Darknet(nn.Module):
             w,
         )
         return n_params, gflops
+
+    def freeze(self, mode: str = "none") -> list[int]:
+        """Stop training some layers: ``"none"``, ``"backbone"`` (up to :func:`backbone_end`)
+        or ``"all-but-heads"`` (everything but the convolutions feeding the heads).
+
+        Frozen layers get ``requires_grad=False`` and stay in eval mode through
+        :meth:`train`, so their BatchNorm running statistics do not drift either
+        (pytorch/pytorch#86590). Build the optimizer after freezing.
+
+        Returns:
+            The frozen ``module_list`` indices.
+
+        Raises:
+            ConfigError: an unknown mode.
+        """
+        self.frozen = frozen_layer_indices(self, mode)
+        for i in self.frozen:
+            for p in self.module_list[i].parameters():
+                p.requires_grad_(False)
+        self.train(self.training)
+        return self.frozen
+
+    def train(self, mode: bool = True) -> Darknet:
+        super().train(mode)
+        for i in getattr(self, "frozen", ()):
+            self.module_list[i].eval()
+        return self
+
+
+FREEZE_MODES = ("none", "backbone", "all-but-heads")
+
+
+def backbone_end(model: Darknet) -> int:
+    """Index of the last backbone layer: the last [shortcut] before the first head (Darknet-53
+    ends there: layer 74 of yolov3.cfg, the lineage's magic number), or, for networks without
+    residual blocks, the layer before the first [route]."""
+    first_yolo = min(model.yolo_layers)
+    defs = model.module_defs
+    shortcuts = [i for i in range(first_yolo) if defs[i]["type"] == "shortcut"]
+    if shortcuts:
+        return shortcuts[-1]
+    routes = [i for i in range(first_yolo) if defs[i]["type"] == "route"]
+    return (routes[0] - 1) if routes else first_yolo - 1
+
+
+def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
+    """``module_list`` indices that :meth:`Darknet.freeze` freezes for ``mode``."""
+    if mode == "none":
+        return []
+    if mode == "backbone":
+        return list(range(backbone_end(model) + 1))
+    if mode == "all-but-heads":
+        outputs = {i - 1 for i in model.yolo_layers}
+        return [i for i in range(len(model.module_list)) if i not in outputs]
+    raise ConfigError(f"unknown freeze mode {mode!r}; use one of {', '.join(FREEZE_MODES)}")
 
 
 @torch.no_grad()

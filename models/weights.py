@@ -1,4 +1,4 @@
-"""Weight formats: Darknet ``.weights`` files and PyTorch ``.pt`` checkpoints of the lineage.
+"""Darknet ``.weights`` files: read into and write from a :class:`~models.darknet.Darknet`.
 
 Darknet ``.weights`` layout (little-endian): a header of int32 ``major, minor, revision`` and
 ``seen`` (images seen in training: int64 when ``major * 10 + minor >= 2`` and both are below
@@ -9,38 +9,24 @@ each weighted ``[shortcut]`` its fusion weights (kept in this repository's, i.e.
 sigmoid parameterisation). Nothing marks where a layer ends, so a file for another cfg can only
 be detected by its size: the whole file must be consumed exactly.
 
-A lineage ``.pt`` checkpoint is ``{'model': state_dict, ...}`` (other keys: epoch, optimizer,
-...); a bare state_dict is accepted too, and a ``module.`` prefix (DDP) is stripped.
+PyTorch ``.pt`` checkpoints are read and written by ``train_utils.checkpoint``.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from build_utils.errors import CheckpointError
-from build_utils.parse_config import rewrite_cfg_classes, write_model_cfg
 from models.darknet import Darknet
 from models.layers import WeightedFeatureFusion
 
-__all__ = [
-    "DARKNET_VERSION",
-    "load_checkpoint_state_dict",
-    "load_darknet_weights",
-    "load_state_dict_flexible",
-    "load_weights",
-    "rewrite_cfg_classes",
-    "save_pt",
-    "save_weights",
-    "write_model_cfg",
-]
+__all__ = ["DARKNET_VERSION", "load_darknet_weights", "save_weights"]
 
 LOGGER = logging.getLogger(__name__)
 
@@ -48,7 +34,6 @@ LOGGER = logging.getLogger(__name__)
 DARKNET_VERSION = (0, 2, 0)
 _HEADER_INTS = 3
 _VERSION_LIMIT = 1000  # Darknet: versions >= 1000 mark transposed (old) files with int32 seen
-_DDP_PREFIX = "module."
 
 
 def _seen_is_int64(major: int, minor: int) -> bool:
@@ -176,131 +161,4 @@ def save_weights(model: Darknet, path: str | os.PathLike[str], cutoff: int = -1)
             chunks.append(t.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes())
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(b"".join(chunks))
-    tmp.replace(path)
-
-
-def _strip_prefix(state_dict: Mapping[str, Any]) -> dict[str, Any]:
-    if state_dict and all(k.startswith(_DDP_PREFIX) for k in state_dict):
-        return {k[len(_DDP_PREFIX) :]: v for k, v in state_dict.items()}
-    return dict(state_dict)
-
-
-def load_checkpoint_state_dict(path: str | os.PathLike[str]) -> dict[str, torch.Tensor]:
-    """The model state_dict of a ``.pt`` file: ``{'model': state_dict, ...}`` or a bare
-    state_dict, loaded on the CPU with ``weights_only=True``; a ``module.`` prefix is removed.
-
-    Raises:
-        CheckpointError: missing or unreadable file, or no state_dict in it.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError("checkpoint file not found", path)
-    try:
-        ckpt = torch.load(path, map_location="cpu", weights_only=True)
-    # torch.load raises many unrelated types (UnpicklingError, RuntimeError, EOFError, ...) for
-    # a file that is not a checkpoint; all of them mean the same thing to the user.
-    except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(
-            f"cannot load as a PyTorch checkpoint (weights_only=True): {first}", path
-        ) from e
-    sd = ckpt.get("model", ckpt) if isinstance(ckpt, dict) else None
-    if (
-        not isinstance(sd, dict)
-        or not sd
-        or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items())
-    ):
-        raise CheckpointError(
-            "no model state_dict in the checkpoint (expected {'model': state_dict, ...} or a "
-            "state_dict of tensors)",
-            path,
-        )
-    return _strip_prefix(sd)
-
-
-def load_state_dict_flexible(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
-    """Load every tensor of ``state_dict`` whose name and shape match ``model``'s, e.g. all but
-    the heads when the checkpoint was trained for another class count.
-
-    A ``module.`` prefix is stripped. Non-tensor values are ignored.
-
-    Returns:
-        The names not loaded, sorted: checkpoint tensors the model lacks or holds in another
-        shape, and model entries the checkpoint lacks (they keep their initial values).
-    """
-    sd = _strip_prefix(state_dict)
-    own = model.state_dict()
-    matched = {
-        k: v
-        for k, v in sd.items()
-        if isinstance(v, torch.Tensor) and k in own and own[k].shape == v.shape
-    }
-    model.load_state_dict(matched, strict=False)
-    skipped = {k for k, v in sd.items() if isinstance(v, torch.Tensor) and k not in matched}
-    skipped |= {k for k in own if k not in matched}
-    return sorted(skipped)
-
-
-def load_weights(model: Darknet, path: str | os.PathLike[str], strict: bool = True) -> list[str]:
-    """Load a ``.weights`` (Darknet) or any other file as a ``.pt`` checkpoint into ``model``.
-
-    Args:
-        strict: for ``.pt``, every tensor must match (names and shapes); otherwise mismatches are
-            skipped as by :func:`load_state_dict_flexible`. ``.weights`` files are always
-            loaded whole.
-
-    Returns:
-        The names skipped (always empty when ``strict``).
-
-    Raises:
-        CheckpointError: unreadable file, or a strict load that does not match the model.
-    """
-    path = Path(path)
-    if path.suffix == ".weights":
-        load_darknet_weights(model, path)
-        return []
-    sd = load_checkpoint_state_dict(path)
-    if not strict:
-        return load_state_dict_flexible(model, sd)
-    own = model.state_dict()
-    missing = sorted(set(own) - set(sd))
-    unexpected = sorted(set(sd) - set(own))
-    wrong = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
-    if missing or unexpected or wrong:
-        parts = []
-        for label, names in (("missing", missing), ("unexpected", unexpected), ("shape", wrong)):
-            if names:
-                more = f" and {len(names) - 3} more" if len(names) > 3 else ""
-                detail = ", ".join(
-                    f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}"
-                    if label == "shape"
-                    else k
-                    for k in names[:3]
-                )
-                parts.append(f"{label}: {detail}{more}")
-        cfg = model.cfg_path or "the model's cfg"
-        hint = (
-            " (trained for another number of classes? rewrite the cfg with tools/make_cfg.py)"
-            if wrong
-            else ""
-        )
-        raise CheckpointError(f"does not match {cfg}: " + "; ".join(parts) + hint, path)
-    model.load_state_dict(sd, strict=True)
-    return []
-
-
-def save_pt(model: nn.Module, path: str | os.PathLike[str]) -> None:
-    """Write ``model``'s weights as a lineage ``.pt``: ``{'model': state_dict, 'epoch': -1,
-    ...}`` (``epoch=-1`` marks weights to initialise from, not a run to resume), loadable with
-    ``weights_only=True``. Written to a temporary file and renamed."""
-    path = Path(path)
-    ckpt = {
-        "epoch": -1,
-        "best_fitness": None,
-        "training_results": None,
-        "model": {k: v.detach().cpu() for k, v in model.state_dict().items()},
-        "optimizer": None,
-    }
-    tmp = path.with_name(path.name + ".tmp")
-    torch.save(ckpt, tmp)
     tmp.replace(path)

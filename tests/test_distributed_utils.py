@@ -4,7 +4,6 @@ legacy ``--local_rank`` argument."""
 
 from __future__ import annotations
 
-import builtins
 import json
 import logging
 import os
@@ -40,7 +39,6 @@ _LAUNCH_VARS = (
 WORKER = textwrap.dedent(
     """
     import argparse
-    import builtins
     import json
     import logging
     import os
@@ -51,7 +49,6 @@ WORKER = textwrap.dedent(
 
     from train_utils import distributed_utils as du
 
-    original_print = builtins.print
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
     parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=-1)
@@ -59,45 +56,43 @@ WORKER = textwrap.dedent(
     args = parser.parse_args()
     out = Path(args.out)
 
-    with du.distributed_session(args, timeout_s=60) as info:
-        r = info.rank
-        res = {
-            "rank": r,
-            "world_size": info.world_size,
-            "local_rank": info.local_rank,
-            "backend": info.backend,
-            "device": str(info.device),
-            "distributed": info.distributed,
-            "is_main": info.is_main,
-            "get_rank": du.get_rank(),
-            "get_world_size": du.get_world_size(),
-            "is_main_process": du.is_main_process(),
-            "master_addr": os.environ.get("MASTER_ADDR"),
-            "env_rank": os.environ.get("RANK"),
-            "print_wrapped": builtins.print is not original_print,
-            "root_level": logging.getLogger().level,
-        }
-        # Keys inserted in different orders on the two ranks: reduction must match by name.
-        losses = {"box": torch.tensor(float(r + 1)), "obj": torch.tensor(10.0 * r)}
-        if r == 1:
-            losses = dict(reversed(list(losses.items())))
-        res["reduce_avg"] = {k: v.item() for k, v in du.reduce_dict(losses).items()}
-        res["reduce_sum"] = {k: v.item() for k, v in du.reduce_dict(losses, False).items()}
-        res["reduce_int"] = du.reduce_dict({"n": torch.tensor(r + 1)})["n"].item()
-        res["gather"] = du.all_gather({"rank": r, "items": list(range(r + 1))})
-        res["broadcast"] = du.broadcast_object(f"from rank {r}", src=1)
-        res["flag_none"] = du.all_reduce_flag(False)
-        res["flag_one"] = du.all_reduce_flag(r == 1)
+    info = du.init_distributed_mode(args, timeout_s=60)
+    r = info.rank
+    res = {
+        "rank": r,
+        "world_size": info.world_size,
+        "local_rank": info.local_rank,
+        "backend": info.backend,
+        "device": str(info.device),
+        "distributed": info.distributed,
+        "is_main": info.is_main,
+        "get_rank": du.get_rank(),
+        "get_world_size": du.get_world_size(),
+        "master_addr": os.environ.get("MASTER_ADDR"),
+        "env_rank": os.environ.get("RANK"),
+        "root_level": logging.getLogger().level,
+    }
+    # Keys inserted in different orders on the two ranks: reduction must match by name.
+    losses = {"box": torch.tensor(float(r + 1)), "obj": torch.tensor(10.0 * r)}
+    if r == 1:
+        losses = dict(reversed(list(losses.items())))
+    res["reduce_avg"] = {k: v.item() for k, v in du.reduce_dict(losses).items()}
+    res["reduce_sum"] = {k: v.item() for k, v in du.reduce_dict(losses, False).items()}
+    res["reduce_int"] = du.reduce_dict({"n": torch.tensor(r + 1)})["n"].item()
+    res["gather"] = du.all_gather({"rank": r, "items": list(range(r + 1))})
+    res["broadcast"] = du.broadcast_object(f"from rank {r}", src=1)
+    res["flag_none"] = du.all_reduce_flag(False)
+    res["flag_one"] = du.all_reduce_flag(r == 1)
 
-        marker = out / "marker.txt"
-        with du.torch_distributed_zero_first(r):
-            if r == 0:
-                # Rank 1 would read a missing file if it did not wait for this block.
-                time.sleep(1.0)
-                marker.write_text("written by rank 0")
-            else:
-                res["marker"] = marker.read_text()
-        du.barrier()
+    marker = out / "marker.txt"
+    with du.torch_distributed_zero_first(r):
+        if r == 0:
+            # Rank 1 would read a missing file if it did not wait for this block.
+            time.sleep(1.0)
+            marker.write_text("written by rank 0")
+        else:
+            res["marker"] = marker.read_text()
+    du.barrier()
     du.cleanup()
     res["initialised_after_cleanup"] = du.is_dist_avail_and_initialized()
     (out / f"rank{r}.json").write_text(json.dumps(res))
@@ -156,8 +151,7 @@ def _check_collectives(res: list[dict]) -> None:
         assert got["world_size"] == 2 and got["get_world_size"] == 2
         assert got["backend"] == "gloo" and got["device"] == "cpu"
         assert got["distributed"] is True
-        assert got["is_main"] is (r == 0) and got["is_main_process"] is (r == 0)
-        assert got["print_wrapped"] is True
+        assert got["is_main"] is (r == 0)
         assert got["root_level"] == (logging.INFO if r == 0 else logging.WARNING)
         assert got["reduce_avg"] == {"box": 1.5, "obj": 5.0}
         assert got["reduce_sum"] == {"box": 3.0, "obj": 10.0}
@@ -264,7 +258,7 @@ def test_no_launcher_device_cpu_forced(clean_env) -> None:
 
 
 def test_helpers_without_group() -> None:
-    assert du.get_rank() == 0 and du.get_world_size() == 1 and du.is_main_process()
+    assert du.get_rank() == 0 and du.get_world_size() == 1
     d = {"a": torch.tensor(2.0)}
     assert du.reduce_dict(d) == d
     assert du.all_gather({"x": 1}) == [{"x": 1}]
@@ -324,23 +318,3 @@ def test_bad_launcher_variables(clean_env) -> None:
     with pytest.raises(ConfigError, match="rank 2 outside world size 2"):
         du.init_distributed_mode(None)
     assert not du.is_dist_avail_and_initialized()
-
-
-@pytest.fixture
-def restore_print_and_logging(monkeypatch):
-    monkeypatch.setattr(builtins, "print", builtins.print)
-    root = logging.getLogger()
-    level = root.level
-    yield
-    root.setLevel(level)
-
-
-def test_setup_for_distributed(restore_print_and_logging, capsys) -> None:
-    du.setup_for_distributed(False)
-    print("hidden")
-    print("forced", force=True)
-    assert logging.getLogger().level == logging.WARNING
-    du.setup_for_distributed(True)  # wraps the original print again, not the wrapper
-    print("shown")
-    assert logging.getLogger().level == logging.INFO
-    assert capsys.readouterr().out == "forced\nshown\n"

@@ -40,7 +40,7 @@ from tools import kmeans_anchors
 from train_utils.builders import make_eval_dataset, make_eval_loader
 from train_utils.checkpoint import load_checkpoint
 from train_utils.coco_utils import get_coco_api_from_dataset
-from train_utils.train_eval_utils import MAX_DET, predict_batches
+from train_utils.train_eval_utils import MAX_DET, EvalOptions, predict_batches
 
 REPO = Path(__file__).resolve().parents[1]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
@@ -610,7 +610,7 @@ def test_evaluation_of_a_dense_model_stays_within_max_det(tmp_path):
     dataset = make_eval_dataset(lst, 128, 2, NC)
     loader = make_eval_loader(dataset, 2, 1, 0, 0, False)
     t0 = time.perf_counter()
-    dets = predict_batches(_DenseModel(NC), loader, torch.device("cpu"), 0.001, 0.6)
+    dets = predict_batches(_DenseModel(NC), loader, EvalOptions(torch.device("cpu"), 0.001, 0.6))
     seconds = time.perf_counter() - t0
     per_image = np.bincount([d["image_id"] for d in dets], minlength=len(dataset))
     assert len(per_image) == len(dataset) and per_image.min() > 0 and per_image.max() <= MAX_DET

@@ -70,8 +70,8 @@ if point == "park-mid-epoch":
                 yield batch
 
     def train_one_epoch(*args, **kwargs):
-        if args[5] == epoch_to_stop:
-            args = (*args[:3], ParkAfterFirstBatch(args[3]), *args[4:])
+        if args[2] == epoch_to_stop:  # (state, loader, epoch, opts)
+            args = (args[0], ParkAfterFirstBatch(args[1]), *args[2:])
         return real_train(*args, **kwargs)
 
     trainer.train_one_epoch = train_one_epoch

@@ -11,9 +11,7 @@ from build_utils.errors import DatasetError
 from build_utils.samplers import (
     DistributedBatchSampler,
     ShardedEvalBatchSampler,
-    ShardedEvalSampler,
     make_batches,
-    make_train_batch_sampler,
 )
 
 
@@ -22,31 +20,10 @@ def rect_batch_index(n: int, batch_size: int) -> np.ndarray:
     return np.floor(np.arange(n) / batch_size).astype(int)
 
 
-@pytest.mark.parametrize("n", [0, 1, 7, 12])
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_eval_sampler_disjoint_and_covering(n: int, k: int) -> None:
-    shards = [list(ShardedEvalSampler(n, k, r)) for r in range(k)]
-    assert [len(ShardedEvalSampler(n, k, r)) for r in range(k)] == [len(s) for s in shards]
-    # Concatenated in rank order: every index once, in dataset order, no padding.
-    assert [i for s in shards for i in s] == list(range(n))
-    sizes = [len(s) for s in shards]
-    assert max(sizes) - min(sizes) <= 1
-
-
-def test_eval_sampler_seven_items() -> None:
-    assert [list(ShardedEvalSampler(7, 2, r)) for r in range(2)] == [[0, 1, 2], [3, 4, 5, 6]]
-    assert [len(ShardedEvalSampler(7, 3, r)) for r in range(3)] == [2, 2, 3]
-
-
-def test_eval_sampler_defaults_without_group() -> None:
-    s = ShardedEvalSampler(5)
-    assert (s.num_replicas, s.rank, list(s)) == (1, 0, [0, 1, 2, 3, 4])
-
-
 @pytest.mark.parametrize("bad", [dict(num_replicas=0, rank=0), dict(num_replicas=2, rank=2)])
 def test_bad_replicas(bad: dict) -> None:
     with pytest.raises(ValueError):
-        ShardedEvalSampler(4, **bad)
+        ShardedEvalBatchSampler(None, 4, 1, **bad)
 
 
 def test_make_batches() -> None:
@@ -96,7 +73,7 @@ def _epoch(sampler: DistributedBatchSampler, epoch: int) -> list[list[int]]:
 @pytest.mark.parametrize("n,bs,k", [(20, 3, 2), (21, 4, 3), (16, 4, 1)])
 def test_train_sampler_matches_torch_composition(n: int, bs: int, k: int) -> None:
     for r in range(k):
-        ours = make_train_batch_sampler(n, bs, k, r, shuffle=True, seed=5)
+        ours = DistributedBatchSampler(n, bs, k, r, shuffle=True, seed=5)
         ref = BatchSampler(DistributedSampler(range(n), k, r, shuffle=True, seed=5), bs, True)
         for epoch in (0, 3):
             ref.sampler.set_epoch(epoch)
@@ -106,7 +83,7 @@ def test_train_sampler_matches_torch_composition(n: int, bs: int, k: int) -> Non
 
 def test_train_sampler_epochs_differ_and_ranks_disjoint() -> None:
     n, bs, k = 40, 4, 2
-    samplers = [make_train_batch_sampler(n, bs, k, r, seed=0) for r in range(k)]
+    samplers = [DistributedBatchSampler(n, bs, k, r, seed=0) for r in range(k)]
     epochs = []
     for epoch in range(3):
         per_rank = [_epoch(s, epoch) for s in samplers]
@@ -121,7 +98,7 @@ def test_train_sampler_epochs_differ_and_ranks_disjoint() -> None:
 
 
 def test_train_sampler_no_shuffle() -> None:
-    s = make_train_batch_sampler(8, 2, 2, 0, shuffle=False)
+    s = DistributedBatchSampler(8, 2, 2, 0, shuffle=False)
     assert _epoch(s, 0) == _epoch(s, 1) == [[0, 2], [4, 6]]
 
 
@@ -129,7 +106,7 @@ def test_train_sampler_no_shuffle() -> None:
 def test_rect_train_sampler(n: int, bs: int, k: int) -> None:
     batch_index = rect_batch_index(n, bs)
     samplers = [
-        make_train_batch_sampler(n, bs, k, r, seed=1, batch_index=batch_index) for r in range(k)
+        DistributedBatchSampler(n, bs, k, r, seed=1, batch_index=batch_index) for r in range(k)
     ]
     orders = []
     for epoch in range(3):
@@ -153,10 +130,10 @@ def test_rect_train_sampler(n: int, bs: int, k: int) -> None:
 
 def test_rect_train_sampler_epochs_differ() -> None:
     n, bs = 64, 4
-    s = make_train_batch_sampler(n, bs, 2, 0, seed=0, batch_index=rect_batch_index(n, bs))
+    s = DistributedBatchSampler(n, bs, 2, 0, seed=0, batch_index=rect_batch_index(n, bs))
     assert _epoch(s, 0) != _epoch(s, 1)
     assert _epoch(s, 0) == _epoch(s, 0)
-    other_seed = make_train_batch_sampler(n, bs, 2, 0, seed=1, batch_index=rect_batch_index(n, bs))
+    other_seed = DistributedBatchSampler(n, bs, 2, 0, seed=1, batch_index=rect_batch_index(n, bs))
     assert _epoch(other_seed, 0) != _epoch(s, 0)
 
 
@@ -164,7 +141,7 @@ def test_rect_train_sampler_without_drop_last_pads_whole_batches() -> None:
     n, bs, k = 9, 2, 2  # batches [0,1] [2,3] [4,5] [6,7] [8]: 5 batches -> 3 per rank
     batch_index = rect_batch_index(n, bs)
     per_rank = [
-        _epoch(make_train_batch_sampler(n, bs, k, r, drop_last=False, batch_index=batch_index), 2)
+        _epoch(DistributedBatchSampler(n, bs, k, r, drop_last=False, batch_index=batch_index), 2)
         for r in range(k)
     ]
     assert [len(p) for p in per_rank] == [3, 3]
@@ -185,6 +162,6 @@ def test_rect_train_sampler_with_dataloader() -> None:
 
 def test_train_sampler_too_small_dataset() -> None:
     with pytest.raises(DatasetError, match="no batch of 8"):
-        make_train_batch_sampler(10, 8, 2, 0)
+        DistributedBatchSampler(10, 8, 2, 0)
     with pytest.raises(DatasetError, match="no batch of 8"):
-        make_train_batch_sampler(10, 8, 2, 0, batch_index=rect_batch_index(10, 8))
+        DistributedBatchSampler(10, 8, 2, 0, batch_index=rect_batch_index(10, 8))

@@ -10,8 +10,8 @@ import torch
 
 from build_utils.parse_config import parse_model_cfg
 from models.darknet import Darknet
-from models.weights import load_checkpoint_state_dict, save_pt
 from tools import convert_weights, export_onnx, make_cfg
+from train_utils.checkpoint import load_state_dict_file, save_weights_pt
 
 REPO = Path(__file__).resolve().parents[1]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
@@ -80,7 +80,7 @@ def tiny_pt(tmp_path_factory) -> Path:
                 m.running_mean.uniform_(-1, 1)
                 m.running_var.uniform_(0.5, 2)
     path = tmp_path_factory.mktemp("convert") / "tiny.pt"
-    save_pt(model, path)
+    save_weights_pt(model, path)
     return path
 
 
@@ -88,7 +88,7 @@ def test_convert_weights_both_ways(tiny_pt, tmp_path):
     weights, back = tmp_path / "tiny.weights", tmp_path / "back.pt"
     assert convert_weights.main([str(TINY), str(tiny_pt), str(weights)]) == 0
     assert convert_weights.main([str(TINY), str(weights), str(back)]) == 0
-    a, b = load_checkpoint_state_dict(tiny_pt), load_checkpoint_state_dict(back)
+    a, b = load_state_dict_file(tiny_pt), load_state_dict_file(back)
     assert list(a) == list(b)
     assert all(torch.equal(a[k], b[k]) for k in a if not k.endswith("num_batches_tracked"))
     ckpt = torch.load(back, map_location="cpu", weights_only=True)

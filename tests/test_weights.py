@@ -1,4 +1,4 @@
-"""models/weights.py: Darknet .weights and .pt checkpoints."""
+"""models/weights.py (Darknet .weights) and the .pt weight loading of train_utils/checkpoint.py."""
 
 from __future__ import annotations
 
@@ -10,16 +10,14 @@ import torch
 from torch import nn
 
 from build_utils.errors import CheckpointError
-from build_utils.parse_config import parse_model_cfg
+from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
 from models.darknet import Darknet
-from models.weights import (
-    load_checkpoint_state_dict,
-    load_darknet_weights,
+from models.weights import load_darknet_weights, save_weights
+from train_utils.checkpoint import (
+    load_state_dict_file,
     load_state_dict_flexible,
     load_weights,
-    rewrite_cfg_classes,
-    save_pt,
-    save_weights,
+    save_weights_pt,
 )
 
 REPO = Path(__file__).resolve().parents[1]
@@ -64,7 +62,7 @@ def nano_files(tmp_path_factory) -> tuple[Darknet, Path, Path]:
     root = tmp_path_factory.mktemp("weights")
     model = randomised(Darknet(NANO)).eval()
     model.seen = 123_456_789_012  # needs 64 bits
-    save_pt(model, root / "a.pt")
+    save_weights_pt(model, root / "a.pt")
     save_weights(model, root / "a.weights")
     return model, root / "a.pt", root / "a.weights"
 
@@ -90,8 +88,8 @@ def test_pt_weights_pt_round_trip_is_identical(nano_files, tmp_path):
     restored = Darknet(NANO)
     load_darknet_weights(restored, weights)
     assert restored.seen == 123_456_789_012
-    save_pt(restored, tmp_path / "b.pt")
-    a, b = load_checkpoint_state_dict(pt), load_checkpoint_state_dict(tmp_path / "b.pt")
+    save_weights_pt(restored, tmp_path / "b.pt")
+    a, b = load_state_dict_file(pt), load_state_dict_file(tmp_path / "b.pt")
     assert list(a) == list(b)
     for k in a:
         if not k.endswith(BN_COUNTER):
@@ -273,7 +271,7 @@ def test_lineage_checkpoint_loads_strictly(tmp_path):
     )
     model = Darknet(cfg)
     assert set(model.state_dict()) == set(keys)
-    model.load_state_dict(load_checkpoint_state_dict(tmp_path / "l.pt"), strict=True)
+    model.load_state_dict(load_state_dict_file(tmp_path / "l.pt"), strict=True)
     load_weights(model, tmp_path / "l.pt", strict=True)
     assert torch.all(model.module_list[0].Conv2d.weight == 0.5)
 
@@ -284,7 +282,7 @@ def test_checkpoint_forms(tmp_path):
     torch.save(sd, tmp_path / "bare.pt")
     torch.save({"model": {f"module.{k}": v for k, v in sd.items()}}, tmp_path / "ddp.pt")
     for name in ("bare.pt", "ddp.pt"):
-        loaded = load_checkpoint_state_dict(tmp_path / name)
+        loaded = load_state_dict_file(tmp_path / name)
         assert list(loaded) == list(sd)
         assert all(torch.equal(loaded[k], sd[k]) for k in sd)
 
@@ -292,10 +290,10 @@ def test_checkpoint_forms(tmp_path):
 @pytest.mark.parametrize(
     ("content", "pattern"),
     [
-        (b"not a checkpoint", r"cannot load as a PyTorch checkpoint"),
-        ({"model": None, "epoch": 3}, r"no model state_dict"),
-        ({"epoch": 3}, r"no model state_dict"),
-        ([1, 2, 3], r"no model state_dict"),
+        (b"not a checkpoint", r"cannot read checkpoint: .*not a PyTorch checkpoint"),
+        ({"model": None, "epoch": 3}, r"not a checkpoint: no model weights"),
+        ({"epoch": 3}, r"not a checkpoint: no model weights"),
+        ([1, 2, 3], r"not a checkpoint: the file holds a list"),
     ],
 )
 def test_bad_checkpoints(tmp_path, content, pattern):
@@ -305,13 +303,13 @@ def test_bad_checkpoints(tmp_path, content, pattern):
     else:
         torch.save(content, path)
     with pytest.raises(CheckpointError, match=r"bad\.pt: " + pattern):
-        load_checkpoint_state_dict(path)
+        load_state_dict_file(path)
 
 
 def test_pickled_objects_are_refused(tmp_path):
     torch.save({"model": nn.Linear(2, 2)}, tmp_path / "obj.pt")  # a whole module, not a state_dict
-    with pytest.raises(CheckpointError, match="weights_only=True"):
-        load_checkpoint_state_dict(tmp_path / "obj.pt")
+    with pytest.raises(CheckpointError, match="which weights_only loading refuses"):
+        load_state_dict_file(tmp_path / "obj.pt")
 
 
 def test_strict_load_of_another_class_count_names_the_fix(nano_files):
@@ -328,7 +326,7 @@ def test_load_state_dict_flexible_skips_the_heads(nano_files):
     source, pt, _ = nano_files
     model = Darknet(rewrite_cfg_classes(parse_model_cfg(NANO), 3))
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    skipped = load_state_dict_flexible(model, {**load_checkpoint_state_dict(pt), "epoch": 5})
+    skipped = load_state_dict_flexible(model, {**load_state_dict_file(pt), "epoch": 5})
     heads = [i - 1 for i in model.yolo_layers]
     assert skipped == sorted(
         f"module_list.{i}.Conv2d.{p}" for i in heads for p in ("weight", "bias")

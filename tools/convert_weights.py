@@ -22,7 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from build_utils.errors import ConfigError, YoloError
 from models.darknet import Darknet
-from models.weights import load_weights, save_pt, save_weights
+from models.weights import save_weights
+from train_utils.checkpoint import load_weights, save_weights_pt
 
 PT_SUFFIXES = (".pt", ".pth")
 DARKNET_SUFFIX = ".weights"
@@ -52,7 +53,7 @@ def convert(cfg: Path, src: Path, dst: Path) -> None:
     load_weights(model, src, strict=True)
     dst.parent.mkdir(parents=True, exist_ok=True)
     if to_pt:
-        save_pt(model, dst)
+        save_weights_pt(model, dst)
     else:
         save_weights(model, dst)
 

@@ -28,8 +28,9 @@ import validation  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import run_main, setup_console_logging  # noqa: E402
 from train_utils.config import build_config, get_args_parser  # noqa: E402
+from train_utils.devices import select_device  # noqa: E402
 from train_utils.distributed_utils import DistInfo  # noqa: E402
-from train_utils.trainer import run, select_device  # noqa: E402
+from train_utils.trainer import run  # noqa: E402
 
 logger = logging.getLogger("demo")
 

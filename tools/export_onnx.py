@@ -27,7 +27,7 @@ from torch import nn
 
 from build_utils.errors import ConfigError, YoloError
 from models.darknet import Darknet
-from models.weights import load_weights
+from train_utils.checkpoint import load_weights
 
 LOGGER = logging.getLogger(__name__)
 

@@ -1,58 +1,38 @@
-"""Construction shared by the trainer, ``validation.py`` and ``predict.py``: the model for a
-dataset's class count, its initial weights, and the evaluation data pipeline."""
+"""Construction shared by the trainer, ``validation.py`` and ``predict.py``: the model cfg for a
+dataset's class count, and the training and evaluation data pipelines."""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader
 
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
-from build_utils.errors import CheckpointError, ConfigError
-from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
-from build_utils.samplers import ShardedEvalBatchSampler
-from models.darknet import Darknet
-from models.weights import load_darknet_weights, load_state_dict_flexible
-from train_utils.checkpoint import extract_state_dict, load_checkpoint
+from build_utils.errors import ConfigError, DatasetError
+from build_utils.parse_config import Block, parse_model_cfg, rewrite_cfg_classes
+from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
+from train_utils.coco_utils import get_coco_api_from_dataset
+from train_utils.config import TrainConfig
+from train_utils.distributed_utils import DistInfo, torch_distributed_zero_first
 
 logger = logging.getLogger(__name__)
 
 
-def model_blocks_for(cfg: str | Path, nc: int) -> list[dict[str, Any]]:
-    """Parse ``cfg`` and, when its heads are for another class count, rewrite them for ``nc``."""
-    blocks = parse_model_cfg(cfg)
+def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
+    """Parse ``cfg`` (a file, or blocks already parsed) and, when its heads are for another
+    class count, rewrite them for ``nc``."""
+    blocks = cfg if isinstance(cfg, list) else parse_model_cfg(cfg)
+    if isinstance(cfg, list):
+        cfg = blocks[0].get("_path", "the cfg")
     cfg_nc = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
     if cfg_nc != [nc]:
         logger.warning("%s has classes=%s but the dataset has %d; rewriting the heads for %d "
                        "classes", cfg, ",".join(map(str, cfg_nc)), nc, nc)
         blocks = rewrite_cfg_classes(blocks, nc)
     return blocks
-
-
-def load_initial_weights(model: Darknet, path: str | Path, trust: bool = False) -> list[str]:
-    """Initialise from a ``.pt`` (state_dict or checkpoint) or Darknet ``.weights``.
-
-    Returns the names of tensors skipped because the model has no such tensor or another shape
-    (e.g. the heads of a checkpoint trained for another class count).
-    """
-    path = str(path)
-    if path.endswith(".weights"):
-        load_darknet_weights(model, path)
-        return []
-    state = extract_state_dict(load_checkpoint(path, trust=trust), path)
-    return load_state_dict_flexible(model, state)
-
-
-def load_inference_weights(model: Darknet, path: str | Path, trust: bool = False) -> None:
-    """Load weights for evaluation or prediction: every tensor must match the model."""
-    skipped = load_initial_weights(model, path, trust)
-    if skipped:
-        shown = ", ".join(skipped[:5]) + (" ..." if len(skipped) > 5 else "")
-        raise CheckpointError(f"{len(skipped)} tensors do not fit the model built from the cfg "
-                              f"({shown}); pass the --cfg (and --data) the weights were trained "
-                              f"with", path)
 
 
 def make_eval_dataset(list_path: str | Path, img_size: int, batch_size: int, nc: int,
@@ -75,3 +55,47 @@ def make_eval_loader(dataset: LoadImagesAndLabels, batch_size: int, world_size: 
     return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
                       collate_fn=LoadImagesAndLabels.collate_fn,
                       worker_init_fn=worker_init_fn if workers else None)
+
+
+@dataclass
+class TrainData:
+    """The training run's data: this rank's loaders, the sampler to ``set_epoch``, and the
+    COCO ground truth of the validation set (rank 0 only; None elsewhere)."""
+
+    train_loader: DataLoader
+    sampler: DistributedBatchSampler
+    val_loader: DataLoader
+    coco_gt: Any | None
+    n_train: int
+    n_val: int
+
+
+def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -> TrainData:
+    """Datasets (label caches built by rank 0 first, then read by the others), this rank's
+    batch samplers and loaders, and rank 0's COCO ground truth."""
+    data = config.data
+    with torch_distributed_zero_first(dist.rank):
+        train_set = LoadImagesAndLabels(
+            str(data.train), config.img_size, config.batch_size, augment=True, hyp=hyp,
+            rect=config.rect, cache_images=config.cache_images, single_cls=config.single_cls,
+            rank=dist.rank, nc=data.nc)
+        val_set = make_eval_dataset(data.valid, config.img_size, config.batch_size, data.nc,
+                                    config.single_cls, dist.rank, config.cache_images, hyp)
+        coco_gt = None
+        if dist.is_main:
+            coco_gt = get_coco_api_from_dataset(val_set, cache_dir=config.output_dir,
+                                                num_classes=data.nc)
+    sampler = DistributedBatchSampler(
+        len(train_set), config.batch_size, dist.world_size, dist.rank, shuffle=True,
+        seed=config.seed, drop_last=True, batch_index=train_set.batch if config.rect else None)
+    pin = dist.device.type == "cuda"
+    train_loader = DataLoader(train_set, batch_sampler=sampler, num_workers=config.workers,
+                              pin_memory=pin, collate_fn=LoadImagesAndLabels.collate_fn,
+                              worker_init_fn=worker_init_fn)
+    if len(train_loader) == 0:
+        raise DatasetError(f"{len(train_set)} usable training images are fewer than one batch "
+                           f"of {config.batch_size} x {dist.world_size} process(es); lower "
+                           f"--batch-size")
+    val_loader = make_eval_loader(val_set, config.batch_size, dist.world_size, dist.rank,
+                                  config.workers, pin)
+    return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))

@@ -1,4 +1,6 @@
-"""Checkpoint files: atomic save, safe load, and the schema shared by train, resume and tools.
+"""Checkpoint files, the one place that reads and writes ``.pt``: atomic save, safe load, the
+schema shared by train, resume, ``validation.py``, ``predict.py`` and the tools, restoring a
+training state, and loading weights (``.pt`` or Darknet ``.weights``) into a model.
 
 A checkpoint is a dict of tensors and plain Python values, so that
 ``torch.load(weights_only=True)`` reads it without running code from the file. Keys written by
@@ -12,8 +14,11 @@ A checkpoint is a dict of tensors and plain Python values, so that
 - ``best_fitness`` (float or None), ``config`` (plain dict of the resolved run config)
 - any extra keyword given to :func:`make_checkpoint`
 
-``--resume`` needs :data:`RESUME_KEYS` (checked by :func:`validate_resume_checkpoint`);
-``--weights`` only needs a state_dict, found by :func:`extract_state_dict`.
+``--resume`` needs :data:`RESUME_KEYS` (checked by :func:`validate_resume_checkpoint`) and is
+restored by :func:`restore_training_state`; ``--weights``, ``validation.py`` and ``predict.py``
+only need a state_dict, found by :func:`extract_state_dict` and loaded by :func:`load_weights`.
+Lineage checkpoints (``{'epoch', 'best_fitness', 'training_results', 'model', 'optimizer'}``)
+and bare state_dicts load the same way; :func:`save_weights_pt` writes that lineage layout.
 """
 
 from __future__ import annotations
@@ -36,6 +41,7 @@ import torch
 from torch import nn
 
 from build_utils.errors import CheckpointError
+from models.weights import load_darknet_weights
 
 logger = logging.getLogger(__name__)
 
@@ -386,3 +392,163 @@ def validate_resume_checkpoint(
             listed += f"; and {more} more"
         raise CheckpointError(f"checkpoint is for another model: {listed}; {use_weights}", path)
     return saved
+
+
+def training_weights(ckpt: Mapping[str, Any], path: str | Path | None = None) -> Mapping[str, Any]:
+    """The checkpoint as :func:`validate_resume_checkpoint` should see it when resuming.
+
+    Resuming continues from the raw training weights (``train_model``), not their EMA
+    (``model``). A checkpoint saved on Ctrl-C before epoch 0 finished carries ``epoch=-1`` with
+    a training state: it resumes by running epoch 0 again.
+    """
+    if ckpt.get("train_model") is None:
+        return ckpt
+    state = {**ckpt, "model": ckpt["train_model"]}
+    if ckpt.get("epoch") == -1:
+        state["epoch"] = 0
+    return state
+
+
+def restore_training_state(
+    ckpt: Mapping[str, Any],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    scheduler: Any,
+    scaler: Any = None,
+    ema: Any = None,
+    path: str | Path | None = None,
+) -> tuple[int, float | None]:
+    """Put a resumable checkpoint's state back into freshly built training objects.
+
+    Args:
+        ckpt: a loaded checkpoint written by the training loop.
+        model: the unwrapped model (already frozen and on its device).
+        optimizer, scheduler, scaler: built for this run; ``scaler`` may be None.
+        ema: a ``ModelEMA`` or None. Without an EMA in the checkpoint it restarts from the
+            restored weights.
+        path: the checkpoint file, for messages.
+
+    Returns:
+        ``(start_epoch, best_fitness)``: the first epoch to run and the best mAP so far.
+
+    Raises:
+        CheckpointError: see :func:`validate_resume_checkpoint`.
+    """
+    state = training_weights(ckpt, path)
+    model.load_state_dict(validate_resume_checkpoint(state, model.state_dict(), path))
+    optimizer.load_state_dict(ckpt["optimizer"])
+    scheduler.load_state_dict(ckpt["scheduler"])
+    if scaler is not None and ckpt.get("scaler"):
+        scaler.load_state_dict(ckpt["scaler"])
+    if ema is not None:
+        if ckpt.get("ema") is not None:
+            ema.ema.load_state_dict(ckpt["ema"])
+            ema.updates = int(ckpt.get("ema_updates", 0))
+        else:
+            ema.ema.load_state_dict(model.state_dict())
+    return int(ckpt["epoch"]) + 1, ckpt.get("best_fitness")
+
+
+def load_state_dict_flexible(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
+    """Load every tensor of ``state_dict`` whose name and shape match ``model``'s, e.g. all but
+    the heads when the checkpoint was trained for another class count.
+
+    Wrapper prefixes (``module.``, ``_orig_mod.``) are stripped; non-tensor values are ignored.
+
+    Returns:
+        The names not loaded, sorted: checkpoint tensors the model lacks or holds in another
+        shape, and model entries the checkpoint lacks (they keep their initial values).
+    """
+    sd = strip_prefixes(state_dict)
+    own = model.state_dict()
+    matched = {
+        k: v
+        for k, v in sd.items()
+        if isinstance(v, torch.Tensor) and k in own and own[k].shape == v.shape
+    }
+    model.load_state_dict(matched, strict=False)
+    skipped = {k for k, v in sd.items() if isinstance(v, torch.Tensor) and k not in matched}
+    skipped |= {k for k in own if k not in matched}
+    return sorted(skipped)
+
+
+def load_state_dict_file(path: str | Path, trust: bool = False) -> dict[str, torch.Tensor]:
+    """The model weights of a ``.pt`` file (see :func:`extract_state_dict`), on the CPU."""
+    return extract_state_dict(load_checkpoint(path, trust=trust), path)
+
+
+def _mismatch_report(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> str:
+    missing = sorted(set(own) - set(sd))
+    unexpected = sorted(set(sd) - set(own))
+    wrong = sorted(k for k in set(own) & set(sd) if own[k].shape != sd[k].shape)
+    parts = []
+    for label, names in (("shape", wrong), ("missing", missing), ("unexpected", unexpected)):
+        if not names:
+            continue
+        shown = names[:_MAX_LISTED_MISMATCHES]
+        detail = ", ".join(
+            f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" if label == "shape" else k
+            for k in shown
+        )
+        more = len(names) - len(shown)
+        parts.append(f"{label}: {detail}" + (f" and {more} more" if more > 0 else ""))
+    return "; ".join(parts)
+
+
+def load_weights(
+    model: nn.Module, path: str | Path, strict: bool = True, trust: bool = False
+) -> list[str]:
+    """Load Darknet ``.weights`` or a ``.pt`` (checkpoint of any supported form) into ``model``.
+
+    Args:
+        model: a :class:`~models.darknet.Darknet` built from the cfg the weights are for.
+        path: the file; ``.weights`` files are always loaded whole.
+        strict: every ``.pt`` tensor must fit the model (evaluation, prediction, conversion);
+            otherwise tensors that do not fit are skipped (``--weights`` of a checkpoint trained
+            for another class count).
+        trust: see :func:`load_checkpoint`.
+
+    Returns:
+        The names skipped (always empty when ``strict``).
+
+    Raises:
+        CheckpointError: unreadable or truncated file, or a strict load that does not fit.
+    """
+    if str(path).endswith(".weights"):
+        load_darknet_weights(model, path)
+        return []
+    return fit_state_dict(model, load_state_dict_file(path, trust), path, strict)
+
+
+def fit_state_dict(
+    model: nn.Module, sd: Mapping[str, torch.Tensor], path: str | Path, strict: bool = True
+) -> list[str]:
+    """Load a state_dict taken from ``path`` into ``model``; see :func:`load_weights`."""
+    own = model.state_dict()
+    skipped = load_state_dict_flexible(model, sd)
+    if strict and skipped:
+        cfg = getattr(model, "cfg_path", None) or "the model's cfg"
+        raise CheckpointError(
+            f"{len(skipped)} tensors do not fit the model built from the cfg "
+            f"({_mismatch_report(sd, own)}); {cfg} does not match these weights: pass the "
+            f"--cfg (and --data) the weights were trained with, or rewrite the cfg for another "
+            f"class count with tools/make_cfg.py",
+            path,
+        )
+    return skipped
+
+
+def save_weights_pt(model: nn.Module, path: str | Path) -> None:
+    """Write ``model``'s weights as a lineage ``.pt``, atomically: ``{'model': state_dict,
+    'epoch': -1, 'best_fitness': None, 'training_results': None, 'optimizer': None}``
+    (``epoch=-1`` marks weights to initialise from, never a run to resume)."""
+    save_checkpoint(
+        {
+            "epoch": -1,
+            "best_fitness": None,
+            "training_results": None,
+            "model": {k: v.detach().cpu() for k, v in unwrap_model(model).state_dict().items()},
+            "optimizer": None,
+        },
+        path,
+    )

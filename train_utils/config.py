@@ -12,22 +12,22 @@ import argparse
 import dataclasses
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.errors import ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
+from models.darknet import FREEZE_MODES
+from train_utils.optim import OPTIMIZER_CHOICES
 
-GRID = 32  # every input side must be a multiple of the largest stride
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
 DEFAULT_EVAL_CONF = 0.001
 DEFAULT_EVAL_IOU = 0.6
-FREEZE_CHOICES = ("none", "backbone", "all-but-heads")
-OPTIMIZER_CHOICES = ("sgd", "adam")
 
 
 # Hyperparameters: name -> (type, min, max, required). Booleans have no range.
@@ -183,7 +183,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single-cls", action="store_true", help="train as a one-class detector")
     p.add_argument("--freeze-layers", nargs="?", const="all-but-heads", default="none",
-                   choices=FREEZE_CHOICES,
+                   choices=FREEZE_MODES,
                    help="freeze the Darknet-53 backbone, or everything but the output layers")
     p.add_argument("--amp", action="store_true",
                    help="mixed precision: fp16 + GradScaler on CUDA, bf16 autocast on CPU "
@@ -196,7 +196,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
                    help="nominal batch size: gradients accumulate up to it across steps/ranks")
     p.add_argument("--accumulate", type=int, default=None,
                    help="override: optimizer step every N batches (default from --nbs)")
-    p.add_argument("--savebest", action="store_true", help="also keep best.pt by mAP@0.5:0.95")
+    p.add_argument("--savebest", action=argparse.BooleanOptionalAction, default=True,
+                   help="keep best.pt, the checkpoint of the best mAP@0.5:0.95 so far "
+                        "(--no-savebest saves the time and disk of a second checkpoint)")
     p.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
     p.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
     p.add_argument("--conf-thres", type=float, default=DEFAULT_EVAL_CONF,
@@ -219,7 +221,6 @@ class TrainConfig:
     cfg: Path
     data: DataConfig
     hyp: dict[str, Any]
-    hyp_path: Path
     epochs: int
     batch_size: int
     img_size: int
@@ -249,7 +250,6 @@ class TrainConfig:
     compile: bool
     coco_backend: str
     log_interval: int
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""
@@ -298,7 +298,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     else:
         output_dir = Path("runs") / (args.name or time.strftime("%Y%m%d-%H%M%S"))
     return TrainConfig(
-        cfg=cfg, data=data, hyp=hyp, hyp_path=Path(args.hyp), epochs=args.epochs,
+        cfg=cfg, data=data, hyp=hyp, epochs=args.epochs,
         batch_size=args.batch_size, img_size=args.img_size, multi_scale=args.multi_scale,
         rect=args.rect, cache_images=args.cache_images, weights=args.weights, resume=args.resume,
         trust_checkpoint=args.trust_checkpoint, output_dir=output_dir, device=args.device,

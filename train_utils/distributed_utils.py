@@ -22,7 +22,6 @@ one (e.g. only rank 0 evaluates) makes the others wait until the timeout.
 
 from __future__ import annotations
 
-import builtins
 import contextlib
 import logging
 import os
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from build_utils.errors import ConfigError
+from train_utils.devices import cuda_device_count, select_device
 
 logger = logging.getLogger(__name__)
 
@@ -47,11 +47,6 @@ DEFAULT_TIMEOUT_S = 1800.0
 _SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 15000
 _DEFAULT_MASTER_ADDR = "127.0.0.1"
-
-# builtins.print as it was before setup_for_distributed wrapped it, so that repeated calls wrap
-# the original and not the previous wrapper.
-_original_print = None
-
 
 @dataclass(frozen=True)
 class DistInfo:
@@ -118,19 +113,10 @@ def _arg_local_rank(args: Any) -> int | None:
     return int(value)
 
 
-def _wants_cpu(args: Any) -> bool:
-    """True when ``args.device`` forces the CPU (then gloo even if CUDA exists)."""
+def _requested_device(args: Any) -> str:
+    """``args.device`` as a string ('' when absent: automatic)."""
     device = getattr(args, "device", None) if args is not None else None
-    if isinstance(device, torch.device):
-        return device.type == "cpu"
-    return isinstance(device, str) and device.strip().lower() == "cpu"
-
-
-def _requested_device(args: Any) -> str | None:
-    device = getattr(args, "device", None) if args is not None else None
-    if device is None:
-        return None
-    return str(device).strip() or None
+    return "" if device is None else str(device).strip()
 
 
 def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
@@ -139,7 +125,7 @@ def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
     Under SLURM this also exports RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT,
     which ``init_method='env://'`` reads.
     """
-    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ngpu = cuda_device_count()
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         rank, world_size = _env_int("RANK"), _env_int("WORLD_SIZE")
         if "LOCAL_RANK" in os.environ:
@@ -175,8 +161,9 @@ def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
     """Join the process group described by the launcher's environment (see module docstring).
 
     Args:
-        args: parsed CLI namespace or None. Read (all optional): ``device`` (``"cpu"`` forces
-            CPU and gloo) and ``local_rank`` (legacy ``--local_rank``/``--local-rank``).
+        args: parsed CLI namespace or None. Read (all optional): ``device`` (the ``--device``
+            request, applied by :func:`train_utils.devices.choose_device`: ``cpu`` forces CPU and
+            gloo) and ``local_rank`` (legacy ``--local_rank``/``--local-rank``).
         timeout_s: how long a collective may wait for the slowest rank, in seconds.
 
     Returns:
@@ -187,63 +174,56 @@ def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
         ConfigError: malformed launcher variables, or more processes on a node than GPUs.
     """
     if is_dist_avail_and_initialized():
-        # Someone (a notebook, a test harness) already set the group up: describe it.
-        backend = dist.get_backend()
-        local_rank = int(os.environ.get("LOCAL_RANK", _arg_local_rank(args) or 0))
-        device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
-        return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
-
+        return _describe_existing_group(args)
     launch = _read_launch_env(args)
-    cuda = torch.cuda.is_available() and not _wants_cpu(args)
-    requested = _requested_device(args)
-    if requested is not None and not _wants_cpu(args) and not torch.cuda.is_available():
-        logger.warning("device %r requested but CUDA is not available: using the CPU", requested)
-
     if launch is None:
         logger.info("not launched by torchrun or SLURM: running as a single process")
-        if not cuda:
-            return DistInfo.single("cpu")
-        if requested is not None and requested.startswith("cuda"):
-            return DistInfo.single(requested)
-        return DistInfo.single("cuda")
+        return DistInfo.single(select_device(_requested_device(args)))
 
     rank, world_size, local_rank, launcher = launch
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(f"{launcher} gave rank {rank} outside world size {world_size}")
     if local_rank < 0:
         raise ConfigError(f"{launcher} gave a negative local rank {local_rank}")
-
-    if cuda:
-        ngpu = torch.cuda.device_count()
-        if local_rank >= ngpu:
-            raise ConfigError(
-                f"local rank {local_rank} but only {ngpu} CUDA device(s) on this node: "
-                f"start at most {ngpu} processes per node (--nproc_per_node)"
-            )
-        # Windows builds have no NCCL; gloo still works on CUDA tensors for the few collectives
-        # DDP needs, only slower.
-        backend = "nccl" if dist.is_nccl_available() else "gloo"
-        device = torch.device("cuda", local_rank)
-        # Before init so that NCCL communicators and default CUDA tensors land on our GPU and
-        # not all on GPU 0.
-        torch.cuda.set_device(device)
+    # Before the process group exists, so that NCCL communicators and default CUDA tensors land
+    # on this rank's GPU and not all on GPU 0.
+    device = select_device(_requested_device(args), local_rank)
+    # Windows builds have no NCCL; gloo still moves CUDA tensors for the few collectives DDP
+    # needs, only slower.
+    if device.type == "cuda" and dist.is_nccl_available():
+        backend = "nccl"
     else:
-        backend, device = "gloo", torch.device("cpu")
-
+        backend = "gloo"
     logger.info(
         "initialising process group: rank %d/%d (local rank %d, %s), backend %s, master %s:%s",
-        rank,
-        world_size,
-        local_rank,
-        launcher,
-        backend,
-        os.environ.get("MASTER_ADDR", "?"),
-        os.environ.get("MASTER_PORT", "?"),
+        rank, world_size, local_rank, launcher, backend,
+        os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?"),
     )
-    timeout = timedelta(seconds=timeout_s)
+    _init_process_group(backend, rank, world_size, device, timedelta(seconds=timeout_s))
+    barrier()
+    # Rank 0 logs INFO; the others only warnings and errors, so a failure on any rank shows.
+    logging.getLogger().setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    return DistInfo(rank, world_size, local_rank, device, backend)
+
+
+def _describe_existing_group(args: Any) -> DistInfo:
+    """DistInfo for a group someone else (a notebook, a test harness) already set up."""
+    backend = dist.get_backend()
+    local_rank = int(os.environ.get("LOCAL_RANK", _arg_local_rank(args) or 0))
+    if backend == "nccl":
+        device = select_device("cuda", local_rank)
+    else:
+        device = torch.device("cpu")
+    return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
+
+
+def _init_process_group(
+    backend: str, rank: int, world_size: int, device: torch.device, timeout: timedelta
+) -> None:
     # torch's own env:// rendezvous (it knows when torchrun's agent hosts the store) ...
-    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size,
-                                       timeout=timeout))
+    store, _, _ = next(
+        dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout)
+    )
     # ... but under torchrun's static rendezvous (--master_port with --max-restarts) the agent
     # keeps one store across restarts: a restarted rank could read its peer's address from the
     # failed attempt and gloo's connect fails with "Connection refused". One key space per
@@ -258,29 +238,6 @@ def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
         # Binding the device lets NCCL connect eagerly and lets barrier() know its GPU.
         device_id=device if device.type == "cuda" else None,
     )
-    barrier()
-    setup_for_distributed(rank == 0)
-    return DistInfo(rank, world_size, local_rank, device, backend)
-
-
-def setup_for_distributed(is_master: bool) -> None:
-    """Silence ``print`` and INFO logging on every rank but the master.
-
-    Non-master ranks still print with ``print(..., force=True)`` and still log warnings and
-    errors, so a failure on any rank is visible.
-    """
-    global _original_print
-    if _original_print is None:
-        _original_print = builtins.print
-    original = _original_print
-
-    def print_master_only(*args: Any, **kwargs: Any) -> None:
-        force = kwargs.pop("force", False)
-        if is_master or force:
-            original(*args, **kwargs)
-
-    builtins.print = print_master_only
-    logging.getLogger().setLevel(logging.INFO if is_master else logging.WARNING)
 
 
 def is_dist_avail_and_initialized() -> bool:
@@ -296,11 +253,6 @@ def get_rank() -> int:
 def get_world_size() -> int:
     """Number of processes; 1 without a process group."""
     return dist.get_world_size() if is_dist_avail_and_initialized() else 1
-
-
-def is_main_process() -> bool:
-    """True on global rank 0 (and in a single process)."""
-    return get_rank() == 0
 
 
 def _collective_device() -> torch.device:
@@ -421,15 +373,3 @@ def cleanup() -> None:
     """Destroy the process group if there is one; safe to call more than once."""
     if is_dist_avail_and_initialized():
         dist.destroy_process_group()
-
-
-@contextlib.contextmanager
-def distributed_session(
-    args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
-) -> Iterator[DistInfo]:
-    """``with distributed_session(args) as dist_info:`` init, then cleanup even on errors."""
-    info = init_distributed_mode(args, timeout_s=timeout_s)
-    try:
-        yield info
-    finally:
-        cleanup()

@@ -11,7 +11,7 @@ import functools
 import logging
 import math
 import random
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 from tqdm import tqdm
 
+from build_utils.augmentations import GRID
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import YoloError
 from models.loss import compute_loss
@@ -29,7 +30,6 @@ from train_utils.coco_eval import CocoEvaluator, detections_to_coco
 from train_utils.distributed_utils import all_gather, all_reduce_flag, reduce_dict
 from train_utils.ema import ModelEMA
 
-GRID = 32
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration
 LOSS_NAMES = ("box_loss", "obj_loss", "cls_loss", "loss")
 MAX_DET = 300
@@ -107,108 +107,174 @@ def resize_batch(imgs: torch.Tensor, img_size: int) -> torch.Tensor:
     return F.interpolate(imgs, size=ns, mode="bilinear", align_corners=False)
 
 
-def train_one_epoch(
-    model: nn.Module,
-    model_without_ddp: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    loader: Iterable,
-    device: torch.device,
-    epoch: int,
-    hyp: dict[str, Any],
-    base_lrs: list[float],
-    accumulate: int,
-    warmup_iters: int,
-    scaler: torch.amp.GradScaler | None = None,
-    ema: ModelEMA | None = None,
-    amp: bool = False,
-    multi_scale: tuple[int, int] | None = None,
-    log_interval: int = 10,
-    show_progress: bool = True,
-    channels_last: bool = False,
-    set_train_mode: Callable[[], None] | None = None,
-) -> EpochStats:
-    """Train for one pass over ``loader``.
+@dataclass(frozen=True)
+class TrainOptions:
+    """What one training epoch needs besides the model, optimizer and data.
 
-    ``base_lrs`` are the scheduled learning rates of the optimizer's groups for this epoch;
-    warm-up scales them per iteration. The optimizer steps every ``accumulate`` batches and at the
-    last batch of the epoch, so an epoch boundary never leaves gradients pending (which keeps
-    ``--resume`` exact). Losses are synchronised with the host only every ``log_interval``
-    iterations; a non-finite loss on any rank raises :class:`NonFiniteLossError` on every rank.
+    Attributes:
+        device: where the batches go.
+        hyp: hyperparameters with the loss gains already scaled (``scale_loss_gains``).
+        accumulate: batches per optimizer step.
+        warmup_iters: iterations of learning-rate warm-up, counted from the first epoch.
+        amp: mixed precision (see :func:`autocast_context`).
+        multi_scale: (min, max) side for multi-scale training, or None for fixed sizes.
+        log_interval: iterations between host syncs of the losses (finiteness check, progress).
+        show_progress: draw a tqdm bar (rank 0).
+        channels_last: feed NHWC batches.
     """
-    if set_train_mode is not None:
-        set_train_mode()
-    else:
-        model.train()
+
+    device: torch.device
+    hyp: Mapping[str, Any]
+    accumulate: int = 1
+    warmup_iters: int = 0
+    amp: bool = False
+    multi_scale: tuple[int, int] | None = None
+    log_interval: int = 10
+    show_progress: bool = False
+    channels_last: bool = False
+
+
+@dataclass
+class TrainState:
+    """The objects a training step updates.
+
+    ``model`` is what the batches go through (a DDP or ``torch.compile`` wrapper, or the model
+    itself); ``model_without_ddp`` is the Darknet inside, whose heads the loss reads and whose
+    weights the EMA averages. The scheduler gives each epoch's learning rates, which warm-up
+    scales per iteration.
+    """
+
+    model: nn.Module
+    model_without_ddp: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler | None = None
+    ema: ModelEMA | None = None
+
+
+def train_one_epoch(
+    state: TrainState, loader: Iterable, epoch: int, opts: TrainOptions
+) -> EpochStats:
+    """Train for one pass over ``loader``; returns the epoch's mean losses over all ranks.
+
+    The optimizer steps every ``opts.accumulate`` batches and at the last batch of the epoch, so
+    an epoch boundary never leaves gradients pending (which keeps ``--resume`` exact). Losses
+    are synchronised with the host only every ``opts.log_interval`` iterations; a non-finite
+    loss on any rank raises :class:`NonFiniteLossError` on every rank.
+    """
+    state.model.train()
     nb = len(loader)
-    sums = torch.zeros(4, device=device)
-    finite_flags: list[torch.Tensor] = []
-    pending_paths: list[list[str]] = []
-    n_images = 0
-    lr = base_lrs[0]
-    bias_start = hyp.get("warmup_bias_lr", 0.0)
+    base_lrs = state.scheduler.get_last_lr()
+    meter = _LossMeter(nb, epoch, opts)
     img_size = None
-    pbar = tqdm(total=nb, desc=f"epoch {epoch}", disable=not show_progress, leave=False,
-                dynamic_ncols=True)
-    optimizer.zero_grad(set_to_none=True)
+    state.optimizer.zero_grad(set_to_none=True)
     for i, (imgs, targets, paths, _, _) in enumerate(loader):
-        ni = i + nb * epoch
-        imgs = imgs.to(device, non_blocking=True).float().div_(255)
-        targets = targets.to(device, non_blocking=True)
-        if multi_scale is not None:
-            if img_size is None or i % accumulate == 0:
-                img_size = random.randrange(multi_scale[0], multi_scale[1] + GRID, GRID)
-            imgs = resize_batch(imgs, img_size)
-        if channels_last:
-            imgs = imgs.contiguous(memory_format=torch.channels_last)
+        if opts.multi_scale is not None and (img_size is None or i % opts.accumulate == 0):
+            img_size = random.randrange(opts.multi_scale[0], opts.multi_scale[1] + GRID, GRID)
+        imgs, targets = _prepare_batch(imgs, targets, img_size, opts)
+        lr = _warm_up(state.optimizer, base_lrs, i + nb * epoch, opts)
+        losses = _forward_backward(state, imgs, targets, opts)
+        if (i + 1) % opts.accumulate == 0 or i == nb - 1:
+            _optimizer_step(state)
+        meter.add(losses, paths, imgs.shape, lr)
+    meter.close()
+    means = reduce_dict({"m": meter.sums / max(nb, 1)})["m"].tolist()
+    return EpochStats(*means, lr=meter.lr, images=meter.images)
 
-        for g, base in zip(optimizer.param_groups, base_lrs):
-            start = bias_start if g.get("name") == "bias" and bias_start else None
-            g["lr"] = warmup_lr(base, ni, warmup_iters, start)
-        lr = optimizer.param_groups[0]["lr"]
 
-        with autocast_context(device, amp):
-            preds = model(imgs)
-        # The loss stays in fp32 whatever the forward precision.
-        loss_dict = compute_loss([p.float() for p in preds], targets, model_without_ddp, hyp)
-        loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["class_loss"]
-        step_loss = loss / accumulate
-        if scaler is not None:
-            scaler.scale(step_loss).backward()
-        else:
-            step_loss.backward()
+def _prepare_batch(
+    imgs: torch.Tensor, targets: torch.Tensor, img_size: int | None, opts: TrainOptions
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 (bs, 3, h, w) -> float in [0, 1] on the device, resized for multi-scale."""
+    imgs = imgs.to(opts.device, non_blocking=True).float().div_(255)
+    targets = targets.to(opts.device, non_blocking=True)
+    if img_size is not None:
+        imgs = resize_batch(imgs, img_size)
+    if opts.channels_last:
+        imgs = imgs.contiguous(memory_format=torch.channels_last)
+    return imgs, targets
 
-        if (i + 1) % accumulate == 0 or i == nb - 1:
-            if scaler is not None:
-                scaler.step(optimizer)
-                scaler.update()
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            if ema is not None:
-                ema.update(model_without_ddp)
 
-        detached = torch.stack([loss_dict["box_loss"], loss_dict["obj_loss"],
-                                loss_dict["class_loss"], loss]).detach()
-        sums += detached
-        finite_flags.append(torch.isfinite(detached[3]))
-        pending_paths.append(list(paths))
-        n_images += imgs.shape[0]
+def _warm_up(
+    optimizer: torch.optim.Optimizer, base_lrs: list[float], ni: int, opts: TrainOptions
+) -> float:
+    """Set every group's learning rate for global iteration ``ni``; returns the first group's."""
+    bias_start = opts.hyp.get("warmup_bias_lr", 0.0)
+    for g, base in zip(optimizer.param_groups, base_lrs):
+        start = bias_start if g.get("name") == "bias" and bias_start else None
+        g["lr"] = warmup_lr(base, ni, opts.warmup_iters, start)
+    return optimizer.param_groups[0]["lr"]
 
-        if (i + 1) % log_interval == 0 or i == nb - 1:
-            _check_finite(finite_flags, pending_paths, epoch)
-            finite_flags.clear()
-            pending_paths.clear()
-            if show_progress:
-                mean = (sums / (i + 1)).tolist()
-                mem = (f"{torch.cuda.memory_reserved(device) / 2**30:.1f}G"
-                       if device.type == "cuda" else "-")
-                pbar.set_postfix(box=f"{mean[0]:.3f}", obj=f"{mean[1]:.3f}", cls=f"{mean[2]:.3f}",
-                                 loss=f"{mean[3]:.3f}", lr=f"{lr:.2e}",
-                                 size=tuple(imgs.shape[2:]), mem=mem, refresh=False)
-        pbar.update(1)
-    pbar.close()
-    means = reduce_dict({"m": sums / max(nb, 1)})["m"].tolist()
-    return EpochStats(*means, lr=lr, images=n_images)
+
+def _forward_backward(
+    state: TrainState, imgs: torch.Tensor, targets: torch.Tensor, opts: TrainOptions
+) -> torch.Tensor:
+    """One micro-batch; returns the detached (box, obj, cls, total) losses."""
+    with autocast_context(opts.device, opts.amp):
+        preds = state.model(imgs)
+    # The loss stays in fp32 whatever the forward precision.
+    loss_dict = compute_loss([p.float() for p in preds], targets, state.model_without_ddp,
+                             opts.hyp)
+    loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["class_loss"]
+    step_loss = loss / opts.accumulate
+    if state.scaler is not None:
+        state.scaler.scale(step_loss).backward()
+    else:
+        step_loss.backward()
+    parts = (loss_dict["box_loss"], loss_dict["obj_loss"], loss_dict["class_loss"], loss)
+    return torch.stack(parts).detach()
+
+
+def _optimizer_step(state: TrainState) -> None:
+    if state.scaler is not None:
+        state.scaler.step(state.optimizer)
+        state.scaler.update()
+    else:
+        state.optimizer.step()
+    state.optimizer.zero_grad(set_to_none=True)
+    if state.ema is not None:
+        state.ema.update(state.model_without_ddp)
+
+
+class _LossMeter:
+    """Running loss sums, the finiteness check every ``log_interval`` iterations and the bar."""
+
+    def __init__(self, nb: int, epoch: int, opts: TrainOptions):
+        self.nb, self.epoch, self.opts = nb, epoch, opts
+        self.sums = torch.zeros(4, device=opts.device)
+        self.finite_flags: list[torch.Tensor] = []
+        self.pending_paths: list[list[str]] = []
+        self.images = 0
+        self.seen = 0
+        self.lr = 0.0
+        self.pbar = tqdm(total=nb, desc=f"epoch {epoch}", disable=not opts.show_progress,
+                         leave=False, dynamic_ncols=True)
+
+    def add(self, losses: torch.Tensor, paths: Sequence[str], shape: torch.Size, lr: float) -> None:
+        self.sums += losses
+        self.finite_flags.append(torch.isfinite(losses[3]))
+        self.pending_paths.append(list(paths))
+        self.images += shape[0]
+        self.seen += 1
+        self.lr = lr
+        if self.seen % self.opts.log_interval == 0 or self.seen == self.nb:
+            _check_finite(self.finite_flags, self.pending_paths, self.epoch)
+            self.finite_flags.clear()
+            self.pending_paths.clear()
+            if self.opts.show_progress:
+                self._show(shape)
+        self.pbar.update(1)
+
+    def _show(self, shape: torch.Size) -> None:
+        mean = (self.sums / self.seen).tolist()
+        device = self.opts.device
+        mem = f"{torch.cuda.memory_reserved(device) / 2**30:.1f}G" if device.type == "cuda" else "-"
+        self.pbar.set_postfix(box=f"{mean[0]:.3f}", obj=f"{mean[1]:.3f}", cls=f"{mean[2]:.3f}",
+                              loss=f"{mean[3]:.3f}", lr=f"{self.lr:.2e}", size=tuple(shape[2:]),
+                              mem=mem, refresh=False)
+
+    def close(self) -> None:
+        self.pbar.close()
 
 
 def _check_finite(flags: list[torch.Tensor], paths: list[list[str]], epoch: int) -> None:
@@ -223,31 +289,47 @@ def _check_finite(flags: list[torch.Tensor], paths: list[list[str]], epoch: int)
         raise NonFiniteLossError(f"non-finite loss on another rank in epoch {epoch}; stopping")
 
 
+@dataclass(frozen=True)
+class EvalOptions:
+    """Settings of an evaluation pass; the defaults are the training-time evaluation's.
+
+    Attributes:
+        device: where the batches go.
+        conf_thres, iou_thres, multi_label, max_det: NMS settings.
+        amp: mixed-precision inference (see :func:`autocast_context`).
+        backend: COCO scoring library (``pycocotools`` or ``faster-coco-eval``).
+        show_progress: draw a tqdm bar (rank 0).
+        channels_last: feed NHWC batches.
+        per_class: also compute per-class AP.
+    """
+
+    device: torch.device
+    conf_thres: float = 0.001
+    iou_thres: float = 0.6
+    multi_label: bool = True
+    max_det: int = MAX_DET
+    amp: bool = False
+    backend: str = "pycocotools"
+    show_progress: bool = False
+    channels_last: bool = False
+    per_class: bool = False
+
+
 @torch.no_grad()
-def predict_batches(
-    model: nn.Module,
-    loader: Iterable,
-    device: torch.device,
-    conf_thres: float,
-    iou_thres: float,
-    multi_label: bool = True,
-    max_det: int = MAX_DET,
-    amp: bool = False,
-    show_progress: bool = False,
-    channels_last: bool = False,
-) -> list[dict[str, Any]]:
+def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> list[dict[str, Any]]:
     """COCO-format detections (original-image pixels, image_id = dataset index) for ``loader``."""
     model.eval()
     results: list[dict[str, Any]] = []
-    for imgs, _, _, shapes, indices in tqdm(loader, desc="eval", disable=not show_progress,
+    for imgs, _, _, shapes, indices in tqdm(loader, desc="eval", disable=not opts.show_progress,
                                             leave=False, dynamic_ncols=True):
-        imgs = imgs.to(device, non_blocking=True).float().div_(255)
-        if channels_last:
+        imgs = imgs.to(opts.device, non_blocking=True).float().div_(255)
+        if opts.channels_last:
             imgs = imgs.contiguous(memory_format=torch.channels_last)
-        with autocast_context(device, amp):
+        with autocast_context(opts.device, opts.amp):
             det = model(imgs)[0]
-        outputs = non_max_suppression(det.float(), conf_thres=conf_thres, iou_thres=iou_thres,
-                                      multi_label=multi_label, max_det=max_det)
+        outputs = non_max_suppression(det.float(), conf_thres=opts.conf_thres,
+                                      iou_thres=opts.iou_thres, multi_label=opts.multi_label,
+                                      max_det=opts.max_det)
         scaled = []
         for out, shape in zip(outputs, shapes):
             out = out.cpu()
@@ -259,33 +341,20 @@ def predict_batches(
 
 
 def evaluate(
-    model: nn.Module,
-    loader: Iterable,
-    device: torch.device,
-    coco_gt: Any | None,
-    conf_thres: float = 0.001,
-    iou_thres: float = 0.6,
-    multi_label: bool = True,
-    max_det: int = MAX_DET,
-    amp: bool = False,
-    backend: str = "pycocotools",
-    show_progress: bool = False,
-    channels_last: bool = False,
-    per_class: bool = False,
+    model: nn.Module, loader: Iterable, coco_gt: Any | None, opts: EvalOptions
 ) -> tuple[np.ndarray | None, dict[int, tuple[float, float]] | None, list[dict[str, Any]]]:
     """Evaluate this rank's shard, gather every rank's detections, and score them once.
 
     Every rank must call this (it gathers). Only a caller that passes ``coco_gt`` gets the 12
-    COCO stats (and per-class AP when asked); others get ``(None, None, [])``. The gathered
-    detections are returned with the stats so that they can be saved.
+    COCO stats (and per-class AP with ``opts.per_class``); others get ``(None, None, [])``. The
+    gathered detections are returned with the stats so that they can be saved.
     """
-    local = predict_batches(model, loader, device, conf_thres, iou_thres, multi_label, max_det,
-                            amp, show_progress, channels_last)
+    local = predict_batches(model, loader, opts)
     gathered = all_gather(local)
     if coco_gt is None:
         return None, None, []
     detections = [d for part in gathered for d in part]
-    evaluator = CocoEvaluator(coco_gt, backend=backend)
+    evaluator = CocoEvaluator(coco_gt, backend=opts.backend)
     evaluator.update(detections)
     stats = evaluator.evaluate()
-    return stats, (evaluator.per_class_ap() if per_class else None), detections
+    return stats, (evaluator.per_class_ap() if opts.per_class else None), detections

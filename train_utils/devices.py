@@ -1,0 +1,113 @@
+"""Which device a process computes on: one policy for ``train.py``, ``validation.py``,
+``predict.py`` and every rank started by torchrun or SLURM.
+
+:func:`choose_device` is the policy as a pure function of what the user asked for, how many CUDA
+devices this process sees and (under a launcher) its local rank, so it is tested without a GPU;
+:func:`select_device` applies it to this machine.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NamedTuple
+
+import torch
+
+from build_utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+_DEVICE_HELP = "use cpu, cuda, cuda:N or N"
+
+
+class DeviceChoice(NamedTuple):
+    """The device to use and, when the request was overridden, why (to log as a warning)."""
+
+    device: torch.device
+    note: str | None = None
+
+
+def _parse_request(spec: str) -> torch.device | None:
+    """``''`` -> None (automatic); ``'0'`` -> cuda:0; otherwise what ``torch.device`` makes."""
+    spec = spec.strip().lower()
+    if not spec:
+        return None
+    if spec.isdigit():
+        return torch.device("cuda", int(spec))
+    try:
+        device = torch.device(spec)
+    except RuntimeError as e:
+        raise ConfigError(f"--device {spec!r} is not a device; {_DEVICE_HELP}") from e
+    if device.type not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {spec!r}: only CPU and CUDA devices are supported; "
+                          f"{_DEVICE_HELP}")
+    return device
+
+
+def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> DeviceChoice:
+    """The device policy.
+
+    Args:
+        spec: the ``--device`` value: ``''`` (CUDA when there is one, else CPU), ``cpu``,
+            ``cuda``, ``cuda:N`` or ``N``.
+        cuda_count: CUDA devices visible to this process (after ``CUDA_VISIBLE_DEVICES``).
+        local_rank: this process's rank on its node when a launcher (torchrun, SLURM) started
+            several; None for a single process.
+
+    Returns:
+        The device, plus a note when a request was overridden. Under a launcher every rank uses
+        the GPU of its local rank, except that a process which sees exactly one GPU uses that one
+        (SLURM ``--gpus-per-task=1``, ``--gpu-bind``, or wrappers that set
+        ``CUDA_VISIBLE_DEVICES`` per rank); a ``--device cuda:N`` is then ignored with a note,
+        since ``CUDA_VISIBLE_DEVICES`` is what chooses GPUs for a job.
+
+    Raises:
+        ConfigError: CUDA asked for where there is none, an index beyond the visible devices,
+            or more processes on a node than the GPUs they can see.
+    """
+    requested = _parse_request(spec)
+    if requested is not None and requested.type == "cpu":
+        return DeviceChoice(torch.device("cpu"))
+    if cuda_count < 1:
+        if requested is not None:
+            raise ConfigError(f"--device {spec} asks for CUDA but no CUDA device is visible; "
+                              f"use --device cpu")
+        return DeviceChoice(torch.device("cpu"))
+    if local_rank is None:
+        index = requested.index if requested is not None and requested.index is not None else 0
+        if index >= cuda_count:
+            raise ConfigError(f"--device {spec}: only {cuda_count} CUDA device(s) are visible "
+                              f"(cuda:0..cuda:{cuda_count - 1})")
+        return DeviceChoice(torch.device("cuda", index))
+    if cuda_count == 1:
+        index = 0
+    elif local_rank < cuda_count:
+        index = local_rank
+    else:
+        raise ConfigError(f"local rank {local_rank} but {cuda_count} CUDA devices are visible on "
+                          f"this node: start at most {cuda_count} processes per node "
+                          f"(--nproc_per_node), or give each process its own GPU")
+    note = None
+    if requested is not None and requested.index is not None and requested.index != index:
+        note = (f"--device {spec} is ignored under a launcher: each process uses the GPU of its "
+                f"local rank (cuda:{index} here); choose GPUs with CUDA_VISIBLE_DEVICES")
+    return DeviceChoice(torch.device("cuda", index), note)
+
+
+def cuda_device_count() -> int:
+    """CUDA devices this process can use (0 without a CUDA build or driver)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def select_device(spec: str = "", local_rank: int | None = None) -> torch.device:
+    """Apply :func:`choose_device` here and make the chosen GPU the current one.
+
+    ``torch.cuda.set_device`` matters for ``cuda:1`` and above: without it pinned memory, the
+    CUDA context and NCCL's communicators land on GPU 0.
+    """
+    device, note = choose_device(spec, cuda_device_count(), local_rank)
+    if note:
+        logger.warning(note)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    return device

@@ -1,0 +1,202 @@
+"""What a training run records, and only on rank 0: the run folder's files, one results.csv row
+and TensorBoard scalars per epoch, results.png, the epoch's log line, best-mAP tracking and the
+``last.pt``/``best.pt`` checkpoints.
+
+The trainer calls the same methods on every rank; :func:`make_reporter` gives the other ranks a
+:class:`SilentReporter` whose methods do nothing, so the loop has no rank branches.
+"""
+
+from __future__ import annotations
+
+import csv
+import logging
+import os
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from torch.utils.tensorboard import SummaryWriter
+
+from train_utils.checkpoint import save_checkpoint, to_plain
+from train_utils.coco_eval import STAT_NAMES
+from train_utils.train_eval_utils import EpochStats
+
+logger = logging.getLogger(__name__)
+
+RESULTS_HEADER = ["epoch", *STAT_NAMES, "box_loss", "obj_loss", "cls_loss", "loss", "lr",
+                  "train_seconds"]
+FITNESS_KEY = "mAP50-95"  # what best.pt is chosen by
+
+# (epoch, best fitness so far) -> checkpoint dict
+CheckpointFactory = Callable[[int, "float | None"], dict[str, Any]]
+
+
+def read_results(path: Path) -> list[dict[str, str]]:
+    """The rows of a ``results.csv`` (none when it does not exist)."""
+    if not path.is_file():
+        return []
+    with path.open(newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def write_results(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
+    """Replace ``results.csv`` atomically."""
+    tmp = path.with_name(path.name + ".tmp")
+    with tmp.open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULTS_HEADER)
+        w.writeheader()
+        w.writerows(rows)
+    os.replace(tmp, path)
+
+
+def plot_results(csv_path: Path, png_path: Path) -> None:
+    """Loss and mAP curves from ``results.csv``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_results(csv_path)
+    if not rows:
+        return
+    epochs = [int(r["epoch"]) for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for key in ("box_loss", "obj_loss", "cls_loss", "loss"):
+        axes[0].plot(epochs, [float(r[key]) for r in rows], marker=".", label=key)
+    axes[0].set(title="training loss", xlabel="epoch")
+    axes[0].legend()
+    for key in ("mAP50-95", "mAP50"):
+        axes[1].plot(epochs, [float(r[key]) for r in rows], marker=".", label=key)
+    axes[1].set(title="validation mAP", xlabel="epoch", ylim=(0, 1))
+    axes[1].legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=100)
+    plt.close(fig)
+
+
+def write_run_files(out: Path, args: Mapping[str, Any], hyp: Mapping[str, Any],
+                    cfg_text: str) -> None:
+    """``args.yaml`` (the resolved run config), ``hyp.yaml`` (the hyperparameters as the user
+    gave them, so that ``--hyp runs/x/hyp.yaml`` reproduces the run) and ``model.cfg``."""
+    (out / "model.cfg").write_text(cfg_text)
+    with open(out / "args.yaml", "w") as f:
+        yaml.safe_dump(to_plain(dict(args)), f, sort_keys=False)
+    with open(out / "hyp.yaml", "w") as f:
+        yaml.safe_dump(to_plain(dict(hyp)), f, sort_keys=False)
+
+
+class EpochReporter:
+    """Rank 0's record of a run in ``out``.
+
+    Args:
+        out: the run folder.
+        total_epochs: the run's ``--epochs`` (for log lines).
+        start_epoch: the first epoch this process runs; rows of later epochs left in
+            ``results.csv`` by an interrupted attempt are dropped, as that work is redone.
+        best: the best fitness so far (from a resumed checkpoint), or None.
+        checkpoint: builds the checkpoint dict for (epoch, best fitness).
+        keep_best: also write ``best.pt`` when the fitness improves (``--savebest``).
+    """
+
+    def __init__(self, out: Path, total_epochs: int, start_epoch: int, best: float | None,
+                 checkpoint: CheckpointFactory, keep_best: bool = True):
+        self.out = out
+        self.total_epochs = total_epochs
+        self.start_epoch = start_epoch
+        self.best = best
+        self.last_stats: dict[str, float] | None = None
+        self.checkpoint = checkpoint
+        self.keep_best = keep_best
+        self.results = out / "results.csv"
+        write_results(self.results, [r for r in read_results(self.results)
+                                     if int(r["epoch"]) < start_epoch])
+        self.writer = SummaryWriter(str(out))
+
+    def end_epoch(self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None,
+                  seconds: float) -> None:
+        """Record a finished epoch (``coco_stats`` None when it was not evaluated) and save."""
+        is_best = False
+        if coco_stats is not None:
+            self.last_stats = dict(zip(STAT_NAMES, (float(s) for s in coco_stats)))
+            self._append_row(epoch, stats, seconds)
+            fitness = self.last_stats[FITNESS_KEY]
+            is_best = self.best is None or fitness > self.best
+            self.best = fitness if is_best else self.best
+        self._log_epoch(epoch, stats, seconds, evaluated=coco_stats is not None)
+        for k, v in stats.as_dict().items():
+            self.writer.add_scalar(f"train/{k}", v, epoch)
+        self.writer.add_scalar("train/lr", stats.lr, epoch)
+        self.writer.flush()
+        ckpt = self.checkpoint(epoch, self.best)
+        save_checkpoint(ckpt, self.out / "last.pt")
+        if is_best and self.keep_best:
+            save_checkpoint(ckpt, self.out / "best.pt")
+
+    def _append_row(self, epoch: int, stats: EpochStats, seconds: float) -> None:
+        row = {"epoch": epoch, **self.last_stats, **stats.as_dict(), "lr": stats.lr,
+               "train_seconds": round(seconds, 3)}
+        write_results(self.results, [*read_results(self.results), row])
+        plot_results(self.results, self.out / "results.png")
+        for k, v in self.last_stats.items():
+            self.writer.add_scalar(f"val/{k}", v, epoch)
+
+    def _log_epoch(self, epoch: int, stats: EpochStats, seconds: float, evaluated: bool) -> None:
+        last = self.total_epochs - 1
+        if not evaluated:
+            logger.info("epoch %d/%d: loss %.4f, lr %.3g, %.1f s", epoch, last, stats.loss,
+                        stats.lr, seconds)
+            return
+        logger.info("epoch %d/%d: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s | "
+                    "mAP@0.5:0.95 %.4f mAP@0.5 %.4f", epoch, last, stats.loss, stats.box_loss,
+                    stats.obj_loss, stats.cls_loss, stats.lr, seconds,
+                    self.last_stats["mAP50-95"], self.last_stats["mAP50"])
+
+    def interrupted(self, epoch: int) -> None:
+        """Ctrl-C/SIGTERM: say how to continue; keep the partial weights when nothing was saved
+        yet, resumable from epoch ``start_epoch`` (a checkpoint of epoch ``start_epoch - 1``)."""
+        logger.warning("interrupted in epoch %d; last completed epoch is saved in %s; continue "
+                       "with --resume", epoch, self.out / "last.pt")
+        if not (self.out / "last.pt").is_file():
+            save_checkpoint(self.checkpoint(self.start_epoch - 1, self.best),
+                            self.out / "last.pt")
+
+    def finished(self, seconds: float) -> None:
+        logger.info("done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | "
+                    "weights %s, %s", self.total_epochs - self.start_epoch, seconds / 60,
+                    "-" if self.best is None else f"{self.best:.4f}", self.results,
+                    self.out / "last.pt", self.out / "best.pt")
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class SilentReporter:
+    """The reporter of ranks other than 0: records nothing; ``best``/``last_stats`` stay as
+    given (the resumed best) and None."""
+
+    def __init__(self, best: float | None = None):
+        self.best = best
+        self.last_stats: dict[str, float] | None = None
+
+    def end_epoch(self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None,
+                  seconds: float) -> None:
+        pass
+
+    def interrupted(self, epoch: int) -> None:
+        logger.warning("interrupted in epoch %d", epoch)
+
+    def finished(self, seconds: float) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def make_reporter(is_main: bool, out: Path, total_epochs: int, start_epoch: int,
+                  best: float | None, checkpoint: CheckpointFactory,
+                  keep_best: bool = True) -> EpochReporter | SilentReporter:
+    """An :class:`EpochReporter` on rank 0, a :class:`SilentReporter` elsewhere."""
+    if is_main:
+        return EpochReporter(out, total_epochs, start_epoch, best, checkpoint, keep_best)
+    return SilentReporter(best)
