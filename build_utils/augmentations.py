@@ -32,7 +32,9 @@ import numpy as np
 
 PAD_VALUE = 114  # grey of the letterbox padding and of empty mosaic areas (lineage value)
 PAD_COLOR = (PAD_VALUE, PAD_VALUE, PAD_VALUE)
-GRID = 32  # letterbox shapes are rounded to this stride (the network's largest)
+# The network's largest stride: input sides, letterbox shapes (auto) and rect batch shapes are
+# multiples of it. The one definition in the project; import it from here.
+GRID = 32
 
 # A box that an augmentation leaves smaller than this many pixels on a side, with less than this
 # fraction of its area still visible, or thinner than this aspect ratio is dropped: such slivers

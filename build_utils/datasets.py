@@ -36,6 +36,7 @@ from torch.utils.data import Dataset, default_collate
 from tqdm import tqdm
 
 from build_utils.augmentations import (
+    GRID,
     PAD_COLOR,
     AffineParams,
     Tile,
@@ -74,7 +75,6 @@ from build_utils.labels import (
 LOGGER = logging.getLogger(__name__)
 ColorFn = Callable[[np.ndarray], np.ndarray]
 
-GRID = 32  # rect batch shapes are multiples of the network's largest stride
 # cache_images="ram" is refused when the estimate exceeds this fraction of available memory.
 RAM_CACHE_MAX_FRACTION = 0.8
 HYP_AUGMENT_KEYS = (
