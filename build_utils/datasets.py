@@ -66,6 +66,7 @@ from build_utils.image_io import (
     write_npy_atomic,
 )
 from build_utils.labels import (
+    LabelCache,
     collect_image_files,
     img2label_path,
     label_root,
@@ -88,7 +89,9 @@ HYP_AUGMENT_KEYS = (
     "flipud",
     "fliplr",
 )
-# Mosaic buffer (see LoadImagesAndLabels): images per process, at least/at most, and memory cap.
+# Mosaic buffer (see LoadImagesAndLabels): by default this many batches' worth of images per
+# process, at least/at most so many images, and a memory cap.
+MOSAIC_BUFFER_BATCHES = 8
 MOSAIC_BUFFER_MIN, MOSAIC_BUFFER_MAX = 64, 1000
 MOSAIC_BUFFER_MAX_BYTES = 512 * 2**20
 
@@ -185,27 +188,9 @@ class LoadImagesAndLabels(Dataset):
         nc: int | None = None,
         mosaic_buffer: int | None = None,
     ) -> None:
-        if isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < GRID:
-            raise ConfigError(f"img_size must be an integer >= {GRID}, got {img_size!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc < 1):
-            raise ConfigError(f"nc must be a positive integer or None, got {nc!r}")
-        if mosaic_buffer is not None and (
-            isinstance(mosaic_buffer, bool)
-            or not isinstance(mosaic_buffer, int)
-            or mosaic_buffer < 0
-        ):
-            raise ConfigError(
-                f"mosaic_buffer must be an integer >= 0 or None, got {mosaic_buffer!r}"
-            )
+        _check_sizes(img_size, batch_size, nc, mosaic_buffer)
         mode = _cache_mode(cache_images)
-        if augment:
-            if hyp is None:
-                raise ConfigError("augment=True needs hyp (the cfg/hyp.yaml values)")
-            missing = [k for k in HYP_AUGMENT_KEYS if k not in hyp]
-            if missing:
-                raise ConfigError(f"hyp lacks augmentation key(s) {', '.join(missing)}")
+        _check_hyp(augment, hyp)
         self.img_size = img_size
         self.batch_size = batch_size
         self.augment = augment
@@ -224,40 +209,50 @@ class LoadImagesAndLabels(Dataset):
         files, stem = collect_image_files(path)
         if not files:
             raise DatasetError(f"no images ({', '.join(IMG_FORMATS)}) found", _describe(path))
-        label_files = [img2label_path(f) for f in files]
         cache_dir = Path(label_root(files[0]))
         self.cache_path = cache_dir / f"{stem}.cache.npz"
         self.report_path = cache_dir / f"{stem}.cache_report.txt"
+        self._load_labels(files, stem, path, is_main)
 
+        self.batch = np.arange(len(self.img_files), dtype=np.int64) // batch_size
+        self.batch_shapes: np.ndarray | None = None
+        if rect:
+            self._sort_for_rect()
+        self.content_hash = self._hash_content()
+
+        self._rng_seed: int | None = None
+        self._rng_gen = np.random.default_rng(0)
+        self._cache_images(mode, cache_dir / f"{stem}.img{img_size}", is_main)
+        self._init_mosaic_buffer(mosaic_buffer)
+
+    # ---- construction steps -------------------------------------------------------------------
+
+    def _load_labels(self, files: list[str], stem: str, source: Any, is_main: bool) -> None:
+        """Keep the usable images of ``files`` with their checked labels (from the label cache,
+        see :mod:`build_utils.labels`): sets ``img_files``, ``label_files``, ``labels`` and
+        ``shapes``. ``source`` is the ``path`` argument, for the error message."""
+        label_files = [img2label_path(f) for f in files]
         cache = load_labels(
             files,
             label_files,
-            nc,
+            self.nc,
             self.cache_path,
             self.report_path,
             progress=is_main,
             desc=f"checking {stem}",
         )
         if is_main:
-            problems = cache.stats["corrupt"] + cache.stats["duplicate"] + cache.stats["bad"]
-            LOGGER.log(
-                logging.WARNING if problems else logging.INFO,
-                "%s: %s%s",
-                stem,
-                cache.summary(),
-                f"; details in {self.report_path}" if problems else "",
-            )
-
+            self._log_label_summary(stem, cache)
         keep = np.flatnonzero(cache.ok)
         if len(keep) == 0:
             raise DatasetError(
-                f"no usable image: {cache.summary()}; see {self.report_path}", _describe(path)
+                f"no usable image: {cache.summary()}; see {self.report_path}", _describe(source)
             )
         self.img_files = [files[i] for i in keep]
         self.label_files = [label_files[i] for i in keep]
         self.labels = [cache.labels[i].copy() for i in keep]
         self.shapes = cache.sizes[keep].copy()
-        if single_cls:
+        if self.single_cls:
             for lb in self.labels:
                 lb[:, 0] = 0
         if is_main and sum(len(lb) for lb in self.labels) == 0:
@@ -269,26 +264,36 @@ class LoadImagesAndLabels(Dataset):
                 self.label_files[0],
             )
 
-        n = len(self.img_files)
-        self.batch = np.arange(n, dtype=np.int64) // batch_size
-        self.batch_shapes: np.ndarray | None = None
-        if rect:
-            self._sort_for_rect()
-        self.content_hash = self._hash_content()
+    def _log_label_summary(self, stem: str, cache: LabelCache) -> None:
+        """One line per dataset: a warning pointing to the report when anything was dropped."""
+        problems = cache.stats["corrupt"] + cache.stats["duplicate"] + cache.stats["bad"]
+        LOGGER.log(
+            logging.WARNING if problems else logging.INFO,
+            "%s: %s%s",
+            stem,
+            cache.summary(),
+            f"; details in {self.report_path}" if problems else "",
+        )
 
-        self._rng_seed: int | None = None
-        self._rng_gen = np.random.default_rng(0)
+    def _cache_images(self, mode: str | None, folder: Path, is_main: bool) -> None:
+        """Fill the image cache ``mode`` asks for: None, ``"ram"`` or ``"disk"`` (``.npy``
+        files in ``folder``)."""
         self._imgs: list[np.ndarray] | None = None
         self._npy_files: list[Path] | None = None
         if mode == "ram":
             self._cache_in_ram(is_main)
         elif mode == "disk":
-            self._cache_on_disk(cache_dir / f"{stem}.img{img_size}", is_main)
+            self._cache_on_disk(folder, is_main)
 
-        if mosaic_buffer is None:
-            mosaic_buffer = min(max(8 * batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX)
+    def _init_mosaic_buffer(self, size: int | None) -> None:
+        """An empty mosaic buffer of ``size`` images (None: a default from the batch size);
+        off without mosaics and with an image cache, which makes decoding free already."""
+        if size is None:
+            size = min(
+                max(MOSAIC_BUFFER_BATCHES * self.batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX
+            )
         use_buffer = self.mosaic and self._imgs is None
-        self._buffer_cap = min(mosaic_buffer, n) if use_buffer else 0
+        self._buffer_cap = min(size, len(self)) if use_buffer else 0
         # index -> (pixels, decoded width / original width); insertion order = age.
         self._buffer: OrderedDict[int, tuple[np.ndarray, float]] = OrderedDict()
         self._buffer_bytes = 0
@@ -584,6 +589,31 @@ def _to_chw_rgb(img: np.ndarray) -> np.ndarray:
     if planes[0].ctypes.data != out[2].ctypes.data:  # OpenCV allocated new planes after all
         out[...] = img[:, :, ::-1].transpose(2, 0, 1)
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sizes(img_size: Any, batch_size: Any, nc: Any, mosaic_buffer: Any) -> None:
+    """ConfigError naming the first bad size argument of :class:`LoadImagesAndLabels`."""
+    if not _is_int(img_size) or img_size < GRID:
+        raise ConfigError(f"img_size must be an integer >= {GRID}, got {img_size!r}")
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if nc is not None and (not _is_int(nc) or nc < 1):
+        raise ConfigError(f"nc must be a positive integer or None, got {nc!r}")
+    if mosaic_buffer is not None and (not _is_int(mosaic_buffer) or mosaic_buffer < 0):
+        raise ConfigError(f"mosaic_buffer must be an integer >= 0 or None, got {mosaic_buffer!r}")
+
+
+def _check_hyp(augment: bool, hyp: dict[str, Any] | None) -> None:
+    if augment:
+        if hyp is None:
+            raise ConfigError("augment=True needs hyp (the cfg/hyp.yaml values)")
+        missing = [k for k in HYP_AUGMENT_KEYS if k not in hyp]
+        if missing:
+            raise ConfigError(f"hyp lacks augmentation key(s) {', '.join(missing)}")
 
 
 def _cache_mode(cache_images: bool | str | None) -> str | None:
