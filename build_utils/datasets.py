@@ -160,7 +160,8 @@ class LoadImagesAndLabels(Dataset):
             from the whole dataset, so a mosaic costs one JPEG decode instead of four (YOLOv8
             does the same; with shuffling the buffer is a random sample of the dataset). None
             picks ``8 * batch_size`` within [64, 1000] (at most 512 MB per process); 0 turns it
-            off (the lineage: every mosaic decodes four images). Unused with an image cache.
+            off (the lineage: every mosaic decodes four images). Unused with the RAM cache;
+            with the disk cache it saves re-reading ``.npy`` files.
 
     Attributes:
         img_files: usable images in dataset order; ``label_files`` their label paths.
@@ -287,7 +288,7 @@ class LoadImagesAndLabels(Dataset):
 
     def _init_mosaic_buffer(self, size: int | None) -> None:
         """An empty mosaic buffer of ``size`` images (None: a default from the batch size);
-        off without mosaics and with an image cache, which makes decoding free already."""
+        off without mosaics and with the RAM cache, which holds every image already."""
         if size is None:
             size = min(
                 max(MOSAIC_BUFFER_BATCHES * self.batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX
