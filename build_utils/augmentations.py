@@ -32,7 +32,9 @@ import numpy as np
 
 PAD_VALUE = 114  # grey of the letterbox padding and of empty mosaic areas (lineage value)
 PAD_COLOR = (PAD_VALUE, PAD_VALUE, PAD_VALUE)
-GRID = 32  # letterbox shapes are rounded to this stride (the network's largest)
+# The network's largest stride: input sides, letterbox shapes (auto) and rect batch shapes are
+# multiples of it. The one definition in the project; import it from here.
+GRID = 32
 
 # A box that an augmentation leaves smaller than this many pixels on a side, with less than this
 # fraction of its area still visible, or thinner than this aspect ratio is dropped: such slivers
@@ -408,89 +410,161 @@ def compose(
         scale but not cut by the output border (for :func:`box_candidates`).
     """
     out_w, out_h = out_size
-    cw, ch = canvas_size
-    det = abs(float(np.linalg.det(M[:2, :2])))
-    rects = []
-    for t in tiles:
-        e = t.extent
-        rects.append((max(e[0], 0.0), max(e[1], 0.0), min(e[2], cw), min(e[3], ch)))
-    used = [r for r in rects if r[2] > r[0] and r[3] > r[1]]
-
-    if is_axis_aligned(M):
-        target_hw, view, warp = (out_h, out_w), M, None
-    else:
-        # Build only the canvas part the output can see (plus one pixel for interpolation).
-        corners = np.array([[0, 0, 1], [out_w, 0, 1], [0, out_h, 1], [out_w, out_h, 1]], float)
-        inv = corners @ np.linalg.inv(M).T
-        x0 = x1 = y0 = y1 = 0
-        if used:
-            x0 = max(math.floor(inv[:, 0].min()) - 1, 0, math.floor(min(r[0] for r in used)))
-            y0 = max(math.floor(inv[:, 1].min()) - 1, 0, math.floor(min(r[1] for r in used)))
-            x1 = min(math.ceil(inv[:, 0].max()) + 1, cw, math.ceil(max(r[2] for r in used)))
-            y1 = min(math.ceil(inv[:, 1].max()) + 1, ch, math.ceil(max(r[3] for r in used)))
-        target_hw = (max(y1 - y0, 0), max(x1 - x0, 0))
-        view = np.eye(3)
-        view[:2, 2] = -x0, -y0
-        warp = M @ np.linalg.inv(view)
-
+    rects = [_visible_rect(t.extent, canvas_size) for t in tiles]
+    target_hw, view, warp = _render_frame(M, rects, canvas_size, out_size)
+    drawable = target_hw[0] > 0 and target_hw[1] > 0
     plans = [
         _plan_tile(target_hw, t.img.shape[:2], r, t.extent, view)
-        if r[2] > r[0] and r[3] > r[1] and target_hw[0] > 0 and target_hw[1] > 0
+        if _nonempty(r) and drawable
         else None
         for t, r in zip(tiles, rects)
     ]
+    # The colour transform runs where it touches fewer pixels: the source crops or the output.
     on_crops = color is not None and sum(p.src_pixels for p in plans if p) < out_w * out_h
-    fill = PAD_COLOR
-    if on_crops:
-        fill = tuple(int(v) for v in color(np.full((1, 1, 3), PAD_VALUE, np.uint8))[0, 0])
+    fill = _transformed_pad(color) if on_crops else PAD_COLOR
     target = filled(target_hw, fill)
 
+    det = abs(float(np.linalg.det(M[:2, :2])))
     all_boxes, all_area0 = [], []
     for t, rect, plan in zip(tiles, rects, plans):
         if plan is None:
             continue
-        sx1, sy1, sx2, sy2 = plan.src
-        dx1, dy1, dx2, dy2 = plan.dst
-        crop = t.img[sy1:sy2, sx1:sx2]
-        resize_into(color(crop) if on_crops else crop, target[dy1:dy2, dx1:dx2], interpolation)
+        _paste(t.img, plan, target, color if on_crops else None, interpolation)
         if len(t.boxes) == 0:
             continue
-        ax, bx, ay, by = plan.maps
-        src = t.boxes[:, 1:5].astype(np.float64)
-        h, w = t.img.shape[:2]
-        # Visible area before the output border cuts it: box on the canvas cut to the tile's
-        # visible rectangle, scaled to output pixels.
-        kx, ky = (t.extent[2] - t.extent[0]) / w, (t.extent[3] - t.extent[1]) / h
-        on_canvas = src * [kx, ky, kx, ky] + [t.extent[0], t.extent[1]] * 2
-        area0 = _area(_clip_boxes(on_canvas, *rect)) * det
-        b = _clip_boxes(src * [ax, ay, ax, ay] + [bx, by, bx, by], dx1, dy1, dx2, dy2)
-        # Boxes entirely outside the tile's visible part collapse to lines here; drop them
-        # before a rotation could turn such a line into a box with an area.
-        seen = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
-        b, area0 = b[seen], area0[seen]
-        if warp is not None:
-            b = _warp_boxes_clipped(b, warp, out_w, out_h)
-        all_boxes.append(np.concatenate([t.boxes[seen, :1], b], axis=1))
+        boxes, area0 = _tile_boxes(t, rect, plan, det, warp, out_size)
+        all_boxes.append(boxes)
         all_area0.append(area0)
 
-    if warp is None:
-        out = target
-    elif target.size:
-        out = cv2.warpAffine(
-            target,
-            _to_pixel_centre_matrix(warp),
-            (out_w, out_h),
-            flags=interpolation,
-            borderMode=cv2.BORDER_CONSTANT,
-            borderValue=fill,
-        )
-    else:
-        out = filled((out_h, out_w), fill)
+    out = _warp_target(target, warp, out_size, interpolation, fill)
     if color is not None and not on_crops:
         out = color(out)
     if not all_boxes:
         return out, np.zeros((0, 5)), np.zeros(0)
     return out, np.concatenate(all_boxes), np.concatenate(all_area0)
+
+
+def _visible_rect(
+    extent: tuple[float, float, float, float], canvas_size: tuple[int, int]
+) -> tuple[float, float, float, float]:
+    """The part ``(x1, y1, x2, y2)`` of a tile's extent that lies on the canvas ``(Wc, Hc)``;
+    empty (``x2 <= x1`` or ``y2 <= y1``) when none does."""
+    cw, ch = canvas_size
+    return (max(extent[0], 0.0), max(extent[1], 0.0), min(extent[2], cw), min(extent[3], ch))
+
+
+def _nonempty(rect: tuple[float, float, float, float]) -> bool:
+    return rect[2] > rect[0] and rect[3] > rect[1]
+
+
+def _render_frame(
+    M: np.ndarray,
+    rects: Sequence[tuple[float, float, float, float]],
+    canvas_size: tuple[int, int],
+    out_size: tuple[int, int],
+) -> tuple[tuple[int, int], np.ndarray, np.ndarray | None]:
+    """Where the tiles are drawn: ``(target_hw, view, warp)``.
+
+    With an axis-aligned ``M`` the target is the output itself: ``view = M`` maps canvas to
+    output pixels and there is no ``warp``. Otherwise the target is the part of the canvas
+    that the output can see (plus one pixel for interpolation) and tiles actually cover:
+    ``view`` shifts canvas pixels into it and ``warp`` (``(3, 3)``) maps it to the output.
+    """
+    out_w, out_h = out_size
+    if is_axis_aligned(M):
+        return (out_h, out_w), M, None
+    cw, ch = canvas_size
+    used = [r for r in rects if _nonempty(r)]
+    corners = np.array([[0, 0, 1], [out_w, 0, 1], [0, out_h, 1], [out_w, out_h, 1]], float)
+    inv = corners @ np.linalg.inv(M).T
+    x0 = x1 = y0 = y1 = 0
+    if used:
+        x0 = max(math.floor(inv[:, 0].min()) - 1, 0, math.floor(min(r[0] for r in used)))
+        y0 = max(math.floor(inv[:, 1].min()) - 1, 0, math.floor(min(r[1] for r in used)))
+        x1 = min(math.ceil(inv[:, 0].max()) + 1, cw, math.ceil(max(r[2] for r in used)))
+        y1 = min(math.ceil(inv[:, 1].max()) + 1, ch, math.ceil(max(r[3] for r in used)))
+    view = np.eye(3)
+    view[:2, 2] = -x0, -y0
+    return (max(y1 - y0, 0), max(x1 - x0, 0)), view, M @ np.linalg.inv(view)
+
+
+def _transformed_pad(color: Callable[[np.ndarray], np.ndarray]) -> tuple[int, int, int]:
+    """The padding grey after the colour transform (the fill of a target whose tiles are
+    transformed before they are drawn)."""
+    b, g, r = (int(v) for v in color(np.full((1, 1, 3), PAD_VALUE, np.uint8))[0, 0])
+    return b, g, r
+
+
+def _paste(
+    img: np.ndarray,
+    plan: _TilePlan,
+    target: np.ndarray,
+    color: Callable[[np.ndarray], np.ndarray] | None,
+    interpolation: int,
+) -> None:
+    """Resize the planned crop of ``img`` (colour-transformed first when ``color`` is given)
+    into its place in ``target``."""
+    sx1, sy1, sx2, sy2 = plan.src
+    dx1, dy1, dx2, dy2 = plan.dst
+    crop = img[sy1:sy2, sx1:sx2]
+    resize_into(color(crop) if color is not None else crop, target[dy1:dy2, dx1:dx2], interpolation)
+
+
+def _tile_boxes(
+    tile: Tile,
+    rect: tuple[float, float, float, float],
+    plan: _TilePlan,
+    det: float,
+    warp: np.ndarray | None,
+    out_size: tuple[int, int],
+) -> tuple[np.ndarray, np.ndarray]:
+    """A tile's boxes in output pixels, following its pixels (``plan``, then ``warp``).
+
+    Returns ``(boxes (m, 5) class + xyxy output pixels, area0 (m,))`` for the boxes that show
+    in the tile's visible part ``rect``; ``area0`` is the visible area on the canvas scaled by
+    ``det`` (the canvas-to-output area factor), not cut by the output border.
+    """
+    dx1, dy1, dx2, dy2 = plan.dst
+    ax, bx, ay, by = plan.maps
+    src = tile.boxes[:, 1:5].astype(np.float64)
+    h, w = tile.img.shape[:2]
+    # Visible area before the output border cuts it: box on the canvas cut to the tile's
+    # visible rectangle, scaled to output pixels.
+    kx, ky = (tile.extent[2] - tile.extent[0]) / w, (tile.extent[3] - tile.extent[1]) / h
+    on_canvas = src * [kx, ky, kx, ky] + [tile.extent[0], tile.extent[1]] * 2
+    area0 = _area(_clip_boxes(on_canvas, *rect)) * det
+    b = _clip_boxes(src * [ax, ay, ax, ay] + [bx, by, bx, by], dx1, dy1, dx2, dy2)
+    # Boxes entirely outside the tile's visible part collapse to lines here; drop them
+    # before a rotation could turn such a line into a box with an area.
+    seen = (b[:, 2] > b[:, 0]) & (b[:, 3] > b[:, 1])
+    b, area0 = b[seen], area0[seen]
+    if warp is not None:
+        b = _warp_boxes_clipped(b, warp, *out_size)
+    return np.concatenate([tile.boxes[seen, :1], b], axis=1), area0
+
+
+def _warp_target(
+    target: np.ndarray,
+    warp: np.ndarray | None,
+    out_size: tuple[int, int],
+    interpolation: int,
+    fill: tuple[int, int, int],
+) -> np.ndarray:
+    """The output image: ``target`` itself without ``warp``, else ``target`` warped to
+    ``out_size = (W, H)`` with ``fill`` where no canvas pixel lands."""
+    if warp is None:
+        return target
+    out_w, out_h = out_size
+    if not target.size:  # the output sees no tile
+        return filled((out_h, out_w), fill)
+    return cv2.warpAffine(
+        target,
+        _to_pixel_centre_matrix(warp),
+        (out_w, out_h),
+        flags=interpolation,
+        borderMode=cv2.BORDER_CONSTANT,
+        borderValue=fill,
+    )
 
 
 def box_candidates(

@@ -1,27 +1,16 @@
-"""Detection dataset: images + YOLO label files, checked once, cached, augmented.
+"""Detection dataset: images + YOLO labels, loaded, cached and augmented for training and eval.
 
-Layout: every image ``.../images/.../x.jpg`` has its labels in ``.../labels/.../x.txt`` (the *last*
-``images`` folder of the path becomes ``labels``; with no ``images`` folder the label file sits
-beside the image). A label file has one ``class cx cy w h`` line per object, normalised to
-[0, 1] by the image's upright size (EXIF orientation applied). A missing label file means an
-image without objects.
-
-Checking and caching. Every image is decoded once (in a thread pool) and every label line parsed
-once; the result (sizes, labels, what was wrong) goes to ``<stem>.cache.npz`` beside the label
-folder (in the folder holding ``images/`` and ``labels/``; ``stem`` is the list file's name, so
-train and val never share a cache), keyed by a hash of the image and label file names, sizes and
-modification times and of the class count: any change rebuilds it, a corrupt cache is rebuilt and
-a read-only folder only costs a warning. A per-file list of problems goes to
-``<stem>.cache_report.txt`` beside it, and one summary line to the log. Bad images are excluded
-and bad label lines dropped (rules in :func:`parse_label_text`); only a dataset with no usable
-image at all raises :class:`~build_utils.errors.DatasetError`. No pickle anywhere (``np.savez``
-with ``allow_pickle=False``). The cache holds every listed file in list order; the rect sort is
-applied after loading, so one cache serves every order.
+Which files make up the dataset, where their labels are and how the labels are checked and
+cached is :mod:`build_utils.labels`; bad images are excluded and bad label lines dropped there,
+and one summary line goes to the log here. Only a dataset with no usable image at all raises
+:class:`~build_utils.errors.DatasetError`. The rect sort is applied after the labels are loaded,
+so one label cache serves every order.
 
 Speed (see ``bench/bench_data.py``): mosaics are resized straight into the output
 (:mod:`build_utils.augmentations`), HSV jitter runs on uint8 lookup tables over the fewest pixels,
-large JPEGs are decoded at 1/2, 1/4 or 1/8 scale when that is all the output needs, and recently
-decoded images are reused for the three extra mosaic tiles (``mosaic_buffer``).
+large JPEGs are decoded at 1/2, 1/4 or 1/8 scale when that is all the output needs, recently
+decoded images are reused for the three extra mosaic tiles (``mosaic_buffer``), and decoded,
+resized images can be cached in RAM or as ``.npy`` files (``cache_images``).
 
 Randomness: augmentations draw from a ``np.random.Generator`` seeded from ``torch.initial_seed()``
 of the process, which PyTorch makes different for every DataLoader worker and epoch and which is
@@ -32,14 +21,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import math
 import os
-import tempfile
-import zipfile
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -51,6 +36,7 @@ from torch.utils.data import Dataset, default_collate
 from tqdm import tqdm
 
 from build_utils.augmentations import (
+    GRID,
     PAD_COLOR,
     AffineParams,
     Tile,
@@ -71,28 +57,25 @@ from build_utils.augmentations import (
 from build_utils.boxes import xywhn2xyxy, xyxy2xywhn
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import (
+    DECODE_THREADS,
     IMG_FORMATS,
-    check_image,
     decode_image,
-    is_image_file,
-    list_images,
+    file_stamp,
     read_file_bytes,
     reduce_factor,
     write_npy_atomic,
+)
+from build_utils.labels import (
+    LabelCache,
+    collect_image_files,
+    img2label_path,
+    label_root,
+    load_labels,
 )
 
 LOGGER = logging.getLogger(__name__)
 ColorFn = Callable[[np.ndarray], np.ndarray]
 
-CACHE_VERSION = 1
-LABEL_FIELDS = 5  # class cx cy w h
-# Label values this close outside [0, 1] are rounding noise from conversion tools: clipped.
-# Farther out the line is rejected.
-COORD_TOLERANCE = 1e-3
-# A normalised side below this is a zero-size box (log(w) in the loss would blow up).
-MIN_BOX_SIDE = 1e-5
-GRID = 32  # rect batch shapes are multiples of the network's largest stride
-CHECK_THREADS = min(8, os.cpu_count() or 1)  # decoding releases the GIL, threads scale
 # cache_images="ram" is refused when the estimate exceeds this fraction of available memory.
 RAM_CACHE_MAX_FRACTION = 0.8
 HYP_AUGMENT_KEYS = (
@@ -106,391 +89,11 @@ HYP_AUGMENT_KEYS = (
     "flipud",
     "fliplr",
 )
-_REPORT_LINE_CHARS = 80
-# Mosaic buffer (see LoadImagesAndLabels): images per process, at least/at most, and memory cap.
+# Mosaic buffer (see LoadImagesAndLabels): by default this many batches' worth of images per
+# process, at least/at most so many images, and a memory cap.
+MOSAIC_BUFFER_BATCHES = 8
 MOSAIC_BUFFER_MIN, MOSAIC_BUFFER_MAX = 64, 1000
 MOSAIC_BUFFER_MAX_BYTES = 512 * 2**20
-
-
-# ---------------------------------------------------------------------------------------------
-# Paths
-
-
-def img2label_path(img_path: str) -> str:
-    """Label file of an image: the last ``images`` folder component becomes ``labels`` and the
-    extension ``.txt`` (``/d/images/a/images/x.jpg`` -> ``/d/images/a/labels/x.txt``)."""
-    head, tail = os.path.split(img_path)
-    parts = head.split(os.sep)
-    for k in range(len(parts) - 1, -1, -1):
-        if parts[k] == "images":
-            parts[k] = "labels"
-            break
-    return os.path.join(os.sep.join(parts), os.path.splitext(tail)[0] + ".txt")
-
-
-def label_root(img_path: str) -> str:
-    """Folder that holds the label folder of an image: the parent of the last ``images``
-    component (``/d/train/images/a/x.jpg`` -> ``/d/train``), or the parent of the image's folder
-    when there is none. Caches and reports go there, beside the labels, not inside them."""
-    parts = os.path.dirname(img_path).split(os.sep)
-    for k in range(len(parts) - 1, -1, -1):
-        if parts[k] == "images":
-            return os.sep.join(parts[:k]) or os.sep
-    return os.path.dirname(os.path.dirname(img_path))
-
-
-def _read_list_file(path: Path) -> list[str]:
-    """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
-    falling back to the current directory (the lineage's convention) when only that exists.
-    Blank lines and lines starting with ``#`` (comments) are skipped."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"cannot read image list: {e}", path) from e
-    base = path.parent
-    out, from_cwd = [], 0
-    for line in text.splitlines():
-        line = line.strip()
-        if not line or line.startswith("#"):
-            continue
-        p = Path(line).expanduser()
-        if not p.is_absolute():
-            beside = base / p
-            if not beside.exists() and p.exists():
-                beside, from_cwd = p, from_cwd + 1
-            p = beside
-        out.append(os.path.abspath(p))
-    if from_cwd:
-        LOGGER.warning(
-            "%s: %d relative path(s) exist only relative to the current directory, "
-            "not to the list's folder; used them that way",
-            path,
-            from_cwd,
-        )
-    return out
-
-
-def collect_image_files(
-    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-) -> tuple[list[str], str]:
-    """Image paths (absolute, in dataset order) and a short name for cache files.
-
-    ``path`` is a ``.txt`` list of images, a folder (searched recursively, sorted), a single
-    image, or a list of any of these.
-
-    Raises:
-        DatasetError: a path that does not exist or is of an unsupported kind.
-    """
-    sources = list(path) if isinstance(path, list | tuple) else [path]
-    files: list[str] = []
-    stems: list[str] = []
-    for src in sources:
-        p = Path(os.fspath(src)).expanduser()
-        if p.is_dir():
-            files += list_images(p)
-            stems.append(p.parent.name if p.name == "images" and p.parent.name else p.name)
-        elif p.is_file() and p.suffix.lower() == ".txt":
-            files += _read_list_file(p)
-            stems.append(p.stem)
-        elif p.is_file() and is_image_file(p):
-            files.append(os.path.abspath(p))
-            stems.append(p.stem)
-        elif not p.exists():
-            raise DatasetError(
-                "image list or folder not found; check the path (and the "
-                "train/valid entries of the .data file)",
-                p,
-            )
-        else:
-            raise DatasetError(
-                "expected a .txt list of image paths, a folder of images or an "
-                f"image ({', '.join(IMG_FORMATS)})",
-                p,
-            )
-    stem = "+".join(stems) or "dataset"
-    if len(stem) > 64:
-        digest = hashlib.sha1(stem.encode()).hexdigest()[:8]
-        stem = f"{stems[0][:40]}+{len(stems) - 1}-{digest}"
-    return files, stem
-
-
-# ---------------------------------------------------------------------------------------------
-# Label parsing and checking
-
-
-@dataclass
-class FileCheck:
-    """What checking one image and its label file found.
-
-    ``size`` is the upright ``(w, h)``, or ``None`` when the image is excluded (``reason`` says
-    why). ``labels``: ``(n, 5) float32`` class + normalised cxcywh. ``state`` of the label
-    file: ``found``, ``missing``, ``empty`` or ``corrupt``. ``notes``: report lines.
-    """
-
-    size: tuple[int, int] | None
-    labels: np.ndarray
-    state: str
-    reason: str = ""
-    n_duplicate: int = 0
-    n_bad: int = 0
-    notes: list[str] = field(default_factory=list)
-
-
-def _short(line: str) -> str:
-    return line if len(line) <= _REPORT_LINE_CHARS else line[: _REPORT_LINE_CHARS - 3] + "..."
-
-
-def parse_label_text(
-    text: str, nc: int | None, where: str = ""
-) -> tuple[np.ndarray, int, int, list[str]]:
-    """Parse and check the lines of a YOLO label file.
-
-    Blank lines are ignored. A line is dropped, with a note ``where:line: dropped: reason``, when
-    it does not have 5 fields, holds a non-number, NaN or infinity, a class id that is not an
-    integer in ``[0, nc)`` (only ``>= 0`` when ``nc`` is None), a value outside ``[0, 1]`` by
-    more than :data:`COORD_TOLERANCE`, or a zero-size box. Values within the tolerance and box
-    corners beyond the image are clipped (corners with a note). Exact duplicate rows are dropped.
-
-    Returns:
-        ``(labels (n, 5) float32 class + cxcywh normalised, n_duplicate, n_bad, notes)``.
-    """
-    rows: list[tuple[float, ...]] = []
-    seen: set[tuple[float, ...]] = set()
-    n_dup = n_bad = 0
-    notes: list[str] = []
-
-    def bad(lineno: int, why: str, line: str) -> None:
-        nonlocal n_bad
-        n_bad += 1
-        notes.append(f"{where}:{lineno}: dropped: {why}: {_short(line)!r}")
-
-    # Editors on Windows save UTF-8 with a byte-order mark; it is not part of the first number.
-    for lineno, raw in enumerate(text.removeprefix("\ufeff").splitlines(), 1):
-        line = raw.strip()
-        if not line:
-            continue
-        fields = line.split()
-        if len(fields) != LABEL_FIELDS:
-            bad(lineno, f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h)", line)
-            continue
-        try:
-            values = [float(v) for v in fields]
-        except ValueError:
-            bad(lineno, "not a number", line)
-            continue
-        if not all(math.isfinite(v) for v in values):
-            bad(lineno, "NaN or infinite value", line)
-            continue
-        c, coords = values[0], values[1:]
-        if c != int(c) or c < 0:
-            bad(lineno, f"class id {fields[0]} is not a non-negative integer", line)
-            continue
-        if nc is not None and c >= nc:
-            bad(lineno, f"class id {int(c)} outside [0, {nc})", line)
-            continue
-        if any(v < -COORD_TOLERANCE or v > 1 + COORD_TOLERANCE for v in coords):
-            bad(lineno, "coordinate outside [0, 1]", line)
-            continue
-        cx, cy, w, h = (min(max(v, 0.0), 1.0) for v in coords)
-        x1, y1, x2, y2 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
-        overshoot = max(-x1, -y1, x2 - 1, y2 - 1)
-        if overshoot > 0:
-            if overshoot > COORD_TOLERANCE:
-                notes.append(
-                    f"{where}:{lineno}: clipped: box extends {overshoot:.4f} beyond the image"
-                )
-            x1, y1, x2, y2 = max(x1, 0.0), max(y1, 0.0), min(x2, 1.0), min(y2, 1.0)
-            cx, cy, w, h = (x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1
-        if w < MIN_BOX_SIDE or h < MIN_BOX_SIDE:
-            bad(lineno, "zero-size box", line)
-            continue
-        row = (float(int(c)), cx, cy, w, h)
-        if row in seen:
-            n_dup += 1
-            notes.append(f"{where}:{lineno}: dropped: duplicate of an earlier row")
-            continue
-        seen.add(row)
-        rows.append(row)
-    labels = np.array(rows, dtype=np.float32).reshape(-1, 5)
-    return labels, n_dup, n_bad, notes
-
-
-def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
-    """Check one image and its label file (see :func:`parse_label_text`)."""
-    empty = np.zeros((0, 5), np.float32)
-    if not is_image_file(img_path):
-        return FileCheck(
-            None, empty, "missing", f"not an image file type (supported: {', '.join(IMG_FORMATS)})"
-        )
-    size, reason = check_image(img_path)
-    if size is None:
-        return FileCheck(None, empty, "missing", reason or "unreadable image")
-    try:
-        with open(label_path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
-        return FileCheck(size, empty, "missing")
-    except (OSError, UnicodeDecodeError) as e:
-        return FileCheck(None, empty, "corrupt", f"label file {label_path} is unreadable ({e})")
-    if not text.strip():
-        return FileCheck(size, empty, "empty")
-    labels, n_dup, n_bad, notes = parse_label_text(text, nc, label_path)
-    return FileCheck(size, labels, "found", "", n_dup, n_bad, notes)
-
-
-def _stat_key(path: str) -> str:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return "-"
-    return f"{st.st_size}:{st.st_mtime_ns}"
-
-
-def label_cache_key(img_files: Sequence[str], label_files: Sequence[str], nc: int | None) -> str:
-    """Hash of the file names, sizes and modification times and of the class count."""
-    h = hashlib.sha256(f"v{CACHE_VERSION}|nc={nc}\n".encode())
-    for img, lbl in zip(img_files, label_files):
-        h.update(f"{img}|{_stat_key(img)}|{lbl}|{_stat_key(lbl)}\n".encode())
-    return h.hexdigest()
-
-
-@dataclass
-class LabelCache:
-    """Checked labels of a list of images (all of them, excluded ones with ``ok = False``).
-
-    ``sizes``: ``(N, 2) int64`` upright ``(w, h)`` (0 when excluded); ``labels``: per image
-    ``(n, 5) float32``; ``stats``: counts ``found, missing, empty, corrupt, duplicate, bad``.
-    """
-
-    files: list[str]
-    ok: np.ndarray
-    sizes: np.ndarray
-    labels: list[np.ndarray]
-    stats: dict[str, int]
-    report: list[str]
-
-    STAT_NAMES = ("found", "missing", "empty", "corrupt", "duplicate", "bad")
-
-    def summary(self) -> str:
-        s = self.stats
-        return (
-            f"{len(self.files)} images: {s['found']} label files found, {s['missing']} "
-            f"missing, {s['empty']} empty, {s['corrupt']} corrupt images excluded, "
-            f"{s['duplicate']} duplicate rows and {s['bad']} bad label lines dropped"
-        )
-
-
-def build_label_cache(
-    img_files: Sequence[str],
-    label_files: Sequence[str],
-    nc: int | None,
-    progress: bool = False,
-    desc: str = "checking labels",
-) -> LabelCache:
-    """Check every image and label file (in a thread pool) and gather the results."""
-    with ThreadPoolExecutor(CHECK_THREADS) as pool:
-        results = list(
-            tqdm(
-                pool.map(check_file, img_files, label_files, [nc] * len(img_files)),
-                total=len(img_files),
-                desc=desc,
-                disable=not progress,
-                leave=False,
-            )
-        )
-    stats = dict.fromkeys(LabelCache.STAT_NAMES, 0)
-    report: list[str] = []
-    for img, r in zip(img_files, results):
-        if r.size is None:
-            stats["corrupt"] += 1
-            report.append(f"{img}: excluded: {r.reason}")
-        else:
-            stats[r.state] += 1
-        stats["duplicate"] += r.n_duplicate
-        stats["bad"] += r.n_bad
-        report.extend(r.notes)
-    return LabelCache(
-        files=list(img_files),
-        ok=np.array([r.size is not None for r in results], dtype=bool),
-        sizes=np.array([r.size or (0, 0) for r in results], dtype=np.int64).reshape(-1, 2),
-        labels=[r.labels for r in results],
-        stats=stats,
-        report=report,
-    )
-
-
-def save_label_cache(path: Path, key: str, cache: LabelCache) -> bool:
-    """Write the cache atomically (temporary file + rename). Returns False, with a warning,
-    when the folder is not writable: a read-only dataset is fine, it is just checked again."""
-    counts = np.array([len(x) for x in cache.labels], dtype=np.int64)
-    labels = np.concatenate(cache.labels) if cache.labels else np.zeros((0, 5), np.float32)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    version=np.int64(CACHE_VERSION),
-                    key=np.str_(key),
-                    files=np.array(cache.files, dtype=np.str_),
-                    ok=cache.ok,
-                    sizes=cache.sizes,
-                    counts=counts,
-                    labels=labels.astype(np.float32),
-                    stats=np.array([cache.stats[k] for k in LabelCache.STAT_NAMES]),
-                    report=np.array(cache.report, dtype=np.str_),
-                )
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    except OSError as e:
-        LOGGER.warning(
-            "cannot write label cache %s (%s); labels will be checked again next time",
-            path,
-            e.strerror or e,
-        )
-        return False
-    return True
-
-
-def load_label_cache(path: Path, key: str) -> LabelCache | None:
-    """The cache at ``path`` if it is readable and was made for ``key``; else None (a corrupt
-    file is reported with a warning and will be rebuilt)."""
-    if not path.is_file():
-        return None
-    try:
-        with np.load(path, allow_pickle=False) as z:
-            if int(z["version"]) != CACHE_VERSION or str(z["key"]) != key:
-                LOGGER.info("label cache %s is out of date; rebuilding", path)
-                return None
-            counts = z["counts"]
-            labels = z["labels"]
-            files = [str(f) for f in z["files"]]
-            ok, sizes = z["ok"].astype(bool), z["sizes"].astype(np.int64)
-            stats = dict(zip(LabelCache.STAT_NAMES, (int(v) for v in z["stats"])))
-            report = [str(r) for r in z["report"]]
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-        LOGGER.warning("label cache %s is unreadable (%s); rebuilding", path, e)
-        return None
-    if len(counts) != len(files) or counts.sum() != len(labels) or len(stats) != 6:
-        LOGGER.warning("label cache %s is inconsistent; rebuilding", path)
-        return None
-    split = np.split(labels.reshape(-1, 5), np.cumsum(counts)[:-1]) if len(counts) else []
-    return LabelCache(files, ok, sizes, [s.astype(np.float32) for s in split], stats, report)
-
-
-def write_report(path: Path, header: str, lines: Sequence[str]) -> None:
-    """Write the per-file problem list; a failure is only a warning."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(f"# {header}\n")
-            f.writelines(line + "\n" for line in lines)
-        os.replace(tmp, path)
-    except OSError as e:
-        LOGGER.warning("cannot write label report %s (%s)", path, e.strerror or e)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -557,7 +160,8 @@ class LoadImagesAndLabels(Dataset):
             from the whole dataset, so a mosaic costs one JPEG decode instead of four (YOLOv8
             does the same; with shuffling the buffer is a random sample of the dataset). None
             picks ``8 * batch_size`` within [64, 1000] (at most 512 MB per process); 0 turns it
-            off (the lineage: every mosaic decodes four images). Unused with an image cache.
+            off (the lineage: every mosaic decodes four images). Unused with the RAM cache;
+            with the disk cache it saves re-reading ``.npy`` files.
 
     Attributes:
         img_files: usable images in dataset order; ``label_files`` their label paths.
@@ -585,27 +189,9 @@ class LoadImagesAndLabels(Dataset):
         nc: int | None = None,
         mosaic_buffer: int | None = None,
     ) -> None:
-        if isinstance(img_size, bool) or not isinstance(img_size, int) or img_size < GRID:
-            raise ConfigError(f"img_size must be an integer >= {GRID}, got {img_size!r}")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-        if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc < 1):
-            raise ConfigError(f"nc must be a positive integer or None, got {nc!r}")
-        if mosaic_buffer is not None and (
-            isinstance(mosaic_buffer, bool)
-            or not isinstance(mosaic_buffer, int)
-            or mosaic_buffer < 0
-        ):
-            raise ConfigError(
-                f"mosaic_buffer must be an integer >= 0 or None, got {mosaic_buffer!r}"
-            )
+        _check_sizes(img_size, batch_size, nc, mosaic_buffer)
         mode = _cache_mode(cache_images)
-        if augment:
-            if hyp is None:
-                raise ConfigError("augment=True needs hyp (the cfg/hyp.yaml values)")
-            missing = [k for k in HYP_AUGMENT_KEYS if k not in hyp]
-            if missing:
-                raise ConfigError(f"hyp lacks augmentation key(s) {', '.join(missing)}")
+        _check_hyp(augment, hyp)
         self.img_size = img_size
         self.batch_size = batch_size
         self.augment = augment
@@ -624,39 +210,50 @@ class LoadImagesAndLabels(Dataset):
         files, stem = collect_image_files(path)
         if not files:
             raise DatasetError(f"no images ({', '.join(IMG_FORMATS)}) found", _describe(path))
-        label_files = [img2label_path(f) for f in files]
         cache_dir = Path(label_root(files[0]))
         self.cache_path = cache_dir / f"{stem}.cache.npz"
         self.report_path = cache_dir / f"{stem}.cache_report.txt"
+        self._load_labels(files, stem, path, is_main)
 
-        key = label_cache_key(files, label_files, nc)
-        cache = load_label_cache(self.cache_path, key)
-        if cache is None or cache.files != files:
-            cache = build_label_cache(
-                files, label_files, nc, progress=is_main, desc=f"checking {stem}"
-            )
-            save_label_cache(self.cache_path, key, cache)
-            write_report(self.report_path, cache.summary(), cache.report)
+        self.batch = np.arange(len(self.img_files), dtype=np.int64) // batch_size
+        self.batch_shapes: np.ndarray | None = None
+        if rect:
+            self._sort_for_rect()
+        self.content_hash = self._hash_content()
+
+        self._rng_seed: int | None = None
+        self._rng_gen = np.random.default_rng(0)
+        self._cache_images(mode, cache_dir / f"{stem}.img{img_size}", is_main)
+        self._init_mosaic_buffer(mosaic_buffer)
+
+    # ---- construction steps -------------------------------------------------------------------
+
+    def _load_labels(self, files: list[str], stem: str, source: Any, is_main: bool) -> None:
+        """Keep the usable images of ``files`` with their checked labels (from the label cache,
+        see :mod:`build_utils.labels`): sets ``img_files``, ``label_files``, ``labels`` and
+        ``shapes``. ``source`` is the ``path`` argument, for the error message."""
+        label_files = [img2label_path(f) for f in files]
+        cache = load_labels(
+            files,
+            label_files,
+            self.nc,
+            self.cache_path,
+            self.report_path,
+            progress=is_main,
+            desc=f"checking {stem}",
+        )
         if is_main:
-            problems = cache.stats["corrupt"] + cache.stats["duplicate"] + cache.stats["bad"]
-            LOGGER.log(
-                logging.WARNING if problems else logging.INFO,
-                "%s: %s%s",
-                stem,
-                cache.summary(),
-                f"; details in {self.report_path}" if problems else "",
-            )
-
+            self._log_label_summary(stem, cache)
         keep = np.flatnonzero(cache.ok)
         if len(keep) == 0:
             raise DatasetError(
-                f"no usable image: {cache.summary()}; see {self.report_path}", _describe(path)
+                f"no usable image: {cache.summary()}; see {self.report_path}", _describe(source)
             )
         self.img_files = [files[i] for i in keep]
         self.label_files = [label_files[i] for i in keep]
         self.labels = [cache.labels[i].copy() for i in keep]
         self.shapes = cache.sizes[keep].copy()
-        if single_cls:
+        if self.single_cls:
             for lb in self.labels:
                 lb[:, 0] = 0
         if is_main and sum(len(lb) for lb in self.labels) == 0:
@@ -668,26 +265,36 @@ class LoadImagesAndLabels(Dataset):
                 self.label_files[0],
             )
 
-        n = len(self.img_files)
-        self.batch = np.arange(n, dtype=np.int64) // batch_size
-        self.batch_shapes: np.ndarray | None = None
-        if rect:
-            self._sort_for_rect()
-        self.content_hash = self._hash_content()
+    def _log_label_summary(self, stem: str, cache: LabelCache) -> None:
+        """One line per dataset: a warning pointing to the report when anything was dropped."""
+        problems = cache.stats["corrupt"] + cache.stats["duplicate"] + cache.stats["bad"]
+        LOGGER.log(
+            logging.WARNING if problems else logging.INFO,
+            "%s: %s%s",
+            stem,
+            cache.summary(),
+            f"; details in {self.report_path}" if problems else "",
+        )
 
-        self._rng_seed: int | None = None
-        self._rng_gen = np.random.default_rng(0)
+    def _cache_images(self, mode: str | None, folder: Path, is_main: bool) -> None:
+        """Fill the image cache ``mode`` asks for: None, ``"ram"`` or ``"disk"`` (``.npy``
+        files in ``folder``)."""
         self._imgs: list[np.ndarray] | None = None
         self._npy_files: list[Path] | None = None
         if mode == "ram":
             self._cache_in_ram(is_main)
         elif mode == "disk":
-            self._cache_on_disk(cache_dir / f"{stem}.img{img_size}", is_main)
+            self._cache_on_disk(folder, is_main)
 
-        if mosaic_buffer is None:
-            mosaic_buffer = min(max(8 * batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX)
+    def _init_mosaic_buffer(self, size: int | None) -> None:
+        """An empty mosaic buffer of ``size`` images (None: a default from the batch size);
+        off without mosaics and with the RAM cache, which holds every image already."""
+        if size is None:
+            size = min(
+                max(MOSAIC_BUFFER_BATCHES * self.batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX
+            )
         use_buffer = self.mosaic and self._imgs is None
-        self._buffer_cap = min(mosaic_buffer, n) if use_buffer else 0
+        self._buffer_cap = min(size, len(self)) if use_buffer else 0
         # index -> (pixels, decoded width / original width); insertion order = age.
         self._buffer: OrderedDict[int, tuple[np.ndarray, float]] = OrderedDict()
         self._buffer_bytes = 0
@@ -749,7 +356,7 @@ class LoadImagesAndLabels(Dataset):
             )
         if is_main:
             LOGGER.info("caching %d images in RAM (%.2f GB)", len(self), need / gb)
-        with ThreadPoolExecutor(CHECK_THREADS) as pool:
+        with ThreadPoolExecutor(DECODE_THREADS) as pool:
             self._imgs = list(
                 tqdm(
                     pool.map(self._decode_for_cache, range(len(self))),
@@ -763,7 +370,7 @@ class LoadImagesAndLabels(Dataset):
     def _cache_on_disk(self, folder: Path, is_main: bool) -> None:
         names = []
         for f in self.img_files:
-            digest = hashlib.sha1(f"{f}|{_stat_key(f)}|{self.img_size}".encode()).hexdigest()
+            digest = hashlib.sha1(f"{f}|{file_stamp(f)}|{self.img_size}".encode()).hexdigest()
             names.append(folder / f"{digest[:20]}.npy")
         todo = [i for i, p in enumerate(names) if not p.is_file()]
         try:
@@ -772,7 +379,7 @@ class LoadImagesAndLabels(Dataset):
             def write(i: int) -> None:
                 write_npy_atomic(names[i], self._decode_for_cache(i))
 
-            with ThreadPoolExecutor(CHECK_THREADS) as pool:
+            with ThreadPoolExecutor(DECODE_THREADS) as pool:
                 list(
                     tqdm(
                         pool.map(write, todo),
@@ -983,6 +590,31 @@ def _to_chw_rgb(img: np.ndarray) -> np.ndarray:
     if planes[0].ctypes.data != out[2].ctypes.data:  # OpenCV allocated new planes after all
         out[...] = img[:, :, ::-1].transpose(2, 0, 1)
     return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_sizes(img_size: Any, batch_size: Any, nc: Any, mosaic_buffer: Any) -> None:
+    """ConfigError naming the first bad size argument of :class:`LoadImagesAndLabels`."""
+    if not _is_int(img_size) or img_size < GRID:
+        raise ConfigError(f"img_size must be an integer >= {GRID}, got {img_size!r}")
+    if not _is_int(batch_size) or batch_size < 1:
+        raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
+    if nc is not None and (not _is_int(nc) or nc < 1):
+        raise ConfigError(f"nc must be a positive integer or None, got {nc!r}")
+    if mosaic_buffer is not None and (not _is_int(mosaic_buffer) or mosaic_buffer < 0):
+        raise ConfigError(f"mosaic_buffer must be an integer >= 0 or None, got {mosaic_buffer!r}")
+
+
+def _check_hyp(augment: bool, hyp: dict[str, Any] | None) -> None:
+    if augment:
+        if hyp is None:
+            raise ConfigError("augment=True needs hyp (the cfg/hyp.yaml values)")
+        missing = [k for k in HYP_AUGMENT_KEYS if k not in hyp]
+        if missing:
+            raise ConfigError(f"hyp lacks augmentation key(s) {', '.join(missing)}")
 
 
 def _cache_mode(cache_images: bool | str | None) -> str | None:

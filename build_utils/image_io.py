@@ -25,6 +25,9 @@ from build_utils.errors import DatasetError
 
 # Image file types the datasets accept; compared case-insensitively.
 IMG_FORMATS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
+# Threads for decoding many images (label checks, image caches): decoding releases the GIL, so
+# threads scale with the cores.
+DECODE_THREADS = min(8, os.cpu_count() or 1)
 
 # JPEG decoding can scale by 1/2, 1/4 or 1/8 inside the IDCT, much cheaper than a full decode
 # followed by a resize; OpenCV exposes it through these flags.
@@ -54,6 +57,16 @@ def is_image_file(path: str | os.PathLike[str]) -> bool:
 def read_file_bytes(path: str | os.PathLike[str]) -> np.ndarray:
     """The raw bytes of a file as a ``(n,) uint8`` array (works for non-ASCII paths on Windows)."""
     return np.fromfile(os.fspath(path), dtype=np.uint8)
+
+
+def file_stamp(path: str | os.PathLike[str]) -> str:
+    """``"size:mtime_ns"`` of a file for cache keys (a rewritten file gets a new stamp), or
+    ``"-"`` when it cannot be read (a missing label file is a valid state, not an error)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return "-"
+    return f"{st.st_size}:{st.st_mtime_ns}"
 
 
 def is_jpeg(data: np.ndarray | bytes) -> bool:

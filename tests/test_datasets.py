@@ -14,14 +14,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from build_utils import datasets as ds_mod
-from build_utils.datasets import (
-    LoadImagesAndLabels,
-    collect_image_files,
-    img2label_path,
-    label_root,
-    parse_label_text,
-    worker_init_fn,
-)
+from build_utils import labels as labels_mod
+from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import exif_orientation, orient_boxes, oriented_size
 
@@ -132,20 +126,6 @@ def boxes_px(labels: torch.Tensor, w: int, h: int) -> np.ndarray:
 # Inputs
 
 
-def test_label_path_replaces_only_the_last_images_folder():
-    sep = os.sep
-    p = sep.join(["", "d", "images", "a", "images", "x.JPG"])
-    assert img2label_path(p) == sep.join(["", "d", "images", "a", "labels", "x.txt"])
-    assert img2label_path(sep.join(["", "d", "myimages", "x.png"])) == sep.join(
-        ["", "d", "myimages", "x.txt"]
-    )
-    assert label_root(p) == sep.join(["", "d", "images", "a"])
-    assert label_root(sep.join(["", "d", "train", "images", "s", "x.png"])) == sep.join(
-        ["", "d", "train"]
-    )
-    assert label_root(sep.join(["", "d", "imgs", "x.png"])) == sep.join(["", "d"])
-
-
 def test_list_folder_relative_and_mixed_inputs(tmp_path, monkeypatch):
     img = np.full((40, 50, 3), 90, np.uint8)
     names = ["a.jpg", "b.PNG", "c.bmp", "d.tif", "e.webp", "f.JPEG", "g.tiff", "ü ñ.jpg"]
@@ -202,51 +182,6 @@ def test_missing_or_empty_inputs_raise(tmp_path):
 
 # ---------------------------------------------------------------------------------------------
 # Label checking
-
-
-def test_parse_label_text_rules():
-    text = "\n".join(
-        [
-            "0 0.5 0.5 0.2 0.2",  # good
-            "",  # blank lines are ignored
-            "1 0.5 0.5 0.2",  # 4 fields
-            "1 0.5 0.5 0.2 0.2 0.1",  # 6 fields (a segment?)
-            "a 0.5 0.5 0.2 0.2",  # not a number
-            "1 nan 0.5 0.2 0.2",  # NaN
-            "7 0.5 0.5 0.2 0.2",  # class >= nc
-            "-1 0.5 0.5 0.2 0.2",  # negative class
-            "1.5 0.5 0.5 0.2 0.2",  # fractional class
-            "1 1.5 0.5 0.2 0.2",  # coordinate > 1
-            "1 0.5 -0.2 0.2 0.2",  # negative coordinate
-            "1 1.0005 0.5 0.2 0.2",  # within tolerance: clipped
-            "1 0.5 0.5 0.0 0.2",  # zero size
-            "0 0.5 0.5 0.2 0.2",  # duplicate of line 1
-            "2 0.95 0.5 0.3 0.2",  # extends beyond the image: clipped, noted
-        ]
-    )
-    labels, n_dup, n_bad, notes = parse_label_text(text, nc=5, where="f.txt")
-    assert n_dup == 1
-    assert n_bad == 10
-    np.testing.assert_allclose(labels[0], [0, 0.5, 0.5, 0.2, 0.2], atol=1e-7)
-    np.testing.assert_allclose(labels[1], [1, 0.95, 0.5, 0.1, 0.2], atol=1e-6)  # 1.0005 -> 1
-    np.testing.assert_allclose(labels[2], [2, 0.9, 0.5, 0.2, 0.2], atol=1e-6)
-    report = "\n".join(notes)
-    for lineno, reason in [
-        (3, "4 fields"),
-        (4, "6 fields"),
-        (5, "not a number"),
-        (6, "NaN"),
-        (7, "class id 7 outside [0, 5)"),
-        (8, "not a non-negative integer"),
-        (9, "not a non-negative integer"),
-        (10, "outside [0, 1]"),
-        (11, "outside [0, 1]"),
-        (13, "zero-size"),
-        (14, "duplicate"),
-        (15, "clipped"),
-    ]:
-        assert f"f.txt:{lineno}: " in report and reason in report, reason
-    assert len(parse_label_text("5 0.5 0.5 0.1 0.1", nc=None)[0]) == 1  # no nc: any id >= 0
 
 
 def _jpeg_with_exif(img: np.ndarray, orientation: int) -> bytes:
@@ -519,9 +454,9 @@ def test_collate_fills_the_batch_index(tmp_path):
 def test_label_cache_reuse_and_invalidation(tmp_path, monkeypatch, caplog):
     lst = small_dataset(tmp_path)
     calls = []
-    real = ds_mod.build_label_cache
+    real = labels_mod.build_label_cache
     monkeypatch.setattr(
-        ds_mod, "build_label_cache", lambda *a, **k: calls.append(1) or real(*a, **k)
+        labels_mod, "build_label_cache", lambda *a, **k: calls.append(1) or real(*a, **k)
     )
     d = LoadImagesAndLabels(lst, 96)
     assert len(calls) == 1 and d.cache_path.is_file() and d.cache_path.name == "train.cache.npz"
@@ -539,7 +474,7 @@ def test_label_cache_reuse_and_invalidation(tmp_path, monkeypatch, caplog):
     assert d2.content_hash != d.content_hash
 
     d2.cache_path.write_bytes(b"not a zip file")
-    with caplog.at_level(logging.WARNING, logger="build_utils.datasets"):
+    with caplog.at_level(logging.WARNING, logger="build_utils.labels"):
         LoadImagesAndLabels(lst, 96, nc=80)
     assert len(calls) == 4 and "unreadable" in caplog.text
 
@@ -547,8 +482,8 @@ def test_label_cache_reuse_and_invalidation(tmp_path, monkeypatch, caplog):
         raise PermissionError(13, "Permission denied")
 
     caplog.clear()
-    monkeypatch.setattr(ds_mod.tempfile, "mkstemp", read_only)
-    with caplog.at_level(logging.WARNING, logger="build_utils.datasets"):
+    monkeypatch.setattr(labels_mod.tempfile, "mkstemp", read_only)
+    with caplog.at_level(logging.WARNING, logger="build_utils.labels"):
         d3 = LoadImagesAndLabels(lst, 96, nc=3)
     assert len(d3) == len(d) and "cannot write label cache" in caplog.text
 
@@ -662,11 +597,3 @@ def test_dataloader_with_workers(shapes_data):
         assert ((targets[:, 1] >= 0) & (targets[:, 1] < 5)).all()
         seen += len(paths)
     assert seen == len(d)
-
-
-def test_collect_image_files_names_the_cache_after_the_list(tmp_path):
-    lst = small_dataset(tmp_path, n=2)
-    files, stem = collect_image_files(lst)
-    assert stem == "train" and len(files) == 2
-    files, stem = collect_image_files([lst, tmp_path / "train" / "images"])
-    assert stem == "train+train" and len(files) == 4

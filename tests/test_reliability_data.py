@@ -32,8 +32,10 @@ from torch import nn
 import predict
 import validation
 from build_utils import datasets as ds_mod
+from build_utils import labels as labels_mod
 from build_utils.boxes import non_max_suppression
-from build_utils.datasets import LoadImagesAndLabels, build_label_cache
+from build_utils.datasets import LoadImagesAndLabels
+from build_utils.labels import build_label_cache
 from build_utils.parse_config import parse_model_cfg
 from models.darknet import Darknet
 from tools import kmeans_anchors
@@ -412,7 +414,7 @@ def test_corrupt_or_hostile_label_cache_is_rebuilt(tmp_path, caplog):
     warnings = [r.getMessage() for r in caplog.records if "label cache" in r.getMessage()]
     assert len(warnings) == 3 and all("rebuilding" in w for w in warnings), warnings
     with np.load(d.cache_path, allow_pickle=False) as z:
-        assert int(z["version"]) == ds_mod.CACHE_VERSION
+        assert int(z["version"]) == labels_mod.CACHE_VERSION
 
 
 def test_label_cache_write_is_atomic(tmp_path, monkeypatch, caplog):

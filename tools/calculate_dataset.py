@@ -28,9 +28,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.datasets import parse_label_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
+from build_utils.labels import parse_label_text
 from build_utils.parse_config import load_class_names
 from train_utils.cli import run_main, setup_console_logging
 
