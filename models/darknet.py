@@ -461,14 +461,16 @@ FREEZE_MODES = ("none", "backbone", "all-but-heads")
 def backbone_end(model: Darknet) -> int:
     """Index of the last backbone layer: the last [shortcut] before the first head (Darknet-53
     ends there: layer 74 of yolov3.cfg, the lineage's magic number), or, for networks without
-    residual blocks, the layer before the first [route]."""
+    residual blocks, the layer before the first [route]; never the convolution that feeds a
+    head or anything after it (yolov3-tiny: layer 14, Darknet's ``yolov3-tiny.conv.15``)."""
     first_yolo = min(model.yolo_layers)
+    last_allowed = first_yolo - 2  # first_yolo - 1 is the head's own convolution
     defs = model.module_defs
     shortcuts = [i for i in range(first_yolo) if defs[i]["type"] == "shortcut"]
     if shortcuts:
-        return shortcuts[-1]
+        return min(shortcuts[-1], last_allowed)
     routes = [i for i in range(first_yolo) if defs[i]["type"] == "route"]
-    return (routes[0] - 1) if routes else first_yolo - 1
+    return min(routes[0] - 1, last_allowed) if routes else last_allowed
 
 
 def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:

@@ -225,6 +225,58 @@ def test_legacy_local_rank_argument(tmp_path: Path) -> None:
     assert [r["local_rank"] for r in res] == [0, 1]
 
 
+NONFINITE_WORKER = textwrap.dedent(
+    """
+    import json
+    import sys
+    from pathlib import Path
+
+    import torch
+
+    from train_utils import distributed_utils as du
+    from train_utils.train_eval_utils import NonFiniteLossError, _check_finite
+
+    out = Path(sys.argv[1])
+    info = du.init_distributed_mode(None, timeout_s=60)
+    r = info.rank
+    # Three logged iterations; rank 1's second loss is NaN.
+    flags = [torch.tensor(True), torch.tensor(r != 1), torch.tensor(True)]
+    paths = [[f"r{r}_a.jpg"], [f"r{r}_b.jpg", f"r{r}_c.jpg"], [f"r{r}_d.jpg"]]
+    res = {"clean": None, "error": None}
+    _check_finite([torch.tensor(True)], [["ok.jpg"]], 3)  # nobody bad: nobody raises
+    res["clean"] = "passed"
+    try:
+        _check_finite(flags, paths, 3)
+    except NonFiniteLossError as e:
+        res["error"] = str(e)
+    du.cleanup()
+    (out / f"rank{r}.json").write_text(json.dumps(res))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "nonfinite.py"
+    script.write_text(NONFINITE_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(_free_port())
+    envs = []
+    for rank in range(2):
+        env = _base_env()
+        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        envs.append(env)
+    _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
+    res = _results(out)
+    assert [r["clean"] for r in res] == ["passed", "passed"]
+    # The rank that saw it names the offending batch; the other stops at the same step.
+    assert res[1]["error"] == ("non-finite loss in epoch 3; offending batch: r1_b.jpg, r1_c.jpg. "
+                               "Lower lr0, check these images' labels, or disable --amp")
+    assert res[0]["error"] == "non-finite loss on another rank in epoch 3; stopping"
+
+
 # ---------------------------------------------------------------- in-process, no process group
 
 

@@ -1,0 +1,83 @@
+"""train_utils/devices.py: the device policy, as a pure function of request, GPUs and rank."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from build_utils.errors import ConfigError
+from train_utils.devices import choose_device, select_device
+
+CPU = torch.device("cpu")
+
+
+def cuda(i: int) -> torch.device:
+    return torch.device("cuda", i)
+
+
+@pytest.mark.parametrize(
+    ("spec", "count", "local_rank", "expected"),
+    [
+        # one process
+        ("", 0, None, CPU),
+        ("cpu", 0, None, CPU),
+        ("CPU ", 4, None, CPU),
+        ("", 2, None, cuda(0)),
+        ("cuda", 2, None, cuda(0)),
+        ("1", 2, None, cuda(1)),
+        ("cuda:1", 2, None, cuda(1)),
+        # under a launcher: the local rank's GPU ...
+        ("", 4, 0, cuda(0)),
+        ("", 4, 3, cuda(3)),
+        ("cuda", 4, 2, cuda(2)),
+        # ... unless the process sees exactly one (SLURM --gpus-per-task=1, --gpu-bind)
+        ("", 1, 0, cuda(0)),
+        ("", 1, 5, cuda(0)),
+        ("cpu", 4, 1, CPU),
+        ("", 0, 3, CPU),
+    ],
+)
+def test_choose_device(spec: str, count: int, local_rank: int | None, expected) -> None:
+    choice = choose_device(spec, count, local_rank)
+    assert choice.device == expected and choice.note is None
+
+
+def test_an_explicit_gpu_under_a_launcher_is_overridden_with_a_note() -> None:
+    choice = choose_device("cuda:1", 4, 0)
+    assert choice.device == cuda(0)
+    assert "CUDA_VISIBLE_DEVICES" in choice.note and "cuda:0" in choice.note
+    # Asking for the GPU the rank would get anyway says nothing.
+    assert choose_device("cuda:2", 4, 2).note is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "count", "local_rank", "message"),
+    [
+        ("cuda", 0, None, "asks for CUDA but no CUDA device is visible"),
+        ("0", 0, None, "asks for CUDA"),
+        ("cuda:3", 0, 1, "asks for CUDA"),
+        ("cuda:2", 2, None, r"only 2 CUDA device\(s\) are visible"),
+        ("", 2, 2, "local rank 2 but 2 CUDA devices are visible"),
+        ("gpu", 1, None, "'gpu' is not a device"),
+        ("mps", 1, None, "only CPU and CUDA devices are supported"),
+    ],
+)
+def test_choose_device_refuses(spec: str, count: int, local_rank: int | None, message: str):
+    with pytest.raises(ConfigError, match=message):
+        choose_device(spec, count, local_rank)
+
+
+def test_select_device_on_this_machine() -> None:
+    assert select_device("cpu") == CPU
+    expected = "cuda" if torch.cuda.is_available() else "cpu"
+    assert select_device("").type == expected
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="no CUDA device"):
+            select_device("cuda:0")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_select_device_makes_the_gpu_current() -> None:
+    last = torch.cuda.device_count() - 1
+    assert select_device(str(last)) == cuda(last)
+    assert torch.cuda.current_device() == last
