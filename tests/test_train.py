@@ -11,9 +11,10 @@ import torch
 
 import train as train_script
 import validation
+from models.loss import scale_loss_gains
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
-from train_utils.config import build_config, get_args_parser
+from train_utils.config import build_config, get_args_parser, load_hyp
 from train_utils.distributed_utils import DistInfo
 from train_utils.reporting import RESULTS_HEADER
 from train_utils.trainer import run
@@ -163,3 +164,15 @@ def test_cli_errors_are_one_line(shapes_data, repo_root, tmp_path, capsys):
                                  "e.g. 96"]
     code = train_script.main(_flags(shapes_data, tmp_path / "x", repo_root, 1, "--resume"))
     assert code == 2 and "--resume: no checkpoint" in capsys.readouterr().err
+
+
+def test_run_folder_hyp_is_what_the_user_gave(trained, repo_root):
+    """Passing a run's hyp.yaml back with --hyp reproduces its settings (the class/size-scaled
+    gains are kept in the checkpoint under their own key, never scaled twice)."""
+    out, _ = trained
+    given = load_hyp(repo_root / "cfg" / "hyp.yaml")
+    assert load_hyp(out / "hyp.yaml") == given
+    ckpt = load_checkpoint(out / "last.pt")
+    assert ckpt["hyp"] == given
+    assert ckpt["hyp_scaled"] == scale_loss_gains(given, 5, int(IMG))
+    assert ckpt["hyp_scaled"]["cls"] != given["cls"]
