@@ -36,13 +36,25 @@ logger = logging.getLogger("train_multi_GPU")
 
 def get_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        "YOLOv3-SPP distributed training", parents=[get_args_parser(add_help=False)],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        "YOLOv3-SPP distributed training",
+        parents=[get_args_parser(add_help=False)],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     # torch.distributed.launch passes one of these; torchrun sets LOCAL_RANK instead.
-    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=-1,
-                        help=argparse.SUPPRESS)
-    parser.add_argument("--dist-timeout", type=float, default=1800.0,
-                        help="seconds a collective may wait before the job fails")
+    parser.add_argument(
+        "--local_rank",
+        "--local-rank",
+        dest="local_rank",
+        type=int,
+        default=-1,
+        help=argparse.SUPPRESS,
+    )
+    parser.add_argument(
+        "--dist-timeout",
+        type=float,
+        default=1800.0,
+        help="seconds a collective may wait before the job fails",
+    )
     return parser
 
 
@@ -54,15 +66,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         dist = init_distributed_mode(args, timeout_s=args.dist_timeout)
         try:
             if not dist.distributed:
-                logger.warning("not launched by torchrun/SLURM: training in one process. %s",
-                               launch_hint())
+                logger.warning(
+                    "not launched by torchrun/SLURM: training in one process. %s", launch_hint()
+                )
             config = build_config(args)
             # Every rank must write to the same folder, whatever its clock says.
             config.output_dir = Path(broadcast_object(str(config.output_dir)))
             restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
             if config.resume is None and restarts > 0 and (config.output_dir / "last.pt").is_file():
-                logger.warning("restart %d: resuming from %s", restarts,
-                               config.output_dir / "last.pt")
+                logger.warning(
+                    "restart %d: resuming from %s", restarts, config.output_dir / "last.pt"
+                )
                 config.resume = "auto"
             run(config, dist)
         finally:

@@ -260,9 +260,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     ratio = rows[1]["vs_1_process"]
     paired_ratio = round(statistics.median(paired), 3)
-    print(f"{args.nproc}-process / 1-process throughput: {ratio:.2f}x best of each, "
-          f"{paired_ratio:.2f}x median of paired runs ({', '.join(f'{x:.2f}' for x in paired)}; "
-          f"ideal {args.nproc}.00x)")
+    print(
+        f"{args.nproc}-process / 1-process throughput: {ratio:.2f}x best of each, "
+        f"{paired_ratio:.2f}x median of paired runs ({', '.join(f'{x:.2f}' for x in paired)}; "
+        f"ideal {args.nproc}.00x)"
+    )
     print(
         "CPU share: CPU time the processes got / (wall time x processes); below 100% other work "
         "took cores. free cores: the ratio projected for idle cores from images per CPU-second "

@@ -99,8 +99,10 @@ def _polygon(cls: int, cx: float, cy: float, s: float, rng: np.random.Generator)
         pts = [(-r, -r), (r, -r), (r, r), (-r, r)]
     elif cls == 2:  # triangle, randomly rotated
         a0 = rng.uniform(0, 2 * math.pi)
-        pts = [(r * math.cos(a0 + k * 2 * math.pi / 3), r * math.sin(a0 + k * 2 * math.pi / 3))
-               for k in range(3)]
+        pts = [
+            (r * math.cos(a0 + k * 2 * math.pi / 3), r * math.sin(a0 + k * 2 * math.pi / 3))
+            for k in range(3)
+        ]
     elif cls == 3:  # five-pointed star, randomly rotated
         a0 = rng.uniform(0, 2 * math.pi)
         pts = []
@@ -110,8 +112,20 @@ def _polygon(cls: int, cx: float, cy: float, s: float, rng: np.random.Generator)
             pts.append((rk * math.cos(a), rk * math.sin(a)))
     elif cls == 4:  # plus-shaped cross
         t = r / 3
-        pts = [(-t, -r), (t, -r), (t, -t), (r, -t), (r, t), (t, t), (t, r), (-t, r), (-t, t),
-               (-r, t), (-r, -t), (-t, -t)]
+        pts = [
+            (-t, -r),
+            (t, -r),
+            (t, -t),
+            (r, -t),
+            (r, t),
+            (t, t),
+            (t, r),
+            (-t, r),
+            (-t, t),
+            (-r, t),
+            (-r, -t),
+            (-t, -t),
+        ]
     else:
         raise ValueError(f"class {cls} is not a polygon")
     return np.round(np.array(pts) + np.array([cx, cy])).astype(np.int32)
@@ -167,13 +181,17 @@ def render_image(
                 pts = None
             else:
                 pts = _polygon(cls, cx, cy, s, rng)
-                box = (int(pts[:, 0].min()), int(pts[:, 1].min()),
-                       int(pts[:, 0].max()) + 1, int(pts[:, 1].max()) + 1)
+                box = (
+                    int(pts[:, 0].min()),
+                    int(pts[:, 1].min()),
+                    int(pts[:, 0].max()) + 1,
+                    int(pts[:, 1].max()) + 1,
+                )
             if box[0] < 0 or box[1] < 0 or box[2] > w or box[3] > h:
                 continue
             if any(_iou(box, o.box) > MAX_OVERLAP_IOU for o in objects):
                 continue
-            colour = _contrasting_colour(rng, img[box[1]:box[3], box[0]:box[2]])
+            colour = _contrasting_colour(rng, img[box[1] : box[3], box[0] : box[2]])
             if pts is None:
                 cv2.circle(img, (icx, icy), ir, colour, -1, cv2.LINE_8)
             else:
@@ -209,8 +227,10 @@ def _label_text(w: int, h: int, objects: list[ShapeObject]) -> str:
     lines = []
     for o in objects:
         x1, y1, x2, y2 = o.box
-        lines.append(f"{o.cls} {(x1 + x2) / 2 / w:.6f} {(y1 + y2) / 2 / h:.6f} "
-                     f"{(x2 - x1) / w:.6f} {(y2 - y1) / h:.6f}")
+        lines.append(
+            f"{o.cls} {(x1 + x2) / 2 / w:.6f} {(y1 + y2) / 2 / h:.6f} "
+            f"{(x2 - x1) / w:.6f} {(y2 - y1) / h:.6f}"
+        )
     return "\n".join(lines) + ("\n" if lines else "")
 
 
@@ -286,15 +306,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("demo_data/shapes"), help="output folder")
     parser.add_argument("--n-train", type=int, default=1000, help="training images")
     parser.add_argument("--n-val", type=int, default=200, help="validation images")
-    parser.add_argument("--img-size", type=_size_range, default=(256, 480),
-                        help="range of image sides in pixels, MIN,MAX (default 256,480)")
-    parser.add_argument("--min-obj-size", type=float, default=10.0,
-                        help="smallest object side in pixels (default 10)")
-    parser.add_argument("--max-obj-frac", type=float, default=0.5,
-                        help="largest object side as a fraction of the short image side "
-                        "(default 0.5)")
-    parser.add_argument("--classes", type=int, default=len(CLASS_NAMES),
-                        help=f"number of shape classes, 1..{len(CLASS_NAMES)}")
+    parser.add_argument(
+        "--img-size",
+        type=_size_range,
+        default=(256, 480),
+        help="range of image sides in pixels, MIN,MAX (default 256,480)",
+    )
+    parser.add_argument(
+        "--min-obj-size",
+        type=float,
+        default=10.0,
+        help="smallest object side in pixels (default 10)",
+    )
+    parser.add_argument(
+        "--max-obj-frac",
+        type=float,
+        default=0.5,
+        help="largest object side as a fraction of the short image side (default 0.5)",
+    )
+    parser.add_argument(
+        "--classes",
+        type=int,
+        default=len(CLASS_NAMES),
+        help=f"number of shape classes, 1..{len(CLASS_NAMES)}",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--voc", action="store_true", help="also write Pascal VOC XML annotations")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
@@ -302,8 +337,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.n_train < 0 or args.n_val < 0:
         parser.error("--n-train and --n-val must be >= 0")
     try:
-        data = make_dataset(args.out, args.n_train, args.n_val, args.img_size, args.seed, args.voc,
-                            args.classes, (args.min_obj_size, args.max_obj_frac), args.workers)
+        data = make_dataset(
+            args.out,
+            args.n_train,
+            args.n_val,
+            args.img_size,
+            args.seed,
+            args.voc,
+            args.classes,
+            (args.min_obj_size, args.max_obj_frac),
+            args.workers,
+        )
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

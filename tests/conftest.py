@@ -40,8 +40,15 @@ def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     Tests must not modify it; use ``make_shapes_data`` for a private copy.
     """
     root = tmp_path_factory.mktemp("shapes")
-    return make_dataset(root, n_train=24, n_val=10, img_size_range=(160, 256), seed=0,
-                        obj_size_range=(16.0, 0.5), workers=1)
+    return make_dataset(
+        root,
+        n_train=24,
+        n_val=10,
+        img_size_range=(160, 256),
+        seed=0,
+        obj_size_range=(16.0, 0.5),
+        workers=1,
+    )
 
 
 @pytest.fixture

@@ -19,21 +19,43 @@ NANO = str(REPO / "cfg" / "yolov3-spp-nano.cfg")
 
 def _bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / script), *args], cwd=REPO,
-                          env=env, capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run(
+        [sys.executable, str(REPO / "bench" / script), *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def test_bench_model_writes_a_row_per_variant(tmp_path):
     out = tmp_path / "model.json"
-    proc = _bench("bench_model.py", "--cfg", NANO, "--sizes", "64", "--train-batch", "2",
-                  "--steps", "1", "--threads", "1", "--skip-ceiling", "--precisions", "fp32",
-                  "--json", str(out))
+    proc = _bench(
+        "bench_model.py",
+        "--cfg",
+        NANO,
+        "--sizes",
+        "64",
+        "--train-batch",
+        "2",
+        "--steps",
+        "1",
+        "--threads",
+        "1",
+        "--skip-ceiling",
+        "--precisions",
+        "fp32",
+        "--json",
+        str(out),
+    )
     result = json.loads(out.read_text())
     rows = result["results"]
     assert {(r["mode"], r["format"]) for r in rows} == {
-        (m, f) for m in ("eval", "train") for f in ("contiguous", "channels_last")}
+        (m, f) for m in ("eval", "train") for f in ("contiguous", "channels_last")
+    }
     for r in rows:
         assert r["img_per_s"] > 0 and r["gflop_per_img"] > 0
         assert r["vs_fp32_contiguous"] is not None
@@ -44,8 +66,22 @@ def test_bench_model_writes_a_row_per_variant(tmp_path):
 @pytest.mark.slow
 def test_bench_ddp_reports_the_ratio(tmp_path):
     out = tmp_path / "ddp.json"
-    proc = _bench("bench_ddp.py", "--img-size", "64", "--batch", "2", "--warmup", "1",
-                  "--steps", "1", "--repeat", "1", "--skip-no-sync", "--json", str(out))
+    proc = _bench(
+        "bench_ddp.py",
+        "--img-size",
+        "64",
+        "--batch",
+        "2",
+        "--warmup",
+        "1",
+        "--steps",
+        "1",
+        "--repeat",
+        "1",
+        "--skip-no-sync",
+        "--json",
+        str(out),
+    )
     result = json.loads(out.read_text())
     assert [r["processes"] for r in result["results"]] == [1, 2]
     assert result["ratio"] > 0
@@ -58,8 +94,19 @@ def test_bench_ddp_reports_the_ratio(tmp_path):
 @pytest.mark.slow
 def test_bench_e2e_reports_epochs_and_map(shapes_data, tmp_path):
     out = tmp_path / "e2e.json"
-    _bench("bench_e2e.py", "--data", str(shapes_data), "--epochs", "1", "--img-size", "64",
-           "--workers", "0", "--json", str(out))
+    _bench(
+        "bench_e2e.py",
+        "--data",
+        str(shapes_data),
+        "--epochs",
+        "1",
+        "--img-size",
+        "64",
+        "--workers",
+        "0",
+        "--json",
+        str(out),
+    )
     result = json.loads(out.read_text())
     assert [r["epoch"] for r in result["epochs"]] == [0]
     assert 0 <= result["epochs"][0]["mAP50"] <= 1

@@ -19,11 +19,16 @@ from train_utils.config import (
 
 
 def _hyp_text(**override) -> str:
-    values = {k: (s.default if s.default is not None else (0.5 if s.kind is float else True))
-              for k, s in HYP_SPECS.items()}
+    values = {
+        k: (s.default if s.default is not None else (0.5 if s.kind is float else True))
+        for k, s in HYP_SPECS.items()
+    }
     values.update(override)
-    return "".join(f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n"
-                   for k, v in values.items() if v is not None)
+    return "".join(
+        f"{k}: {str(v).lower() if isinstance(v, bool) else v}\n"
+        for k, v in values.items()
+        if v is not None
+    )
 
 
 def test_repository_hyp_files_are_valid(repo_root):
@@ -32,15 +37,22 @@ def test_repository_hyp_files_are_valid(repo_root):
         assert set(hyp) == set(HYP_SPECS)
     lineage = load_hyp(repo_root / "cfg" / "hyp.yaml")
     # The lineage's values for real datasets.
-    assert (lineage["giou"], lineage["cls"], lineage["obj"], lineage["lr0"]) == (3.54, 37.4, 64.3,
-                                                                                  0.001)
+    assert (lineage["giou"], lineage["cls"], lineage["obj"], lineage["lr0"]) == (
+        3.54,
+        37.4,
+        64.3,
+        0.001,
+    )
 
 
 def test_hyp_unknown_key_names_line(tmp_path):
     p = tmp_path / "h.yaml"
     p.write_text(_hyp_text() + "lr_0: 0.1\n")
-    with pytest.raises(ConfigError, match=rf"h.yaml:{len(HYP_SPECS) + 1}: unknown hyperparameter "
-                                          r"'lr_0'"):
+    with pytest.raises(
+        ConfigError,
+        match=rf"h.yaml:{len(HYP_SPECS) + 1}: unknown hyperparameter "
+        r"'lr_0'",
+    ):
         load_hyp(p)
 
 
@@ -77,24 +89,36 @@ def test_data_config_checks(shapes_data, tmp_path):
     assert d.nc == 5 and d.names[0] == "circle" and d.train.is_file()
     assert load_data_config(shapes_data, single_cls=True).nc == 1
     bad = tmp_path / "bad.data"
-    bad.write_text(shapes_data.read_text().replace("classes=5", "classes=4")
-                   .replace("names=shapes.names", f"names={shapes_data.parent / 'shapes.names'}")
-                   .replace("train=train.txt", f"train={shapes_data.parent / 'train.txt'}")
-                   .replace("valid=val.txt", f"valid={shapes_data.parent / 'val.txt'}"))
+    bad.write_text(
+        shapes_data.read_text()
+        .replace("classes=5", "classes=4")
+        .replace("names=shapes.names", f"names={shapes_data.parent / 'shapes.names'}")
+        .replace("train=train.txt", f"train={shapes_data.parent / 'train.txt'}")
+        .replace("valid=val.txt", f"valid={shapes_data.parent / 'val.txt'}")
+    )
     with pytest.raises(ConfigError, match="classes=4 but .* lists 5 names"):
         load_data_config(bad)
-    bad.write_text("classes=5\ntrain=nowhere.txt\nvalid=nowhere.txt\n"
-                   f"names={shapes_data.parent / 'shapes.names'}\n")
+    bad.write_text(
+        "classes=5\ntrain=nowhere.txt\nvalid=nowhere.txt\n"
+        f"names={shapes_data.parent / 'shapes.names'}\n"
+    )
     with pytest.raises(ConfigError, match="'train' points to nowhere.txt"):
         load_data_config(bad)
 
 
 def test_cli_values(shapes_data, repo_root):
-    base = ["--data", str(shapes_data), "--cfg", str(repo_root / "cfg" / "yolov3-spp-nano.cfg"),
-            "--hyp", str(repo_root / "cfg" / "hyp.yaml")]
+    base = [
+        "--data",
+        str(shapes_data),
+        "--cfg",
+        str(repo_root / "cfg" / "yolov3-spp-nano.cfg"),
+        "--hyp",
+        str(repo_root / "cfg" / "hyp.yaml"),
+    ]
     parser = get_args_parser()
-    with pytest.raises(ConfigError, match="--img-size 300 is not a positive multiple of 32; use "
-                                          "e.g. 288"):
+    with pytest.raises(
+        ConfigError, match="--img-size 300 is not a positive multiple of 32; use e.g. 288"
+    ):
         build_config(parser.parse_args([*base, "--img-size", "300"]))
     with pytest.raises(ConfigError, match="--batch-size must be >= 1, got 0"):
         build_config(parser.parse_args([*base, "--batch-size", "0"]))

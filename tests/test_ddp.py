@@ -37,18 +37,47 @@ def _env() -> dict[str, str]:
 
 
 def _train_flags(data: Path, out: Path, epochs: int) -> list[str]:
-    return ["--data", str(data), "--cfg", str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
-            "--hyp", str(REPO / "cfg" / "hyp.yaml"), "--epochs", str(epochs), "--batch-size", "4",
-            "--img-size", "128", "--no-multi-scale", "--workers", "0", "--device", "cpu",
-            "--output-dir", str(out)]
+    return [
+        "--data",
+        str(data),
+        "--cfg",
+        str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
+        "--hyp",
+        str(REPO / "cfg" / "hyp.yaml"),
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "4",
+        "--img-size",
+        "128",
+        "--no-multi-scale",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+    ]
 
 
-def _torchrun(script: str, args: list[str], nproc: int = 2, extra: list[str] | None = None,
-              timeout: float = 300) -> subprocess.CompletedProcess:
-    cmd = [*TORCHRUN, f"--nproc_per_node={nproc}", f"--master_port={_free_port()}",
-           *(extra or []), str(REPO / script), *args]
-    return subprocess.run(cmd, cwd=REPO, env=_env(), capture_output=True, text=True,
-                          timeout=timeout)
+def _torchrun(
+    script: str,
+    args: list[str],
+    nproc: int = 2,
+    extra: list[str] | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    cmd = [
+        *TORCHRUN,
+        f"--nproc_per_node={nproc}",
+        f"--master_port={_free_port()}",
+        *(extra or []),
+        str(REPO / script),
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
@@ -66,8 +95,16 @@ def ddp_run(shapes_data, tmp_path_factory):
 
 def test_torchrun_training_writes_the_outputs(ddp_run):
     out, proc = ddp_run
-    for name in ("last.pt", "best.pt", "results.csv", "results.png", "args.yaml", "hyp.yaml",
-                 "model.cfg", "train.log"):
+    for name in (
+        "last.pt",
+        "best.pt",
+        "results.csv",
+        "results.png",
+        "args.yaml",
+        "hyp.yaml",
+        "model.cfg",
+        "train.log",
+    ):
         assert (out / name).is_file(), name
     assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0", "1"]
     ckpt = load_checkpoint(out / "last.pt")
@@ -84,16 +121,52 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
     """10 validation images over 3 processes (4/3/3 in whole rect batches of 2, no padding): the
     gathered detections and the 12 stats equal a single-process run."""
     out, _ = ddp_run
-    common = ["--cfg", str(out / "model.cfg"), "--data", str(shapes_data), "--weights",
-              str(out / "last.pt"), "--img-size", "128", "--batch-size", "2", "--device", "cpu",
-              "--workers", "0", "--conf-thres", "0.001"]
+    common = [
+        "--cfg",
+        str(out / "model.cfg"),
+        "--data",
+        str(shapes_data),
+        "--weights",
+        str(out / "last.pt"),
+        "--img-size",
+        "128",
+        "--batch-size",
+        "2",
+        "--device",
+        "cpu",
+        "--workers",
+        "0",
+        "--conf-thres",
+        "0.001",
+    ]
     single = subprocess.run(
-        [sys.executable, str(REPO / "validation.py"), *common, "--json-out",
-         str(tmp_path / "single.json"), "--save-json", str(tmp_path / "single")],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(REPO / "validation.py"),
+            *common,
+            "--json-out",
+            str(tmp_path / "single.json"),
+            "--save-json",
+            str(tmp_path / "single"),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert single.returncode == 0, single.stderr[-2000:]
-    multi = _torchrun("validation.py", [*common, "--json-out", str(tmp_path / "multi.json"),
-                                        "--save-json", str(tmp_path / "multi")], nproc=3)
+    multi = _torchrun(
+        "validation.py",
+        [
+            *common,
+            "--json-out",
+            str(tmp_path / "multi.json"),
+            "--save-json",
+            str(tmp_path / "multi"),
+        ],
+        nproc=3,
+    )
     assert multi.returncode == 0, multi.stderr[-2000:]
     a = json.loads((tmp_path / "single.json").read_text())
     b = json.loads((tmp_path / "multi.json").read_text())
@@ -101,8 +174,12 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
         assert b[k] == pytest.approx(a[k], abs=1e-6), k
 
     def key(d):
-        return (d["image_id"], d["category_id"], round(d["score"], 5),
-                [round(v, 2) for v in d["bbox"]])
+        return (
+            d["image_id"],
+            d["category_id"],
+            round(d["score"], 5),
+            [round(v, 2) for v in d["bbox"]],
+        )
 
     pa = sorted(map(key, json.loads((tmp_path / "single" / "predictions.json").read_text())))
     pb = sorted(map(key, json.loads((tmp_path / "multi" / "predictions.json").read_text())))
@@ -120,10 +197,17 @@ def _children(pid: int) -> list[int]:
 def test_killed_worker_is_restarted_and_the_run_completes(make_shapes_data, tmp_path):
     data = make_shapes_data(n_train=48, n_val=4)
     out = tmp_path / "elastic"
-    cmd = [*TORCHRUN, "--nproc_per_node=2", f"--master_port={_free_port()}", "--max-restarts=1",
-           str(REPO / "train_multi_GPU.py"), *_train_flags(data, out, 3)]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    cmd = [
+        *TORCHRUN,
+        "--nproc_per_node=2",
+        f"--master_port={_free_port()}",
+        "--max-restarts=1",
+        str(REPO / "train_multi_GPU.py"),
+        *_train_flags(data, out, 3),
+    ]
+    proc = subprocess.Popen(
+        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         # Wait until epoch 0 is checkpointed, then SIGKILL one worker during epoch 1.
         deadline = time.time() + 240
@@ -147,9 +231,17 @@ def test_killed_worker_is_restarted_and_the_run_completes(make_shapes_data, tmp_
 
 def test_plain_python_launch_runs_single_process_with_a_hint(shapes_data, tmp_path):
     proc = subprocess.run(
-        [sys.executable, str(REPO / "train_multi_GPU.py"),
-         *_train_flags(shapes_data, tmp_path / "plain", 1)],
-        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            str(REPO / "train_multi_GPU.py"),
+            *_train_flags(shapes_data, tmp_path / "plain", 1),
+        ],
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "torchrun --nproc_per_node" in proc.stderr
     assert torch.load(tmp_path / "plain" / "last.pt", weights_only=True)["epoch"] == 0

@@ -265,15 +265,22 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
     envs = []
     for rank in range(2):
         env = _base_env()
-        env.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
         envs.append(env)
     _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
     res = _results(out)
     assert [r["clean"] for r in res] == ["passed", "passed"]
     # The rank that saw it names the offending batch; the other stops at the same step.
-    assert res[1]["error"] == ("non-finite loss in epoch 3; offending batch: r1_b.jpg, r1_c.jpg. "
-                               "Lower lr0, check these images' labels, or disable --amp")
+    assert res[1]["error"] == (
+        "non-finite loss in epoch 3; offending batch: r1_b.jpg, r1_c.jpg. "
+        "Lower lr0, check these images' labels, or disable --amp"
+    )
     assert res[0]["error"] == "non-finite loss on another rank in epoch 3; stopping"
 
 

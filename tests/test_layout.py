@@ -52,7 +52,16 @@ def test_no_star_imports_and_no_pickle():
 
 
 def test_expected_layout_exists():
-    for name in ("models", "cfg", "data", "build_utils", "train_utils", "tools", "tests", "weights",
-                 "bench"):
+    for name in (
+        "models",
+        "cfg",
+        "data",
+        "build_utils",
+        "train_utils",
+        "tools",
+        "tests",
+        "weights",
+        "bench",
+    ):
         assert (REPO / name).is_dir(), name
     assert (REPO / "weights" / "README.md").is_file()

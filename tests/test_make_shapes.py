@@ -25,7 +25,11 @@ def test_layout_and_label_validity(make_shapes_data):
     data = make_shapes_data(n_train=30, n_val=6, voc=True)
     root = data.parent
     assert data.read_text().splitlines() == [
-        f"classes={len(CLASS_NAMES)}", "train=train.txt", "valid=val.txt", "names=shapes.names"]
+        f"classes={len(CLASS_NAMES)}",
+        "train=train.txt",
+        "valid=val.txt",
+        "names=shapes.names",
+    ]
     assert (root / "shapes.names").read_text().split() == list(CLASS_NAMES)
     n_objects = n_empty = 0
     for split, n in (("train", 30), ("val", 6)):
@@ -61,9 +65,11 @@ def test_labels_match_drawn_pixels():
         img, objects = render_image(np.random.default_rng(seed), GeneratorOptions())
         for k, obj in enumerate(objects):
             x1, y1, x2, y2 = obj.box
-            later = objects[k + 1:]
-            if any(min(x2, o.box[2]) > max(x1, o.box[0]) and min(y2, o.box[3]) > max(y1, o.box[1])
-                   for o in later):
+            later = objects[k + 1 :]
+            if any(
+                min(x2, o.box[2]) > max(x1, o.box[0]) and min(y2, o.box[3]) > max(y1, o.box[1])
+                for o in later
+            ):
                 continue
             mask = np.all(img == np.array(obj.colour, np.uint8), axis=2)
             ys, xs = np.nonzero(mask[y1:y2, x1:x2])
@@ -72,7 +78,7 @@ def test_labels_match_drawn_pixels():
             assert xs.min() == 0 and ys.min() == 0
             assert xs.max() == x2 - x1 - 1 and ys.max() == y2 - y1 - 1
             # And the colour does not continue right outside the box.
-            ring = mask[max(0, y1 - 1):y2 + 1, max(0, x1 - 1):x2 + 1].sum()
+            ring = mask[max(0, y1 - 1) : y2 + 1, max(0, x1 - 1) : x2 + 1].sum()
             assert ring == mask[y1:y2, x1:x2].sum() or ring - mask[y1:y2, x1:x2].sum() < 0.02 * ring
             checked += 1
     assert checked > 50
@@ -94,7 +100,9 @@ def test_some_images_empty_and_some_overlapping():
         boxes = [o.box for o in objects]
         n_overlap += any(
             min(a[2], b[2]) > max(a[0], b[0]) and min(a[3], b[3]) > max(a[1], b[1])
-            for i, a in enumerate(boxes) for b in boxes[i + 1:])
+            for i, a in enumerate(boxes)
+            for b in boxes[i + 1 :]
+        )
     assert 0 < n_empty < 40
     assert n_overlap > 0
 

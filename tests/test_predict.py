@@ -33,8 +33,15 @@ def checkpoint(tmp_path_factory) -> Path:
             bias[:, 4] = 5.0  # objectness ~ 1
             bias[:, 5] = 5.0  # class 0 wins
     path = d / "model.pt"
-    save_checkpoint({"model": model.state_dict(), "epoch": -1, "names": NAMES,
-                     "cfg": (d / "model.cfg").read_text()}, path)
+    save_checkpoint(
+        {
+            "model": model.state_dict(),
+            "epoch": -1,
+            "names": NAMES,
+            "cfg": (d / "model.cfg").read_text(),
+        },
+        path,
+    )
     return path
 
 
@@ -50,9 +57,24 @@ def test_images_folders_and_video(checkpoint, shapes_data, tmp_path, capsys):
         writer.write(np.full((120, 160, 3), 40 * k, np.uint8))
     writer.release()
     out = tmp_path / "out"
-    code = predict.main(["--weights", str(checkpoint), "--source", str(images[0]), str(folder),
-                         str(video), "--output", str(out), "--img-size", "128", "--device", "cpu",
-                         "--conf-thres", "0.5"])
+    code = predict.main(
+        [
+            "--weights",
+            str(checkpoint),
+            "--source",
+            str(images[0]),
+            str(folder),
+            str(video),
+            "--output",
+            str(out),
+            "--img-size",
+            "128",
+            "--device",
+            "cpu",
+            "--conf-thres",
+            "0.5",
+        ]
+    )
     assert code == 0
     stdout = capsys.readouterr().out
     for p in images:
@@ -69,13 +91,39 @@ def test_images_folders_and_video(checkpoint, shapes_data, tmp_path, capsys):
 def test_bad_inputs(checkpoint, tmp_path, capsys, caplog):
     bad = tmp_path / "broken.jpg"
     bad.write_bytes(b"not an image")
-    code = predict.main(["--weights", str(checkpoint), "--source", str(bad), "--output",
-                         str(tmp_path / "o"), "--img-size", "128", "--device", "cpu"])
+    code = predict.main(
+        [
+            "--weights",
+            str(checkpoint),
+            "--source",
+            str(bad),
+            "--output",
+            str(tmp_path / "o"),
+            "--img-size",
+            "128",
+            "--device",
+            "cpu",
+        ]
+    )
     assert code == 0 and "skipped" in caplog.text
     assert predict.main(["--weights", str(tmp_path / "none.pt"), "--source", str(bad)]) == 2
     assert "weights file not found" in capsys.readouterr().err
-    assert predict.main(["--weights", str(checkpoint), "--source", str(tmp_path / "nothing"),
-                         "--img-size", "128", "--device", "cpu"]) == 2
+    assert (
+        predict.main(
+            [
+                "--weights",
+                str(checkpoint),
+                "--source",
+                str(tmp_path / "nothing"),
+                "--img-size",
+                "128",
+                "--device",
+                "cpu",
+            ]
+        )
+        == 2
+    )
     assert "--source: no such file or folder" in capsys.readouterr().err
-    assert predict.main(["--weights", str(checkpoint), "--source", str(bad), "--img-size",
-                         "100"]) == 2
+    assert (
+        predict.main(["--weights", str(checkpoint), "--source", str(bad), "--img-size", "100"]) == 2
+    )

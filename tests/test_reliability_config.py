@@ -49,8 +49,9 @@ class _Evil:
 
 
 def _line_of(path: Path, prefix: str) -> int:
-    return next(i for i, line in enumerate(path.read_text().splitlines(), 1)
-                if line.startswith(prefix))
+    return next(
+        i for i, line in enumerate(path.read_text().splitlines(), 1) if line.startswith(prefix)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -69,16 +70,24 @@ def env(tmp_path_factory):
     f["cfg_typo"] = text("typo.cfg", cfg.replace("filters=8", "filtrs=8", 1))
     f["cfg_value"] = text("value.cfg", cfg.replace("size=3", "size=three", 1))
     names = data.parent / "shapes.names"
-    f["data_nokey"] = text("nokey.data", f"classes={NC}\ntrain={data.parent / 'train.txt'}\n"
-                                         f"names={names}\n")
-    f["data_nopath"] = text("nopath.data", f"classes={NC}\ntrain={root / 'nope.txt'}\n"
-                                           f"valid={data.parent / 'val.txt'}\nnames={names}\n")
-    f["data_classes"] = text("classes.data", f"classes=4\ntrain={data.parent / 'train.txt'}\n"
-                                             f"valid={data.parent / 'val.txt'}\nnames={names}\n")
+    f["data_nokey"] = text(
+        "nokey.data", f"classes={NC}\ntrain={data.parent / 'train.txt'}\nnames={names}\n"
+    )
+    f["data_nopath"] = text(
+        "nopath.data",
+        f"classes={NC}\ntrain={root / 'nope.txt'}\n"
+        f"valid={data.parent / 'val.txt'}\nnames={names}\n",
+    )
+    f["data_classes"] = text(
+        "classes.data",
+        f"classes=4\ntrain={data.parent / 'train.txt'}\n"
+        f"valid={data.parent / 'val.txt'}\nnames={names}\n",
+    )
     hyp = HYP.read_text()
     f["hyp_unknown"] = text("unknown.yaml", hyp + "lr_0: 0.01\n")
-    f["hyp_missing"] = text("missing.yaml", "\n".join(
-        line for line in hyp.splitlines() if not line.startswith("giou:")))
+    f["hyp_missing"] = text(
+        "missing.yaml", "\n".join(line for line in hyp.splitlines() if not line.startswith("giou:"))
+    )
     f["hyp_type"] = text("type.yaml", hyp.replace("lr0: 0.001", "lr0: fast"))
     f["hyp_bool"] = text("bool.yaml", hyp.replace("mosaic: true", "mosaic: 3"))
 
@@ -104,16 +113,37 @@ def env(tmp_path_factory):
     other = Darknet(NANO, img_size=(128, 128)).state_dict()  # 80 classes
     torch.save({"model": other}, root / "other80.pt")
     f["other_pt"] = root / "other80.pt"
-    torch.save({"model": other, "optimizer": {"state": {}, "param_groups": []}, "epoch": 3},
-               root / "other_ckpt.pt")
+    torch.save(
+        {"model": other, "optimizer": {"state": {}, "param_groups": []}, "epoch": 3},
+        root / "other_ckpt.pt",
+    )
     f["other_ckpt"] = root / "other_ckpt.pt"
     return f
 
 
 def _train_argv(f: dict, out: Path, *extra: str) -> list[str]:
-    return ["--data", str(f["data"]), "--cfg", str(NANO), "--hyp", str(HYP), "--epochs", "1",
-            "--img-size", "128", "--batch-size", "4", "--no-multi-scale", "--workers", "0",
-            "--device", "cpu", "--output-dir", str(out), *extra]
+    return [
+        "--data",
+        str(f["data"]),
+        "--cfg",
+        str(NANO),
+        "--hyp",
+        str(HYP),
+        "--epochs",
+        "1",
+        "--img-size",
+        "128",
+        "--batch-size",
+        "4",
+        "--no-multi-scale",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 @dataclass
@@ -130,134 +160,248 @@ class Case:
 CASES: dict[str, Case] = {
     # ---- model cfg
     "cfg unknown key": Case(
-        "train", lambda f: ["--cfg", str(f["cfg_typo"])],
-        lambda f: [f"{f['cfg_typo']}:{_line_of(f['cfg_typo'], 'filtrs')}: unknown key 'filtrs' "
-                   "in [convolutional]; known keys: "], early=False),
+        "train",
+        lambda f: ["--cfg", str(f["cfg_typo"])],
+        lambda f: [
+            f"{f['cfg_typo']}:{_line_of(f['cfg_typo'], 'filtrs')}: unknown key 'filtrs' "
+            "in [convolutional]; known keys: "
+        ],
+        early=False,
+    ),
     "cfg non-numeric value": Case(
-        "train", lambda f: ["--cfg", str(f["cfg_value"])],
+        "train",
+        lambda f: ["--cfg", str(f["cfg_value"])],
         lambda f: [f"{f['cfg_value']}:{_line_of(f['cfg_value'], 'size=three')}: ", "'size'"],
-        early=False),
-    "cfg not found": Case("train", lambda f: ["--cfg", str(f["root"] / "nope.cfg")],
-                          lambda f: ["nope.cfg: model cfg not found; pass an existing .cfg"]),
+        early=False,
+    ),
+    "cfg not found": Case(
+        "train",
+        lambda f: ["--cfg", str(f["root"] / "nope.cfg")],
+        lambda f: ["nope.cfg: model cfg not found; pass an existing .cfg"],
+    ),
     # ---- .data
     "data missing key": Case(
-        "train", lambda f: ["--data", str(f["data_nokey"])],
-        lambda f: [f"{f['data_nokey']}: missing required key 'valid'"]),
+        "train",
+        lambda f: ["--data", str(f["data_nokey"])],
+        lambda f: [f"{f['data_nokey']}: missing required key 'valid'"],
+    ),
     "data path does not exist": Case(
-        "train", lambda f: ["--data", str(f["data_nopath"])],
-        lambda f: [f"{f['data_nopath']}: 'train' points to {f['root'] / 'nope.txt'}, which "
-                   "does not exist"]),
+        "train",
+        lambda f: ["--data", str(f["data_nopath"])],
+        lambda f: [
+            f"{f['data_nopath']}: 'train' points to {f['root'] / 'nope.txt'}, which does not exist"
+        ],
+    ),
     "data classes vs names": Case(
-        "train", lambda f: ["--data", str(f["data_classes"])],
-        lambda f: [f"{f['data_classes']}:1: classes=4 but", "lists 5 names"]),
+        "train",
+        lambda f: ["--data", str(f["data_classes"])],
+        lambda f: [f"{f['data_classes']}:1: classes=4 but", "lists 5 names"],
+    ),
     "data file not found": Case(
-        "train", lambda f: ["--data", str(f["root"] / "nope.data")],
-        lambda f: ["nope.data: dataset file not found; pass an existing .data file to --data"]),
+        "train",
+        lambda f: ["--data", str(f["root"] / "nope.data")],
+        lambda f: ["nope.data: dataset file not found; pass an existing .data file to --data"],
+    ),
     # ---- hyp.yaml
     "hyp unknown key": Case(
-        "train", lambda f: ["--hyp", str(f["hyp_unknown"])],
-        lambda f: [f"{f['hyp_unknown']}:{_line_of(f['hyp_unknown'], 'lr_0')}: unknown "
-                   "hyperparameter 'lr_0'; known keys: giou, "]),
+        "train",
+        lambda f: ["--hyp", str(f["hyp_unknown"])],
+        lambda f: [
+            f"{f['hyp_unknown']}:{_line_of(f['hyp_unknown'], 'lr_0')}: unknown "
+            "hyperparameter 'lr_0'; known keys: giou, "
+        ],
+    ),
     "hyp missing key": Case(
-        "train", lambda f: ["--hyp", str(f["hyp_missing"])],
-        lambda f: [f"{f['hyp_missing']}: missing hyperparameter(s) giou; add them"]),
+        "train",
+        lambda f: ["--hyp", str(f["hyp_missing"])],
+        lambda f: [f"{f['hyp_missing']}: missing hyperparameter(s) giou; add them"],
+    ),
     "hyp wrong type": Case(
-        "train", lambda f: ["--hyp", str(f["hyp_type"])],
-        lambda f: [f"{f['hyp_type']}:{_line_of(f['hyp_type'], 'lr0:')}: 'lr0' must be a "
-                   "number, got 'fast'"]),
+        "train",
+        lambda f: ["--hyp", str(f["hyp_type"])],
+        lambda f: [
+            f"{f['hyp_type']}:{_line_of(f['hyp_type'], 'lr0:')}: 'lr0' must be a number, got 'fast'"
+        ],
+    ),
     "hyp bool wrong type": Case(
-        "train", lambda f: ["--hyp", str(f["hyp_bool"])],
-        lambda f: [f"{f['hyp_bool']}:{_line_of(f['hyp_bool'], 'mosaic:')}: 'mosaic' must be "
-                   "true or false, got 3"]),
+        "train",
+        lambda f: ["--hyp", str(f["hyp_bool"])],
+        lambda f: [
+            f"{f['hyp_bool']}:{_line_of(f['hyp_bool'], 'mosaic:')}: 'mosaic' must be "
+            "true or false, got 3"
+        ],
+    ),
     # ---- flags
     "img-size not a multiple of 32": Case(
-        "train", lambda f: ["--img-size", "100"],
-        lambda f: ["--img-size 100 is not a positive multiple of 32; use e.g. 96"]),
-    "batch size 0": Case("train", lambda f: ["--batch-size", "0"],
-                         lambda f: ["--batch-size must be >= 1, got 0"]),
+        "train",
+        lambda f: ["--img-size", "100"],
+        lambda f: ["--img-size 100 is not a positive multiple of 32; use e.g. 96"],
+    ),
+    "batch size 0": Case(
+        "train", lambda f: ["--batch-size", "0"], lambda f: ["--batch-size must be >= 1, got 0"]
+    ),
     "epochs 0": Case("train", lambda f: ["--epochs", "0"], lambda f: ["--epochs must be >= 1"]),
     # ---- --weights
-    "weights not found": Case("train", lambda f: ["--weights", str(f["root"] / "nope.pt")],
-                              lambda f: ["nope.pt: weights file not found; check --weights"]),
+    "weights not found": Case(
+        "train",
+        lambda f: ["--weights", str(f["root"] / "nope.pt")],
+        lambda f: ["nope.pt: weights file not found; check --weights"],
+    ),
     "weights truncated .pt": Case(
-        "train", lambda f: ["--weights", str(f["truncated_pt"])],
-        lambda f: [f"{f['truncated_pt']}: cannot read checkpoint: the file is truncated, "
-                   "corrupt or not a PyTorch checkpoint"], early=False),
+        "train",
+        lambda f: ["--weights", str(f["truncated_pt"])],
+        lambda f: [
+            f"{f['truncated_pt']}: cannot read checkpoint: the file is truncated, "
+            "corrupt or not a PyTorch checkpoint"
+        ],
+        early=False,
+    ),
     "weights text file .pt": Case(
-        "train", lambda f: ["--weights", str(f["text_pt"])],
-        lambda f: [f"{f['text_pt']}: cannot read checkpoint"], early=False),
+        "train",
+        lambda f: ["--weights", str(f["text_pt"])],
+        lambda f: [f"{f['text_pt']}: cannot read checkpoint"],
+        early=False,
+    ),
     "weights .pt holding a list": Case(
-        "train", lambda f: ["--weights", str(f["list_pt"])],
-        lambda f: [f"{f['list_pt']}: not a checkpoint: the file holds a list"], early=False),
+        "train",
+        lambda f: ["--weights", str(f["list_pt"])],
+        lambda f: [f"{f['list_pt']}: not a checkpoint: the file holds a list"],
+        early=False,
+    ),
     "weights .pt without a model": Case(
-        "train", lambda f: ["--weights", str(f["nomodel_pt"])],
-        lambda f: [f"{f['nomodel_pt']}: not a checkpoint: no model weights found in a dict "
-                   "with keys 'foo', 'bar'"], early=False),
+        "train",
+        lambda f: ["--weights", str(f["nomodel_pt"])],
+        lambda f: [
+            f"{f['nomodel_pt']}: not a checkpoint: no model weights found in a dict "
+            "with keys 'foo', 'bar'"
+        ],
+        early=False,
+    ),
     "weights truncated .weights": Case(
-        "train", lambda f: ["--weights", str(f["truncated_weights"])],
-        lambda f: [f"{f['truncated_weights']}: truncated or for another cfg: ",
-                   "needs 1,", "the file holds 1,"], early=False),
+        "train",
+        lambda f: ["--weights", str(f["truncated_weights"])],
+        lambda f: [
+            f"{f['truncated_weights']}: truncated or for another cfg: ",
+            "needs 1,",
+            "the file holds 1,",
+        ],
+        early=False,
+    ),
     "weights with pickled code": Case(
-        "train", lambda f: ["--weights", str(f["evil_pt"])],
-        lambda f: [f"{f['evil_pt']}: checkpoint contains Python objects other than tensors",
-                   "pass --trust-checkpoint only if the file comes from a trusted source"],
-        early=False),
+        "train",
+        lambda f: ["--weights", str(f["evil_pt"])],
+        lambda f: [
+            f"{f['evil_pt']}: checkpoint contains Python objects other than tensors",
+            "pass --trust-checkpoint only if the file comes from a trusted source",
+        ],
+        early=False,
+    ),
     # ---- --resume
     "resume from another cfg": Case(
-        "train", lambda f: ["--resume", str(f["other_ckpt"])],
-        lambda f: [f"{f['other_ckpt']}: checkpoint is for another model: ",
-                   "checkpoint (255, 64, 1, 1) vs model (30, 64, 1, 1)",
-                   "use --weights to initialise from it instead"], early=False),
+        "train",
+        lambda f: ["--resume", str(f["other_ckpt"])],
+        lambda f: [
+            f"{f['other_ckpt']}: checkpoint is for another model: ",
+            "checkpoint (255, 64, 1, 1) vs model (30, 64, 1, 1)",
+            "use --weights to initialise from it instead",
+        ],
+        early=False,
+    ),
     "resume truncated": Case(
-        "train", lambda f: ["--resume", str(f["truncated_pt"])],
-        lambda f: [f"{f['truncated_pt']}: cannot read checkpoint"], early=False),
+        "train",
+        lambda f: ["--resume", str(f["truncated_pt"])],
+        lambda f: [f"{f['truncated_pt']}: cannot read checkpoint"],
+        early=False,
+    ),
     "resume from plain weights": Case(
-        "train", lambda f: ["--resume", str(f["weights_pt"])],
-        lambda f: [f"{f['weights_pt']}: not a resumable training checkpoint: missing "
-                   "'optimizer'; use --weights"], early=False),
+        "train",
+        lambda f: ["--resume", str(f["weights_pt"])],
+        lambda f: [
+            f"{f['weights_pt']}: not a resumable training checkpoint: missing "
+            "'optimizer'; use --weights"
+        ],
+        early=False,
+    ),
     "resume with nothing to resume": Case(
-        "train", lambda f: ["--resume"],
-        lambda f: ["--resume: no checkpoint at ", "train without --resume first"], early=False),
+        "train",
+        lambda f: ["--resume"],
+        lambda f: ["--resume: no checkpoint at ", "train without --resume first"],
+        early=False,
+    ),
     # ---- validation.py
     "validation truncated .pt": Case(
-        "validation", lambda f: ["--weights", str(f["truncated_pt"])],
-        lambda f: [f"{f['truncated_pt']}: cannot read checkpoint"]),
+        "validation",
+        lambda f: ["--weights", str(f["truncated_pt"])],
+        lambda f: [f"{f['truncated_pt']}: cannot read checkpoint"],
+    ),
     "validation weights for other classes": Case(
-        "validation", lambda f: ["--weights", str(f["other_pt"])],
-        lambda f: [f"{f['other_pt']}: 6 tensors do not fit the model built from the cfg",
-                   "pass the --cfg (and --data) the weights were trained with"]),
+        "validation",
+        lambda f: ["--weights", str(f["other_pt"])],
+        lambda f: [
+            f"{f['other_pt']}: 6 tensors do not fit the model built from the cfg",
+            "pass the --cfg (and --data) the weights were trained with",
+        ],
+    ),
     "validation pickled code": Case(
-        "validation", lambda f: ["--weights", str(f["evil_pt"])],
-        lambda f: ["pass --trust-checkpoint only if"]),
-    "validation img-size": Case("validation", lambda f: ["--img-size", "100"],
-                                lambda f: ["--img-size 100 is not a positive multiple of 32"]),
-    "validation batch size 0": Case("validation", lambda f: ["--batch-size", "0"],
-                                    lambda f: ["--batch-size must be >= 1, got 0"]),
+        "validation",
+        lambda f: ["--weights", str(f["evil_pt"])],
+        lambda f: ["pass --trust-checkpoint only if"],
+    ),
+    "validation img-size": Case(
+        "validation",
+        lambda f: ["--img-size", "100"],
+        lambda f: ["--img-size 100 is not a positive multiple of 32"],
+    ),
+    "validation batch size 0": Case(
+        "validation",
+        lambda f: ["--batch-size", "0"],
+        lambda f: ["--batch-size must be >= 1, got 0"],
+    ),
     # ---- predict.py
-    "predict text .pt": Case("predict", lambda f: ["--weights", str(f["text_pt"])],
-                             lambda f: [f"{f['text_pt']}: cannot read checkpoint"]),
+    "predict text .pt": Case(
+        "predict",
+        lambda f: ["--weights", str(f["text_pt"])],
+        lambda f: [f"{f['text_pt']}: cannot read checkpoint"],
+    ),
     "predict weights without a cfg": Case(
-        "predict", lambda f: ["--weights", str(f["weights_pt"])],
-        lambda f: [f"{f['weights_pt']}: these weights carry no cfg; pass --cfg (and --names)"]),
+        "predict",
+        lambda f: ["--weights", str(f["weights_pt"])],
+        lambda f: [f"{f['weights_pt']}: these weights carry no cfg; pass --cfg (and --names)"],
+    ),
     "predict missing source": Case(
-        "predict", lambda f: ["--weights", str(f["weights_pt"]), "--cfg", str(model_cfg_for(f)),
-                              "--source", str(f["root"] / "nothing.jpg")],
-        lambda f: ["nothing.jpg: --source: no such file or folder"], early=False),
+        "predict",
+        lambda f: [
+            "--weights",
+            str(f["weights_pt"]),
+            "--cfg",
+            str(model_cfg_for(f)),
+            "--source",
+            str(f["root"] / "nothing.jpg"),
+        ],
+        lambda f: ["nothing.jpg: --source: no such file or folder"],
+        early=False,
+    ),
     # ---- train_multi_GPU.py launched with plain python, and the tools
     "train_multi_GPU hyp unknown key": Case(
-        "train_multi_GPU", lambda f: ["--hyp", str(f["hyp_unknown"])],
-        lambda f: [f"{f['hyp_unknown']}:", "unknown hyperparameter 'lr_0'"]),
+        "train_multi_GPU",
+        lambda f: ["--hyp", str(f["hyp_unknown"])],
+        lambda f: [f"{f['hyp_unknown']}:", "unknown hyperparameter 'lr_0'"],
+    ),
     "convert_weights truncated .weights": Case(
-        "convert_weights", lambda f: [str(model_cfg_for(f)), str(f["truncated_weights"]),
-                                      str(f["root"] / "x.pt")],
-        lambda f: [f"{f['truncated_weights']}: truncated or for another cfg"]),
+        "convert_weights",
+        lambda f: [str(model_cfg_for(f)), str(f["truncated_weights"]), str(f["root"] / "x.pt")],
+        lambda f: [f"{f['truncated_weights']}: truncated or for another cfg"],
+    ),
     "make_cfg malformed cfg": Case(
-        "make_cfg", lambda f: [str(f["cfg_typo"]), "--classes", "3", "-o",
-                               str(f["root"] / "y.cfg")],
-        lambda f: [f"{f['cfg_typo']}:", "unknown key 'filtrs'"]),
+        "make_cfg",
+        lambda f: [str(f["cfg_typo"]), "--classes", "3", "-o", str(f["root"] / "y.cfg")],
+        lambda f: [f"{f['cfg_typo']}:", "unknown key 'filtrs'"],
+    ),
     "kmeans_anchors .data missing key": Case(
-        "kmeans_anchors", lambda f: ["--data", str(f["data_nokey"])],
-        lambda f: [f"{f['data_nokey']}: missing required key 'valid'"]),
+        "kmeans_anchors",
+        lambda f: ["--data", str(f["data_nokey"])],
+        lambda f: [f"{f['data_nokey']}: missing required key 'valid'"],
+    ),
 }
 
 
@@ -274,15 +418,44 @@ def _invoke(name: str, f: dict, out: Path, extra: list[str]) -> int:
         main = train_script.main if name == "train" else train_multi_GPU.main
         return main(_train_argv(f, out, *extra))
     if name == "validation":
-        return validation.main(["--cfg", str(NANO), "--data", str(f["data"]), "--weights",
-                                str(f["weights_pt"]), "--img-size", "128", "--device", "cpu",
-                                "--workers", "0", *extra])
+        return validation.main(
+            [
+                "--cfg",
+                str(NANO),
+                "--data",
+                str(f["data"]),
+                "--weights",
+                str(f["weights_pt"]),
+                "--img-size",
+                "128",
+                "--device",
+                "cpu",
+                "--workers",
+                "0",
+                *extra,
+            ]
+        )
     if name == "predict":
-        return predict.main(["--weights", str(f["weights_pt"]), "--source",
-                             str(f["data"].parent / "val" / "images"), "--output",
-                             str(out), "--img-size", "128", "--device", "cpu", *extra])
-    tool = {"convert_weights": convert_weights, "make_cfg": make_cfg,
-            "kmeans_anchors": kmeans_anchors}[name]
+        return predict.main(
+            [
+                "--weights",
+                str(f["weights_pt"]),
+                "--source",
+                str(f["data"].parent / "val" / "images"),
+                "--output",
+                str(out),
+                "--img-size",
+                "128",
+                "--device",
+                "cpu",
+                *extra,
+            ]
+        )
+    tool = {
+        "convert_weights": convert_weights,
+        "make_cfg": make_cfg,
+        "kmeans_anchors": kmeans_anchors,
+    }[name]
     return tool.main(extra)
 
 
@@ -317,15 +490,25 @@ def test_cfg_classes_disagreeing_with_the_data_are_rewritten_not_fatal(env, capl
 def test_entry_point_process_exits_2_with_one_line(env, tmp_path):
     """The same contract at the process level: exit status 2, stderr exactly one line."""
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, str(REPO / "train.py"),
-                           *_train_argv(env, out, "--hyp", str(env["hyp_unknown"]))],
-                          cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"),
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "train.py"),
+            *_train_argv(env, out, "--hyp", str(env["hyp_unknown"])),
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     line = _line_of(env["hyp_unknown"], "lr_0")
     assert proc.returncode == 2 and proc.stdout == ""
     [only] = proc.stderr.splitlines()
-    assert only.startswith(f"error: {env['hyp_unknown']}:{line}: unknown hyperparameter 'lr_0'; "
-                           "known keys: giou, cls, ")
+    assert only.startswith(
+        f"error: {env['hyp_unknown']}:{line}: unknown hyperparameter 'lr_0'; "
+        "known keys: giou, cls, "
+    )
     assert not out.exists()
 
 
@@ -336,15 +519,24 @@ PRODUCT_SKIP = {"tests", ".venv", "runs", "demo_data", "weights", ".git"}
 
 
 def _product_files() -> list[Path]:
-    return sorted(p for p in REPO.rglob("*.py")
-                  if not (set(p.relative_to(REPO).parts[:-1]) & PRODUCT_SKIP)
-                  and not any(part.startswith(".") for part in p.relative_to(REPO).parts))
+    return sorted(
+        p
+        for p in REPO.rglob("*.py")
+        if not (set(p.relative_to(REPO).parts[:-1]) & PRODUCT_SKIP)
+        and not any(part.startswith(".") for part in p.relative_to(REPO).parts)
+    )
 
 
 def _calls(tree: ast.AST, module: str, attr: str) -> list[ast.Call]:
-    return [n for n in ast.walk(tree) if isinstance(n, ast.Call)
-            and isinstance(n.func, ast.Attribute) and n.func.attr == attr
-            and isinstance(n.func.value, ast.Name) and n.func.value.id == module]
+    return [
+        n
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Call)
+        and isinstance(n.func, ast.Attribute)
+        and n.func.attr == attr
+        and isinstance(n.func.value, ast.Name)
+        and n.func.value.id == module
+    ]
 
 
 def _kw(call: ast.Call, name: str) -> str | None:
@@ -369,7 +561,12 @@ def test_every_torch_load_is_weights_only_except_the_trust_flag():
             if isinstance(node, ast.Call):
                 assert _kw(node, "shell") not in ("True",), rel  # no shell=True anywhere
                 assert ast.unparse(node.func) not in (
-                    "os.system", "os.popen", "os.path.expandvars", "eval", "exec"), rel
+                    "os.system",
+                    "os.popen",
+                    "os.path.expandvars",
+                    "eval",
+                    "exec",
+                ), rel
     # Every call says weights_only=True but load_checkpoint's `not trust`: the one path behind
     # --trust-checkpoint.
     others = [(f, w) for f, ws in loads.items() for w in ws if w != "True"]
@@ -387,4 +584,5 @@ def test_trust_checkpoint_is_explicit_and_warns(env, caplog, tmp_path):
         ckpt = load_checkpoint(env["weights_pt"], trust=True)
     assert ckpt["epoch"] == -1
     assert "weights_only=False (--trust-checkpoint): this runs code stored in the file" in (
-        caplog.text)
+        caplog.text
+    )

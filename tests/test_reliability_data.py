@@ -105,21 +105,58 @@ GOOD_IMAGES: dict[str, object] = {
 LABEL_CASES: dict[str, tuple[str | None, int, int, int, list[str]]] = {
     "nolabel.jpg": (None, 0, 0, 0, []),
     "emptylabel.jpg": ("", 0, 0, 0, []),
-    "columns.jpg": ("0 0.5 0.5 0.2\n0 0.5 0.5 0.2 0.2 0.1\n" + GOOD_LABEL, 1, 2, 0,
-                    ["columns.txt:1: dropped: 4 fields", "columns.txt:2: dropped: 6 fields"]),
-    "nonnumeric.jpg": ("zero 0.5 0.5 0.2 0.2\n" + GOOD_LABEL, 1, 1, 0,
-                       ["nonnumeric.txt:1: dropped: not a number"]),
-    "naninf.jpg": ("0 nan 0.5 0.2 0.2\n0 0.5 inf 0.2 0.2\n" + GOOD_LABEL, 1, 2, 0,
-                   ["naninf.txt:1: dropped: NaN or infinite", "naninf.txt:2: dropped: NaN or"]),
-    "coords.jpg": ("0 -0.2 0.5 0.2 0.2\n0 0.5 1.5 0.2 0.2\n" + GOOD_LABEL, 1, 2, 0,
-                   ["coords.txt:1: dropped: coordinate outside [0, 1]",
-                    "coords.txt:2: dropped: coordinate outside [0, 1]"]),
-    "zerosize.jpg": ("0 0.5 0.5 0 0.2\n" + GOOD_LABEL, 1, 1, 0,
-                     ["zerosize.txt:1: dropped: zero-size box"]),
-    "classid.jpg": (f"{NC} 0.5 0.5 0.2 0.2\n2 0.5 0.5 0.2 0.2\n", 1, 1, 0,
-                    [f"classid.txt:1: dropped: class id {NC} outside [0, {NC})"]),
-    "duplicate.jpg": ("1 0.5 0.5 0.2 0.2\n1 0.5 0.5 0.2 0.2\n", 1, 0, 1,
-                      ["duplicate.txt:2: dropped: duplicate of an earlier row"]),
+    "columns.jpg": (
+        "0 0.5 0.5 0.2\n0 0.5 0.5 0.2 0.2 0.1\n" + GOOD_LABEL,
+        1,
+        2,
+        0,
+        ["columns.txt:1: dropped: 4 fields", "columns.txt:2: dropped: 6 fields"],
+    ),
+    "nonnumeric.jpg": (
+        "zero 0.5 0.5 0.2 0.2\n" + GOOD_LABEL,
+        1,
+        1,
+        0,
+        ["nonnumeric.txt:1: dropped: not a number"],
+    ),
+    "naninf.jpg": (
+        "0 nan 0.5 0.2 0.2\n0 0.5 inf 0.2 0.2\n" + GOOD_LABEL,
+        1,
+        2,
+        0,
+        ["naninf.txt:1: dropped: NaN or infinite", "naninf.txt:2: dropped: NaN or"],
+    ),
+    "coords.jpg": (
+        "0 -0.2 0.5 0.2 0.2\n0 0.5 1.5 0.2 0.2\n" + GOOD_LABEL,
+        1,
+        2,
+        0,
+        [
+            "coords.txt:1: dropped: coordinate outside [0, 1]",
+            "coords.txt:2: dropped: coordinate outside [0, 1]",
+        ],
+    ),
+    "zerosize.jpg": (
+        "0 0.5 0.5 0 0.2\n" + GOOD_LABEL,
+        1,
+        1,
+        0,
+        ["zerosize.txt:1: dropped: zero-size box"],
+    ),
+    "classid.jpg": (
+        f"{NC} 0.5 0.5 0.2 0.2\n2 0.5 0.5 0.2 0.2\n",
+        1,
+        1,
+        0,
+        [f"classid.txt:1: dropped: class id {NC} outside [0, {NC})"],
+    ),
+    "duplicate.jpg": (
+        "1 0.5 0.5 0.2 0.2\n1 0.5 0.5 0.2 0.2\n",
+        1,
+        0,
+        1,
+        ["duplicate.txt:2: dropped: duplicate of an earlier row"],
+    ),
     "bom.jpg": ("\ufeff0 0.5 0.5 0.2 0.2\n1 0.3 0.3 0.1 0.1\n", 2, 0, 0, []),
     "crlf.jpg": ("0 0.5 0.5 0.2 0.2\r\n1 0.3 0.3 0.1 0.1\r\n", 2, 0, 0, []),
 }
@@ -136,9 +173,13 @@ BAD_IMAGES: dict[str, tuple[bytes | None, str]] = {
     "$HOME.jpg": (None, "excluded: image file not found"),
 }
 
-VAL_GOOD = {"v0.jpg": lambda: _good_jpeg(seed=20), "vexif.jpg": GOOD_IMAGES["exif6.jpg"],
-            "vwide.jpg": GOOD_IMAGES["wide.jpg"], "vtiny.png": GOOD_IMAGES["tiny8.png"],
-            "v1.png": lambda: _encode(_pixels(90, 120, 21), ".png")}
+VAL_GOOD = {
+    "v0.jpg": lambda: _good_jpeg(seed=20),
+    "vexif.jpg": GOOD_IMAGES["exif6.jpg"],
+    "vwide.jpg": GOOD_IMAGES["wide.jpg"],
+    "vtiny.png": GOOD_IMAGES["tiny8.png"],
+    "v1.png": lambda: _encode(_pixels(90, 120, 21), ".png"),
+}
 VAL_BAD = {"vzero.jpg": b"", "vtext.jpg": b"not an image\n"}
 
 
@@ -179,7 +220,8 @@ def build_bad_corpus(root: Path) -> dict:
     _write_list(root / "val.txt", val)
     (root / "bad.names").write_text("a\nb\nc\n")
     (root / "bad.data").write_text(
-        f"classes={NC}\ntrain=train.txt\nvalid=val.txt\nnames=bad.names\n")
+        f"classes={NC}\ntrain=train.txt\nvalid=val.txt\nnames=bad.names\n"
+    )
     cases = LABEL_CASES.values()
     return {
         "n_listed": len(train),
@@ -211,13 +253,35 @@ def bad_run(tmp_path_factory):
     expect = build_bad_corpus(root)
     out = root / "run"
     weights = _nano_80_weights(root / "nano80.pt")
-    cmd = [sys.executable, str(REPO / "train.py"), "--data", str(root / "bad.data"),
-           "--cfg", str(NANO), "--hyp", str(REPO / "cfg" / "hyp.yaml"), "--epochs", "1",
-           "--batch-size", "8", "--img-size", "64", "--no-multi-scale", "--workers", "0",
-           "--device", "cpu", "--nbs", "8", "--output-dir", str(out), "--weights", str(weights)]
+    cmd = [
+        sys.executable,
+        str(REPO / "train.py"),
+        "--data",
+        str(root / "bad.data"),
+        "--cfg",
+        str(NANO),
+        "--hyp",
+        str(REPO / "cfg" / "hyp.yaml"),
+        "--epochs",
+        "1",
+        "--batch-size",
+        "8",
+        "--img-size",
+        "64",
+        "--no-multi-scale",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--nbs",
+        "8",
+        "--output-dir",
+        str(out),
+        "--weights",
+        str(weights),
+    ]
     # cwd = the corpus: a shell-expanded name would create 'pwned' right here.
-    proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=300)
     # Read now: later tests run tools that rebuild these files with other settings.
     expect["report"] = (root / "train" / "train.cache_report.txt").read_text(encoding="utf-8")
     expect["val_report"] = (root / "val" / "val.cache_report.txt").read_text(encoding="utf-8")
@@ -234,16 +298,21 @@ def test_bad_data_is_skipped_reported_and_training_completes(bad_run):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     # One summary line per split with the exact counts (31 listed, 23 usable).
-    assert [expect[k] for k in ("n_listed", "found", "missing", "empty", "corrupt", "duplicate",
-                                "bad")] == [31, 21, 1, 1, 8, 1, 9]
-    summary = (f"train: {expect['n_listed']} images: {expect['found']} label files found, "
-               f"{expect['missing']} missing, {expect['empty']} empty, {expect['corrupt']} "
-               f"corrupt images excluded, {expect['duplicate']} duplicate rows and "
-               f"{expect['bad']} bad label lines dropped; details in ")
+    assert [
+        expect[k] for k in ("n_listed", "found", "missing", "empty", "corrupt", "duplicate", "bad")
+    ] == [31, 21, 1, 1, 8, 1, 9]
+    summary = (
+        f"train: {expect['n_listed']} images: {expect['found']} label files found, "
+        f"{expect['missing']} missing, {expect['empty']} empty, {expect['corrupt']} "
+        f"corrupt images excluded, {expect['duplicate']} duplicate rows and "
+        f"{expect['bad']} bad label lines dropped; details in "
+    )
     assert proc.stderr.count(summary) == 1, proc.stderr[-3000:]
     val_summary = re.search(r"val: (\d+) images: .* (\d+) corrupt images excluded", proc.stderr)
     assert val_summary and val_summary.groups() == (
-        str(len(VAL_GOOD) + len(VAL_BAD)), str(len(VAL_BAD)))
+        str(len(VAL_GOOD) + len(VAL_BAD)),
+        str(len(VAL_BAD)),
+    )
     # Training used every good image and nothing else.
     log = (out / "train.log").read_text(encoding="utf-8")
     assert f"data: {expect['n_good']} train / {expect['n_val_good']} val images" in log
@@ -277,18 +346,26 @@ def test_odd_images_are_read_upright_and_whole(bad_run):
     upright original sizes (the COCO ground truth cache of the run holds them)."""
     _, out, _, _ = bad_run
     [gt_file] = out.glob("coco_gt_*.json")
-    sizes = {Path(im["file_name"]).name: (im["width"], im["height"])
-             for im in json.loads(gt_file.read_text())["images"]}
-    assert sizes == {"v0.jpg": (160, 120), "vexif.jpg": (80, 160), "vwide.jpg": (2000, 40),
-                     "vtiny.png": (8, 8), "v1.png": (90, 120)}
+    sizes = {
+        Path(im["file_name"]).name: (im["width"], im["height"])
+        for im in json.loads(gt_file.read_text())["images"]
+    }
+    assert sizes == {
+        "v0.jpg": (160, 120),
+        "vexif.jpg": (80, 160),
+        "vwide.jpg": (2000, 40),
+        "vtiny.png": (8, 8),
+        "v1.png": (90, 120),
+    }
 
 
 @pytest.mark.slow
 def test_mismatched_weights_and_cfg_classes_are_adapted_and_listed(bad_run):
     _, _, _, proc = bad_run
     assert "has classes=80 but the dataset has 3; rewriting the heads for 3 classes" in proc.stderr
-    skipped = re.search(r"--weights \S+: skipped (\d+) tensors whose shapes differ: (.*)",
-                        proc.stderr)
+    skipped = re.search(
+        r"--weights \S+: skipped (\d+) tensors whose shapes differ: (.*)", proc.stderr
+    )
     assert skipped, proc.stderr[-3000:]
     heads = [i - 1 for i, b in enumerate(parse_model_cfg(NANO)[1:]) if b["type"] == "yolo"]
     assert int(skipped.group(1)) == 2 * len(heads)  # weight and bias of each head's conv
@@ -327,34 +404,66 @@ def test_no_cache_or_result_file_needs_pickle(bad_run):
 @pytest.mark.slow
 def test_validation_and_predict_skip_bad_images(bad_run, console, tmp_path):
     root, out, _, _ = bad_run
-    code = validation.main(["--cfg", str(out / "model.cfg"), "--data", str(root / "bad.data"),
-                            "--weights", str(out / "last.pt"), "--img-size", "64",
-                            "--batch-size", "4", "--device", "cpu", "--workers", "0",
-                            "--json-out", str(tmp_path / "stats.json")])
+    code = validation.main(
+        [
+            "--cfg",
+            str(out / "model.cfg"),
+            "--data",
+            str(root / "bad.data"),
+            "--weights",
+            str(out / "last.pt"),
+            "--img-size",
+            "64",
+            "--batch-size",
+            "4",
+            "--device",
+            "cpu",
+            "--workers",
+            "0",
+            "--json-out",
+            str(tmp_path / "stats.json"),
+        ]
+    )
     err = console.readouterr().err
     assert code == 0 and "Traceback" not in err, err[-2000:]
     assert f"{len(VAL_GOOD)} images, conf" in err
     assert len(json.loads((tmp_path / "stats.json").read_text())) == 12
 
     images = root / "val" / "images"
-    code = predict.main(["--weights", str(out / "last.pt"), "--source", str(images),
-                         str(images / "vtext.jpg"), "--output", str(tmp_path / "pred"),
-                         "--img-size", "64", "--device", "cpu", "--conf-thres", "0.5"])
+    code = predict.main(
+        [
+            "--weights",
+            str(out / "last.pt"),
+            "--source",
+            str(images),
+            str(images / "vtext.jpg"),
+            "--output",
+            str(tmp_path / "pred"),
+            "--img-size",
+            "64",
+            "--device",
+            "cpu",
+            "--conf-thres",
+            "0.5",
+        ]
+    )
     cap = console.readouterr()
     assert code == 0 and "Traceback" not in cap.err, cap.err[-2000:]
     for name in VAL_GOOD:
         assert f"{images / name}: " in cap.out, name
     for name in VAL_BAD:
-        assert re.search(rf"skipped: {re.escape(str(images / name))}: not a readable image",
-                         cap.err), name
+        assert re.search(
+            rf"skipped: {re.escape(str(images / name))}: not a readable image", cap.err
+        ), name
     assert sorted(p.name for p in (tmp_path / "pred").iterdir()) == sorted(VAL_GOOD)
 
 
 @pytest.mark.slow
 def test_kmeans_tool_skips_bad_data(bad_run, console, tmp_path):
     root, _, expect, _ = bad_run
-    code = kmeans_anchors.main(["--list", str(root / "train.txt"), "--img-size", "128",
-                                "-n", "3", "--generations", "5"])
+    code = kmeans_anchors.main(
+        ["--list", str(root / "train.txt"), "--img-size", "128", "-n", "3", "--generations", "5"]
+    )
     cap = console.readouterr()
     assert code == 0 and "Traceback" not in cap.err, cap.err[-2000:]
     assert f"{expect['corrupt']} corrupt images excluded" in cap.err
@@ -364,8 +473,9 @@ def test_kmeans_tool_skips_bad_data(bad_run, console, tmp_path):
 def test_bom_labels_and_list_comments_are_read_as_meant(tmp_path):
     """Regression: a UTF-8 BOM cost a label file its first row ('not a number'), and a '#'
     comment in a list file was reported as an excluded image."""
-    entry = _put(tmp_path, "train", "a.jpg", _good_jpeg(), "\ufeff0 0.5 0.5 0.2 0.2\r\n"
-                 "1 0.3 0.3 0.1 0.1\r\n")
+    entry = _put(
+        tmp_path, "train", "a.jpg", _good_jpeg(), "\ufeff0 0.5 0.5 0.2 0.2\r\n1 0.3 0.3 0.1 0.1\r\n"
+    )
     lst = tmp_path / "train.txt"
     lst.write_bytes(f"\ufeff# train split\r\n\r\n  {entry}  \r\n   # end\r\n".encode())
     d = LoadImagesAndLabels(lst, 64, nc=NC)
@@ -462,20 +572,43 @@ def test_ram_image_cache_is_refused_when_it_does_not_fit(tmp_path, console, monk
     lst = _small_set(tmp_path / "d", n=4)
     (tmp_path / "d" / "x.names").write_text("a\nb\nc\n")
     (tmp_path / "d" / "x.data").write_text(
-        f"classes={NC}\ntrain={lst}\nvalid={lst}\nnames=x.names\n")
+        f"classes={NC}\ntrain={lst}\nvalid={lst}\nnames=x.names\n"
+    )
     monkeypatch.setattr(ds_mod, "available_memory_bytes", lambda: 50_000)  # 50 kB free
     out = tmp_path / "run"
-    code = train_script.main(["--data", str(tmp_path / "d" / "x.data"), "--cfg", str(NANO),
-                              "--hyp", str(REPO / "cfg" / "hyp.yaml"), "--epochs", "1",
-                              "--img-size", "128", "--batch-size", "2", "--workers", "0",
-                              "--device", "cpu", "--output-dir", str(out), "--cache-images"])
+    code = train_script.main(
+        [
+            "--data",
+            str(tmp_path / "d" / "x.data"),
+            "--cfg",
+            str(NANO),
+            "--hyp",
+            str(REPO / "cfg" / "hyp.yaml"),
+            "--epochs",
+            "1",
+            "--img-size",
+            "128",
+            "--batch-size",
+            "2",
+            "--workers",
+            "0",
+            "--device",
+            "cpu",
+            "--output-dir",
+            str(out),
+            "--cache-images",
+        ]
+    )
     err = console.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and "Traceback" not in err
     assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1]
-    assert re.fullmatch(r"error: caching 4 images in RAM needs 0\.0 GB x 1 process\(es\) but "
-                        r"only 0\.0 GB is available; use cache_images='disk' \(--cache-images "
-                        r"disk\) or no image cache", errors[0]), errors[0]
+    assert re.fullmatch(
+        r"error: caching 4 images in RAM needs 0\.0 GB x 1 process\(es\) but "
+        r"only 0\.0 GB is available; use cache_images='disk' \(--cache-images "
+        r"disk\) or no image cache",
+        errors[0],
+    ), errors[0]
     assert not (out / "last.pt").exists()
 
 
@@ -545,8 +678,7 @@ def test_label_scan_of_20000_files_has_bounded_memory(scratch):
     for i in range(N_LABEL_FILES):
         put(sources["img"], img_dir / f"{i:05d}.png")
         put(sources["bad" if i % 50 == 0 else "good"], lbl_dir / f"{i:05d}.txt")
-    (scratch / "all.txt").write_text(
-        "".join(f"images/{i:05d}.png\n" for i in range(N_LABEL_FILES)))
+    (scratch / "all.txt").write_text("".join(f"images/{i:05d}.png\n" for i in range(N_LABEL_FILES)))
 
     with _PeakMemory() as build:
         d = LoadImagesAndLabels(scratch / "all.txt", 64, nc=2)
@@ -617,4 +749,3 @@ def test_evaluation_of_a_dense_model_stays_within_max_det(tmp_path):
     per_image = np.bincount([d["image_id"] for d in dets], minlength=len(dataset))
     assert len(per_image) == len(dataset) and per_image.min() > 0 and per_image.max() <= MAX_DET
     assert seconds < NMS_SECONDS_LIMIT, seconds
-

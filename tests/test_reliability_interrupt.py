@@ -103,10 +103,30 @@ sys.exit(train.main(sys.argv[1:]))
 
 
 def _flags(data: Path, out: Path, *extra: str) -> list[str]:
-    return ["--data", str(data), "--cfg", str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
-            "--hyp", str(REPO / "cfg" / "hyp.yaml"), "--epochs", str(EPOCHS), "--batch-size",
-            "8", "--img-size", "64", "--no-multi-scale", "--workers", "0", "--device", "cpu",
-            "--nbs", "8", "--output-dir", str(out), *extra]
+    return [
+        "--data",
+        str(data),
+        "--cfg",
+        str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
+        "--hyp",
+        str(REPO / "cfg" / "hyp.yaml"),
+        "--epochs",
+        str(EPOCHS),
+        "--batch-size",
+        "8",
+        "--img-size",
+        "64",
+        "--no-multi-scale",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--nbs",
+        "8",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
 
 
 def _epochs_in_results(out: Path) -> list[int]:
@@ -124,23 +144,34 @@ class Run:
         self.marker = tmp / f"marker-{point}-{time.monotonic_ns()}"
         script = tmp / "wrapper.py"
         script.write_text(WRAPPER.format(repo=str(REPO), park=PARK_SECONDS))
-        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1",
-                   REL_POINT=point or "none", REL_MARKER=str(self.marker),
-                   REL_EPOCH=str(KILLED_EPOCH))
+        env = dict(
+            os.environ,
+            OMP_NUM_THREADS="1",
+            PYTHONUNBUFFERED="1",
+            REL_POINT=point or "none",
+            REL_MARKER=str(self.marker),
+            REL_EPOCH=str(KILLED_EPOCH),
+        )
         prog = [str(script)] if point else [str(REPO / "train.py")]
         # Output to a file, not a pipe: nobody reads a pipe while the process runs.
         self.log = tmp / f"{self.marker.name}.log"
         with self.log.open("w") as log:
-            self.proc = subprocess.Popen([sys.executable, *prog, *_flags(data, out, *extra)],
-                                         cwd=tmp, env=env, stdout=log,
-                                         stderr=subprocess.STDOUT)
+            self.proc = subprocess.Popen(
+                [sys.executable, *prog, *_flags(data, out, *extra)],
+                cwd=tmp,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
 
     def wait_for_marker(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
         while not self.marker.exists():
             if self.proc.poll() is not None:
-                raise AssertionError(f"exited {self.proc.returncode} before the kill point:\n"
-                                     f"{self.log.read_text()[-3000:]}")
+                raise AssertionError(
+                    f"exited {self.proc.returncode} before the kill point:\n"
+                    f"{self.log.read_text()[-3000:]}"
+                )
             assert time.monotonic() < deadline, "the kill point was never reached"
             time.sleep(0.1)
 
@@ -180,8 +211,7 @@ def start(tmp_path):
 
 
 @pytest.mark.slow
-def test_sigint_and_sigkill_at_every_point_then_resume_completes(make_shapes_data, tmp_path,
-                                                                  start):
+def test_sigint_and_sigkill_at_every_point_then_resume_completes(make_shapes_data, tmp_path, start):
     data = make_shapes_data(n_train=16, n_val=2, img_size_range=(96, 128))  # 2 batches/epoch
     out = tmp_path / "run"
 
@@ -193,8 +223,10 @@ def test_sigint_and_sigkill_at_every_point_then_resume_completes(make_shapes_dat
     code, err = run.finish()
     assert code == 130, err[-3000:]
     assert "Traceback" not in err
-    assert f"interrupted in epoch {KILLED_EPOCH}; last completed epoch is saved in " \
-           f"{out / 'last.pt'}; continue with --resume" in err
+    assert (
+        f"interrupted in epoch {KILLED_EPOCH}; last completed epoch is saved in "
+        f"{out / 'last.pt'}; continue with --resume" in err
+    )
     _assert_resumable(out, 0, [0])
 
     # 2. SIGKILL in the middle of epoch 1 (after one batch trained).
@@ -227,8 +259,9 @@ def test_sigint_and_sigkill_at_every_point_then_resume_completes(make_shapes_dat
 
 
 @pytest.mark.slow
-def test_ctrl_c_in_the_first_epoch_leaves_a_resumable_checkpoint(make_shapes_data, tmp_path,
-                                                                 monkeypatch, console):
+def test_ctrl_c_in_the_first_epoch_leaves_a_resumable_checkpoint(
+    make_shapes_data, tmp_path, monkeypatch, console
+):
     """Before the fix, the last.pt saved on Ctrl-C in epoch 0 (epoch=-1) was refused by
     --resume as 'weights, not a training state' although the message said to resume."""
     data = make_shapes_data(n_train=8, n_val=2, img_size_range=(96, 128))

@@ -25,10 +25,32 @@ IMG = "128"
 
 
 def _flags(data: Path, out: Path, repo: Path, epochs: int = 2, *extra: str) -> list[str]:
-    return ["--data", str(data), "--cfg", str(repo / "cfg" / "yolov3-spp-nano.cfg"),
-            "--hyp", str(repo / "cfg" / "hyp.yaml"), "--epochs", str(epochs), "--batch-size", "8",
-            "--img-size", IMG, "--no-multi-scale", "--workers", "0", "--device", "cpu",
-            "--output-dir", str(out), "--nbs", "8", "--log-interval", "1", *extra]
+    return [
+        "--data",
+        str(data),
+        "--cfg",
+        str(repo / "cfg" / "yolov3-spp-nano.cfg"),
+        "--hyp",
+        str(repo / "cfg" / "hyp.yaml"),
+        "--epochs",
+        str(epochs),
+        "--batch-size",
+        "8",
+        "--img-size",
+        IMG,
+        "--no-multi-scale",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--nbs",
+        "8",
+        "--log-interval",
+        "1",
+        *extra,
+    ]
 
 
 def _run(argv: list[str]):
@@ -51,8 +73,16 @@ def trained(shapes_data, repo_root, tmp_path_factory):
 
 def test_training_writes_every_output_and_lowers_loss(trained):
     out, summary = trained
-    for name in ("last.pt", "best.pt", "results.csv", "results.png", "args.yaml", "hyp.yaml",
-                 "model.cfg", "train.log"):
+    for name in (
+        "last.pt",
+        "best.pt",
+        "results.csv",
+        "results.png",
+        "args.yaml",
+        "hyp.yaml",
+        "model.cfg",
+        "train.log",
+    ):
         assert (out / name).is_file(), name
     assert list(out.glob("events.out.tfevents.*"))
     with (out / "results.csv").open() as f:
@@ -61,8 +91,19 @@ def test_training_writes_every_output_and_lowers_loss(trained):
     assert [int(r["epoch"]) for r in rows] == [0, 1]
     assert all(float(r["loss"]) > 0 and float(r["train_seconds"]) > 0 for r in rows)
     ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
-    for key in ("model", "train_model", "ema", "optimizer", "scheduler", "epoch", "best_fitness",
-                "config", "names", "nc", "cfg"):
+    for key in (
+        "model",
+        "train_model",
+        "ema",
+        "optimizer",
+        "scheduler",
+        "epoch",
+        "best_fitness",
+        "config",
+        "names",
+        "nc",
+        "cfg",
+    ):
         assert key in ckpt, key
     assert ckpt["epoch"] == 1 and ckpt["nc"] == 5 and ckpt["names"][0] == "circle"
     assert summary.epochs_run == 2
@@ -82,8 +123,20 @@ def test_training_lowers_the_loss(make_shapes_data, repo_root, tmp_path):
         )
     hyp.write_text(text.replace("mosaic: true", "mosaic: false"))
     out = tmp_path / "run"
-    _run(_flags(data, out, repo_root, 6, "--hyp", str(hyp), "--notest", "--no-ema",
-                "--optimizer", "adam"))  # hyp_demo.yaml's lr0 is an Adam learning rate
+    _run(
+        _flags(
+            data,
+            out,
+            repo_root,
+            6,
+            "--hyp",
+            str(hyp),
+            "--notest",
+            "--no-ema",
+            "--optimizer",
+            "adam",
+        )
+    )  # hyp_demo.yaml's lr0 is an Adam learning rate
     rows = _rows(out / "results.csv")
     assert [r["epoch"] for r in rows] == ["5"]  # --notest: only the final epoch is evaluated
     log = (out / "train.log").read_text()
@@ -98,10 +151,28 @@ def test_training_lowers_the_loss(make_shapes_data, repo_root, tmp_path):
 def test_validation_reproduces_training_map(trained, shapes_data, tmp_path):
     out, _ = trained
     stats_file = tmp_path / "stats.json"
-    code = validation.main(["--cfg", str(out / "model.cfg"), "--data", str(shapes_data),
-                            "--weights", str(out / "last.pt"), "--img-size", IMG,
-                            "--batch-size", "8", "--device", "cpu", "--workers", "0",
-                            "--json-out", str(stats_file), "--save-json", str(tmp_path / "js")])
+    code = validation.main(
+        [
+            "--cfg",
+            str(out / "model.cfg"),
+            "--data",
+            str(shapes_data),
+            "--weights",
+            str(out / "last.pt"),
+            "--img-size",
+            IMG,
+            "--batch-size",
+            "8",
+            "--device",
+            "cpu",
+            "--workers",
+            "0",
+            "--json-out",
+            str(stats_file),
+            "--save-json",
+            str(tmp_path / "js"),
+        ]
+    )
     assert code == 0
     stats = json.loads(stats_file.read_text())
     last = _rows(out / "results.csv")[-1]
@@ -150,8 +221,17 @@ def test_weights_with_other_class_count(trained, shapes_data, repo_root, tmp_pat
     # --single-cls makes a 1-class model: the 5-class heads cannot load, everything else does.
     run_dir = tmp_path / "ft"
     with caplog.at_level("WARNING"):
-        _run(_flags(shapes_data, run_dir, repo_root, 1, "--single-cls", "--weights",
-                    str(out / "last.pt")))
+        _run(
+            _flags(
+                shapes_data,
+                run_dir,
+                repo_root,
+                1,
+                "--single-cls",
+                "--weights",
+                str(out / "last.pt"),
+            )
+        )
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
     assert skipped and "Conv2d" in skipped[0]
     assert load_checkpoint(run_dir / "last.pt")["nc"] == 1
@@ -160,8 +240,9 @@ def test_weights_with_other_class_count(trained, shapes_data, repo_root, tmp_pat
 def test_cli_errors_are_one_line(shapes_data, repo_root, tmp_path, capsys):
     code = train_script.main(_flags(shapes_data, tmp_path / "x", repo_root, 1, "--img-size", "100"))
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and err == ["error: --img-size 100 is not a positive multiple of 32; use "
-                                 "e.g. 96"]
+    assert code == 2 and err == [
+        "error: --img-size 100 is not a positive multiple of 32; use e.g. 96"
+    ]
     code = train_script.main(_flags(shapes_data, tmp_path / "x", repo_root, 1, "--resume"))
     assert code == 2 and "--resume: no checkpoint" in capsys.readouterr().err
 

@@ -124,8 +124,13 @@ def test_warm_up_and_bias_warm_up_inside_train_one_epoch(hyp) -> None:
         for i in range(3):
             ni = i + 3 * epoch
             weights = warmup_lr(base[1], ni, 4)
-            expected.append({"bn": warmup_lr(base[0], ni, 4), "weights": weights,
-                             "bias": warmup_lr(base[2], ni, 4, start=0.1)})
+            expected.append(
+                {
+                    "bn": warmup_lr(base[0], ni, 4),
+                    "weights": weights,
+                    "bias": warmup_lr(base[2], ni, 4, start=0.1),
+                }
+            )
         stats = train_one_epoch(state, _batches(3), epoch, opts)
         state.scheduler.step()
         assert stats.lr == expected[-1]["bn"]

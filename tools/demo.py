@@ -36,8 +36,13 @@ logger = logging.getLogger("demo")
 
 # The demo recipe. Each value is a flag of train.py; see README "The demo" for why.
 DEMO_DATA_DIR = REPO / "demo_data" / "shapes"
-DEMO_DATASET = {"n_train": 1500, "n_val": 200, "img_size_range": (160, 192), "seed": 0,
-                "obj_size_range": (20.0, 0.5)}
+DEMO_DATASET = {
+    "n_train": 1500,
+    "n_val": 200,
+    "img_size_range": (160, 192),
+    "seed": 0,
+    "obj_size_range": (20.0, 0.5),
+}
 DEMO_TRAIN_FLAGS = {
     "--cfg": str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
     "--hyp": str(REPO / "cfg" / "hyp_demo.yaml"),
@@ -58,8 +63,9 @@ TARGET_MAP50 = 0.85
 def ensure_demo_dataset(root: Path) -> Path:
     """Generate the shapes dataset unless an identical one is already there."""
     stamp = root / "dataset.json"
-    wanted = json.dumps({k: list(v) if isinstance(v, tuple) else v
-                         for k, v in DEMO_DATASET.items()}, sort_keys=True)
+    wanted = json.dumps(
+        {k: list(v) if isinstance(v, tuple) else v for k, v in DEMO_DATASET.items()}, sort_keys=True
+    )
     if stamp.is_file() and stamp.read_text() == wanted and (root / "shapes.data").is_file():
         logger.info("using the existing demo dataset in %s", root)
         return root / "shapes.data"
@@ -69,8 +75,13 @@ def ensure_demo_dataset(root: Path) -> Path:
     t0 = time.time()
     data = make_dataset(root, **DEMO_DATASET)
     stamp.write_text(wanted)
-    logger.info("generated %d + %d shapes images in %s (%.1f s)", DEMO_DATASET["n_train"],
-                DEMO_DATASET["n_val"], root, time.time() - t0)
+    logger.info(
+        "generated %d + %d shapes images in %s (%.1f s)",
+        DEMO_DATASET["n_train"],
+        DEMO_DATASET["n_val"],
+        root,
+        time.time() - t0,
+    )
     return data
 
 
@@ -87,8 +98,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         t0 = time.time()
         data = Path(args.data) if args.data else ensure_demo_dataset(DEMO_DATA_DIR)
-        flags = {**DEMO_TRAIN_FLAGS, "--data": str(data), "--output-dir": args.output_dir,
-                 "--device": args.device}
+        flags = {
+            **DEMO_TRAIN_FLAGS,
+            "--data": str(data),
+            "--output-dir": args.output_dir,
+            "--device": args.device,
+        }
         if args.epochs is not None:
             flags["--epochs"] = str(args.epochs)
         train_argv = [x for kv in flags.items() for x in kv] + DEMO_TRAIN_SWITCHES
@@ -102,9 +117,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = out / "best.pt" if (out / "best.pt").is_file() else out / "last.pt"
 
         stats_file = out / "val_stats.json"
-        code = validation.main(["--cfg", str(out / "model.cfg"), "--data", str(data),
-                                "--weights", str(weights), "--img-size", flags["--img-size"],
-                                "--device", str(device), "--json-out", str(stats_file)])
+        code = validation.main(
+            [
+                "--cfg",
+                str(out / "model.cfg"),
+                "--data",
+                str(data),
+                "--weights",
+                str(weights),
+                "--img-size",
+                flags["--img-size"],
+                "--device",
+                str(device),
+                "--json-out",
+                str(stats_file),
+            ]
+        )
         if code:
             raise SystemExit(code)
         stats = json.loads(stats_file.read_text())
@@ -113,9 +141,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         list_dir = Path(config.data.valid).parent
         pred_dir = out / "predictions"
         sources = [str(p if Path(p).is_absolute() else list_dir / p) for p in val_list]
-        code = predict.main(["--weights", str(weights), "--source", *sources,
-                             "--output", str(pred_dir), "--img-size", flags["--img-size"],
-                             "--device", str(device)])
+        code = predict.main(
+            [
+                "--weights",
+                str(weights),
+                "--source",
+                *sources,
+                "--output",
+                str(pred_dir),
+                "--img-size",
+                flags["--img-size"],
+                "--device",
+                str(device),
+            ]
+        )
         if code:
             raise SystemExit(code)
 

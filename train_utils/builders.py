@@ -29,32 +29,65 @@ def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
         cfg = blocks[0].get("_path", "the cfg")
     cfg_nc = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
     if cfg_nc != [nc]:
-        logger.warning("%s has classes=%s but the dataset has %d; rewriting the heads for %d "
-                       "classes", cfg, ",".join(map(str, cfg_nc)), nc, nc)
+        logger.warning(
+            "%s has classes=%s but the dataset has %d; rewriting the heads for %d classes",
+            cfg,
+            ",".join(map(str, cfg_nc)),
+            nc,
+            nc,
+        )
         blocks = rewrite_cfg_classes(blocks, nc)
     return blocks
 
 
-def make_eval_dataset(list_path: str | Path, img_size: int, batch_size: int, nc: int,
-                      single_cls: bool = False, rank: int = -1, cache_images: str | None = None,
-                      hyp: dict[str, Any] | None = None) -> LoadImagesAndLabels:
+def make_eval_dataset(
+    list_path: str | Path,
+    img_size: int,
+    batch_size: int,
+    nc: int,
+    single_cls: bool = False,
+    rank: int = -1,
+    cache_images: str | None = None,
+    hyp: dict[str, Any] | None = None,
+) -> LoadImagesAndLabels:
     """The validation set as training-time evaluation and ``validation.py`` both build it:
     rectangular letterboxed batches, no augmentation."""
     if img_size % 32:
         raise ConfigError(f"--img-size {img_size} is not a multiple of 32")
-    return LoadImagesAndLabels(str(list_path), img_size, batch_size, augment=False, hyp=hyp,
-                               rect=True, cache_images=cache_images, single_cls=single_cls,
-                               rank=rank, nc=nc)
+    return LoadImagesAndLabels(
+        str(list_path),
+        img_size,
+        batch_size,
+        augment=False,
+        hyp=hyp,
+        rect=True,
+        cache_images=cache_images,
+        single_cls=single_cls,
+        rank=rank,
+        nc=nc,
+    )
 
 
-def make_eval_loader(dataset: LoadImagesAndLabels, batch_size: int, world_size: int, rank: int,
-                     workers: int, pin_memory: bool) -> DataLoader:
+def make_eval_loader(
+    dataset: LoadImagesAndLabels,
+    batch_size: int,
+    world_size: int,
+    rank: int,
+    workers: int,
+    pin_memory: bool,
+) -> DataLoader:
     """This rank's disjoint share of whole rect batches (no padding duplicates)."""
-    sampler = ShardedEvalBatchSampler(getattr(dataset, "batch", None), len(dataset), batch_size,
-                                      world_size, rank)
-    return DataLoader(dataset, batch_sampler=sampler, num_workers=workers, pin_memory=pin_memory,
-                      collate_fn=LoadImagesAndLabels.collate_fn,
-                      worker_init_fn=worker_init_fn if workers else None)
+    sampler = ShardedEvalBatchSampler(
+        getattr(dataset, "batch", None), len(dataset), batch_size, world_size, rank
+    )
+    return DataLoader(
+        dataset,
+        batch_sampler=sampler,
+        num_workers=workers,
+        pin_memory=pin_memory,
+        collate_fn=LoadImagesAndLabels.collate_fn,
+        worker_init_fn=worker_init_fn if workers else None,
+    )
 
 
 @dataclass
@@ -76,26 +109,58 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
     data = config.data
     with torch_distributed_zero_first(dist.rank):
         train_set = LoadImagesAndLabels(
-            str(data.train), config.img_size, config.batch_size, augment=True, hyp=hyp,
-            rect=config.rect, cache_images=config.cache_images, single_cls=config.single_cls,
-            rank=dist.rank, nc=data.nc)
-        val_set = make_eval_dataset(data.valid, config.img_size, config.batch_size, data.nc,
-                                    config.single_cls, dist.rank, config.cache_images, hyp)
+            str(data.train),
+            config.img_size,
+            config.batch_size,
+            augment=True,
+            hyp=hyp,
+            rect=config.rect,
+            cache_images=config.cache_images,
+            single_cls=config.single_cls,
+            rank=dist.rank,
+            nc=data.nc,
+        )
+        val_set = make_eval_dataset(
+            data.valid,
+            config.img_size,
+            config.batch_size,
+            data.nc,
+            config.single_cls,
+            dist.rank,
+            config.cache_images,
+            hyp,
+        )
         coco_gt = None
         if dist.is_main:
-            coco_gt = get_coco_api_from_dataset(val_set, cache_dir=config.output_dir,
-                                                num_classes=data.nc)
+            coco_gt = get_coco_api_from_dataset(
+                val_set, cache_dir=config.output_dir, num_classes=data.nc
+            )
     sampler = DistributedBatchSampler(
-        len(train_set), config.batch_size, dist.world_size, dist.rank, shuffle=True,
-        seed=config.seed, drop_last=True, batch_index=train_set.batch if config.rect else None)
+        len(train_set),
+        config.batch_size,
+        dist.world_size,
+        dist.rank,
+        shuffle=True,
+        seed=config.seed,
+        drop_last=True,
+        batch_index=train_set.batch if config.rect else None,
+    )
     pin = dist.device.type == "cuda"
-    train_loader = DataLoader(train_set, batch_sampler=sampler, num_workers=config.workers,
-                              pin_memory=pin, collate_fn=LoadImagesAndLabels.collate_fn,
-                              worker_init_fn=worker_init_fn)
+    train_loader = DataLoader(
+        train_set,
+        batch_sampler=sampler,
+        num_workers=config.workers,
+        pin_memory=pin,
+        collate_fn=LoadImagesAndLabels.collate_fn,
+        worker_init_fn=worker_init_fn,
+    )
     if len(train_loader) == 0:
-        raise DatasetError(f"{len(train_set)} usable training images are fewer than one batch "
-                           f"of {config.batch_size} x {dist.world_size} process(es); lower "
-                           f"--batch-size")
-    val_loader = make_eval_loader(val_set, config.batch_size, dist.world_size, dist.rank,
-                                  config.workers, pin)
+        raise DatasetError(
+            f"{len(train_set)} usable training images are fewer than one batch "
+            f"of {config.batch_size} x {dist.world_size} process(es); lower "
+            f"--batch-size"
+        )
+    val_loader = make_eval_loader(
+        val_set, config.batch_size, dist.world_size, dist.rank, config.workers, pin
+    )
     return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))

@@ -83,8 +83,9 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
         root = yaml.compose(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)
-        raise ConfigError(f"not valid YAML: {getattr(e, 'problem', e)}", path,
-                          mark.line + 1 if mark else None) from e
+        raise ConfigError(
+            f"not valid YAML: {getattr(e, 'problem', e)}", path, mark.line + 1 if mark else None
+        ) from e
     if root is None or not isinstance(root, yaml.MappingNode):
         raise ConfigError("expected a mapping of hyperparameter names to values", path)
     hyp: dict[str, Any] = {}
@@ -92,16 +93,20 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
         line = key_node.start_mark.line + 1
         key = key_node.value
         if key not in HYP_SPECS:
-            raise ConfigError(f"unknown hyperparameter '{key}'; known keys: "
-                              f"{', '.join(HYP_SPECS)}", path, line)
+            raise ConfigError(
+                f"unknown hyperparameter '{key}'; known keys: {', '.join(HYP_SPECS)}", path, line
+            )
         if key in hyp:
             raise ConfigError(f"hyperparameter '{key}' is given twice", path, line)
         value = yaml.safe_load(yaml.serialize(value_node))
         hyp[key] = _check_hyp_value(key, value, path, line)
     missing = [k for k, s in HYP_SPECS.items() if s.default is None and k not in hyp]
     if missing:
-        raise ConfigError(f"missing hyperparameter(s) {', '.join(missing)}; add them "
-                          f"(see cfg/hyp.yaml for meanings and defaults)", path)
+        raise ConfigError(
+            f"missing hyperparameter(s) {', '.join(missing)}; add them "
+            f"(see cfg/hyp.yaml for meanings and defaults)",
+            path,
+        )
     for key, spec in HYP_SPECS.items():
         hyp.setdefault(key, spec.default)
     return hyp
@@ -146,8 +151,9 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
     if names_path:
         names = load_class_names(names_path)
         if len(names) != nc:
-            raise ConfigError(f"classes={nc} but {names_path} lists {len(names)} names; make "
-                              f"them agree", path)
+            raise ConfigError(
+                f"classes={nc} but {names_path} lists {len(names)} names; make them agree", path
+            )
     else:
         names = [str(i) for i in range(nc)]
     if single_cls:
@@ -157,60 +163,130 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     """The training CLI shared by ``train.py`` and ``train_multi_GPU.py``."""
-    p = argparse.ArgumentParser("YOLOv3-SPP training", add_help=add_help,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        "YOLOv3-SPP training",
+        add_help=add_help,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument("--cfg", default="cfg/yolov3-spp.cfg", help="model .cfg file")
     p.add_argument("--data", default="data/my_data.data", help="dataset .data file")
     p.add_argument("--hyp", default="cfg/hyp.yaml", help="hyperparameter YAML file")
     p.add_argument("--epochs", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=4, help="images per process per step")
-    p.add_argument("--img-size", type=int, default=512,
-                   help="training/test image side, a multiple of 32 (max side for --rect)")
-    p.add_argument("--multi-scale", action=argparse.BooleanOptionalAction, default=True,
-                   help="train at random sides in 67%%-150%% of --img-size")
+    p.add_argument(
+        "--img-size",
+        type=int,
+        default=512,
+        help="training/test image side, a multiple of 32 (max side for --rect)",
+    )
+    p.add_argument(
+        "--multi-scale",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="train at random sides in 67%%-150%% of --img-size",
+    )
     p.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
-    p.add_argument("--cache-images", nargs="?", const="ram", default=None,
-                   choices=("ram", "disk"), help="cache resized images in RAM or as .npy on disk")
+    p.add_argument(
+        "--cache-images",
+        nargs="?",
+        const="ram",
+        default=None,
+        choices=("ram", "disk"),
+        help="cache resized images in RAM or as .npy on disk",
+    )
     p.add_argument("--weights", default="", help="initial weights: .pt or Darknet .weights")
-    p.add_argument("--resume", nargs="?", const="auto", default=None, metavar="PATH",
-                   help="resume from PATH, or from OUTPUT_DIR/last.pt when no path is given")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="allow full-pickle checkpoint loading (only for files you trust)")
+    p.add_argument(
+        "--resume",
+        nargs="?",
+        const="auto",
+        default=None,
+        metavar="PATH",
+        help="resume from PATH, or from OUTPUT_DIR/last.pt when no path is given",
+    )
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="allow full-pickle checkpoint loading (only for files you trust)",
+    )
     p.add_argument("--name", default="", help="run name; output goes to runs/<name>")
     p.add_argument("--output-dir", default="", help="output folder (default runs/<name or time>)")
     p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if available)")
     p.add_argument("--workers", type=int, default=4, help="DataLoader workers per process")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--single-cls", action="store_true", help="train as a one-class detector")
-    p.add_argument("--freeze-layers", nargs="?", const="all-but-heads", default="none",
-                   choices=FREEZE_MODES,
-                   help="freeze the Darknet-53 backbone, or everything but the output layers")
-    p.add_argument("--amp", action="store_true",
-                   help="mixed precision: fp16 + GradScaler on CUDA, bf16 autocast on CPU "
-                        "(fp32 on CPUs without native bf16 kernels)")
-    p.add_argument("--ema", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep an exponential moving average of the weights for eval and saving")
-    p.add_argument("--optimizer", default="sgd", choices=OPTIMIZER_CHOICES,
-                   help="Nesterov SGD (lineage) or Adam (betas momentum, 0.999)")
-    p.add_argument("--nbs", type=int, default=NOMINAL_BATCH_SIZE,
-                   help="nominal batch size: gradients accumulate up to it across steps/ranks")
-    p.add_argument("--accumulate", type=int, default=None,
-                   help="override: optimizer step every N batches (default from --nbs)")
-    p.add_argument("--savebest", action=argparse.BooleanOptionalAction, default=True,
-                   help="keep best.pt, the checkpoint of the best mAP@0.5:0.95 so far "
-                        "(--no-savebest saves the time and disk of a second checkpoint)")
+    p.add_argument(
+        "--freeze-layers",
+        nargs="?",
+        const="all-but-heads",
+        default="none",
+        choices=FREEZE_MODES,
+        help="freeze the Darknet-53 backbone, or everything but the output layers",
+    )
+    p.add_argument(
+        "--amp",
+        action="store_true",
+        help="mixed precision: fp16 + GradScaler on CUDA, bf16 autocast on CPU "
+        "(fp32 on CPUs without native bf16 kernels)",
+    )
+    p.add_argument(
+        "--ema",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep an exponential moving average of the weights for eval and saving",
+    )
+    p.add_argument(
+        "--optimizer",
+        default="sgd",
+        choices=OPTIMIZER_CHOICES,
+        help="Nesterov SGD (lineage) or Adam (betas momentum, 0.999)",
+    )
+    p.add_argument(
+        "--nbs",
+        type=int,
+        default=NOMINAL_BATCH_SIZE,
+        help="nominal batch size: gradients accumulate up to it across steps/ranks",
+    )
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=None,
+        help="override: optimizer step every N batches (default from --nbs)",
+    )
+    p.add_argument(
+        "--savebest",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="keep best.pt, the checkpoint of the best mAP@0.5:0.95 so far "
+        "(--no-savebest saves the time and disk of a second checkpoint)",
+    )
     p.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
     p.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
-    p.add_argument("--conf-thres", type=float, default=DEFAULT_EVAL_CONF,
-                   help="evaluation confidence threshold")
+    p.add_argument(
+        "--conf-thres",
+        type=float,
+        default=DEFAULT_EVAL_CONF,
+        help="evaluation confidence threshold",
+    )
     p.add_argument("--iou-thres", type=float, default=DEFAULT_EVAL_IOU, help="evaluation NMS IoU")
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="channels_last memory format (default: on; see bench/README.md)")
+    p.add_argument(
+        "--channels-last",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="channels_last memory format (default: on; see bench/README.md)",
+    )
     p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument("--coco-backend", default="pycocotools",
-                   choices=("pycocotools", "faster-coco-eval"), help="COCO scoring library")
-    p.add_argument("--log-interval", type=int, default=10,
-                   help="iterations between loss synchronisations/log lines")
+    p.add_argument(
+        "--coco-backend",
+        default="pycocotools",
+        choices=("pycocotools", "faster-coco-eval"),
+        help="COCO scoring library",
+    )
+    p.add_argument(
+        "--log-interval",
+        type=int,
+        default=10,
+        help="iterations between loss synchronisations/log lines",
+    )
     return p
 
 
@@ -257,8 +333,10 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, DataConfig):
-                v = {k: str(x) if isinstance(x, Path) else x
-                     for k, x in dataclasses.asdict(v).items()}
+                v = {
+                    k: str(x) if isinstance(x, Path) else x
+                    for k, x in dataclasses.asdict(v).items()
+                }
             elif isinstance(v, Path):
                 v = str(v)
             out[f.name] = v
@@ -275,10 +353,14 @@ def check_img_size(size: int, flag: str = "--img-size") -> int:
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """Validate parsed CLI arguments, load hyp and .data, and decide the output folder."""
     check_img_size(args.img_size)
-    for flag, value, lo in (("--epochs", args.epochs, 1), ("--batch-size", args.batch_size, 1),
-                            ("--workers", args.workers, 0), ("--nbs", args.nbs, 1),
-                            ("--eval-interval", args.eval_interval, 1),
-                            ("--log-interval", args.log_interval, 1)):
+    for flag, value, lo in (
+        ("--epochs", args.epochs, 1),
+        ("--batch-size", args.batch_size, 1),
+        ("--workers", args.workers, 0),
+        ("--nbs", args.nbs, 1),
+        ("--eval-interval", args.eval_interval, 1),
+        ("--log-interval", args.log_interval, 1),
+    ):
         if value < lo:
             raise ConfigError(f"{flag} must be >= {lo}, got {value}")
     if args.accumulate is not None and args.accumulate < 1:
@@ -298,16 +380,37 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     else:
         output_dir = Path("runs") / (args.name or time.strftime("%Y%m%d-%H%M%S"))
     return TrainConfig(
-        cfg=cfg, data=data, hyp=hyp, epochs=args.epochs,
-        batch_size=args.batch_size, img_size=args.img_size, multi_scale=args.multi_scale,
-        rect=args.rect, cache_images=args.cache_images, weights=args.weights, resume=args.resume,
-        trust_checkpoint=args.trust_checkpoint, output_dir=output_dir, device=args.device,
-        workers=args.workers, seed=args.seed, single_cls=args.single_cls,
-        freeze_layers=args.freeze_layers, amp=args.amp, ema=args.ema, optimizer=args.optimizer,
+        cfg=cfg,
+        data=data,
+        hyp=hyp,
+        epochs=args.epochs,
+        batch_size=args.batch_size,
+        img_size=args.img_size,
+        multi_scale=args.multi_scale,
+        rect=args.rect,
+        cache_images=args.cache_images,
+        weights=args.weights,
+        resume=args.resume,
+        trust_checkpoint=args.trust_checkpoint,
+        output_dir=output_dir,
+        device=args.device,
+        workers=args.workers,
+        seed=args.seed,
+        single_cls=args.single_cls,
+        freeze_layers=args.freeze_layers,
+        amp=args.amp,
+        ema=args.ema,
+        optimizer=args.optimizer,
         nbs=args.nbs,
-        accumulate=args.accumulate, savebest=args.savebest, notest=args.notest,
-        eval_interval=args.eval_interval, conf_thres=args.conf_thres, iou_thres=args.iou_thres,
-        channels_last=args.channels_last, compile=args.compile, coco_backend=args.coco_backend,
+        accumulate=args.accumulate,
+        savebest=args.savebest,
+        notest=args.notest,
+        eval_interval=args.eval_interval,
+        conf_thres=args.conf_thres,
+        iou_thres=args.iou_thres,
+        channels_last=args.channels_last,
+        compile=args.compile,
+        coco_backend=args.coco_backend,
         log_interval=args.log_interval,
     )
 

@@ -39,8 +39,9 @@ def _parse_request(spec: str) -> torch.device | None:
     except RuntimeError as e:
         raise ConfigError(f"--device {spec!r} is not a device; {_DEVICE_HELP}") from e
     if device.type not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {spec!r}: only CPU and CUDA devices are supported; "
-                          f"{_DEVICE_HELP}")
+        raise ConfigError(
+            f"--device {spec!r}: only CPU and CUDA devices are supported; {_DEVICE_HELP}"
+        )
     return device
 
 
@@ -70,27 +71,34 @@ def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> 
         return DeviceChoice(torch.device("cpu"))
     if cuda_count < 1:
         if requested is not None:
-            raise ConfigError(f"--device {spec} asks for CUDA but no CUDA device is visible; "
-                              f"use --device cpu")
+            raise ConfigError(
+                f"--device {spec} asks for CUDA but no CUDA device is visible; use --device cpu"
+            )
         return DeviceChoice(torch.device("cpu"))
     if local_rank is None:
         index = requested.index if requested is not None and requested.index is not None else 0
         if index >= cuda_count:
-            raise ConfigError(f"--device {spec}: only {cuda_count} CUDA device(s) are visible "
-                              f"(cuda:0..cuda:{cuda_count - 1})")
+            raise ConfigError(
+                f"--device {spec}: only {cuda_count} CUDA device(s) are visible "
+                f"(cuda:0..cuda:{cuda_count - 1})"
+            )
         return DeviceChoice(torch.device("cuda", index))
     if cuda_count == 1:
         index = 0
     elif local_rank < cuda_count:
         index = local_rank
     else:
-        raise ConfigError(f"local rank {local_rank} but {cuda_count} CUDA devices are visible on "
-                          f"this node: start at most {cuda_count} processes per node "
-                          f"(--nproc_per_node), or give each process its own GPU")
+        raise ConfigError(
+            f"local rank {local_rank} but {cuda_count} CUDA devices are visible on "
+            f"this node: start at most {cuda_count} processes per node "
+            f"(--nproc_per_node), or give each process its own GPU"
+        )
     note = None
     if requested is not None and requested.index is not None and requested.index != index:
-        note = (f"--device {spec} is ignored under a launcher: each process uses the GPU of its "
-                f"local rank (cuda:{index} here); choose GPUs with CUDA_VISIBLE_DEVICES")
+        note = (
+            f"--device {spec} is ignored under a launcher: each process uses the GPU of its "
+            f"local rank (cuda:{index} here); choose GPUs with CUDA_VISIBLE_DEVICES"
+        )
     return DeviceChoice(torch.device("cuda", index), note)
 
 

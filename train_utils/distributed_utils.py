@@ -48,6 +48,7 @@ _SLURM_PORT_BASE = 15000
 _SLURM_PORT_SPAN = 15000
 _DEFAULT_MASTER_ADDR = "127.0.0.1"
 
+
 @dataclass(frozen=True)
 class DistInfo:
     """Where this process sits in the job.
@@ -196,8 +197,13 @@ def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
         backend = "gloo"
     logger.info(
         "initialising process group: rank %d/%d (local rank %d, %s), backend %s, master %s:%s",
-        rank, world_size, local_rank, launcher, backend,
-        os.environ.get("MASTER_ADDR", "?"), os.environ.get("MASTER_PORT", "?"),
+        rank,
+        world_size,
+        local_rank,
+        launcher,
+        backend,
+        os.environ.get("MASTER_ADDR", "?"),
+        os.environ.get("MASTER_PORT", "?"),
     )
     _init_process_group(backend, rank, world_size, device, timedelta(seconds=timeout_s))
     barrier()
@@ -221,9 +227,7 @@ def _init_process_group(
     backend: str, rank: int, world_size: int, device: torch.device, timeout: timedelta
 ) -> None:
     # torch's own env:// rendezvous (it knows when torchrun's agent hosts the store) ...
-    store, _, _ = next(
-        dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout)
-    )
+    store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     # ... but under torchrun's static rendezvous (--master_port with --max-restarts) the agent
     # keeps one store across restarts: a restarted rank could read its peer's address from the
     # failed attempt and gloo's connect fails with "Connection refused". One key space per

@@ -21,8 +21,9 @@ EMA_TAU = 2000.0
 class ModelEMA:
     """EMA of an (unwrapped) model; ``self.ema`` is an eval-mode copy used for evaluation."""
 
-    def __init__(self, model: nn.Module, decay: float = EMA_DECAY, tau: float = EMA_TAU,
-                 updates: int = 0):
+    def __init__(
+        self, model: nn.Module, decay: float = EMA_DECAY, tau: float = EMA_TAU, updates: int = 0
+    ):
         self.ema = deepcopy(model).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)

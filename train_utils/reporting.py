@@ -24,8 +24,16 @@ from train_utils.train_eval_utils import EpochStats
 
 logger = logging.getLogger(__name__)
 
-RESULTS_HEADER = ["epoch", *STAT_NAMES, "box_loss", "obj_loss", "cls_loss", "loss", "lr",
-                  "train_seconds"]
+RESULTS_HEADER = [
+    "epoch",
+    *STAT_NAMES,
+    "box_loss",
+    "obj_loss",
+    "cls_loss",
+    "loss",
+    "lr",
+    "train_seconds",
+]
 FITNESS_KEY = "mAP50-95"  # what best.pt is chosen by
 
 # (epoch, best fitness so far) -> checkpoint dict
@@ -75,8 +83,9 @@ def plot_results(csv_path: Path, png_path: Path) -> None:
     plt.close(fig)
 
 
-def write_run_files(out: Path, args: Mapping[str, Any], hyp: Mapping[str, Any],
-                    cfg_text: str) -> None:
+def write_run_files(
+    out: Path, args: Mapping[str, Any], hyp: Mapping[str, Any], cfg_text: str
+) -> None:
     """``args.yaml`` (the resolved run config), ``hyp.yaml`` (the hyperparameters as the user
     gave them, so that ``--hyp runs/x/hyp.yaml`` reproduces the run) and ``model.cfg``."""
     (out / "model.cfg").write_text(cfg_text)
@@ -99,8 +108,15 @@ class EpochReporter:
         keep_best: also write ``best.pt`` when the fitness improves (``--savebest``).
     """
 
-    def __init__(self, out: Path, total_epochs: int, start_epoch: int, best: float | None,
-                 checkpoint: CheckpointFactory, keep_best: bool = True):
+    def __init__(
+        self,
+        out: Path,
+        total_epochs: int,
+        start_epoch: int,
+        best: float | None,
+        checkpoint: CheckpointFactory,
+        keep_best: bool = True,
+    ):
         self.out = out
         self.total_epochs = total_epochs
         self.start_epoch = start_epoch
@@ -109,12 +125,14 @@ class EpochReporter:
         self.checkpoint = checkpoint
         self.keep_best = keep_best
         self.results = out / "results.csv"
-        write_results(self.results, [r for r in read_results(self.results)
-                                     if int(r["epoch"]) < start_epoch])
+        write_results(
+            self.results, [r for r in read_results(self.results) if int(r["epoch"]) < start_epoch]
+        )
         self.writer = SummaryWriter(str(out))
 
-    def end_epoch(self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None,
-                  seconds: float) -> None:
+    def end_epoch(
+        self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None, seconds: float
+    ) -> None:
         """Record a finished epoch (``coco_stats`` None when it was not evaluated) and save."""
         is_best = False
         if coco_stats is not None:
@@ -134,8 +152,13 @@ class EpochReporter:
             save_checkpoint(ckpt, self.out / "best.pt")
 
     def _append_row(self, epoch: int, stats: EpochStats, seconds: float) -> None:
-        row = {"epoch": epoch, **self.last_stats, **stats.as_dict(), "lr": stats.lr,
-               "train_seconds": round(seconds, 3)}
+        row = {
+            "epoch": epoch,
+            **self.last_stats,
+            **stats.as_dict(),
+            "lr": stats.lr,
+            "train_seconds": round(seconds, 3),
+        }
         write_results(self.results, [*read_results(self.results), row])
         plot_results(self.results, self.out / "results.png")
         for k, v in self.last_stats.items():
@@ -144,28 +167,51 @@ class EpochReporter:
     def _log_epoch(self, epoch: int, stats: EpochStats, seconds: float, evaluated: bool) -> None:
         last = self.total_epochs - 1
         if not evaluated:
-            logger.info("epoch %d/%d: loss %.4f, lr %.3g, %.1f s", epoch, last, stats.loss,
-                        stats.lr, seconds)
+            logger.info(
+                "epoch %d/%d: loss %.4f, lr %.3g, %.1f s",
+                epoch,
+                last,
+                stats.loss,
+                stats.lr,
+                seconds,
+            )
             return
-        logger.info("epoch %d/%d: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s | "
-                    "mAP@0.5:0.95 %.4f mAP@0.5 %.4f", epoch, last, stats.loss, stats.box_loss,
-                    stats.obj_loss, stats.cls_loss, stats.lr, seconds,
-                    self.last_stats["mAP50-95"], self.last_stats["mAP50"])
+        logger.info(
+            "epoch %d/%d: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s | "
+            "mAP@0.5:0.95 %.4f mAP@0.5 %.4f",
+            epoch,
+            last,
+            stats.loss,
+            stats.box_loss,
+            stats.obj_loss,
+            stats.cls_loss,
+            stats.lr,
+            seconds,
+            self.last_stats["mAP50-95"],
+            self.last_stats["mAP50"],
+        )
 
     def interrupted(self, epoch: int) -> None:
         """Ctrl-C/SIGTERM: say how to continue; keep the partial weights when nothing was saved
         yet, resumable from epoch ``start_epoch`` (a checkpoint of epoch ``start_epoch - 1``)."""
-        logger.warning("interrupted in epoch %d; last completed epoch is saved in %s; continue "
-                       "with --resume", epoch, self.out / "last.pt")
+        logger.warning(
+            "interrupted in epoch %d; last completed epoch is saved in %s; continue with --resume",
+            epoch,
+            self.out / "last.pt",
+        )
         if not (self.out / "last.pt").is_file():
-            save_checkpoint(self.checkpoint(self.start_epoch - 1, self.best),
-                            self.out / "last.pt")
+            save_checkpoint(self.checkpoint(self.start_epoch - 1, self.best), self.out / "last.pt")
 
     def finished(self, seconds: float) -> None:
-        logger.info("done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | "
-                    "weights %s, %s", self.total_epochs - self.start_epoch, seconds / 60,
-                    "-" if self.best is None else f"{self.best:.4f}", self.results,
-                    self.out / "last.pt", self.out / "best.pt")
+        logger.info(
+            "done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s, %s",
+            self.total_epochs - self.start_epoch,
+            seconds / 60,
+            "-" if self.best is None else f"{self.best:.4f}",
+            self.results,
+            self.out / "last.pt",
+            self.out / "best.pt",
+        )
 
     def close(self) -> None:
         self.writer.close()
@@ -179,8 +225,9 @@ class SilentReporter:
         self.best = best
         self.last_stats: dict[str, float] | None = None
 
-    def end_epoch(self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None,
-                  seconds: float) -> None:
+    def end_epoch(
+        self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None, seconds: float
+    ) -> None:
         pass
 
     def interrupted(self, epoch: int) -> None:
@@ -193,9 +240,15 @@ class SilentReporter:
         pass
 
 
-def make_reporter(is_main: bool, out: Path, total_epochs: int, start_epoch: int,
-                  best: float | None, checkpoint: CheckpointFactory,
-                  keep_best: bool = True) -> EpochReporter | SilentReporter:
+def make_reporter(
+    is_main: bool,
+    out: Path,
+    total_epochs: int,
+    start_epoch: int,
+    best: float | None,
+    checkpoint: CheckpointFactory,
+    keep_best: bool = True,
+) -> EpochReporter | SilentReporter:
     """An :class:`EpochReporter` on rank 0, a :class:`SilentReporter` elsewhere."""
     if is_main:
         return EpochReporter(out, total_epochs, start_epoch, best, checkpoint, keep_best)

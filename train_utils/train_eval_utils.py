@@ -51,8 +51,12 @@ class EpochStats:
     images: int
 
     def as_dict(self) -> dict[str, float]:
-        return {"box_loss": self.box_loss, "obj_loss": self.obj_loss, "cls_loss": self.cls_loss,
-                "loss": self.loss}
+        return {
+            "box_loss": self.box_loss,
+            "obj_loss": self.obj_loss,
+            "cls_loss": self.cls_loss,
+            "loss": self.loss,
+        }
 
 
 @functools.cache
@@ -69,8 +73,10 @@ def cpu_bf16_is_fast() -> bool:
 
 @functools.cache
 def _warn_slow_cpu_bf16() -> None:
-    logger.warning("--amp: this CPU has no native bf16 kernels (AVX512-BF16/AMX); bf16 autocast "
-                   "would make training and evaluation about 10x slower, so they run in fp32")
+    logger.warning(
+        "--amp: this CPU has no native bf16 kernels (AVX512-BF16/AMX); bf16 autocast "
+        "would make training and evaluation about 10x slower, so they run in fp32"
+    )
 
 
 def autocast_context(device: torch.device, amp: bool) -> Any:
@@ -213,8 +219,7 @@ def _forward_backward(
     with autocast_context(opts.device, opts.amp):
         preds = state.model(imgs)
     # The loss stays in fp32 whatever the forward precision.
-    loss_dict = compute_loss([p.float() for p in preds], targets, state.model_without_ddp,
-                             opts.hyp)
+    loss_dict = compute_loss([p.float() for p in preds], targets, state.model_without_ddp, opts.hyp)
     loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["class_loss"]
     step_loss = loss / opts.accumulate
     if state.scaler is not None:
@@ -247,8 +252,13 @@ class _LossMeter:
         self.images = 0
         self.seen = 0
         self.lr = 0.0
-        self.pbar = tqdm(total=nb, desc=f"epoch {epoch}", disable=not opts.show_progress,
-                         leave=False, dynamic_ncols=True)
+        self.pbar = tqdm(
+            total=nb,
+            desc=f"epoch {epoch}",
+            disable=not opts.show_progress,
+            leave=False,
+            dynamic_ncols=True,
+        )
 
     def add(self, losses: torch.Tensor, paths: Sequence[str], shape: torch.Size, lr: float) -> None:
         self.sums += losses
@@ -269,9 +279,16 @@ class _LossMeter:
         mean = (self.sums / self.seen).tolist()
         device = self.opts.device
         mem = f"{torch.cuda.memory_reserved(device) / 2**30:.1f}G" if device.type == "cuda" else "-"
-        self.pbar.set_postfix(box=f"{mean[0]:.3f}", obj=f"{mean[1]:.3f}", cls=f"{mean[2]:.3f}",
-                              loss=f"{mean[3]:.3f}", lr=f"{self.lr:.2e}", size=tuple(shape[2:]),
-                              mem=mem, refresh=False)
+        self.pbar.set_postfix(
+            box=f"{mean[0]:.3f}",
+            obj=f"{mean[1]:.3f}",
+            cls=f"{mean[2]:.3f}",
+            loss=f"{mean[3]:.3f}",
+            lr=f"{self.lr:.2e}",
+            size=tuple(shape[2:]),
+            mem=mem,
+            refresh=False,
+        )
 
     def close(self) -> None:
         self.pbar.close()
@@ -285,7 +302,8 @@ def _check_finite(flags: list[torch.Tensor], paths: list[list[str]], epoch: int)
             first = int((~ok).nonzero()[0])
             raise NonFiniteLossError(
                 f"non-finite loss in epoch {epoch}; offending batch: {', '.join(paths[first])}. "
-                f"Lower lr0, check these images' labels, or disable --amp")
+                f"Lower lr0, check these images' labels, or disable --amp"
+            )
         raise NonFiniteLossError(f"non-finite loss on another rank in epoch {epoch}; stopping")
 
 
@@ -320,16 +338,21 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
     """COCO-format detections (original-image pixels, image_id = dataset index) for ``loader``."""
     model.eval()
     results: list[dict[str, Any]] = []
-    for imgs, _, _, shapes, indices in tqdm(loader, desc="eval", disable=not opts.show_progress,
-                                            leave=False, dynamic_ncols=True):
+    for imgs, _, _, shapes, indices in tqdm(
+        loader, desc="eval", disable=not opts.show_progress, leave=False, dynamic_ncols=True
+    ):
         imgs = imgs.to(opts.device, non_blocking=True).float().div_(255)
         if opts.channels_last:
             imgs = imgs.contiguous(memory_format=torch.channels_last)
         with autocast_context(opts.device, opts.amp):
             det = model(imgs)[0]
-        outputs = non_max_suppression(det.float(), conf_thres=opts.conf_thres,
-                                      iou_thres=opts.iou_thres, multi_label=opts.multi_label,
-                                      max_det=opts.max_det)
+        outputs = non_max_suppression(
+            det.float(),
+            conf_thres=opts.conf_thres,
+            iou_thres=opts.iou_thres,
+            multi_label=opts.multi_label,
+            max_det=opts.max_det,
+        )
         scaled = []
         for out, shape in zip(outputs, shapes):
             out = out.cpu()

@@ -105,18 +105,30 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
 
     train_data = build_train_data(config, dist, hyp)
     opts = _train_options(config, hyp, dist, train_data, channels_last)
-    eval_opts = EvalOptions(device, config.conf_thres, config.iou_thres, amp=config.amp,
-                            backend=config.coco_backend, show_progress=dist.is_main,
-                            channels_last=channels_last)
+    eval_opts = EvalOptions(
+        device,
+        config.conf_thres,
+        config.iou_thres,
+        amp=config.amp,
+        backend=config.coco_backend,
+        show_progress=dist.is_main,
+        channels_last=channels_last,
+    )
     cfg_text = format_model_cfg(blocks)
     if dist.is_main:
         write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
-        _log_start(config, model, dist, train_data, opts,
-                   state.optimizer.param_groups[0]["initial_lr"])
+        _log_start(
+            config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
+        )
     reporter = make_reporter(
-        dist.is_main, config.output_dir, config.epochs, start_epoch, best,
+        dist.is_main,
+        config.output_dir,
+        config.epochs,
+        start_epoch,
+        best,
         lambda epoch, best: _checkpoint(state, epoch, best, config, hyp, cfg_text),
-        keep_best=config.savebest)
+        keep_best=config.savebest,
+    )
 
     epoch = start_epoch - 1
     try:
@@ -130,8 +142,12 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                 state.scheduler.step()
                 coco_stats = None
                 if _evaluates(config, epoch):
-                    coco_stats = evaluate(state.ema.ema if state.ema else model,
-                                          train_data.val_loader, train_data.coco_gt, eval_opts)[0]
+                    coco_stats = evaluate(
+                        state.ema.ema if state.ema else model,
+                        train_data.val_loader,
+                        train_data.coco_gt,
+                        eval_opts,
+                    )[0]
                 reporter.end_epoch(epoch, stats, coco_stats, seconds)
                 # Nobody starts the next epoch before the checkpoint of this one exists.
                 barrier()
@@ -142,8 +158,9 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         reporter.close()
     seconds = time.time() - t_start
     reporter.finished(seconds)
-    return RunSummary(config.output_dir, config.epochs - start_epoch, reporter.best,
-                      reporter.last_stats, seconds)
+    return RunSummary(
+        config.output_dir, config.epochs - start_epoch, reporter.best, reporter.last_stats, seconds
+    )
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -166,8 +183,10 @@ def _resume_path(config: TrainConfig) -> Path | None:
         return None
     path = config.output_dir / "last.pt" if config.resume == "auto" else Path(config.resume)
     if not path.is_file():
-        raise ConfigError(f"--resume: no checkpoint at {path}; train without --resume first or "
-                          f"give the path of a last.pt")
+        raise ConfigError(
+            f"--resume: no checkpoint at {path}; train without --resume first or "
+            f"give the path of a last.pt"
+        )
     return path
 
 
@@ -185,27 +204,46 @@ def _load_resume_checkpoint(config: TrainConfig, model: Darknet) -> dict[str, An
 def _initialise_weights(model: Darknet, config: TrainConfig) -> None:
     skipped = load_weights(model, config.weights, strict=False, trust=config.trust_checkpoint)
     if skipped:
-        logger.warning("--weights %s: skipped %d tensors whose shapes differ: %s",
-                       config.weights, len(skipped), ", ".join(skipped))
+        logger.warning(
+            "--weights %s: skipped %d tensors whose shapes differ: %s",
+            config.weights,
+            len(skipped),
+            ", ".join(skipped),
+        )
 
 
-def _build_train_state(model: Darknet, config: TrainConfig, hyp: dict[str, Any],
-                       dist: DistInfo) -> TrainState:
+def _build_train_state(
+    model: Darknet, config: TrainConfig, hyp: dict[str, Any], dist: DistInfo
+) -> TrainState:
     lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
     optimizer = build_optimizer(model, hyp, lr0, config.optimizer)
     return TrainState(
-        model=model, model_without_ddp=model, optimizer=optimizer,
+        model=model,
+        model_without_ddp=model,
+        optimizer=optimizer,
         scheduler=build_scheduler(optimizer, config.epochs, hyp["lrf"]),
         scaler=torch.amp.GradScaler("cuda") if config.amp and dist.device.type == "cuda" else None,
-        ema=ModelEMA(model) if config.ema else None)
+        ema=ModelEMA(model) if config.ema else None,
+    )
 
 
 def _restore(ckpt: dict[str, Any], config: TrainConfig, state: TrainState) -> tuple[int, Any]:
     path = ckpt.pop("_path")
-    start_epoch, best = restore_training_state(ckpt, state.model_without_ddp, state.optimizer,
-                                               state.scheduler, state.scaler, state.ema, path)
-    logger.info("resuming from %s: epoch %d done, best mAP@0.5:0.95 %s", path, start_epoch - 1,
-                "-" if best is None else f"{best:.4f}")
+    start_epoch, best = restore_training_state(
+        ckpt,
+        state.model_without_ddp,
+        state.optimizer,
+        state.scheduler,
+        state.scaler,
+        state.ema,
+        path,
+    )
+    logger.info(
+        "resuming from %s: epoch %d done, best mAP@0.5:0.95 %s",
+        path,
+        start_epoch - 1,
+        "-" if best is None else f"{best:.4f}",
+    )
     if start_epoch >= config.epochs:
         logger.info("the checkpoint already finished all %d epochs; nothing to do", config.epochs)
     return start_epoch, best
@@ -228,17 +266,27 @@ def _wrap_for_training(model: Darknet, config: TrainConfig, dist: DistInfo) -> n
 # ---- loop -----------------------------------------------------------------------------------
 
 
-def _train_options(config: TrainConfig, hyp: dict[str, Any], dist: DistInfo,
-                   train_data: TrainData, channels_last: bool) -> TrainOptions:
+def _train_options(
+    config: TrainConfig,
+    hyp: dict[str, Any],
+    dist: DistInfo,
+    train_data: TrainData,
+    channels_last: bool,
+) -> TrainOptions:
     nb = len(train_data.train_loader)
     return TrainOptions(
-        device=dist.device, hyp=hyp,
-        accumulate=accumulate_steps(config.nbs, config.batch_size, dist.world_size,
-                                    config.accumulate),
-        warmup_iters=round(hyp["warmup_epochs"] * nb), amp=config.amp,
+        device=dist.device,
+        hyp=hyp,
+        accumulate=accumulate_steps(
+            config.nbs, config.batch_size, dist.world_size, config.accumulate
+        ),
+        warmup_iters=round(hyp["warmup_epochs"] * nb),
+        amp=config.amp,
         multi_scale=multi_scale_bounds(config.img_size) if config.multi_scale else None,
-        log_interval=config.log_interval, show_progress=dist.is_main,
-        channels_last=channels_last)
+        log_interval=config.log_interval,
+        show_progress=dist.is_main,
+        channels_last=channels_last,
+    )
 
 
 def _evaluates(config: TrainConfig, epoch: int) -> bool:
@@ -247,22 +295,46 @@ def _evaluates(config: TrainConfig, epoch: int) -> bool:
     return final or (not config.notest and (epoch + 1) % config.eval_interval == 0)
 
 
-def _log_start(config: TrainConfig, model: Darknet, dist: DistInfo, train_data: TrainData,
-               opts: TrainOptions, lr0: float) -> None:
+def _log_start(
+    config: TrainConfig,
+    model: Darknet,
+    dist: DistInfo,
+    train_data: TrainData,
+    opts: TrainOptions,
+    lr0: float,
+) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     ms = opts.multi_scale
     logger.info(
         "model %s: %d layers, %.2fM parameters, %d classes | data: %d train / %d val images | "
         "device %s x %d process(es) | batch %d x %d accumulate (nominal %d), lr0 %.4g | "
         "img %d%s | output %s",
-        config.cfg, len(model.module_list), n_params / 1e6, config.data.nc,
-        train_data.n_train, train_data.n_val, dist.device, dist.world_size, config.batch_size,
-        opts.accumulate, config.nbs, lr0, config.img_size,
-        f" (multi-scale {ms[0]}-{ms[1]})" if ms else "", config.output_dir)
+        config.cfg,
+        len(model.module_list),
+        n_params / 1e6,
+        config.data.nc,
+        train_data.n_train,
+        train_data.n_val,
+        dist.device,
+        dist.world_size,
+        config.batch_size,
+        opts.accumulate,
+        config.nbs,
+        lr0,
+        config.img_size,
+        f" (multi-scale {ms[0]}-{ms[1]})" if ms else "",
+        config.output_dir,
+    )
 
 
-def _checkpoint(state: TrainState, epoch: int, best: float | None, config: TrainConfig,
-                hyp: dict[str, Any], cfg_text: str) -> dict[str, Any]:
+def _checkpoint(
+    state: TrainState,
+    epoch: int,
+    best: float | None,
+    config: TrainConfig,
+    hyp: dict[str, Any],
+    cfg_text: str,
+) -> dict[str, Any]:
     """Everything needed to resume, as tensors and plain types (``weights_only`` loadable).
 
     ``model`` holds the weights to use (the EMA when enabled), as the lineage's tools expect;
@@ -271,12 +343,22 @@ def _checkpoint(state: TrainState, epoch: int, best: float | None, config: Train
     """
     ema, model = state.ema, state.model_without_ddp
     return make_checkpoint(
-        model=ema.ema if ema is not None else model, epoch=epoch, optimizer=state.optimizer,
-        scheduler=state.scheduler, scaler=state.scaler,
+        model=ema.ema if ema is not None else model,
+        epoch=epoch,
+        optimizer=state.optimizer,
+        scheduler=state.scheduler,
+        scaler=state.scaler,
         ema=ema.ema if ema is not None else None,
-        ema_updates=ema.updates if ema is not None else 0, best_fitness=best,
-        config=config.to_dict(), train_model=model.state_dict(), hyp=config.hyp,
-        hyp_scaled=hyp, names=list(config.data.names), nc=config.data.nc, cfg=cfg_text)
+        ema_updates=ema.updates if ema is not None else 0,
+        best_fitness=best,
+        config=config.to_dict(),
+        train_model=model.state_dict(),
+        hyp=config.hyp,
+        hyp_scaled=hyp,
+        names=list(config.data.names),
+        nc=config.data.nc,
+        cfg=cfg_text,
+    )
 
 
 # ---- process plumbing -----------------------------------------------------------------------
