@@ -225,15 +225,13 @@ class SilentReporter:
         self.best = best
         self.last_stats: dict[str, float] | None = None
 
-    def end_epoch(
-        self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None, seconds: float
-    ) -> None:
+    def end_epoch(self, *args: Any) -> None:
         pass
 
     def interrupted(self, epoch: int) -> None:
         logger.warning("interrupted in epoch %d", epoch)
 
-    def finished(self, seconds: float) -> None:
+    def finished(self, *args: Any) -> None:
         pass
 
     def close(self) -> None:
