@@ -275,3 +275,33 @@ def test_trusted_file_needing_foreign_code(tmp_path: Path) -> None:
     path.write_bytes(raw.replace(b"torch.nn.modules.linear", b"torch.nn.modules.lineaX"))
     with pytest.raises(CheckpointError, match="pickles objects from code that is not available"):
         ck.load_checkpoint(path, trust=True)
+
+
+def test_lineage_checkpoints_with_numpy_values_load_weights_only(tmp_path: Path) -> None:
+    """The lineage saved best_fitness as a numpy scalar or 1-element array: those numpy types,
+    and only those, are allowed; they come back as Python numbers and tensors."""
+    sd = tiny_model().state_dict()
+    path = tmp_path / "lineage.pt"
+    torch.save(
+        {
+            "epoch": 12,
+            "best_fitness": np.array([0.4123]),
+            "training_results": "0 1 2\n",
+            "model": sd,
+            "optimizer": None,
+            "extra": np.float64(0.25),
+            "n": np.int64(7),
+        },
+        path,
+    )
+    loaded = ck.load_checkpoint(path)
+    assert loaded["extra"] == 0.25 and type(loaded["extra"]) is float
+    assert loaded["n"] == 7 and type(loaded["n"]) is int
+    assert torch.equal(loaded["best_fitness"], torch.tensor([0.4123], dtype=torch.float64))
+    assert all(torch.equal(loaded["model"][k], v) for k, v in sd.items())
+    model = tiny_model()
+    assert ck.load_weights(model, path) == []
+    # A numpy array of Python objects is not a numpy number: still refused.
+    torch.save({"model": sd, "names": np.array(["a", None], dtype=object)}, tmp_path / "obj.pt")
+    with pytest.raises(CheckpointError, match="pass --trust-checkpoint only if"):
+        ck.load_checkpoint(tmp_path / "obj.pt")

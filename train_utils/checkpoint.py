@@ -69,8 +69,8 @@ def to_plain(obj: Any) -> Any:
     scalars Python numbers, ``PurePath`` ``str``, ``argparse.Namespace`` and dataclass instances
     dicts, enums their value. Tensors and other values are returned as they are.
     """
-    if isinstance(obj, torch.Tensor):
-        return obj
+    if isinstance(obj, torch.Tensor) or _is_state_dict(obj):
+        return obj  # a state_dict keeps its ``_metadata`` (module versions)
     if isinstance(obj, np.ndarray):
         if obj.dtype == object:
             return [to_plain(x) for x in obj.tolist()]
@@ -145,6 +145,34 @@ def save_checkpoint(obj: Mapping[str, Any], path: str | Path) -> None:
     logger.debug("saved checkpoint %s", path)
 
 
+def _numpy_safe_globals() -> list[Any]:
+    """Exactly the numpy types the lineage's checkpoints hold (``best_fitness`` as a numpy
+    scalar or 1-element array): scalars, arrays and their dtypes, under numpy 2's module names
+    and numpy 1's (``numpy.core``), for ``weights_only`` loading. Nothing else is unpickled."""
+    from numpy._core import multiarray
+
+    names: list[Any] = [multiarray.scalar, multiarray._reconstruct, np.ndarray, np.dtype]
+    names += [
+        (multiarray.scalar, "numpy.core.multiarray.scalar"),
+        (multiarray._reconstruct, "numpy.core.multiarray._reconstruct"),
+    ]
+    names += [
+        type(np.dtype(t))
+        for t in (
+            np.float16,
+            np.float32,
+            np.float64,
+            np.int8,
+            np.int16,
+            np.int32,
+            np.int64,
+            np.uint8,
+            np.bool_,
+        )
+    ]
+    return names
+
+
 def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
     """Read a checkpoint dict onto the CPU.
 
@@ -171,7 +199,8 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
             path,
         )
     try:
-        obj = torch.load(path, map_location="cpu", weights_only=not trust)
+        with torch.serialization.safe_globals(_numpy_safe_globals()):
+            obj = torch.load(path, map_location="cpu", weights_only=not trust)
     except MemoryError:
         raise
     except (ModuleNotFoundError, AttributeError) as e:
@@ -189,12 +218,15 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
         # EOFError, struct.error, KeyError for legacy files, ...): all mean "cannot be read".
         # torch words it "Unsupported global: GLOBAL x.y" or, for blocked modules such as
         # os/posix, "unsupported GLOBAL x.y whose module x is blocked".
-        found = re.search(r"[Uu]nsupported (?:global:\s*)?GLOBAL\s+([\w.]+)", str(e))
+        found = re.search(
+            r"[Uu]nsupported (?:global:\s*)?GLOBAL\s+([\w.]+)|but got <class '([\w.]+)'>", str(e)
+        )
         if not trust and found:
             raise CheckpointError(
                 f"checkpoint contains Python objects other than tensors and plain types "
-                f"({found.group(1)}), which weights_only loading refuses; pass --trust-checkpoint "
-                f"only if the file comes from a trusted source (loading it runs code stored in it)",
+                f"({found.group(1) or found.group(2)}), which weights_only loading refuses; pass "
+                f"--trust-checkpoint only if the file comes from a trusted source (loading it "
+                f"runs code stored in it)",
                 path,
             ) from e
         raise CheckpointError(_corrupt_message(e), path) from e
@@ -204,7 +236,8 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
             f"(e.g. {{'model': state_dict, ...}})",
             path,
         )
-    return obj
+    # numpy values (lineage checkpoints) become Python numbers and tensors.
+    return obj if trust else to_plain(obj)
 
 
 def _corrupt_message(e: BaseException) -> str:
