@@ -98,7 +98,8 @@ class DarknetMaxPool(nn.Module):
             max(0, (self.out_size(n, a) - 1) * self.stride[a] + self.size - n - self.before)
             for a, n in enumerate((int(h), int(w)))
         ]
-        x = F.pad(x, (self.before, after[1], self.before, after[0]), value=float("-inf"))
+        if self.before or any(after):
+            x = F.pad(x, (self.before, after[1], self.before, after[0]), value=float("-inf"))
         return self.pool(x)
 
     def extra_repr(self) -> str:
