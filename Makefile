@@ -1,12 +1,17 @@
 # The two set-up commands of the README:
 #   make demo   creates .venv if needed, installs the requirements and runs the offline demo
-#   make test   creates/updates .venv and runs ruff (lint and format check) plus the whole test suite
+#   make test   creates/updates .venv (and .venv-cv4, OpenCV 4 for the Darknet fidelity test) and
+#               runs ruff (lint and format check) plus the whole test suite
 # Both work on a fresh machine that has Python 3.11, make and bash.
 
 PYTHON ?= $(shell command -v python3.11 2>/dev/null || command -v python3)
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
+# OpenCV 4 alone (OpenCV 5 dropped the Darknet importer): the reference of
+# tests/test_darknet_opencv.py, which make test requires (YOLO_REQUIRE_OPENCV4=1).
+CV4_VENV := .venv-cv4
+CV4_STAMP := $(CV4_VENV)/.installed-stamp
 
 .PHONY: demo test lint venv clean
 
@@ -18,6 +23,11 @@ $(STAMP): requirements.txt requirements-dev.txt requirements-extra.txt requireme
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
 	@touch $(STAMP)
 
+$(CV4_STAMP): requirements-cv4.txt
+	@test -x $(CV4_VENV)/bin/python || $(PYTHON) -m venv $(CV4_VENV)
+	$(CV4_VENV)/bin/python -m pip install --disable-pip-version-check -q -r requirements-cv4.txt
+	@touch $(CV4_STAMP)
+
 demo: $(STAMP)
 	$(PY) tools/demo.py $(DEMO_ARGS)
 
@@ -25,8 +35,8 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
-test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+test: lint $(CV4_STAMP)
+	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs demo_data .pytest_cache .ruff_cache

@@ -19,6 +19,7 @@ Every problem is a :class:`~build_utils.errors.ConfigError` naming the file and 
 from __future__ import annotations
 
 import copy
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.errors import ConfigError
+
+LOGGER = logging.getLogger(__name__)
 
 Block = dict[str, Any]
 
@@ -135,7 +138,15 @@ _NET_KEYS: dict[str, str] = {
     "attention": INT,
     "adversarial_lr": FLOAT,
     "show_receptive_field": INT,
+    # Not Darknet's: the BatchNorm epsilon of the model built from this cfg (models/darknet.py).
+    # Darknet normalises with 1e-5; the ultralytics lineage trained its .pt checkpoints with 1e-4
+    # (bn_eps=0.0001 reproduces them exactly). Darknet itself ignores the key with a warning.
+    "bn_eps": FLOAT,
 }
+
+# Keys Darknet reads in every layer section. stopbackward=1 freezes this layer and every
+# layer before it; stopbackward=N > 1 does so for the first N iterations (models/darknet.py).
+_LAYER_KEYS: dict[str, str] = {"stopbackward": INT}
 
 _CONV_KEYS: dict[str, str] = {
     "batch_normalize": INT,
@@ -148,17 +159,33 @@ _CONV_KEYS: dict[str, str] = {
     "padding": INT,
     "groups": INT,
     "activation": STR,
+    **_LAYER_KEYS,
 }
-_MAXPOOL_KEYS: dict[str, str] = {"size": INT, "stride": INT, "stride_x": INT, "stride_y": INT}
-_UPSAMPLE_KEYS: dict[str, str] = {"stride": INT}
-_ROUTE_KEYS: dict[str, str] = {"layers": INTS, "groups": INT, "group_id": INT}
-_SHORTCUT_KEYS: dict[str, str] = {"from": INTS, "activation": STR, "weights_type": STR}
+_MAXPOOL_KEYS: dict[str, str] = {
+    "size": INT,
+    "stride": INT,
+    "stride_x": INT,
+    "stride_y": INT,
+    "padding": INT,
+    **_LAYER_KEYS,
+}
+_UPSAMPLE_KEYS: dict[str, str] = {"stride": INT, **_LAYER_KEYS}
+_ROUTE_KEYS: dict[str, str] = {"layers": INTS, "groups": INT, "group_id": INT, **_LAYER_KEYS}
+_SHORTCUT_KEYS: dict[str, str] = {
+    "from": INTS,
+    "activation": STR,
+    "weights_type": STR,
+    **_LAYER_KEYS,
+}
 _YOLO_KEYS: dict[str, str] = {
     "mask": INTS,
     "anchors": NUMS,
     "classes": INT,
     "num": INT,
     "scale_x_y": FLOAT,
+    # 1: Scaled-YOLOv4/YOLOv7 box coordinates (models/layers.py YOLOLayer); the conv before the
+    # head must then have activation=logistic.
+    "new_coords": INT,
     # Training-time options of Darknet's loss and NMS: read and kept, the model ignores them.
     "jitter": FLOAT,
     "ignore_thresh": FLOAT,
@@ -188,8 +215,9 @@ _YOLO_KEYS: dict[str, str] = {
     "dets_for_show": INT,
     "track_ciou_norm": FLOAT,
     "embedding_layer": INT,
+    **_LAYER_KEYS,
 }
-_DROPOUT_KEYS: dict[str, str] = {"probability": FLOAT}
+_DROPOUT_KEYS: dict[str, str] = {"probability": FLOAT, **_LAYER_KEYS}
 
 KEYS: dict[str, dict[str, str]] = {
     "net": _NET_KEYS,
@@ -227,9 +255,7 @@ UNSUPPORTED: dict[str, dict[str, Any]] = {
     },
     "maxpool": {"antialiasing": 0, "maxpool_depth": 0},
     "upsample": {"scale": 1},
-    "route": {"stopbackward": 0},
     "shortcut": {"weights_normalization": "none"},
-    "yolo": {"new_coords": 0},
     "dropout": {"dropblock": 0},
 }
 
@@ -398,6 +424,18 @@ def parse_model_cfg_text(text: str, path: str | os.PathLike[str] = "<cfg text>")
             )
         if not value:
             raise ConfigError(f"key '{key}' in [{section}] has no value", path, number)
+        if key in block["_lines"] and section == "net":
+            # Darknet's option lists return the first occurrence and report the rest as unused
+            # (yolov3-openimages.cfg sets batch twice). [net] only holds training settings; a
+            # repeated layer key, which would silently change the network, stays an error.
+            LOGGER.warning(
+                "%s:%d: key '%s' in [net] repeats line %d; the first value is used, as in Darknet",
+                spath,
+                number,
+                key,
+                block["_lines"][key],
+            )
+            continue
         if key in block["_lines"]:
             raise ConfigError(
                 f"duplicate key '{key}' in [{section}] (first set at line {block['_lines'][key]})",
@@ -451,6 +489,19 @@ def yolo_mask(block: Block) -> list[int]:
     return list(range(len(block["anchors"]) // 2))
 
 
+def maxpool_params(block: Block) -> tuple[int, int, int, int]:
+    """``(size, stride_y, stride_x, padding)`` of a ``[maxpool]`` block with Darknet's defaults
+    (``src/parser.c``): stride 1, size = stride, padding = size - 1."""
+    stride = block.get("stride", 1)
+    size = block.get("size", stride)
+    return (
+        size,
+        block.get("stride_y", stride),
+        block.get("stride_x", stride),
+        block.get("padding", size - 1),
+    )
+
+
 def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
     """Index in ``blocks`` of the ``[convolutional]`` that feeds the ``[yolo]`` at ``yolo_index``
     (skipping ``[dropout]`` in between), or None when the block before it is something else."""
@@ -482,6 +533,8 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
     for key in ("width", "height", "channels"):
         if key in blocks[0] and blocks[0][key] < 1:
             raise layer_error(blocks[0], f"{key}={blocks[0][key]} must be positive", key)
+    if blocks[0].get("bn_eps", 1.0) <= 0:
+        raise layer_error(blocks[0], f"bn_eps={blocks[0]['bn_eps']} must be positive", "bn_eps")
     layers = blocks[1:]
     for i, block in enumerate(layers):
         kind = block["type"]
@@ -496,6 +549,16 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             for key in ("size", "stride", "stride_x", "stride_y"):
                 if key in block and block[key] < 1:
                     raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
+            size, _, _, padding = maxpool_params(block)
+            # Each window must hold at least one input pixel: Darknet would output -FLT_MAX
+            # for a window lying wholly in the padding.
+            if padding < 0 or (padding + 1) // 2 >= size:
+                raise layer_error(
+                    block,
+                    f"padding={padding} must be in 0..{2 * size - 2} for size={size} (a larger "
+                    "padding makes windows that see no input pixel)",
+                    "padding" if "padding" in block else "size",
+                )
         elif kind == "upsample":
             if block.get("stride", 2) < 1:
                 raise layer_error(
@@ -593,7 +656,21 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
     scale = block.get("scale_x_y", 1.0)
     if scale <= 0:
         raise layer_error(block, f"scale_x_y={scale} must be positive", "scale_x_y")
+    new_coords = block.get("new_coords", 0)
+    if new_coords not in (0, 1):
+        raise layer_error(block, f"new_coords={new_coords} must be 0 or 1", "new_coords")
     j = head_conv_index(blocks, index)
+    if new_coords:
+        # Darknet applies no sigmoid in a new_coords head: the conv before it must.
+        act = blocks[j].get("activation", "logistic") if j is not None else None
+        if act != "logistic":
+            feeder = f"activation={act}" if j is not None else "no [convolutional]"
+            raise layer_error(
+                blocks[j] if j is not None else block,
+                f"new_coords=1 needs the [convolutional] right before the [yolo] to have "
+                f"activation=logistic (it has {feeder})",
+                "activation" if j is not None else "new_coords",
+            )
     if j is not None:
         conv = blocks[j]
         filters = conv.get("filters", 1)

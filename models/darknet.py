@@ -8,6 +8,11 @@ While building, every layer's output channels and cumulative downsampling (strid
 ``(sy, sx)`` input pixels per output pixel) are tracked: convolutions and max-pools multiply the
 stride, upsampling divides it and a route takes that of the layers it references. Each YOLO
 head's stride is read from there, never assumed (YOLOv4's heads come in the order 8, 16, 32).
+
+Every layer computes what Darknet's does for the same cfg and ``.weights`` (checked against
+OpenCV's independent Darknet importer on all of ``cfg/darknet/``, tests/test_darknet_opencv.py):
+BatchNorm epsilon 1e-5, max-pooling padded with -inf (:class:`~models.layers.DarknetMaxPool`),
+``new_coords`` heads, ``stopbackward``.
 """
 
 from __future__ import annotations
@@ -30,17 +35,32 @@ from build_utils.parse_config import (
     Block,
     head_conv_index,
     layer_error,
+    maxpool_params,
     parse_model_cfg,
     validate_model_cfg,
     yolo_mask,
 )
-from models.layers import FeatureConcat, WeightedFeatureFusion, YOLOLayer, make_activation
+from models.layers import (
+    DarknetMaxPool,
+    FeatureConcat,
+    StopGradient,
+    WeightedFeatureFusion,
+    YOLOLayer,
+    make_activation,
+)
 
 LOGGER = logging.getLogger(__name__)
 
-# BatchNorm settings of the lineage (its published checkpoints were trained with them).
+# BatchNorm running-statistics momentum of the lineage (training only).
 BN_MOMENTUM = 0.03
-BN_EPS = 1e-4
+# BatchNorm epsilon. Darknet normalises with (x - mean) / sqrt(var + 1e-5) (src/blas.c
+# normalize_cpu), so that is the default: official .weights then give Darknet's numbers. The
+# ultralytics lineage trained its .pt checkpoints with 1e-4; a cfg with `bn_eps=0.0001` in [net]
+# (or Darknet(..., bn_eps=1e-4)) reproduces those exactly.
+DARKNET_BN_EPS = 1e-5
+LINEAGE_BN_EPS = 1e-4
+# Darknet's default [net] batch: stopbackward=N counts iterations of this many images.
+DEFAULT_NET_BATCH = 1
 
 # Head bias priors (focal-loss paper, https://arxiv.org/abs/1708.02002 section 3.3), as in the
 # ultralytics yolov3 archive and the yolov3_spp tutorial repository: objectness starts at
@@ -78,6 +98,7 @@ class _State:
     strides: list[Stride]  # cumulative downsampling of each layer built so far
     in_channels: int  # channels of this layer's input
     in_stride: Stride  # downsampling of this layer's input
+    bn_eps: float = DARKNET_BN_EPS
 
 
 @dataclass
@@ -119,7 +140,7 @@ def _build_conv(mdef: Block, st: _State) -> _Built:
         ),
     )
     if bn:
-        seq.add_module("BatchNorm2d", nn.BatchNorm2d(filters, momentum=BN_MOMENTUM, eps=BN_EPS))
+        seq.add_module("BatchNorm2d", nn.BatchNorm2d(filters, momentum=BN_MOMENTUM, eps=st.bn_eps))
     act = make_activation(c["activation"])
     if act is not None:
         seq.add_module("activation", act)
@@ -127,17 +148,8 @@ def _build_conv(mdef: Block, st: _State) -> _Built:
 
 
 def _build_maxpool(mdef: Block, st: _State) -> _Built:
-    k = mdef.get("size", 1)
-    sy, sx = _stride_pair(mdef, 1)
-    stride = (sy, sx) if sy != sx else sy
-    if k == 2 and sy == sx == 1:
-        # Darknet pads size - 1 = 1 pixel on the right/bottom only; symmetric padding cannot
-        # express that, and without it YOLOv3-tiny's 13x13 grid shrinks to 12x12.
-        module: nn.Module = nn.Sequential()
-        module.add_module("ZeroPad2d", nn.ZeroPad2d((0, 1, 0, 1)))
-        module.add_module("MaxPool2d", nn.MaxPool2d(kernel_size=k, stride=1))
-    else:
-        module = nn.MaxPool2d(kernel_size=k, stride=stride, padding=(k - 1) // 2)
+    k, sy, sx, padding = maxpool_params(mdef)
+    module = DarknetMaxPool(k, (sy, sx), padding)
     return _Built(module, st.in_channels, (st.in_stride[0] * sy, st.in_stride[1] * sx))
 
 
@@ -216,7 +228,13 @@ def _build_yolo(mdef: Block, st: _State) -> _Built:
             f"the head's input has {st.in_channels} channels, expected len(mask) * (classes + 5) "
             f"= {expected}",
         )
-    module = YOLOLayer(anchors, nc=nc, stride=sy, scale_x_y=mdef.get("scale_x_y", 1.0))
+    module = YOLOLayer(
+        anchors,
+        nc=nc,
+        stride=sy,
+        scale_x_y=mdef.get("scale_x_y", 1.0),
+        new_coords=bool(mdef.get("new_coords", 0)),
+    )
     return _Built(module, st.in_channels, st.in_stride)
 
 
@@ -249,13 +267,24 @@ class Darknet(nn.Module):
             :func:`~build_utils.parse_config.parse_model_cfg` or ``rewrite_cfg_classes``; blocks
             are validated again and copied.
         img_size: (h, w) or one int; the default size for :meth:`info` and export.
+        bn_eps: BatchNorm epsilon; default: the cfg's ``[net] bn_eps``, else Darknet's 1e-5
+            (:data:`LINEAGE_BN_EPS` = 1e-4 reproduces the lineage's ``.pt`` checkpoints).
 
     Attributes:
         hyperparams: the ``[net]`` block. module_defs: the other blocks.
         module_list: one module per block. yolo_layers: indices of the heads in module_list.
         nc: classes. strides: input pixels per grid cell of each head, in head order.
+        bn_eps: the BatchNorm epsilon in use.
         seen: images seen in training, read from and written to Darknet ``.weights`` headers.
+        stopbackward: ``{layer index: value}`` of the layers with Darknet's ``stopbackward``.
+            Value 1: that layer and all before it are frozen (no gradients, BatchNorm running
+            statistics fixed, as Darknet builds them with ``train=0``). Value N > 1: for the
+            first N iterations (``seen // [net] batch``, counted here in training-mode
+            forwards) they get zero gradients, as in Darknet's GPU build.
         fused: True after :meth:`fuse` (inference only; no longer matches the cfg's state_dict).
+
+    ``new_coords=1`` heads: the ``activation=logistic`` of the conv feeding the head is moved
+    into the :class:`~models.layers.YOLOLayer`, so raw outputs are logits for every head.
 
     Forward: ``x`` (bs, channels, H, W) float in [0, 1], H and W multiples of the largest
     stride. Training mode: list with one (bs, na, ny, nx, no) raw tensor per head. Eval mode:
@@ -270,6 +299,7 @@ class Darknet(nn.Module):
         self,
         cfg: str | os.PathLike[str] | list[Block],
         img_size: int | tuple[int, int] = (416, 416),
+        bn_eps: float | None = None,
     ):
         super().__init__()
         if isinstance(cfg, (str, os.PathLike)):
@@ -281,6 +311,9 @@ class Darknet(nn.Module):
         self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
         self.hyperparams: Block = blocks[0]
         self.module_defs: list[Block] = blocks[1:]
+        self.bn_eps = float(
+            bn_eps if bn_eps is not None else blocks[0].get("bn_eps", DARKNET_BN_EPS)
+        )
         self.module_list, self.routs = self._build(blocks)
         self.yolo_layers: list[int] = [
             i for i, m in enumerate(self.module_list) if isinstance(m, YOLOLayer)
@@ -301,13 +334,23 @@ class Darknet(nn.Module):
         self.strides: list[float] = [h.stride for h in heads]
         self.seen = 0
         self.fused = False
-        self.frozen: list[int] = []
+        self.stopbackward: dict[int, int] = {
+            i: mdef["stopbackward"]
+            for i, mdef in enumerate(self.module_defs)
+            if mdef.get("stopbackward", 0) > 0
+        }
+        self._frozen_end = max((i for i, v in self.stopbackward.items() if v == 1), default=-1)
+        # Layers kept out of training: stopbackward=1 and everything before it, plus what
+        # freeze() adds.
+        self.frozen: list[int] = list(range(self._frozen_end + 1))
+        for i in self.frozen:
+            self.module_list[i].requires_grad_(False)
 
     def _build(self, blocks: list[Block]) -> tuple[nn.ModuleList, list[bool]]:
         net = blocks[0]
         in_channels = net.get("channels", 3)
         module_list = nn.ModuleList()
-        st = _State(blocks, 0, [], [], in_channels, (1.0, 1.0))
+        st = _State(blocks, 0, [], [], in_channels, (1.0, 1.0), self.bn_eps)
         referenced: set[int] = set()
         for i, mdef in enumerate(blocks[1:]):
             st.index = i
@@ -322,17 +365,36 @@ class Darknet(nn.Module):
                 j = head_conv_index(blocks, i + 1)
                 if j is not None:
                     _init_head_bias(module_list, j - 1, built.module)
+                if built.module.new_coords:
+                    # The cfg validator made sure this is the conv's logistic activation; the
+                    # head applies it to the logits instead (see YOLOLayer).
+                    del module_list[j - 1].activation
         # Only outputs some later layer reads are kept during forward.
         routs = [i in referenced for i in range(len(module_list))]
         return module_list, routs
+
+    def _stop_gradient_at(self) -> int:
+        """Index of the last layer whose gradients ``stopbackward=N > 1`` zeroes now, or -1.
+        Darknet (GPU) skips the backward pass from that layer down while its iteration count,
+        images seen / ``[net] batch``, is below N."""
+        if not (self.training and torch.is_grad_enabled()):
+            return -1
+        iteration = self.seen // max(1, self.hyperparams.get("batch", DEFAULT_NET_BATCH))
+        active = [i for i, v in self.stopbackward.items() if v > 1 and iteration < v]
+        return max(active) if max(active, default=-1) > self._frozen_end else -1
 
     def forward(
         self, x: torch.Tensor
     ) -> list[torch.Tensor] | tuple[torch.Tensor, list[torch.Tensor]]:
         """See the class docstring for shapes and conventions."""
+        stop_at = self._stop_gradient_at()
+        if stop_at >= 0:
+            # Counted only while needed: a Python counter read in forward would make
+            # torch.compile recompile on every step.
+            self.seen += x.shape[0]
         outputs: list[torch.Tensor | None] = []
         yolo_out = []
-        for module, keep in zip(self.module_list, self.routs):
+        for i, (module, keep) in enumerate(zip(self.module_list, self.routs)):
             if isinstance(module, (FeatureConcat, WeightedFeatureFusion)):
                 x = module(x, outputs)
             elif isinstance(module, YOLOLayer):
@@ -341,6 +403,10 @@ class Darknet(nn.Module):
             else:
                 x = module(x)
             outputs.append(x if keep else None)
+            if i == stop_at:
+                # Every later use of these outputs passes through the gradient stop.
+                x = StopGradient.apply(x)
+                outputs = [o if o is None else StopGradient.apply(o) for o in outputs]
         if self.training:
             return yolo_out
         det, raw = zip(*yolo_out)
@@ -433,7 +499,8 @@ class Darknet(nn.Module):
 
         Frozen layers get ``requires_grad=False`` and stay in eval mode through
         :meth:`train`, so their BatchNorm running statistics do not drift either
-        (pytorch/pytorch#86590). Build the optimizer after freezing.
+        (pytorch/pytorch#86590). Layers frozen by the cfg's ``stopbackward=1`` stay frozen.
+        Build the optimizer after freezing.
 
         Returns:
             The frozen ``module_list`` indices.
@@ -441,7 +508,8 @@ class Darknet(nn.Module):
         Raises:
             ConfigError: an unknown mode.
         """
-        self.frozen = frozen_layer_indices(self, mode)
+        stopped = range(self._frozen_end + 1)  # stopbackward=1 stays frozen whatever the mode
+        self.frozen = sorted(set(frozen_layer_indices(self, mode)) | set(stopped))
         for i in self.frozen:
             for p in self.module_list[i].parameters():
                 p.requires_grad_(False)
@@ -449,6 +517,8 @@ class Darknet(nn.Module):
         return self.frozen
 
     def train(self, mode: bool = True) -> Darknet:
+        """As ``nn.Module.train``, but frozen layers stay in eval mode (for ``stopbackward=1``
+        as in Darknet, which builds them with ``train=0``)."""
         super().train(mode)
         for i in getattr(self, "frozen", ()):
             self.module_list[i].eval()

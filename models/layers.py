@@ -1,5 +1,5 @@
-"""Layers of the cfg-built Darknet: activations, route (FeatureConcat), shortcut
-(WeightedFeatureFusion) and the YOLO head (YOLOLayer).
+"""Layers of the cfg-built Darknet: activations, max-pooling (DarknetMaxPool), route
+(FeatureConcat), shortcut (WeightedFeatureFusion) and the YOLO head (YOLOLayer).
 
 Parameter and buffer names follow the ultralytics Darknet-cfg lineage so that its checkpoints
 load with ``strict=True``: the only parameter owned by these layers is ``w`` of a weighted
@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 # Darknet's leaky ReLU slope.
@@ -43,6 +44,82 @@ def make_activation(name: str) -> nn.Module | None:
     """
     factory = ACTIVATION_FACTORIES[name]
     return None if factory is None else factory()
+
+
+class DarknetMaxPool(nn.Module):
+    """Darknet ``[maxpool]`` (``src/maxpool_layer.c``): windows of ``size`` every ``stride``
+    pixels, starting ``padding // 2`` pixels before the image, giving
+    ``(n + padding - size) // stride + 1`` outputs per axis; positions outside the image never
+    win a max (they are -inf).
+
+    Only ``padding // 2`` pixels go before the image and the remainder after it, so
+    ``size=2 stride=1`` (YOLOv3-tiny) pads one pixel on the right and bottom and keeps the grid.
+    Zero padding there (the lineage's) would let 0 beat the many negative values a leaky
+    activation leaves. Symmetric cases use ``MaxPool2d``'s own padding; the others pad with
+    -inf explicitly, which exports to ONNX as a constant Pad followed by MaxPool.
+
+    Args:
+        size: window side. stride: ``(sy, sx)``. padding: Darknet's total padding per axis;
+            ``(padding + 1) // 2 < size`` (the cfg validator checks it), so every window holds
+            an input pixel.
+    """
+
+    def __init__(self, size: int, stride: tuple[int, int], padding: int):
+        super().__init__()
+        self.size = size
+        self.stride = tuple(stride)
+        self.padding = padding
+        self.before = padding // 2
+        sy, sx = self.stride
+        self.pool = nn.MaxPool2d(
+            kernel_size=size,
+            stride=self.stride if sy != sx else sy,
+            # MaxPool2d's own padding is -inf too, but only symmetric and at most size // 2.
+            padding=self.before if self._symmetric() else 0,
+        )
+
+    def _symmetric(self) -> bool:
+        # An even padding p puts p / 2 pixels on each side: then MaxPool2d's output count
+        # (n + p - size) // stride + 1 and window positions are Darknet's, on every input size.
+        return self.padding % 2 == 0 and self.before <= self.size // 2
+
+    def out_size(self, n: int, axis: int) -> int:
+        """Darknet's output size along ``axis`` (0: height, 1: width) for an input of ``n``."""
+        return (n + self.padding - self.size) // self.stride[axis] + 1
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, c, h, w) -> (bs, c, out_size(h, 0), out_size(w, 1))."""
+        if self._symmetric():
+            return self.pool(x)
+        h, w = x.shape[-2:]
+        # Padding after the image: whatever the last window needs beyond it (negative: the
+        # last input rows/columns are in no window, and pooling without padding drops them).
+        after = [
+            max(0, (self.out_size(n, a) - 1) * self.stride[a] + self.size - n - self.before)
+            for a, n in enumerate((int(h), int(w)))
+        ]
+        if self.before or any(after):
+            x = F.pad(x, (self.before, after[1], self.before, after[0]), value=float("-inf"))
+        return self.pool(x)
+
+    def extra_repr(self) -> str:
+        return f"size={self.size}, stride={self.stride}, padding={self.padding}"
+
+
+class StopGradient(torch.autograd.Function):
+    """Identity forward; zero gradient backward (Darknet's ``stopbackward`` while it is active).
+
+    Zeros rather than ``detach()``: every parameter still receives a (zero) gradient, which
+    DistributedDataParallel requires, and optimiser weight decay keeps acting as in Darknet,
+    whose update step also runs for layers that got no backward pass."""
+
+    @staticmethod
+    def forward(ctx: torch.autograd.function.FunctionCtx, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: torch.autograd.function.FunctionCtx, grad: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(grad)
 
 
 class FeatureConcat(nn.Module):
@@ -140,6 +217,11 @@ class YOLOLayer(nn.Module):
         anchors: buffer ``(na, 2)``, anchor w, h in input pixels.
         anchor_vec: buffer ``(na, 2)``, ``anchors / stride`` (grid units).
         scale_x_y: Darknet's ``scale_x_y`` (1 = plain sigmoid offsets).
+        new_coords: Darknet's ``new_coords=1`` (Scaled-YOLOv4, YOLOv7): ``wh`` is
+            ``(2 * sigmoid(t_wh)) ** 2 * anchors`` instead of ``exp(t_wh) * anchors``. Darknet
+            takes the sigmoid in the conv before the head (``activation=logistic``); the model
+            builder moves that sigmoid in here, so that this head, like the others, sees and
+            returns logits (the loss needs them for a stable BCE).
     """
 
     def __init__(
@@ -148,6 +230,7 @@ class YOLOLayer(nn.Module):
         nc: int,
         stride: float,
         scale_x_y: float = 1.0,
+        new_coords: bool = False,
     ):
         super().__init__()
         anchors = torch.as_tensor(anchors, dtype=torch.float32).reshape(-1, 2)
@@ -156,6 +239,7 @@ class YOLOLayer(nn.Module):
         self.no = nc + 5
         self.stride = float(stride)
         self.scale_x_y = float(scale_x_y)
+        self.new_coords = bool(new_coords)
         # Non-persistent: they follow .to(device) but stay out of the state_dict, whose keys must
         # match the lineage's checkpoints exactly.
         self.register_buffer("anchors", anchors, persistent=False)
@@ -197,8 +281,10 @@ class YOLOLayer(nn.Module):
 
     def decode(self, p: torch.Tensor) -> torch.Tensor:
         """(bs, na, ny, nx, no) raw logits -> the same shape decoded (see :meth:`forward`):
-        ``xy = (sigmoid(t_xy) * s - (s - 1) / 2 + grid) * stride``, ``wh = exp(t_wh) * anchors``.
-        Built without in-place writes so that it traces cleanly for ONNX export."""
+        ``xy = (sigmoid(t_xy) * s - (s - 1) / 2 + grid) * stride``, ``wh = exp(t_wh) * anchors``
+        (``new_coords``: ``wh = (2 * sigmoid(t_wh)) ** 2 * anchors``, Darknet's
+        ``get_yolo_box``). Built without in-place writes so that it traces cleanly for ONNX
+        export."""
         _, _, ny, nx, _ = p.shape
         grid = self._grid(ny, nx, p)
         s = self.scale_x_y
@@ -207,11 +293,17 @@ class YOLOLayer(nn.Module):
             xy = xy * s - (s - 1) / 2
         xy = (xy + grid) * self.stride
         anchor_wh = self.anchors.to(p.dtype).view(1, self.na, 1, 1, 2)
-        wh = torch.exp(p[..., 2:4]) * anchor_wh
+        if self.new_coords:
+            wh = (2 * torch.sigmoid(p[..., 2:4])) ** 2 * anchor_wh
+        else:
+            wh = torch.exp(p[..., 2:4]) * anchor_wh
         obj = torch.sigmoid(p[..., 4:5])
         # A single-class model has no class choice to make: its score is the objectness alone.
         cls = torch.ones_like(p[..., 5:]) if self.nc == 1 else torch.sigmoid(p[..., 5:])
         return torch.cat((xy, wh, obj, cls), -1)
 
     def extra_repr(self) -> str:
-        return f"na={self.na}, nc={self.nc}, stride={self.stride:g}, scale_x_y={self.scale_x_y:g}"
+        return (
+            f"na={self.na}, nc={self.nc}, stride={self.stride:g}, scale_x_y={self.scale_x_y:g}, "
+            f"new_coords={self.new_coords}"
+        )

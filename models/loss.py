@@ -15,6 +15,14 @@ each head's terms summed, then multiplied by the ``giou``, ``obj`` and ``cls`` g
 hyperparameters (already scaled by :func:`scale_loss_gains`). ``fl_gamma > 0`` wraps both BCEs
 in a focal loss.
 
+Heads with Darknet's ``new_coords=1`` (Scaled-YOLOv4, YOLOv7) decode
+``xy = sigmoid(t_xy) * s - (s - 1) / 2`` (``s = scale_x_y``, 2 in those cfgs: -0.5..1.5 around
+the cell) and ``wh = (2 * sigmoid(t_wh)) ** 2 * anchor`` (at most 4x the anchor). Their targets
+are assigned as Scaled-YOLOv4 and YOLOv7 train them: to every anchor whose width and height
+ratios to the target are within ``ANCHOR_RATIO_MAX`` (instead of the wh-IoU threshold), in the
+cell holding the centre and, when ``s >= 2`` lets a box reach it, in the two neighbouring cells
+nearest to the centre (left or right, above or below); the box loss uses that same decode.
+
 The implementation never leaves the device: every (anchor, target) pair is evaluated and the
 pairs that fail the ``iou_t`` test are masked out instead of compacted away, so there is no
 data-dependent shape, no ``.item()`` and no host synchronisation.
@@ -49,9 +57,21 @@ MAX_WH_EXP = 1e3
 # Focal loss alpha (Lin et al. 2017), used when hyp['fl_gamma'] > 0.
 FOCAL_ALPHA = 0.25
 
+# new_coords heads: a target goes to an anchor when both its width and height are within this
+# factor of the anchor's (Scaled-YOLOv4's and YOLOv7's anchor_t; the decode's wh range is 0..4x).
+ANCHOR_RATIO_MAX = 4.0
+# new_coords heads: a centre within this distance of a cell border is also assigned to the
+# neighbouring cell across that border (YOLOv5/Scaled-YOLOv4 "g"), needing a decode that reaches
+# 0.5 beyond the cell, i.e. scale_x_y >= NEIGHBOUR_MIN_SCALE_XY.
+NEIGHBOUR_MARGIN = 0.5
+NEIGHBOUR_MIN_SCALE_XY = 2.0
+# Centre cell, then the neighbours to the left, above, to the right, below (x, y offsets).
+_CELL_OFFSETS = ((0, 0), (1, 0), (0, 1), (-1, 0), (0, -1))
+
 
 class _YoloHead(Protocol):
     anchor_vec: torch.Tensor  # (na, 2) anchors in grid units
+    # Optional (default 1.0 and False): Darknet's scale_x_y and new_coords.
 
 
 class _YoloModel(Protocol):
@@ -62,15 +82,18 @@ class _YoloModel(Protocol):
 
 class LayerTargets(NamedTuple):
     """Targets of one head for every (anchor, target) pair, anchor-major: pair ``p`` is anchor
-    ``p // nt`` with target row ``p % nt``. ``P = na * nt``.
+    ``p // nt`` with target row ``p % nt``. ``P = na * nt``. For a ``new_coords`` head, the
+    pairs come once per candidate cell (centre, left, above, right, below), cell-major:
+    ``P = 5 * na * nt``.
 
     Attributes:
         tcls: (P,) int64 class id.
         tbox: (P, 4) cxcywh in grid units: centre offset within cell (gi, gj), then w, h.
         indices: (b, a, gj, gi), each (P,) int64: image in batch, anchor, cell row, cell column.
         anchors: (P, 2) the pair's anchor w, h in grid units.
-        valid: (P,) bool, True where the pair is an assignment (wh-IoU > iou_t). Rows where it
-            is False are padding that keeps shapes static; select with ``[valid]`` to inspect.
+        valid: (P,) bool, True where the pair is an assignment (wh-IoU > iou_t; new_coords:
+            wh ratios within ANCHOR_RATIO_MAX and the cell a chosen one). Rows where it is False
+            are padding that keeps shapes static; select with ``[valid]`` to inspect.
     """
 
     tcls: torch.Tensor
@@ -140,19 +163,24 @@ def build_targets(
 
     A target is assigned to the cell holding its centre (a centre exactly on the right or
     bottom border goes to the last cell), to every anchor passing ``iou_t``, possibly none.
+    ``new_coords`` heads: see the module docstring (``iou_t`` is not used there).
     """
     if len(preds) != len(model.yolo_layers):
         raise ValueError(f"{len(preds)} prediction heads for {len(model.yolo_layers)} YOLO layers")
     nt = targets.shape[0]
     out = []
     for pi, layer_index in zip(preds, model.yolo_layers):
-        anchors = model.module_list[layer_index].anchor_vec  # (na, 2) grid units
+        head = model.module_list[layer_index]
+        anchors = head.anchor_vec  # (na, 2) grid units
         na = anchors.shape[0]
         ny, nx = pi.shape[2], pi.shape[3]
         # Boxes to grid units (Python-scalar products: no host-to-device copy of a gain tensor).
         t = targets.clone()
         t[:, 2:6:2] *= nx
         t[:, 3:6:2] *= ny
+        if getattr(head, "new_coords", False):
+            out.append(_new_coords_targets(t, anchors, nx, ny, getattr(head, "scale_x_y", 1.0)))
+            continue
 
         # All na * nt pairs, anchor-major (the lineage's order, which decides duplicate cells).
         valid = (wh_iou(anchors.to(t.dtype), t[:, 4:6]) > iou_t).reshape(-1)
@@ -180,6 +208,58 @@ def build_targets(
     return out
 
 
+def _new_coords_targets(
+    t: torch.Tensor, anchors: torch.Tensor, nx: int, ny: int, scale_x_y: float
+) -> LayerTargets:
+    """:func:`build_targets` for one ``new_coords`` head; ``t`` (nt, 6) already in grid units,
+    ``anchors`` (na, 2) grid units."""
+    nt, na = t.shape[0], anchors.shape[0]
+    ratio = t[None, :, 4:6] / anchors[:, None].to(t.dtype)  # (na, nt, 2)
+    fits = torch.max(ratio, 1 / ratio).amax(2) < ANCHOR_RATIO_MAX  # (na, nt)
+    a = torch.arange(na, device=t.device).repeat_interleave(nt)
+    t = t.repeat(na, 1)  # (na * nt, 6), anchor-major as for the other heads
+    gxy = t[:, 2:4]
+    size = torch.tensor([nx, ny], dtype=gxy.dtype, device=gxy.device)
+    gxy_inv = size - gxy  # distance to the right and bottom borders
+    if scale_x_y >= NEIGHBOUR_MIN_SCALE_XY:
+        g = NEIGHBOUR_MARGIN
+        left, above = ((gxy % 1 < g) & (gxy > 1)).unbind(1)
+        right, below = ((gxy_inv % 1 < g) & (gxy_inv > 1)).unbind(1)
+        cells = torch.stack((torch.ones_like(left), left, above, right, below))  # (5, P)
+    else:
+        g = 0.0
+        cells = torch.ones(1, gxy.shape[0], dtype=torch.bool, device=gxy.device)
+    n_cells = cells.shape[0]
+    offsets = torch.tensor(_CELL_OFFSETS[:n_cells], dtype=gxy.dtype, device=gxy.device) * g
+    valid = (cells & fits.reshape(1, -1)).reshape(-1)
+    gxy_all = gxy.repeat(n_cells, 1)  # (n_cells * P, 2), cell-major
+    gij = (gxy_all - offsets.repeat_interleave(gxy.shape[0], 0)).long()
+    gi = gij[:, 0].clamp(0, nx - 1)
+    gj = gij[:, 1].clamp(0, ny - 1)
+    t = t.repeat(n_cells, 1)
+    a = a.repeat(n_cells)
+    offset = gxy_all - torch.stack((gi, gj), 1).to(gxy.dtype)
+    return LayerTargets(
+        tcls=t[:, 1].long(),
+        tbox=torch.cat((offset, t[:, 4:6]), 1),
+        indices=(t[:, 0].long(), a, gj, gi),
+        anchors=anchors[a],
+        valid=valid,
+    )
+
+
+def predicted_boxes(ps: torch.Tensor, anchors: torch.Tensor, head: Any) -> torch.Tensor:
+    """Decode the logits of assigned pairs as the head does (grid units, relative to each pair's
+    cell): ``ps`` (P, no), ``anchors`` (P, 2) -> (P, 4) cxcywh."""
+    s = float(getattr(head, "scale_x_y", 1.0))
+    pxy = ps[:, :2].sigmoid() * s - (s - 1) / 2
+    if getattr(head, "new_coords", False):
+        pwh = (2 * ps[:, 2:4].sigmoid()) ** 2 * anchors.to(ps.dtype)
+    else:
+        pwh = ps[:, 2:4].exp().clamp(max=MAX_WH_EXP) * anchors.to(ps.dtype)
+    return torch.cat((pxy, pwh), 1)
+
+
 def compute_loss(
     preds: Sequence[torch.Tensor],
     targets: torch.Tensor,
@@ -193,7 +273,7 @@ def compute_loss(
             ``model.yolo_layers`` order.
         targets: (nt, 6) = image index in batch, class, cx, cy, w, h normalised; may be empty.
         model: the unwrapped model: ``nc``, ``yolo_layers``, ``module_list[i].anchor_vec`` (and
-            ``scale_x_y`` when the heads have one).
+            ``scale_x_y``, ``new_coords`` when the heads have them).
         hyp: validated hyperparameters with gains already scaled by :func:`scale_loss_gains`:
             ``giou``, ``obj``, ``cls`` (gains), ``obj_pw``, ``cls_pw`` (BCE positive weights),
             ``iou_t`` (anchor assignment threshold), ``fl_gamma`` (focal loss when > 0).
@@ -240,10 +320,7 @@ def compute_loss(
             n_valid = valid.sum().clamp(min=1)
             ps = pi[b, a, gj, gi]  # (P, no)
 
-            s = float(getattr(model.module_list[layer_index], "scale_x_y", 1.0))
-            pxy = ps[:, :2].sigmoid() * s - (s - 1) / 2
-            pwh = ps[:, 2:4].exp().clamp(max=MAX_WH_EXP) * lt.anchors.to(ps.dtype)
-            pbox = torch.cat((pxy, pwh), 1)
+            pbox = predicted_boxes(ps, lt.anchors, model.module_list[layer_index])
             giou = 1.0 - torchvision.ops.generalized_box_iou_loss(
                 torchvision.ops.box_convert(pbox, "cxcywh", "xyxy"),
                 torchvision.ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),

@@ -72,7 +72,8 @@ def load_darknet_weights(model: Darknet, path: str | os.PathLike[str], cutoff: i
             Darknet-53 backbone file ``darknet53.conv.74``; the file may then hold more values
             than needed. -1: all layers, and the file must hold exactly the model's values.
 
-    Sets ``model.seen`` from the header.
+    Sets ``model.seen`` and ``model.darknet_version`` from the header, so that
+    :func:`save_weights` writes the same header back.
 
     Raises:
         CheckpointError: missing, truncated or over-long file (with the expected and actual value
@@ -141,24 +142,34 @@ def load_darknet_weights(model: Darknet, path: str | os.PathLike[str], cutoff: i
     if ptr < values.size:
         LOGGER.info("%s: loaded %s, %d trailing values not used", path, scope, values.size - ptr)
     model.seen = seen
+    model.darknet_version = (major, minor, revision)
     LOGGER.info("%s: Darknet weights v%d.%d.%d, seen %d", path, major, minor, revision, seen)
 
 
 def save_weights(model: Darknet, path: str | os.PathLike[str], cutoff: int = -1) -> None:
-    """Write ``model`` (layers ``0 .. cutoff - 1``, -1: all) as a Darknet ``.weights`` file with a
-    version 0.2.0 header and ``model.seen`` as int64. Written to a temporary file and renamed.
+    """Write ``model`` (layers ``0 .. cutoff - 1``, -1: all) as a Darknet ``.weights`` file:
+    the header version of the file the model was loaded from (``model.darknet_version``),
+    otherwise 0.2.0, and ``model.seen`` (int64 from version 0.2 on, as Darknet reads it), so
+    that loading and saving a Darknet file gives it back byte for byte. Written to a temporary
+    file and renamed.
 
     Raises:
         CheckpointError: the model is fused.
     """
     path = Path(path)
-    chunks = [
-        np.asarray(DARKNET_VERSION, dtype="<i4").tobytes(),
-        np.asarray([int(getattr(model, "seen", 0))], dtype="<i8").tobytes(),
-    ]
-    for _, tensors in _darknet_tensors(model, cutoff):
-        for t in tensors:
-            chunks.append(t.detach().to("cpu", torch.float32).numpy().astype("<f4").tobytes())
+    version = tuple(getattr(model, "darknet_version", DARKNET_VERSION))
+    seen_dtype = "<i8" if _seen_is_int64(version[0], version[1]) else "<i4"
+    layers = list(_darknet_tensors(model, cutoff))  # raises for a fused model
     tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(b"".join(chunks))
-    tmp.replace(path)
+    try:
+        with tmp.open("wb") as f:
+            f.write(np.asarray(version, dtype="<i4").tobytes())
+            f.write(np.asarray([int(getattr(model, "seen", 0))], dtype=seen_dtype).tobytes())
+            # One tensor at a time, without extra copies: files reach hundreds of MB.
+            for _, tensors in layers:
+                for t in tensors:
+                    values = t.detach().to("cpu", torch.float32).contiguous().numpy()
+                    f.write(np.ascontiguousarray(values, dtype="<f4").data)
+        tmp.replace(path)
+    finally:
+        tmp.unlink(missing_ok=True)

@@ -1,5 +1,6 @@
 """models/darknet.py and models/layers.py: building, parameter counts, forward conventions,
-decoding, fuse, info."""
+decoding, Darknet's layer semantics (max-pooling, new_coords, stopbackward, BatchNorm epsilon),
+fuse, info. The comparison with OpenCV's Darknet importer is in test_darknet_opencv.py."""
 
 from __future__ import annotations
 
@@ -15,14 +16,22 @@ from torch import nn
 
 from build_utils.errors import ConfigError
 from build_utils.parse_config import ACTIVATIONS, parse_model_cfg, rewrite_cfg_classes
-from models.darknet import Darknet
-from models.layers import ACTIVATION_FACTORIES, FeatureConcat, WeightedFeatureFusion, YOLOLayer
+from models.darknet import DARKNET_BN_EPS, LINEAGE_BN_EPS, Darknet
+from models.layers import (
+    ACTIVATION_FACTORIES,
+    DarknetMaxPool,
+    FeatureConcat,
+    WeightedFeatureFusion,
+    YOLOLayer,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 CORPUS_DIR = SHARED / "darknet-cfg"
 CORPUS = sorted(CORPUS_DIR.glob("*.cfg")) if SHARED.is_dir() else []
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
+DARKNET_DIR = REPO / "cfg" / "darknet"
+DARKNET_CFGS = sorted(DARKNET_DIR.glob("*.cfg"))
 
 # Figures stated in the issue for the standard 80-class networks (lineage counts).
 ISSUE_PARAMS = {
@@ -158,12 +167,115 @@ def test_activation_lists_agree():
     assert set(ACTIVATIONS) == set(ACTIVATION_FACTORIES)
 
 
-def test_tiny_size2_stride1_maxpool_keeps_the_grid():
+# --------------------------------------------------------------------------------------------
+# cfg/darknet: Darknet's own YOLOv3/v4/v7 cfgs
+
+
+def darknet_readme_params() -> dict[str, int]:
+    text = (DARKNET_DIR / "README.md").read_text()
+    return {
+        m[1]: int(m[2].replace(",", ""))
+        for m in re.finditer(r"^\| (\S+\.cfg) \| ([\d,]+) \|", text, re.M)
+    }
+
+
+def test_darknet_folder_holds_the_30_documented_cfgs():
+    assert len(DARKNET_CFGS) == 30
+    assert set(darknet_readme_params()) == {p.name for p in DARKNET_CFGS}
+
+
+@pytest.mark.parametrize("path", DARKNET_CFGS, ids=lambda p: p.stem)
+def test_darknet_cfg_parameter_counts(path):
+    # Counted from the parsed blocks alone; test_darknet_opencv.py checks the built models.
+    assert expected_params(parse_model_cfg(path)) == darknet_readme_params()[path.name]
+
+
+def test_darknet_cfg_features():
+    def build(name: str) -> Darknet:
+        return Darknet(DARKNET_DIR / name)
+
+    csp = build("yolov4-csp.cfg")
+    heads = [csp.module_list[i] for i in csp.yolo_layers]
+    assert all(h.new_coords and h.scale_x_y == 2.0 for h in heads)
+    # The heads' logistic activation moved into the heads: the convs end without one.
+    assert all(not hasattr(csp.module_list[i - 1], "activation") for i in csp.yolo_layers)
+    assert csp.strides == [8, 16, 32] and csp.bn_eps == DARKNET_BN_EPS
+    frozen = build("yolov4-p5-frozen.cfg")
+    assert frozen.stopbackward == {231: 1}
+    assert not any(p.requires_grad for p in frozen.module_list[:232].parameters())
+    assert all(p.requires_grad for p in frozen.module_list[232:].parameters())
+    assert build("yolov4-custom.cfg").stopbackward == {104: 800}
+    assert build("yolov3-openimages.cfg").hyperparams["batch"] == 1  # the first of two
+
+
+# --------------------------------------------------------------------------------------------
+# Darknet's max-pooling
+
+
+def darknet_maxpool_reference(
+    x: torch.Tensor, size: int, stride: int | tuple[int, int], padding: int
+):
+    """src/maxpool_layer.c forward_maxpool_layer, written as its loops: (c, h, w) -> (c, oh, ow).
+    ``stride``: one int or (stride_y, stride_x)."""
+    sy, sx = (stride, stride) if isinstance(stride, int) else stride
+    c, h, w = x.shape
+    oh, ow = (h + padding - size) // sy + 1, (w + padding - size) // sx + 1
+    offset = -(padding // 2)
+    out = torch.empty(c, oh, ow)
+    for k in range(c):
+        for i in range(oh):
+            for j in range(ow):
+                best = -math.inf
+                for n in range(size):
+                    for m in range(size):
+                        y, xx = offset + i * sy + n, offset + j * sx + m
+                        if 0 <= y < h and 0 <= xx < w:
+                            best = max(best, float(x[k, y, xx]))
+                out[k, i, j] = best
+    return out
+
+
+def test_tiny_size2_stride1_maxpool_pads_with_minus_infinity():
     model = Darknet(REPO / "cfg" / "yolov3-tiny.cfg")
     pool = model.module_list[11]
-    assert isinstance(pool, nn.Sequential) and isinstance(pool.ZeroPad2d, nn.ZeroPad2d)
-    out = pool(torch.rand(1, 2, 13, 13))
-    assert out.shape[-2:] == (13, 13)
+    assert isinstance(pool, DarknetMaxPool)
+    x = -torch.tensor([[3.0, 1, 2], [4, 5, 6], [7, 8, 9]]).view(1, 1, 3, 3)
+    # Each output is the max of the window starting there, outside pixels never winning: the
+    # lineage's zero padding gave 0 on the last row and column.
+    expected = -torch.tensor([[1.0, 1, 2], [4, 5, 6], [7, 8, 9]])
+    assert torch.equal(pool(x)[0, 0], expected)
+    assert pool(torch.rand(1, 2, 13, 13)).shape[-2:] == (13, 13)
+
+
+@pytest.mark.parametrize(
+    "size, stride, padding, n",
+    [
+        (2, 1, 1, 5),  # YOLOv3-tiny: one pixel after the image
+        (2, 2, 1, 7),  # odd input: Darknet gives 4 outputs, plain pooling 3
+        (2, 2, 1, 8),
+        (5, 1, 4, 6),  # SPP
+        (13, 1, 12, 3),  # SPP on a map smaller than the window
+        (3, 2, 2, 9),
+        (3, 1, 1, 6),  # odd padding: 0 before, 1 after
+        (3, 3, 0, 10),  # no padding: the last input column is in no window
+        (4, 2, 3, 9),
+    ],
+)
+def test_maxpool_matches_darknets_loops(size, stride, padding, n):
+    x = -torch.rand(3, n, n + 1, generator=torch.Generator().manual_seed(n)) - 0.1
+    pool = DarknetMaxPool(size, (stride, stride), padding)
+    expected = darknet_maxpool_reference(x, size, stride, padding)
+    got = pool(x[None])[0]
+    assert got.shape == expected.shape
+    assert pool.out_size(n, 0) == expected.shape[1] and pool.out_size(n + 1, 1) == expected.shape[2]
+    assert torch.equal(got, expected)
+
+
+@pytest.mark.parametrize("stride", [(1, 2), (2, 1)])
+def test_maxpool_with_different_strides(stride):
+    x = torch.randn(2, 9, 10, generator=torch.Generator().manual_seed(0))
+    got = DarknetMaxPool(2, stride, 1)(x[None])[0]
+    assert torch.equal(got, darknet_maxpool_reference(x, 2, stride, 1))
 
 
 # --------------------------------------------------------------------------------------------
@@ -367,6 +479,170 @@ def test_model_eval_decodes_end_to_end(tmp_path):
         torch.testing.assert_close(d[:, 1], (grid_y + 0.5) * 2)
         assert torch.all(d[:, 2] == aw) and torch.all(d[:, 3] == ah)
         assert torch.all(d[:, 4:] == 0.5)
+
+
+def test_yolo_layer_new_coords_decode():
+    # Darknet's get_yolo_box with new_coords=1 on the conv's logistic outputs x:
+    # cx = (gx + x * s - (s - 1) / 2) * stride, w = x_w ** 2 * 4 * anchor_w, no exp.
+    layer = YOLOLayer([[10.0, 13.0], [16.0, 30.0]], nc=2, stride=8, scale_x_y=2.0, new_coords=True)
+    layer.eval()
+    p = torch.zeros(1, 2, 2, 3, 7)
+    l3, l4 = math.log(3), math.log(4)
+    p[0, 1, 1, 2] = torch.tensor([l3, -l3, l3, 0.0, 0.0, l3, -l4])  # sigmoids .75 .25 .75 .5
+    det, raw = layer(p.permute(0, 1, 4, 2, 3).reshape(1, 14, 2, 3))
+    assert torch.equal(raw, p)  # logits, as for the other heads
+    # cx = (2 + 0.75 * 2 - 0.5) * 8, cy = (1 + 0.25 * 2 - 0.5) * 8, w = 0.75**2 * 4 * 16,
+    # h = 0.5**2 * 4 * 30; objectness and classes are the sigmoids.
+    expected = torch.tensor([24.0, 8.0, 36.0, 30.0, 0.5, 0.75, 0.2])
+    torch.testing.assert_close(det[0, 6 + 1 * 3 + 2], expected)
+    torch.testing.assert_close(det[0, 0, :4], torch.tensor([4.0, 4.0, 10.0, 13.0]))  # logits 0
+
+
+def cfg_blocks(tmp_path: Path, text: str) -> list[dict]:
+    path = tmp_path / "m.cfg"
+    path.write_text(text)
+    return parse_model_cfg(path)
+
+
+NEW_COORDS_HEAD = """[convolutional]
+size=1
+stride=1
+pad=1
+filters=14
+activation=logistic
+[yolo]
+mask=0,1
+anchors=4,6, 8,12
+classes=2
+new_coords=NC
+scale_x_y=2.0
+"""
+
+
+def test_new_coords_head_takes_the_convs_sigmoid(tmp_path):
+    base = CFG_STRIDES[: CFG_STRIDES.index("[convolutional]\nfilters=14")]
+    darknet = Darknet(cfg_blocks(tmp_path, base + NEW_COORDS_HEAD.replace("NC", "1")))
+    plain = Darknet(cfg_blocks(tmp_path, base + NEW_COORDS_HEAD.replace("NC", "0")))
+    plain.load_state_dict(darknet.state_dict())  # the activation holds no parameters
+    assert not hasattr(darknet.module_list[5], "activation")
+    assert isinstance(plain.module_list[5].activation, nn.Sigmoid)
+    x = torch.rand(1, 3, 16, 16, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        (raw,) = darknet.train()(x)
+        (conv_out,) = plain.train()(x)  # what Darknet's conv outputs: sigmoids
+    torch.testing.assert_close(torch.sigmoid(raw), conv_out)
+
+
+def test_new_coords_needs_a_logistic_head_conv(tmp_path):
+    base = CFG_STRIDES[: CFG_STRIDES.index("[convolutional]\nfilters=14")]
+    text = base + NEW_COORDS_HEAD.replace("NC", "1").replace("logistic", "leaky")
+    with pytest.raises(ConfigError, match=r"activation=logistic \(it has activation=leaky\)"):
+        cfg_blocks(tmp_path, text)
+
+
+# --------------------------------------------------------------------------------------------
+# stopbackward
+
+
+STOP_CFG = """[net]
+batch=4
+[convolutional]
+batch_normalize=1
+filters=4
+size=3
+stride=2
+pad=1
+activation=leaky
+[convolutional]
+batch_normalize=1
+filters=4
+size=3
+stride=1
+pad=1
+activation=leaky
+stopbackward=STOP
+[route]
+layers=-2,-1
+[convolutional]
+filters=14
+size=1
+activation=linear
+[yolo]
+mask=0,1
+anchors=4,6, 8,12
+classes=2
+"""
+
+
+def _step(model: Darknet, bs: int = 2) -> None:
+    model.zero_grad(set_to_none=True)
+    out = model.train()(torch.rand(bs, 3, 16, 16, generator=torch.Generator().manual_seed(1)))
+    sum(o.square().mean() for o in out).backward()
+
+
+def test_stopbackward_1_freezes_the_layer_and_all_before(tmp_path):
+    model = Darknet(cfg_blocks(tmp_path, STOP_CFG.replace("STOP", "1")))
+    assert model.stopbackward == {1: 1}
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _step(model)
+    for i in (0, 1):  # frozen: no gradients, BatchNorm statistics untouched (eval mode)
+        m = model.module_list[i]
+        assert not m.training and all(p.grad is None for p in m.parameters())
+        assert torch.equal(
+            m.BatchNorm2d.running_mean, before[f"module_list.{i}.BatchNorm2d.running_mean"]
+        )
+    assert model.module_list[3].Conv2d.weight.grad.abs().sum() > 0
+    assert model.seen == 0  # only counted for stopbackward=N > 1
+
+
+def test_stopbackward_n_zeroes_gradients_for_n_iterations(tmp_path):
+    # N=2 with [net] batch=4: iterations 0 and 1 are the first 8 images.
+    model = Darknet(cfg_blocks(tmp_path, STOP_CFG.replace("STOP", "2")))
+    assert model.stopbackward == {1: 2} and all(p.requires_grad for p in model.parameters())
+    for seen_after in (2, 4, 6, 8):
+        _step(model)
+        assert model.seen == seen_after
+        for i in (0, 1):
+            grads = [p.grad for p in model.module_list[i].parameters()]
+            assert all(g is not None and not g.any() for g in grads)  # zeros, for DDP
+        assert model.module_list[3].Conv2d.weight.grad.abs().sum() > 0
+    _step(model)  # iteration 2: the whole network trains
+    assert model.seen == 8  # no longer counted
+    assert all(p.grad.abs().sum() > 0 for p in model.module_list[0].parameters())
+    with torch.no_grad():
+        model.eval()(torch.rand(1, 3, 16, 16))
+    assert model.seen == 8
+
+
+# --------------------------------------------------------------------------------------------
+# BatchNorm epsilon
+
+
+def test_batchnorm_epsilon_is_darknets_unless_the_cfg_says_otherwise(tmp_path):
+    text = STOP_CFG.replace("stopbackward=STOP\n", "")
+    model = Darknet(cfg_blocks(tmp_path, text))
+    bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert model.bn_eps == DARKNET_BN_EPS == 1e-5 and all(bn.eps == 1e-5 for bn in bns)
+    lineage = Darknet(cfg_blocks(tmp_path, text.replace("batch=4", "batch=4\nbn_eps=0.0001")))
+    assert all(m.eps == LINEAGE_BN_EPS for m in lineage.modules() if isinstance(m, nn.BatchNorm2d))
+    assert Darknet(cfg_blocks(tmp_path, text), bn_eps=1e-3).module_list[0].BatchNorm2d.eps == 1e-3
+
+
+def test_batchnorm_normalises_as_darknet(tmp_path):
+    # src/blas.c normalize_cpu: (x - mean) / sqrt(var + 1e-5), then scale and bias. With a small
+    # variance the epsilon matters: 1 / sqrt(1e-4 + 1e-5) = 95.35, the lineage's 1e-4 gives 70.71.
+    model = Darknet(cfg_blocks(tmp_path, STOP_CFG.replace("stopbackward=STOP\n", ""))).eval()
+    seq = model.module_list[0]
+    with torch.no_grad():
+        seq.Conv2d.weight.zero_()
+        seq.Conv2d.weight[:, 0, 1, 1] = 1.0  # the centre pixel of channel 0
+        seq.BatchNorm2d.running_mean.fill_(0.25)
+        seq.BatchNorm2d.running_var.fill_(1e-4)
+        seq.BatchNorm2d.weight.fill_(0.5)
+        seq.BatchNorm2d.bias.fill_(-1.0)
+        out = seq.BatchNorm2d(seq.Conv2d(torch.ones(1, 3, 2, 2)))
+    expected = 0.5 * (1 - 0.25) / math.sqrt(1e-4 + 1e-5) - 1.0
+    torch.testing.assert_close(out[0, :, 0, 0], torch.full((4,), expected))
 
 
 def test_head_bias_initialisation():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 from types import SimpleNamespace
 
@@ -29,15 +30,21 @@ HYP = {
 }
 
 
-def fake_model(anchor_vecs: list[list[tuple[float, float]]], nc: int) -> SimpleNamespace:
-    """A stand-in for Darknet: heads at module_list[1], [3], ... with ``anchor_vec`` (grid)."""
+def fake_model(
+    anchor_vecs: list[list[tuple[float, float]]], nc: int, new_coords: bool = False
+) -> SimpleNamespace:
+    """A stand-in for Darknet: heads at module_list[1], [3], ... with ``anchor_vec`` (grid);
+    ``new_coords`` heads as in Scaled-YOLOv4/YOLOv7 cfgs (``scale_x_y=2``)."""
     module_list: list[object] = []
     yolo_layers = []
     for anchors in anchor_vecs:
         module_list.append(object())  # a conv in the real network
         yolo_layers.append(len(module_list))
         vec = torch.tensor(anchors, dtype=torch.float64)
-        module_list.append(SimpleNamespace(anchor_vec=vec, na=vec.shape[0], nc=nc, stride=8.0))
+        head = SimpleNamespace(anchor_vec=vec, na=vec.shape[0], nc=nc, stride=8.0)
+        if new_coords:
+            head.new_coords, head.scale_x_y = True, 2.0
+        module_list.append(head)
     return SimpleNamespace(module_list=module_list, yolo_layers=yolo_layers, nc=nc)
 
 
@@ -123,35 +130,66 @@ def _giou_cxcywh(b1, b2):
     return iou - (hull - union) / hull
 
 
-def reference_loss(preds, targets, anchor_vecs, nc, hyp):
-    """Loop-based re-implementation of the lineage's compute_loss/build_targets in numpy."""
+# new_coords: candidate cells (x, y offsets of the cell), each with the test that selects it:
+# the centre's cell always; a neighbour when the centre is within 0.5 of that border and the
+# neighbour is inside the grid (YOLOv5 / Scaled-YOLOv4 build_targets).
+NEW_COORDS_CELLS = [
+    ((0, 0), lambda gx, gy, nx, ny: True),
+    ((-1, 0), lambda gx, gy, nx, ny: gx % 1 < 0.5 and gx > 1),
+    ((0, -1), lambda gx, gy, nx, ny: gy % 1 < 0.5 and gy > 1),
+    ((1, 0), lambda gx, gy, nx, ny: (nx - gx) % 1 < 0.5 and nx - gx > 1),
+    ((0, 1), lambda gx, gy, nx, ny: (ny - gy) % 1 < 0.5 and ny - gy > 1),
+]
+
+
+def reference_loss(preds, targets, anchor_vecs, nc, hyp, new_coords=False):
+    """Loop-based re-implementation of the lineage's compute_loss/build_targets in numpy, and
+    with ``new_coords`` of the Scaled-YOLOv4/YOLOv7 assignment and Darknet's new_coords decode."""
     lbox = lobj = lcls = 0.0
     gamma = hyp["fl_gamma"]
+    cells = NEW_COORDS_CELLS if new_coords else NEW_COORDS_CELLS[:1]
     for pred, anchors in zip(preds, anchor_vecs):
         bs, na, ny, nx, _ = pred.shape
         tobj = np.zeros((bs, na, ny, nx))
         box_terms, cls_terms = [], []
-        for ai, (aw, ah) in enumerate(anchors):  # anchor-major, then target order
-            for row in targets:
-                b, c = int(row[0]), int(row[1])
-                gx, gy, gw, gh = row[2] * nx, row[3] * ny, row[4] * nx, row[5] * ny
+        # Cell-major, then anchor-major, then target order (later duplicates win objectness).
+        for ((dx, dy), selected), (ai, (aw, ah)), row in itertools.product(
+            cells, enumerate(anchors), targets
+        ):
+            b, c = int(row[0]), int(row[1])
+            gx, gy, gw, gh = row[2] * nx, row[3] * ny, row[4] * nx, row[5] * ny
+            if new_coords:
+                if max(gw / aw, aw / gw, gh / ah, ah / gh) >= 4.0:
+                    continue
+                if not selected(gx, gy, nx, ny):
+                    continue
+            else:
                 inter = min(aw, gw) * min(ah, gh)
                 if inter / (aw * ah + gw * gh - inter) <= hyp["iou_t"]:
                     continue
-                gi, gj = min(int(gx), nx - 1), min(int(gy), ny - 1)
-                p = pred[b, ai, gj, gi]
+            gi = min(max(math.floor(gx) + dx, 0), nx - 1)
+            gj = min(max(math.floor(gy) + dy, 0), ny - 1)
+            p = pred[b, ai, gj, gi]
+            if new_coords:
+                pbox = (
+                    _sigmoid(p[0]) * 2 - 0.5,
+                    _sigmoid(p[1]) * 2 - 0.5,
+                    (2 * _sigmoid(p[2])) ** 2 * aw,
+                    (2 * _sigmoid(p[3])) ** 2 * ah,
+                )
+            else:
                 pbox = (
                     _sigmoid(p[0]),
                     _sigmoid(p[1]),
                     min(np.exp(p[2]), 1e3) * aw,
                     min(np.exp(p[3]), 1e3) * ah,
                 )
-                giou = _giou_cxcywh(pbox, (gx - gi, gy - gj, gw, gh))
-                box_terms.append(1 - giou)
-                tobj[b, ai, gj, gi] = max(giou, 0.0)  # later duplicates overwrite
-                if nc > 1:
-                    onehot = np.eye(nc)[c]
-                    cls_terms.append(_bce(p[5:], onehot, hyp["cls_pw"], gamma))
+            giou = _giou_cxcywh(pbox, (gx - gi, gy - gj, gw, gh))
+            box_terms.append(1 - giou)
+            tobj[b, ai, gj, gi] = max(giou, 0.0)  # later duplicates overwrite
+            if nc > 1:
+                onehot = np.eye(nc)[c]
+                cls_terms.append(_bce(p[5:], onehot, hyp["cls_pw"], gamma))
         if box_terms:
             lbox += np.mean(box_terms)
             if nc > 1:
@@ -201,6 +239,50 @@ def test_matches_numpy_reference(seed, nt, nc, duplicates, gamma):
     got = compute_loss([torch.from_numpy(p) for p in preds], torch.from_numpy(t), model, hyp)
     for key in ("box_loss", "obj_loss", "class_loss"):
         assert got[key].item() == pytest.approx(expected[key], abs=1e-5, rel=1e-6), key
+
+
+@pytest.mark.parametrize("seed,nt,nc", [(5, 12, 3), (6, 30, 1), (7, 20, 4)])
+def test_new_coords_matches_numpy_reference(seed, nt, nc):
+    preds, t, anchor_vecs = _random_case(seed, nt, nc, duplicates=True)
+    hyp = dict(HYP, giou=3.54, obj=64.3, cls=37.4, obj_pw=1.3, cls_pw=0.7)
+    expected = reference_loss(preds, t, anchor_vecs, nc, hyp, new_coords=True)
+    model = fake_model(anchor_vecs, nc, new_coords=True)
+    got = compute_loss([torch.from_numpy(p) for p in preds], torch.from_numpy(t), model, hyp)
+    for key in ("box_loss", "obj_loss", "class_loss"):
+        assert got[key].item() == pytest.approx(expected[key], abs=1e-5, rel=1e-6), key
+    # Not the classic loss: the assignment and the decode differ.
+    classic = reference_loss(preds, t, anchor_vecs, nc, hyp)
+    assert got["box_loss"].item() != pytest.approx(classic["box_loss"], rel=1e-3)
+
+
+def test_new_coords_assignment_uses_neighbour_cells_and_wh_ratios():
+    # 10x10 grid, centre (5.3, 2.8), wh (2, 1.5) in grid units. Anchor (1, 1): ratios 2 and 1.5,
+    # within 4; anchor (9, 1): 9 / 2 = 4.5, rejected whatever its IoU. Cells: the centre's (5, 2),
+    # the left one (0.3 from the left border) and the one below (0.2 from the bottom border).
+    model = fake_model([[(1.0, 1.0), (9.0, 1.0)]], nc=2, new_coords=True)
+    pred = torch.zeros(1, 2, 10, 10, 7)
+    targets = torch.tensor([[0, 1, 0.53, 0.28, 0.2, 0.15]])
+    (lt,) = build_targets([pred], targets, model, iou_t=0.2)
+    assert lt.valid.shape == (5 * 2,)
+    _, a, gj, gi = (x[lt.valid] for x in lt.indices)
+    assert a.tolist() == [0, 0, 0]
+    assert list(zip(gi.tolist(), gj.tolist())) == [(5, 2), (4, 2), (5, 3)]
+    torch.testing.assert_close(
+        lt.tbox[lt.valid],
+        torch.tensor([[0.3, 0.8, 2.0, 1.5], [1.3, 0.8, 2.0, 1.5], [0.3, -0.2, 2.0, 1.5]]),
+    )
+
+
+def test_new_coords_zero_logits_predict_the_anchor_at_the_cell_centre():
+    # sigmoid(0) * 2 - 0.5 = 0.5 and (2 * sigmoid(0)) ** 2 = 1: a centred target of the anchor's
+    # size is predicted exactly (GIoU 1), and a centre exactly mid-cell has no neighbour cells.
+    model = fake_model([[(1.0, 2.0)]], nc=2, new_coords=True)
+    pred = torch.zeros(1, 1, 4, 4, 7, dtype=torch.float64)
+    targets = torch.tensor([[0, 1, 0.375, 0.625, 0.25, 0.5]], dtype=torch.float64)
+    loss = compute_loss([pred], targets, model, HYP)
+    assert loss["box_loss"].item() == pytest.approx(0.0, abs=1e-6)
+    # Objectness: 16 cells at logit 0, the assigned one with target GIoU = 1.
+    assert loss["obj_loss"].item() == pytest.approx(LN2, abs=1e-6)
 
 
 def test_float32_close_to_float64():

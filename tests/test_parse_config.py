@@ -15,6 +15,7 @@ from build_utils.errors import ConfigError
 from build_utils.parse_config import (
     ACTIVATIONS,
     load_class_names,
+    maxpool_params,
     parse_data_cfg,
     parse_model_cfg,
     rewrite_cfg_classes,
@@ -314,6 +315,27 @@ MALFORMED = {
         NET + CONV.replace("filters=16", "filters=0"),
         r":6: \[convolutional\]: filters=0 must be at least 1",
     ),
+    "new_coords_needs_a_logistic_head_conv": (
+        NET + CONV + HEAD + "new_coords=1\n",
+        r":16: \[convolutional\]: new_coords=1 needs the \[convolutional\] right before the "
+        r"\[yolo\] to have activation=logistic \(it has activation=linear\)",
+    ),
+    "new_coords_value": (
+        NET + CONV + HEAD.replace("linear", "logistic") + "new_coords=2\n",
+        r":22: \[yolo\]: new_coords=2 must be 0 or 1",
+    ),
+    "maxpool_padding_beyond_the_window": (
+        NET + CONV + "[maxpool]\nsize=2\nstride=1\npadding=3\n" + HEAD,
+        r":14: \[maxpool\]: padding=3 must be in 0..2 for size=2",
+    ),
+    "bn_eps": (
+        NET + "bn_eps=0\n" + CONV + HEAD,
+        r":4: \[net\]: bn_eps=0.0 must be positive",
+    ),
+    "unsupported_maxpool_depth": (
+        NET + CONV + "[maxpool]\nmaxpool_depth=1\n" + HEAD,
+        r":12: key 'maxpool_depth=1' in \[maxpool\] is a Darknet option",
+    ),
 }
 
 
@@ -330,6 +352,43 @@ def test_malformed_corpus_is_valid_once_fixed(tmp_path):
     # The fragments above are only wrong where each case says: the base cfg is valid.
     blocks = parse_model_cfg(write(tmp_path, NET + CONV + CONV + "[shortcut]\nfrom=-2\n" + HEAD))
     assert [b["type"] for b in blocks][-2:] == ["convolutional", "yolo"]
+
+
+def test_repeated_net_key_first_wins_with_a_warning(tmp_path, caplog):
+    # Darknet's option lists return the first occurrence (yolov3-openimages.cfg sets batch=1,
+    # then batch=64 under a "# Training" comment) and report the second as unused.
+    text = NET + "batch=1\nsubdivisions=1\nbatch=64\n" + CONV + HEAD
+    path = write(tmp_path, text)
+    with caplog.at_level("WARNING", logger="build_utils.parse_config"):
+        net = parse_model_cfg(path)[0]
+    assert net["batch"] == 1 and net["subdivisions"] == 1
+    assert net["_lines"]["batch"] == 4
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{path}:6: key 'batch' in [net] repeats line 4; the first value is used, as in Darknet"
+    ]
+
+
+def test_darknet_layer_options_are_read(tmp_path):
+    text = NET + CONV + "stopbackward=800\n" + "[maxpool]\nsize=3\nstride=2\npadding=1\n"
+    text += HEAD.replace("linear", "logistic") + "new_coords=1\nscale_x_y=2.0\n"
+    blocks = parse_model_cfg(write(tmp_path, text))
+    assert blocks[1]["stopbackward"] == 800
+    assert blocks[2] == {**blocks[2], "size": 3, "stride": 2, "padding": 1}
+    assert blocks[-1]["new_coords"] == 1 and blocks[-1]["scale_x_y"] == 2.0
+
+
+@pytest.mark.parametrize(
+    "block, expected",
+    [
+        ({"stride": 2}, (2, 2, 2, 1)),  # size defaults to the stride, padding to size - 1
+        ({"size": 2, "stride": 1}, (2, 1, 1, 1)),
+        ({"size": 5, "stride": 1}, (5, 1, 1, 4)),
+        ({}, (1, 1, 1, 0)),
+        ({"size": 3, "stride": 2, "stride_x": 1, "padding": 0}, (3, 2, 1, 0)),
+    ],
+)
+def test_maxpool_defaults_are_darknets(block, expected):
+    assert maxpool_params(block) == expected
 
 
 def test_missing_file(tmp_path):

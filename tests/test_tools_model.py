@@ -141,6 +141,33 @@ def test_export_onnx_cli_verify_with_weights(tiny_pt, tmp_path):
     assert export_onnx.main([*argv, "--verify"]) == 0
 
 
+def _pad_values(graph) -> list[float]:
+    """The constant value of every Pad node of an ONNX graph."""
+    from onnx import numpy_helper
+
+    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant":
+            consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return [float(consts[n.input[2]]) for n in graph.node if n.op_type == "Pad"]
+
+
+@needs_onnx
+@pytest.mark.parametrize("name", ["yolov3-tiny.cfg", "yolov7-tiny.cfg"])
+def test_export_onnx_darknet_maxpool_and_new_coords(tmp_path, name):
+    import onnx
+
+    # yolov3-tiny: the size=2 stride=1 max-pool pads with -inf (not zeros) after the image;
+    # yolov7-tiny: new_coords heads, wh = (2 * sigmoid) ** 2 * anchor.
+    torch.manual_seed(0)
+    model = Darknet(REPO / "cfg" / "darknet" / name)
+    out = tmp_path / "m.onnx"
+    export_onnx.export_onnx(model, out, 64)
+    assert export_onnx.verify_onnx(model, out, 64) < 1e-3
+    pads = _pad_values(onnx.load(str(out)).graph)
+    assert pads == ([float("-inf")] if name == "yolov3-tiny.cfg" else [])
+
+
 def test_export_onnx_errors(tmp_path, capsys):
     out = str(tmp_path / "x.onnx")
     assert export_onnx.main(["--cfg", str(TINY), "--opset", "10", "-o", out]) == 2

@@ -124,6 +124,29 @@ def test_no_bias_convs_and_int32_seen_header(tmp_path):
             assert torch.equal(restored.state_dict()[k], v), k
 
 
+@pytest.mark.parametrize(
+    "header",
+    [
+        np.asarray([0, 2, 5], "<i4").tobytes() + np.asarray([9_876_543_210], "<i8").tobytes(),
+        np.asarray([0, 1, 0, 42], "<i4").tobytes(),  # 32-bit seen
+    ],
+    ids=["v0.2.5", "v0.1.0"],
+)
+def test_darknet_files_round_trip_byte_for_byte(tmp_path, header):
+    # Darknet writes version 0.2.5 headers; whatever the version, loading and saving a file
+    # must give it back unchanged (values bit for bit, NaN payloads included).
+    values = np.random.default_rng(0).standard_normal(darknet_values(parse_model_cfg(TINY)))
+    values = values.astype("<f4")
+    values[7] = np.frombuffer(np.asarray([0x7FC01234], "<u4").tobytes(), "<f4")[0]
+    original = header + values.tobytes()
+    (tmp_path / "in.weights").write_bytes(original)
+    model = Darknet(TINY)
+    load_darknet_weights(model, tmp_path / "in.weights")
+    save_weights(model, tmp_path / "out.weights")
+    assert (tmp_path / "out.weights").read_bytes() == original
+    assert not list(tmp_path.glob("*.tmp"))
+
+
 def test_weighted_shortcut_round_trip(tmp_path):
     cfg = tmp_path / "w.cfg"
     cfg.write_text(

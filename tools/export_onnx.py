@@ -5,7 +5,8 @@
 
 The graph has one input ``images`` (batch, 3, H, W) float32 in [0, 1] and one output
 ``detections`` (batch, N, 5 + nc): eval-mode decoded boxes, cx, cy, w, h in input pixels,
-sigmoid objectness and class scores, before NMS. The batch size is dynamic; H and W are fixed
+sigmoid objectness and class scores, before NMS (``new_coords`` heads decode as Darknet does;
+max-pools pad with -inf as Darknet does). The batch size is dynamic; H and W are fixed
 at ``--img-size`` (the grids are baked in). ``--verify`` runs the file with onnxruntime on a
 random batch of 2 and checks it against PyTorch (tolerance 1e-4, relative and absolute).
 Without ``--weights`` the model keeps its random initialisation (useful for testing only).
@@ -85,7 +86,8 @@ def export_onnx(
         # shape-dependent Python branches, which are constant for a fixed image size.
         warnings.simplefilter("ignore", DeprecationWarning)
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        # ZeroPad2d exports as Pad with a reversed (step -1) Slice the folder skips: harmless.
+        # Darknet's max-pooling pads with -inf where MaxPool's symmetric padding cannot (size=2
+        # stride=1): F.pad exports as Pad with a reversed (step -1) Slice the folder skips.
         warnings.filterwarnings("ignore", message="Constant folding", category=UserWarning)
         torch.onnx.export(
             wrapper,
