@@ -34,6 +34,12 @@ _LAUNCH_VARS = (
     "SLURM_LOCALID",
     "SLURM_JOB_ID",
     "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_JOB_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_NODEID",
+    "LOCAL_WORLD_SIZE",
 )
 
 WORKER = textwrap.dedent(
@@ -194,7 +200,7 @@ def test_slurm_variables(tmp_path: Path) -> None:
             SLURM_PROCID=str(rank),
             SLURM_NTASKS="2",
             SLURM_LOCALID=str(rank),
-            SLURM_LAUNCH_NODE_IPADDR="127.0.0.1",
+            SLURM_JOB_NODELIST="localhost",
             MASTER_PORT=port,
         )
         envs.append(env)
@@ -202,8 +208,8 @@ def test_slurm_variables(tmp_path: Path) -> None:
     res = _results(out)
     _check_collectives(res)
     assert [r["local_rank"] for r in res] == [0, 1]
-    # MASTER_ADDR came from SLURM_LAUNCH_NODE_IPADDR; RANK was exported for env:// init.
-    assert [r["master_addr"] for r in res] == ["127.0.0.1"] * 2
+    # MASTER_ADDR came from SLURM_JOB_NODELIST; RANK was exported for env:// init.
+    assert [r["master_addr"] for r in res] == ["localhost"] * 2
     assert [r["env_rank"] for r in res] == ["0", "1"]
 
 
@@ -353,20 +359,34 @@ def test_launch_hint() -> None:
 def test_slurm_env_exported(clean_env) -> None:
     clean_env.update(
         SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_JOB_ID="123",
-        SLURM_LAUNCH_NODE_IPADDR="10.1.2.3",
+        SLURM_LAUNCH_NODE_IPADDR="10.1.2.3", SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_TASKS_PER_NODE="2(x2)", SLURM_NODEID="1",
     )  # fmt: skip
     rank, world, local, launcher = du._read_launch_env(None)
     assert (rank, world, local, launcher) == (3, 4, 1, "SLURM")
     assert clean_env["RANK"] == "3" and clean_env["WORLD_SIZE"] == "4"
     assert clean_env["LOCAL_RANK"] == "1"
-    assert clean_env["MASTER_ADDR"] == "10.1.2.3"
+    # Rank 0's node, not the login node that ran sbatch/srun.
+    assert clean_env["MASTER_ADDR"] == "gpu07"
+    assert clean_env["LOCAL_WORLD_SIZE"] == "2"
     assert clean_env["MASTER_PORT"] == str(15000 + 123)
 
 
 def test_slurm_keeps_given_master(clean_env) -> None:
-    clean_env.update(SLURM_PROCID="0", SLURM_NTASKS="1", MASTER_ADDR="node7", MASTER_PORT="4242")
+    clean_env.update(
+        SLURM_PROCID="0", SLURM_NTASKS="1", MASTER_ADDR="node7", MASTER_PORT="4242",
+        SLURM_JOB_NODELIST="gpu01", SLURM_NTASKS_PER_NODE="8", LOCAL_WORLD_SIZE="3",
+    )  # fmt: skip
     assert du._read_launch_env(None)[:3] == (0, 1, 0)
     assert clean_env["MASTER_ADDR"] == "node7" and clean_env["MASTER_PORT"] == "4242"
+    assert clean_env["LOCAL_WORLD_SIZE"] == "3"
+
+
+def test_slurm_without_a_node_list_uses_localhost(clean_env) -> None:
+    clean_env.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="4")
+    du._read_launch_env(None)
+    assert clean_env["MASTER_ADDR"] == "127.0.0.1"
+    assert clean_env["LOCAL_WORLD_SIZE"] == "4"
 
 
 def test_bad_launcher_variables(clean_env) -> None:

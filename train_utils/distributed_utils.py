@@ -12,8 +12,11 @@ Launchers understood by :func:`init_distributed_mode`, checked in this order:
    ``WORLD_SIZE`` in the environment and the local rank as ``--local_rank``/``--local-rank``
    (``args.local_rank``).
 3. SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_ADDR``
-   defaults to ``SLURM_LAUNCH_NODE_IPADDR`` (else 127.0.0.1) and ``MASTER_PORT`` to a port
-   derived from the job id, unless already set.
+   defaults to the first host of ``SLURM_JOB_NODELIST`` (rank 0's node; not
+   ``SLURM_LAUNCH_NODE_IPADDR``, the host that ran ``srun``, which under ``sbatch``/``salloc``
+   from a login node is another machine), else 127.0.0.1; ``MASTER_PORT`` defaults to a port
+   derived from the job id; ``LOCAL_WORLD_SIZE`` (which SLURM never sets) to the tasks on this
+   node (``SLURM_NTASKS_PER_NODE``/``SLURM_TASKS_PER_NODE``).
 4. nothing of the above: one process, no process group (see :func:`launch_hint`).
 
 Every collective must be entered by all ranks of the group, in the same order; a rank that skips
@@ -35,6 +38,7 @@ import torch.distributed as dist
 
 from build_utils.errors import ConfigError
 from train_utils.devices import cuda_device_count, select_device
+from train_utils.slurm import expand_nodelist, tasks_on_this_node
 
 logger = logging.getLogger(__name__)
 
@@ -147,15 +151,27 @@ def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(world_size)
         os.environ["LOCAL_RANK"] = str(local_rank)
-        os.environ.setdefault(
-            "MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", _DEFAULT_MASTER_ADDR)
-        )
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _slurm_master_addr(os.environ)
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            local_world = tasks_on_this_node(dict(os.environ))
+            if local_world is not None:
+                # Read by the RAM-cache memory check (build_utils.datasets).
+                os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
         if "MASTER_PORT" not in os.environ:
             job_id = os.environ.get("SLURM_JOB_ID", "0")
             offset = int(job_id) % _SLURM_PORT_SPAN if job_id.isdigit() else 0
             os.environ["MASTER_PORT"] = str(_SLURM_PORT_BASE + offset)
         return rank, world_size, local_rank, "SLURM"
     return None
+
+
+def _slurm_master_addr(env: Mapping[str, str]) -> str:
+    """Rank 0's host: SLURM places task 0 on the first node of the job's node list."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodelist:
+        return expand_nodelist(nodelist)[0]
+    return _DEFAULT_MASTER_ADDR
 
 
 def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
