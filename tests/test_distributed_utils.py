@@ -87,6 +87,9 @@ WORKER = textwrap.dedent(
     res["reduce_int"] = du.reduce_dict({"n": torch.tensor(r + 1)})["n"].item()
     res["gather"] = du.all_gather({"rank": r, "items": list(range(r + 1))})
     res["broadcast"] = du.broadcast_object(f"from rank {r}", src=1)
+    rows = torch.arange(3.0 * (r + 1), dtype=torch.float64).reshape(-1, 3) + 100 * r
+    gathered = du.gather_rows_to_main(rows)
+    res["rows"] = None if gathered is None else gathered.tolist()
     res["flag_none"] = du.all_reduce_flag(False)
     res["flag_one"] = du.all_reduce_flag(r == 1)
 
@@ -164,6 +167,9 @@ def _check_collectives(res: list[dict]) -> None:
         assert got["reduce_int"] == 1.5
         assert got["gather"] == [{"rank": 0, "items": [0]}, {"rank": 1, "items": [0, 1]}]
         assert got["broadcast"] == "from rank 1"
+        # Rank 0 alone receives every rank's rows (1 and 2 of them), in rank order.
+        expected_rows = [[0, 1, 2], [100, 101, 102], [103, 104, 105]] if r == 0 else None
+        assert got["rows"] == expected_rows
         assert got["flag_none"] is False
         assert got["flag_one"] is True
         assert got["initialised_after_cleanup"] is False
@@ -328,6 +334,8 @@ def test_helpers_without_group() -> None:
     assert du.reduce_dict(d) == d
     assert du.all_gather({"x": 1}) == [{"x": 1}]
     assert du.broadcast_object("obj") == "obj"
+    rows = torch.ones(2, 7)
+    assert du.gather_rows_to_main(rows) is rows
     assert du.all_reduce_flag(True) is True and du.all_reduce_flag(False) is False
     with du.torch_distributed_zero_first(0):
         pass
@@ -397,3 +405,58 @@ def test_bad_launcher_variables(clean_env) -> None:
     with pytest.raises(ConfigError, match="rank 2 outside world size 2"):
         du.init_distributed_mode(None)
     assert not du.is_dist_avail_and_initialized()
+
+
+FAILURE_WORKER = textwrap.dedent(
+    """
+    import json
+    import sys
+    from pathlib import Path
+
+    from build_utils.errors import CheckpointError
+    from train_utils import distributed_utils as du
+
+    out = Path(sys.argv[1])
+    info = du.init_distributed_mode(None, timeout_s=60)
+    r = info.rank
+    res = {}
+    du.raise_if_any_rank_failed(None, "nothing")  # nobody failed: nobody raises
+    error = CheckpointError("cannot read", "/node1/last.pt") if r == 1 else None
+    try:
+        du.raise_if_any_rank_failed(error, "--resume")
+    except CheckpointError as e:
+        res["error"] = str(e)
+    du.cleanup()
+    (out / f"rank{r}.json").write_text(json.dumps(res))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "failure.py"
+    script.write_text(FAILURE_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(_free_port())
+    envs = []
+    for rank in range(2):
+        env = _base_env()
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            SLURMD_NODENAME=f"node{rank}",
+        )
+        envs.append(env)
+    _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
+    errors = [r["error"] for r in _results(out)]
+    assert errors == ["--resume failed on rank 1 (node1): /node1/last.pt: cannot read"] * 2
+
+
+def test_raise_if_any_rank_failed_without_group() -> None:
+    du.raise_if_any_rank_failed(None, "x")
+    with pytest.raises(ConfigError, match="^bad$"):
+        du.raise_if_any_rank_failed(ConfigError("bad"), "x")

@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -36,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError, DatasetError, YoloError
 from train_utils.devices import cuda_device_count, select_device
 from train_utils.slurm import expand_nodelist, tasks_on_this_node
 
@@ -232,10 +233,12 @@ def _describe_existing_group(args: Any) -> DistInfo:
     """DistInfo for a group someone else (a notebook, a test harness) already set up."""
     backend = dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", _arg_local_rank(args) or 0))
-    if backend == "nccl":
-        device = select_device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    requested = _requested_device(args)
+    if backend == "nccl" and requested.lower() == "cpu":
+        raise ConfigError("--device cpu, but the existing process group uses NCCL (CUDA only)")
+    # select_device also makes the GPU current (torch.cuda.set_device), which whoever created
+    # the group may not have done.
+    device = select_device(requested or ("cuda" if backend == "nccl" else "cpu"), local_rank)
     return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
 
 
@@ -367,6 +370,37 @@ def all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
+def gather_rows_to_main(rows: torch.Tensor) -> torch.Tensor | None:
+    """Rank 0 gets every rank's ``rows`` concatenated in rank order; other ranks get None.
+
+    Args:
+        rows: (n, k) tensor; n may differ by rank, k and dtype may not.
+
+    Tensors, not pickled objects, and only rank 0 receives: evaluation detections for COCO at
+    conf 0.001 are millions of rows, ~1 GB as Python objects on every rank with
+    ``all_gather_object``, tens of MB as a float tensor on one.
+    """
+    world_size = get_world_size()
+    if world_size == 1:
+        return rows
+    device = _collective_device()
+    local = rows.to(device)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor([local.shape[0]], dtype=torch.int64, device=device))
+    sizes = [int(c.item()) for c in counts]
+    # gather needs equal shapes: pad every rank's block to the longest.
+    longest = max(sizes)
+    padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local
+    main = get_rank() == 0
+    blocks = [torch.empty_like(padded) for _ in range(world_size)] if main else None
+    dist.gather(padded, blocks, dst=0)
+    if not main:
+        return None
+    assert blocks is not None
+    return torch.cat([b[:n] for b, n in zip(blocks, sizes, strict=True)]).to(rows.device)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank; ``obj`` itself without a process group."""
     if get_world_size() == 1:
@@ -374,6 +408,33 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def raise_if_any_rank_failed(error: YoloError | None, what: str) -> None:
+    """Raise the same error on every rank when ``error`` is set on any rank.
+
+    For per-rank work whose failure must stop the whole job at once (reading a checkpoint that
+    one node lacks): without it the failing rank exits and the others hang in the next
+    collective until the timeout. The message names the first failing rank and its host.
+    Every rank must call this.
+
+    Raises:
+        YoloError: of the first failing rank's type, on every rank.
+    """
+    if get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    failure = None if error is None else (type(error).__name__, host, str(error))
+    for rank, failed in enumerate(all_gather(failure)):
+        if failed is not None:
+            kind, host, message = failed
+            cls = _ERROR_TYPES.get(kind, YoloError)
+            raise cls(f"{what} failed on rank {rank} ({host}): {message}") from error
+
+
+_ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError)}
 
 
 def all_reduce_flag(flag: bool) -> bool:
