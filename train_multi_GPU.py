@@ -73,11 +73,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             # Every rank must write to the same folder, whatever its clock says.
             config.output_dir = Path(broadcast_object(str(config.output_dir)))
             restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if config.resume is None and restarts > 0 and (config.output_dir / "last.pt").is_file():
-                logger.warning(
-                    "restart %d: resuming from %s", restarts, config.output_dir / "last.pt"
-                )
-                config.resume = "auto"
+            if config.resume is None and restarts > 0:
+                # Rank 0 decides for everyone: on nodes without a shared output folder the
+                # others would otherwise start from epoch 0 while rank 0 resumes.
+                last = config.output_dir / "last.pt"
+                if broadcast_object(last.is_file() if dist.is_main else None):
+                    logger.warning("restart %d: resuming from %s", restarts, last)
+                    config.resume = "auto"
             run(config, dist)
         finally:
             cleanup()
