@@ -247,20 +247,35 @@ def _init_process_group(
 ) -> None:
     # torch's own env:// rendezvous (it knows when torchrun's agent hosts the store) ...
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-    # ... but under torchrun's static rendezvous (--master_port with --max-restarts) the agent
-    # keeps one store across restarts: a restarted rank could read its peer's address from the
-    # failed attempt and gloo's connect fails with "Connection refused". One key space per
-    # attempt keeps every attempt's addresses apart.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # ... but torchrun's agents keep one store across restarts (static rendezvous, and c10d's
+    # shared store): a restarted rank could read its peer's address from the failed attempt
+    # and gloo's connect fails with "Connection refused". One key space per attempt keeps every
+    # attempt's addresses apart.
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"yolo/attempt_{attempt}", store),
+        store=dist.PrefixStore(f"yolo/attempt_{_attempt_key(store, rank, world_size)}", store),
         world_size=world_size,
         rank=rank,
         timeout=timeout,
         # Binding the device lets NCCL connect eagerly and lets barrier() know its GPU.
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def _attempt_key(store: dist.Store, rank: int, world_size: int) -> str:
+    """A name for this launch attempt that every rank of the attempt agrees on.
+
+    One agent (one node): its restart count. Several agents: their restart counts differ (the
+    agent whose worker failed counts a restart, the others only re-rendezvous), so each rank
+    counts its own joins in the shared store instead: in every attempt each rank of a world of
+    this size joins once, so the counts agree.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return attempt
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    joins = store.add(f"yolo/{run}/joins/w{world_size}/r{rank}", 1)
+    return f"w{world_size}_{joins}"
 
 
 def is_dist_avail_and_initialized() -> bool:
