@@ -472,3 +472,59 @@ def test_slurm_two_tasks_train_one_epoch(make_shapes_data, tmp_path):
     assert f"master localhost:{15000 + job_id % 15000}" in logs[0]
     assert "device cpu x 2 process(es)" in logs[0]
     assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0"]
+
+
+def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank(make_shapes_data, tmp_path):
+    """As on a node without the shared output folder: rank 1's --resume path does not exist
+    there. Both ranks stop at once with the same one-line error naming rank 1 (no hang)."""
+    data = make_shapes_data(n_train=8, n_val=4)
+    out = tmp_path / "shared"
+    first = _python("train.py", [*_train_flags(data, out, 1), "--img-size", "64"])
+    assert first.returncode == 0, first.stderr[-3000:]
+    port = str(_free_port())
+    procs = []
+    for rank, resume in enumerate([out / "last.pt", tmp_path / "node1" / "last.pt"]):
+        env = _env()
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK="0",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            CUDA_VISIBLE_DEVICES="",
+            SLURMD_NODENAME=f"node{rank}",
+        )
+        flags = [*_train_flags(data, tmp_path / f"out{rank}", 2), "--img-size", "64"]
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    str(REPO / "train_multi_GPU.py"),
+                    *flags,
+                    "--resume",
+                    str(resume),
+                    "--dist-timeout",
+                    "120",
+                ],
+                cwd=REPO,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+        )
+    try:
+        results = [p.communicate(timeout=100) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    errors = [
+        [line for line in err.splitlines() if line.startswith("error:")] for _, err in results
+    ]
+    assert [p.returncode for p in procs] == [2, 2], results
+    assert errors[0] == errors[1] and len(errors[0]) == 1
+    assert errors[0][0].startswith(
+        "error: --resume failed on rank 1 (node1): --resume: no checkpoint"
+    )
+    assert "needs the output folder on storage every node shares" in errors[0][0]
