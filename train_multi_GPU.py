@@ -24,6 +24,7 @@ from pathlib import Path
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import build_config, get_args_parser
 from train_utils.distributed_utils import (
+    all_reduce_flag,
     broadcast_object,
     cleanup,
     init_distributed_mode,
@@ -58,6 +59,15 @@ def get_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _restarted() -> bool:
+    """Whether torchrun restarted this job, the same answer on every rank.
+
+    Collective. Each node's agent counts only its own workers' failures: after a worker of
+    node 1 failed, node 1's ranks see TORCHELASTIC_RESTART_COUNT=1 and node 0's still 0.
+    """
+    return all_reduce_flag(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = get_parser().parse_args(argv)
     setup_console_logging()
@@ -72,12 +82,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = build_config(args)
             # Every rank must write to the same folder, whatever its clock says.
             config.output_dir = Path(broadcast_object(str(config.output_dir)))
-            restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-            if config.resume is None and restarts > 0 and (config.output_dir / "last.pt").is_file():
-                logger.warning(
-                    "restart %d: resuming from %s", restarts, config.output_dir / "last.pt"
-                )
-                config.resume = "auto"
+            if config.resume is None and _restarted():
+                # Rank 0 decides for everyone: on nodes without a shared output folder the
+                # others would otherwise start from epoch 0 while rank 0 resumes.
+                last = config.output_dir / "last.pt"
+                if broadcast_object(last.is_file() if dist.is_main else None):
+                    logger.warning("restarted by torchrun: resuming from %s", last)
+                    config.resume = "auto"
             run(config, dist)
         finally:
             cleanup()

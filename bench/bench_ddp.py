@@ -11,6 +11,10 @@ Each measurement runs in fresh processes with one thread each (``OMP_NUM_THREADS
 - ``N processes, no all-reduce``: the same inside ``DDP.no_sync()``: the compute-only bound,
   which separates the cost of sharing the machine (memory bandwidth, caches, other processes)
   from the cost of the gradient all-reduce.
+- with ``--accumulate K`` (K > 1) the N-process measurement all-reduces once per K steps, as
+  the trainer does (``no_sync`` on the other micro-batches), and one more measurement
+  all-reduces every micro-batch, as the trainer did before: their ratio is what ``no_sync``
+  saves.
 
 What is measured is the train-step loop (``bench_model.TrainStep``: uint8 -> float, forward,
 fp32 loss, backward with DDP's bucketed all-reduce, SGD, ``zero_grad(set_to_none=True)``) on
@@ -29,6 +33,7 @@ Usage, from the repository root::
     python bench/bench_ddp.py                              # nano cfg, 256 px, batch 16 per rank
     python bench/bench_ddp.py --repeat 3 --json ddp.json
     python bench/bench_ddp.py --cfg cfg/yolov3-spp.cfg --img-size 320 --batch 2 --steps 3
+    python bench/bench_ddp.py --accumulate 4 --steps 8     # gradient accumulation, no_sync gain
 
 Runs alternate (1, N, N no-sync, 1, N, ...) ``--repeat`` times and the best of each counts, so a
 burst of other work on a shared machine hurts one run, not the figure. The paired ratio is also
@@ -82,10 +87,12 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             for k in range(DISTINCT_BATCHES)
         ]
         no_sync = args.no_sync and info.distributed
+        every = args.sync_every_batch
 
         def one(k: int) -> None:
             imgs, targets = batches[k % DISTINCT_BATCHES]
-            if no_sync:
+            skip = no_sync or (not every and (k + 1) % args.accumulate != 0)
+            if skip and info.distributed:
                 with model.no_sync():
                     step(imgs, targets)
             else:
@@ -116,7 +123,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         cleanup()
 
 
-def _launch(args: argparse.Namespace, nproc: int, no_sync: bool, out: Path) -> dict[str, Any]:
+def _launch(args: argparse.Namespace, nproc: int, mode: str, out: Path) -> dict[str, Any]:
     """Run one measurement in fresh processes; returns rank 0's result."""
     worker_args = [
         str(Path(__file__).resolve()),
@@ -135,7 +142,9 @@ def _launch(args: argparse.Namespace, nproc: int, no_sync: bool, out: Path) -> d
         str(args.steps),
         "--format",
         args.format,
-    ] + (["--no-sync"] if no_sync else [])
+        "--accumulate",
+        str(args.accumulate),
+    ] + {"nosync": ["--no-sync"], "every": ["--sync-every-batch"], "step": []}[mode]
     if nproc == 1:
         cmd = [sys.executable, *worker_args]
     else:
@@ -179,6 +188,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json", type=Path, default=None, help="also write results to this file")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--no-sync", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sync-every-batch", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step: all-reduce once per this many steps",
+    )
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
@@ -189,44 +205,49 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.result.write_text(json.dumps(result))
         return 0
 
-    kinds = [(1, False), (args.nproc, False)]
+    # mode: "step" all-reduces once per optimizer step (every --accumulate micro-batches),
+    # "every" at each micro-batch, "nosync" never.
+    kinds = [(1, "step"), (args.nproc, "step")]
+    if args.accumulate > 1:
+        kinds.append((args.nproc, "every"))
     if not args.skip_no_sync:
-        kinds.append((args.nproc, True))
-    best: dict[tuple[int, bool], dict[str, Any]] = {}
+        kinds.append((args.nproc, "nosync"))
+    best: dict[tuple[int, str], dict[str, Any]] = {}
     paired: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):
-            for nproc, no_sync in kinds:
-                r = _launch(args, nproc, no_sync, Path(tmp) / "result.json")
+            for nproc, mode in kinds:
+                r = _launch(args, nproc, mode, Path(tmp) / "result.json")
                 print(
-                    f"run {rep + 1}: {nproc} process(es){' no-sync' if no_sync else ''}: "
-                    f"{r['img_per_s']:.2f} img/s",
+                    f"run {rep + 1}: {nproc} process(es) {mode}: {r['img_per_s']:.2f} img/s",
                     file=sys.stderr,
                 )
-                key = (nproc, no_sync)
+                key = (nproc, mode)
                 if nproc == 1:
                     single_this_rep = r["img_per_s"]
-                elif not no_sync:
+                elif mode == "step":
                     paired.append(r["img_per_s"] / single_this_rep)
                 if key not in best or r["img_per_s"] > best[key]["img_per_s"]:
                     best[key] = r
-    single = best[(1, False)]["img_per_s"]
-    single_cpu = best[(1, False)]["img_per_cpu_s"]
+    single = best[(1, "step")]["img_per_s"]
+    single_cpu = best[(1, "step")]["img_per_cpu_s"]
+    reduce_label = {"step": "per step", "every": "per batch", "nosync": "no"}
     rows = [
         {
             "processes": nproc,
-            "all_reduce": nproc > 1 and not no_sync,
+            "all_reduce": "-" if nproc == 1 else reduce_label[mode],
+            "accumulate": args.accumulate,
             "batch_per_process": args.batch,
-            "img_per_s": round(best[(nproc, no_sync)]["img_per_s"], 3),
-            "img_per_s_per_process": round(best[(nproc, no_sync)]["img_per_s"] / nproc, 3),
-            "vs_1_process": round(best[(nproc, no_sync)]["img_per_s"] / single, 3),
-            "cpu_share": round(best[(nproc, no_sync)]["cpu_share"], 3),
-            "img_per_cpu_s": round(best[(nproc, no_sync)]["img_per_cpu_s"], 3),
+            "img_per_s": round(best[(nproc, mode)]["img_per_s"], 3),
+            "img_per_s_per_process": round(best[(nproc, mode)]["img_per_s"] / nproc, 3),
+            "vs_1_process": round(best[(nproc, mode)]["img_per_s"] / single, 3),
+            "cpu_share": round(best[(nproc, mode)]["cpu_share"], 3),
+            "img_per_cpu_s": round(best[(nproc, mode)]["img_per_cpu_s"], 3),
             "projected_vs_1_process": round(
-                nproc * best[(nproc, no_sync)]["img_per_cpu_s"] / single_cpu, 3
+                nproc * best[(nproc, mode)]["img_per_cpu_s"] / single_cpu, 3
             ),
         }
-        for nproc, no_sync in kinds
+        for nproc, mode in kinds
     ]
     info = {
         **cpu_description(),
@@ -244,16 +265,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"\nDDP scaling, {Path(args.cfg).name} at {args.img_size} px, batch {args.batch} per "
         f"process, {args.format}, 1 thread per process, gloo; {info['cpu']}, "
         f"{info['cpu_count']} CPUs; train step on synthetic data (no data pipeline), "
-        f"best of {args.repeat}"
+        f"best of {args.repeat}, accumulate {args.accumulate}"
     )
     print(
         f"{'processes':>9s} {'all-reduce':>10s} {'img/s':>8s} {'img/s/proc':>10s} "
         f"{'vs 1 proc':>9s} {'CPU share':>9s} {'img/CPU-s':>9s} {'free cores':>10s}"
     )
     for r in rows:
-        reduce = "-" if r["processes"] == 1 else "yes" if r["all_reduce"] else "no"
         print(
-            f"{r['processes']:9d} {reduce:>10s} "
+            f"{r['processes']:9d} {r['all_reduce']:>10s} "
             f"{r['img_per_s']:8.2f} {r['img_per_s_per_process']:10.2f} "
             f"{r['vs_1_process']:8.2f}x {r['cpu_share']:9.0%} {r['img_per_cpu_s']:9.2f} "
             f"{r['projected_vs_1_process']:9.2f}x"
@@ -270,6 +290,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         "took cores. free cores: the ratio projected for idle cores from images per CPU-second "
         f"(processes x img/CPU-s / 1-process img/CPU-s): {rows[1]['projected_vs_1_process']:.2f}x"
     )
+    if args.accumulate > 1:
+        step, every = best[(args.nproc, "step")], best[(args.nproc, "every")]
+        print(
+            f"accumulate {args.accumulate}: all-reduce per optimizer step (no_sync) vs per "
+            f"micro-batch: {step['img_per_s'] / every['img_per_s']:.2f}x img/s, "
+            f"{step['img_per_cpu_s'] / every['img_per_cpu_s']:.2f}x img/CPU-s"
+        )
     if args.json:
         args.json.write_text(
             json.dumps(

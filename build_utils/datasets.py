@@ -115,6 +115,25 @@ def available_memory_bytes() -> int | None:
         return None
 
 
+def check_ram_cache_fits(need: int, images: int, procs: int | None = None) -> None:
+    """Refuse a RAM image cache of ``need`` bytes per process when ``procs`` processes on this
+    node (default: ``LOCAL_WORLD_SIZE``) would hold more than :data:`RAM_CACHE_MAX_FRACTION` of
+    the available memory.
+
+    Raises:
+        DatasetError: it would not fit.
+    """
+    procs = _processes_per_node() if procs is None else procs
+    avail = available_memory_bytes()
+    gb = 1e9
+    if avail is not None and need * procs > RAM_CACHE_MAX_FRACTION * avail:
+        raise DatasetError(
+            f"caching {images} images in RAM needs {need / gb:.1f} GB x {procs} "
+            f"process(es) but only {avail / gb:.1f} GB is available; use "
+            f"cache_images='disk' (--cache-images disk) or no image cache"
+        )
+
+
 def _processes_per_node() -> int:
     # torchrun sets LOCAL_WORLD_SIZE; every process on the node holds its own image cache.
     try:
@@ -289,6 +308,7 @@ class LoadImagesAndLabels(Dataset):
     def _init_mosaic_buffer(self, size: int | None) -> None:
         """An empty mosaic buffer of ``size`` images (None: a default from the batch size);
         off without mosaics and with the RAM cache, which holds every image already."""
+        self._mosaic_buffer_size = size
         if size is None:
             size = min(
                 max(MOSAIC_BUFFER_BATCHES * self.batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX
@@ -343,17 +363,24 @@ class LoadImagesAndLabels(Dataset):
             img = cv2.resize(img, (w, h), interpolation=cv2.INTER_AREA)
         return img
 
-    def _cache_in_ram(self, is_main: bool) -> None:
-        need = sum(w * h * 3 for w, h in map(self._cached_size, range(len(self))))
-        procs = _processes_per_node()
-        avail = available_memory_bytes()
+    def ram_cache_bytes(self) -> int:
+        """Bytes the RAM image cache of this dataset takes in one process."""
+        return sum(w * h * 3 for w, h in map(self._cached_size, range(len(self))))
+
+    def cache_in_ram(self, is_main: bool = True, check_memory: bool = True) -> None:
+        """Fill the RAM image cache now (for a dataset built without one).
+
+        ``check_memory=False`` when the caller already decided it fits (see
+        :func:`check_ram_cache_fits`), e.g. once per node for all its processes.
+        """
+        self._cache_in_ram(is_main, check_memory)
+        self._init_mosaic_buffer(self._mosaic_buffer_size)
+
+    def _cache_in_ram(self, is_main: bool, check_memory: bool = True) -> None:
+        need = self.ram_cache_bytes()
         gb = 1e9
-        if avail is not None and need * procs > RAM_CACHE_MAX_FRACTION * avail:
-            raise DatasetError(
-                f"caching {len(self)} images in RAM needs {need / gb:.1f} GB x {procs} "
-                f"process(es) but only {avail / gb:.1f} GB is available; use "
-                f"cache_images='disk' (--cache-images disk) or no image cache"
-            )
+        if check_memory:
+            check_ram_cache_fits(need, len(self))
         if is_main:
             LOGGER.info("caching %d images in RAM (%.2f GB)", len(self), need / gb)
         with ThreadPoolExecutor(DECODE_THREADS) as pool:

@@ -75,7 +75,9 @@ def test_bench_ddp_reports_the_ratio(tmp_path):
         "--warmup",
         "1",
         "--steps",
-        "1",
+        "2",
+        "--accumulate",
+        "2",
         "--repeat",
         "1",
         "--skip-no-sync",
@@ -83,7 +85,9 @@ def test_bench_ddp_reports_the_ratio(tmp_path):
         str(out),
     )
     result = json.loads(out.read_text())
-    assert [r["processes"] for r in result["results"]] == [1, 2]
+    assert [r["processes"] for r in result["results"]] == [1, 2, 2]
+    assert [r["all_reduce"] for r in result["results"]] == ["-", "per step", "per batch"]
+    assert "accumulate 2: all-reduce per optimizer step (no_sync) vs per micro-batch" in proc.stdout
     assert result["ratio"] > 0
     # One repetition: the paired median is that repetition's own 2-process / 1-process ratio.
     assert len(result["ratios_paired"]) == 1

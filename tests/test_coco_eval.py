@@ -353,3 +353,16 @@ def test_missing_faster_backend_is_a_config_error(dataset, monkeypatch):
     monkeypatch.setattr(coco_eval, "faster_coco_eval_available", lambda: False)
     with pytest.raises(ConfigError, match="requirements-extra.txt"):
         CocoEvaluator(get_coco_api_from_dataset(dataset), backend="faster-coco-eval")
+
+
+def test_coco_rows_round_trip():
+    from train_utils.coco_eval import coco_to_rows, rows_to_coco
+
+    dets = [
+        {"image_id": 3, "category_id": 1, "bbox": [1.25, 2.5, 30.0, 4.125], "score": 0.91234},
+        {"image_id": 12345, "category_id": 79, "bbox": [0.0, 0.1, 0.2, 0.3], "score": 0.00101},
+    ]
+    rows = coco_to_rows(dets)
+    assert rows.shape == (2, 7) and rows.dtype == torch.float64
+    assert rows_to_coco(rows) == dets
+    assert coco_to_rows([]).shape == (0, 7) and rows_to_coco(coco_to_rows([])) == []

@@ -510,9 +510,26 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
         a = plain[i][0]
         assert torch.equal(a, ram[i][0]) and torch.equal(a, disk[i][0])
         assert torch.equal(a, disk2[i][0])
+    # Filled later (as build_train_data does after its once-per-node memory check): the same.
+    later = LoadImagesAndLabels(lst, 96)
+    later.cache_in_ram(check_memory=False)
+    assert later.ram_cache_bytes() == ram.ram_cache_bytes() > 0
+    for i in range(len(plain)):
+        assert torch.equal(plain[i][0], later[i][0])
     monkeypatch.setattr(ds_mod, "available_memory_bytes", lambda: 1000)
     with pytest.raises(DatasetError, match="cache_images='disk'"):
         LoadImagesAndLabels(lst, 96, cache_images="ram")
+
+
+def test_ram_cache_check_counts_the_processes_of_the_node(monkeypatch):
+    monkeypatch.setattr(ds_mod, "available_memory_bytes", lambda: 10_000)
+    ds_mod.check_ram_cache_fits(1500, 5, procs=4)
+    with pytest.raises(DatasetError, match=r"needs 0\.0 GB x 8 process\(es\)"):
+        ds_mod.check_ram_cache_fits(1500, 5, procs=8)
+    # Under SLURM, LOCAL_WORLD_SIZE comes from the tasks per node (distributed_utils).
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(DatasetError, match="x 8 process"):
+        ds_mod.check_ram_cache_fits(1500, 5)
 
 
 # ---------------------------------------------------------------------------------------------

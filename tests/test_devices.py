@@ -81,3 +81,51 @@ def test_select_device_makes_the_gpu_current() -> None:
     last = torch.cuda.device_count() - 1
     assert select_device(str(last)) == cuda(last)
     assert torch.cuda.current_device() == last
+
+
+@pytest.fixture
+def fake_gpus(monkeypatch):
+    """Pretend this process sees ``n`` GPUs; records the devices made current."""
+    from train_utils import devices
+
+    current: list[torch.device] = []
+
+    def install(n: int) -> list[torch.device]:
+        monkeypatch.setattr(devices, "cuda_device_count", lambda: n)
+        monkeypatch.setattr(torch.cuda, "set_device", lambda d: current.append(torch.device(d)))
+        return current
+
+    return install
+
+
+@pytest.mark.parametrize(("spec", "expected"), [("cuda:1", cuda(1)), ("1", cuda(1)), ("", cuda(0))])
+def test_select_device_makes_the_chosen_gpu_current(fake_gpus, spec, expected) -> None:
+    """train.py --device cuda:1 / --device 1: pinned memory and the CUDA context follow."""
+    current = fake_gpus(2)
+    assert select_device(spec) == expected
+    assert current == [expected]
+
+
+def test_one_visible_gpu_per_task_is_used_by_every_local_rank(fake_gpus, caplog) -> None:
+    """SLURM --gpus-per-task=1: local rank 3 sees one GPU, its own, as cuda:0."""
+    current = fake_gpus(1)
+    assert select_device("", local_rank=3) == cuda(0)
+    assert current == [cuda(0)]
+    with caplog.at_level("WARNING"):
+        assert select_device("cuda:1", local_rank=3) == cuda(0)
+    assert "CUDA_VISIBLE_DEVICES" in caplog.text
+
+
+def test_an_existing_nccl_group_still_sets_the_device(fake_gpus, monkeypatch) -> None:
+    from train_utils import distributed_utils as du
+
+    current = fake_gpus(4)
+    monkeypatch.setattr(du.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(du, "get_rank", lambda: 2)
+    monkeypatch.setattr(du, "get_world_size", lambda: 4)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    info = du._describe_existing_group(None)
+    assert (info.rank, info.local_rank, info.device, info.backend) == (2, 2, cuda(2), "nccl")
+    assert current == [cuda(2)]
+    with pytest.raises(ConfigError, match="uses NCCL"):
+        du._describe_existing_group(type("Args", (), {"device": "cpu", "local_rank": -1})())

@@ -34,6 +34,12 @@ _LAUNCH_VARS = (
     "SLURM_LOCALID",
     "SLURM_JOB_ID",
     "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_JOB_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_NODEID",
+    "LOCAL_WORLD_SIZE",
 )
 
 WORKER = textwrap.dedent(
@@ -81,6 +87,9 @@ WORKER = textwrap.dedent(
     res["reduce_int"] = du.reduce_dict({"n": torch.tensor(r + 1)})["n"].item()
     res["gather"] = du.all_gather({"rank": r, "items": list(range(r + 1))})
     res["broadcast"] = du.broadcast_object(f"from rank {r}", src=1)
+    rows = torch.arange(3.0 * (r + 1), dtype=torch.float64).reshape(-1, 3) + 100 * r
+    gathered = du.gather_rows_to_main(rows)
+    res["rows"] = None if gathered is None else gathered.tolist()
     res["flag_none"] = du.all_reduce_flag(False)
     res["flag_one"] = du.all_reduce_flag(r == 1)
 
@@ -158,6 +167,9 @@ def _check_collectives(res: list[dict]) -> None:
         assert got["reduce_int"] == 1.5
         assert got["gather"] == [{"rank": 0, "items": [0]}, {"rank": 1, "items": [0, 1]}]
         assert got["broadcast"] == "from rank 1"
+        # Rank 0 alone receives every rank's rows (1 and 2 of them), in rank order.
+        expected_rows = [[0, 1, 2], [100, 101, 102], [103, 104, 105]] if r == 0 else None
+        assert got["rows"] == expected_rows
         assert got["flag_none"] is False
         assert got["flag_one"] is True
         assert got["initialised_after_cleanup"] is False
@@ -194,7 +206,7 @@ def test_slurm_variables(tmp_path: Path) -> None:
             SLURM_PROCID=str(rank),
             SLURM_NTASKS="2",
             SLURM_LOCALID=str(rank),
-            SLURM_LAUNCH_NODE_IPADDR="127.0.0.1",
+            SLURM_JOB_NODELIST="localhost",
             MASTER_PORT=port,
         )
         envs.append(env)
@@ -202,8 +214,8 @@ def test_slurm_variables(tmp_path: Path) -> None:
     res = _results(out)
     _check_collectives(res)
     assert [r["local_rank"] for r in res] == [0, 1]
-    # MASTER_ADDR came from SLURM_LAUNCH_NODE_IPADDR; RANK was exported for env:// init.
-    assert [r["master_addr"] for r in res] == ["127.0.0.1"] * 2
+    # MASTER_ADDR came from SLURM_JOB_NODELIST; RANK was exported for env:// init.
+    assert [r["master_addr"] for r in res] == ["localhost"] * 2
     assert [r["env_rank"] for r in res] == ["0", "1"]
 
 
@@ -322,6 +334,8 @@ def test_helpers_without_group() -> None:
     assert du.reduce_dict(d) == d
     assert du.all_gather({"x": 1}) == [{"x": 1}]
     assert du.broadcast_object("obj") == "obj"
+    rows = torch.ones(2, 7)
+    assert du.gather_rows_to_main(rows) is rows
     assert du.all_reduce_flag(True) is True and du.all_reduce_flag(False) is False
     with du.torch_distributed_zero_first(0):
         pass
@@ -353,20 +367,34 @@ def test_launch_hint() -> None:
 def test_slurm_env_exported(clean_env) -> None:
     clean_env.update(
         SLURM_PROCID="3", SLURM_NTASKS="4", SLURM_LOCALID="1", SLURM_JOB_ID="123",
-        SLURM_LAUNCH_NODE_IPADDR="10.1.2.3",
+        SLURM_LAUNCH_NODE_IPADDR="10.1.2.3", SLURM_JOB_NODELIST="gpu[07-08]",
+        SLURM_TASKS_PER_NODE="2(x2)", SLURM_NODEID="1",
     )  # fmt: skip
     rank, world, local, launcher = du._read_launch_env(None)
     assert (rank, world, local, launcher) == (3, 4, 1, "SLURM")
     assert clean_env["RANK"] == "3" and clean_env["WORLD_SIZE"] == "4"
     assert clean_env["LOCAL_RANK"] == "1"
-    assert clean_env["MASTER_ADDR"] == "10.1.2.3"
+    # Rank 0's node, not the login node that ran sbatch/srun.
+    assert clean_env["MASTER_ADDR"] == "gpu07"
+    assert clean_env["LOCAL_WORLD_SIZE"] == "2"
     assert clean_env["MASTER_PORT"] == str(15000 + 123)
 
 
 def test_slurm_keeps_given_master(clean_env) -> None:
-    clean_env.update(SLURM_PROCID="0", SLURM_NTASKS="1", MASTER_ADDR="node7", MASTER_PORT="4242")
+    clean_env.update(
+        SLURM_PROCID="0", SLURM_NTASKS="1", MASTER_ADDR="node7", MASTER_PORT="4242",
+        SLURM_JOB_NODELIST="gpu01", SLURM_NTASKS_PER_NODE="8", LOCAL_WORLD_SIZE="3",
+    )  # fmt: skip
     assert du._read_launch_env(None)[:3] == (0, 1, 0)
     assert clean_env["MASTER_ADDR"] == "node7" and clean_env["MASTER_PORT"] == "4242"
+    assert clean_env["LOCAL_WORLD_SIZE"] == "3"
+
+
+def test_slurm_without_a_node_list_uses_localhost(clean_env) -> None:
+    clean_env.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="4")
+    du._read_launch_env(None)
+    assert clean_env["MASTER_ADDR"] == "127.0.0.1"
+    assert clean_env["LOCAL_WORLD_SIZE"] == "4"
 
 
 def test_bad_launcher_variables(clean_env) -> None:
@@ -377,3 +405,58 @@ def test_bad_launcher_variables(clean_env) -> None:
     with pytest.raises(ConfigError, match="rank 2 outside world size 2"):
         du.init_distributed_mode(None)
     assert not du.is_dist_avail_and_initialized()
+
+
+FAILURE_WORKER = textwrap.dedent(
+    """
+    import json
+    import sys
+    from pathlib import Path
+
+    from build_utils.errors import CheckpointError
+    from train_utils import distributed_utils as du
+
+    out = Path(sys.argv[1])
+    info = du.init_distributed_mode(None, timeout_s=60)
+    r = info.rank
+    res = {}
+    du.raise_if_any_rank_failed(None, "nothing")  # nobody failed: nobody raises
+    error = CheckpointError("cannot read", "/node1/last.pt") if r == 1 else None
+    try:
+        du.raise_if_any_rank_failed(error, "--resume")
+    except CheckpointError as e:
+        res["error"] = str(e)
+    du.cleanup()
+    (out / f"rank{r}.json").write_text(json.dumps(res))
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(tmp_path: Path) -> None:
+    script = tmp_path / "failure.py"
+    script.write_text(FAILURE_WORKER)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = str(_free_port())
+    envs = []
+    for rank in range(2):
+        env = _base_env()
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+            SLURMD_NODENAME=f"node{rank}",
+        )
+        envs.append(env)
+    _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
+    errors = [r["error"] for r in _results(out)]
+    assert errors == ["--resume failed on rank 1 (node1): /node1/last.pt: cannot read"] * 2
+
+
+def test_raise_if_any_rank_failed_without_group() -> None:
+    du.raise_if_any_rank_failed(None, "x")
+    with pytest.raises(ConfigError, match="^bad$"):
+        du.raise_if_any_rank_failed(ConfigError("bad"), "x")

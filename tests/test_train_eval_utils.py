@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
+from build_utils.errors import ConfigError
 from train_utils import train_eval_utils
-from train_utils.train_eval_utils import autocast_context
+from train_utils.train_eval_utils import autocast_context, resolve_amp
 
 CPU = torch.device("cpu")
 
@@ -35,3 +37,66 @@ def test_cpu_amp_falls_back_to_fp32_with_a_warning_without_native_bf16(monkeypat
         assert _forward_dtype(True) == torch.float32
     warnings = [r for r in caplog.records if "no native bf16" in r.getMessage()]
     assert len(warnings) == 1  # once per process, not per step
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("mode", "device", "cuda_bf16", "expected"),
+    [
+        # CPU stays as it was: off by default, bf16 with --amp.
+        ("auto", CPU, None, None),
+        ("off", CPU, None, None),
+        (False, CPU, None, None),
+        ("on", CPU, None, torch.bfloat16),
+        (True, CPU, None, torch.bfloat16),
+        ("bf16", CPU, None, torch.bfloat16),
+        # CUDA: on by default, bf16 where the GPU has it (no GradScaler), else fp16.
+        ("auto", CUDA, True, torch.bfloat16),
+        ("auto", CUDA, False, torch.float16),
+        ("on", CUDA, False, torch.float16),
+        ("fp16", CUDA, True, torch.float16),
+        ("bf16", CUDA, True, torch.bfloat16),
+        ("off", CUDA, True, None),
+    ],
+)
+def test_resolve_amp(mode, device, cuda_bf16, expected):
+    assert resolve_amp(mode, device, cuda_bf16) == expected
+
+
+def test_resolve_amp_refuses_what_the_device_cannot_do():
+    with pytest.raises(ConfigError, match="--amp fp16 needs CUDA"):
+        resolve_amp("fp16", CPU)
+    with pytest.raises(ConfigError, match="no bf16 support; use --amp fp16 or off"):
+        resolve_amp("bf16", CUDA, cuda_bf16=False)
+
+
+def test_amp_flag_values():
+    from train_utils.config import get_args_parser
+
+    parser = get_args_parser()
+    assert parser.parse_args([]).amp == "auto"
+    assert parser.parse_args(["--amp"]).amp == "on"
+    assert parser.parse_args(["--amp", "fp16"]).amp == "fp16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--amp", "False"])
+
+
+def test_autocast_to_a_given_dtype(monkeypatch):
+    monkeypatch.setattr(train_eval_utils, "cpu_bf16_is_fast", lambda: True)
+    conv = torch.nn.Conv2d(3, 4, 1)
+    with autocast_context(CPU, torch.bfloat16):
+        assert conv(torch.zeros(1, 3, 2, 2)).dtype == torch.bfloat16
+    with autocast_context(CPU, None):
+        assert conv(torch.zeros(1, 3, 2, 2)).dtype == torch.float32
+
+
+def test_sync_batchnorm_only_on_cuda_without_compile():
+    from train_utils.trainer import use_sync_batchnorm
+
+    assert use_sync_batchnorm(CUDA, False) == (True, "")
+    sync, why = use_sync_batchnorm(CUDA, True)
+    assert not sync and "pytorch#161302" in why and "--batch-size >= 8 per GPU" in why
+    sync, why = use_sync_batchnorm(CPU, False)
+    assert not sync and "CUDA modules only" in why

@@ -10,13 +10,17 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
-from build_utils.errors import ConfigError, DatasetError
+from build_utils.datasets import LoadImagesAndLabels, check_ram_cache_fits, worker_init_fn
+from build_utils.errors import ConfigError, DatasetError, YoloError
 from build_utils.parse_config import Block, parse_model_cfg, rewrite_cfg_classes
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
 from train_utils.coco_utils import get_coco_api_from_dataset
 from train_utils.config import TrainConfig
-from train_utils.distributed_utils import DistInfo, torch_distributed_zero_first
+from train_utils.distributed_utils import (
+    DistInfo,
+    raise_if_any_rank_failed,
+    torch_distributed_zero_first,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -75,8 +79,12 @@ def make_eval_loader(
     rank: int,
     workers: int,
     pin_memory: bool,
+    persistent: bool = False,
 ) -> DataLoader:
-    """This rank's disjoint share of whole rect batches (no padding duplicates)."""
+    """This rank's disjoint share of whole rect batches (no padding duplicates).
+
+    ``persistent`` keeps the worker processes between passes (training evaluates every epoch;
+    evaluation draws no random numbers, so reusing workers changes no result)."""
     sampler = ShardedEvalBatchSampler(
         getattr(dataset, "batch", None), len(dataset), batch_size, world_size, rank
     )
@@ -87,6 +95,7 @@ def make_eval_loader(
         pin_memory=pin_memory,
         collate_fn=LoadImagesAndLabels.collate_fn,
         worker_init_fn=worker_init_fn if workers else None,
+        persistent_workers=persistent and workers > 0,
     )
 
 
@@ -104,37 +113,53 @@ class TrainData:
 
 
 def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -> TrainData:
-    """Datasets (label caches built by rank 0 first, then read by the others), this rank's
-    batch samplers and loaders, and rank 0's COCO ground truth."""
+    """Datasets, this rank's batch samplers and loaders, and rank 0's COCO ground truth.
+
+    Label (and ``.npy`` image) caches are built by each node's local rank 0 first, then read by
+    the node's other ranks: nodes without shared storage each build their own, and with shared
+    storage the atomic writes make concurrent builders harmless. A RAM image cache is filled by
+    all ranks at once, after one shared decision that it fits (:func:`_cache_in_ram`). A rank
+    that cannot load the data stops every rank with its error.
+    """
     data = config.data
-    with torch_distributed_zero_first(dist.rank):
-        train_set = LoadImagesAndLabels(
-            str(data.train),
-            config.img_size,
-            config.batch_size,
-            augment=True,
-            hyp=hyp,
-            rect=config.rect,
-            cache_images=config.cache_images,
-            single_cls=config.single_cls,
-            rank=dist.rank,
-            nc=data.nc,
-        )
-        val_set = make_eval_dataset(
-            data.valid,
-            config.img_size,
-            config.batch_size,
-            data.nc,
-            config.single_cls,
-            dist.rank,
-            config.cache_images,
-            hyp,
-        )
-        coco_gt = None
-        if dist.is_main:
-            coco_gt = get_coco_api_from_dataset(
-                val_set, cache_dir=config.output_dir, num_classes=data.nc
+    ram = config.cache_images == "ram"
+    build_cache = None if ram else config.cache_images
+    error, train_set, val_set = None, None, None
+    with torch_distributed_zero_first(dist.local_rank):
+        try:
+            train_set = LoadImagesAndLabels(
+                str(data.train),
+                config.img_size,
+                config.batch_size,
+                augment=True,
+                hyp=hyp,
+                rect=config.rect,
+                cache_images=build_cache,
+                single_cls=config.single_cls,
+                rank=dist.rank,
+                nc=data.nc,
             )
+            val_set = make_eval_dataset(
+                data.valid,
+                config.img_size,
+                config.batch_size,
+                data.nc,
+                config.single_cls,
+                dist.rank,
+                build_cache,
+                hyp,
+            )
+        except YoloError as e:
+            error = e
+    raise_if_any_rank_failed(error, "loading the data")
+    assert train_set is not None and val_set is not None
+    if ram:
+        _cache_in_ram([train_set, val_set], dist)
+    coco_gt = None
+    if dist.is_main:
+        coco_gt = get_coco_api_from_dataset(
+            val_set, cache_dir=config.output_dir, num_classes=data.nc
+        )
     sampler = DistributedBatchSampler(
         len(train_set),
         config.batch_size,
@@ -161,6 +186,25 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
             f"--batch-size"
         )
     val_loader = make_eval_loader(
-        val_set, config.batch_size, dist.world_size, dist.rank, config.workers, pin
+        val_set, config.batch_size, dist.world_size, dist.rank, config.workers, pin, persistent=True
     )
     return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))
+
+
+def _cache_in_ram(datasets: list[LoadImagesAndLabels], dist: DistInfo) -> None:
+    """Fill the RAM image caches of ``datasets`` on every rank at once.
+
+    Whether they fit is decided once per node, by its local rank 0 before anyone caches (a rank
+    checking after its peers filled theirs would see less memory and refuse alone), counting
+    every process of the node; if any node refuses, every rank stops with that node's error.
+    """
+    need = sum(ds.ram_cache_bytes() for ds in datasets)
+    error = None
+    if dist.local_rank == 0:
+        try:
+            check_ram_cache_fits(need, sum(len(ds) for ds in datasets))
+        except DatasetError as e:
+            error = e
+    raise_if_any_rank_failed(error, "--cache-images ram")
+    for ds in datasets:
+        ds.cache_in_ram(is_main=dist.is_main, check_memory=False)

@@ -46,6 +46,28 @@ BBOX_DECIMALS = 3
 SCORE_DECIMALS = 5
 
 
+def coco_to_rows(detections: Sequence[dict[str, Any]]) -> torch.Tensor:
+    """COCO detection dicts -> (n, 7) float64 rows: image_id, category_id, x, y, w, h, score.
+
+    float64 holds the ids and the rounded values exactly, so :func:`rows_to_coco` gives back the
+    same dicts; a tensor is what collectives move cheaply (no pickling).
+    """
+    if not detections:
+        return torch.zeros((0, 7), dtype=torch.float64)
+    return torch.tensor(
+        [[d["image_id"], d["category_id"], *d["bbox"], d["score"]] for d in detections],
+        dtype=torch.float64,
+    )
+
+
+def rows_to_coco(rows: torch.Tensor) -> list[dict[str, Any]]:
+    """Inverse of :func:`coco_to_rows`."""
+    return [
+        {"image_id": int(r[0]), "category_id": int(r[1]), "bbox": r[2:6], "score": r[6]}
+        for r in rows.tolist()
+    ]
+
+
 def detections_to_coco(
     outputs: Sequence[torch.Tensor], image_ids: Sequence[int]
 ) -> list[dict[str, Any]]:

@@ -25,6 +25,8 @@ from models.darknet import FREEZE_MODES
 from train_utils.optim import OPTIMIZER_CHOICES
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
+# --amp values; resolved per device by train_eval_utils.resolve_amp.
+AMP_CHOICES = ("auto", "on", "fp16", "bf16", "off")
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
 DEFAULT_EVAL_CONF = 0.001
 DEFAULT_EVAL_IOU = 0.6
@@ -224,9 +226,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--amp",
-        action="store_true",
-        help="mixed precision: fp16 + GradScaler on CUDA, bf16 autocast on CPU "
-        "(fp32 on CPUs without native bf16 kernels)",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=AMP_CHOICES,
+        help="mixed precision. auto: on for CUDA (bf16 where the GPU has it, else fp16 with a "
+        "GradScaler), off on CPU; --amp alone: also bf16 autocast on CPU (fp32 on CPUs without "
+        "native bf16 kernels); fp16, bf16 or off to choose",
     )
     p.add_argument(
         "--ema",
@@ -312,7 +318,7 @@ class TrainConfig:
     seed: int
     single_cls: bool
     freeze_layers: str
-    amp: bool
+    amp: str
     ema: bool
     optimizer: str
     nbs: int

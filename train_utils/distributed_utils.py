@@ -12,8 +12,11 @@ Launchers understood by :func:`init_distributed_mode`, checked in this order:
    ``WORLD_SIZE`` in the environment and the local rank as ``--local_rank``/``--local-rank``
    (``args.local_rank``).
 3. SLURM (``srun``): ``SLURM_PROCID``, ``SLURM_NTASKS``, ``SLURM_LOCALID``; ``MASTER_ADDR``
-   defaults to ``SLURM_LAUNCH_NODE_IPADDR`` (else 127.0.0.1) and ``MASTER_PORT`` to a port
-   derived from the job id, unless already set.
+   defaults to the first host of ``SLURM_JOB_NODELIST`` (rank 0's node; not
+   ``SLURM_LAUNCH_NODE_IPADDR``, the host that ran ``srun``, which under ``sbatch``/``salloc``
+   from a login node is another machine), else 127.0.0.1; ``MASTER_PORT`` defaults to a port
+   derived from the job id; ``LOCAL_WORLD_SIZE`` (which SLURM never sets) to the tasks on this
+   node (``SLURM_NTASKS_PER_NODE``/``SLURM_TASKS_PER_NODE``).
 4. nothing of the above: one process, no process group (see :func:`launch_hint`).
 
 Every collective must be entered by all ranks of the group, in the same order; a rank that skips
@@ -25,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import socket
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
@@ -33,8 +37,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError, DatasetError, YoloError
 from train_utils.devices import cuda_device_count, select_device
+from train_utils.slurm import expand_nodelist, tasks_on_this_node
 
 logger = logging.getLogger(__name__)
 
@@ -147,15 +152,27 @@ def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
         os.environ["RANK"] = str(rank)
         os.environ["WORLD_SIZE"] = str(world_size)
         os.environ["LOCAL_RANK"] = str(local_rank)
-        os.environ.setdefault(
-            "MASTER_ADDR", os.environ.get("SLURM_LAUNCH_NODE_IPADDR", _DEFAULT_MASTER_ADDR)
-        )
+        if "MASTER_ADDR" not in os.environ:
+            os.environ["MASTER_ADDR"] = _slurm_master_addr(os.environ)
+        if "LOCAL_WORLD_SIZE" not in os.environ:
+            local_world = tasks_on_this_node(dict(os.environ))
+            if local_world is not None:
+                # Read by the RAM-cache memory check (build_utils.datasets).
+                os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
         if "MASTER_PORT" not in os.environ:
             job_id = os.environ.get("SLURM_JOB_ID", "0")
             offset = int(job_id) % _SLURM_PORT_SPAN if job_id.isdigit() else 0
             os.environ["MASTER_PORT"] = str(_SLURM_PORT_BASE + offset)
         return rank, world_size, local_rank, "SLURM"
     return None
+
+
+def _slurm_master_addr(env: Mapping[str, str]) -> str:
+    """Rank 0's host: SLURM places task 0 on the first node of the job's node list."""
+    nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+    if nodelist:
+        return expand_nodelist(nodelist)[0]
+    return _DEFAULT_MASTER_ADDR
 
 
 def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S) -> DistInfo:
@@ -216,10 +233,12 @@ def _describe_existing_group(args: Any) -> DistInfo:
     """DistInfo for a group someone else (a notebook, a test harness) already set up."""
     backend = dist.get_backend()
     local_rank = int(os.environ.get("LOCAL_RANK", _arg_local_rank(args) or 0))
-    if backend == "nccl":
-        device = select_device("cuda", local_rank)
-    else:
-        device = torch.device("cpu")
+    requested = _requested_device(args)
+    if backend == "nccl" and requested.lower() == "cpu":
+        raise ConfigError("--device cpu, but the existing process group uses NCCL (CUDA only)")
+    # select_device also makes the GPU current (torch.cuda.set_device), which whoever created
+    # the group may not have done.
+    device = select_device(requested or ("cuda" if backend == "nccl" else "cpu"), local_rank)
     return DistInfo(get_rank(), get_world_size(), local_rank, device, backend)
 
 
@@ -228,20 +247,35 @@ def _init_process_group(
 ) -> None:
     # torch's own env:// rendezvous (it knows when torchrun's agent hosts the store) ...
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-    # ... but under torchrun's static rendezvous (--master_port with --max-restarts) the agent
-    # keeps one store across restarts: a restarted rank could read its peer's address from the
-    # failed attempt and gloo's connect fails with "Connection refused". One key space per
-    # attempt keeps every attempt's addresses apart.
-    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    # ... but torchrun's agents keep one store across restarts (static rendezvous, and c10d's
+    # shared store): a restarted rank could read its peer's address from the failed attempt
+    # and gloo's connect fails with "Connection refused". One key space per attempt keeps every
+    # attempt's addresses apart.
     dist.init_process_group(
         backend,
-        store=dist.PrefixStore(f"yolo/attempt_{attempt}", store),
+        store=dist.PrefixStore(f"yolo/attempt_{_attempt_key(store, rank, world_size)}", store),
         world_size=world_size,
         rank=rank,
         timeout=timeout,
         # Binding the device lets NCCL connect eagerly and lets barrier() know its GPU.
         device_id=device if device.type == "cuda" else None,
     )
+
+
+def _attempt_key(store: dist.Store, rank: int, world_size: int) -> str:
+    """A name for this launch attempt that every rank of the attempt agrees on.
+
+    One agent (one node): its restart count. Several agents: their restart counts differ (the
+    agent whose worker failed counts a restart, the others only re-rendezvous), so each rank
+    counts its own joins in the shared store instead: in every attempt each rank of a world of
+    this size joins once, so the counts agree.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if int(os.environ.get("GROUP_WORLD_SIZE", "1")) <= 1:
+        return attempt
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    joins = store.add(f"yolo/{run}/joins/w{world_size}/r{rank}", 1)
+    return f"w{world_size}_{joins}"
 
 
 def is_dist_avail_and_initialized() -> bool:
@@ -351,6 +385,37 @@ def all_gather(obj: Any) -> list[Any]:
     return gathered
 
 
+def gather_rows_to_main(rows: torch.Tensor) -> torch.Tensor | None:
+    """Rank 0 gets every rank's ``rows`` concatenated in rank order; other ranks get None.
+
+    Args:
+        rows: (n, k) tensor; n may differ by rank, k and dtype may not.
+
+    Tensors, not pickled objects, and only rank 0 receives: evaluation detections for COCO at
+    conf 0.001 are millions of rows, ~1 GB as Python objects on every rank with
+    ``all_gather_object``, tens of MB as a float tensor on one.
+    """
+    world_size = get_world_size()
+    if world_size == 1:
+        return rows
+    device = _collective_device()
+    local = rows.to(device)
+    counts = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world_size)]
+    dist.all_gather(counts, torch.tensor([local.shape[0]], dtype=torch.int64, device=device))
+    sizes = [int(c.item()) for c in counts]
+    # gather needs equal shapes: pad every rank's block to the longest.
+    longest = max(sizes)
+    padded = torch.zeros((longest, *local.shape[1:]), dtype=local.dtype, device=device)
+    padded[: local.shape[0]] = local
+    main = get_rank() == 0
+    blocks = [torch.empty_like(padded) for _ in range(world_size)] if main else None
+    dist.gather(padded, blocks, dst=0)
+    if not main:
+        return None
+    assert blocks is not None
+    return torch.cat([b[:n] for b, n in zip(blocks, sizes, strict=True)]).to(rows.device)
+
+
 def broadcast_object(obj: Any, src: int = 0) -> Any:
     """Rank ``src``'s picklable ``obj`` on every rank; ``obj`` itself without a process group."""
     if get_world_size() == 1:
@@ -358,6 +423,33 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def raise_if_any_rank_failed(error: YoloError | None, what: str) -> None:
+    """Raise the same error on every rank when ``error`` is set on any rank.
+
+    For per-rank work whose failure must stop the whole job at once (reading a checkpoint that
+    one node lacks): without it the failing rank exits and the others hang in the next
+    collective until the timeout. The message names the first failing rank and its host.
+    Every rank must call this.
+
+    Raises:
+        YoloError: of the first failing rank's type, on every rank.
+    """
+    if get_world_size() == 1:
+        if error is not None:
+            raise error
+        return
+    host = os.environ.get("SLURMD_NODENAME") or socket.gethostname()
+    failure = None if error is None else (type(error).__name__, host, str(error))
+    for rank, failed in enumerate(all_gather(failure)):
+        if failed is not None:
+            kind, host, message = failed
+            cls = _ERROR_TYPES.get(kind, YoloError)
+            raise cls(f"{what} failed on rank {rank} ({host}): {message}") from error
+
+
+_ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError)}
 
 
 def all_reduce_flag(flag: bool) -> bool:

@@ -15,12 +15,13 @@ OPTIMIZER_CHOICES = ("sgd", "adam")
 
 
 def build_optimizer(
-    model: nn.Module, hyp: Mapping[str, Any], lr0: float, kind: str = "sgd"
+    model: nn.Module, hyp: Mapping[str, Any], lr0: float, kind: str = "sgd", fused: bool = False
 ) -> torch.optim.Optimizer:
     """Nesterov SGD (or Adam) with three named groups; BN weights and biases get no weight decay.
 
     Only parameters with ``requires_grad`` are included (freeze the model first). The group
-    names let the warm-up treat biases apart (``warmup_bias_lr``).
+    names let the warm-up treat biases apart (``warmup_bias_lr``). ``fused`` (CUDA parameters
+    only) selects the fused implementation, whose step GradScaler drives without a host sync.
     """
     bn_weights, conv_weights, biases = [], [], []
     for module in model.modules():
@@ -40,10 +41,14 @@ def build_optimizer(
     ]
     groups = [g for g in groups if g["params"]]
     if kind == "adam":
-        return torch.optim.Adam(groups, lr=lr0, betas=(hyp["momentum"], 0.999))
+        return torch.optim.Adam(
+            groups, lr=lr0, betas=(hyp["momentum"], 0.999), fused=True if fused else None
+        )
     if kind != "sgd":
         raise ConfigError(f"unknown --optimizer {kind!r}; use {' or '.join(OPTIMIZER_CHOICES)}")
-    return torch.optim.SGD(groups, lr=lr0, momentum=hyp["momentum"], nesterov=True)
+    return torch.optim.SGD(
+        groups, lr=lr0, momentum=hyp["momentum"], nesterov=True, fused=True if fused else None
+    )
 
 
 def cosine_lambda(epochs: int, lrf: float) -> Callable[[int], float]:

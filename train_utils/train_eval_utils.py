@@ -1,8 +1,8 @@
 """One training epoch and one evaluation pass. No file I/O and no rank checks live here: the
 caller (``trainer.run``) decides who logs, writes and scores.
 
-Collectives used here (``reduce_dict``, ``all_gather``, ``all_reduce_flag``) are no-ops without a
-process group, so the same code serves one process and DDP.
+Collectives used here (``reduce_dict``, ``gather_rows_to_main``, ``all_reduce_flag``) are
+no-ops without a process group, so the same code serves one process and DDP.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import logging
 import math
-import random
 from collections.abc import Iterable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -24,10 +23,10 @@ from tqdm import tqdm
 
 from build_utils.augmentations import GRID
 from build_utils.boxes import non_max_suppression, scale_coords
-from build_utils.errors import YoloError
+from build_utils.errors import ConfigError, YoloError
 from models.loss import compute_loss
-from train_utils.coco_eval import CocoEvaluator, detections_to_coco
-from train_utils.distributed_utils import all_gather, all_reduce_flag, reduce_dict
+from train_utils.coco_eval import CocoEvaluator, coco_to_rows, detections_to_coco, rows_to_coco
+from train_utils.distributed_utils import all_reduce_flag, gather_rows_to_main, reduce_dict
 from train_utils.ema import ModelEMA
 
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration
@@ -79,15 +78,52 @@ def _warn_slow_cpu_bf16() -> None:
     )
 
 
-def autocast_context(device: torch.device, amp: bool) -> Any:
-    """bf16 autocast on CPU, fp16 on CUDA (with a GradScaler); a no-op without amp, and on a
-    CPU without native bf16 kernels (with a warning, once): see :func:`cpu_bf16_is_fast`."""
-    if not amp:
+def resolve_amp(
+    mode: str | bool, device: torch.device, cuda_bf16: bool | None = None
+) -> torch.dtype | None:
+    """The autocast dtype for ``--amp mode`` on ``device``, or None for full precision.
+
+    ``auto`` (the default) is on for CUDA, as users of this lineage expect on a GPU (bf16 where
+    the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise), and
+    off on CPU, where it would change the numbers (and is slow without native bf16). ``on``
+    (``--amp`` alone) is ``auto`` plus bf16 on CPU; ``fp16``/``bf16`` force a type; ``off``
+    (or False) is full precision. ``cuda_bf16`` defaults to asking this machine's GPU.
+
+    Raises:
+        ConfigError: a type the device cannot autocast to.
+    """
+    if isinstance(mode, bool):
+        mode = "on" if mode else "off"
+    if mode == "off":
+        return None
+    if device.type == "cuda":
+        if cuda_bf16 is None:
+            cuda_bf16 = torch.cuda.is_bf16_supported()
+        if mode == "bf16" and not cuda_bf16:
+            raise ConfigError("--amp bf16: this GPU has no bf16 support; use --amp fp16 or off")
+        if mode in ("auto", "on"):
+            return torch.bfloat16 if cuda_bf16 else torch.float16
+        return torch.bfloat16 if mode == "bf16" else torch.float16
+    if mode == "auto":
+        return None
+    if mode == "fp16":
+        raise ConfigError("--amp fp16 needs CUDA; on the CPU use --amp bf16 (or --amp) or off")
+    return torch.bfloat16
+
+
+def autocast_context(device: torch.device, amp: bool | torch.dtype | None) -> Any:
+    """Autocast to ``amp`` (a dtype from :func:`resolve_amp`; True means fp16 on CUDA, bf16 on
+    CPU); a no-op without amp, and on a CPU without native bf16 kernels (with a warning, once):
+    see :func:`cpu_bf16_is_fast`."""
+    if amp is None or amp is False:
         return nullcontext()
     if device.type == "cpu" and not cpu_bf16_is_fast():
         _warn_slow_cpu_bf16()
         return nullcontext()
-    dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
+    if isinstance(amp, torch.dtype):
+        dtype = amp
+    else:
+        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
 
 
@@ -122,22 +158,37 @@ class TrainOptions:
         hyp: hyperparameters with the loss gains already scaled (``scale_loss_gains``).
         accumulate: batches per optimizer step.
         warmup_iters: iterations of learning-rate warm-up, counted from the first epoch.
-        amp: mixed precision (see :func:`autocast_context`).
+        amp: the autocast dtype, or None/False for fp32 (see :func:`autocast_context`).
         multi_scale: (min, max) side for multi-scale training, or None for fixed sizes.
         log_interval: iterations between host syncs of the losses (finiteness check, progress).
         show_progress: draw a tqdm bar (rank 0).
         channels_last: feed NHWC batches.
+        seed: the run's seed; multi-scale sizes are drawn from (seed, epoch, step) alone, so
+            every rank uses the same size at each step (see :func:`multi_scale_size`).
     """
 
     device: torch.device
     hyp: Mapping[str, Any]
     accumulate: int = 1
     warmup_iters: int = 0
-    amp: bool = False
+    amp: bool | torch.dtype | None = None
     multi_scale: tuple[int, int] | None = None
     log_interval: int = 10
     show_progress: bool = False
     channels_last: bool = False
+    seed: int = 0
+
+
+def multi_scale_size(bounds: tuple[int, int], seed: int, epoch: int, step: int) -> int:
+    """The training side for optimizer step ``step`` of ``epoch``: a multiple of :data:`GRID` in
+    ``bounds`` (inclusive), the same on every rank.
+
+    Drawn from its own generator seeded by (seed, epoch, step), not from the rank's random
+    stream: with per-rank sizes every DDP step waits for the rank with the largest images.
+    """
+    choices = (bounds[1] - bounds[0]) // GRID + 1
+    rng = np.random.default_rng([seed, epoch, step])
+    return bounds[0] + GRID * int(rng.integers(choices))
 
 
 @dataclass
@@ -176,16 +227,28 @@ def train_one_epoch(
     state.optimizer.zero_grad(set_to_none=True)
     for i, (imgs, targets, paths, _, _) in enumerate(loader):
         if opts.multi_scale is not None and (img_size is None or i % opts.accumulate == 0):
-            img_size = random.randrange(opts.multi_scale[0], opts.multi_scale[1] + GRID, GRID)
+            img_size = multi_scale_size(opts.multi_scale, opts.seed, epoch, i // opts.accumulate)
         imgs, targets = _prepare_batch(imgs, targets, img_size, opts)
         lr = _warm_up(state.optimizer, base_lrs, i + nb * epoch, opts)
-        losses = _forward_backward(state, imgs, targets, opts)
-        if (i + 1) % opts.accumulate == 0 or i == nb - 1:
+        steps = (i + 1) % opts.accumulate == 0 or i == nb - 1
+        # DDP all-reduces gradients in backward(); on micro-batches that do not end in an
+        # optimizer step that traffic is wasted, so it waits for the last one (no_sync).
+        with nullcontext() if steps else _no_sync(state.model):
+            losses = _forward_backward(state, imgs, targets, opts)
+        if steps:
             _optimizer_step(state)
         meter.add(losses, paths, imgs.shape, lr)
     meter.close()
     means = reduce_dict({"m": meter.sums / max(nb, 1)})["m"].tolist()
     return EpochStats(*means, lr=meter.lr, images=meter.images)
+
+
+def _no_sync(model: nn.Module) -> Any:
+    """``model.no_sync()`` for a DDP model (also under ``torch.compile``), else a no-op."""
+    inner = getattr(model, "_orig_mod", model)
+    if isinstance(inner, nn.parallel.DistributedDataParallel):
+        return inner.no_sync()
+    return nullcontext()
 
 
 def _prepare_batch(
@@ -314,7 +377,8 @@ class EvalOptions:
     Attributes:
         device: where the batches go.
         conf_thres, iou_thres, multi_label, max_det: NMS settings.
-        amp: mixed-precision inference (see :func:`autocast_context`).
+        amp: mixed-precision inference: a dtype, True or None/False (see
+            :func:`autocast_context`).
         backend: COCO scoring library (``pycocotools`` or ``faster-coco-eval``).
         show_progress: draw a tqdm bar (rank 0).
         channels_last: feed NHWC batches.
@@ -326,7 +390,7 @@ class EvalOptions:
     iou_thres: float = 0.6
     multi_label: bool = True
     max_det: int = MAX_DET
-    amp: bool = False
+    amp: bool | torch.dtype | None = None
     backend: str = "pycocotools"
     show_progress: bool = False
     channels_last: bool = False
@@ -366,17 +430,19 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
 def evaluate(
     model: nn.Module, loader: Iterable, coco_gt: Any | None, opts: EvalOptions
 ) -> tuple[np.ndarray | None, dict[int, tuple[float, float]] | None, list[dict[str, Any]]]:
-    """Evaluate this rank's shard, gather every rank's detections, and score them once.
+    """Evaluate this rank's shard, gather every rank's detections on rank 0, and score them once.
 
-    Every rank must call this (it gathers). Only a caller that passes ``coco_gt`` gets the 12
+    Every rank must call this (it gathers). Only rank 0, which must pass ``coco_gt``, gets the 12
     COCO stats (and per-class AP with ``opts.per_class``); others get ``(None, None, [])``. The
     gathered detections are returned with the stats so that they can be saved.
     """
     local = predict_batches(model, loader, opts)
-    gathered = all_gather(local)
+    gathered = gather_rows_to_main(coco_to_rows(local))
     if coco_gt is None:
         return None, None, []
-    detections = [d for part in gathered for d in part]
+    if gathered is None:
+        raise RuntimeError("evaluate(): coco_gt was given on a rank other than 0")
+    detections = rows_to_coco(gathered)
     evaluator = CocoEvaluator(coco_gt, backend=opts.backend)
     evaluator.update(detections)
     stats = evaluator.evaluate()

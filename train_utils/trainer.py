@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet
 from models.loss import scale_loss_gains
@@ -37,7 +37,12 @@ from train_utils.checkpoint import (
     validate_resume_checkpoint,
 )
 from train_utils.config import TrainConfig, accumulate_steps, multi_scale_bounds, scaled_lr0
-from train_utils.distributed_utils import DistInfo, barrier
+from train_utils.distributed_utils import (
+    DistInfo,
+    all_gather,
+    barrier,
+    raise_if_any_rank_failed,
+)
 from train_utils.ema import ModelEMA
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.reporting import make_reporter, write_run_files
@@ -46,6 +51,7 @@ from train_utils.train_eval_utils import (
     TrainOptions,
     TrainState,
     evaluate,
+    resolve_amp,
     train_one_epoch,
 )
 
@@ -54,6 +60,11 @@ logger = logging.getLogger(__name__)
 # Seeds are derived per (epoch, rank) so that a resumed run replays the same random stream.
 EPOCH_SEED_STRIDE = 1000
 RANK_SEED_STRIDE = 1_000_003
+
+SHARED_STORAGE_HINT = (
+    "resuming on several nodes needs the output folder on storage every node shares "
+    "(or a copy of last.pt at the same path on each node)"
+)
 
 
 @dataclass
@@ -85,10 +96,11 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     device, data = dist.device, config.data
     seed_all(config.seed + dist.rank * RANK_SEED_STRIDE)
     channels_last = _configure_backends(config, device)
+    amp = resolve_amp(config.amp, device)
 
     blocks = model_blocks_for(config.cfg, data.nc)
     model = Darknet(blocks, img_size=(config.img_size, config.img_size))
-    ckpt = _load_resume_checkpoint(config, model)
+    ckpt = _load_resume_checkpoint(config, model, dist)
     if ckpt is None and config.weights:
         _initialise_weights(model, config)
     model.freeze(config.freeze_layers)
@@ -97,19 +109,19 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         model.to(memory_format=torch.channels_last)
 
     hyp = scale_loss_gains(config.hyp, data.nc, config.img_size)
-    state = _build_train_state(model, config, hyp, dist)
+    state = _build_train_state(model, config, hyp, dist, amp)
     start_epoch, best = 0, None
     if ckpt is not None:
-        start_epoch, best = _restore(ckpt, config, state)
+        start_epoch, best = _restore(ckpt, config, state, hyp, dist)
     state.model = _wrap_for_training(model, config, dist)
 
     train_data = build_train_data(config, dist, hyp)
-    opts = _train_options(config, hyp, dist, train_data, channels_last)
+    opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = EvalOptions(
         device,
         config.conf_thres,
         config.iou_thres,
-        amp=config.amp,
+        amp=amp,
         backend=config.coco_backend,
         show_progress=dist.is_main,
         channels_last=channels_last,
@@ -126,7 +138,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         config.epochs,
         start_epoch,
         best,
-        lambda epoch, best: _checkpoint(state, epoch, best, config, hyp, cfg_text),
+        lambda epoch, best: _checkpoint(state, epoch, best, config, hyp, cfg_text, dist),
         keep_best=config.savebest,
     )
 
@@ -169,8 +181,9 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
 def _configure_backends(config: TrainConfig, device: torch.device) -> bool:
     """Set cuDNN autotuning; returns whether to use the channels_last memory format."""
     if device.type == "cuda":
-        # Fixed input sizes let cuDNN pick the fastest kernels once; multi-scale would re-tune.
-        torch.backends.cudnn.benchmark = not config.multi_scale and not config.rect
+        # cuDNN autotunes once per input shape and caches the choice; multi-scale (~13 sides)
+        # and rect batches give few distinct shapes, so the tuning pays for itself there too.
+        torch.backends.cudnn.benchmark = True
     # On by default on CUDA and CPU: NHWC is the layout of the fast cuDNN and oneDNN kernels.
     # Measured on a 2-core AVX2 CPU (bench/README.md): the nano cfg trains 1.3x and evaluates
     # 1.5x faster with it, and its 2-process DDP scales better; YOLOv3-SPP training is ~0.9x
@@ -190,14 +203,36 @@ def _resume_path(config: TrainConfig) -> Path | None:
     return path
 
 
-def _load_resume_checkpoint(config: TrainConfig, model: Darknet) -> dict[str, Any] | None:
-    """The checkpoint ``--resume`` names, checked against ``model`` before anything is built."""
-    path = _resume_path(config)
-    if path is None:
+def _load_resume_checkpoint(
+    config: TrainConfig, model: Darknet, dist: DistInfo
+) -> dict[str, Any] | None:
+    """The checkpoint ``--resume`` names, checked against ``model`` before anything is built.
+
+    Every rank reads it (each needs the weights), but they succeed or fail together: a rank that
+    cannot read it (a node without the shared output folder) stops every rank with the same
+    error instead of leaving them to hang, and all ranks must find the same epoch.
+    """
+    if config.resume is None:
         return None
-    ckpt = load_checkpoint(path, trust=config.trust_checkpoint)
-    validate_resume_checkpoint(training_weights(ckpt), model.state_dict(), path)
-    ckpt["_path"] = path
+    ckpt, error = None, None
+    try:
+        path = _resume_path(config)
+        assert path is not None
+        ckpt = load_checkpoint(path, trust=config.trust_checkpoint)
+        validate_resume_checkpoint(training_weights(ckpt), model.state_dict(), path)
+        ckpt["_path"] = path
+    except YoloError as e:
+        error = e
+    if error is not None and dist.distributed:
+        error = type(error)(f"{error}; {SHARED_STORAGE_HINT}")
+    raise_if_any_rank_failed(error, "--resume")
+    assert ckpt is not None
+    epochs = all_gather(int(ckpt.get("epoch", -1)))
+    if len(set(epochs)) > 1:
+        raise CheckpointError(
+            f"ranks read different checkpoints (epochs {epochs} by rank); {SHARED_STORAGE_HINT}",
+            ckpt["_path"],
+        )
     return ckpt
 
 
@@ -213,22 +248,42 @@ def _initialise_weights(model: Darknet, config: TrainConfig) -> None:
 
 
 def _build_train_state(
-    model: Darknet, config: TrainConfig, hyp: dict[str, Any], dist: DistInfo
+    model: Darknet,
+    config: TrainConfig,
+    hyp: dict[str, Any],
+    dist: DistInfo,
+    amp: torch.dtype | None,
 ) -> TrainState:
     lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
-    optimizer = build_optimizer(model, hyp, lr0, config.optimizer)
+    on_cuda = dist.device.type == "cuda"
+    # Fused on CUDA: one kernel for all parameters, and GradScaler hands it the inf check on
+    # the device instead of reading it on the host (a sync) every step. CPU keeps the default
+    # implementation, and with it its numbers.
+    optimizer = build_optimizer(model, hyp, lr0, config.optimizer, fused=on_cuda)
     return TrainState(
         model=model,
         model_without_ddp=model,
         optimizer=optimizer,
         scheduler=build_scheduler(optimizer, config.epochs, hyp["lrf"]),
-        scaler=torch.amp.GradScaler("cuda") if config.amp and dist.device.type == "cuda" else None,
+        # bf16 has fp32's range: only fp16 needs loss scaling.
+        scaler=torch.amp.GradScaler("cuda") if on_cuda and amp == torch.float16 else None,
         ema=ModelEMA(model) if config.ema else None,
     )
 
 
-def _restore(ckpt: dict[str, Any], config: TrainConfig, state: TrainState) -> tuple[int, Any]:
+def _restore(
+    ckpt: dict[str, Any],
+    config: TrainConfig,
+    state: TrainState,
+    hyp: dict[str, Any],
+    dist: DistInfo,
+) -> tuple[int, Any]:
     path = ckpt.pop("_path")
+    if dist.is_main:
+        _warn_about_changes(ckpt, config, path)
+    # The saved groups carry the saved run's implementation flags (fused on a GPU); this run's
+    # device decides.
+    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in state.optimizer.param_groups]
     start_epoch, best = restore_training_state(
         ckpt,
         state.model_without_ddp,
@@ -238,6 +293,9 @@ def _restore(ckpt: dict[str, Any], config: TrainConfig, state: TrainState) -> tu
         state.ema,
         path,
     )
+    for group, flags in zip(state.optimizer.param_groups, impl, strict=True):
+        group.update(flags)
+    _rescale_lr_for_this_run(ckpt, config, state, hyp, dist)
     logger.info(
         "resuming from %s: epoch %d done, best mAP@0.5:0.95 %s",
         path,
@@ -249,15 +307,121 @@ def _restore(ckpt: dict[str, Any], config: TrainConfig, state: TrainState) -> tu
     return start_epoch, best
 
 
+def _rescale_lr_for_this_run(
+    ckpt: dict[str, Any],
+    config: TrainConfig,
+    state: TrainState,
+    hyp: dict[str, Any],
+    dist: DistInfo,
+) -> None:
+    """Give the restored optimizer and scheduler the learning rate of *this* run's global batch.
+
+    The restored state carries the saved run's base learning rate, which was scaled for its
+    global batch (batch x processes); resumed on another number of processes (or another
+    ``--batch-size``/``--nbs``) that would silently be the wrong one. Accumulation is always
+    derived afresh (:func:`_train_options`). Nothing changes when the global batch is the same,
+    which keeps resuming exact.
+    """
+    lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
+    scheduler = state.scheduler
+    if all(base == lr0 for base in scheduler.base_lrs):
+        return
+    saved = scheduler.base_lrs[0]
+    scheduler.base_lrs = [lr0] * len(scheduler.base_lrs)
+    factors = [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
+    for group, factor in zip(state.optimizer.param_groups, factors, strict=True):
+        group["initial_lr"] = lr0
+        group["lr"] = lr0 * factor
+    scheduler._last_lr = [g["lr"] for g in state.optimizer.param_groups]
+    saved_config = ckpt.get("config") or {}
+    if dist.is_main:
+        logger.warning(
+            "resuming with global batch %d x %d process(es) (the checkpoint's: %s x %s): "
+            "lr0 %.4g -> %.4g, accumulate %d -> %d",
+            config.batch_size,
+            dist.world_size,
+            saved_config.get("batch_size", "?"),
+            ckpt.get("world_size", "?"),
+            saved,
+            lr0,
+            _saved_accumulate(ckpt),
+            accumulate_steps(config.nbs, config.batch_size, dist.world_size, config.accumulate),
+        )
+
+
+def _saved_accumulate(ckpt: dict[str, Any]) -> int:
+    saved = ckpt.get("config") or {}
+    try:
+        return accumulate_steps(
+            int(saved["nbs"]),
+            int(saved["batch_size"]),
+            int(ckpt.get("world_size", 1)),
+            saved.get("accumulate"),
+        )
+    except (KeyError, TypeError, ValueError):
+        return -1
+
+
+# Settings that may differ on resume without a word: where and how fast it runs, not what.
+_RESUME_QUIET_KEYS = frozenset(
+    {"resume", "device", "workers", "trust_checkpoint", "log_interval", "output_dir"}
+)
+
+
+def _warn_about_changes(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
+    """Say which settings of the resumed run differ from the checkpoint's (a model that cannot
+    take the weights is refused earlier, by :func:`validate_resume_checkpoint`)."""
+    saved = dict(ckpt.get("config") or {})
+    saved["hyp"] = ckpt.get("hyp", saved.get("hyp"))
+    now = config.to_dict()
+    changes = []
+    for key in sorted(set(saved) | set(now)):
+        if key in _RESUME_QUIET_KEYS or key not in saved or key not in now:
+            continue
+        old, new = saved[key], now[key]
+        if isinstance(old, dict) and isinstance(new, dict):
+            changes += [
+                f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}"
+                for k in sorted(set(old) | set(new))
+                if old.get(k) != new.get(k)
+            ]
+        elif old != new:
+            changes.append(f"{key}: {old!r} -> {new!r}")
+    if changes:
+        logger.warning(
+            "--resume %s: this run differs from the checkpoint's: %s", path, "; ".join(changes)
+        )
+
+
+def use_sync_batchnorm(device: torch.device, compile_model: bool) -> tuple[bool, str]:
+    """Whether DDP training converts BatchNorm to SyncBatchNorm, and if not, why.
+
+    SyncBatchNorm supports CUDA only. Under ``torch.compile`` it graph-breaks at every layer or
+    fails to compile (pytorch#161302, #107372, #156680), while compile + DDP with plain BatchNorm
+    works: with ``--compile`` the safe combination is DDP + compile + per-GPU BatchNorm.
+    """
+    if device.type != "cuda":
+        return False, "it supports CUDA modules only (running on CPU)"
+    if compile_model:
+        return False, (
+            "--compile cannot trace SyncBatchNorm (pytorch#161302, #107372): BatchNorm "
+            "statistics stay per GPU, so keep --batch-size >= 8 per GPU, or drop --compile "
+            "for SyncBatchNorm"
+        )
+    return True, ""
+
+
 def _wrap_for_training(model: Darknet, config: TrainConfig, dist: DistInfo) -> nn.Module:
     """DDP (with SyncBatchNorm on CUDA) under a process group, then torch.compile if asked."""
     wrapped: nn.Module = model
     if dist.distributed:
-        if dist.device.type == "cuda":
+        sync_bn, why_not = use_sync_batchnorm(dist.device, config.compile)
+        if sync_bn:
             # Converts in place: the BatchNorm2d modules inside ``model`` are replaced.
             wrapped = nn.SyncBatchNorm.convert_sync_batchnorm(model)
         elif dist.is_main:
-            logger.info("SyncBatchNorm skipped: it supports CUDA modules only (running on CPU)")
+            log = logger.warning if config.compile else logger.info
+            log("SyncBatchNorm skipped: %s", why_not)
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
         wrapped = nn.parallel.DistributedDataParallel(wrapped, device_ids=device_ids)
     return torch.compile(wrapped) if config.compile else wrapped
@@ -272,6 +436,7 @@ def _train_options(
     dist: DistInfo,
     train_data: TrainData,
     channels_last: bool,
+    amp: torch.dtype | None,
 ) -> TrainOptions:
     nb = len(train_data.train_loader)
     return TrainOptions(
@@ -281,11 +446,12 @@ def _train_options(
             config.nbs, config.batch_size, dist.world_size, config.accumulate
         ),
         warmup_iters=round(hyp["warmup_epochs"] * nb),
-        amp=config.amp,
+        amp=amp,
         multi_scale=multi_scale_bounds(config.img_size) if config.multi_scale else None,
         log_interval=config.log_interval,
         show_progress=dist.is_main,
         channels_last=channels_last,
+        seed=config.seed,
     )
 
 
@@ -334,6 +500,7 @@ def _checkpoint(
     config: TrainConfig,
     hyp: dict[str, Any],
     cfg_text: str,
+    dist: DistInfo,
 ) -> dict[str, Any]:
     """Everything needed to resume, as tensors and plain types (``weights_only`` loadable).
 
@@ -358,6 +525,7 @@ def _checkpoint(
         names=list(config.data.names),
         nc=config.data.nc,
         cfg=cfg_text,
+        world_size=dist.world_size,
     )
 
 
