@@ -170,34 +170,24 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         add_help=add_help,
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    p.add_argument("--cfg", default="cfg/yolov3-spp.cfg", help="model .cfg file")
-    p.add_argument("--data", default="data/my_data.data", help="dataset .data file")
-    p.add_argument("--hyp", default="cfg/hyp.yaml", help="hyperparameter YAML file")
-    p.add_argument("--epochs", type=int, default=30)
-    p.add_argument("--batch-size", type=int, default=4, help="images per process per step")
-    p.add_argument(
-        "--img-size",
-        type=int,
-        default=512,
-        help="training/test image side, a multiple of 32 (max side for --rect)",
-    )
-    p.add_argument(
-        "--multi-scale",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="train at random sides in 67%%-150%% of --img-size",
-    )
-    p.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
-    p.add_argument(
-        "--cache-images",
-        nargs="?",
-        const="ram",
-        default=None,
-        choices=("ram", "disk"),
-        help="cache resized images in RAM or as .npy on disk",
-    )
-    p.add_argument("--weights", default="", help="initial weights: .pt or Darknet .weights")
-    p.add_argument(
+    _add_inputs(p.add_argument_group("model, data and weights"))
+    _add_schedule(p.add_argument_group("training"))
+    _add_evaluation(p.add_argument_group("evaluation during training"))
+    _add_runtime(p.add_argument_group("output and runtime"))
+    return p
+
+
+def _switch(group: argparse._ArgumentGroup, flag: str, default: bool | None, help: str) -> None:
+    """``--flag`` / ``--no-flag`` (never ``type=bool``, with which ``--flag False`` is true)."""
+    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def _add_inputs(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--cfg", default="cfg/yolov3-spp.cfg", help="model .cfg file")
+    g.add_argument("--data", default="data/my_data.data", help="dataset .data file")
+    g.add_argument("--hyp", default="cfg/hyp.yaml", help="hyperparameter YAML file")
+    g.add_argument("--weights", default="", help="initial weights: .pt or Darknet .weights")
+    g.add_argument(
         "--resume",
         nargs="?",
         const="auto",
@@ -205,18 +195,34 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         metavar="PATH",
         help="resume from PATH, or from OUTPUT_DIR/last.pt when no path is given",
     )
-    p.add_argument(
+    g.add_argument(
         "--trust-checkpoint",
         action="store_true",
         help="allow full-pickle checkpoint loading (only for files you trust)",
     )
-    p.add_argument("--name", default="", help="run name; output goes to runs/<name>")
-    p.add_argument("--output-dir", default="", help="output folder (default runs/<name or time>)")
-    p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if available)")
-    p.add_argument("--workers", type=int, default=4, help="DataLoader workers per process")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--single-cls", action="store_true", help="train as a one-class detector")
-    p.add_argument(
+    g.add_argument("--single-cls", action="store_true", help="train as a one-class detector")
+    g.add_argument(
+        "--cache-images",
+        nargs="?",
+        const="ram",
+        default=None,
+        choices=("ram", "disk"),
+        help="cache resized images in RAM or as .npy on disk",
+    )
+
+
+def _add_schedule(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--epochs", type=int, default=30)
+    g.add_argument("--batch-size", type=int, default=4, help="images per process per step")
+    g.add_argument(
+        "--img-size",
+        type=int,
+        default=512,
+        help="training/test image side, a multiple of 32 (max side for --rect)",
+    )
+    _switch(g, "--multi-scale", True, "train at random sides in 67%%-150%% of --img-size")
+    g.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
+    g.add_argument(
         "--freeze-layers",
         nargs="?",
         const="all-but-heads",
@@ -224,76 +230,82 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         choices=FREEZE_MODES,
         help="freeze the Darknet-53 backbone, or everything but the output layers",
     )
-    p.add_argument(
-        "--amp",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=AMP_CHOICES,
-        help="mixed precision. auto: on for CUDA (bf16 where the GPU has it, else fp16 with a "
-        "GradScaler), off on CPU; --amp alone: also bf16 autocast on CPU (fp32 on CPUs without "
-        "native bf16 kernels); fp16, bf16 or off to choose",
-    )
-    p.add_argument(
-        "--ema",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep an exponential moving average of the weights for eval and saving",
-    )
-    p.add_argument(
+    g.add_argument(
         "--optimizer",
         default="sgd",
         choices=OPTIMIZER_CHOICES,
         help="Nesterov SGD (lineage) or Adam (betas momentum, 0.999)",
     )
-    p.add_argument(
+    g.add_argument(
         "--nbs",
         type=int,
         default=NOMINAL_BATCH_SIZE,
         help="nominal batch size: gradients accumulate up to it across steps/ranks",
     )
-    p.add_argument(
+    g.add_argument(
         "--accumulate",
         type=int,
         default=None,
         help="override: optimizer step every N batches (default from --nbs)",
     )
-    p.add_argument(
-        "--savebest",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="keep best.pt, the checkpoint of the best mAP@0.5:0.95 so far "
-        "(--no-savebest saves the time and disk of a second checkpoint)",
+    _switch(
+        g, "--ema", True, "keep an exponential moving average of the weights for eval and saving"
     )
-    p.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
-    p.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
-    p.add_argument(
+    g.add_argument(
+        "--amp",
+        nargs="?",
+        const="on",
+        default="auto",
+        choices=AMP_CHOICES,
+        help="mixed precision. auto: on for CUDA (bf16 where the GPU has it, else "
+        "fp16 with a GradScaler), off on CPU; --amp alone: also bf16 autocast on CPU "
+        "(fp32 on CPUs without native bf16 kernels); fp16, bf16 or off to choose",
+    )
+    g.add_argument("--seed", type=int, default=0)
+
+
+def _add_evaluation(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
+    g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
+    g.add_argument(
         "--conf-thres",
         type=float,
         default=DEFAULT_EVAL_CONF,
         help="evaluation confidence threshold",
     )
-    p.add_argument("--iou-thres", type=float, default=DEFAULT_EVAL_IOU, help="evaluation NMS IoU")
-    p.add_argument(
-        "--channels-last",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="channels_last memory format (default: on; see bench/README.md)",
-    )
-    p.add_argument("--compile", action="store_true", help="torch.compile the model")
-    p.add_argument(
+    g.add_argument("--iou-thres", type=float, default=DEFAULT_EVAL_IOU, help="evaluation NMS IoU")
+    g.add_argument(
         "--coco-backend",
         default="pycocotools",
         choices=("pycocotools", "faster-coco-eval"),
         help="COCO scoring library",
     )
-    p.add_argument(
+    _switch(
+        g,
+        "--savebest",
+        True,
+        "keep best.pt, the checkpoint of the best mAP@0.5:0.95 so "
+        "far (--no-savebest saves the time and disk of a second checkpoint)",
+    )
+
+
+def _add_runtime(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--name", default="", help="run name; output goes to runs/<name>")
+    g.add_argument("--output-dir", default="", help="output folder (default runs/<name or time>)")
+    g.add_argument(
+        "--device", default="", help="cpu, cuda, cuda:N or N (default: cuda if available)"
+    )
+    g.add_argument("--workers", type=int, default=4, help="DataLoader workers per process")
+    _switch(
+        g, "--channels-last", None, "channels_last memory format (default: on; see bench/README.md)"
+    )
+    g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    g.add_argument(
         "--log-interval",
         type=int,
         default=10,
         help="iterations between loss synchronisations/log lines",
     )
-    return p
 
 
 @dataclass
@@ -385,40 +397,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         output_dir = Path(args.output_dir)
     else:
         output_dir = Path("runs") / (args.name or time.strftime("%Y%m%d-%H%M%S"))
-    return TrainConfig(
-        cfg=cfg,
-        data=data,
-        hyp=hyp,
-        epochs=args.epochs,
-        batch_size=args.batch_size,
-        img_size=args.img_size,
-        multi_scale=args.multi_scale,
-        rect=args.rect,
-        cache_images=args.cache_images,
-        weights=args.weights,
-        resume=args.resume,
-        trust_checkpoint=args.trust_checkpoint,
-        output_dir=output_dir,
-        device=args.device,
-        workers=args.workers,
-        seed=args.seed,
-        single_cls=args.single_cls,
-        freeze_layers=args.freeze_layers,
-        amp=args.amp,
-        ema=args.ema,
-        optimizer=args.optimizer,
-        nbs=args.nbs,
-        accumulate=args.accumulate,
-        savebest=args.savebest,
-        notest=args.notest,
-        eval_interval=args.eval_interval,
-        conf_thres=args.conf_thres,
-        iou_thres=args.iou_thres,
-        channels_last=args.channels_last,
-        compile=args.compile,
-        coco_backend=args.coco_backend,
-        log_interval=args.log_interval,
-    )
+    derived = {"cfg": cfg, "data": data, "hyp": hyp, "output_dir": output_dir}
+    # Every other field is the flag of the same name, as validated above.
+    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{**flags, **derived})
 
 
 def accumulate_steps(nbs: int, batch_size: int, world_size: int, override: int | None) -> int:
