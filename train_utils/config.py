@@ -187,19 +187,12 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--data", default="data/my_data.data", help="dataset .data file")
     g.add_argument("--hyp", default="cfg/hyp.yaml", help="hyperparameter YAML file")
     g.add_argument("--weights", default="", help="initial weights: .pt or Darknet .weights")
+    resume_help = "resume from PATH, or from OUTPUT_DIR/last.pt when no path is given"
     g.add_argument(
-        "--resume",
-        nargs="?",
-        const="auto",
-        default=None,
-        metavar="PATH",
-        help="resume from PATH, or from OUTPUT_DIR/last.pt when no path is given",
+        "--resume", nargs="?", const="auto", default=None, metavar="PATH", help=resume_help
     )
-    g.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="allow full-pickle checkpoint loading (only for files you trust)",
-    )
+    trust_help = "allow full-pickle checkpoint loading (only for files you trust)"
+    g.add_argument("--trust-checkpoint", action="store_true", help=trust_help)
     g.add_argument("--single-cls", action="store_true", help="train as a one-class detector")
     g.add_argument(
         "--cache-images",

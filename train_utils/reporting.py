@@ -239,15 +239,7 @@ class SilentReporter:
 
 
 def make_reporter(
-    is_main: bool,
-    out: Path,
-    total_epochs: int,
-    start_epoch: int,
-    best: float | None,
-    checkpoint: CheckpointFactory,
-    keep_best: bool = True,
+    is_main: bool, best: float | None, **kwargs: Any
 ) -> EpochReporter | SilentReporter:
-    """An :class:`EpochReporter` on rank 0, a :class:`SilentReporter` elsewhere."""
-    if is_main:
-        return EpochReporter(out, total_epochs, start_epoch, best, checkpoint, keep_best)
-    return SilentReporter(best)
+    """``EpochReporter(best=best, **kwargs)`` on rank 0, a :class:`SilentReporter` elsewhere."""
+    return EpochReporter(best=best, **kwargs) if is_main else SilentReporter(best)

@@ -112,7 +112,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     state = _build_train_state(model, config, hyp, dist, amp)
     start_epoch, best = 0, None
     if ckpt is not None:
-        start_epoch, best = _restore(ckpt, config, state, hyp, dist)
+        start_epoch, best = _restore(ckpt, config, state, dist)
     state.model = _wrap_for_training(model, config, dist)
 
     train_data = build_train_data(config, dist, hyp)
@@ -134,11 +134,11 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         )
     reporter = make_reporter(
         dist.is_main,
-        config.output_dir,
-        config.epochs,
-        start_epoch,
         best,
-        lambda epoch, best: _checkpoint(state, epoch, best, config, hyp, cfg_text, dist),
+        out=config.output_dir,
+        total_epochs=config.epochs,
+        start_epoch=start_epoch,
+        checkpoint=lambda epoch, best: _checkpoint(state, epoch, best, config, hyp, cfg_text, dist),
         keep_best=config.savebest,
     )
 
@@ -272,11 +272,7 @@ def _build_train_state(
 
 
 def _restore(
-    ckpt: dict[str, Any],
-    config: TrainConfig,
-    state: TrainState,
-    hyp: dict[str, Any],
-    dist: DistInfo,
+    ckpt: dict[str, Any], config: TrainConfig, state: TrainState, dist: DistInfo
 ) -> tuple[int, Any]:
     path = ckpt.pop("_path")
     if dist.is_main:
@@ -295,7 +291,7 @@ def _restore(
     )
     for group, flags in zip(state.optimizer.param_groups, impl, strict=True):
         group.update(flags)
-    _rescale_lr_for_this_run(ckpt, config, state, hyp, dist)
+    _rescale_lr_for_this_run(ckpt, config, state, dist)
     logger.info(
         "resuming from %s: epoch %d done, best mAP@0.5:0.95 %s",
         path,
@@ -308,11 +304,7 @@ def _restore(
 
 
 def _rescale_lr_for_this_run(
-    ckpt: dict[str, Any],
-    config: TrainConfig,
-    state: TrainState,
-    hyp: dict[str, Any],
-    dist: DistInfo,
+    ckpt: dict[str, Any], config: TrainConfig, state: TrainState, dist: DistInfo
 ) -> None:
     """Give the restored optimizer and scheduler the learning rate of *this* run's global batch.
 
@@ -322,7 +314,7 @@ def _rescale_lr_for_this_run(
     derived afresh (:func:`_train_options`). Nothing changes when the global batch is the same,
     which keeps resuming exact.
     """
-    lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
+    lr0 = scaled_lr0(config.hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
     scheduler = state.scheduler
     if all(base == lr0 for base in scheduler.base_lrs):
         return
