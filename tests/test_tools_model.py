@@ -66,6 +66,34 @@ def test_make_cfg_errors(tmp_path, capsys):
     assert not (tmp_path / "o.cfg").exists()
 
 
+def test_make_cfg_width(tmp_path):
+    src = tmp_path / "yolov4-tiny.cfg"
+    src.write_text((REPO / "cfg" / "darknet" / "yolov4-tiny.cfg").read_text())
+    out = make_cfg.make_cfg(src, nc=3, output=tmp_path / "w.cfg", width=0.25)
+    a, b = parse_model_cfg(src), parse_model_cfg(out)
+    heads = {i - 1 for i, blk in enumerate(b) if blk["type"] == "yolo"}
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i in heads:
+            assert y["filters"] == 3 * (3 + 5)
+        elif y["type"] == "convolutional":  # a quarter, rounded up to a multiple of 8
+            assert y["filters"] == 8 * -(-x["filters"] // 32)
+        elif y["type"] != "yolo":
+            assert {k: v for k, v in x.items() if k[0] != "_"} == {
+                k: v for k, v in y.items() if k[0] != "_"
+            }
+    model = Darknet(out)
+    assert model.nc == 3 and sum(p.numel() for p in model.parameters()) < 500_000
+    assert make_cfg.main([str(src), "--width", "0.5"]) == 0
+    assert Darknet(tmp_path / "yolov4-tiny-w0.5.cfg").nc == 80
+
+
+def test_make_cfg_width_errors(tmp_path, capsys):
+    assert make_cfg.main([str(TINY), "--width", "0", "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "--width must be a positive number" in one_error_line(capsys)
+    assert make_cfg.main([str(TINY), "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "nothing to do" in one_error_line(capsys)
+
+
 # --------------------------------------------------------------------------------------------
 # convert_weights
 

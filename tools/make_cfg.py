@@ -1,29 +1,42 @@
-"""Rewrite a model cfg for another number of classes.
+"""Rewrite a model cfg for another number of classes, or a narrower (or wider) network.
 
     python tools/make_cfg.py cfg/yolov3-spp.cfg --classes 20 -o cfg/yolov3-spp-voc.cfg
     python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --data data/shapes.data
+    python tools/make_cfg.py cfg/darknet/yolov4-csp.cfg --width 0.125 --classes 5
 
-Every ``[yolo]`` gets ``classes=N`` and the ``[convolutional]`` feeding it
-``filters=len(mask) * (N + 5)``; nothing else changes. The output is written without the source's
-comments. Without ``-o`` it goes beside the source as ``<name>-<N>cls.cfg``.
+``--classes``/``--data``: every ``[yolo]`` gets ``classes=N`` and the ``[convolutional]`` feeding it
+``filters=len(mask) * (N + 5)``. ``--width W``: every other ``[convolutional]`` gets
+``filters`` times W, rounded up to a multiple of 8 (equal counts stay equal, so shortcuts and
+grouped routes still fit); a depthwise conv (``groups=filters``) keeps ``groups`` equal to its
+new ``filters``. Nothing else changes. The output is written without the source's comments.
+Without ``-o`` it goes beside the source as ``<name>[-w<W>][-<N>cls].cfg``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.errors import YoloError
+from build_utils.errors import ConfigError, YoloError
 from build_utils.parse_config import (
+    Block,
+    head_conv_index,
     parse_data_cfg,
     parse_model_cfg,
     rewrite_cfg_classes,
+    validate_model_cfg,
     write_model_cfg,
 )
+
+# --width rounds filter counts up to a multiple of this (channel counts that vectorise well,
+# and even ones for [route] groups=2).
+WIDTH_DIVISOR = 8
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -31,22 +44,65 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         description="Rewrite a Darknet cfg for another number of classes.", add_help=add_help
     )
     parser.add_argument("cfg", type=Path, help="source model cfg")
-    source = parser.add_mutually_exclusive_group(required=True)
+    source = parser.add_mutually_exclusive_group()
     source.add_argument("--classes", type=int, help="number of classes (>= 1)")
     source.add_argument("--data", type=Path, help=".data file whose 'classes' to use")
+    parser.add_argument(
+        "--width", type=float, help="multiply the filters of every non-head conv by this (> 0)"
+    )
     parser.add_argument(
         "-o", "--output", type=Path, help="output cfg (default: <cfg stem>-<N>cls.cfg beside it)"
     )
     return parser
 
 
-def make_cfg(cfg: Path, nc: int, output: Path | None = None) -> Path:
-    """Write ``cfg`` rewritten for ``nc`` classes to ``output`` and return its path."""
-    blocks = rewrite_cfg_classes(parse_model_cfg(cfg), nc)
-    out = output if output is not None else cfg.with_name(f"{cfg.stem}-{nc}cls.cfg")
+def scale_width(blocks: list[Block], multiple: float) -> list[Block]:
+    """A copy of ``blocks`` with every ``[convolutional]`` that does not feed a ``[yolo]`` head
+    at ``ceil(filters * multiple / 8) * 8`` filters (see the module docstring).
+
+    Raises:
+        ConfigError: ``multiple`` is not a positive number.
+    """
+    if not (isinstance(multiple, (int, float)) and math.isfinite(multiple) and multiple > 0):
+        raise ConfigError(f"--width must be a positive number, got {multiple!r}")
+    out = copy.deepcopy(blocks)
+    heads = {head_conv_index(out, i) for i, b in enumerate(out) if b["type"] == "yolo"}
+    for i, block in enumerate(out):
+        if block["type"] != "convolutional" or i in heads:
+            continue
+        filters = block.get("filters", 1)
+        scaled = WIDTH_DIVISOR * max(1, math.ceil(filters * multiple / WIDTH_DIVISOR))
+        if block.get("groups", 1) == filters and filters > 1:
+            block["groups"] = scaled
+        block["filters"] = scaled
+    return validate_model_cfg(out)
+
+
+def make_cfg(
+    cfg: Path, nc: int | None = None, output: Path | None = None, width: float | None = None
+) -> Path:
+    """Write ``cfg`` rewritten for ``nc`` classes and/or scaled to ``width`` to ``output`` and
+    return its path.
+
+    Raises:
+        ConfigError: neither ``nc`` nor ``width``, or bad values (see :func:`scale_width`).
+    """
+    if nc is None and width is None:
+        raise ConfigError("nothing to do: pass --classes, --data or --width")
+    blocks = parse_model_cfg(cfg)
+    what, stem = [], cfg.stem
+    if width is not None:
+        blocks = scale_width(blocks, width)
+        what.append(f"width x{width:g}")
+        stem += f"-w{width:g}"
+    if nc is not None:
+        blocks = rewrite_cfg_classes(blocks, nc)
+        what.append(f"{nc} classes")
+        stem += f"-{nc}cls"
+    out = output if output is not None else cfg.with_name(f"{stem}.cfg")
     out.parent.mkdir(parents=True, exist_ok=True)
     write_model_cfg(
-        blocks, out, header=f"{cfg.name} rewritten for {nc} classes by tools/make_cfg.py"
+        blocks, out, header=f"{cfg.name} rewritten for {', '.join(what)} by tools/make_cfg.py"
     )
     return out
 
@@ -55,12 +111,14 @@ def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        nc = args.classes if args.classes is not None else parse_data_cfg(args.data)["classes"]
-        out = make_cfg(args.cfg, nc, args.output)
+        nc = args.classes
+        if args.data is not None:
+            nc = parse_data_cfg(args.data)["classes"]
+        out = make_cfg(args.cfg, nc, args.output, args.width)
     except YoloError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger(__name__).info("wrote %s (%d classes)", out, nc)
+    logging.getLogger(__name__).info("wrote %s", out)
     return 0
 
 
