@@ -394,77 +394,80 @@ def parse_model_cfg_text(text: str, path: str | os.PathLike[str] = "<cfg text>")
     """
     spath = str(path)
     blocks: list[Block] = []
-    block: Block | None = None
     for number, line in _content_lines(text):
         if line.startswith("["):
-            if not line.endswith("]"):
-                raise ConfigError(
-                    f"malformed section header {line!r}: expected '[name]'", path, number
-                )
-            name = line[1:-1].strip().lower()
-            section = SECTION_ALIASES.get(name)
-            if section is None:
-                known = ", ".join(f"[{s}]" for s in KEYS)
-                raise ConfigError(
-                    f"unknown section [{name}]; known sections: {known}", path, number
-                )
-            block = {"type": section, "_path": spath, "_line": number, "_lines": {}}
-            blocks.append(block)
-            continue
-        if block is None:
+            blocks.append(_section_header(line, spath, number))
+        elif not blocks:
             raise ConfigError(f"{line!r} appears before the first [section] header", path, number)
-        key, sep, value = line.partition("=")
-        key, value = key.strip(), value.strip()
-        section = block["type"]
-        if not sep or not key:
-            raise ConfigError(
-                f"expected 'key=value' or a [section] header in [{section}], got {line!r}",
-                path,
-                number,
-            )
-        if not value:
-            raise ConfigError(f"key '{key}' in [{section}] has no value", path, number)
-        if key in block["_lines"] and section == "net":
-            # Darknet's option lists return the first occurrence and report the rest as unused
-            # (yolov3-openimages.cfg sets batch twice). [net] only holds training settings; a
-            # repeated layer key, which would silently change the network, stays an error.
-            LOGGER.warning(
-                "%s:%d: key '%s' in [net] repeats line %d; the first value is used, as in Darknet",
-                spath,
-                number,
-                key,
-                block["_lines"][key],
-            )
-            continue
-        if key in block["_lines"]:
-            raise ConfigError(
-                f"duplicate key '{key}' in [{section}] (first set at line {block['_lines'][key]})",
-                path,
-                number,
-            )
-        if key in KEYS[section]:
-            block[key] = _convert(KEYS[section][key], value, key, section, spath, number)
-        elif key in UNSUPPORTED.get(section, {}):
-            neutral = UNSUPPORTED[section][key]
-            parsed = _auto_value(value)
-            if parsed != neutral:
-                raise ConfigError(
-                    f"key '{key}={value}' in [{section}] is a Darknet option this implementation "
-                    f"does not support (only {key}={neutral} is accepted)",
-                    path,
-                    number,
-                )
-            block[key] = parsed
         else:
-            raise ConfigError(
-                f"unknown key '{key}' in [{section}]; known keys: {', '.join(KEYS[section])}",
-                path,
-                number,
-            )
-        block["_lines"][key] = number
+            _add_key_line(blocks[-1], line, spath, number)
     if not blocks:
         raise ConfigError("empty model cfg: no [net] section and no layers", path, 1)
     return validate_model_cfg(blocks)
+
+
+def _section_header(line: str, path: str, number: int) -> Block:
+    """A new, empty block for a ``[name]`` line."""
+    if not line.endswith("]"):
+        raise ConfigError(f"malformed section header {line!r}: expected '[name]'", path, number)
+    name = line[1:-1].strip().lower()
+    section = SECTION_ALIASES.get(name)
+    if section is None:
+        known = ", ".join(f"[{s}]" for s in KEYS)
+        raise ConfigError(f"unknown section [{name}]; known sections: {known}", path, number)
+    return {"type": section, "_path": path, "_line": number, "_lines": {}}
+
+
+def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
+    """Parse a ``key=value`` line into ``block``, checking the key and converting the value."""
+    key, sep, value = line.partition("=")
+    key, value = key.strip(), value.strip()
+    section = block["type"]
+    if not sep or not key:
+        raise ConfigError(
+            f"expected 'key=value' or a [section] header in [{section}], got {line!r}", path, number
+        )
+    if not value:
+        raise ConfigError(f"key '{key}' in [{section}] has no value", path, number)
+    if key in block["_lines"] and section == "net":
+        # Darknet's option lists return the first occurrence and report the rest as unused
+        # (yolov3-openimages.cfg sets batch twice). [net] only holds training settings; a
+        # repeated layer key, which would silently change the network, stays an error.
+        LOGGER.warning(
+            "%s:%d: key '%s' in [net] repeats line %d; the first value is used, as in Darknet",
+            path,
+            number,
+            key,
+            block["_lines"][key],
+        )
+        return
+    if key in block["_lines"]:
+        first = block["_lines"][key]
+        raise ConfigError(
+            f"duplicate key '{key}' in [{section}] (first set at line {first})", path, number
+        )
+    if key in KEYS[section]:
+        block[key] = _convert(KEYS[section][key], value, key, section, path, number)
+    elif key in UNSUPPORTED.get(section, {}):
+        block[key] = _neutral_value(key, value, section, path, number)
+    else:
+        known = ", ".join(KEYS[section])
+        raise ConfigError(f"unknown key '{key}' in [{section}]; known keys: {known}", path, number)
+    block["_lines"][key] = number
+
+
+def _neutral_value(key: str, value: str, section: str, path: str, number: int) -> Any:
+    """A Darknet option this implementation only accepts at its neutral value."""
+    neutral = UNSUPPORTED[section][key]
+    parsed = _auto_value(value)
+    if parsed != neutral:
+        raise ConfigError(
+            f"key '{key}={value}' in [{section}] is a Darknet option this implementation does "
+            f"not support (only {key}={neutral} is accepted)",
+            path,
+            number,
+        )
+    return parsed
 
 
 def _where(block: Block, key: str | None = None) -> tuple[str | None, int | None]:
@@ -546,61 +549,17 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
         if kind == "convolutional":
             _check_conv(block)
         elif kind == "maxpool":
-            for key in ("size", "stride", "stride_x", "stride_y"):
-                if key in block and block[key] < 1:
-                    raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
-            size, _, _, padding = maxpool_params(block)
-            # Each window must hold at least one input pixel: Darknet would output -FLT_MAX
-            # for a window lying wholly in the padding.
-            if padding < 0 or (padding + 1) // 2 >= size:
-                raise layer_error(
-                    block,
-                    f"padding={padding} must be in 0..{2 * size - 2} for size={size} (a larger "
-                    "padding makes windows that see no input pixel)",
-                    "padding" if "padding" in block else "size",
-                )
-        elif kind == "upsample":
-            if block.get("stride", 2) < 1:
-                raise layer_error(
-                    block,
-                    f"stride={block['stride']} must be at least 1 (no downsampling)",
-                    "stride",
-                )
+            _check_maxpool(block)
+        elif kind == "upsample" and block.get("stride", 2) < 1:
+            raise layer_error(
+                block, f"stride={block['stride']} must be at least 1 (no downsampling)", "stride"
+            )
         elif kind in ("route", "shortcut"):
-            key = "layers" if kind == "route" else "from"
-            for ref in block[key]:
-                target = i + ref if ref < 0 else ref
-                if not 0 <= target < i:
-                    raise layer_error(
-                        block,
-                        f"{key}={ref} points to layer {target}, outside the network: layer {i} "
-                        f"can only use layers 0..{i - 1} (relative -1..{-i})",
-                        key,
-                    )
-                if layers[target]["type"] == "yolo":
-                    raise layer_error(
-                        block, f"{key}={ref} points to a [yolo] layer (layer {target})", key
-                    )
+            _check_references(layers, i)
             if kind == "route":
-                groups = block.get("groups", 1)
-                if groups < 1:
-                    raise layer_error(block, f"groups={groups} must be at least 1", "groups")
-                gid = block.get("group_id", 0)
-                if not 0 <= gid < groups:
-                    raise layer_error(
-                        block,
-                        f"group_id={gid} must be in 0..{groups - 1} (groups={groups})",
-                        "group_id",
-                    )
+                _check_route(block)
             else:
-                _check_activation(block, default="linear")
-                wtype = block.get("weights_type", "none")
-                if wtype not in ("none", "per_feature"):
-                    raise layer_error(
-                        block,
-                        f"weights_type={wtype} is not supported (use none or per_feature)",
-                        "weights_type",
-                    )
+                _check_shortcut(block)
         elif kind == "dropout":
             p = block.get("probability", 0.5)
             if not 0.0 <= p < 1.0:
@@ -608,6 +567,61 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
         elif kind == "yolo":
             _check_yolo(blocks, i + 1)
     return blocks
+
+
+def _check_maxpool(block: Block) -> None:
+    for key in ("size", "stride", "stride_x", "stride_y"):
+        if key in block and block[key] < 1:
+            raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
+    size, _, _, padding = maxpool_params(block)
+    # Each window must hold at least one input pixel: Darknet would output -FLT_MAX for a
+    # window lying wholly in the padding.
+    if padding < 0 or (padding + 1) // 2 >= size:
+        raise layer_error(
+            block,
+            f"padding={padding} must be in 0..{2 * size - 2} for size={size} (a larger "
+            "padding makes windows that see no input pixel)",
+            "padding" if "padding" in block else "size",
+        )
+
+
+def _check_references(layers: list[Block], i: int) -> None:
+    """A route's ``layers`` / a shortcut's ``from`` point to earlier layers, never a head."""
+    block = layers[i]
+    key = "layers" if block["type"] == "route" else "from"
+    for ref in block[key]:
+        target = i + ref if ref < 0 else ref
+        if not 0 <= target < i:
+            raise layer_error(
+                block,
+                f"{key}={ref} points to layer {target}, outside the network: layer {i} "
+                f"can only use layers 0..{i - 1} (relative -1..{-i})",
+                key,
+            )
+        if layers[target]["type"] == "yolo":
+            raise layer_error(block, f"{key}={ref} points to a [yolo] layer (layer {target})", key)
+
+
+def _check_route(block: Block) -> None:
+    groups = block.get("groups", 1)
+    if groups < 1:
+        raise layer_error(block, f"groups={groups} must be at least 1", "groups")
+    gid = block.get("group_id", 0)
+    if not 0 <= gid < groups:
+        raise layer_error(
+            block, f"group_id={gid} must be in 0..{groups - 1} (groups={groups})", "group_id"
+        )
+
+
+def _check_shortcut(block: Block) -> None:
+    _check_activation(block, default="linear")
+    wtype = block.get("weights_type", "none")
+    if wtype not in ("none", "per_feature"):
+        raise layer_error(
+            block,
+            f"weights_type={wtype} is not supported (use none or per_feature)",
+            "weights_type",
+        )
 
 
 def _check_activation(block: Block, default: str) -> None:
