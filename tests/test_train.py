@@ -190,6 +190,8 @@ def test_validation_reproduces_training_map(trained, shapes_data, tmp_path):
             str(stats_file),
             "--save-json",
             str(tmp_path / "js"),
+            "--save-dir",
+            str(tmp_path / "val"),
         ]
     )
     assert code == 0

@@ -146,10 +146,11 @@ def write_eval_report(
     detections: Sequence[dict[str, Any]],
     names: Sequence[str],
     coco_ap: Mapping[int, tuple[float, float]] | None = None,
+    plots: bool = True,
 ) -> tuple[DetectionMetrics, list[ClassRow]]:
     """Compute the per-class metrics of ``detections`` (COCO dicts, category id = class) against
     ``coco_gt`` (pycocotools ``COCO``, image ``file_name`` = image path), log the table and
-    write the CSV and the pictures into ``out_dir``."""
+    write the CSV and (with ``plots``) the pictures into ``out_dir``."""
     t0 = time.time()
     out_dir.mkdir(parents=True, exist_ok=True)
     gt = gt_by_image(coco_gt)
@@ -159,6 +160,8 @@ def write_eval_report(
     rows = per_class_rows(metrics, names, coco_ap)
     logger.info("%s", format_table(rows, metrics.per_class.best_conf))
     write_per_class_csv(out_dir / "per_class.csv", rows)
+    if not plots:
+        return metrics, rows
     plot_confusion_matrix(metrics.confusion.matrix, names, out_dir / "confusion_matrix.png")
     plot_curves(metrics.per_class, names, out_dir)
     plot_val_batch(coco_gt, gt, dets, names, out_dir)
