@@ -31,16 +31,19 @@ def box_iou_np(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """IoU of ``a (n, 4)`` and ``b (m, 4)`` xyxy boxes -> ``(n, m)``."""
     a = np.asarray(a, dtype=np.float64).reshape(-1, 4)
     b = np.asarray(b, dtype=np.float64).reshape(-1, 4)
-    lt = np.maximum(a[:, None, :2], b[None, :, :2])
-    rb = np.minimum(a[:, None, 2:], b[None, :, 2:])
-    inter = np.clip(rb - lt, 0, None).prod(2)
-    area_a = (a[:, 2:] - a[:, :2]).prod(1)
-    area_b = (b[:, 2:] - b[:, :2]).prod(1)
+    iw = np.minimum(a[:, None, 2], b[None, :, 2]) - np.maximum(a[:, None, 0], b[None, :, 0])
+    ih = np.minimum(a[:, None, 3], b[None, :, 3]) - np.maximum(a[:, None, 1], b[None, :, 1])
+    inter = np.maximum(iw, 0) * np.maximum(ih, 0)
+    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
+    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
     return inter / (area_a[:, None] + area_b[None, :] - inter + EPS)
 
 
 def match_detections(
-    det: np.ndarray, labels: np.ndarray, iou_thres: float = MATCH_IOU
+    det: np.ndarray,
+    labels: np.ndarray,
+    iou_thres: float = MATCH_IOU,
+    iou: np.ndarray | None = None,
 ) -> np.ndarray:
     """Which detections of one image are true positives.
 
@@ -50,6 +53,7 @@ def match_detections(
     Args:
         det: ``(n, 6)`` = x1, y1, x2, y2, confidence, class.
         labels: ``(m, 5)`` = class, x1, y1, x2, y2.
+        iou: ``(n, m)`` IoU of ``det`` and ``labels`` when already computed.
 
     Returns:
         ``(n,)`` bool, in the order of ``det``.
@@ -59,10 +63,14 @@ def match_detections(
     tp = np.zeros(len(det), dtype=bool)
     if not len(det) or not len(labels):
         return tp
-    iou = box_iou_np(det[:, :4], labels[:, 1:])
+    iou = box_iou_np(det[:, :4], labels[:, 1:]) if iou is None else iou.copy()
     iou[det[:, 5][:, None] != labels[:, 0][None, :]] = -1.0
     taken = np.zeros(len(labels), dtype=bool)
-    for i in np.argsort(-det[:, 4], kind="stable"):
+    order = np.argsort(-det[:, 4], kind="stable")
+    # Only detections with some candidate can match; the rest (most of them at a low
+    # threshold) need no Python-level step.
+    order = order[(iou >= iou_thres).any(1)[order]]
+    for i in order:
         row = np.where(taken, -1.0, iou[i])
         j = int(row.argmax())
         if row[j] >= iou_thres:
@@ -138,18 +146,24 @@ def ap_per_class(
     conf = np.asarray(conf, dtype=np.float64)
     pred_cls = np.asarray(pred_cls).astype(np.int64)
     target_cls = np.asarray(target_cls).astype(np.int64)
-    order = np.argsort(-conf, kind="stable")
+    # By class, then by decreasing confidence: each class is one contiguous slice.
+    order = np.lexsort((-conf, pred_cls))
     tp, conf, pred_cls = tp[order], conf[order], pred_cls[order]
+    classes_all = np.unique(pred_cls)
+    starts = np.searchsorted(pred_cls, classes_all)
+    ends = np.append(starts[1:], len(pred_cls))
+    slices = {int(c): slice(a, b) for c, a, b in zip(classes_all, starts, ends)}
+    n_per_class = np.bincount(target_cls, minlength=1) if len(target_cls) else np.zeros(1, int)
     classes = np.unique(np.concatenate((target_cls, pred_cls)))
     k = len(classes)
     px = np.linspace(0, 1, CURVE_POINTS)
     p_curve, r_curve, pr_curve = (np.zeros((k, CURVE_POINTS)) for _ in range(3))
     ap50, n_labels = np.zeros(k), np.zeros(k, dtype=np.int64)
     for ci, c in enumerate(classes):
-        i = pred_cls == c
-        n_l = int((target_cls == c).sum())
+        i = slices.get(int(c))
+        n_l = int(n_per_class[c]) if c < len(n_per_class) else 0
         n_labels[ci] = n_l
-        if not i.any() or n_l == 0:
+        if i is None or n_l == 0:
             continue
         tpc = np.cumsum(tp[i])
         fpc = np.cumsum(~tp[i])
@@ -190,32 +204,32 @@ class ConfusionMatrix:
         self.nc, self.conf, self.iou_thres = nc, conf, iou_thres
         self.matrix = np.zeros((nc + 1, nc + 1), dtype=np.int64)
 
-    def process_image(self, det: np.ndarray, labels: np.ndarray) -> None:
-        """Add one image. ``det (n, 6)`` xyxy, conf, class; ``labels (m, 5)`` class, xyxy."""
+    def process_image(
+        self, det: np.ndarray, labels: np.ndarray, iou: np.ndarray | None = None
+    ) -> None:
+        """Add one image. ``det (n, 6)`` xyxy, conf, class; ``labels (m, 5)`` class, xyxy;
+        ``iou (n, m)`` of the two when already computed."""
         det = np.asarray(det, dtype=np.float64).reshape(-1, 6)
-        det = det[det[:, 4] >= self.conf]
         labels = np.asarray(labels, dtype=np.float64).reshape(-1, 5)
+        keep = det[:, 4] >= self.conf
+        det = det[keep]
         gt_cls = labels[:, 0].astype(np.int64)
         det_cls = det[:, 5].astype(np.int64)
         bg = self.nc
-        iou = box_iou_np(labels[:, 1:], det[:, :4])
+        iou = box_iou_np(labels[:, 1:], det[:, :4]) if iou is None else iou[keep].T
         gi, di = np.nonzero(iou > self.iou_thres)
         # Each label and each detection takes part in at most one pair, best IoU first.
         order = np.argsort(-iou[gi, di], kind="stable")
         gi, di = gi[order], di[order]
-        used_g, used_d = set(), set()
+        used_g = np.zeros(len(labels), dtype=bool)
+        used_d = np.zeros(len(det), dtype=bool)
         for g, d in zip(gi.tolist(), di.tolist()):
-            if g in used_g or d in used_d:
+            if used_g[g] or used_d[d]:
                 continue
-            used_g.add(g)
-            used_d.add(d)
+            used_g[g] = used_d[d] = True
             self.matrix[det_cls[d], gt_cls[g]] += 1
-        for g in range(len(labels)):
-            if g not in used_g:
-                self.matrix[bg, gt_cls[g]] += 1
-        for d in range(len(det)):
-            if d not in used_d:
-                self.matrix[det_cls[d], bg] += 1
+        np.add.at(self.matrix, (bg, gt_cls[~used_g]), 1)
+        np.add.at(self.matrix, (det_cls[~used_d], bg), 1)
 
 
 @dataclass
@@ -266,11 +280,12 @@ def evaluate_detections(
     empty = np.zeros((0, 6))
     for img_id, labels in gt.items():
         det = dets.get(img_id, empty)
-        tps.append(match_detections(det, labels))
+        iou = box_iou_np(det[:, :4], labels[:, 1:])
+        tps.append(match_detections(det, labels, iou=iou))
         confs.append(det[:, 4])
         classes.append(det[:, 5])
         targets.append(labels[:, 0])
-        cm.process_image(det, labels)
+        cm.process_image(det, labels, iou=iou)
     cat = lambda xs: np.concatenate(xs) if xs else np.zeros(0)  # noqa: E731
     return DetectionMetrics(
         ap_per_class(cat(tps).astype(bool), cat(confs), cat(classes), cat(targets)), cm
