@@ -189,8 +189,7 @@ def iter_sources(sources: Sequence[str]) -> Iterator[str | Path]:
         p = Path(s)
         if p.is_dir():
             files = sorted(f for f in p.rglob("*") if f.is_file())
-            yield from (f for f in files
-                        if is_image_file(f) or f.suffix.lower() in VIDEO_SUFFIXES)
+            yield from (f for f in files if is_image_file(f) or f.suffix.lower() in VIDEO_SUFFIXES)
         elif p.is_file():
             yield p
         else:
@@ -212,8 +211,14 @@ def capture_name(source: str | Path) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tail) or "stream"
 
 
-def predict_video(predictor: Predictor, source: str | Path, out_dir: Path, names: Sequence[str],
-                  txt_dir: Path | None = None, save_conf: bool = False) -> int:
+def predict_video(
+    predictor: Predictor,
+    source: str | Path,
+    out_dir: Path,
+    names: Sequence[str],
+    txt_dir: Path | None = None,
+    save_conf: bool = False,
+) -> int:
     """Detect in every frame of a video file, camera or stream and write ``<name>.mp4``.
 
     Raises:
@@ -227,10 +232,13 @@ def predict_video(predictor: Predictor, source: str | Path, out_dir: Path, names
             logger.warning("%s: cannot open as a video; skipped", source)
             return 0
         if is_camera(source):
-            raise ConfigError(f"--source {source}: cannot open camera {source}; check the index "
-                              "and that no other program uses it")
-        raise ConfigError(f"--source {source}: cannot open the stream; check the URL and that "
-                          "it is reachable")
+            raise ConfigError(
+                f"--source {source}: cannot open camera {source}; check the index "
+                "and that no other program uses it"
+            )
+        raise ConfigError(
+            f"--source {source}: cannot open the stream; check the URL and that it is reachable"
+        )
     fps = cap.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS
     name = capture_name(source)
     writer = None
@@ -244,13 +252,19 @@ def predict_video(predictor: Predictor, source: str | Path, out_dir: Path, names
             drawn = draw_detections(frame, det, names)
             if writer is None:
                 h, w = drawn.shape[:2]
-                writer = cv2.VideoWriter(str(out_dir / f"{name}.mp4"),
-                                         cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+                writer = cv2.VideoWriter(
+                    str(out_dir / f"{name}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h)
+                )
             writer.write(drawn)
             frames += 1
             if txt_dir is not None:
-                write_yolo_txt(txt_dir / f"{name}_{frames}.txt", det.numpy(), frame.shape[1],
-                               frame.shape[0], save_conf)
+                write_yolo_txt(
+                    txt_dir / f"{name}_{frames}.txt",
+                    det.numpy(),
+                    frame.shape[1],
+                    frame.shape[0],
+                    save_conf,
+                )
             print(f"{source} frame {frames}: {len(det)} detections")
     finally:
         cap.release()
