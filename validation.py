@@ -144,16 +144,9 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-def format_report(
-    stats: Sequence[float], per_class: dict[int, tuple[float, float]], names: Sequence[str]
-) -> str:
-    """The 12 COCO stats and a per-class AP table as text."""
-    lines = [f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats)]
-    lines += ["", f"{'class':>20s} {'AP50-95':>8s} {'AP50':>8s}"]
-    for c, (ap, ap50) in sorted(per_class.items()):
-        name = names[c] if c < len(names) else str(c)
-        lines.append(f"{name:>20s} {ap:8.4f} {ap50:8.4f}")
-    return "\n".join(lines)
+def format_report(stats: Sequence[float]) -> str:
+    """The 12 COCO stats as text (the per-class table is logged by ``write_eval_report``)."""
+    return "\n".join(f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -225,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.iou_thres,
                 args.img_size,
                 args.weights,
-                format_report(stats, per_class, data.names),
+                format_report(stats),
             )
             save_dir = Path(args.save_dir)
             write_eval_report(save_dir, coco_gt, detections, data.names, per_class, args.plots)

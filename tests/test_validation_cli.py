@@ -66,7 +66,8 @@ def weights5(tmp_path_factory) -> Path:
     return _weights(tmp_path_factory.mktemp("w5") / "w.pt", 5)
 
 
-def test_save_txt_conf_max_det_and_pictures(shapes_data, weights5, tmp_path):
+def test_save_txt_conf_max_det_and_pictures(shapes_data, weights5, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
     save = tmp_path / "val"
     code = validation.main(
         [
@@ -93,6 +94,9 @@ def test_save_txt_conf_max_det_and_pictures(shapes_data, weights5, tmp_path):
     with (save / "per_class.csv").open() as f:
         table = list(csv.DictReader(f))
     assert table[0]["name"] == "all" and int(table[0]["instances"]) > 0
+    # The same table in the log, beside the 12 COCO numbers.
+    assert "instances      P      R   AP50 AP50-95" in caplog.text and "mAP50-95" in caplog.text
+    assert "circle" in caplog.text
     for name in ("confusion_matrix.png", "PR_curve.png", "F1_curve.png", "val_batch0_pred.jpg"):
         img = cv2.imread(str(save / name))
         assert img is not None and img.reshape(-1, 3).std(0).max() > 5, name
