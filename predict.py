@@ -3,11 +3,16 @@
     python predict.py --weights runs/demo/best.pt --source img.jpg
     python predict.py --weights best.pt --source folder/ clip.mp4 --output out/ --conf-thres 0.25
     python predict.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --names coco.names ...
+    python predict.py --weights best.pt --source 0                         # webcam 0
+    python predict.py --weights best.pt --source rtsp://host/stream --classes 0 2 --save-txt
 
 A checkpoint written by train.py carries its cfg and class names, so ``--weights`` alone is
 enough; state_dicts and Darknet ``.weights`` need ``--cfg`` and ``--names``/``--data``.
 Each image's detections are printed (class, confidence, xyxy box in original pixels) and the
-drawn image is saved under ``--output`` with the same name.
+drawn image is saved under ``--output`` with the same name (videos, cameras and streams as
+``<name>.mp4``); ``--save-txt`` also writes ``--output/labels/<name>.txt`` (YOLO format:
+``class cx cy w h`` normalised, ``+ conf`` with ``--save-conf``; video frames as
+``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ import torch
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError
-from build_utils.image_io import is_image_file, list_images, read_image
+from build_utils.image_io import is_image_file, read_image
 from build_utils.parse_config import (
     load_class_names,
     parse_data_cfg,
@@ -39,11 +44,14 @@ from train_utils.checkpoint import extract_state_dict, fit_state_dict, load_chec
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import check_img_size
 from train_utils.devices import select_device
+from train_utils.exports import write_yolo_txt
 from train_utils.train_eval_utils import autocast_context
 
 logger = logging.getLogger("predict")
 
 VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv"}
+STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
+DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
 BOX_THICKNESS = 2
 
 
@@ -52,7 +60,8 @@ def get_parser() -> argparse.ArgumentParser:
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--weights", required=True, help="checkpoint .pt, state_dict .pt or .weights")
     p.add_argument("--source", nargs="+", required=True,
-                   help="image files, folders of images, or video files")
+                   help="image or video files, folders (images and videos inside), a camera "
+                        "index (0) or a stream URL (rtsp://, rtmp://, http(s)://)")
     p.add_argument("--cfg", default=None, help="model cfg (default: the one in the checkpoint)")
     p.add_argument("--data", default=None, help=".data file whose names= gives class names")
     p.add_argument("--names", default=None, help=".names file (one class per line)")
@@ -62,6 +71,13 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--iou-thres", type=float, default=0.6)
     p.add_argument("--max-det", type=int, default=300)
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    p.add_argument("--classes", type=int, nargs="+", default=None,
+                   help="keep only these class ids (e.g. --classes 0 2)")
+    p.add_argument("--save-txt", action="store_true",
+                   help="write OUTPUT/labels/<name>.txt: class cx cy w h normalised")
+    p.add_argument("--save-conf", action="store_true", help="add the confidence to --save-txt")
+    p.add_argument("--half", action="store_true",
+                   help="fp16 weights and inputs (CUDA only; --amp is fp16 autocast)")
     p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--amp", action="store_true", help="bf16 (CPU) / fp16 (CUDA) inference")
     p.add_argument("--trust-checkpoint", action="store_true",
@@ -98,23 +114,29 @@ class Predictor:
     """A model plus the letterbox/NMS/rescale steps around it, for BGR images of any size."""
 
     def __init__(self, model: Darknet, device: torch.device, img_size: int, conf_thres: float,
-                 iou_thres: float, max_det: int, agnostic: bool, amp: bool):
+                 iou_thres: float, max_det: int, agnostic: bool, amp: bool,
+                 classes: Sequence[int] | None = None, half: bool = False):
+        if half and device.type != "cuda":
+            raise ConfigError(f"--half needs a CUDA device, not {device}; on CPU use --amp (bf16)")
         self.model = model.to(device).eval()
-        self.device, self.img_size, self.amp = device, img_size, amp
+        if half:
+            self.model.half()  # fp16 weights; the input follows in __call__
+        self.device, self.img_size, self.amp, self.half = device, img_size, amp, half
         self.conf_thres, self.iou_thres = conf_thres, iou_thres
-        self.max_det, self.agnostic = max_det, agnostic
+        self.max_det, self.agnostic, self.classes = max_det, agnostic, classes
 
     @torch.no_grad()
     def __call__(self, img: np.ndarray) -> torch.Tensor:
         """Detections ``(n, 6)``: xyxy in ``img`` pixels, confidence, class."""
         lb, ratio, pad = letterbox(img, self.img_size, auto=True, scale_up=False)
         x = torch.from_numpy(np.ascontiguousarray(lb[:, :, ::-1].transpose(2, 0, 1)))
-        x = x.to(self.device).float().div_(255).unsqueeze(0)
+        x = x.to(self.device)
+        x = (x.half() if self.half else x.float()).div_(255).unsqueeze(0)
         with autocast_context(self.device, self.amp):
             pred = self.model(x)[0]
         det = non_max_suppression(pred.float(), self.conf_thres, self.iou_thres,
-                                  multi_label=False, agnostic=self.agnostic,
-                                  max_det=self.max_det)[0].cpu()
+                                  multi_label=False, classes=self.classes,
+                                  agnostic=self.agnostic, max_det=self.max_det)[0].cpu()
         if len(det):
             det[:, :4] = scale_coords(x.shape[2:], det[:, :4], img.shape[:2],
                                       ((ratio[1], ratio[0]), pad))
@@ -149,23 +171,76 @@ def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str]]:
     return model, names or [str(i) for i in range(nc)]
 
 
-def iter_sources(sources: Sequence[str]) -> Iterator[Path]:
+def is_camera(source: str) -> bool:
+    return source.isdigit()
+
+
+def is_stream(source: str) -> bool:
+    return source.lower().startswith(STREAM_PREFIXES)
+
+
+def iter_sources(sources: Sequence[str]) -> Iterator[str | Path]:
+    """Files (images and videos found in folders, sorted), camera indices and stream URLs (as
+    given, strings), in the order of ``sources``."""
     for s in sources:
+        if is_camera(s) or is_stream(s):
+            yield s
+            continue
         p = Path(s)
         if p.is_dir():
-            yield from (Path(f) for f in list_images(p))
+            files = sorted(f for f in p.rglob("*") if f.is_file())
+            yield from (f for f in files if is_image_file(f) or f.suffix.lower() in VIDEO_SUFFIXES)
         elif p.is_file():
             yield p
         else:
             raise ConfigError("--source: no such file or folder", p)
 
 
-def predict_video(predictor: Predictor, path: Path, out_dir: Path, names: Sequence[str]) -> int:
-    cap = cv2.VideoCapture(str(path))
+def open_capture(source: str | Path) -> cv2.VideoCapture:
+    """A ``cv2.VideoCapture`` of a video file, a camera index or a stream URL."""
+    return cv2.VideoCapture(int(source) if is_camera(str(source)) else str(source))
+
+
+def capture_name(source: str | Path) -> str:
+    """File stem for a video's outputs: the file's stem, ``camera0``, or the URL's last part."""
+    if isinstance(source, Path):
+        return source.stem
+    if is_camera(source):
+        return f"camera{source}"
+    tail = source.rstrip("/").rsplit("/", 1)[-1]
+    return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tail) or "stream"
+
+
+def predict_video(
+    predictor: Predictor,
+    source: str | Path,
+    out_dir: Path,
+    names: Sequence[str],
+    txt_dir: Path | None = None,
+    save_conf: bool = False,
+) -> int:
+    """Detect in every frame of a video file, camera or stream and write ``<name>.mp4``.
+
+    Raises:
+        ConfigError: a camera or stream cannot be opened (a video file that cannot be read is a
+            warning).
+    """
+    cap = open_capture(source)
     if not cap.isOpened():
-        logger.warning("%s: cannot open as a video; skipped", path)
-        return 0
-    fps = cap.get(cv2.CAP_PROP_FPS) or 25.0
+        cap.release()
+        if isinstance(source, Path):
+            logger.warning("%s: cannot open as a video; skipped", source)
+            return 0
+        if is_camera(source):
+            raise ConfigError(
+                f"--source {source}: cannot open camera {source}; check the index "
+                "and that no other program uses it"
+            )
+        raise ConfigError(
+            f"--source {source}: cannot open the stream; check the URL and that it is reachable"
+        )
+    fps = cap.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS
+    name = capture_name(source)
     writer = None
     frames = 0
     try:
@@ -177,11 +252,20 @@ def predict_video(predictor: Predictor, path: Path, out_dir: Path, names: Sequen
             drawn = draw_detections(frame, det, names)
             if writer is None:
                 h, w = drawn.shape[:2]
-                writer = cv2.VideoWriter(str(out_dir / f"{path.stem}.mp4"),
-                                         cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h))
+                writer = cv2.VideoWriter(
+                    str(out_dir / f"{name}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h)
+                )
             writer.write(drawn)
             frames += 1
-            print(f"{path} frame {frames}: {len(det)} detections")
+            if txt_dir is not None:
+                write_yolo_txt(
+                    txt_dir / f"{name}_{frames}.txt",
+                    det.numpy(),
+                    frame.shape[1],
+                    frame.shape[0],
+                    save_conf,
+                )
+            print(f"{source} frame {frames}: {len(det)} detections")
     finally:
         cap.release()
         if writer is not None:
@@ -202,14 +286,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise ConfigError(f"{flag} must be in [0, 1], got {v}")
         device = select_device(args.device)
         model, names = load_model(args)
+        if args.classes is not None and any(not 0 <= c < len(names) for c in args.classes):
+            raise ConfigError(f"--classes {args.classes}: class ids are 0..{len(names) - 1}")
         predictor = Predictor(model, device, args.img_size, args.conf_thres, args.iou_thres,
-                              args.max_det, args.agnostic_nms, args.amp)
+                              args.max_det, args.agnostic_nms, args.amp, args.classes, args.half)
         out_dir = Path(args.output)
         out_dir.mkdir(parents=True, exist_ok=True)
+        txt_dir = out_dir / "labels" if args.save_txt else None
+        if txt_dir is not None:
+            txt_dir.mkdir(exist_ok=True)
         n_images = 0
         for path in iter_sources(args.source):
-            if path.suffix.lower() in VIDEO_SUFFIXES:
-                predict_video(predictor, path, out_dir, names)
+            if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
+                predict_video(predictor, path, out_dir, names, txt_dir, args.save_conf)
                 continue
             if not is_image_file(path):
                 logger.warning("%s: not an image or video file; skipped", path)
@@ -228,6 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             ok, buf = cv2.imencode(target.suffix or ".jpg", draw_detections(img, det, names))
             if ok:
                 target.write_bytes(buf.tobytes())
+            if txt_dir is not None:
+                write_yolo_txt(txt_dir / f"{path.stem}.txt", det.numpy(), img.shape[1],
+                               img.shape[0], args.save_conf)
             n_images += 1
         logger.info("%d images drawn in %s", n_images, out_dir)
 

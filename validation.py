@@ -2,11 +2,24 @@
 
     python validation.py --cfg cfg/yolov3-spp.cfg --data data/coco.data --weights best.pt
     python validation.py ... --save-json out/ --json-out stats.json
+    python validation.py ... --save-txt --save-conf --save-dir runs/val/exp
+    python validation.py ... --task speed --batch-size 1      # ms per image for each step
     torchrun --nproc_per_node=2 validation.py ...     # each process scores a disjoint shard
 
 The settings are those of the training-time evaluation (rectangular letterboxed batches,
 conf 0.001, NMS IoU 0.6, multi-label, at most 300 detections per image), so a checkpoint's mAP
 here equals the one its training run logged.
+
+Beside the 12 COCO numbers it writes into ``--save-dir`` a per-class table (``per_class.csv``,
+also logged), the confusion matrix, the P/R/F1/PR curves and the first validation images with
+labels and predictions (``--no-plots`` skips the pictures), and with ``--save-txt`` one YOLO
+``.txt`` per image in ``--save-dir/labels``.
+
+``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
+``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
+numbering, so ``predictions.json`` scores directly against ``instances_val2017.json``; on other
+data they are the dataset index and the class id. ``--coco-ids``/``--no-coco-ids`` override the
+detection.
 """
 
 from __future__ import annotations
@@ -34,7 +47,15 @@ from train_utils.config import (
     load_data_config,
 )
 from train_utils.distributed_utils import cleanup, init_distributed_mode
-from train_utils.train_eval_utils import EvalOptions, evaluate
+from train_utils.eval_report import write_eval_report
+from train_utils.exports import (
+    gt_to_official_coco_ids,
+    resolve_coco_ids,
+    to_official_coco_ids,
+    write_dataset_txt,
+)
+from train_utils.speed import measure_speed
+from train_utils.train_eval_utils import MAX_DET, EvalOptions, evaluate
 
 logger = logging.getLogger("validation")
 
@@ -51,6 +72,38 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--conf-thres", type=float, default=DEFAULT_EVAL_CONF)
     p.add_argument("--iou-thres", type=float, default=DEFAULT_EVAL_IOU)
+    p.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
+    p.add_argument(
+        "--task",
+        default="val",
+        choices=("val", "speed"),
+        help="val: COCO mAP, per-class table and pictures; speed: ms per image of "
+        "pre-process, inference and NMS",
+    )
+    p.add_argument(
+        "--save-dir",
+        default="runs/val",
+        help="folder for per_class.csv, the pictures and --save-txt labels",
+    )
+    p.add_argument(
+        "--plots",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="draw the confusion matrix, P/R/F1/PR curves and validation images",
+    )
+    p.add_argument(
+        "--save-txt",
+        action="store_true",
+        help="write SAVE_DIR/labels/<image>.txt: class cx cy w h normalised, one detection a line",
+    )
+    p.add_argument("--save-conf", action="store_true", help="add the confidence to --save-txt")
+    p.add_argument(
+        "--coco-ids",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="--save-json with official COCO image/category ids (default: when the data has 80 "
+        "classes and numeric image file names)",
+    )
     p.add_argument(
         "--multi-label",
         action=argparse.BooleanOptionalAction,
@@ -91,16 +144,9 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-def format_report(
-    stats: Sequence[float], per_class: dict[int, tuple[float, float]], names: Sequence[str]
-) -> str:
-    """The 12 COCO stats and a per-class AP table as text."""
-    lines = [f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats)]
-    lines += ["", f"{'class':>20s} {'AP50-95':>8s} {'AP50':>8s}"]
-    for c, (ap, ap50) in sorted(per_class.items()):
-        name = names[c] if c < len(names) else str(c)
-        lines.append(f"{name:>20s} {ap:8.4f} {ap50:8.4f}")
-    return "\n".join(lines)
+def format_report(stats: Sequence[float]) -> str:
+    """The 12 COCO stats as text (the per-class table is logged by ``write_eval_report``)."""
+    return "\n".join(f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -111,6 +157,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         check_img_size(args.img_size)
         if args.batch_size < 1:
             raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
+        if args.max_det < 1:
+            raise ConfigError(f"--max-det must be >= 1, got {args.max_det}")
+        for flag, v in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
+            if not 0 <= v <= 1:
+                raise ConfigError(f"{flag} must be in [0, 1], got {v}")
         if not Path(args.weights).is_file():
             raise ConfigError("weights file not found; check --weights", args.weights)
         dist = init_distributed_mode(args)
@@ -125,6 +176,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             dataset = make_eval_dataset(
                 data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
             )
+            coco_ids = None
+            if args.save_json:
+                coco_ids = resolve_coco_ids(args.coco_ids, data.nc, dataset.img_files)
             loader = make_eval_loader(
                 dataset,
                 args.batch_size,
@@ -141,11 +195,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.conf_thres,
                 args.iou_thres,
                 args.multi_label,
+                max_det=args.max_det,
                 amp=args.amp,
                 backend=args.coco_backend,
                 show_progress=dist.is_main,
                 per_class=True,
             )
+            if args.task == "speed":
+                speed = measure_speed(model, loader, opts)
+                if dist.is_main:
+                    logger.info(
+                        "%s; weights %s, img %d", speed.format(), args.weights, args.img_size
+                    )
+                return
             stats, per_class, detections = evaluate(model, loader, coco_gt, opts)
             if not dist.is_main:
                 return
@@ -156,15 +218,28 @@ def main(argv: Sequence[str] | None = None) -> int:
                 args.iou_thres,
                 args.img_size,
                 args.weights,
-                format_report(stats, per_class, data.names),
+                format_report(stats),
             )
+            save_dir = Path(args.save_dir)
+            write_eval_report(save_dir, coco_gt, detections, data.names, per_class, args.plots)
+            if args.save_txt:
+                n = write_dataset_txt(save_dir / "labels", coco_gt, detections, args.save_conf)
+                logger.info("wrote %d label files in %s", n, save_dir / "labels")
             if args.save_json:
                 out = Path(args.save_json)
                 out.mkdir(parents=True, exist_ok=True)
                 gt = coco_dict_from_dataset(dataset, num_classes=data.nc)
+                if coco_ids is not None:
+                    gt = gt_to_official_coco_ids(gt, coco_ids, data.names)
+                    detections = to_official_coco_ids(detections, coco_ids)
                 (out / "ground_truth.json").write_text(json.dumps(gt))
                 (out / "predictions.json").write_text(json.dumps(detections))
-                logger.info("wrote %s and %s", out / "ground_truth.json", out / "predictions.json")
+                logger.info(
+                    "wrote %s and %s (%s ids)",
+                    out / "ground_truth.json",
+                    out / "predictions.json",
+                    "official COCO" if coco_ids is not None else "dataset index and class",
+                )
             if args.json_out:
                 Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
                 Path(args.json_out).write_text(

@@ -422,6 +422,8 @@ def test_validation_and_predict_skip_bad_images(bad_run, console, tmp_path):
             "0",
             "--json-out",
             str(tmp_path / "stats.json"),
+            "--save-dir",
+            str(tmp_path / "val"),
         ]
     )
     err = console.readouterr().err

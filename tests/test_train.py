@@ -6,6 +6,7 @@ import csv
 import json
 from pathlib import Path
 
+import cv2
 import pytest
 import torch
 
@@ -82,8 +83,26 @@ def test_training_writes_every_output_and_lowers_loss(trained):
         "hyp.yaml",
         "model.cfg",
         "train.log",
+        "per_class.csv",
     ):
         assert (out / name).is_file(), name
+    for name in (
+        "labels.png",
+        "train_batch0.jpg",
+        "train_batch1.jpg",
+        "train_batch2.jpg",
+        "confusion_matrix.png",
+        "PR_curve.png",
+        "F1_curve.png",
+        "P_curve.png",
+        "R_curve.png",
+        "val_batch0_labels.jpg",
+        "val_batch0_pred.jpg",
+    ):
+        img = cv2.imread(str(out / name))
+        assert img is not None and min(img.shape[:2]) >= 200, name
+        assert img.reshape(-1, 3).std(0).max() > 5, f"{name} is blank"
+    assert _rows(out / "per_class.csv")[0]["name"] == "all"
     assert list(out.glob("events.out.tfevents.*"))
     with (out / "results.csv").open() as f:
         assert f.readline().strip() == ",".join(RESULTS_HEADER)
@@ -171,6 +190,8 @@ def test_validation_reproduces_training_map(trained, shapes_data, tmp_path):
             str(stats_file),
             "--save-json",
             str(tmp_path / "js"),
+            "--save-dir",
+            str(tmp_path / "val"),
         ]
     )
     assert code == 0

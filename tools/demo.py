@@ -131,6 +131,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 str(device),
                 "--json-out",
                 str(stats_file),
+                "--save-dir",
+                str(out / "val"),
             ]
         )
         if code:

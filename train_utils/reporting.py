@@ -20,6 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from train_utils.checkpoint import save_checkpoint, to_plain
 from train_utils.coco_eval import STAT_NAMES
+from train_utils.run_pictures import report_evaluation
 from train_utils.train_eval_utils import EpochStats
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,16 @@ class EpochReporter:
         if is_best and self.keep_best:
             save_checkpoint(ckpt, self.out / "best.pt")
 
+    def evaluated(
+        self,
+        coco_gt: Any,
+        detections: Sequence[dict],
+        names: Sequence[str],
+        coco_ap: Mapping[int, tuple[float, float]] | None,
+    ) -> None:
+        """The per-class table, ``per_class.csv`` and the evaluation pictures."""
+        report_evaluation(self.out, coco_gt, detections, names, coco_ap)
+
     def _append_row(self, epoch: int, stats: EpochStats, seconds: float) -> None:
         row = {
             "epoch": epoch,
@@ -226,6 +237,9 @@ class SilentReporter:
         self.last_stats: dict[str, float] | None = None
 
     def end_epoch(self, *args: Any) -> None:
+        pass
+
+    def evaluated(self, *args: Any) -> None:
         pass
 
     def interrupted(self, epoch: int) -> None:

@@ -46,6 +46,7 @@ from train_utils.distributed_utils import (
 from train_utils.ema import ModelEMA
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.reporting import make_reporter, write_run_files
+from train_utils.run_pictures import plot_dataset_labels, plot_first_batches
 from train_utils.train_eval_utils import (
     EvalOptions,
     TrainOptions,
@@ -125,6 +126,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         backend=config.coco_backend,
         show_progress=dist.is_main,
         channels_last=channels_last,
+        per_class=True,
     )
     cfg_text = format_model_cfg(blocks)
     if dist.is_main:
@@ -132,6 +134,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         _log_start(
             config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
         )
+        plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
     reporter = make_reporter(
         dist.is_main,
         best,
@@ -149,17 +152,24 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                 seed_all(config.seed + epoch * EPOCH_SEED_STRIDE + dist.rank * RANK_SEED_STRIDE)
                 train_data.sampler.set_epoch(epoch)
                 t0 = time.time()
-                stats = train_one_epoch(state, train_data.train_loader, epoch, opts)
+                loader = plot_first_batches(
+                    train_data.train_loader,
+                    config.output_dir,
+                    data.names,
+                    dist.is_main and epoch == 0,
+                )
+                stats = train_one_epoch(state, loader, epoch, opts)
                 seconds = time.time() - t0
                 state.scheduler.step()
                 coco_stats = None
                 if _evaluates(config, epoch):
-                    coco_stats = evaluate(
+                    coco_stats, coco_ap, detections = evaluate(
                         state.ema.ema if state.ema else model,
                         train_data.val_loader,
                         train_data.coco_gt,
                         eval_opts,
-                    )[0]
+                    )
+                    reporter.evaluated(train_data.coco_gt, detections, data.names, coco_ap)
                 reporter.end_epoch(epoch, stats, coco_stats, seconds)
                 # Nobody starts the next epoch before the checkpoint of this one exists.
                 barrier()

@@ -1,0 +1,181 @@
+"""validation.py flags: --max-det, --save-txt/--save-conf, --save-json with official COCO ids,
+--task speed, and the per-class table and pictures in --save-dir."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import cv2
+import pytest
+import torch
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+import validation
+from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
+from models.darknet import Darknet
+from train_utils.checkpoint import save_checkpoint
+from train_utils.exports import COCO80_TO_91
+
+REPO = Path(__file__).resolve().parents[1]
+IMG = "128"
+
+
+def _weights(path: Path, nc: int) -> Path:
+    """A nano model whose head biases make boxes confident (class 0 wins), as a state_dict."""
+    blocks = rewrite_cfg_classes(parse_model_cfg(REPO / "cfg" / "yolov3-spp-nano.cfg"), nc)
+    torch.manual_seed(0)
+    model = Darknet(blocks, img_size=(128, 128))
+    with torch.no_grad():
+        for i in model.yolo_layers:
+            bias = model.module_list[i - 1].Conv2d.bias.view(3, -1)
+            bias[:, 4] = 3.0
+            bias[:, 5] = 3.0
+    save_checkpoint({"model": model.state_dict(), "epoch": -1}, path)
+    return path
+
+
+def _argv(data: Path, weights: Path, *extra: str) -> list[str]:
+    return [
+        "--cfg",
+        str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
+        "--data",
+        str(data),
+        "--weights",
+        str(weights),
+        "--img-size",
+        IMG,
+        "--batch-size",
+        "4",
+        "--device",
+        "cpu",
+        "--workers",
+        "0",
+        *extra,
+    ]
+
+
+@pytest.fixture(scope="module")
+def weights5(tmp_path_factory) -> Path:
+    return _weights(tmp_path_factory.mktemp("w5") / "w.pt", 5)
+
+
+def test_save_txt_conf_max_det_and_pictures(shapes_data, weights5, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    save = tmp_path / "val"
+    code = validation.main(
+        [
+            *_argv(shapes_data, weights5, "--save-dir", str(save), "--save-txt", "--save-conf"),
+            "--max-det",
+            "7",
+            "--conf-thres",
+            "0.01",
+        ]
+    )
+    assert code == 0
+    files = sorted((save / "labels").glob("*.txt"))
+    assert len(files) == 10  # one per validation image, empty when nothing was found
+    rows = [line.split() for f in files for line in f.read_text().splitlines()]
+    assert rows, "no detections written"
+    counts = [len(f.read_text().splitlines()) for f in files]
+    assert max(counts) <= 7  # --max-det
+    for r in rows:
+        assert len(r) == 6  # class cx cy w h conf
+        cls, *box, conf = r
+        assert 0 <= int(cls) < 5
+        assert all(0 <= float(v) <= 1 for v in box)
+        assert 0.01 <= float(conf) <= 1
+    with (save / "per_class.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert table[0]["name"] == "all" and int(table[0]["instances"]) > 0
+    # The same table in the log, beside the 12 COCO numbers.
+    assert "instances      P      R   AP50 AP50-95" in caplog.text and "mAP50-95" in caplog.text
+    assert "circle" in caplog.text
+    for name in ("confusion_matrix.png", "PR_curve.png", "F1_curve.png", "val_batch0_pred.jpg"):
+        img = cv2.imread(str(save / name))
+        assert img is not None and img.reshape(-1, 3).std(0).max() > 5, name
+
+
+def test_no_plots_and_no_conf(shapes_data, weights5, tmp_path):
+    save = tmp_path / "val"
+    argv = _argv(shapes_data, weights5, "--save-dir", str(save), "--save-txt", "--no-plots")
+    assert validation.main(argv) == 0
+    assert (save / "per_class.csv").is_file()
+    assert not (save / "confusion_matrix.png").exists()
+    line = next(ln for f in (save / "labels").glob("*.txt") for ln in f.read_text().splitlines())
+    assert len(line.split()) == 5
+
+
+def test_task_speed(shapes_data, weights5, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    argv = _argv(shapes_data, weights5, "--task", "speed", "--save-dir", str(tmp_path / "v"))
+    assert validation.main(argv) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("speed:"))
+    assert "ms pre-process" in line and "ms inference" in line and "ms NMS per image" in line
+    assert not (tmp_path / "v").exists()  # speed only times
+
+
+@pytest.fixture(scope="module")
+def coco_like(shapes_data, tmp_path_factory) -> Path:
+    """The shapes validation images renamed like COCO's val2017, with an 80-class .data file."""
+    root = tmp_path_factory.mktemp("coco")
+    (root / "images" / "val2017").mkdir(parents=True)
+    (root / "labels" / "val2017").mkdir(parents=True)
+    src = shapes_data.parent / "val"
+    lines = []
+    for k, img in enumerate(sorted((src / "images").glob("*.jpg"))):
+        name = f"{397133 + 7 * k:012d}"
+        shutil.copy(img, root / "images" / "val2017" / f"{name}.jpg")
+        shutil.copy(src / "labels" / f"{img.stem}.txt", root / "labels" / "val2017" / f"{name}.txt")
+        lines.append(f"images/val2017/{name}.jpg\n")
+    (root / "val2017.txt").write_text("".join(lines))
+    (root / "coco.names").write_text("".join(f"class{c}\n" for c in range(80)))
+    data = root / "coco.data"
+    data.write_text("classes=80\ntrain=val2017.txt\nvalid=val2017.txt\nnames=coco.names\n")
+    return data
+
+
+def test_save_json_official_coco_ids(coco_like, tmp_path):
+    weights = _weights(tmp_path / "w80.pt", 80)
+    out = tmp_path / "js"
+    stats_file = tmp_path / "stats.json"
+    argv = _argv(coco_like, weights, "--save-json", str(out), "--json-out", str(stats_file))
+    assert validation.main([*argv, "--save-dir", str(tmp_path / "v"), "--no-plots"]) == 0
+    preds = json.loads((out / "predictions.json").read_text())
+    gt = json.loads((out / "ground_truth.json").read_text())
+    stems = {int(p.stem) for p in (coco_like.parent / "images" / "val2017").glob("*.jpg")}
+    assert preds and {p["image_id"] for p in preds} <= stems
+    assert {im["id"] for im in gt["images"]} == stems
+    assert {p["category_id"] for p in preds} <= set(COCO80_TO_91)
+    assert sorted(c["id"] for c in gt["categories"]) == COCO80_TO_91
+    # The official-id files score with plain pycocotools to the numbers validation.py logged.
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO(str(out / "ground_truth.json"))
+        e = COCOeval(coco_gt, coco_gt.loadRes(str(out / "predictions.json")), "bbox")
+        e.evaluate()
+        e.accumulate()
+        e.summarize()
+    stats = json.loads(stats_file.read_text())
+    assert e.stats[0] == pytest.approx(stats["mAP50-95"], abs=1e-4)
+    assert e.stats[1] == pytest.approx(stats["mAP50"], abs=1e-4)
+
+
+def test_no_coco_ids_keeps_dataset_ids(coco_like, tmp_path):
+    weights = _weights(tmp_path / "w80.pt", 80)
+    out = tmp_path / "js"
+    argv = _argv(coco_like, weights, "--save-json", str(out), "--no-coco-ids", "--no-plots")
+    assert validation.main([*argv, "--save-dir", str(tmp_path / "v")]) == 0
+    preds = json.loads((out / "predictions.json").read_text())
+    assert {p["image_id"] for p in preds} <= set(range(10))
+
+
+def test_coco_ids_refused_on_other_data(shapes_data, weights5, tmp_path, capsys):
+    argv = _argv(shapes_data, weights5, "--save-json", str(tmp_path / "js"), "--coco-ids")
+    assert validation.main(argv) == 2
+    assert "--coco-ids needs the 80 COCO classes" in capsys.readouterr().err

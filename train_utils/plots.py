@@ -1,0 +1,213 @@
+"""Pictures of a dataset and of an evaluation: label statistics, image mosaics with boxes,
+the confusion matrix and the P/R/F1 curves.
+
+Pure drawing: every function takes arrays and a path and writes one file. Nothing here uses a
+random number generator (training numerics must not depend on whether pictures are drawn).
+Charts use matplotlib's Agg backend, image mosaics OpenCV.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from pathlib import Path
+
+import cv2
+import numpy as np
+
+from train_utils.metrics import ClassMetrics
+
+MOSAIC_CELL = 320  # pixels of the longer side of each image in a mosaic
+MOSAIC_MAX_IMAGES = 16
+BOX_THICKNESS = 2
+DPI = 100
+MAX_CURVE_LEGEND = 10  # classes named in a curve's legend; more are drawn grey and unnamed
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def class_colour(c: int) -> tuple[int, int, int]:
+    """A stable, distinct BGR colour per class (golden-angle hues)."""
+    hsv = np.uint8([[[(c * 47) % 180, 220, 255]]])
+    return tuple(int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)[0, 0])
+
+
+def _name(names: Sequence[str], c: int) -> str:
+    return names[c] if 0 <= c < len(names) else str(c)
+
+
+def plot_labels(labels: Sequence[np.ndarray], names: Sequence[str], path: Path) -> None:
+    """``labels.png``: instances per class, box centres and box sizes.
+
+    Args:
+        labels: per image ``(n, 5)`` = class, cx, cy, w, h normalised.
+    """
+    plt = _pyplot()
+    lb = np.concatenate([np.asarray(x).reshape(-1, 5) for x in labels] or [np.zeros((0, 5))])
+    nc = max(len(names), int(lb[:, 0].max()) + 1 if len(lb) else 1)
+    counts = np.bincount(lb[:, 0].astype(np.int64), minlength=nc)
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4))
+    axes[0].bar(range(nc), counts, color="tab:blue")
+    axes[0].set(title=f"instances per class ({len(lb)} in all)", ylabel="instances")
+    if nc <= 30:
+        axes[0].set_xticks(range(nc), [_name(names, c) for c in range(nc)], rotation=90)
+    axes[1].hist2d(lb[:, 1], lb[:, 2], bins=50, range=[[0, 1], [0, 1]], cmap="Blues")
+    axes[1].set(title="box centres", xlabel="x", ylabel="y", xlim=(0, 1), ylim=(1, 0))
+    axes[2].hist2d(lb[:, 3], lb[:, 4], bins=50, range=[[0, 1], [0, 1]], cmap="Blues")
+    axes[2].set(title="box sizes", xlabel="width", ylabel="height", xlim=(0, 1), ylim=(0, 1))
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_images(
+    images: Sequence[np.ndarray],
+    boxes: Sequence[np.ndarray],
+    names: Sequence[str],
+    path: Path,
+    titles: Sequence[str] | None = None,
+    show_conf: bool = False,
+) -> None:
+    """A mosaic of up to ``MOSAIC_MAX_IMAGES`` images with their boxes, written by OpenCV.
+
+    Args:
+        images: BGR ``uint8 (H, W, 3)`` images, any sizes.
+        boxes: per image ``(n, 6)`` = x1, y1, x2, y2 in that image's pixels, confidence, class.
+        titles: a caption per image (e.g. its file name).
+        show_conf: write the confidence beside the class name (predictions).
+    """
+    images, boxes = list(images)[:MOSAIC_MAX_IMAGES], list(boxes)[:MOSAIC_MAX_IMAGES]
+    n = max(len(images), 1)
+    cols = math.ceil(math.sqrt(n))
+    rows = math.ceil(n / cols)
+    mosaic = np.full((rows * MOSAIC_CELL, cols * MOSAIC_CELL, 3), 114, dtype=np.uint8)
+    for k, (img, det) in enumerate(zip(images, boxes)):
+        h, w = img.shape[:2]
+        s = MOSAIC_CELL / max(h, w)
+        cell = cv2.resize(img, (max(1, round(w * s)), max(1, round(h * s))))
+        for x1, y1, x2, y2, conf, c in np.asarray(det, dtype=np.float64).reshape(-1, 6).tolist():
+            colour = class_colour(int(c))
+            p1, p2 = (round(x1 * s), round(y1 * s)), (round(x2 * s), round(y2 * s))
+            cv2.rectangle(cell, p1, p2, colour, BOX_THICKNESS, cv2.LINE_AA)
+            text = _name(names, int(c)) + (f" {conf:.2f}" if show_conf else "")
+            cv2.putText(
+                cell,
+                text,
+                (p1[0], max(p1[1] - 3, 10)),
+                cv2.FONT_HERSHEY_SIMPLEX,
+                0.4,
+                colour,
+                1,
+                cv2.LINE_AA,
+            )
+        if titles is not None and k < len(titles):
+            cv2.putText(
+                cell, titles[k][:40], (3, 12), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (255, 255, 255), 1
+            )
+        r, c = divmod(k, cols)
+        y0, x0 = r * MOSAIC_CELL, c * MOSAIC_CELL
+        mosaic[y0 : y0 + cell.shape[0], x0 : x0 + cell.shape[1]] = cell
+        cv2.rectangle(
+            mosaic, (x0, y0), (x0 + MOSAIC_CELL - 1, y0 + MOSAIC_CELL - 1), (255, 255, 255), 1
+        )
+    ok, buf = cv2.imencode(Path(path).suffix or ".jpg", mosaic)
+    if ok:
+        Path(path).write_bytes(buf.tobytes())
+
+
+def batch_to_images(
+    imgs: np.ndarray, targets: np.ndarray
+) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """A collated training batch as :func:`plot_images` inputs.
+
+    Args:
+        imgs: ``(bs, 3, H, W)`` uint8 RGB.
+        targets: ``(nt, 6)`` = image index in the batch, class, cx, cy, w, h normalised.
+    """
+    imgs = np.asarray(imgs)
+    targets = np.asarray(targets, dtype=np.float64).reshape(-1, 6)
+    h, w = imgs.shape[2:]
+    out_imgs, out_boxes = [], []
+    for i in range(min(len(imgs), MOSAIC_MAX_IMAGES)):
+        out_imgs.append(np.ascontiguousarray(imgs[i].transpose(1, 2, 0)[:, :, ::-1]))
+        t = targets[targets[:, 0] == i]
+        cx, cy, bw, bh = t[:, 2] * w, t[:, 3] * h, t[:, 4] * w, t[:, 5] * h
+        out_boxes.append(
+            np.stack(
+                (cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2, np.ones(len(t)), t[:, 1]), 1
+            )
+        )
+    return out_imgs, out_boxes
+
+
+def plot_confusion_matrix(matrix: np.ndarray, names: Sequence[str], path: Path) -> None:
+    """``confusion_matrix.png``: rows predicted, columns true, each column normalised to 1; the
+    last row/column is background (missed labels / detections of nothing)."""
+    plt = _pyplot()
+    m = np.asarray(matrix, dtype=np.float64)
+    nc = m.shape[0] - 1
+    norm = m / np.maximum(m.sum(0, keepdims=True), 1)
+    labels = [_name(names, c) for c in range(nc)] + ["background"]
+    size = min(4 + 0.4 * (nc + 1), 16)
+    fig, ax = plt.subplots(figsize=(size + 1, size))
+    im = ax.imshow(norm, cmap="Blues", vmin=0, vmax=1)
+    fig.colorbar(im, ax=ax, fraction=0.046)
+    if nc < 30:
+        ax.set_xticks(range(nc + 1), labels, rotation=90)
+        ax.set_yticks(range(nc + 1), labels)
+        for i in range(nc + 1):
+            for j in range(nc + 1):
+                if m[i, j]:
+                    colour = "white" if norm[i, j] > 0.5 else "black"
+                    ax.text(j, i, f"{norm[i, j]:.2f}", ha="center", va="center", color=colour)
+    ax.set(xlabel="true", ylabel="predicted", title="confusion matrix (column-normalised)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=DPI)
+    plt.close(fig)
+
+
+def plot_curves(metrics: ClassMetrics, names: Sequence[str], out_dir: Path) -> list[Path]:
+    """``PR_curve.png``, ``F1_curve.png``, ``P_curve.png`` and ``R_curve.png``: one line per class
+    and the mean over classes with labels (thick). Returns the paths written."""
+    plt = _pyplot()
+    has = metrics.n_labels > 0
+    px = metrics.px
+    specs = [
+        ("PR_curve.png", "recall", "precision", metrics.pr_curve, metrics.ap50, "AP50"),
+        ("F1_curve.png", "confidence", "F1", metrics.f1_curve, None, None),
+        ("P_curve.png", "confidence", "precision", metrics.p_curve, None, None),
+        ("R_curve.png", "confidence", "recall", metrics.r_curve, None, None),
+    ]
+    written = []
+    for fname, xlabel, ylabel, curves, values, value_name in specs:
+        fig, ax = plt.subplots(figsize=(7, 5))
+        named = len(metrics.classes) <= MAX_CURVE_LEGEND
+        for k, c in enumerate(metrics.classes.tolist()):
+            if not has[k]:
+                continue
+            label = None
+            if named:
+                label = _name(names, c) + (f" {values[k]:.3f}" if values is not None else "")
+            ax.plot(px, curves[k], linewidth=1, label=label, color=None if named else "grey")
+        mean = curves[has].mean(0) if has.any() else np.zeros_like(px)
+        if values is not None:
+            mean_label = f"all classes {value_name} {values[has].mean() if has.any() else 0:.3f}"
+        else:
+            i = int(mean.argmax())
+            mean_label = f"all classes {mean[i]:.2f} at {px[i]:.3f}"
+        ax.plot(px, mean, linewidth=3, color="tab:blue", label=mean_label)
+        ax.set(xlabel=xlabel, ylabel=ylabel, xlim=(0, 1), ylim=(0, 1.02))
+        ax.legend(loc="lower left" if fname == "PR_curve.png" else "best", fontsize=8)
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(out_dir / fname, dpi=DPI)
+        plt.close(fig)
+        written.append(out_dir / fname)
+    return written

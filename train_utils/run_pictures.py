@@ -1,0 +1,102 @@
+"""The pictures of a training run, drawn by rank 0 without touching the training:
+``labels.png`` and ``train_batch0..2.jpg`` at the start, the evaluation pictures and
+``per_class.csv`` after each evaluation (``eval_report.py``).
+
+The first batches are drawn from the batches the loop itself consumes (:func:`plot_first_batches`
+wraps the loader and passes every batch through unchanged), so no random number generator is
+used and a run's numbers are the same with or without pictures. A failure to draw is a warning,
+never the end of a training run.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from train_utils.eval_report import write_eval_report
+from train_utils.plots import batch_to_images, plot_images, plot_labels
+
+logger = logging.getLogger(__name__)
+
+TRAIN_BATCHES_DRAWN = 3  # train_batch0.jpg .. train_batch2.jpg
+
+
+def plot_dataset_labels(dataset: Any, names: Sequence[str], out_dir: Path) -> None:
+    """``labels.png`` of a dataset with ``labels``: per image ``(n, 5)`` class + cxcywh norm."""
+    labels = getattr(dataset, "labels", None)
+    if labels is None:
+        return
+    try:
+        plot_labels(labels, names, out_dir / "labels.png")
+    except Exception as e:  # pictures are a convenience; training goes on without them
+        logger.warning("could not draw %s: %s", out_dir / "labels.png", e)
+
+
+class _FirstBatches:
+    """``loader`` unchanged, but the first ``n`` batches are drawn before being handed on."""
+
+    def __init__(self, loader: Any, out_dir: Path, names: Sequence[str], n: int):
+        self.loader, self.out_dir, self.names, self.n = loader, out_dir, names, n
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, batch in enumerate(self.loader):
+            if i < self.n:
+                self._draw(i, batch)
+            yield batch
+
+    def _draw(self, i: int, batch: Sequence[Any]) -> None:
+        imgs, targets, paths = batch[0], batch[1], batch[2]
+        path = self.out_dir / f"train_batch{i}.jpg"
+        try:
+            images, boxes = batch_to_images(_numpy(imgs), _numpy(targets))
+            plot_images(images, boxes, self.names, path, [Path(p).name for p in paths])
+        except Exception as e:  # pictures are a convenience; training goes on without them
+            logger.warning("could not draw %s: %s", path, e)
+
+
+def _numpy(x: Any) -> np.ndarray:
+    return x.detach().cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
+def plot_first_batches(
+    loader: Iterable,
+    out_dir: Path,
+    names: Sequence[str],
+    enabled: bool,
+    n: int = TRAIN_BATCHES_DRAWN,
+) -> Iterable:
+    """``loader`` itself when not ``enabled``, else a view of it that draws its first ``n``
+    batches (``(imgs (bs, 3, H, W) uint8 RGB, targets (nt, 6), paths, ...)``) into
+    ``out_dir/train_batch{i}.jpg``."""
+    return _FirstBatches(loader, out_dir, names, n) if enabled else loader
+
+
+def report_evaluation(
+    out_dir: Path,
+    coco_gt: Any,
+    detections: Sequence[dict[str, Any]],
+    names: Sequence[str],
+    coco_ap: Mapping[int, tuple[float, float]] | None,
+) -> float:
+    """:func:`eval_report.write_eval_report`, with failures as warnings; returns the seconds it
+    took."""
+    t0 = time.time()
+    try:
+        write_eval_report(out_dir, coco_gt, detections, names, coco_ap)
+    except Exception as e:  # pictures are a convenience; training goes on without them
+        logger.warning("could not write the evaluation pictures in %s: %s", out_dir, e)
+    seconds = time.time() - t0
+    logger.info("evaluation pictures and per_class.csv in %s (%.1f s)", out_dir, seconds)
+    return seconds
