@@ -56,12 +56,17 @@ BOX_THICKNESS = 2
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("YOLOv3-SPP prediction",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        "YOLOv3-SPP prediction", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--weights", required=True, help="checkpoint .pt, state_dict .pt or .weights")
-    p.add_argument("--source", nargs="+", required=True,
-                   help="image or video files, folders (images and videos inside), a camera "
-                        "index (0) or a stream URL (rtsp://, rtmp://, http(s)://)")
+    p.add_argument(
+        "--source",
+        nargs="+",
+        required=True,
+        help="image or video files, folders (images and videos inside), a camera "
+        "index (0) or a stream URL (rtsp://, rtmp://, http(s)://)",
+    )
     p.add_argument("--cfg", default=None, help="model cfg (default: the one in the checkpoint)")
     p.add_argument("--data", default=None, help=".data file whose names= gives class names")
     p.add_argument("--names", default=None, help=".names file (one class per line)")
@@ -71,17 +76,31 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--iou-thres", type=float, default=0.6)
     p.add_argument("--max-det", type=int, default=300)
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    p.add_argument("--classes", type=int, nargs="+", default=None,
-                   help="keep only these class ids (e.g. --classes 0 2)")
-    p.add_argument("--save-txt", action="store_true",
-                   help="write OUTPUT/labels/<name>.txt: class cx cy w h normalised")
+    p.add_argument(
+        "--classes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="keep only these class ids (e.g. --classes 0 2)",
+    )
+    p.add_argument(
+        "--save-txt",
+        action="store_true",
+        help="write OUTPUT/labels/<name>.txt: class cx cy w h normalised",
+    )
     p.add_argument("--save-conf", action="store_true", help="add the confidence to --save-txt")
-    p.add_argument("--half", action="store_true",
-                   help="fp16 weights and inputs (CUDA only; --amp is fp16 autocast)")
+    p.add_argument(
+        "--half",
+        action="store_true",
+        help="fp16 weights and inputs (CUDA only; --amp is fp16 autocast)",
+    )
     p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if present)")
     p.add_argument("--amp", action="store_true", help="bf16 (CPU) / fp16 (CUDA) inference")
-    p.add_argument("--trust-checkpoint", action="store_true",
-                   help="allow full-pickle checkpoint loading (only for files you trust)")
+    p.add_argument(
+        "--trust-checkpoint",
+        action="store_true",
+        help="allow full-pickle checkpoint loading (only for files you trust)",
+    )
     return p
 
 
@@ -105,17 +124,35 @@ def draw_detections(img: np.ndarray, det: torch.Tensor, names: Sequence[str]) ->
         (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
         top = max(p1[1], th + base)
         cv2.rectangle(out, (p1[0], top - th - base), (p1[0] + tw, top), colour, -1)
-        cv2.putText(out, label, (p1[0], top - base), cv2.FONT_HERSHEY_SIMPLEX, scale,
-                    (255, 255, 255), 1, cv2.LINE_AA)
+        cv2.putText(
+            out,
+            label,
+            (p1[0], top - base),
+            cv2.FONT_HERSHEY_SIMPLEX,
+            scale,
+            (255, 255, 255),
+            1,
+            cv2.LINE_AA,
+        )
     return out
 
 
 class Predictor:
     """A model plus the letterbox/NMS/rescale steps around it, for BGR images of any size."""
 
-    def __init__(self, model: Darknet, device: torch.device, img_size: int, conf_thres: float,
-                 iou_thres: float, max_det: int, agnostic: bool, amp: bool,
-                 classes: Sequence[int] | None = None, half: bool = False):
+    def __init__(
+        self,
+        model: Darknet,
+        device: torch.device,
+        img_size: int,
+        conf_thres: float,
+        iou_thres: float,
+        max_det: int,
+        agnostic: bool,
+        amp: bool,
+        classes: Sequence[int] | None = None,
+        half: bool = False,
+    ):
         if half and device.type != "cuda":
             raise ConfigError(f"--half needs a CUDA device, not {device}; on CPU use --amp (bf16)")
         self.model = model.to(device).eval()
@@ -134,12 +171,19 @@ class Predictor:
         x = (x.half() if self.half else x.float()).div_(255).unsqueeze(0)
         with autocast_context(self.device, self.amp):
             pred = self.model(x)[0]
-        det = non_max_suppression(pred.float(), self.conf_thres, self.iou_thres,
-                                  multi_label=False, classes=self.classes,
-                                  agnostic=self.agnostic, max_det=self.max_det)[0].cpu()
+        det = non_max_suppression(
+            pred.float(),
+            self.conf_thres,
+            self.iou_thres,
+            multi_label=False,
+            classes=self.classes,
+            agnostic=self.agnostic,
+            max_det=self.max_det,
+        )[0].cpu()
         if len(det):
-            det[:, :4] = scale_coords(x.shape[2:], det[:, :4], img.shape[:2],
-                                      ((ratio[1], ratio[0]), pad))
+            det[:, :4] = scale_coords(
+                x.shape[2:], det[:, :4], img.shape[:2], ((ratio[1], ratio[0]), pad)
+            )
         return det
 
 
@@ -288,8 +332,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         model, names = load_model(args)
         if args.classes is not None and any(not 0 <= c < len(names) for c in args.classes):
             raise ConfigError(f"--classes {args.classes}: class ids are 0..{len(names) - 1}")
-        predictor = Predictor(model, device, args.img_size, args.conf_thres, args.iou_thres,
-                              args.max_det, args.agnostic_nms, args.amp, args.classes, args.half)
+        predictor = Predictor(
+            model,
+            device,
+            args.img_size,
+            args.conf_thres,
+            args.iou_thres,
+            args.max_det,
+            args.agnostic_nms,
+            args.amp,
+            args.classes,
+            args.half,
+        )
         out_dir = Path(args.output)
         out_dir.mkdir(parents=True, exist_ok=True)
         txt_dir = out_dir / "labels" if args.save_txt else None
@@ -309,17 +363,24 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.warning("skipped: %s", e)
                 continue
             det = predictor(img)
-            items = ", ".join(f"{names[int(c)] if int(c) < len(names) else int(c)} {conf:.2f} "
-                              f"[{x1:.0f},{y1:.0f},{x2:.0f},{y2:.0f}]"
-                              for x1, y1, x2, y2, conf, c in det.tolist())
+            items = ", ".join(
+                f"{names[int(c)] if int(c) < len(names) else int(c)} {conf:.2f} "
+                f"[{x1:.0f},{y1:.0f},{x2:.0f},{y2:.0f}]"
+                for x1, y1, x2, y2, conf, c in det.tolist()
+            )
             print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
             target = out_dir / path.name
             ok, buf = cv2.imencode(target.suffix or ".jpg", draw_detections(img, det, names))
             if ok:
                 target.write_bytes(buf.tobytes())
             if txt_dir is not None:
-                write_yolo_txt(txt_dir / f"{path.stem}.txt", det.numpy(), img.shape[1],
-                               img.shape[0], args.save_conf)
+                write_yolo_txt(
+                    txt_dir / f"{path.stem}.txt",
+                    det.numpy(),
+                    img.shape[1],
+                    img.shape[0],
+                    args.save_conf,
+                )
             n_images += 1
         logger.info("%d images drawn in %s", n_images, out_dir)
 

@@ -89,6 +89,8 @@ def test_train_validate_predict(name, make_shapes_data, repo_root, tmp_path, con
     assert (
         validation.main(
             [
+                "--save-dir",
+                str(tmp_path / "val"),
                 "--cfg",
                 str(out / "model.cfg"),
                 "--data",

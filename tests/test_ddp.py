@@ -146,6 +146,8 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
             *common,
             "--json-out",
             str(tmp_path / "single.json"),
+            "--save-dir",
+            str(tmp_path / "val_single"),
             "--save-json",
             str(tmp_path / "single"),
         ],
@@ -162,6 +164,8 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
             *common,
             "--json-out",
             str(tmp_path / "multi.json"),
+            "--save-dir",
+            str(tmp_path / "val_multi"),
             "--save-json",
             str(tmp_path / "multi"),
         ],
@@ -323,6 +327,8 @@ def _validate(data: Path, out: Path, tmp_path: Path) -> dict[str, float]:
     proc = _python(
         "validation.py",
         [
+            "--save-dir",
+            str(tmp_path / "val"),
             "--cfg",
             str(out / "model.cfg"),
             "--data",

@@ -420,6 +420,8 @@ def _invoke(name: str, f: dict, out: Path, extra: list[str]) -> int:
     if name == "validation":
         return validation.main(
             [
+                "--save-dir",
+                str(out / "val"),
                 "--cfg",
                 str(NANO),
                 "--data",
