@@ -291,19 +291,8 @@ def compute_loss(
     """
     device = preds[0].device
     layer_targets = build_targets(preds, targets, model, hyp["iou_t"])
-
-    # torch.full fills on the device; torch.tensor([...]) would copy from the host.
-    bce_cls = nn.BCEWithLogitsLoss(
-        pos_weight=torch.full((1,), float(hyp["cls_pw"]), device=device), reduction="none"
-    )
-    bce_obj = nn.BCEWithLogitsLoss(
-        pos_weight=torch.full((1,), float(hyp["obj_pw"]), device=device), reduction="none"
-    )
-    criterion_cls: nn.Module = bce_cls
-    criterion_obj: nn.Module = bce_obj
-    if hyp["fl_gamma"] > 0:
-        criterion_cls = FocalLoss(bce_cls, hyp["fl_gamma"])
-        criterion_obj = FocalLoss(bce_obj, hyp["fl_gamma"])
+    criterion_cls = _criterion(hyp["cls_pw"], hyp["fl_gamma"], device)
+    criterion_obj = _criterion(hyp["obj_pw"], hyp["fl_gamma"], device)
     cp, cn = smooth_bce(LABEL_SMOOTHING_EPS)
     nc = model.nc
     gr = OBJ_GIOU_RATIO
@@ -344,6 +333,16 @@ def compute_loss(
         "obj_loss": lobj * hyp["obj"],
         "class_loss": lcls * hyp["cls"],
     }
+
+
+def _criterion(pos_weight: float, fl_gamma: float, device: torch.device) -> nn.Module:
+    """Element-wise BCE with logits (``reduction="none"``), inside a focal loss when
+    ``fl_gamma > 0``."""
+    # torch.full fills on the device; torch.tensor([...]) would copy from the host.
+    bce = nn.BCEWithLogitsLoss(
+        pos_weight=torch.full((1,), float(pos_weight), device=device), reduction="none"
+    )
+    return FocalLoss(bce, fl_gamma) if fl_gamma > 0 else bce
 
 
 def _objectness_targets(tobj: torch.Tensor, lt: LayerTargets, score: torch.Tensor) -> torch.Tensor:
