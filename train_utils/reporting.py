@@ -20,7 +20,7 @@ from torch.utils.tensorboard import SummaryWriter
 
 from train_utils.checkpoint import save_checkpoint, to_plain
 from train_utils.coco_eval import STAT_NAMES
-from train_utils.run_pictures import report_evaluation
+from train_utils.run_pictures import plot_first_batches, report_evaluation
 from train_utils.train_eval_utils import EpochStats
 
 logger = logging.getLogger(__name__)
@@ -152,6 +152,10 @@ class EpochReporter:
         if is_best and self.keep_best:
             save_checkpoint(ckpt, self.out / "best.pt")
 
+    def watch_batches(self, loader: Any, epoch: int, names: Sequence[str]) -> Any:
+        """``loader``, drawing its first batches to ``train_batch*.jpg`` in epoch 0."""
+        return plot_first_batches(loader, self.out, names, epoch == 0)
+
     def evaluated(
         self,
         coco_gt: Any,
@@ -238,6 +242,9 @@ class SilentReporter:
 
     def end_epoch(self, *args: Any) -> None:
         pass
+
+    def watch_batches(self, loader: Any, *args: Any) -> Any:
+        return loader
 
     def evaluated(self, *args: Any) -> None:
         pass

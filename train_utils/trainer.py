@@ -46,7 +46,7 @@ from train_utils.distributed_utils import (
 from train_utils.ema import ModelEMA
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.reporting import make_reporter, write_run_files
-from train_utils.run_pictures import plot_dataset_labels, plot_first_batches
+from train_utils.run_pictures import plot_dataset_labels
 from train_utils.train_eval_utils import (
     EvalOptions,
     TrainOptions,
@@ -118,16 +118,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
 
     train_data = build_train_data(config, dist, hyp)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
-    eval_opts = EvalOptions(
-        device,
-        config.conf_thres,
-        config.iou_thres,
-        amp=amp,
-        backend=config.coco_backend,
-        show_progress=dist.is_main,
-        channels_last=channels_last,
-        per_class=True,
-    )
+    eval_opts = _eval_options(config, dist, channels_last, amp)
     cfg_text = format_model_cfg(blocks)
     if dist.is_main:
         write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
@@ -152,12 +143,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                 seed_all(config.seed + epoch * EPOCH_SEED_STRIDE + dist.rank * RANK_SEED_STRIDE)
                 train_data.sampler.set_epoch(epoch)
                 t0 = time.time()
-                loader = plot_first_batches(
-                    train_data.train_loader,
-                    config.output_dir,
-                    data.names,
-                    dist.is_main and epoch == 0,
-                )
+                loader = reporter.watch_batches(train_data.train_loader, epoch, data.names)
                 stats = train_one_epoch(state, loader, epoch, opts)
                 seconds = time.time() - t0
                 state.scheduler.step()
@@ -454,6 +440,21 @@ def _train_options(
         show_progress=dist.is_main,
         channels_last=channels_last,
         seed=config.seed,
+    )
+
+
+def _eval_options(
+    config: TrainConfig, dist: DistInfo, channels_last: bool, amp: torch.dtype | None
+) -> EvalOptions:
+    return EvalOptions(
+        dist.device,
+        config.conf_thres,
+        config.iou_thres,
+        amp=amp,
+        backend=config.coco_backend,
+        show_progress=dist.is_main,
+        channels_last=channels_last,
+        per_class=True,
     )
 
 
