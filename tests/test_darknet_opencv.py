@@ -64,16 +64,6 @@ MIN_VAR_FRACTION = 1e-1
 TIMEOUT_S = 300
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # These forwards are small; on a busy 2-core machine a second intra-op thread that waits
-    # for a core makes each of them 10x slower instead of 2x faster.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def _cv4_python() -> Path:
     if CV4_PYTHON.is_file():
         return CV4_PYTHON
@@ -188,6 +178,7 @@ def documented_params() -> dict[str, int]:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("single_thread")
 @pytest.mark.parametrize("cfg", DARKNET_CFGS, ids=lambda p: p.stem)
 def test_darknet_cfg_matches_opencv(cfg, tmp_path, record_property, monkeypatch):
     # Every value is set below: skip PyTorch's random initialisation of up to 1.3e8 values.

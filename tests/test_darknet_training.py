@@ -8,7 +8,6 @@ import json
 from pathlib import Path
 
 import pytest
-import torch
 
 import predict
 import train as train_script
@@ -17,22 +16,12 @@ from build_utils.parse_config import head_conv_index, parse_model_cfg, write_mod
 from models.darknet import Darknet
 from tools import make_cfg
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
 
 # yolov4-csp at full width has 53M parameters; an eighth of its filters keeps every layer and
 # connection (0.83M parameters).
 CSP_WIDTH = 0.125
 TRAIN_IMG = "64"
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    # Small models at 64-96 px gain little from a second intra-op thread, and on a busy 2-core
-    # machine a thread waiting for a core makes every step several times slower.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 def _rows(path: Path) -> list[dict[str, str]]:
