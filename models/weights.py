@@ -62,7 +62,9 @@ def _darknet_tensors(model: Darknet, cutoff: int = -1) -> Iterator[tuple[int, li
             yield i, [module.w]
 
 
-def load_darknet_weights(model: Darknet, path: str | os.PathLike[str], cutoff: int = -1) -> None:
+def load_darknet_weights(
+    model: Darknet, path: str | os.PathLike[str], cutoff: int = -1, partial: bool = False
+) -> int:
     """Load a Darknet ``.weights`` file into ``model`` (in place).
 
     Args:
@@ -71,6 +73,12 @@ def load_darknet_weights(model: Darknet, path: str | os.PathLike[str], cutoff: i
         cutoff: load only layers ``0 .. cutoff - 1`` (module_list indices), e.g. 75 for the
             Darknet-53 backbone file ``darknet53.conv.74``; the file may then hold more values
             than needed. -1: all layers, and the file must hold exactly the model's values.
+        partial: with ``cutoff=-1``, also accept a file that ends exactly after some layer
+            (``darknet53.conv.74``, ``yolov4.conv.137``: Darknet's backbone files) and load
+            those layers; the others keep their values.
+
+    Returns:
+        The number of layers (``module_list`` entries from 0) the file covered.
 
     Sets ``model.seen`` and ``model.darknet_version`` from the header, so that
     :func:`save_weights` writes the same header back.
@@ -82,6 +90,35 @@ def load_darknet_weights(model: Darknet, path: str | os.PathLike[str], cutoff: i
     path = Path(path)
     if not path.is_file():
         raise CheckpointError("Darknet weights file not found", path)
+    version, seen, values = _read_weights_file(path)
+    layers = list(_darknet_tensors(model, cutoff))
+    needed = sum(t.numel() for _, ts in layers for t in ts)
+    end = _layer_ending_at(layers, values.size)
+    if partial and cutoff < 0 and values.size < needed and end is not None:
+        cutoff = end + 1
+        layers = list(_darknet_tensors(model, cutoff))
+        LOGGER.info("%s: a partial (backbone) file: loading layers 0..%d", path, end)
+    else:
+        _check_value_count(model, path, cutoff, needed, values.size, end)
+    ptr = 0
+    with torch.no_grad():
+        for _, tensors in layers:
+            for t in tensors:
+                n = t.numel()
+                src = torch.from_numpy(values[ptr : ptr + n].copy()).view_as(t)
+                t.copy_(src.to(device=t.device, dtype=t.dtype))
+                ptr += n
+    scope = "all layers" if cutoff < 0 else f"layers 0..{cutoff - 1}"
+    if ptr < values.size:
+        LOGGER.info("%s: loaded %s, %d trailing values not used", path, scope, values.size - ptr)
+    model.seen = seen
+    model.darknet_version = version
+    LOGGER.info("%s: Darknet weights v%d.%d.%d, seen %d", path, *version, seen)
+    return len(model.module_list) if cutoff < 0 else cutoff
+
+
+def _read_weights_file(path: Path) -> tuple[tuple[int, int, int], int, np.ndarray]:
+    """(version, seen, float32 values) of a ``.weights`` file, checking its header and size."""
     data = path.read_bytes()
     header_bytes = 4 * _HEADER_INTS
     if len(data) < header_bytes:
@@ -90,8 +127,7 @@ def load_darknet_weights(model: Darknet, path: str | os.PathLike[str], cutoff: i
         )
     major, minor, revision = (int(v) for v in np.frombuffer(data, "<i4", _HEADER_INTS))
     seen_dtype = "<i8" if _seen_is_int64(major, minor) else "<i4"
-    seen_size = np.dtype(seen_dtype).itemsize
-    body = header_bytes + seen_size
+    body = header_bytes + np.dtype(seen_dtype).itemsize
     if len(data) < body:
         raise CheckpointError(
             f"file of {len(data)} bytes is too short for a Darknet v{major}.{minor} header", path
@@ -103,47 +139,42 @@ def load_darknet_weights(model: Darknet, path: str | os.PathLike[str], cutoff: i
             "float32 values: not a Darknet weights file, or a damaged one",
             path,
         )
-    values = np.frombuffer(data, "<f4", offset=body)
-    layers = list(_darknet_tensors(model, cutoff))
-    needed = sum(t.numel() for _, ts in layers for t in ts)
+    return (major, minor, revision), seen, np.frombuffer(data, "<f4", offset=body)
+
+
+def _layer_ending_at(layers: list[tuple[int, list[torch.Tensor]]], n_values: int) -> int | None:
+    """The layer after which exactly ``n_values`` values have been read, if there is one."""
+    ptr = 0
+    for i, tensors in layers:
+        ptr += sum(t.numel() for t in tensors)
+        if ptr == n_values:
+            return i
+    return None
+
+
+def _check_value_count(
+    model: Darknet, path: Path, cutoff: int, needed: int, n_values: int, end: int | None
+) -> None:
     scope = "all layers" if cutoff < 0 else f"layers 0..{cutoff - 1}"
     cfg = model.cfg_path or "the model's cfg"
-    if values.size < needed:
+    if n_values < needed:
         # Say where the file ends when that is a layer boundary: a partial (backbone) file.
-        ends, ptr = [], 0
-        for i, tensors in layers:
-            ptr += sum(t.numel() for t in tensors)
-            ends.append((i, ptr))
-        at = [i for i, end in ends if end == values.size]
         hint = (
-            f"; it ends exactly after layer {at[0]}: cutoff={at[0] + 1} loads that part"
-            if at
+            f"; it ends exactly after layer {end}: cutoff={end + 1} loads that part"
+            if (end is not None)
             else ""
         )
         raise CheckpointError(
             f"truncated or for another cfg: {cfg} ({scope}) needs {needed:,} float32 values, the "
-            f"file holds {values.size:,}{hint}",
+            f"file holds {n_values:,}{hint}",
             path,
         )
-    if values.size > needed and cutoff < 0:
+    if n_values > needed and cutoff < 0:
         raise CheckpointError(
             f"too long, or for another cfg: {cfg} needs {needed:,} float32 values, the file "
-            f"holds {values.size:,}",
+            f"holds {n_values:,}",
             path,
         )
-    ptr = 0
-    with torch.no_grad():
-        for _, tensors in layers:
-            for t in tensors:
-                n = t.numel()
-                src = torch.from_numpy(values[ptr : ptr + n].copy()).view_as(t)
-                t.copy_(src.to(device=t.device, dtype=t.dtype))
-                ptr += n
-    if ptr < values.size:
-        LOGGER.info("%s: loaded %s, %d trailing values not used", path, scope, values.size - ptr)
-    model.seen = seen
-    model.darknet_version = (major, minor, revision)
-    LOGGER.info("%s: Darknet weights v%d.%d.%d, seen %d", path, major, minor, revision, seen)
 
 
 def save_weights(model: Darknet, path: str | os.PathLike[str], cutoff: int = -1) -> None:

@@ -370,3 +370,27 @@ def test_load_weights_non_strict_for_pt(nano_files):
     _, pt, _ = nano_files
     model = Darknet(rewrite_cfg_classes(parse_model_cfg(NANO), 1))
     assert len(load_weights(model, pt, strict=False)) == 6
+
+
+def test_darknet_backbone_files_initialise_the_layers_they_hold(nano_files, tmp_path):
+    """``--weights darknet53.conv.74``: a file that ends after a layer loads those layers (the
+    cutoff is found from its size); evaluation-style strict loading still refuses it."""
+    source, _, _ = nano_files
+    cut = 10
+    backbone = tmp_path / "nano.conv.9"  # Darknet's naming: layers 0..9
+    save_weights(source, backbone, cutoff=cut)
+    model = Darknet(NANO)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    assert load_weights(model, backbone, strict=False) == []
+    src = source.state_dict()
+    for k, v in model.state_dict().items():
+        if k.endswith(BN_COUNTER):
+            continue
+        layer = int(k.split(".")[1])
+        assert torch.equal(v, src[k] if layer < cut else before[k]), k
+    with pytest.raises(CheckpointError, match="ends exactly after layer 9: cutoff=10"):
+        load_weights(Darknet(NANO), backbone, strict=True)
+    # Without a telling name the header is recognised: neither a zip nor a pickle.
+    renamed = tmp_path / "backbone.bin"
+    renamed.write_bytes(backbone.read_bytes())
+    assert load_weights(Darknet(NANO), renamed, strict=False) == []

@@ -58,18 +58,10 @@ def make_eval_dataset(
     rectangular letterboxed batches, no augmentation."""
     if img_size % 32:
         raise ConfigError(f"--img-size {img_size} is not a multiple of 32")
-    return LoadImagesAndLabels(
-        str(list_path),
-        img_size,
-        batch_size,
-        augment=False,
-        hyp=hyp,
-        rect=True,
-        cache_images=cache_images,
-        single_cls=single_cls,
-        rank=rank,
-        nc=nc,
-    )
+    # Evaluation: no augmentation, rectangular letterboxed batches.
+    options = {"augment": False, "hyp": hyp, "rect": True, "cache_images": cache_images}
+    options.update(single_cls=single_cls, rank=rank, nc=nc)
+    return LoadImagesAndLabels(str(list_path), img_size, batch_size, **options)
 
 
 def make_eval_loader(

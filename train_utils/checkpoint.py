@@ -59,6 +59,8 @@ _MAX_NESTING = 3
 
 _MAX_LISTED_MISMATCHES = 5
 
+_PICKLE_PROTO = 0x80  # first byte of a pickle (protocol 2+): a legacy torch.save file
+
 
 def to_plain(obj: Any) -> Any:
     """``obj`` with numpy values, paths, namespaces and dataclasses turned into plain types.
@@ -535,10 +537,11 @@ def load_weights(
 
     Args:
         model: a :class:`~models.darknet.Darknet` built from the cfg the weights are for.
-        path: the file; ``.weights`` files are always loaded whole.
-        strict: every ``.pt`` tensor must fit the model (evaluation, prediction, conversion);
-            otherwise tensors that do not fit are skipped (``--weights`` of a checkpoint trained
-            for another class count).
+        path: the file (see :func:`is_darknet_weights` for how Darknet files are told apart).
+        strict: every ``.pt`` tensor must fit the model and a ``.weights`` file must hold the
+            whole model (evaluation, prediction, conversion); otherwise tensors that do not fit
+            are skipped (``--weights`` of a checkpoint trained for another class count) and a
+            Darknet backbone file loads the layers it holds.
         trust: see :func:`load_checkpoint`.
 
     Returns:
@@ -547,10 +550,28 @@ def load_weights(
     Raises:
         CheckpointError: unreadable or truncated file, or a strict load that does not fit.
     """
-    if str(path).endswith(".weights"):
-        load_darknet_weights(model, path)
+    if is_darknet_weights(path):
+        # --weights also takes Darknet's backbone files (darknet53.conv.74, yolov4.conv.137):
+        # the layers they hold are found from their size.
+        load_darknet_weights(model, path, partial=not strict)
         return []
     return fit_state_dict(model, load_state_dict_file(path, trust), path, strict)
+
+
+def is_darknet_weights(path: str | Path) -> bool:
+    """``*.weights``, Darknet's backbone names (``*.conv.N``), or, for other names than
+    ``.pt``/``.pth``, a file that is neither a zip (``torch.save``) nor a pickle (legacy)."""
+    path = Path(path)
+    if path.suffix == ".weights" or re.search(r"\.conv\.\d+$", path.name):
+        return True
+    if path.suffix in (".pt", ".pth"):
+        return False
+    try:
+        with path.open("rb") as f:
+            head = f.read(4)
+    except OSError:
+        return False
+    return len(head) == 4 and head != b"PK\x03\x04" and head[0] != _PICKLE_PROTO
 
 
 def fit_state_dict(
