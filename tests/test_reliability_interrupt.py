@@ -41,6 +41,10 @@ import torch
 import train
 from train_utils import train_eval_utils, trainer
 
+# Python's own Ctrl-C handler even when this process was started with SIGINT ignored (as
+# non-interactive shells start background jobs), so that the test's SIGINT is a Ctrl-C.
+signal.signal(signal.SIGINT, signal.default_int_handler)
+
 point = os.environ["REL_POINT"]
 marker = Path(os.environ["REL_MARKER"])
 epoch_to_stop = int(os.environ["REL_EPOCH"])
