@@ -97,6 +97,7 @@ def report_evaluation(
         write_eval_report(out_dir, coco_gt, detections, names, coco_ap)
     except Exception as e:  # pictures are a convenience; training goes on without them
         logger.warning("could not write the evaluation pictures in %s: %s", out_dir, e)
+        return time.time() - t0
     seconds = time.time() - t0
     logger.info("evaluation pictures and per_class.csv in %s (%.1f s)", out_dir, seconds)
     return seconds
