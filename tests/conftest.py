@@ -20,6 +20,18 @@ def _few_threads() -> None:
     torch.set_num_threads(min(2, torch.get_num_threads()))
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _memory_format_cache(tmp_path_factory: pytest.TempPathFactory):
+    """Training's memory-format decisions go to a cache of the session (also for the training
+    processes tests start), never to the user's ~/.cache."""
+    from train_utils.memory_format import CACHE_ENV
+
+    mp = pytest.MonkeyPatch()
+    mp.setenv(CACHE_ENV, str(tmp_path_factory.mktemp("yolo_cache")))
+    yield
+    mp.undo()
+
+
 @pytest.fixture
 def single_thread():
     """One intra-op thread for the test: small forwards gain little from a second one, and on a

@@ -30,6 +30,7 @@ AMP_CHOICES = ("auto", "on", "fp16", "bf16", "off")
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
 DEFAULT_EVAL_CONF = 0.001
 DEFAULT_EVAL_IOU = 0.6
+DEFAULT_EPOCHS = 30
 
 
 # Hyperparameters: name -> (type, min, max, required). Booleans have no range.
@@ -205,7 +206,27 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_schedule(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--epochs", type=int, default=30)
+    g.add_argument(
+        "--epochs",
+        type=int,
+        default=None,
+        help=f"epochs to train (default {DEFAULT_EPOCHS}; with --time-budget: the most, "
+        "default as many as fit)",
+    )
+    g.add_argument(
+        "--time-budget",
+        type=float,
+        default=None,
+        metavar="MINUTES",
+        help="train for this many minutes (set-up included): the epoch count is estimated from "
+        "measured epoch times, the LR schedule ends at the last epoch, which is evaluated",
+    )
+    g.add_argument(
+        "--patience",
+        type=int,
+        default=0,
+        help="stop when mAP@0.5:0.95 has not improved for N epochs (0 = never)",
+    )
     g.add_argument("--batch-size", type=int, default=4, help="images per process per step")
     g.add_argument(
         "--img-size",
@@ -308,7 +329,9 @@ class TrainConfig:
     cfg: Path
     data: DataConfig
     hyp: dict[str, Any]
-    epochs: int
+    epochs: int | None  # None: as many as --time-budget allows
+    time_budget: float | None  # minutes
+    patience: int
     batch_size: int
     img_size: int
     multi_scale: bool
@@ -364,8 +387,15 @@ def check_img_size(size: int, flag: str = "--img-size") -> int:
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """Validate parsed CLI arguments, load hyp and .data, and decide the output folder."""
     check_img_size(args.img_size)
+    if args.epochs is None and args.time_budget is None:
+        args.epochs = DEFAULT_EPOCHS
+    if args.time_budget is not None and not args.time_budget > 0:
+        raise ConfigError(
+            f"--time-budget must be a positive number of minutes, got {args.time_budget}"
+        )
     for flag, value, lo in (
-        ("--epochs", args.epochs, 1),
+        ("--epochs", 1 if args.epochs is None else args.epochs, 1),
+        ("--patience", args.patience, 0),
         ("--batch-size", args.batch_size, 1),
         ("--workers", args.workers, 0),
         ("--nbs", args.nbs, 1),

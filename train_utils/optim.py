@@ -51,17 +51,26 @@ def build_optimizer(
     )
 
 
-def cosine_lambda(epochs: int, lrf: float) -> Callable[[int], float]:
-    """Cosine decay from 1 to ``lrf`` over ``epochs``, as a LambdaLR multiplier."""
+def cosine_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int], float]:
+    """Cosine decay from 1 to ``lrf`` over ``epochs``, as a LambdaLR multiplier.
+
+    ``epochs`` may be a callable read at every step: a ``--time-budget`` run re-plans its epoch
+    count as it goes, and the rest of the curve stretches or shrinks to end at the new count.
+    """
+    total = epochs if callable(epochs) else (lambda: epochs)
 
     def f(epoch: int) -> float:
-        return ((1 + math.cos(epoch * math.pi / epochs)) / 2) * (1 - lrf) + lrf
+        return ((1 + math.cos(min(epoch, total()) * math.pi / total())) / 2) * (1 - lrf) + lrf
 
     return f
 
 
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, epochs: int, lrf: float
+    optimizer: torch.optim.Optimizer, epochs: int | Callable[[], int], lrf: float
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The lineage's per-epoch cosine schedule (warm-up is applied per iteration on top)."""
+    """The lineage's per-epoch cosine schedule (warm-up is applied per iteration on top).
+
+    The multiplier is a closure, not an object, so LambdaLR's ``state_dict`` does not save it:
+    a resumed run's schedule follows its own ``--epochs``/plan.
+    """
     return torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(epochs, lrf))

@@ -37,8 +37,8 @@ RESULTS_HEADER = [
 ]
 FITNESS_KEY = "mAP50-95"  # what best.pt is chosen by
 
-# (epoch, best fitness so far) -> checkpoint dict
-CheckpointFactory = Callable[[int, "float | None"], dict[str, Any]]
+# (epoch, best fitness so far, epoch of the best) -> checkpoint dict
+CheckpointFactory = Callable[[int, "float | None", "int | None"], dict[str, Any]]
 
 
 def read_results(path: Path) -> list[dict[str, str]]:
@@ -105,7 +105,7 @@ class EpochReporter:
         start_epoch: the first epoch this process runs; rows of later epochs left in
             ``results.csv`` by an interrupted attempt are dropped, as that work is redone.
         best: the best fitness so far (from a resumed checkpoint), or None.
-        checkpoint: builds the checkpoint dict for (epoch, best fitness).
+        checkpoint: builds the checkpoint dict for (epoch, best fitness, best epoch).
         keep_best: also write ``best.pt`` when the fitness improves (``--savebest``).
     """
 
@@ -117,11 +117,13 @@ class EpochReporter:
         best: float | None,
         checkpoint: CheckpointFactory,
         keep_best: bool = True,
+        best_epoch: int | None = None,
     ):
         self.out = out
         self.total_epochs = total_epochs
         self.start_epoch = start_epoch
         self.best = best
+        self.best_epoch = best_epoch
         self.last_stats: dict[str, float] | None = None
         self.checkpoint = checkpoint
         self.keep_best = keep_best
@@ -141,13 +143,14 @@ class EpochReporter:
             self._append_row(epoch, stats, seconds)
             fitness = self.last_stats[FITNESS_KEY]
             is_best = self.best is None or fitness > self.best
-            self.best = fitness if is_best else self.best
+            if is_best:
+                self.best, self.best_epoch = fitness, epoch
         self._log_epoch(epoch, stats, seconds, evaluated=coco_stats is not None)
         for k, v in stats.as_dict().items():
             self.writer.add_scalar(f"train/{k}", v, epoch)
         self.writer.add_scalar("train/lr", stats.lr, epoch)
         self.writer.flush()
-        ckpt = self.checkpoint(epoch, self.best)
+        ckpt = self.checkpoint(epoch, self.best, self.best_epoch)
         save_checkpoint(ckpt, self.out / "last.pt")
         if is_best and self.keep_best:
             save_checkpoint(ckpt, self.out / "best.pt")
@@ -215,12 +218,13 @@ class EpochReporter:
             self.out / "last.pt",
         )
         if not (self.out / "last.pt").is_file():
-            save_checkpoint(self.checkpoint(self.start_epoch - 1, self.best), self.out / "last.pt")
+            ckpt = self.checkpoint(self.start_epoch - 1, self.best, self.best_epoch)
+            save_checkpoint(ckpt, self.out / "last.pt")
 
-    def finished(self, seconds: float) -> None:
+    def finished(self, seconds: float, epochs_run: int) -> None:
         logger.info(
             "done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s, %s",
-            self.total_epochs - self.start_epoch,
+            epochs_run,
             seconds / 60,
             "-" if self.best is None else f"{self.best:.4f}",
             self.results,
@@ -236,8 +240,10 @@ class SilentReporter:
     """The reporter of ranks other than 0: records nothing; ``best``/``last_stats`` stay as
     given (the resumed best) and None."""
 
-    def __init__(self, best: float | None = None):
+    def __init__(self, best: float | None = None, best_epoch: int | None = None):
         self.best = best
+        self.best_epoch = best_epoch
+        self.total_epochs = 0  # set by the trainer like the main reporter's; unused here
         self.last_stats: dict[str, float] | None = None
 
     def end_epoch(self, *args: Any) -> None:
@@ -260,7 +266,10 @@ class SilentReporter:
 
 
 def make_reporter(
-    is_main: bool, best: float | None, **kwargs: Any
+    is_main: bool, best: float | None, best_epoch: int | None = None, **kwargs: Any
 ) -> EpochReporter | SilentReporter:
-    """``EpochReporter(best=best, **kwargs)`` on rank 0, a :class:`SilentReporter` elsewhere."""
-    return EpochReporter(best=best, **kwargs) if is_main else SilentReporter(best)
+    """``EpochReporter(best=best, best_epoch=best_epoch, **kwargs)`` on rank 0, a
+    :class:`SilentReporter` elsewhere."""
+    if is_main:
+        return EpochReporter(best=best, best_epoch=best_epoch, **kwargs)
+    return SilentReporter(best, best_epoch)

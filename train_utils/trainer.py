@@ -36,15 +36,30 @@ from train_utils.checkpoint import (
     training_weights,
     validate_resume_checkpoint,
 )
-from train_utils.config import TrainConfig, accumulate_steps, multi_scale_bounds, scaled_lr0
+from train_utils.config import (
+    DEFAULT_EPOCHS,
+    TrainConfig,
+    accumulate_steps,
+    multi_scale_bounds,
+    scaled_lr0,
+)
 from train_utils.distributed_utils import (
     DistInfo,
     all_gather,
     barrier,
+    broadcast_object,
     raise_if_any_rank_failed,
 )
 from train_utils.ema import ModelEMA
+from train_utils.memory_format import (
+    cache_key,
+    cache_path,
+    choose_channels_last,
+    describe,
+    time_train_step,
+)
 from train_utils.optim import build_optimizer, build_scheduler
+from train_utils.plan import EpochPlan
 from train_utils.reporting import make_reporter, write_run_files
 from train_utils.run_pictures import plot_dataset_labels
 from train_utils.train_eval_utils import (
@@ -96,30 +111,33 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
 def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     device, data = dist.device, config.data
     seed_all(config.seed + dist.rank * RANK_SEED_STRIDE)
-    channels_last = _configure_backends(config, device)
+    _configure_backends(device)
     amp = resolve_amp(config.amp, device)
 
     blocks = model_blocks_for(config.cfg, data.nc)
+    cfg_text = format_model_cfg(blocks)
     model = Darknet(blocks, img_size=(config.img_size, config.img_size))
     ckpt = _load_resume_checkpoint(config, model, dist)
     if ckpt is None and config.weights:
         _initialise_weights(model, config)
     model.freeze(config.freeze_layers)
     model.to(device)
+    channels_last = _memory_format(config, model, dist, amp, cfg_text)
     if channels_last:
         model.to(memory_format=torch.channels_last)
 
     hyp = scale_loss_gains(config.hyp, data.nc, config.img_size)
-    state = _build_train_state(model, config, hyp, dist, amp)
-    start_epoch, best = 0, None
+    plan = _epoch_plan(config, t_start)
+    state = _build_train_state(model, config, hyp, dist, amp, plan)
+    start_epoch, best, best_epoch = 0, None, None
     if ckpt is not None:
-        start_epoch, best = _restore(ckpt, config, state, dist)
+        start_epoch, best, best_epoch = _restore(ckpt, config, state, dist, plan)
     state.model = _wrap_for_training(model, config, dist)
 
     train_data = build_train_data(config, dist, hyp)
+    plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
-    cfg_text = format_model_cfg(blocks)
     if dist.is_main:
         write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
         _log_start(
@@ -129,26 +147,33 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     reporter = make_reporter(
         dist.is_main,
         best,
+        best_epoch=best_epoch,
         out=config.output_dir,
-        total_epochs=config.epochs,
+        total_epochs=plan.epochs,
         start_epoch=start_epoch,
-        checkpoint=lambda epoch, best: _checkpoint(state, epoch, best, config, hyp, cfg_text, dist),
+        checkpoint=lambda epoch, best, best_epoch: _checkpoint(
+            state, epoch, best, best_epoch, config, hyp, cfg_text, dist, plan
+        ),
         keep_best=config.savebest,
     )
 
     epoch = start_epoch - 1
     try:
         with _sigterm_as_keyboard_interrupt():
-            for epoch in range(start_epoch, config.epochs):
+            while epoch + 1 < plan.epochs:
+                epoch += 1
                 seed_all(config.seed + epoch * EPOCH_SEED_STRIDE + dist.rank * RANK_SEED_STRIDE)
                 train_data.sampler.set_epoch(epoch)
                 t0 = time.time()
                 loader = reporter.watch_batches(train_data.train_loader, epoch, data.names)
                 stats = train_one_epoch(state, loader, epoch, opts)
                 seconds = time.time() - t0
+                # With --time-budget this may make the epoch the last; all ranks agree.
+                reporter.total_epochs = plan.after_training(epoch, seconds, dist.is_main)
                 state.scheduler.step()
-                coco_stats = None
-                if _evaluates(config, epoch):
+                coco_stats, eval_s = None, None
+                if plan.evaluates(epoch):
+                    t_eval = time.time()
                     coco_stats, coco_ap, detections = evaluate(
                         state.ema.ema if state.ema else model,
                         train_data.val_loader,
@@ -156,35 +181,64 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                         eval_opts,
                     )
                     reporter.evaluated(train_data.coco_gt, detections, data.names, coco_ap)
+                    eval_s = time.time() - t_eval
                 reporter.end_epoch(epoch, stats, coco_stats, seconds)
+                plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
                 # Nobody starts the next epoch before the checkpoint of this one exists.
                 barrier()
+                if eval_s is not None and plan.stops_early(
+                    epoch, reporter.best_epoch, dist.is_main
+                ):
+                    logger.info(
+                        "--patience %d: no better mAP@0.5:0.95 since epoch %s; stopping after "
+                        "epoch %d",
+                        config.patience,
+                        reporter.best_epoch,
+                        epoch,
+                    )
+                    break
     except KeyboardInterrupt:
         reporter.interrupted(epoch)
         raise
     finally:
         reporter.close()
     seconds = time.time() - t_start
-    reporter.finished(seconds)
+    reporter.finished(seconds, epoch + 1 - start_epoch)
     return RunSummary(
-        config.output_dir, config.epochs - start_epoch, reporter.best, reporter.last_stats, seconds
+        config.output_dir, epoch + 1 - start_epoch, reporter.best, reporter.last_stats, seconds
     )
 
 
 # ---- model ----------------------------------------------------------------------------------
 
 
-def _configure_backends(config: TrainConfig, device: torch.device) -> bool:
-    """Set cuDNN autotuning; returns whether to use the channels_last memory format."""
+def _configure_backends(device: torch.device) -> None:
     if device.type == "cuda":
         # cuDNN autotunes once per input shape and caches the choice; multi-scale (~13 sides)
         # and rect batches give few distinct shapes, so the tuning pays for itself there too.
         torch.backends.cudnn.benchmark = True
-    # On by default on CUDA and CPU: NHWC is the layout of the fast cuDNN and oneDNN kernels.
-    # Measured on a 2-core AVX2 CPU (bench/README.md): the nano cfg trains 1.3x and evaluates
-    # 1.5x faster with it, and its 2-process DDP scales better; YOLOv3-SPP training is ~0.9x
-    # there (--no-channels-last), its evaluation ~1.05x.
-    return config.channels_last if config.channels_last is not None else True
+
+
+def _memory_format(
+    config: TrainConfig, model: Darknet, dist: DistInfo, amp: torch.dtype | None, cfg_text: str
+) -> bool:
+    """Whether to train in channels_last: forced by the flags, always on CUDA, and otherwise
+    the faster format for this model, size and batch, timed (or cached) on rank 0 and shared
+    (see :mod:`train_utils.memory_format`)."""
+    choice = None
+    if dist.is_main:
+
+        def measure(channels_last: bool) -> float:
+            # The probe's forward passes must not move the run's random streams.
+            with torch.random.fork_rng(devices=[]):
+                return time_train_step(
+                    model, config.img_size, config.batch_size, dist.device, channels_last, amp
+                )
+
+        key = cache_key(cfg_text, config.img_size, config.batch_size, amp)
+        choice = choose_channels_last(config.channels_last, dist.device, key, measure, cache_path())
+        logger.info(describe(choice))
+    return bool(broadcast_object(None if choice is None else choice.channels_last))
 
 
 def _resume_path(config: TrainConfig) -> Path | None:
@@ -249,6 +303,7 @@ def _build_train_state(
     hyp: dict[str, Any],
     dist: DistInfo,
     amp: torch.dtype | None,
+    plan: EpochPlan,
 ) -> TrainState:
     lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
     on_cuda = dist.device.type == "cuda"
@@ -260,16 +315,30 @@ def _build_train_state(
         model=model,
         model_without_ddp=model,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, config.epochs, hyp["lrf"]),
+        scheduler=build_scheduler(optimizer, lambda: plan.epochs, hyp["lrf"]),
         # bf16 has fp32's range: only fp16 needs loss scaling.
         scaler=torch.amp.GradScaler("cuda") if on_cuda and amp == torch.float16 else None,
         ema=ModelEMA(model) if config.ema else None,
     )
 
 
+def _epoch_plan(config: TrainConfig, t_start: float) -> EpochPlan:
+    budget_s = None if config.time_budget is None else config.time_budget * 60.0
+    return EpochPlan(
+        # With a budget, a first guess: it is re-planned before anything depends on it.
+        epochs=config.epochs or DEFAULT_EPOCHS,
+        budget_s=budget_s,
+        eval_interval=config.eval_interval,
+        notest=config.notest,
+        patience=config.patience,
+        max_epochs=config.epochs if budget_s is not None else None,
+        started=t_start,
+    )
+
+
 def _restore(
-    ckpt: dict[str, Any], config: TrainConfig, state: TrainState, dist: DistInfo
-) -> tuple[int, Any]:
+    ckpt: dict[str, Any], config: TrainConfig, state: TrainState, dist: DistInfo, plan: EpochPlan
+) -> tuple[int, Any, int | None]:
     path = ckpt.pop("_path")
     if dist.is_main:
         _warn_about_changes(ckpt, config, path)
@@ -294,9 +363,24 @@ def _restore(
         start_epoch - 1,
         "-" if best is None else f"{best:.4f}",
     )
-    if start_epoch >= config.epochs:
-        logger.info("the checkpoint already finished all %d epochs; nothing to do", config.epochs)
-    return start_epoch, best
+    if plan.budget_s is not None:
+        # The budget continues where the checkpoint left it (0 s spent when it had none).
+        plan.spent_before_s = float(ckpt.get("budget_spent_s") or 0.0)
+        plan.epochs = int(ckpt.get("planned_epochs") or plan.epochs)
+        saved_budget = (ckpt.get("config") or {}).get("time_budget")
+        if plan.spent_before_s >= plan.budget_s:
+            plan.epochs = start_epoch
+            logger.info("the checkpoint already spent the --time-budget; nothing to do")
+        elif start_epoch >= plan.epochs and (saved_budget or 0) < config.time_budget:
+            # A finished budgeted run given more time: train on, re-planned after each epoch
+            # (the cosine schedule restarts from the middle of the longer curve).
+            plan.epochs = start_epoch + 1
+    if start_epoch >= plan.epochs:
+        logger.info("the checkpoint already finished all %d epochs; nothing to do", plan.epochs)
+    best_epoch = ckpt.get("best_epoch")
+    if best_epoch is None and best is not None:
+        best_epoch = start_epoch - 1  # checkpoints without it: patience counts from here
+    return start_epoch, best, best_epoch
 
 
 def _rescale_lr_for_this_run(
@@ -458,12 +542,6 @@ def _eval_options(
     )
 
 
-def _evaluates(config: TrainConfig, epoch: int) -> bool:
-    """The final epoch always; others every ``--eval-interval`` epochs unless ``--notest``."""
-    final = epoch == config.epochs - 1
-    return final or (not config.notest and (epoch + 1) % config.eval_interval == 0)
-
-
 def _log_start(
     config: TrainConfig,
     model: Darknet,
@@ -477,7 +555,7 @@ def _log_start(
     logger.info(
         "model %s: %d layers, %.2fM parameters, %d classes | data: %d train / %d val images | "
         "device %s x %d process(es) | batch %d x %d accumulate (nominal %d), lr0 %.4g | "
-        "img %d%s | output %s",
+        "img %d%s | %s | output %s",
         config.cfg,
         len(model.module_list),
         n_params / 1e6,
@@ -492,6 +570,10 @@ def _log_start(
         lr0,
         config.img_size,
         f" (multi-scale {ms[0]}-{ms[1]})" if ms else "",
+        f"{config.epochs} epochs"
+        if config.time_budget is None
+        else f"time budget {config.time_budget:g} min"
+        + (f" (at most {config.epochs} epochs)" if config.epochs else ""),
         config.output_dir,
     )
 
@@ -500,10 +582,12 @@ def _checkpoint(
     state: TrainState,
     epoch: int,
     best: float | None,
+    best_epoch: int | None,
     config: TrainConfig,
     hyp: dict[str, Any],
     cfg_text: str,
     dist: DistInfo,
+    plan: EpochPlan,
 ) -> dict[str, Any]:
     """Everything needed to resume, as tensors and plain types (``weights_only`` loadable).
 
@@ -521,6 +605,7 @@ def _checkpoint(
         ema=ema.ema if ema is not None else None,
         ema_updates=ema.updates if ema is not None else 0,
         best_fitness=best,
+        best_epoch=best_epoch,
         config=config.to_dict(),
         train_model=model.state_dict(),
         hyp=config.hyp,
@@ -529,6 +614,7 @@ def _checkpoint(
         nc=config.data.nc,
         cfg=cfg_text,
         world_size=dist.world_size,
+        **plan.state(),
     )
 
 

@@ -1,0 +1,285 @@
+"""Tests for train_utils/plan.py and the trainer's --time-budget and --patience: the epoch
+estimate against a brute-force count, the stretched cosine schedule, rank agreement in a real
+2-process gloo group, and budgeted training runs that stop on time and resume."""
+
+from __future__ import annotations
+
+import csv
+import json
+import random
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from test_distributed_utils import _base_env, _free_port, _run_pair
+
+from build_utils.errors import ConfigError
+from train_utils import trainer as trainer_module
+from train_utils.checkpoint import load_checkpoint
+from train_utils.coco_eval import STAT_NAMES
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed_utils import DistInfo
+from train_utils.optim import build_scheduler, cosine_lambda
+from train_utils.plan import EpochPlan, epochs_within_budget, evaluated
+from train_utils.reporting import FITNESS_KEY
+from train_utils.trainer import run
+
+
+def _brute_force(epoch, remaining, epoch_s, eval_s, interval, notest, max_epochs=None):
+    """Walk the totals one by one, pricing every epoch and evaluation separately."""
+    best = epoch + 1
+    for total in range(epoch + 2, 10_000):
+        cost = eval_s * evaluated(epoch, total, interval, notest)
+        for e in range(epoch + 1, total):
+            cost += epoch_s + eval_s * evaluated(e, total, interval, notest)
+        if cost > remaining:
+            break
+        best = total
+    return best if max_epochs is None else min(best, max_epochs)
+
+
+def test_budget_estimate_matches_a_brute_force_count() -> None:
+    rng = random.Random(0)
+    for _ in range(2000):
+        case = (
+            rng.randrange(0, 30),
+            rng.uniform(0, 400),
+            rng.uniform(0.5, 30),
+            rng.uniform(0, 12),
+            rng.randrange(1, 7),
+            rng.random() < 0.2,
+            rng.choice([None, rng.randrange(1, 40)]),
+        )
+        assert epochs_within_budget(*case) == _brute_force(*case), case
+
+
+def test_budget_estimate_by_hand() -> None:
+    # 100 s left after epoch 4; epochs 10 s, evaluations 5 s, every 2nd epoch evaluated.
+    # Total 9 (epochs 5..8): 40 s + evaluations of epochs 5, 7, 8 (+ none for 4) = 55 s;
+    # total 11: 60 s + evals 5, 7, 9, 10 = 80 s; total 12: 70 s + evals 5, 7, 9, 11 = 90 s;
+    # total 13: 80 s + evals 5, 7, 9, 11, 12 = 105 s > 100.
+    assert epochs_within_budget(4, 100.0, 10.0, 5.0, eval_interval=2) == 12
+    assert epochs_within_budget(4, 100.0, 10.0, 5.0, eval_interval=2, max_epochs=7) == 7
+    # Nothing left: this epoch is the last.
+    assert epochs_within_budget(4, 0.0, 10.0, 5.0) == 5
+    assert epochs_within_budget(4, -30.0, 10.0, 5.0) == 5
+
+
+def test_plan_without_budget_is_fixed_and_needs_no_clock() -> None:
+    plan = EpochPlan(epochs=7, eval_interval=3)
+    assert plan.after_training(0, 1e6, is_main=True) == 7
+    assert [e for e in range(7) if plan.evaluates(e)] == [2, 5, 6]
+
+
+def test_plan_uses_recent_epochs_and_the_measured_evaluation() -> None:
+    plan = EpochPlan(epochs=30, budget_s=100.0, started=time.time(), eval_share=0.5)
+    # 10 s spent; the first epoch took 10 s and no evaluation was timed yet (guessed 5 s, half
+    # the epoch as val/train = 0.5). Every epoch is evaluated: a total of T costs
+    # (T - 1) * 10 s of training + T * 5 s of evaluation; 90 s left buy T = 6 (80 s), not 7.
+    plan.started -= 10.0
+    assert plan.after_training(0, 10.0, is_main=True) == 6
+    plan.after_epoch(10.0, 1.0)  # evaluations turn out to take 1 s
+    plan.started -= 11.0  # 21 s spent
+    # 79 s left: 1 s for epoch 1's own evaluation, then 11 s per further epoch: 7 more.
+    assert plan.after_training(1, 10.0, is_main=True) == 9
+
+
+def test_stretched_cosine_ends_at_lrf() -> None:
+    total = [10]
+    f = cosine_lambda(lambda: total[0], 0.1)
+    assert f(0) == 1.0 and f(10) == pytest.approx(0.1)
+    before = f(3)
+    total[0] = 5  # the budget turned out shorter: the curve shrinks from here on
+    assert f(3) < before and f(5) == pytest.approx(0.1)
+    assert cosine_lambda(10, 0.1)(5) == pytest.approx(0.55)
+    # The closure is not saved in the scheduler's state (resume follows the new plan).
+    opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+    assert build_scheduler(opt, lambda: 3, 0.1).state_dict()["lr_lambdas"] == [None]
+
+
+def test_patience_counts_epochs_since_the_best() -> None:
+    plan = EpochPlan(epochs=50, patience=3)
+    assert not plan.stops_early(5, best_epoch=3, is_main=True)
+    assert plan.stops_early(6, best_epoch=3, is_main=True)
+    assert not plan.stops_early(6, best_epoch=None, is_main=True)
+    assert not EpochPlan(epochs=50).stops_early(60, best_epoch=0, is_main=True)
+
+
+def test_budget_and_patience_flags_are_checked(shapes_data, repo_root) -> None:
+    base = ["--data", str(shapes_data), "--cfg", str(repo_root / "cfg" / "yolov3-spp-nano.cfg")]
+    with pytest.raises(ConfigError, match="--time-budget must be a positive"):
+        build_config(get_args_parser().parse_args([*base, "--time-budget", "0"]))
+    with pytest.raises(ConfigError, match="--patience must be >= 0"):
+        build_config(get_args_parser().parse_args([*base, "--patience", "-1"]))
+    config = build_config(get_args_parser().parse_args([*base, "--time-budget", "2.5"]))
+    assert config.epochs is None and config.time_budget == 2.5
+    assert build_config(get_args_parser().parse_args(base)).epochs == 30
+
+
+RANK_WORKER = textwrap.dedent(
+    """
+    import json, sys, time
+    from pathlib import Path
+    from train_utils import distributed_utils as du
+    from train_utils.plan import EpochPlan
+
+    class Args:
+        local_rank = -1
+        device = "cpu"
+
+    info = du.init_distributed_mode(Args(), timeout_s=60)
+    r = info.rank
+    # Each rank's clock and timings differ; rank 0's must decide for both.
+    plan = EpochPlan(epochs=30, budget_s=100.0, patience=2)
+    plan.started = time.time() - (10.0 if r == 0 else 95.0)
+    total = plan.after_training(0, 10.0 if r == 0 else 50.0, info.is_main)
+    stop = plan.stops_early(4, best_epoch=2 if r == 0 else 4, is_main=info.is_main)
+    du.cleanup()
+    Path(sys.argv[1], f"rank{r}.json").write_text(json.dumps({"total": total, "stop": stop}))
+    """
+)
+
+
+@pytest.mark.slow
+def test_every_rank_follows_rank_zeros_plan(tmp_path: Path) -> None:
+    script = tmp_path / "plan_worker.py"
+    script.write_text(RANK_WORKER)
+    port = str(_free_port())
+    envs = []
+    for rank in range(2):
+        env = _base_env()
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        envs.append(env)
+    _run_pair([[sys.executable, str(script), str(tmp_path)]] * 2, envs)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    # Rank 0: 90 s left, 10 s epochs, evaluations guessed at 2 s: 7 more epochs (84 s).
+    assert res == [{"total": 8, "stop": True}] * 2
+
+
+# ---------------------------------------------------------------- budgeted training runs
+
+BUDGET_MIN = 0.4  # 24 s: several epochs of the tiny data even on a busy CI machine
+EXTRA_MIN = 0.25  # what the resumed run adds
+
+
+def _budget_flags(data: Path, out: Path, repo: Path, minutes: float, *extra: str) -> list[str]:
+    return [
+        "--data",
+        str(data),
+        "--cfg",
+        str(repo / "cfg" / "yolov3-spp-nano.cfg"),
+        "--hyp",
+        str(repo / "cfg" / "hyp.yaml"),
+        "--time-budget",
+        str(minutes),
+        "--batch-size",
+        "8",
+        "--img-size",
+        "64",
+        "--no-multi-scale",
+        "--workers",
+        "0",
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        "--nbs",
+        "8",
+        "--eval-interval",
+        "2",
+        *extra,
+    ]
+
+
+def _train(argv: list[str]):
+    config = build_config(get_args_parser().parse_args(argv))
+    return run(config, DistInfo.single(torch.device("cpu")))
+
+
+def _rows(path: Path) -> list[dict[str, str]]:
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def _check_schedule_ended(ckpt: dict, epochs_total: int) -> None:
+    """The run's last epoch is the planned one and the cosine schedule reached lr0 * lrf."""
+    assert ckpt["epoch"] == epochs_total - 1
+    assert ckpt["planned_epochs"] == epochs_total
+    sched = ckpt["scheduler"]
+    assert sched["last_epoch"] == epochs_total
+    lr0, lrf = ckpt["hyp_scaled"]["lr0"], ckpt["hyp_scaled"]["lrf"]
+    assert sched["_last_lr"] == pytest.approx([lr0 * lrf] * len(sched["_last_lr"]))
+
+
+@pytest.mark.slow
+def test_time_budget_stops_on_time_and_resumes(shapes_data, repo_root, tmp_path) -> None:
+    out = tmp_path / "run"
+    t0 = time.time()
+    summary = _train(_budget_flags(shapes_data, out, repo_root, BUDGET_MIN))
+    wall = time.time() - t0
+    rows = _rows(out / "results.csv")
+    ckpt = load_checkpoint(out / "last.pt")
+    epochs = summary.epochs_run
+    assert epochs >= 2, "the tiny data trains several epochs in 24 s"
+    _check_schedule_ended(ckpt, epochs)
+    # Ends within about one epoch of the budget (epoch time measured from the run itself).
+    epoch_s = wall / epochs
+    assert abs(wall - BUDGET_MIN * 60) < 2 * epoch_s + 3.0, (wall, epoch_s)
+    # The last epoch is evaluated; the others every 2nd epoch.
+    assert [int(r["epoch"]) for r in rows] == sorted(
+        {e for e in range(epochs) if (e + 1) % 2 == 0} | {epochs - 1}
+    )
+    assert ckpt["budget_spent_s"] == pytest.approx(wall, abs=3.0)
+
+    # A larger budget continues the same run: no epoch twice, the budget spent so far counts.
+    spent = ckpt["budget_spent_s"]
+    t1 = time.time()
+    budget2 = BUDGET_MIN + EXTRA_MIN
+    more = _train(_budget_flags(shapes_data, out, repo_root, budget2, "--resume"))
+    resumed_wall = time.time() - t1
+    ckpt2 = load_checkpoint(out / "last.pt")
+    total = epochs + more.epochs_run
+    assert more.epochs_run >= 1
+    _check_schedule_ended(ckpt2, total)
+    assert ckpt2["budget_spent_s"] == pytest.approx(spent + resumed_wall, abs=3.0)
+    assert ckpt2["budget_spent_s"] < budget2 * 60 + 2 * resumed_wall / more.epochs_run + 3
+    epochs_in_csv = [int(r["epoch"]) for r in _rows(out / "results.csv")]
+    assert epochs_in_csv == sorted(set(epochs_in_csv)) and epochs_in_csv[-1] == total - 1
+
+    # The same budget again: already spent, nothing is trained.
+    again = _train(_budget_flags(shapes_data, out, repo_root, budget2, "--resume"))
+    assert again.epochs_run == 0
+
+
+@pytest.mark.slow
+def test_patience_stops_a_run_that_does_not_improve(
+    shapes_data, repo_root, tmp_path, monkeypatch
+) -> None:
+    out = tmp_path / "run"
+    # The evaluation reports mAP@0.5:0.95 falling after epoch 0 (the real one is near 0 and
+    # could tie or wobble on this tiny data).
+    fitness = iter([0.5, 0.4, 0.45, 0.6, 0.7])
+
+    def evaluate(*args, **kwargs):
+        stats, per_class, detections = real_evaluate(*args, **kwargs)
+        stats = list(stats)
+        stats[STAT_NAMES.index(FITNESS_KEY)] = next(fitness)
+        return stats, per_class, detections
+
+    real_evaluate = trainer_module.evaluate
+    monkeypatch.setattr(trainer_module, "evaluate", evaluate)
+    flags = _budget_flags(shapes_data, out, repo_root, 10.0, "--epochs", "20", "--patience", "2")
+    flags[flags.index("--eval-interval") + 1] = "1"
+    summary = _train(flags)
+    # Best at epoch 0 (first evaluation), no improvement at 1 and 2: stop after epoch 2.
+    assert summary.epochs_run == 3
+    assert load_checkpoint(out / "last.pt")["best_epoch"] == 0

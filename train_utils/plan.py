@@ -1,0 +1,135 @@
+"""How long a run trains: ``--epochs``, or as many epochs as fit ``--time-budget``, and when
+``--patience`` ends it early.
+
+With a time budget the epoch count is estimated after every epoch from the measured time of
+training epochs and evaluations, and the cosine schedule (:func:`train_utils.optim.
+build_scheduler` reads :attr:`EpochPlan.epochs`) is stretched or shrunk to end at the planned
+last epoch, which is always evaluated. Rank 0's clock decides and every rank follows
+(:meth:`EpochPlan.share`), so all ranks stop after the same epoch. The budget counts from the
+start of :func:`train_utils.trainer.run` (set-up and caching included) and, on ``--resume``,
+continues from what the checkpoint had spent.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from train_utils.distributed_utils import broadcast_object
+
+RECENT_EPOCHS = 3  # epoch-time estimate: mean of the last few epochs (data caches warm up)
+
+
+def evaluated(epoch: int, total: int, eval_interval: int, notest: bool) -> bool:
+    """The final epoch always; others every ``eval_interval`` epochs unless ``notest``."""
+    return epoch == total - 1 or (not notest and (epoch + 1) % eval_interval == 0)
+
+
+def epochs_within_budget(
+    epoch: int,
+    remaining_s: float,
+    epoch_s: float,
+    eval_s: float,
+    eval_interval: int = 1,
+    notest: bool = False,
+    max_epochs: int | None = None,
+) -> int:
+    """The largest total epoch count whose rest fits ``remaining_s``, counted after training
+    epoch ``epoch`` (but before evaluating it).
+
+    The cost of a total ``T`` is ``epoch_s`` for each epoch after ``epoch`` up to ``T - 1`` and
+    ``eval_s`` for each evaluation from ``epoch`` on (:func:`evaluated` under ``T``: the last
+    epoch always). At least ``epoch + 1`` (stop now), at most ``max_epochs``.
+    """
+
+    def cost(total: int) -> float:
+        # Interval evaluations among epochs epoch .. total - 2, then the final one.
+        periodic = 0 if notest else (total - 1) // eval_interval - epoch // eval_interval
+        return (total - 1 - epoch) * epoch_s + (periodic + 1) * eval_s
+
+    best = epoch + 1
+    limit = epoch + 2 + int(remaining_s / max(epoch_s, 1e-9))
+    if max_epochs is not None:
+        limit = min(limit, max_epochs)
+    for total in range(epoch + 2, limit + 1):
+        if cost(total) > remaining_s:
+            break
+        best = total
+    return best if max_epochs is None else min(best, max_epochs)
+
+
+@dataclass
+class EpochPlan:
+    """The planned number of epochs of a run, its time budget and its early stop.
+
+    Attributes:
+        epochs: planned total epochs (fixed without a budget; with one, a first guess until the
+            first epoch has been timed).
+        budget_s: ``--time-budget`` in seconds, or None.
+        spent_before_s: budget seconds spent by the attempts before a resume.
+        eval_interval, notest: ``--eval-interval`` / ``--notest``.
+        patience: ``--patience`` (epochs without a better mAP@0.5:0.95 before stopping), or 0.
+        eval_share: validation images / training images, for guessing the evaluation's time
+            before the first one was timed.
+    """
+
+    epochs: int
+    budget_s: float | None = None
+    spent_before_s: float = 0.0
+    eval_interval: int = 1
+    notest: bool = False
+    patience: int = 0
+    eval_share: float = 0.2
+    max_epochs: int | None = None
+    started: float = field(default_factory=time.time)
+    epoch_s: list[float] = field(default_factory=list)
+    eval_s: float | None = None
+
+    def spent(self) -> float:
+        """Budget seconds used so far, resumed attempts included."""
+        return self.spent_before_s + time.time() - self.started
+
+    def evaluates(self, epoch: int) -> bool:
+        return evaluated(epoch, self.epochs, self.eval_interval, self.notest)
+
+    def after_training(self, epoch: int, seconds: float, is_main: bool) -> int:
+        """Re-plan after training ``epoch`` (``seconds`` of training) and before evaluating it;
+        the total is rank 0's estimate on every rank (collective when a budget is set)."""
+        if self.budget_s is None:
+            return self.epochs
+        total = None
+        if is_main:
+            recent = [*self.epoch_s[-(RECENT_EPOCHS - 1) :], seconds]
+            epoch_s = sum(recent) / len(recent)
+            eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
+            total = epochs_within_budget(
+                epoch,
+                self.budget_s - self.spent(),
+                epoch_s,
+                eval_s,
+                self.eval_interval,
+                self.notest,
+                self.max_epochs,
+            )
+        self.epochs = int(broadcast_object(total))
+        return self.epochs
+
+    def after_epoch(self, wall_s: float, eval_s: float | None) -> None:
+        """Record an epoch's wall time (evaluation excluded) and its evaluation's time."""
+        self.epoch_s.append(wall_s)
+        if eval_s is not None:
+            self.eval_s = eval_s
+
+    def stops_early(self, epoch: int, best_epoch: int | None, is_main: bool) -> bool:
+        """``--patience``: whether ``epoch`` ends the run because mAP@0.5:0.95 has not improved
+        for ``patience`` epochs; rank 0's answer on every rank (collective with patience)."""
+        if self.patience <= 0:
+            return False
+        stop = None
+        if is_main:
+            stop = best_epoch is not None and epoch - best_epoch >= self.patience
+        return bool(broadcast_object(stop))
+
+    def state(self) -> dict[str, float | int]:
+        """What a checkpoint keeps so that a resumed run continues the same budget."""
+        return {"planned_epochs": self.epochs, "budget_spent_s": round(self.spent(), 3)}
