@@ -9,7 +9,6 @@ from pathlib import Path
 
 import cv2
 import numpy as np
-import pytest
 
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -306,18 +305,6 @@ def test_calculate_dataset_refuses_a_split_without_objects(make_shapes_data, tmp
 
 # ---------------------------------------------------------------------------------------------
 # Anchors
-
-
-def test_kmeans_recovers_clusters():
-    rng = np.random.default_rng(0)
-    centres = np.array([[10, 12], [30, 60], [100, 80]], float)
-    wh = np.concatenate([c * rng.uniform(0.95, 1.05, (200, 2)) for c in centres])
-    anchors = kmeans_anchors.kmeans_iou(wh, 3, rng)
-    np.testing.assert_allclose(anchors, centres, rtol=0.05)
-    evolved = kmeans_anchors.evolve(wh, anchors, 0.2, 100, rng)
-    assert kmeans_anchors.fitness(wh, evolved, 0.2) >= kmeans_anchors.fitness(wh, anchors, 0.2)
-    with pytest.raises(Exception, match="too few"):
-        kmeans_anchors.kmeans_iou(wh[:2], 3, rng)
 
 
 def test_kmeans_anchors_cli_writes_a_cfg(make_shapes_data, tmp_path, capsys):

@@ -12,6 +12,9 @@ centroids are cluster medians. The genetic step mutates the anchors and keeps a 
 (BPR) is the fraction of labels whose best anchor IoU exceeds ``--iou-t``, the training matching
 threshold (``iou_t`` in cfg/hyp.yaml): labels below it have no anchor to learn from.
 
+The metric and the search live in ``build_utils/anchors.py``, shared with the anchor check at
+training start (``train.py --autoanchor`` runs the same search itself).
+
 Writing into a cfg replaces the ``anchors=`` line of every ``[yolo]`` section (sorted small to
 large, as the masks 0,1,2 / 3,4,5 / 6,7,8 expect) and leaves everything else as it was.
 """
@@ -29,105 +32,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from build_utils import anchors as anchors_lib
+from build_utils.anchors import (
+    MIN_LABEL_PX,
+    anchor_fit,
+    evolve,
+    format_anchors,
+    kmeans_iou,
+    too_small,
+)
 from build_utils.datasets import LoadImagesAndLabels
-from build_utils.errors import ConfigError, DatasetError
+from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_data_cfg
 from train_utils.cli import run_main, setup_console_logging
 
 LOGGER = logging.getLogger("kmeans_anchors")
-MIN_LABEL_PX = 2.0  # labels smaller than this at img-size are ignored (lineage: 2 px)
-KMEANS_ITERS = 300
-MUTATION_PROB, MUTATION_SIGMA = 0.9, 0.1  # genetic step (ultralytics' values)
-MUTATION_RANGE = (0.3, 3.0)  # one mutation scales an anchor by at most this
-
-
-def wh_iou(wh: np.ndarray, anchors: np.ndarray) -> np.ndarray:
-    """IoU ``(n, k)`` of ``(n, 2)`` widths/heights with ``(k, 2)`` anchors, all centred."""
-    inter = np.minimum(wh[:, None, 0], anchors[None, :, 0]) * np.minimum(
-        wh[:, None, 1], anchors[None, :, 1]
-    )
-    union = (wh[:, 0] * wh[:, 1])[:, None] + (anchors[:, 0] * anchors[:, 1])[None] - inter
-    return inter / union
-
-
-def fitness(wh: np.ndarray, anchors: np.ndarray, iou_t: float) -> float:
-    best = wh_iou(wh, anchors).max(1)
-    return float((best * (best > iou_t)).mean())
-
-
-def kmeans_iou(wh: np.ndarray, k: int, rng: np.random.Generator) -> np.ndarray:
-    """k-means with ``1 - IoU`` distance and median centroids, k-means++ seeding.
-
-    Returns ``(k, 2)`` anchors sorted by area.
-    """
-    if len(wh) < k:
-        raise DatasetError(f"{len(wh)} labels are too few for {k} anchors")
-    centroids = [wh[rng.integers(len(wh))]]
-    for _ in range(1, k):
-        d = 1 - wh_iou(wh, np.array(centroids)).max(1)
-        p = d**2
-        centroids.append(
-            wh[rng.choice(len(wh), p=p / p.sum()) if p.sum() > 0 else rng.integers(len(wh))]
-        )
-    c = np.array(centroids, dtype=np.float64)
-    assign = None
-    for _ in range(KMEANS_ITERS):
-        iou = wh_iou(wh, c)
-        new = iou.argmax(1)
-        if assign is not None and (new == assign).all():
-            break
-        assign = new
-        for j in range(k):
-            members = wh[assign == j]
-            if len(members):
-                c[j] = np.median(members, axis=0)
-            else:  # an empty cluster takes the worst-served label
-                c[j] = wh[iou.max(1).argmin()]
-    return c[np.argsort(c.prod(1))]
-
-
-def evolve(
-    wh: np.ndarray, anchors: np.ndarray, iou_t: float, generations: int, rng: np.random.Generator
-) -> np.ndarray:
-    """Genetic refinement: random multiplicative mutations kept when the fitness improves."""
-    best, best_f = anchors.copy(), fitness(wh, anchors, iou_t)
-    for _ in range(generations):
-        mutate = np.ones_like(best)
-        while (mutate == 1).all():
-            mask = rng.random(best.shape) < MUTATION_PROB
-            mutate = np.clip(
-                (rng.standard_normal(best.shape) * MUTATION_SIGMA * rng.random() + 1) * mask
-                + ~mask,
-                *MUTATION_RANGE,
-            )
-        cand = np.clip(best * mutate, MIN_LABEL_PX, None)
-        f = fitness(wh, cand, iou_t)
-        if f > best_f:
-            best, best_f = cand, f
-    return best[np.argsort(best.prod(1))]
 
 
 def label_sizes(dataset: LoadImagesAndLabels) -> np.ndarray:
     """``(n, 2)`` label widths/heights in pixels at the dataset's img_size (long side)."""
-    out = []
-    for lb, (w0, h0) in zip(dataset.labels, dataset.shapes):
-        if len(lb):
-            r = dataset.img_size / max(w0, h0)
-            out.append(lb[:, 3:5] * [w0 * r, h0 * r])
-    return np.concatenate(out).astype(np.float64) if out else np.zeros((0, 2))
+    return anchors_lib.label_sizes(dataset.labels, dataset.shapes, dataset.img_size)
 
 
 def describe(wh: np.ndarray, anchors: np.ndarray, iou_t: float) -> str:
-    iou = wh_iou(wh, anchors)
-    best = iou.max(1)
-    return (
-        f"best possible recall {(best > iou_t).mean():.4f} at IoU > {iou_t}; mean best IoU "
-        f"{best.mean():.4f}; {(iou > iou_t).sum(1).mean():.2f} anchors per label above it"
-    )
-
-
-def format_anchors(anchors: np.ndarray) -> str:
-    return ",  ".join(f"{round(w)},{round(h)}" for w, h in anchors)
+    return anchor_fit(wh, anchors, iou_t).describe()
 
 
 def write_anchors_into_cfg(src: Path, dst: Path, anchors: np.ndarray) -> int:
@@ -205,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = parse_data_cfg(args.data)["train"] if args.data else args.list
         dataset = LoadImagesAndLabels(source, args.img_size)
         wh = label_sizes(dataset)
-        small = (wh < MIN_LABEL_PX).any(1)
+        small = too_small(wh)
         if small.any():
             LOGGER.warning(
                 "%d of %d labels are under %g px at img-size %d; ignored",

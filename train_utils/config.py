@@ -195,6 +195,13 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
     trust_help = "allow full-pickle checkpoint loading (only for files you trust)"
     g.add_argument("--trust-checkpoint", action="store_true", help=trust_help)
     g.add_argument("--single-cls", action="store_true", help="train as a one-class detector")
+    _switch(
+        g,
+        "--autoanchor",
+        False,
+        "when the cfg's anchors fit the training labels poorly (best possible recall < 0.98), "
+        "train with k-means anchors that fit better (written into the run's model.cfg)",
+    )
     g.add_argument(
         "--cache-images",
         nargs="?",
@@ -345,6 +352,7 @@ class TrainConfig:
     workers: int
     seed: int
     single_cls: bool
+    autoanchor: bool
     freeze_layers: str
     amp: str
     ema: bool

@@ -27,6 +27,7 @@ from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet
 from models.loss import scale_loss_gains
+from train_utils.autoanchor import check_anchors
 from train_utils.builders import TrainData, build_train_data, model_blocks_for
 from train_utils.checkpoint import (
     load_checkpoint,
@@ -115,6 +116,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     amp = resolve_amp(config.amp, device)
 
     blocks = model_blocks_for(config.cfg, data.nc)
+    blocks = check_anchors(blocks, config, dist)
     cfg_text = format_model_cfg(blocks)
     model = Darknet(blocks, img_size=(config.img_size, config.img_size))
     ckpt = _load_resume_checkpoint(config, model, dist)
