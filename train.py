@@ -3,13 +3,17 @@
     python train.py --cfg cfg/yolov3-spp.cfg --data data/my_data.data --weights weights/x.pt
     python train.py --data demo_data/shapes/shapes.data --cfg cfg/yolov3-spp-nano.cfg --device cpu
     python train.py ... --resume                 # continue runs/<name>/last.pt exactly
+    python train.py --device 0,1 ...             # DDP, one spawned process per listed GPU
 
-For several GPUs or processes use ``torchrun --nproc_per_node=N train_multi_GPU.py`` with the
-same flags; both run the same loop (``train_utils/trainer.py``).
+A GPU list spawns one DDP process per GPU on this node, as ``train_multi_GPU.py --device 0,1``
+does (nn.DataParallel is not offered). For more, several nodes or CPU processes use
+``torchrun --nproc_per_node=N train_multi_GPU.py`` or ``train_multi_GPU.py --nproc-per-node N``
+with the same flags; all run the same loop (``train_utils/trainer.py``).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Sequence
 
@@ -17,6 +21,7 @@ from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import build_config, get_args_parser
 from train_utils.devices import select_device
 from train_utils.distributed_utils import DistInfo
+from train_utils.launch import processes_to_spawn, spawn_training
 from train_utils.trainer import run
 
 
@@ -25,6 +30,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
+        nprocs = processes_to_spawn(None, args.device, os.environ)
+        if nprocs:
+            spawn_training(args, nprocs)
+            return
         config = build_config(args)
         run(config, DistInfo.single(select_device(config.device)))
 

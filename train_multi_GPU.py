@@ -1,38 +1,31 @@
-"""Distributed training under torchrun: one process per GPU (NCCL), or per CPU slot (gloo).
+"""Distributed training: one process per GPU (NCCL), or per CPU slot (gloo).
 
     torchrun --nproc_per_node=4 train_multi_GPU.py --cfg cfg/yolov3-spp.cfg --data data/x.data
     torchrun --nnodes=2 --node_rank=0 --master_addr=HOST --master_port=29500 \\
              --nproc_per_node=8 train_multi_GPU.py ...          # on each node, node_rank 0 and 1
     torchrun --nproc_per_node=2 --max-restarts=3 train_multi_GPU.py --name run1 ...
     srun python train_multi_GPU.py ...                          # SLURM: one task per GPU
+    python train_multi_GPU.py --nproc-per-node 4 ...            # spawns 4 processes itself
+    python train_multi_GPU.py --device 0,1 ...                  # one spawned process per GPU
+    python train_multi_GPU.py --device cpu --nproc-per-node 2 ...   # 2 CPU processes (gloo)
 
 The flags are those of ``train.py``; ``--batch-size`` is per process. Gradients accumulate until
 batch x world size x accumulation reaches ``--nbs`` (64), and the learning rate grows linearly
 when the global batch exceeds it. Under ``--max-restarts`` a restarted job resumes from
 ``last.pt`` in its output folder (give ``--name`` or ``--output-dir`` so it is the same folder).
+``--nproc-per-node`` > 1 under torchrun or SLURM is an error: the launcher chose the processes.
 """
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from train_utils.cli import run_main, setup_console_logging
-from train_utils.config import build_config, get_args_parser
-from train_utils.distributed_utils import (
-    all_reduce_flag,
-    broadcast_object,
-    cleanup,
-    init_distributed_mode,
-    launch_hint,
-)
-from train_utils.trainer import run
-
-logger = logging.getLogger("train_multi_GPU")
+from train_utils.config import get_args_parser
+from train_utils.launch import processes_to_spawn, spawn_training, train_distributed
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -56,16 +49,16 @@ def get_parser() -> argparse.ArgumentParser:
         default=1800.0,
         help="seconds a collective may wait before the job fails",
     )
+    parser.add_argument(
+        "--nproc-per-node",
+        "--nproc_per_node",
+        dest="nproc_per_node",
+        type=int,
+        default=None,
+        help="without torchrun/SLURM: spawn this many DDP processes on this node "
+        "(default: one per GPU of a --device list such as 0,1, else a single process)",
+    )
     return parser
-
-
-def _restarted() -> bool:
-    """Whether torchrun restarted this job, the same answer on every rank.
-
-    Collective. Each node's agent counts only its own workers' failures: after a worker of
-    node 1 failed, node 1's ranks see TORCHELASTIC_RESTART_COUNT=1 and node 0's still 0.
-    """
-    return all_reduce_flag(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -73,25 +66,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
-        dist = init_distributed_mode(args, timeout_s=args.dist_timeout)
-        try:
-            if not dist.distributed:
-                logger.warning(
-                    "not launched by torchrun/SLURM: training in one process. %s", launch_hint()
-                )
-            config = build_config(args)
-            # Every rank must write to the same folder, whatever its clock says.
-            config.output_dir = Path(broadcast_object(str(config.output_dir)))
-            if config.resume is None and _restarted():
-                # Rank 0 decides for everyone: on nodes without a shared output folder the
-                # others would otherwise start from epoch 0 while rank 0 resumes.
-                last = config.output_dir / "last.pt"
-                if broadcast_object(last.is_file() if dist.is_main else None):
-                    logger.warning("restarted by torchrun: resuming from %s", last)
-                    config.resume = "auto"
-            run(config, dist)
-        finally:
-            cleanup()
+        nprocs = processes_to_spawn(args.nproc_per_node, args.device, os.environ)
+        if nprocs:
+            spawn_training(args, nprocs, timeout_s=args.dist_timeout)
+        else:
+            train_distributed(args, timeout_s=args.dist_timeout)
 
     return run_main(body)
 

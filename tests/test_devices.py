@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from build_utils.errors import ConfigError
-from train_utils.devices import choose_device, select_device
+from train_utils.devices import choose_device, parse_device_list, select_device
 
 CPU = torch.device("cpu")
 
@@ -63,6 +63,59 @@ def test_an_explicit_gpu_under_a_launcher_is_overridden_with_a_note() -> None:
     ],
 )
 def test_choose_device_refuses(spec: str, count: int, local_rank: int | None, message: str):
+    with pytest.raises(ConfigError, match=message):
+        choose_device(spec, count, local_rank)
+
+
+@pytest.mark.parametrize(
+    ("spec", "expected"),
+    [
+        ("0", None),
+        ("", None),
+        ("cuda:1", None),
+        ("0,1", [0, 1]),
+        (" 2, 3 ", [2, 3]),
+        ("1,0", [1, 0]),
+    ],
+)
+def test_parse_device_list(spec: str, expected: list[int] | None) -> None:
+    assert parse_device_list(spec) == expected
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [("0,0", "lists a GPU twice"), ("cpu,cpu", "GPU indices only"), ("0,", "GPU indices only")],
+)
+def test_parse_device_list_refuses(spec: str, message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        parse_device_list(spec)
+
+
+@pytest.mark.parametrize(
+    ("spec", "count", "local_rank", "expected"),
+    [
+        # local rank i -> the i-th listed GPU, not GPU i (no CUDA_VISIBLE_DEVICES needed)
+        ("2,3", 4, 0, cuda(2)),
+        ("2,3", 4, 1, cuda(3)),
+        ("1,0", 2, 0, cuda(1)),
+        ("3", 4, None, cuda(3)),  # a one-entry list is that GPU
+    ],
+)
+def test_choose_device_from_a_gpu_list(spec, count, local_rank, expected) -> None:
+    choice = choose_device(spec, count, local_rank)
+    assert choice.device == expected and choice.note is None
+
+
+@pytest.mark.parametrize(
+    ("spec", "count", "local_rank", "message"),
+    [
+        ("0,1", 0, 0, "asks for CUDA but no CUDA device is visible; use --device cpu"),
+        ("0,2", 2, 0, r"GPU 2 does not exist; only 2 CUDA device\(s\) are visible"),
+        ("0,1", 2, None, "lists 2 GPUs, one process each"),
+        ("0,1", 4, 2, r"local rank 2 but --device 0,1 lists 2 GPU\(s\)"),
+    ],
+)
+def test_choose_device_from_a_gpu_list_refuses(spec, count, local_rank, message) -> None:
     with pytest.raises(ConfigError, match=message):
         choose_device(spec, count, local_rank)
 

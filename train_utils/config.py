@@ -314,7 +314,10 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--name", default="", help="run name; output goes to runs/<name>")
     g.add_argument("--output-dir", default="", help="output folder (default runs/<name or time>)")
     g.add_argument(
-        "--device", default="", help="cpu, cuda, cuda:N or N (default: cuda if available)"
+        "--device",
+        default="",
+        help="cpu, cuda, cuda:N or N (default: cuda if available); a GPU list such as 0,1 "
+        "starts one DDP process per listed GPU on this node",
     )
     g.add_argument("--workers", type=int, default=4, help="DataLoader workers per process")
     _switch(

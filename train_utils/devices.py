@@ -17,7 +17,31 @@ from build_utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
-_DEVICE_HELP = "use cpu, cuda, cuda:N or N"
+_DEVICE_HELP = "use cpu, cuda, cuda:N, N or a GPU list such as 0,1"
+
+
+def parse_device_list(spec: str) -> list[int] | None:
+    """GPU indices of a comma-separated ``--device`` list (``'0,1'`` -> ``[0, 1]``).
+
+    A list is how users of this lineage ask for several GPUs on one node: one DDP process per
+    listed GPU, local rank ``i`` on the ``i``-th index. Returns None when ``spec`` is not a list
+    (no comma), so the single-device forms keep their meaning.
+
+    Raises:
+        ConfigError: an entry that is not a GPU index, or an index listed twice.
+    """
+    if "," not in spec:
+        return None
+    entries = [e.strip() for e in spec.split(",")]
+    if not all(e.isdigit() for e in entries):
+        raise ConfigError(
+            f"--device {spec!r}: a device list holds GPU indices only, e.g. 0,1 "
+            f"(for several CPU processes use train_multi_GPU.py --device cpu --nproc-per-node N)"
+        )
+    ids = [int(e) for e in entries]
+    if len(set(ids)) != len(ids):
+        raise ConfigError(f"--device {spec!r} lists a GPU twice; give each GPU once")
+    return ids
 
 
 class DeviceChoice(NamedTuple):
@@ -62,10 +86,16 @@ def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> 
         ``CUDA_VISIBLE_DEVICES`` per rank); a ``--device cuda:N`` is then ignored with a note,
         since ``CUDA_VISIBLE_DEVICES`` is what chooses GPUs for a job.
 
+    A GPU list (``0,1``, see :func:`parse_device_list`) puts local rank ``i`` on the ``i``-th
+    listed GPU, without ``CUDA_VISIBLE_DEVICES``; one process may use a one-entry list only.
+
     Raises:
         ConfigError: CUDA asked for where there is none, an index beyond the visible devices,
             or more processes on a node than the GPUs they can see.
     """
+    listed = parse_device_list(spec)
+    if listed is not None:
+        return DeviceChoice(_choose_listed(spec, listed, cuda_count, local_rank))
     requested = _parse_request(spec)
     if requested is not None and requested.type == "cpu":
         return DeviceChoice(torch.device("cpu"))
@@ -100,6 +130,37 @@ def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> 
             f"local rank (cuda:{index} here); choose GPUs with CUDA_VISIBLE_DEVICES"
         )
     return DeviceChoice(torch.device("cuda", index), note)
+
+
+def _choose_listed(
+    spec: str, listed: list[int], cuda_count: int, local_rank: int | None
+) -> torch.device:
+    """The GPU of ``local_rank`` in a ``--device`` list (see :func:`choose_device`)."""
+    if cuda_count < 1:
+        raise ConfigError(
+            f"--device {spec} asks for CUDA but no CUDA device is visible; use --device cpu "
+            f"(train_multi_GPU.py --device cpu --nproc-per-node N for several CPU processes)"
+        )
+    beyond = [i for i in listed if i >= cuda_count]
+    if beyond:
+        raise ConfigError(
+            f"--device {spec}: GPU {beyond[0]} does not exist; only {cuda_count} CUDA "
+            f"device(s) are visible (0..{cuda_count - 1})"
+        )
+    if local_rank is None:
+        if len(listed) > 1:
+            raise ConfigError(
+                f"--device {spec} lists {len(listed)} GPUs, one process each: give it to "
+                f"train.py or train_multi_GPU.py without a launcher (they spawn the processes), "
+                f"or to train_multi_GPU.py under torchrun"
+            )
+        local_rank = 0
+    if local_rank >= len(listed):
+        raise ConfigError(
+            f"local rank {local_rank} but --device {spec} lists {len(listed)} GPU(s): start "
+            f"at most {len(listed)} processes per node, or list more GPUs"
+        )
+    return torch.device("cuda", listed[local_rank])
 
 
 def cuda_device_count() -> int:

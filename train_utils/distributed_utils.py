@@ -97,7 +97,8 @@ def launch_hint(script: str = "train_multi_GPU.py") -> str:
     nproc = str(ngpu) if ngpu > 1 else "<number of GPUs>"
     return (
         f"launch it with torchrun, e.g. `torchrun --nproc_per_node={nproc} {script} ...` "
-        f"(or `srun --ntasks-per-node={nproc} python {script} ...` under SLURM); "
+        f"(or `srun --ntasks-per-node={nproc} python {script} ...` under SLURM), or let it "
+        f"spawn the processes: `python {script} --nproc-per-node {nproc} ...`; "
         f"for a single process use train.py"
     )
 

@@ -1,0 +1,163 @@
+"""train_utils/launch.py: torch.multiprocessing.spawn launching, pure parts and one CPU run."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import train
+from build_utils.errors import ConfigError
+from tests.test_ddp import _env, _rows, _train_flags, _validate
+from train_utils.launch import (
+    SPAWN_MASTER_ADDR,
+    free_port,
+    launcher_name,
+    processes_to_spawn,
+    spawn_devices,
+    spawn_env,
+)
+
+REPO = Path(__file__).resolve().parents[1]
+TORCHRUN_ENV = {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+
+
+def test_free_port_can_be_bound():
+    port = free_port()
+    assert 0 < port < 65536
+    with socket.socket() as s:
+        s.bind((SPAWN_MASTER_ADDR, port))
+
+
+def test_spawn_env_is_what_torchrun_sets_on_one_node():
+    assert spawn_env(1, 2, 29511) == {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "29511",
+        "RANK": "1",
+        "LOCAL_RANK": "1",
+        "WORLD_SIZE": "2",
+        "LOCAL_WORLD_SIZE": "2",
+    }
+
+
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, None),
+        (TORCHRUN_ENV, "torchrun"),
+        ({"RANK": "0"}, None),  # half a launch: init_distributed_mode ignores it too
+        ({"SLURM_PROCID": "0"}, "SLURM"),
+    ],
+)
+def test_launcher_name(env, expected):
+    assert launcher_name(env) == expected
+
+
+@pytest.mark.parametrize(
+    ("nproc", "device", "expected"),
+    [
+        (None, "", 0),
+        (None, "cpu", 0),
+        (1, "cpu", 0),
+        (2, "cpu", 2),
+        (None, "0,1", 2),
+        (2, "0,1", 2),
+        (None, "0", 0),
+        (None, "3,", None),  # not a list of indices: an error, see below
+    ],
+)
+def test_processes_to_spawn(nproc, device, expected):
+    if expected is None:
+        with pytest.raises(ConfigError, match="GPU indices only"):
+            processes_to_spawn(nproc, device, {})
+    else:
+        assert processes_to_spawn(nproc, device, {}) == expected
+
+
+def test_processes_to_spawn_refuses_under_a_launcher():
+    with pytest.raises(ConfigError, match="started by torchrun, which already chose"):
+        processes_to_spawn(2, "cpu", TORCHRUN_ENV)
+    with pytest.raises(ConfigError, match="started by SLURM"):
+        processes_to_spawn(4, "", {"SLURM_PROCID": "1"})
+    # One process per node is what the launcher does anyway; a GPU list maps local ranks.
+    assert processes_to_spawn(1, "cpu", TORCHRUN_ENV) == 0
+    assert processes_to_spawn(None, "0,1", TORCHRUN_ENV) == 0
+
+
+def test_processes_to_spawn_bad_counts():
+    with pytest.raises(ConfigError, match="--nproc-per-node must be >= 1, got 0"):
+        processes_to_spawn(0, "cpu", {})
+    with pytest.raises(ConfigError, match="--nproc-per-node 3 but --device 0,1 lists 2 GPUs"):
+        processes_to_spawn(3, "0,1", {})
+
+
+def test_spawn_devices():
+    cpu, cuda = torch.device("cpu"), torch.device
+    assert spawn_devices("cpu", 2, 4) == [cpu, cpu]
+    assert spawn_devices("", 2, 0) == [cpu, cpu]
+    assert spawn_devices("", 2, 2) == [cuda("cuda", 0), cuda("cuda", 1)]
+    assert spawn_devices("3,1", 2, 4) == [cuda("cuda", 3), cuda("cuda", 1)]
+    with pytest.raises(ConfigError, match=r"only 1 CUDA device\(s\) are visible"):
+        spawn_devices("", 2, 1)  # both would land on cuda:0
+    with pytest.raises(ConfigError, match="local rank 2 but 2 CUDA devices"):
+        spawn_devices("", 3, 2)
+    with pytest.raises(ConfigError, match="no CUDA device is visible"):
+        spawn_devices("0,1", 2, 0)
+
+
+def test_train_py_gpu_list_without_cuda_is_one_line(monkeypatch, tmp_path, console):
+    monkeypatch.setattr("train_utils.launch.cuda_device_count", lambda: 0)
+    for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(key, raising=False)
+    code = train.main(["--device", "0,1", "--output-dir", str(tmp_path / "x")])
+    err = console.readouterr().err
+    assert code == 2
+    assert "error: --device 0,1 asks for CUDA but no CUDA device is visible" in err
+    assert not (tmp_path / "x").exists()
+
+
+def _spawn(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
+    env = _env()
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
+        env.pop(key, None)
+    return subprocess.run(
+        [sys.executable, str(REPO / "train_multi_GPU.py"), "--nproc-per-node", "2", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@pytest.mark.slow
+def test_spawned_training_map_equals_validation(make_shapes_data, tmp_path):
+    """2 spawned gloo processes train 1 epoch; the mAP in results.csv equals validation.py's
+    on last.pt."""
+    data = make_shapes_data(n_train=16, n_val=4)
+    out = tmp_path / "spawned"
+    proc = _spawn([*_train_flags(data, out, 1), "--img-size", "64"])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "spawning 2 processes on this node (cpu, cpu)" in proc.stderr
+    assert "device cpu x 2 process(es)" in proc.stderr
+    rows = _rows(out / "results.csv")
+    assert [r["epoch"] for r in rows] == ["0"]
+    single = _validate(data, out, tmp_path)
+    for key, value in single.items():
+        assert float(rows[-1][key]) == pytest.approx(value, abs=1e-6), key
+
+
+@pytest.mark.slow
+def test_a_child_error_comes_back_as_one_line(make_shapes_data, tmp_path):
+    data = make_shapes_data(n_train=4, n_val=2)
+    missing = tmp_path / "missing.cfg"
+    flags = [*_train_flags(data, tmp_path / "out", 1), "--cfg", str(missing)]
+    proc = _spawn(flags)
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert errors == [f"error: {missing}: model cfg not found; pass an existing .cfg to --cfg"]
+    assert "Traceback" not in proc.stderr

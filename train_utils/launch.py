@@ -1,0 +1,247 @@
+"""Distributed training as the scripts start it: in this process, or spawned on one node.
+
+``train_multi_GPU.py`` runs :func:`train_distributed` in each process a launcher (torchrun,
+SLURM) started. Without a launcher it can start the processes itself with
+``torch.multiprocessing.spawn`` (:func:`spawn_training`): ``--nproc-per-node N``, or a GPU list
+``--device 0,1`` (also from ``train.py``), one process per GPU. Each child gets the variables
+torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
+``MASTER_ADDR``, ``MASTER_PORT``) and then runs the same :func:`train_distributed`, so
+:func:`~train_utils.distributed_utils.init_distributed_mode` and the device policy are those of
+torchrun. The start method is ``spawn`` (fresh interpreters, as on Windows and macOS) and the
+child entry point is a module-level function, so nothing depends on ``fork``.
+
+Under a launcher ``--nproc-per-node`` > 1 is refused: the launcher already chose the processes,
+and spawning more from each of them would multiply the world size, the global batch and the
+learning rate behind the user's back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+from build_utils.errors import CheckpointError, ConfigError, DatasetError, YoloError
+from train_utils.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, setup_console_logging
+from train_utils.config import build_config
+from train_utils.devices import choose_device, cuda_device_count, parse_device_list
+from train_utils.distributed_utils import (
+    DEFAULT_TIMEOUT_S,
+    all_reduce_flag,
+    broadcast_object,
+    cleanup,
+    init_distributed_mode,
+    launch_hint,
+)
+from train_utils.trainer import run
+
+logger = logging.getLogger(__name__)
+
+SPAWN_MASTER_ADDR = "127.0.0.1"  # spawned processes share one node: rendezvous on loopback
+_ERROR_TYPES = {c.__name__: c for c in (YoloError, ConfigError, CheckpointError, DatasetError)}
+
+
+def free_port(host: str = SPAWN_MASTER_ADDR) -> int:
+    """A TCP port that is free on ``host`` now, for the spawned job's rendezvous.
+
+    The port is released before the children bind it, so another program could take it in
+    between; on one node that window is short, and the children then fail with a clear
+    "address in use" instead of hanging.
+    """
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def launcher_name(env: Mapping[str, str]) -> str | None:
+    """The launcher that started this process ('torchrun', 'SLURM'), or None.
+
+    The same variables :func:`~train_utils.distributed_utils.init_distributed_mode` reads.
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun"
+    if "SLURM_PROCID" in env:
+        return "SLURM"
+    return None
+
+
+def processes_to_spawn(nproc: int | None, device: str, env: Mapping[str, str]) -> int:
+    """How many processes this command starts itself; 0 to train in this process.
+
+    Args:
+        nproc: ``--nproc-per-node`` (None when not given, or for ``train.py``).
+        device: the ``--device`` value; a GPU list (``0,1``) means one process per GPU.
+        env: the environment, to tell whether a launcher started this process.
+
+    Raises:
+        ConfigError: ``--nproc-per-node`` < 1, > 1 under a launcher, or other than the length
+            of a ``--device`` list.
+    """
+    if nproc is not None and nproc < 1:
+        raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
+    launcher = launcher_name(env)
+    if launcher is not None:
+        if nproc is not None and nproc > 1:
+            raise ConfigError(
+                f"--nproc-per-node {nproc}: this process was started by {launcher}, which "
+                f"already chose the processes; drop --nproc-per-node (use torchrun's "
+                f"--nproc_per_node, or srun's --ntasks-per-node)"
+            )
+        # Under a launcher a GPU list maps each local rank to its GPU (choose_device).
+        return 0
+    listed = parse_device_list(device)
+    if listed is not None and len(listed) > 1:
+        if nproc is not None and nproc != len(listed):
+            raise ConfigError(
+                f"--nproc-per-node {nproc} but --device {device} lists {len(listed)} GPUs; "
+                f"one process per listed GPU: drop --nproc-per-node or make them agree"
+            )
+        return len(listed)
+    return nproc if nproc is not None and nproc > 1 else 0
+
+
+def spawn_env(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun would set for local rank ``rank`` of a one-node job."""
+    return {
+        "MASTER_ADDR": SPAWN_MASTER_ADDR,
+        "MASTER_PORT": str(port),
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "WORLD_SIZE": str(world_size),
+        "LOCAL_WORLD_SIZE": str(world_size),
+    }
+
+
+def spawn_devices(device: str, nprocs: int, cuda_count: int) -> list[torch.device]:
+    """The device of each of ``nprocs`` spawned processes, by local rank (the torchrun policy).
+
+    Raises:
+        ConfigError: what :func:`~train_utils.devices.choose_device` refuses, and two processes
+            on one GPU: the policy's "a process that sees one GPU uses it" holds for launchers
+            that hide the others per rank, but spawned processes all see the same GPUs, and
+            NCCL refuses two ranks on one device.
+    """
+    devices = [choose_device(device, cuda_count, rank).device for rank in range(nprocs)]
+    gpus = [d for d in devices if d.type == "cuda"]
+    if len(set(gpus)) != len(gpus):
+        raise ConfigError(
+            f"--nproc-per-node {nprocs} but only {cuda_count} CUDA device(s) are visible: "
+            f"start at most one process per GPU, or use --device cpu for CPU processes"
+        )
+    return devices
+
+
+def _restarted() -> bool:
+    """Whether torchrun restarted this job, the same answer on every rank.
+
+    Collective. Each node's agent counts only its own workers' failures: after a worker of
+    node 1 failed, node 1's ranks see TORCHELASTIC_RESTART_COUNT=1 and node 0's still 0.
+    """
+    return all_reduce_flag(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+
+
+def train_distributed(args: argparse.Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the launcher's process group (one process without one) and train.
+
+    Args:
+        args: the training flags (``config.get_args_parser``), plus ``local_rank`` from the
+            legacy launcher when present.
+        timeout_s: how long a collective may wait for the slowest rank, in seconds.
+    """
+    dist = init_distributed_mode(args, timeout_s=timeout_s)
+    try:
+        if not dist.distributed:
+            logger.warning(
+                "not launched by torchrun/SLURM: training in one process. %s", launch_hint()
+            )
+        config = build_config(args)
+        # Every rank must write to the same folder, whatever its clock says.
+        config.output_dir = Path(broadcast_object(str(config.output_dir)))
+        if config.resume is None and _restarted():
+            # Rank 0 decides for everyone: on nodes without a shared output folder the others
+            # would otherwise start from epoch 0 while rank 0 resumes.
+            last = config.output_dir / "last.pt"
+            if broadcast_object(last.is_file() if dist.is_main else None):
+                logger.warning("restarted by torchrun: resuming from %s", last)
+                config.resume = "auto"
+        run(config, dist)
+    finally:
+        cleanup()
+
+
+def _spawned_worker(
+    local_rank: int,
+    world_size: int,
+    port: int,
+    args: argparse.Namespace,
+    timeout_s: float,
+    errors: mp.SimpleQueue,
+) -> None:
+    """Entry point of a spawned process (module level, so that it pickles by name).
+
+    A user error is sent to the parent as (type name, message) and ends the process with exit
+    status 2; the parent prints it once, as one line. Other exceptions keep their traceback
+    (torch.multiprocessing hands it to the parent).
+    """
+    os.environ.update(spawn_env(local_rank, world_size, port))
+    setup_console_logging()
+    try:
+        train_distributed(args, timeout_s)
+    except YoloError as e:
+        errors.put((type(e).__name__, str(e)))
+        raise SystemExit(EXIT_USER_ERROR) from e
+    except KeyboardInterrupt as e:
+        # torch.multiprocessing treats a KeyboardInterrupt as a clean exit; it is not one.
+        raise SystemExit(EXIT_INTERRUPTED) from e
+
+
+def spawn_training(
+    args: argparse.Namespace, nprocs: int, timeout_s: float = DEFAULT_TIMEOUT_S
+) -> None:
+    """Train with ``nprocs`` DDP processes spawned on this node (see the module docstring).
+
+    Every rank's device is checked here first, so a missing GPU is one error before anything
+    starts.
+
+    Raises:
+        YoloError: of the type a child raised, with its message (the first child to fail).
+        KeyboardInterrupt: after the children stopped, when interrupted (Ctrl-C).
+    """
+    devices = spawn_devices(args.device, nprocs, cuda_device_count())
+    port = free_port()
+    logger.info(
+        "spawning %d processes on this node (%s), rendezvous %s:%d",
+        nprocs,
+        ", ".join(str(d) for d in devices),
+        SPAWN_MASTER_ADDR,
+        port,
+    )
+    errors = mp.get_context("spawn").SimpleQueue()
+    context = mp.start_processes(
+        _spawned_worker,
+        args=(nprocs, port, args, timeout_s, errors),
+        nprocs=nprocs,
+        join=False,
+        start_method="spawn",
+    )
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as e:
+        if e.exit_code == EXIT_INTERRUPTED:
+            raise KeyboardInterrupt from e
+        if errors.empty():
+            raise  # killed by a signal or a crash: keep what torch says about it
+        kind, message = errors.get()
+        raise _ERROR_TYPES.get(kind, YoloError)(message) from None
+    except KeyboardInterrupt:
+        # The children got the same Ctrl-C and save what they can: wait for them.
+        for process in context.processes:
+            process.join()
+        raise
