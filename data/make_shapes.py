@@ -32,7 +32,9 @@ from xml.sax.saxutils import escape
 import cv2
 import numpy as np
 
-CLASS_NAMES = ("circle", "square", "triangle", "star", "cross")
+CLASS_NAMES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "bar")
+# The demo's and the CLI's default: the first five. The others make harder sets (--classes 8).
+DEFAULT_CLASSES = 5
 SPLITS = ("train", "val")
 JPEG_QUALITY = 90
 # Objects overlap a little at most, so that every labelled object stays recognisable.
@@ -60,7 +62,7 @@ class ShapeObject:
 class GeneratorOptions:
     img_size_range: tuple[int, int] = (256, 480)
     obj_size_range: tuple[float, float] = (10.0, 0.5)  # min pixels, max fraction of the short side
-    n_classes: int = len(CLASS_NAMES)
+    n_classes: int = DEFAULT_CLASSES
 
 
 def _background(rng: np.random.Generator, w: int, h: int) -> np.ndarray:
@@ -126,6 +128,19 @@ def _polygon(cls: int, cx: float, cy: float, s: float, rng: np.random.Generator)
             (-r, -t),
             (-t, -t),
         ]
+    elif cls == 5:  # narrow diamond, axis-aligned: tall and thin, unlike the square
+        pts = [(0, -r), (0.55 * r, 0), (0, r), (-0.55 * r, 0)]
+    elif cls == 6:  # regular hexagon, randomly rotated
+        a0 = rng.uniform(0, 2 * math.pi)
+        pts = [
+            (r * math.cos(a0 + k * math.pi / 3), r * math.sin(a0 + k * math.pi / 3))
+            for k in range(6)
+        ]
+    elif cls == 7:  # bar, 3:1, horizontal or vertical: box shapes no other class has
+        t = r / 3
+        pts = [(-r, -t), (r, -t), (r, t), (-r, t)]
+        if rng.random() < 0.5:
+            pts = [(y, x) for x, y in pts]
     else:
         raise ValueError(f"class {cls} is not a polygon")
     return np.round(np.array(pts) + np.array([cx, cy])).astype(np.int32)
@@ -258,7 +273,7 @@ def make_dataset(
     img_size_range: tuple[int, int] = (256, 480),
     seed: int = 0,
     voc: bool = False,
-    n_classes: int = len(CLASS_NAMES),
+    n_classes: int = DEFAULT_CLASSES,
     obj_size_range: tuple[float, float] = (10.0, 0.5),
     workers: int | None = None,
 ) -> Path:
@@ -327,8 +342,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--classes",
         type=int,
-        default=len(CLASS_NAMES),
-        help=f"number of shape classes, 1..{len(CLASS_NAMES)}",
+        default=DEFAULT_CLASSES,
+        help=f"number of shape classes, 1..{len(CLASS_NAMES)} (default {DEFAULT_CLASSES}: "
+        f"{', '.join(CLASS_NAMES[:DEFAULT_CLASSES])})",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--voc", action="store_true", help="also write Pascal VOC XML annotations")

@@ -9,7 +9,14 @@ import cv2
 import numpy as np
 import pytest
 
-from data.make_shapes import CLASS_NAMES, GeneratorOptions, main, make_dataset, render_image
+from data.make_shapes import (
+    CLASS_NAMES,
+    DEFAULT_CLASSES,
+    GeneratorOptions,
+    main,
+    make_dataset,
+    render_image,
+)
 
 
 def _tree_digest(root: Path) -> str:
@@ -25,12 +32,12 @@ def test_layout_and_label_validity(make_shapes_data):
     data = make_shapes_data(n_train=30, n_val=6, voc=True)
     root = data.parent
     assert data.read_text().splitlines() == [
-        f"classes={len(CLASS_NAMES)}",
+        f"classes={DEFAULT_CLASSES}",
         "train=train.txt",
         "valid=val.txt",
         "names=shapes.names",
     ]
-    assert (root / "shapes.names").read_text().split() == list(CLASS_NAMES)
+    assert (root / "shapes.names").read_text().split() == list(CLASS_NAMES[:DEFAULT_CLASSES])
     n_objects = n_empty = 0
     for split, n in (("train", 30), ("val", 6)):
         listed = (root / f"{split}.txt").read_text().splitlines()
@@ -45,7 +52,7 @@ def test_layout_and_label_validity(make_shapes_data):
             n_empty += len(rows) == 0
             n_objects += len(rows)
             for cls, cx, cy, bw, bh in rows:
-                assert cls == int(cls) and 0 <= cls < len(CLASS_NAMES)
+                assert cls == int(cls) and 0 <= cls < DEFAULT_CLASSES
                 assert 0 < bw <= 1 and 0 < bh <= 1
                 # The box lies inside the image, in pixels, within label rounding.
                 assert (cx - bw / 2) * w >= -1e-3 and (cx + bw / 2) * w <= w + 1e-3
@@ -112,3 +119,22 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert "n_classes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--img-size", "abc"])
+
+
+def test_the_extra_classes_have_their_own_box_shapes():
+    """--classes 8 adds a tall diamond, a hexagon and a 3:1 bar; boxes stay in the image."""
+    rng = np.random.default_rng(3)
+    opts = GeneratorOptions((200, 260), (24.0, 0.5), len(CLASS_NAMES))
+    aspect: dict[int, list[float]] = {c: [] for c in range(len(CLASS_NAMES))}
+    for _ in range(120):
+        img, objects = render_image(rng, opts)
+        h, w = img.shape[:2]
+        for o in objects:
+            x1, y1, x2, y2 = o.box
+            assert 0 <= x1 < x2 <= w and 0 <= y1 < y2 <= h
+            aspect[o.cls].append((x2 - x1) / (y2 - y1))
+    assert all(aspect[c] for c in aspect), "every class is drawn"
+    assert max(aspect[5]) < 0.75  # diamonds are taller than wide
+    bars = np.array(aspect[7])
+    assert ((bars > 2.2) | (bars < 1 / 2.2)).all() and (bars > 1).any() and (bars < 1).any()
+    assert all(0.8 < a < 1.25 for a in aspect[6])  # hexagons are about as wide as tall

@@ -34,6 +34,7 @@ RESULTS_HEADER = [
     "loss",
     "lr",
     "train_seconds",
+    "elapsed_seconds",  # since the run started (earlier attempts of a resumed run included)
 ]
 FITNESS_KEY = "mAP50-95"  # what best.pt is chosen by
 
@@ -134,13 +135,19 @@ class EpochReporter:
         self.writer = SummaryWriter(str(out))
 
     def end_epoch(
-        self, epoch: int, stats: EpochStats, coco_stats: Sequence[float] | None, seconds: float
+        self,
+        epoch: int,
+        stats: EpochStats,
+        coco_stats: Sequence[float] | None,
+        seconds: float,
+        elapsed: float = 0.0,
     ) -> None:
-        """Record a finished epoch (``coco_stats`` None when it was not evaluated) and save."""
+        """Record a finished epoch (``coco_stats`` None when it was not evaluated) and save;
+        ``seconds`` is its training time, ``elapsed`` the run's time so far."""
         is_best = False
         if coco_stats is not None:
             self.last_stats = dict(zip(STAT_NAMES, (float(s) for s in coco_stats)))
-            self._append_row(epoch, stats, seconds)
+            self._append_row(epoch, stats, seconds, elapsed)
             fitness = self.last_stats[FITNESS_KEY]
             is_best = self.best is None or fitness > self.best
             if is_best:
@@ -169,13 +176,14 @@ class EpochReporter:
         """The per-class table, ``per_class.csv`` and the evaluation pictures."""
         report_evaluation(self.out, coco_gt, detections, names, coco_ap)
 
-    def _append_row(self, epoch: int, stats: EpochStats, seconds: float) -> None:
+    def _append_row(self, epoch: int, stats: EpochStats, seconds: float, elapsed: float) -> None:
         row = {
             "epoch": epoch,
             **self.last_stats,
             **stats.as_dict(),
             "lr": stats.lr,
             "train_seconds": round(seconds, 3),
+            "elapsed_seconds": round(elapsed, 1),
         }
         write_results(self.results, [*read_results(self.results), row])
         plot_results(self.results, self.out / "results.png")

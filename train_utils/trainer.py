@@ -184,7 +184,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                     )
                     reporter.evaluated(train_data.coco_gt, detections, data.names, coco_ap)
                     eval_s = time.time() - t_eval
-                reporter.end_epoch(epoch, stats, coco_stats, seconds)
+                reporter.end_epoch(epoch, stats, coco_stats, seconds, plan.spent())
                 plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
                 # Nobody starts the next epoch before the checkpoint of this one exists.
                 barrier()
