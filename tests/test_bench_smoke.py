@@ -115,3 +115,28 @@ def test_bench_e2e_reports_epochs_and_map(shapes_data, tmp_path):
     assert [r["epoch"] for r in result["epochs"]] == [0]
     assert 0 <= result["epochs"][0]["mAP50"] <= 1
     assert result["s_per_epoch"] > 0
+
+
+def test_bench_memory_format_reports_the_choice(tmp_path):
+    out = tmp_path / "mf.json"
+    proc = _bench(
+        "bench_memory_format.py",
+        "--models",
+        "nano",
+        "--size",
+        "64",
+        "--batch",
+        "2",
+        "--repeat",
+        "1",
+        "--threads",
+        "1",
+        "--json",
+        str(out),
+    )
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["auto"] in ("contiguous", "channels_last")
+    # The choice follows its own decision timings.
+    faster = row["decision_channels_last_s"] < row["decision_contiguous_s"]
+    assert (row["auto"] == "channels_last") is faster
+    assert row["auto_vs_contiguous"] > 0 and "auto/contig" in proc.stdout
