@@ -19,6 +19,7 @@ from train_utils.config import TrainConfig
 from train_utils.distributed_utils import (
     DistInfo,
     raise_if_any_rank_failed,
+    resolve_workers,
     torch_distributed_zero_first,
 )
 
@@ -161,15 +162,20 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
         seed=config.seed,
         drop_last=True,
         batch_index=train_set.batch if config.rect else None,
+        # Every index carries its epoch and the seed: augmentation is a pure function of them,
+        # so persistent workers (seeded once) and any worker count give the same batches.
+        keyed=True,
     )
     pin = dist.device.type == "cuda"
+    workers = resolve_workers(config.workers)
     train_loader = DataLoader(
         train_set,
         batch_sampler=sampler,
-        num_workers=config.workers,
+        num_workers=workers,
         pin_memory=pin,
         collate_fn=LoadImagesAndLabels.collate_fn,
         worker_init_fn=worker_init_fn,
+        persistent_workers=workers > 0,
     )
     if len(train_loader) == 0:
         raise DatasetError(
@@ -178,7 +184,7 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
             f"--batch-size"
         )
     val_loader = make_eval_loader(
-        val_set, config.batch_size, dist.world_size, dist.rank, config.workers, pin, persistent=True
+        val_set, config.batch_size, dist.world_size, dist.rank, workers, pin, persistent=True
     )
     return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))
 
