@@ -22,6 +22,7 @@ from build_utils.augmentations import GRID  # every input side must be a multipl
 from build_utils.errors import ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
 from models.darknet import FREEZE_MODES
+from train_utils.distributed_utils import MAX_DEFAULT_WORKERS
 from train_utils.optim import OPTIMIZER_CHOICES
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
@@ -288,7 +289,11 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--device", default="", help="cpu, cuda, cuda:N or N (default: cuda if available)"
     )
-    g.add_argument("--workers", type=int, default=4, help="DataLoader workers per process")
+    workers_help = (
+        "DataLoader workers per process (default: the process's share of the node's usable "
+        f"CPUs, at most {MAX_DEFAULT_WORKERS}; results do not depend on it)"
+    )
+    g.add_argument("--workers", type=int, default=None, help=workers_help)
     _switch(
         g, "--channels-last", None, "channels_last memory format (default: on; see bench/README.md)"
     )
@@ -319,7 +324,7 @@ class TrainConfig:
     trust_checkpoint: bool
     output_dir: Path
     device: str
-    workers: int
+    workers: int | None  # None: resolve_workers() picks it once the node's process count is known
     seed: int
     single_cls: bool
     freeze_layers: str
@@ -367,7 +372,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     for flag, value, lo in (
         ("--epochs", args.epochs, 1),
         ("--batch-size", args.batch_size, 1),
-        ("--workers", args.workers, 0),
+        ("--workers", 0 if args.workers is None else args.workers, 0),
         ("--nbs", args.nbs, 1),
         ("--eval-interval", args.eval_interval, 1),
         ("--log-interval", args.log_interval, 1),
