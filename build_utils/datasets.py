@@ -78,6 +78,7 @@ from build_utils.labels import (
     load_labels,
 )
 from build_utils.samplers import SampleKey
+from build_utils.shared_images import SharedImages
 
 LOGGER = logging.getLogger(__name__)
 ColorFn = Callable[[np.ndarray], np.ndarray]
@@ -126,21 +127,25 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def check_ram_cache_fits(need: int, images: int, procs: int | None = None) -> None:
-    """Refuse a RAM image cache of ``need`` bytes per process when ``procs`` processes on this
-    node (default: ``LOCAL_WORLD_SIZE``) would hold more than :data:`RAM_CACHE_MAX_FRACTION` of
-    the available memory.
+def check_ram_cache_fits(
+    need: int, images: int, procs: int | None = None, avail: int | None = None
+) -> None:
+    """Refuse a RAM image cache of ``need`` bytes per copy when ``procs`` copies on this node
+    (default: ``LOCAL_WORLD_SIZE``, one per process; 1 for the node's shared cache, see
+    :class:`~build_utils.shared_images.SharedImages`) would take more than
+    :data:`RAM_CACHE_MAX_FRACTION` of ``avail`` bytes (default: the available memory).
 
     Raises:
         DatasetError: it would not fit.
     """
     procs = _processes_per_node() if procs is None else procs
-    avail = available_memory_bytes()
+    avail = available_memory_bytes() if avail is None else avail
     gb = 1e9
     if avail is not None and need * procs > RAM_CACHE_MAX_FRACTION * avail:
+        copies = "one copy for the node" if procs == 1 else f"x {procs} process(es)"
         raise DatasetError(
-            f"caching {images} images in RAM needs {need / gb:.1f} GB x {procs} "
-            f"process(es) but only {avail / gb:.1f} GB is available; use "
+            f"caching {images} images in RAM needs {need / gb:.1f} GB {copies} "
+            f"but only {avail / gb:.1f} GB is available; use "
             f"cache_images='disk' (--cache-images disk) or no image cache"
         )
 
@@ -315,7 +320,7 @@ class LoadImagesAndLabels(Dataset):
     def _cache_images(self, mode: str | None, folder: Path, is_main: bool) -> None:
         """Fill the image cache ``mode`` asks for: None, ``"ram"`` or ``"disk"`` (``.npy``
         files in ``folder``)."""
-        self._imgs: list[np.ndarray] | None = None
+        self._imgs: list[np.ndarray] | SharedImages | None = None
         self._npy_files: list[Path] | None = None
         if mode == "ram":
             self._cache_in_ram(is_main)
@@ -381,8 +386,50 @@ class LoadImagesAndLabels(Dataset):
         return img
 
     def ram_cache_bytes(self) -> int:
-        """Bytes the RAM image cache of this dataset takes in one process."""
+        """Bytes the RAM image cache of this dataset takes (one copy)."""
         return sum(w * h * 3 for w, h in map(self._cached_size, range(len(self))))
+
+    def ram_cache_sizes(self) -> np.ndarray:
+        """``(N, 2) int64`` (w, h) of every image in the RAM cache (the shared cache's layout)."""
+        return np.array([self._cached_size(i) for i in range(len(self))], dtype=np.int64)
+
+    def fill_shared_ram_cache(
+        self, images: SharedImages, share: int, shares: int, is_main: bool = True
+    ) -> None:
+        """Decode images ``share, share + shares, ...`` into ``images``, this process's part of a
+        cache that ``shares`` processes of the node fill together; call
+        :meth:`use_ram_cache` once every part is in."""
+        todo = range(share, len(self), shares)
+        if is_main:
+            gb = 1e9
+            LOGGER.info(
+                "caching %d images in RAM shared by %d process(es) (%.2f GB per node)",
+                len(self),
+                shares,
+                images.nbytes / gb,
+            )
+
+        def put(i: int) -> None:
+            images.put(i, self._decode_for_cache(i))
+
+        with ThreadPoolExecutor(DECODE_THREADS) as pool:
+            list(
+                tqdm(
+                    pool.map(put, todo),
+                    total=len(todo),
+                    desc="caching images",
+                    disable=not is_main,
+                    leave=False,
+                )
+            )
+
+    def use_ram_cache(self, images: SharedImages | list[np.ndarray]) -> None:
+        """Serve every image from ``images`` (all filled) from now on."""
+        if len(images) != len(self):
+            raise ValueError(f"{len(images)} cached images for a dataset of {len(self)}")
+        self._imgs = images
+        self._npy_files = None
+        self._init_mosaic_buffer(self._mosaic_buffer_size)
 
     def cache_in_ram(self, is_main: bool = True, check_memory: bool = True) -> None:
         """Fill the RAM image cache now (for a dataset built without one).
