@@ -12,9 +12,14 @@ large JPEGs are decoded at 1/2, 1/4 or 1/8 scale when that is all the output nee
 decoded images are reused for the three extra mosaic tiles (``mosaic_buffer``), and decoded,
 resized images can be cached in RAM or as ``.npy`` files (``cache_images``).
 
-Randomness: augmentations draw from a ``np.random.Generator`` seeded from ``torch.initial_seed()``
-of the process, which PyTorch makes different for every DataLoader worker and epoch and which is
-reproducible after ``torch.manual_seed``. No global random state is used.
+Randomness: a sample asked for by :class:`~build_utils.samplers.SampleKey` (index, epoch, seed),
+as the training loader's keyed batch sampler does, draws from a ``np.random.Generator`` seeded
+from that key alone, and its mosaic's extra images come from the sample's own batch: the batch is
+a pure function of (seed, epoch, indices), whichever DataLoader worker loads it and however many
+there are, so persistent workers, any ``--workers`` and exact resume go together. A sample asked
+for by a plain index draws from a stream seeded from ``torch.initial_seed()`` of the process
+(different for every non-persistent DataLoader worker and epoch, reproducible after
+``torch.manual_seed``). No global random state is used.
 """
 
 from __future__ import annotations
@@ -72,6 +77,8 @@ from build_utils.labels import (
     label_root,
     load_labels,
 )
+from build_utils.samplers import SampleKey
+from build_utils.shared_images import SharedImages
 
 LOGGER = logging.getLogger(__name__)
 ColorFn = Callable[[np.ndarray], np.ndarray]
@@ -94,6 +101,11 @@ HYP_AUGMENT_KEYS = (
 MOSAIC_BUFFER_BATCHES = 8
 MOSAIC_BUFFER_MIN, MOSAIC_BUFFER_MAX = 64, 1000
 MOSAIC_BUFFER_MAX_BYTES = 512 * 2**20
+# A keyed batch of at least this many images (one mosaic's tiles) supplies its own mosaics'
+# extra images; smaller batches draw them from the whole dataset.
+MOSAIC_POOL_MIN = 4
+# SampleKey seeds are reduced to this many bits (numpy's SeedSequence takes non-negative ints).
+SEED_MASK = 2**64 - 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -115,21 +127,25 @@ def available_memory_bytes() -> int | None:
         return None
 
 
-def check_ram_cache_fits(need: int, images: int, procs: int | None = None) -> None:
-    """Refuse a RAM image cache of ``need`` bytes per process when ``procs`` processes on this
-    node (default: ``LOCAL_WORLD_SIZE``) would hold more than :data:`RAM_CACHE_MAX_FRACTION` of
-    the available memory.
+def check_ram_cache_fits(
+    need: int, images: int, procs: int | None = None, avail: int | None = None
+) -> None:
+    """Refuse a RAM image cache of ``need`` bytes per copy when ``procs`` copies on this node
+    (default: ``LOCAL_WORLD_SIZE``, one per process; 1 for the node's shared cache, see
+    :class:`~build_utils.shared_images.SharedImages`) would take more than
+    :data:`RAM_CACHE_MAX_FRACTION` of ``avail`` bytes (default: the available memory).
 
     Raises:
         DatasetError: it would not fit.
     """
     procs = _processes_per_node() if procs is None else procs
-    avail = available_memory_bytes()
+    avail = available_memory_bytes() if avail is None else avail
     gb = 1e9
     if avail is not None and need * procs > RAM_CACHE_MAX_FRACTION * avail:
+        copies = "one copy for the node" if procs == 1 else f"x {procs} process(es)"
         raise DatasetError(
-            f"caching {images} images in RAM needs {need / gb:.1f} GB x {procs} "
-            f"process(es) but only {avail / gb:.1f} GB is available; use "
+            f"caching {images} images in RAM needs {need / gb:.1f} GB {copies} "
+            f"but only {avail / gb:.1f} GB is available; use "
             f"cache_images='disk' (--cache-images disk) or no image cache"
         )
 
@@ -180,7 +196,10 @@ class LoadImagesAndLabels(Dataset):
             does the same; with shuffling the buffer is a random sample of the dataset). None
             picks ``8 * batch_size`` within [64, 1000] (at most 512 MB per process); 0 turns it
             off (the lineage: every mosaic decodes four images). Unused with the RAM cache;
-            with the disk cache it saves re-reading ``.npy`` files.
+            with the disk cache it saves re-reading ``.npy`` files. Batches of
+            :class:`~build_utils.samplers.SampleKey` (the training loader) use their own images
+            instead (at least :data:`MOSAIC_POOL_MIN` of them): what a worker decoded for other
+            batches must not change a sample, or results would depend on the worker.
 
     Attributes:
         img_files: usable images in dataset order; ``label_files`` their label paths.
@@ -242,6 +261,9 @@ class LoadImagesAndLabels(Dataset):
 
         self._rng_seed: int | None = None
         self._rng_gen = np.random.default_rng(0)
+        # Indices the current keyed batch draws its mosaics' extra images from (None: the
+        # mosaic buffer or the whole dataset).
+        self._pool: list[int] | None = None
         self._cache_images(mode, cache_dir / f"{stem}.img{img_size}", is_main)
         self._init_mosaic_buffer(mosaic_buffer)
 
@@ -298,7 +320,7 @@ class LoadImagesAndLabels(Dataset):
     def _cache_images(self, mode: str | None, folder: Path, is_main: bool) -> None:
         """Fill the image cache ``mode`` asks for: None, ``"ram"`` or ``"disk"`` (``.npy``
         files in ``folder``)."""
-        self._imgs: list[np.ndarray] | None = None
+        self._imgs: list[np.ndarray] | SharedImages | None = None
         self._npy_files: list[Path] | None = None
         if mode == "ram":
             self._cache_in_ram(is_main)
@@ -364,8 +386,50 @@ class LoadImagesAndLabels(Dataset):
         return img
 
     def ram_cache_bytes(self) -> int:
-        """Bytes the RAM image cache of this dataset takes in one process."""
+        """Bytes the RAM image cache of this dataset takes (one copy)."""
         return sum(w * h * 3 for w, h in map(self._cached_size, range(len(self))))
+
+    def ram_cache_sizes(self) -> np.ndarray:
+        """``(N, 2) int64`` (w, h) of every image in the RAM cache (the shared cache's layout)."""
+        return np.array([self._cached_size(i) for i in range(len(self))], dtype=np.int64)
+
+    def fill_shared_ram_cache(
+        self, images: SharedImages, share: int, shares: int, is_main: bool = True
+    ) -> None:
+        """Decode images ``share, share + shares, ...`` into ``images``, this process's part of a
+        cache that ``shares`` processes of the node fill together; call
+        :meth:`use_ram_cache` once every part is in."""
+        todo = range(share, len(self), shares)
+        if is_main:
+            gb = 1e9
+            LOGGER.info(
+                "caching %d images in RAM shared by %d process(es) (%.2f GB per node)",
+                len(self),
+                shares,
+                images.nbytes / gb,
+            )
+
+        def put(i: int) -> None:
+            images.put(i, self._decode_for_cache(i))
+
+        with ThreadPoolExecutor(DECODE_THREADS) as pool:
+            list(
+                tqdm(
+                    pool.map(put, todo),
+                    total=len(todo),
+                    desc="caching images",
+                    disable=not is_main,
+                    leave=False,
+                )
+            )
+
+    def use_ram_cache(self, images: SharedImages | list[np.ndarray]) -> None:
+        """Serve every image from ``images`` (all filled) from now on."""
+        if len(images) != len(self):
+            raise ValueError(f"{len(images)} cached images for a dataset of {len(self)}")
+        self._imgs = images
+        self._npy_files = None
+        self._init_mosaic_buffer(self._mosaic_buffer_size)
 
     def cache_in_ram(self, is_main: bool = True, check_memory: bool = True) -> None:
         """Fill the RAM image cache now (for a dataset built without one).
@@ -493,9 +557,12 @@ class LoadImagesAndLabels(Dataset):
             self._rng_gen = np.random.default_rng(seed)
             # A new seed starts a new random stream (a new epoch, or a resumed run): the mosaic
             # tiles must depend on that stream alone, not on what an earlier one decoded.
-            self._buffer.clear()
-            self._buffer_bytes = 0
+            self._clear_buffer()
         return self._rng_gen
+
+    def _clear_buffer(self) -> None:
+        self._buffer.clear()
+        self._buffer_bytes = 0
 
     # ---- samples ------------------------------------------------------------------------------
 
@@ -506,9 +573,11 @@ class LoadImagesAndLabels(Dataset):
         self, index: int, rng: np.random.Generator, color: ColorFn | None
     ) -> tuple[np.ndarray, np.ndarray]:
         s = self.img_size
-        if self._buffer_cap and len(self._buffer) >= self._buffer_cap:
-            recent = list(self._buffer)
-            ids = [index] + [recent[k] for k in rng.integers(0, len(recent), 3)]
+        pool = self._pool
+        if pool is None and self._buffer_cap and len(self._buffer) >= self._buffer_cap:
+            pool = list(self._buffer)
+        if pool is not None:
+            ids = [index] + [pool[k] for k in rng.integers(0, len(pool), 3)]
         else:
             ids = [index] + [int(i) for i in rng.integers(0, len(self), 3)]
         extents = mosaic_layout([(int(w), int(h)) for w, h in self.shapes[ids]], s, rng)
@@ -555,8 +624,11 @@ class LoadImagesAndLabels(Dataset):
         boxes[:, 1:] += (left, top, left, top)
         return out, boxes, ((h0, w0), ((h / h0, w / w0), (left, top)))
 
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
-        """One sample.
+    def __getitem__(
+        self, index: int | SampleKey
+    ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
+        """One sample; ``index`` a dataset index or a :class:`~build_utils.samplers.SampleKey`
+        (its augmentation then a pure function of the key, see the module docstring).
 
         Returns:
             ``img``: ``(3, H, W) uint8`` RGB tensor; ``labels``: ``(n, 6) float32`` = (0, class,
@@ -564,7 +636,33 @@ class LoadImagesAndLabels(Dataset):
             ``path``; ``shapes``: ``((h0, w0), ((h / h0, w / w0), (padw, padh)))`` mapping the
             output back to the original image, None for mosaics; ``index``.
         """
-        rng = self._rng()
+        if isinstance(index, SampleKey):
+            return self.__getitems__([index])[0]
+        return self._sample(index, self._rng())
+
+    def __getitems__(self, indices: Sequence[int | SampleKey]) -> list[tuple]:
+        """A batch of samples (the DataLoader's fetcher calls this with a batch sampler's batch).
+
+        A batch of :class:`~build_utils.samplers.SampleKey` is a pure function of its keys: each
+        sample's generator is seeded from its key, the mosaic buffer starts empty, and with the
+        buffer on the mosaics' extra images are drawn from the batch's own images (decoded for
+        the batch anyway). Plain indices are loaded one by one as by ``dataset[i]``.
+        """
+        if not indices or not isinstance(indices[0], SampleKey):
+            return [self[int(i)] for i in indices]
+        keys = [SampleKey(*k) for k in indices]
+        use_pool = self._buffer_cap > 0 and len(keys) >= MOSAIC_POOL_MIN
+        self._clear_buffer()
+        self._pool = [k.index for k in keys] if use_pool else None
+        try:
+            return [self._sample(k.index, _sample_rng(k)) for k in keys]
+        finally:
+            self._pool = None
+            self._clear_buffer()
+
+    def _sample(
+        self, index: int, rng: np.random.Generator
+    ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
         if self.augment:
             hyp = self.hyp
             # HSV jitter is applied inside compose(), before resizing when that is cheaper.
@@ -607,6 +705,11 @@ class LoadImagesAndLabels(Dataset):
         for i, lb in enumerate(labels):
             lb[:, 0] = i
         return default_collate(list(imgs)), torch.cat(labels, 0), paths, shapes, indices
+
+
+def _sample_rng(key: SampleKey) -> np.random.Generator:
+    """The generator of one keyed sample: a pure function of (seed, epoch, index)."""
+    return np.random.default_rng([int(key.seed) & SEED_MASK, int(key.epoch), int(key.index)])
 
 
 def _to_chw_rgb(img: np.ndarray) -> np.ndarray:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -29,6 +30,17 @@ import torch.distributed as dist
 from torch.utils.data import BatchSampler, DistributedSampler, Sampler
 
 from build_utils.errors import DatasetError
+
+
+class SampleKey(NamedTuple):
+    """What a training sample's augmentation is a pure function of: the dataset ``index``, the
+    ``epoch`` and the run's ``seed``. A keyed batch sampler yields these instead of plain
+    indices, so the dataset seeds each sample's random generator from them and the result is
+    the same whichever DataLoader worker (persistent or not, any number of them) loads it."""
+
+    index: int
+    epoch: int
+    seed: int
 
 
 def _resolve_replicas(num_replicas: int | None, rank: int | None) -> tuple[int, int]:
@@ -157,6 +169,10 @@ class DistributedBatchSampler(Sampler[list[int]]):
     Call :meth:`set_epoch` before each epoch, as with DistributedSampler; without it every epoch
     repeats epoch 0's order.
 
+    ``keyed=True`` yields :class:`SampleKey` (index, epoch, seed) instead of plain indices: the
+    epoch then travels with every index to the DataLoader workers, which persistent workers
+    need (they are started once, so per-epoch worker seeding cannot reach them).
+
     Raises:
         DatasetError: when a rank would get no batch at all (dataset smaller than
             ``batch_size * num_replicas`` with ``drop_last``).
@@ -172,6 +188,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         seed: int = 0,
         drop_last: bool = True,
         batch_index: np.ndarray | Sequence[int] | None = None,
+        keyed: bool = False,
     ):
         self.dataset_len = _check_len(dataset_len)
         self.batch_size = _check_batch_size(batch_size)
@@ -179,6 +196,7 @@ class DistributedBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = int(seed)
         self.drop_last = drop_last
+        self.keyed = keyed
         self.epoch = 0
         self.rect = batch_index is not None
         self.sampler: DistributedSampler | None = None
@@ -220,7 +238,15 @@ class DistributedBatchSampler(Sampler[list[int]]):
             return n // self.num_replicas
         return math.ceil(n / self.num_replicas)
 
-    def __iter__(self) -> Iterator[list[int]]:
+    def __iter__(self) -> Iterator[list[int] | list[SampleKey]]:
+        if not self.keyed:
+            yield from self._index_batches()
+            return
+        epoch, seed = self.epoch, self.seed
+        for batch in self._index_batches():
+            yield [SampleKey(i, epoch, seed) for i in batch]
+
+    def _index_batches(self) -> Iterator[list[int]]:
         if self.batch_sampler is not None:
             yield from self.batch_sampler
             return

@@ -139,3 +139,13 @@ def test_derived_values():
     assert scaled_lr0(0.01, 32, 64) == 0.01 and scaled_lr0(0.01, 256, 64) == 0.04
     lo, hi = multi_scale_bounds(512)
     assert (lo, hi) == (352, 768) and lo % 32 == 0 and hi % 32 == 0
+
+
+def test_workers_default_is_left_to_the_node(shapes_data, repo_root):
+    """No --workers: None in the config (resolve_workers picks it per node); an explicit value
+    is kept; a negative one is refused."""
+    base = ["--data", str(shapes_data), "--cfg", str(repo_root / "cfg" / "yolov3-spp-nano.cfg")]
+    assert build_config(get_args_parser().parse_args(base)).workers is None
+    assert build_config(get_args_parser().parse_args([*base, "--workers", "3"])).workers == 3
+    with pytest.raises(ConfigError, match="--workers must be >= 0, got -1"):
+        build_config(get_args_parser().parse_args([*base, "--workers", "-1"]))

@@ -460,3 +460,44 @@ def test_raise_if_any_rank_failed_without_group() -> None:
     du.raise_if_any_rank_failed(None, "x")
     with pytest.raises(ConfigError, match="^bad$"):
         du.raise_if_any_rank_failed(ConfigError("bad"), "x")
+
+
+@pytest.mark.parametrize(
+    ("cpus", "procs", "expected"),
+    [(16, 1, 8), (16, 2, 8), (16, 4, 4), (6, 4, 1), (2, 4, 0), (1, 1, 1), (64, 0, 8)],
+)
+def test_default_workers(cpus: int, procs: int, expected: int) -> None:
+    assert du.default_workers(cpus, procs) == expected
+
+
+def test_processes_per_node() -> None:
+    assert du.processes_per_node({}) == 1
+    assert du.processes_per_node({"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert du.processes_per_node({"LOCAL_WORLD_SIZE": "x"}) == 1
+    slurm = {"SLURM_PROCID": "5", "SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}
+    assert du.processes_per_node(slurm) == 3
+    assert du.processes_per_node({**slurm, "LOCAL_WORLD_SIZE": "2"}) == 2
+    # SLURM variables of an enclosing allocation do not count for a process SLURM did not start.
+    assert du.processes_per_node({"SLURM_NTASKS_PER_NODE": "4"}) == 1
+
+
+def test_resolve_workers(monkeypatch, caplog) -> None:
+    assert du.resolve_workers(3) == 3 and du.resolve_workers(0) == 0  # explicit wins
+    for name in ("SLURM_PROCID", "SLURM_CPUS_PER_TASK"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(du, "usable_cpus", lambda: 12)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with caplog.at_level(logging.INFO, logger=du.__name__):
+        assert du.resolve_workers(None) == 6
+    assert "--workers 6 (default: 12 usable CPU(s) / 2 process(es)" in caplog.text
+    # Under SLURM the task's own CPUs are its share already.
+    monkeypatch.setenv("SLURM_PROCID", "0")
+    monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
+    with caplog.at_level(logging.INFO, logger=du.__name__):
+        assert du.resolve_workers(None) == 4
+    assert "SLURM_CPUS_PER_TASK=4" in caplog.text
+    assert du.slurm_cpus_per_task({"SLURM_CPUS_PER_TASK": "4"}) is None  # not started by SLURM
+
+
+def test_usable_cpus() -> None:
+    assert 1 <= du.usable_cpus() <= (os.cpu_count() or 1)

@@ -605,9 +605,10 @@ def test_ram_image_cache_is_refused_when_it_does_not_fit(tmp_path, console, monk
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and "Traceback" not in err
     assert len(errors) == 1 and errors[0] == err.strip().splitlines()[-1]
-    # One decision for the train and val caches together (here the same 4 images twice).
+    # One decision for the train and val caches together (here the same 4 images twice), for
+    # one copy per node (its processes share it).
     assert re.fullmatch(
-        r"error: caching 8 images in RAM needs 0\.0 GB x 1 process\(es\) but "
+        r"error: caching 8 images in RAM needs 0\.0 GB one copy for the node but "
         r"only 0\.0 GB is available; use cache_images='disk' \(--cache-images "
         r"disk\) or no image cache",
         errors[0],

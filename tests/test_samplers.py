@@ -10,6 +10,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler
 from build_utils.errors import DatasetError
 from build_utils.samplers import (
     DistributedBatchSampler,
+    SampleKey,
     ShardedEvalBatchSampler,
     make_batches,
 )
@@ -135,6 +136,20 @@ def test_rect_train_sampler_epochs_differ() -> None:
     assert _epoch(s, 0) == _epoch(s, 0)
     other_seed = DistributedBatchSampler(n, bs, 2, 0, seed=1, batch_index=rect_batch_index(n, bs))
     assert _epoch(other_seed, 0) != _epoch(s, 0)
+
+
+@pytest.mark.parametrize("rect", [False, True])
+def test_keyed_sampler_carries_epoch_and_seed(rect: bool) -> None:
+    """keyed=True yields the same batches as plain indices, each index with its epoch and seed."""
+    n, bs = 24, 4
+    batch_index = rect_batch_index(n, bs) if rect else None
+    plain = DistributedBatchSampler(n, bs, 2, 1, seed=3, batch_index=batch_index)
+    keyed = DistributedBatchSampler(n, bs, 2, 1, seed=3, batch_index=batch_index, keyed=True)
+    for epoch in (0, 5):
+        plain.set_epoch(epoch)
+        keyed.set_epoch(epoch)
+        expected = [[SampleKey(i, epoch, 3) for i in b] for b in plain]
+        assert list(keyed) == expected and len(keyed) == len(plain)
 
 
 def test_rect_train_sampler_without_drop_last_pads_whole_batches() -> None:

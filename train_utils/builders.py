@@ -4,6 +4,7 @@ dataset's class count, and the training and evaluation data pipelines."""
 from __future__ import annotations
 
 import logging
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -14,11 +15,15 @@ from build_utils.datasets import LoadImagesAndLabels, check_ram_cache_fits, work
 from build_utils.errors import ConfigError, DatasetError, YoloError
 from build_utils.parse_config import Block, parse_model_cfg, rewrite_cfg_classes
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
+from build_utils.shared_images import SharedImages, shared_cache_dir, unlink_quietly
 from train_utils.coco_utils import get_coco_api_from_dataset
 from train_utils.config import TrainConfig
 from train_utils.distributed_utils import (
     DistInfo,
+    broadcast_object,
+    processes_per_node,
     raise_if_any_rank_failed,
+    resolve_workers,
     torch_distributed_zero_first,
 )
 
@@ -109,8 +114,9 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
 
     Label (and ``.npy`` image) caches are built by each node's local rank 0 first, then read by
     the node's other ranks: nodes without shared storage each build their own, and with shared
-    storage the atomic writes make concurrent builders harmless. A RAM image cache is filled by
-    all ranks at once, after one shared decision that it fits (:func:`_cache_in_ram`). A rank
+    storage the atomic writes make concurrent builders harmless. A RAM image cache is one per node,
+    filled by the node's ranks together after one shared decision that it fits
+    (:func:`_cache_in_ram`). A rank
     that cannot load the data stops every rank with its error.
     """
     data = config.data
@@ -161,15 +167,20 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
         seed=config.seed,
         drop_last=True,
         batch_index=train_set.batch if config.rect else None,
+        # Every index carries its epoch and the seed: augmentation is a pure function of them,
+        # so persistent workers (seeded once) and any worker count give the same batches.
+        keyed=True,
     )
     pin = dist.device.type == "cuda"
+    workers = resolve_workers(config.workers)
     train_loader = DataLoader(
         train_set,
         batch_sampler=sampler,
-        num_workers=config.workers,
+        num_workers=workers,
         pin_memory=pin,
         collate_fn=LoadImagesAndLabels.collate_fn,
         worker_init_fn=worker_init_fn,
+        persistent_workers=workers > 0,
     )
     if len(train_loader) == 0:
         raise DatasetError(
@@ -178,25 +189,68 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
             f"--batch-size"
         )
     val_loader = make_eval_loader(
-        val_set, config.batch_size, dist.world_size, dist.rank, config.workers, pin, persistent=True
+        val_set, config.batch_size, dist.world_size, dist.rank, workers, pin, persistent=True
     )
     return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))
 
 
 def _cache_in_ram(datasets: list[LoadImagesAndLabels], dist: DistInfo) -> None:
-    """Fill the RAM image caches of ``datasets`` on every rank at once.
+    """One RAM image cache per node for ``datasets``, shared by the node's processes.
 
-    Whether they fit is decided once per node, by its local rank 0 before anyone caches (a rank
-    checking after its peers filled theirs would see less memory and refuse alone), counting
-    every process of the node; if any node refuses, every rank stops with that node's error.
+    Whether it fits is decided once per node by its local rank 0 before anyone caches, counting
+    one copy (the node's processes share it); if any node refuses, every rank stops with that
+    node's error. Local rank 0 creates one shared file per dataset (a name common to the run),
+    the node's ``L`` processes fill images ``local_rank, local_rank + L, ...`` of each, and once
+    every rank has mapped and filled its share, local rank 0 unlinks the files: the mappings
+    keep the pages, and nothing is left behind when the run ends or is killed.
     """
     need = sum(ds.ram_cache_bytes() for ds in datasets)
     error = None
     if dist.local_rank == 0:
         try:
-            check_ram_cache_fits(need, sum(len(ds) for ds in datasets))
+            check_ram_cache_fits(need, sum(len(ds) for ds in datasets), procs=1)
         except DatasetError as e:
             error = e
     raise_if_any_rank_failed(error, "--cache-images ram")
-    for ds in datasets:
-        ds.cache_in_ram(is_main=dist.is_main, check_memory=False)
+
+    token = broadcast_object(uuid.uuid4().hex)
+    # A single process fills everything itself, whatever a stray LOCAL_WORLD_SIZE says.
+    shares = max(processes_per_node(), dist.local_rank + 1) if dist.distributed else 1
+    paths = [shared_cache_dir() / f"yolo-images-{token}-{k}.u8" for k in range(len(datasets))]
+    creator = dist.local_rank == 0
+    caches: list[SharedImages] = []
+    try:
+        error = None
+        if creator:
+            try:
+                caches = [
+                    SharedImages.create(p, ds.ram_cache_sizes()) for p, ds in zip(paths, datasets)
+                ]
+            except DatasetError as e:
+                error = e
+        raise_if_any_rank_failed(error, "--cache-images ram")
+        try:
+            if not creator:
+                caches = [
+                    SharedImages.attach(p, ds.ram_cache_sizes()) for p, ds in zip(paths, datasets)
+                ]
+            for ds, cache in zip(datasets, caches):
+                ds.fill_shared_ram_cache(cache, dist.local_rank, shares, is_main=dist.is_main)
+        except DatasetError as e:
+            error = e
+        # Every rank has mapped the files and filled its share once this returns.
+        raise_if_any_rank_failed(error, "--cache-images ram")
+        missing = sum(cache.missing() for cache in caches)
+        if missing:
+            # Fewer processes on this node than LOCAL_WORLD_SIZE (or SLURM) said.
+            error = DatasetError(
+                f"{missing} images of the shared RAM cache were filled by no process: this node "
+                f"runs fewer than the {shares} processes LOCAL_WORLD_SIZE/SLURM announce"
+            )
+        raise_if_any_rank_failed(error, "--cache-images ram")
+    finally:
+        if creator:
+            for p in paths:
+                unlink_quietly(p)
+    for ds, cache in zip(datasets, caches):
+        ds.use_ram_cache(cache)

@@ -22,6 +22,7 @@ from build_utils.augmentations import GRID  # every input side must be a multipl
 from build_utils.errors import ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
 from models.darknet import FREEZE_MODES
+from train_utils.distributed_utils import MAX_DEFAULT_WORKERS
 from train_utils.optim import OPTIMIZER_CHOICES
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
@@ -319,7 +320,11 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
         help="cpu, cuda, cuda:N or N (default: cuda if available); a GPU list such as 0,1 "
         "starts one DDP process per listed GPU on this node",
     )
-    g.add_argument("--workers", type=int, default=4, help="DataLoader workers per process")
+    workers_help = (
+        "DataLoader workers per process (default: the process's share of the node's usable "
+        f"CPUs, at most {MAX_DEFAULT_WORKERS}; results do not depend on it)"
+    )
+    g.add_argument("--workers", type=int, default=None, help=workers_help)
     _switch(
         g,
         "--channels-last",
@@ -355,7 +360,7 @@ class TrainConfig:
     trust_checkpoint: bool
     output_dir: Path
     device: str
-    workers: int
+    workers: int | None  # None: resolve_workers() picks it once the node's process count is known
     seed: int
     single_cls: bool
     autoanchor: bool
@@ -411,7 +416,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         ("--epochs", 1 if args.epochs is None else args.epochs, 1),
         ("--patience", args.patience, 0),
         ("--batch-size", args.batch_size, 1),
-        ("--workers", args.workers, 0),
+        ("--workers", 0 if args.workers is None else args.workers, 0),
         ("--nbs", args.nbs, 1),
         ("--eval-interval", args.eval_interval, 1),
         ("--log-interval", args.log_interval, 1),

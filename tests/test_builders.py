@@ -1,0 +1,65 @@
+"""The training data pipeline as the trainer builds it (train_utils/builders.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from train_utils.builders import build_train_data
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed_utils import DistInfo
+
+
+def _config(data: Path, repo: Path, out: Path, workers: int, *extra: str):
+    argv = [
+        "--data",
+        str(data),
+        "--cfg",
+        str(repo / "cfg" / "yolov3-spp-nano.cfg"),
+        "--hyp",
+        str(repo / "cfg" / "hyp.yaml"),
+        "--batch-size",
+        "6",
+        "--img-size",
+        "96",
+        "--workers",
+        str(workers),
+        "--device",
+        "cpu",
+        "--output-dir",
+        str(out),
+        *extra,
+    ]
+    return build_config(get_args_parser().parse_args(argv))
+
+
+def _epochs(data: Path, repo: Path, out: Path, workers: int, epochs: int = 2) -> list[list]:
+    """Image batches of ``epochs`` epochs, as the trainer loads them (set_epoch, then iterate)."""
+    config = _config(data, repo, out, workers)
+    train = build_train_data(config, DistInfo.single(torch.device("cpu")), config.hyp)
+    assert train.train_loader.persistent_workers == (workers > 0)
+    result = []
+    for epoch in range(epochs):
+        train.sampler.set_epoch(epoch)
+        result.append(
+            [(imgs, targets, indices) for imgs, targets, _, _, indices in train.train_loader]
+        )
+    return result
+
+
+def test_batches_do_not_depend_on_persistent_workers(shapes_data, repo_root, tmp_path):
+    """Two epochs with 2 persistent workers give bitwise the batches of the main process, and
+    epoch 1 is augmented differently from epoch 0 (the epoch reaches the workers)."""
+    main = _epochs(shapes_data, repo_root, tmp_path / "w0", workers=0)
+    workers = _epochs(shapes_data, repo_root, tmp_path / "w2", workers=2)
+    for epoch_main, epoch_workers in zip(main, workers, strict=True):
+        assert len(epoch_main) == len(epoch_workers) > 0
+        for (a, ta, ia), (b, tb, ib) in zip(epoch_main, epoch_workers, strict=True):
+            assert ia == ib
+            assert torch.equal(a, b)
+            assert torch.equal(ta, tb)
+    first = {i: img for imgs, _, ids in main[0] for i, img in zip(ids, imgs)}
+    second = {i: img for imgs, _, ids in main[1] for i, img in zip(ids, imgs)}
+    common = first.keys() & second.keys()
+    assert common and all(not torch.equal(first[i], second[i]) for i in common)
