@@ -87,6 +87,19 @@ def test_plan_uses_recent_epochs_and_the_measured_evaluation() -> None:
     assert plan.after_training(1, 10.0, is_main=True) == 9
 
 
+def test_one_slow_epoch_does_not_move_the_plan() -> None:
+    def plan_after(times: list[float]) -> int:
+        plan = EpochPlan(epochs=30, budget_s=1000.0, started=time.time() - 100.0)
+        for t in times[:-1]:
+            plan.after_epoch(t, 1.0)
+        return plan.after_training(len(times) - 1, times[-1], is_main=True)
+
+    steady = plan_after([10.0, 10.0, 10.0, 10.0])
+    assert plan_after([10.0, 10.0, 10.0, 25.0]) == steady  # the median of the last five
+    assert plan_after([10.0, 25.0, 10.0, 10.0]) == steady
+    assert plan_after([20.0, 20.0, 20.0, 20.0]) < steady
+
+
 def test_stretched_cosine_ends_at_lrf() -> None:
     total = [10]
     f = cosine_lambda(lambda: total[0], 0.1)

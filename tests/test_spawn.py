@@ -13,6 +13,7 @@ import torch
 import train
 from build_utils.errors import ConfigError
 from tests.test_ddp import _env, _rows, _train_flags, _validate
+from train_utils import launch
 from train_utils.launch import (
     SPAWN_MASTER_ADDR,
     free_port,
@@ -161,3 +162,13 @@ def test_a_child_error_comes_back_as_one_line(make_shapes_data, tmp_path):
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert errors == [f"error: {missing}: model cfg not found; pass an existing .cfg to --cfg"]
     assert "Traceback" not in proc.stderr
+
+
+def test_spawned_processes_share_the_cpus(monkeypatch) -> None:
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 8)
+    assert launch.threads_per_process(2, {}) == 4
+    assert launch.threads_per_process(3, {}) == 2
+    assert launch.threads_per_process(16, {}) == 1
+    # The user's OMP_NUM_THREADS wins; nonsense is ignored.
+    assert launch.threads_per_process(2, {"OMP_NUM_THREADS": "3"}) == 3
+    assert launch.threads_per_process(2, {"OMP_NUM_THREADS": "x"}) == 4

@@ -58,11 +58,11 @@ DEMO_DATASET = {
 DEMO_TRAIN_FLAGS = {
     "--cfg": str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
     "--hyp": str(REPO / "cfg" / "hyp_demo.yaml"),
-    "--img-size": "160",
+    "--img-size": "128",
     "--batch-size": "16",
     "--nbs": "16",
     "--optimizer": "adam",
-    "--eval-interval": "2",
+    "--eval-interval": "3",
     "--cache-images": "ram",
     "--workers": "0",
 }
@@ -77,7 +77,7 @@ TARGET_MAP50 = 0.85
 # the upper what a ten-minute CPU budget trains for enough epochs (cost grows with the area).
 MIN_OBJECT_PX = 8.0
 SMALL_OBJECT_QUANTILE = 0.10
-IMG_SIZE_BOUNDS = (160, 320)
+IMG_SIZE_BOUNDS = (128, 320)
 GRID = 32
 
 

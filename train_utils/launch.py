@@ -38,6 +38,7 @@ from train_utils.distributed_utils import (
     cleanup,
     init_distributed_mode,
     launch_hint,
+    usable_cpus,
 )
 from train_utils.trainer import run
 
@@ -118,6 +119,15 @@ def spawn_env(rank: int, world_size: int, port: int) -> dict[str, str]:
     }
 
 
+def threads_per_process(nprocs: int, env: Mapping[str, str]) -> int:
+    """Intra-op threads of each of ``nprocs`` spawned processes: ``OMP_NUM_THREADS`` when the
+    user set it, else this node's usable CPUs shared among them (at least 1)."""
+    value = env.get("OMP_NUM_THREADS", "")
+    if value.isdigit() and int(value) > 0:
+        return int(value)
+    return max(1, usable_cpus() // max(1, nprocs))
+
+
 def spawn_devices(device: str, nprocs: int, cuda_count: int) -> list[torch.device]:
     """The device of each of ``nprocs`` spawned processes, by local rank (the torchrun policy).
 
@@ -190,6 +200,10 @@ def _spawned_worker(
     (torch.multiprocessing hands it to the parent).
     """
     os.environ.update(spawn_env(local_rank, world_size, port))
+    # torch's default (every CPU per process) would put N x CPUs threads on the CPUs: on a CPU
+    # run each process then waits for threads the others have descheduled. torchrun sets
+    # OMP_NUM_THREADS=1; a share of the CPUs keeps them all busy. An explicit setting wins.
+    torch.set_num_threads(threads_per_process(world_size, os.environ))
     setup_console_logging()
     try:
         train_distributed(args, timeout_s)

@@ -12,12 +12,15 @@ continues from what the checkpoint had spent.
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field
 
 from train_utils.distributed_utils import broadcast_object
 
-RECENT_EPOCHS = 3  # epoch-time estimate: mean of the last few epochs (data caches warm up)
+# Epoch-time estimate: the median of the last few epochs, so that one slow epoch (a busy
+# machine, a cache filling) neither shortens the plan nor makes the schedule jump.
+RECENT_EPOCHS = 5
 
 
 def evaluated(epoch: int, total: int, eval_interval: int, notest: bool) -> bool:
@@ -99,8 +102,7 @@ class EpochPlan:
             return self.epochs
         total = None
         if is_main:
-            recent = [*self.epoch_s[-(RECENT_EPOCHS - 1) :], seconds]
-            epoch_s = sum(recent) / len(recent)
+            epoch_s = statistics.median([*self.epoch_s[-(RECENT_EPOCHS - 1) :], seconds])
             eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
             total = epochs_within_budget(
                 epoch,
