@@ -1,0 +1,68 @@
+"""tools/demo.py: the image size it fits to a dataset, the time it reports for crossing the
+target, and a whole budgeted run on tiny data through train, validation and predict."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tools import demo
+from train_utils.reporting import RESULTS_HEADER, write_results
+
+
+def _labels(short_px: list[float], w: int, h: int) -> np.ndarray:
+    """Square boxes of the given sides in a ``w`` x ``h`` image, normalised."""
+    return np.array([[0, 0.5, 0.5, s / w, s / h] for s in short_px], dtype=np.float64)
+
+
+def test_image_size_shows_the_small_objects_at_8_px() -> None:
+    shapes = np.array([[400, 300]] * 10)
+    # The 10th percentile of the short sides is 10 px of a 400-px long side: 8 px needs 320.
+    labels = [_labels([10.0] * 2 + [60.0] * 8, 400, 300) for _ in range(10)]
+    assert demo.choose_img_size(labels, shapes) == 320
+    # Objects of 25 px: 8 px at 128 (= 400 * 8 / 25), the lower bound.
+    labels = [_labels([25.0] * 10, 400, 300) for _ in range(10)]
+    assert demo.choose_img_size(labels, shapes) == 128
+    # Objects of 16 px: 200 px -> the next multiple of 32, 224.
+    labels = [_labels([16.0] * 10, 400, 300) for _ in range(10)]
+    assert demo.choose_img_size(labels, shapes) == 224
+
+
+def test_image_size_never_upscales_nor_leaves_the_bounds() -> None:
+    small_images = np.array([[180, 150]] * 4)
+    tiny_objects = [_labels([4.0] * 5, 180, 150) for _ in range(4)]
+    assert demo.choose_img_size(tiny_objects, small_images) == 192  # median side 180 -> 192
+    huge = np.array([[2000, 1500]] * 4)
+    assert demo.choose_img_size([_labels([10.0] * 5, 2000, 1500)] * 4, huge) == 320
+    # No labels at all: the lower bound.
+    assert demo.choose_img_size([np.zeros((0, 5))] * 4, huge) == 128
+    assert demo.choose_img_size([np.zeros((0, 5))] * 4, huge, bounds=(160, 320)) == 160
+
+
+def test_first_crossing_reads_the_elapsed_time(tmp_path: Path) -> None:
+    rows = []
+    for epoch, m, t in ((2, 0.5, 60.0), (5, 0.86, 150.0), (8, 0.84, 240.0), (9, 0.9, 270.0)):
+        row = dict.fromkeys(RESULTS_HEADER, 0.0)
+        row.update(epoch=epoch, mAP50=m, elapsed_seconds=t)
+        rows.append(row)
+    write_results(tmp_path / "results.csv", rows)
+    assert demo.first_crossing(tmp_path / "results.csv", 0.85) == (5, 150.0)
+    assert demo.first_crossing(tmp_path / "results.csv", 0.95) is None
+    assert demo.first_crossing(tmp_path / "missing.csv", 0.5) is None
+
+
+@pytest.mark.slow
+def test_demo_on_given_data_runs_within_its_budget(make_shapes_data, tmp_path, capsys) -> None:
+    data = make_shapes_data(n_train=12, n_val=4)
+    out = tmp_path / "run"
+    assert demo.main(["--data", str(data), "--time-budget", "0.25", "--output-dir", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "mAP@0.5 =" in printed and "mAP@0.5 >= 0.85:" in printed
+    args = (out / "args.yaml").read_text()
+    assert "time_budget: 0.25" in args and "autoanchor: true" in args
+    stats = json.loads((out / "val_stats.json").read_text())
+    assert 0.0 <= stats["mAP50"] <= 1.0
+    assert len(list((out / "predictions").glob("*.jpg"))) == 4
