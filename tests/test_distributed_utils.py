@@ -123,6 +123,25 @@ def _base_env() -> dict[str, str]:
     return env
 
 
+def _rank_envs(**extra: str) -> list[dict[str, str]]:
+    """torchrun's variables for ranks 0 and 1 of a one-node group on a free loopback port;
+    ``extra`` values may name ``{rank}``."""
+    port = str(_free_port())
+    envs = []
+    for rank in range(2):
+        env = _base_env()
+        env.update(
+            RANK=str(rank),
+            WORLD_SIZE="2",
+            LOCAL_RANK=str(rank),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=port,
+        )
+        env.update({k: v.format(rank=rank) for k, v in extra.items()})
+        envs.append(env)
+    return envs
+
+
 def _write_worker(tmp_path: Path) -> tuple[Path, Path]:
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
@@ -273,18 +292,7 @@ def test_a_non_finite_loss_on_one_rank_stops_every_rank(tmp_path: Path) -> None:
     script.write_text(NONFINITE_WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    port = str(_free_port())
-    envs = []
-    for rank in range(2):
-        env = _base_env()
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        envs.append(env)
+    envs = _rank_envs()
     _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
     res = _results(out)
     assert [r["clean"] for r in res] == ["passed", "passed"]
@@ -438,19 +446,7 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(tmp_path: Pat
     script.write_text(FAILURE_WORKER)
     out = tmp_path / "out"
     out.mkdir()
-    port = str(_free_port())
-    envs = []
-    for rank in range(2):
-        env = _base_env()
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-            SLURMD_NODENAME=f"node{rank}",
-        )
-        envs.append(env)
+    envs = _rank_envs(SLURMD_NODENAME="node{rank}")
     _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
     errors = [r["error"] for r in _results(out)]
     assert errors == ["--resume failed on rank 1 (node1): /node1/last.pt: cannot read"] * 2

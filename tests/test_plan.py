@@ -4,7 +4,6 @@ estimate against a brute-force count, the stretched cosine schedule, rank agreem
 
 from __future__ import annotations
 
-import csv
 import json
 import random
 import sys
@@ -14,18 +13,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed_utils import _base_env, _free_port, _run_pair
+from test_distributed_utils import _rank_envs, _run_pair
+from test_train import _flags, _rows
+from test_train import _run as _train
 
 from build_utils.errors import ConfigError
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
 from train_utils.coco_eval import STAT_NAMES
 from train_utils.config import build_config, get_args_parser
-from train_utils.distributed_utils import DistInfo
 from train_utils.optim import build_scheduler, cosine_lambda
 from train_utils.plan import EpochPlan, epochs_within_budget, evaluated
 from train_utils.reporting import FITNESS_KEY
-from train_utils.trainer import run
 
 
 def _brute_force(epoch, remaining, epoch_s, eval_s, interval, notest, max_epochs=None):
@@ -160,19 +159,7 @@ RANK_WORKER = textwrap.dedent(
 def test_every_rank_follows_rank_zeros_plan(tmp_path: Path) -> None:
     script = tmp_path / "plan_worker.py"
     script.write_text(RANK_WORKER)
-    port = str(_free_port())
-    envs = []
-    for rank in range(2):
-        env = _base_env()
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        envs.append(env)
-    _run_pair([[sys.executable, str(script), str(tmp_path)]] * 2, envs)
+    _run_pair([[sys.executable, str(script), str(tmp_path)]] * 2, _rank_envs())
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # Rank 0: 90 s left, 10 s epochs, evaluations guessed at 2 s: 7 more epochs (84 s).
     assert res == [{"total": 8, "stop": True}] * 2
@@ -185,42 +172,14 @@ EXTRA_MIN = 0.25  # what the resumed run adds
 
 
 def _budget_flags(data: Path, out: Path, repo: Path, minutes: float, *extra: str) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(repo / "cfg" / "yolov3-spp-nano.cfg"),
-        "--hyp",
-        str(repo / "cfg" / "hyp.yaml"),
-        "--time-budget",
-        str(minutes),
-        "--batch-size",
-        "8",
-        "--img-size",
-        "64",
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--nbs",
-        "8",
-        "--eval-interval",
-        "2",
-        *extra,
-    ]
-
-
-def _train(argv: list[str]):
-    config = build_config(get_args_parser().parse_args(argv))
-    return run(config, DistInfo.single(torch.device("cpu")))
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
+    """test_train's flags with a time budget instead of an epoch count, at 64 px."""
+    flags = _flags(
+        data, out, repo, 1, "--time-budget", str(minutes), "--eval-interval", "2", *extra
+    )
+    i = flags.index("--epochs")
+    del flags[i : i + 2]
+    flags[flags.index("--img-size") + 1] = "64"
+    return flags
 
 
 def _check_schedule_ended(ckpt: dict, epochs_total: int) -> None:

@@ -33,6 +33,7 @@ sys.path.insert(0, str(REPO))
 
 import predict  # noqa: E402
 import validation  # noqa: E402
+from build_utils.augmentations import GRID  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
@@ -78,7 +79,6 @@ TARGET_MAP50 = 0.85
 MIN_OBJECT_PX = 8.0
 SMALL_OBJECT_QUANTILE = 0.10
 IMG_SIZE_BOUNDS = (128, 320)
-GRID = 32
 
 
 def choose_img_size(

@@ -121,36 +121,7 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
     """
     data = config.data
     ram = config.cache_images == "ram"
-    build_cache = None if ram else config.cache_images
-    error, train_set, val_set = None, None, None
-    with torch_distributed_zero_first(dist.local_rank):
-        try:
-            train_set = LoadImagesAndLabels(
-                str(data.train),
-                config.img_size,
-                config.batch_size,
-                augment=True,
-                hyp=hyp,
-                rect=config.rect,
-                cache_images=build_cache,
-                single_cls=config.single_cls,
-                rank=dist.rank,
-                nc=data.nc,
-            )
-            val_set = make_eval_dataset(
-                data.valid,
-                config.img_size,
-                config.batch_size,
-                data.nc,
-                config.single_cls,
-                dist.rank,
-                build_cache,
-                hyp,
-            )
-        except YoloError as e:
-            error = e
-    raise_if_any_rank_failed(error, "loading the data")
-    assert train_set is not None and val_set is not None
+    train_set, val_set = _load_datasets(config, dist, hyp, None if ram else config.cache_images)
     if ram:
         _cache_in_ram([train_set, val_set], dist)
     coco_gt = None
@@ -192,6 +163,44 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
         val_set, config.batch_size, dist.world_size, dist.rank, workers, pin, persistent=True
     )
     return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))
+
+
+def _load_datasets(
+    config: TrainConfig, dist: DistInfo, hyp: dict[str, Any], build_cache: str | None
+) -> tuple[LoadImagesAndLabels, LoadImagesAndLabels]:
+    """The training and validation datasets, the node's local rank 0 first (it builds the
+    caches); an error on any rank stops every rank."""
+    data = config.data
+    error, train_set, val_set = None, None, None
+    with torch_distributed_zero_first(dist.local_rank):
+        try:
+            train_set = LoadImagesAndLabels(
+                str(data.train),
+                config.img_size,
+                config.batch_size,
+                augment=True,
+                hyp=hyp,
+                rect=config.rect,
+                cache_images=build_cache,
+                single_cls=config.single_cls,
+                rank=dist.rank,
+                nc=data.nc,
+            )
+            val_set = make_eval_dataset(
+                data.valid,
+                config.img_size,
+                config.batch_size,
+                data.nc,
+                config.single_cls,
+                dist.rank,
+                build_cache,
+                hyp,
+            )
+        except YoloError as e:
+            error = e
+    raise_if_any_rank_failed(error, "loading the data")
+    assert train_set is not None and val_set is not None
+    return train_set, val_set
 
 
 def _cache_in_ram(datasets: list[LoadImagesAndLabels], dist: DistInfo) -> None:

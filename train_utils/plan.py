@@ -12,6 +12,7 @@ continues from what the checkpoint had spent.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,6 +22,8 @@ from train_utils.distributed_utils import broadcast_object
 # Epoch-time estimate: the median of the last few epochs, so that one slow epoch (a busy
 # machine, a cache filling) neither shortens the plan nor makes the schedule jump.
 RECENT_EPOCHS = 5
+
+logger = logging.getLogger(__name__)
 
 
 def evaluated(epoch: int, total: int, eval_interval: int, notest: bool) -> bool:
@@ -130,6 +133,13 @@ class EpochPlan:
         stop = None
         if is_main:
             stop = best_epoch is not None and epoch - best_epoch >= self.patience
+            if stop:
+                logger.info(
+                    "--patience %d: no better mAP@0.5:0.95 since epoch %d; stopping after epoch %d",
+                    self.patience,
+                    best_epoch,
+                    epoch,
+                )
         return bool(broadcast_object(stop))
 
     def state(self) -> dict[str, float | int]:

@@ -110,24 +110,12 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
 
 
 def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
-    device, data = dist.device, config.data
+    data = config.data
     seed_all(config.seed + dist.rank * RANK_SEED_STRIDE)
-    _configure_backends(device)
-    amp = resolve_amp(config.amp, device)
+    _configure_backends(dist.device)
+    amp = resolve_amp(config.amp, dist.device)
 
-    blocks = model_blocks_for(config.cfg, data.nc)
-    blocks = check_anchors(blocks, config, dist)
-    cfg_text = format_model_cfg(blocks)
-    model = Darknet(blocks, img_size=(config.img_size, config.img_size))
-    ckpt = _load_resume_checkpoint(config, model, dist)
-    if ckpt is None and config.weights:
-        _initialise_weights(model, config)
-    model.freeze(config.freeze_layers)
-    model.to(device)
-    channels_last = _memory_format(config, model, dist, amp, cfg_text)
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
-
+    model, cfg_text, ckpt, channels_last = _build_model(config, dist, amp)
     hyp = scale_loss_gains(config.hyp, data.nc, config.img_size)
     plan = _epoch_plan(config, t_start)
     state = _build_train_state(model, config, hyp, dist, amp, plan)
@@ -191,13 +179,6 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                 if eval_s is not None and plan.stops_early(
                     epoch, reporter.best_epoch, dist.is_main
                 ):
-                    logger.info(
-                        "--patience %d: no better mAP@0.5:0.95 since epoch %s; stopping after "
-                        "epoch %d",
-                        config.patience,
-                        reporter.best_epoch,
-                        epoch,
-                    )
                     break
     except KeyboardInterrupt:
         reporter.interrupted(epoch)
@@ -212,6 +193,26 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
 
 
 # ---- model ----------------------------------------------------------------------------------
+
+
+def _build_model(
+    config: TrainConfig, dist: DistInfo, amp: torch.dtype | None
+) -> tuple[Darknet, str, dict[str, Any] | None, bool]:
+    """The model on its device and in its memory format, with its resolved cfg text, the
+    resume checkpoint (None when not resuming) and whether it is channels_last."""
+    blocks = model_blocks_for(config.cfg, config.data.nc)
+    blocks = check_anchors(blocks, config, dist)
+    cfg_text = format_model_cfg(blocks)
+    model = Darknet(blocks, img_size=(config.img_size, config.img_size))
+    ckpt = _load_resume_checkpoint(config, model, dist)
+    if ckpt is None and config.weights:
+        _initialise_weights(model, config)
+    model.freeze(config.freeze_layers)
+    model.to(dist.device)
+    channels_last = _memory_format(config, model, dist, amp, cfg_text)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model, cfg_text, ckpt, channels_last
 
 
 def _configure_backends(device: torch.device) -> None:
