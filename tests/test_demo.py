@@ -18,16 +18,17 @@ def _labels(short_px: list[float], w: int, h: int) -> np.ndarray:
     return np.array([[0, 0.5, 0.5, s / w, s / h] for s in short_px], dtype=np.float64)
 
 
-def test_image_size_shows_the_small_objects_at_8_px() -> None:
+def test_image_size_shows_the_small_objects_at_12_px() -> None:
     shapes = np.array([[400, 300]] * 10)
-    # The 10th percentile of the short sides is 10 px of a 400-px long side: 8 px needs 320.
-    labels = [_labels([10.0] * 2 + [60.0] * 8, 400, 300) for _ in range(10)]
+    # The 10th percentile of the short sides is 16 px of a 400-px long side: 12 px needs 300,
+    # the next multiple of 32 is 320.
+    labels = [_labels([16.0] * 2 + [60.0] * 8, 400, 300) for _ in range(10)]
     assert demo.choose_img_size(labels, shapes) == 320
-    # Objects of 25 px: 8 px at 128 (= 400 * 8 / 25), the lower bound.
-    labels = [_labels([25.0] * 10, 400, 300) for _ in range(10)]
+    # Objects of 40 px: 12 px at 120 (= 400 * 12 / 40), below the lower bound 128.
+    labels = [_labels([40.0] * 10, 400, 300) for _ in range(10)]
     assert demo.choose_img_size(labels, shapes) == 128
-    # Objects of 16 px: 200 px -> the next multiple of 32, 224.
-    labels = [_labels([16.0] * 10, 400, 300) for _ in range(10)]
+    # Objects of 24 px: 200 px -> the next multiple of 32, 224.
+    labels = [_labels([24.0] * 10, 400, 300) for _ in range(10)]
     assert demo.choose_img_size(labels, shapes) == 224
 
 

@@ -94,6 +94,52 @@ def test_make_cfg_width_errors(tmp_path, capsys):
     assert "nothing to do" in one_error_line(capsys)
 
 
+def _strip(blocks):
+    return [{k: v for k, v in b.items() if k[0] != "_"} for b in blocks]
+
+
+def test_make_cfg_new_coords(tmp_path):
+    """--new-coords reproduces the checked-in demo cfg from the plain nano cfg (only the three
+    heads and the convs feeding them change), keeps an existing new_coords head as it is, and
+    the model decodes as a new_coords head: a zero logit is the cell's centre and 1x the
+    anchor."""
+    assert make_cfg.main([str(NANO), "--new-coords", "-o", str(tmp_path / "n.cfg")]) == 0
+    made = parse_model_cfg(tmp_path / "n.cfg")
+    assert _strip(made) == _strip(parse_model_cfg(REPO / "cfg" / "yolov3-spp-nano-newcoords.cfg"))
+    plain = parse_model_cfg(NANO)
+    changed = [i for i, (x, y) in enumerate(zip(_strip(plain), _strip(made))) if x != y]
+    yolos = [i for i, b in enumerate(plain) if b["type"] == "yolo"]
+    assert changed == sorted(yolos + [i - 1 for i in yolos])
+    assert all(made[i - 1]["activation"] == "logistic" for i in yolos)
+    assert all((made[i]["new_coords"], made[i]["scale_x_y"]) == (1, 2.0) for i in yolos)
+    again = make_cfg.make_cfg(tmp_path / "n.cfg", new_coords=True, output=tmp_path / "m.cfg")
+    assert _strip(parse_model_cfg(again)) == _strip(made)
+
+    model = Darknet(tmp_path / "n.cfg", img_size=64).eval()
+    head = model.module_list[model.yolo_layers[-1]]
+    with torch.no_grad():
+        det = head.decode(torch.zeros(1, head.na, 2, 2, head.no))
+    centres = (torch.tensor([[0.5, 0.5], [1.5, 0.5]]) * head.stride).expand(1, head.na, 2, 2)
+    assert torch.allclose(det[0, :, 0, :, :2], centres[0])
+    assert torch.allclose(det[0, :, 1, 1, 2:4], head.anchors.float())
+
+
+def test_make_cfg_new_coords_needs_a_conv(tmp_path, capsys):
+    cfg = tmp_path / "pool.cfg"
+    text = (REPO / "cfg" / "yolov3-tiny.cfg").read_text()
+    cfg.write_text(text)
+    blocks = parse_model_cfg(cfg)
+    first = next(i for i, b in enumerate(blocks) if b["type"] == "yolo")
+    line = blocks[first]["_line"]
+    lines = text.splitlines()
+    # A [maxpool] between the head's conv and the head: nowhere to put the sigmoid.
+    lines.insert(line - 1, "[maxpool]\nsize=1\nstride=1\n")
+    cfg.write_text("\n".join(lines) + "\n")
+    assert make_cfg.main([str(cfg), "--new-coords", "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "--new-coords needs a [convolutional] right before it" in one_error_line(capsys)
+    assert not (tmp_path / "o.cfg").exists()
+
+
 # --------------------------------------------------------------------------------------------
 # convert_weights
 

@@ -3,13 +3,20 @@
     python tools/make_cfg.py cfg/yolov3-spp.cfg --classes 20 -o cfg/yolov3-spp-voc.cfg
     python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --data data/shapes.data
     python tools/make_cfg.py cfg/darknet/yolov4-csp.cfg --width 0.125 --classes 5
+    python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --new-coords      # -newcoords.cfg beside it
 
 ``--classes``/``--data``: every ``[yolo]`` gets ``classes=N`` and the ``[convolutional]`` feeding it
 ``filters=len(mask) * (N + 5)``. ``--width W``: every other ``[convolutional]`` gets
 ``filters`` times W, rounded up to a multiple of 8 (equal counts stay equal, so shortcuts and
 grouped routes still fit); a depthwise conv (``groups=filters``) keeps ``groups`` equal to its
-new ``filters``. Nothing else changes. The output is written without the source's comments.
-Without ``-o`` it goes beside the source as ``<name>[-w<W>][-<N>cls].cfg``.
+new ``filters``. ``--new-coords``: every ``[yolo]`` head decodes and trains as Scaled-YOLOv4's
+and YOLOv7's do (Darknet's ``new_coords=1`` with ``scale_x_y=2``, the ``activation=logistic``
+moved to the conv feeding it): boxes reach half a cell beyond their cell and up to 4x their
+anchor, so the loss assigns each target to up to three cells and to every anchor within 4x of
+its shape instead of one cell and the anchors above ``iou_t`` (``models/loss.py``). That is
+about three times the positive samples per image, and a from-scratch model learns much faster
+(README, "The demo"). Nothing else changes. The output is written without the source's
+comments. Without ``-o`` it goes beside the source as ``<name>[-w<W>][-newcoords][-<N>cls].cfg``.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ from build_utils.errors import ConfigError, YoloError
 from build_utils.parse_config import (
     Block,
     head_conv_index,
+    layer_error,
     parse_data_cfg,
     parse_model_cfg,
     rewrite_cfg_classes,
@@ -37,6 +45,9 @@ from build_utils.parse_config import (
 # --width rounds filter counts up to a multiple of this (channel counts that vectorise well,
 # and even ones for [route] groups=2).
 WIDTH_DIVISOR = 8
+# --new-coords: the centre decode's range, sigmoid * 2 - 0.5 (as in Darknet's Scaled-YOLOv4 and
+# YOLOv7 cfgs); 2 is what lets the loss assign a target to the neighbouring cells.
+NEW_COORDS_SCALE_XY = 2.0
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -49,6 +60,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     source.add_argument("--data", type=Path, help=".data file whose 'classes' to use")
     parser.add_argument(
         "--width", type=float, help="multiply the filters of every non-head conv by this (> 0)"
+    )
+    parser.add_argument(
+        "--new-coords",
+        action="store_true",
+        help="Scaled-YOLOv4 heads: new_coords=1, scale_x_y=2, logistic activation before them",
     )
     parser.add_argument(
         "-o", "--output", type=Path, help="output cfg (default: <cfg stem>-<N>cls.cfg beside it)"
@@ -78,23 +94,50 @@ def scale_width(blocks: list[Block], multiple: float) -> list[Block]:
     return validate_model_cfg(out)
 
 
-def make_cfg(
-    cfg: Path, nc: int | None = None, output: Path | None = None, width: float | None = None
-) -> Path:
-    """Write ``cfg`` rewritten for ``nc`` classes and/or scaled to ``width`` to ``output`` and
-    return its path.
+def new_coords_heads(blocks: list[Block]) -> list[Block]:
+    """A copy of ``blocks`` whose ``[yolo]`` heads are Scaled-YOLOv4 heads (module docstring).
 
     Raises:
-        ConfigError: neither ``nc`` nor ``width``, or bad values (see :func:`scale_width`).
+        ConfigError: a head is not fed by a ``[convolutional]`` (nowhere to put the sigmoid).
     """
-    if nc is None and width is None:
-        raise ConfigError("nothing to do: pass --classes, --data or --width")
+    out = copy.deepcopy(blocks)
+    for i, block in enumerate(out):
+        if block["type"] != "yolo" or block.get("new_coords", 0):
+            continue
+        conv = head_conv_index(out, i)
+        if conv is None:
+            raise layer_error(block, "--new-coords needs a [convolutional] right before it")
+        out[conv]["activation"] = "logistic"
+        block["new_coords"] = 1
+        block["scale_x_y"] = NEW_COORDS_SCALE_XY
+    return validate_model_cfg(out)
+
+
+def make_cfg(
+    cfg: Path,
+    nc: int | None = None,
+    output: Path | None = None,
+    width: float | None = None,
+    new_coords: bool = False,
+) -> Path:
+    """Write ``cfg`` rewritten for ``nc`` classes, scaled to ``width`` and/or with
+    :func:`new_coords_heads` to ``output`` and return its path.
+
+    Raises:
+        ConfigError: nothing asked, or bad values (see :func:`scale_width`).
+    """
+    if nc is None and width is None and not new_coords:
+        raise ConfigError("nothing to do: pass --classes, --data, --width or --new-coords")
     blocks = parse_model_cfg(cfg)
     what, stem = [], cfg.stem
     if width is not None:
         blocks = scale_width(blocks, width)
         what.append(f"width x{width:g}")
         stem += f"-w{width:g}"
+    if new_coords:
+        blocks = new_coords_heads(blocks)
+        what.append("new_coords heads")
+        stem += "-newcoords"
     if nc is not None:
         blocks = rewrite_cfg_classes(blocks, nc)
         what.append(f"{nc} classes")
@@ -114,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
         nc = args.classes
         if args.data is not None:
             nc = parse_data_cfg(args.data)["classes"]
-        out = make_cfg(args.cfg, nc, args.output, args.width)
+        out = make_cfg(args.cfg, nc, args.output, args.width, args.new_coords)
     except YoloError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
