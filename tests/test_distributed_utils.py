@@ -123,23 +123,27 @@ def _base_env() -> dict[str, str]:
     return env
 
 
+def _pair_envs(variables: dict[str, str]) -> list[dict[str, str]]:
+    """Environments of ranks 0 and 1 of a one-node group: ``variables`` (values may name
+    ``{rank}`` and ``{port}``, a free loopback port shared by both) over :func:`_base_env`."""
+    port = str(_free_port())
+    return [
+        {**_base_env(), **{k: v.format(rank=rank, port=port) for k, v in variables.items()}}
+        for rank in range(2)
+    ]
+
+
 def _rank_envs(**extra: str) -> list[dict[str, str]]:
     """torchrun's variables for ranks 0 and 1 of a one-node group on a free loopback port;
     ``extra`` values may name ``{rank}``."""
-    port = str(_free_port())
-    envs = []
-    for rank in range(2):
-        env = _base_env()
-        env.update(
-            RANK=str(rank),
-            WORLD_SIZE="2",
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=port,
-        )
-        env.update({k: v.format(rank=rank) for k, v in extra.items()})
-        envs.append(env)
-    return envs
+    torchrun = {
+        "RANK": "{rank}",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "{rank}",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "{port}",
+    }
+    return _pair_envs({**torchrun, **extra})
 
 
 def _write_worker(tmp_path: Path) -> tuple[Path, Path]:
@@ -217,18 +221,15 @@ def test_torchrun_two_ranks(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_slurm_variables(tmp_path: Path) -> None:
     script, out = _write_worker(tmp_path)
-    port = str(_free_port())
-    envs = []
-    for rank in range(2):
-        env = _base_env()
-        env.update(
-            SLURM_PROCID=str(rank),
-            SLURM_NTASKS="2",
-            SLURM_LOCALID=str(rank),
-            SLURM_JOB_NODELIST="localhost",
-            MASTER_PORT=port,
-        )
-        envs.append(env)
+    envs = _pair_envs(
+        {
+            "SLURM_PROCID": "{rank}",
+            "SLURM_NTASKS": "2",
+            "SLURM_LOCALID": "{rank}",
+            "SLURM_JOB_NODELIST": "localhost",
+            "MASTER_PORT": "{port}",
+        }
+    )
     _run_pair([[sys.executable, str(script), str(out)]] * 2, envs)
     res = _results(out)
     _check_collectives(res)
@@ -242,14 +243,14 @@ def test_slurm_variables(tmp_path: Path) -> None:
 def test_legacy_local_rank_argument(tmp_path: Path) -> None:
     """torch.distributed.launch without --use_env: RANK/WORLD_SIZE in env, local rank as arg."""
     script, out = _write_worker(tmp_path)
-    port = str(_free_port())
-    envs, cmds = [], []
+    envs = _pair_envs(
+        {"RANK": "{rank}", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "{port}"}
+    )
     # Older torch spells it --local_rank, newer --local-rank: one rank each.
-    for rank, flag in enumerate(["--local_rank", "--local-rank"]):
-        env = _base_env()
-        env.update(RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        envs.append(env)
-        cmds.append([sys.executable, str(script), str(out), f"{flag}={rank}"])
+    cmds = [
+        [sys.executable, str(script), str(out), f"{flag}={rank}"]
+        for rank, flag in enumerate(["--local_rank", "--local-rank"])
+    ]
     _run_pair(cmds, envs)
     res = _results(out)
     _check_collectives(res)

@@ -61,7 +61,7 @@ from train_utils.memory_format import (
 )
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
-from train_utils.reporting import make_reporter, write_run_files
+from train_utils.reporting import EpochReporter, SilentReporter, make_reporter, write_run_files
 from train_utils.run_pictures import plot_dataset_labels
 from train_utils.train_eval_utils import (
     EvalOptions,
@@ -163,15 +163,9 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                 state.scheduler.step()
                 coco_stats, eval_s = None, None
                 if plan.evaluates(epoch):
-                    t_eval = time.time()
-                    coco_stats, coco_ap, detections = evaluate(
-                        state.ema.ema if state.ema else model,
-                        train_data.val_loader,
-                        train_data.coco_gt,
-                        eval_opts,
+                    coco_stats, eval_s = _evaluate_epoch(
+                        state, model, train_data, eval_opts, reporter, data.names
                     )
-                    reporter.evaluated(train_data.coco_gt, detections, data.names, coco_ap)
-                    eval_s = time.time() - t_eval
                 reporter.end_epoch(epoch, stats, coco_stats, seconds, plan.spent())
                 plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
                 # Nobody starts the next epoch before the checkpoint of this one exists.
@@ -190,6 +184,24 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     return RunSummary(
         config.output_dir, epoch + 1 - start_epoch, reporter.best, reporter.last_stats, seconds
     )
+
+
+def _evaluate_epoch(
+    state: TrainState,
+    model: Darknet,
+    train_data: TrainData,
+    eval_opts: EvalOptions,
+    reporter: EpochReporter | SilentReporter,
+    names: list[str],
+) -> tuple[np.ndarray | None, float]:
+    """Evaluate the EMA weights (the model's when there is no EMA) and report them; the COCO
+    stats (None off rank 0) and the seconds it took. Every rank must call this."""
+    t_eval = time.time()
+    coco_stats, coco_ap, detections = evaluate(
+        state.ema.ema if state.ema else model, train_data.val_loader, train_data.coco_gt, eval_opts
+    )
+    reporter.evaluated(train_data.coco_gt, detections, names, coco_ap)
+    return coco_stats, time.time() - t_eval
 
 
 # ---- model ----------------------------------------------------------------------------------
