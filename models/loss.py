@@ -13,7 +13,8 @@ units, both centred) exceeds ``iou_t``, in the grid cell that holds the target's
 
 each head's terms summed, then multiplied by the ``giou``, ``obj`` and ``cls`` gains of the
 hyperparameters (already scaled by :func:`scale_loss_gains`). ``fl_gamma > 0`` wraps both BCEs
-in a focal loss.
+in a focal loss. ``obj_balance`` (off in the lineage) weighs each head's objectness term as
+YOLOv5 does (:func:`objectness_balance`): the finest head most.
 
 Heads with Darknet's ``new_coords=1`` (Scaled-YOLOv4, YOLOv7) decode
 ``xy = sigmoid(t_xy) * s - (s - 1) / 2`` (``s = scale_x_y``, 2 in those cfgs: -0.5..1.5 around
@@ -65,12 +66,19 @@ ANCHOR_RATIO_MAX = 4.0
 # 0.5 beyond the cell, i.e. scale_x_y >= NEIGHBOUR_MIN_SCALE_XY.
 NEIGHBOUR_MARGIN = 0.5
 NEIGHBOUR_MIN_SCALE_XY = 2.0
+# obj_balance: YOLOv5's objectness weight per head, from the finest stride up; three heads
+# (P3-P5) get their own, other counts the first ones of the five-head list. The finest head
+# has four times the cells of the next, so its per-cell mean BCE is the smallest and, unweighted,
+# its few positives (the small objects) pull least on the shared gain.
+OBJ_BALANCE_3_HEADS = (4.0, 1.0, 0.4)
+OBJ_BALANCE = (4.0, 1.0, 0.25, 0.06, 0.02)
 # Centre cell, then the neighbours to the left, above, to the right, below (x, y offsets).
 _CELL_OFFSETS = ((0, 0), (1, 0), (0, 1), (-1, 0), (0, -1))
 
 
 class _YoloHead(Protocol):
     anchor_vec: torch.Tensor  # (na, 2) anchors in grid units
+    stride: float  # input pixels per grid cell
     # Optional (default 1.0 and False): Darknet's scale_x_y and new_coords.
 
 
@@ -114,6 +122,18 @@ def scale_loss_gains(hyp: dict[str, Any], nc: int, img_size: int) -> dict[str, A
     scaled["cls"] = hyp["cls"] * nc / GAIN_REFERENCE_NUM_CLASSES
     scaled["obj"] = hyp["obj"] * img_size / GAIN_REFERENCE_IMG_SIZE
     return scaled
+
+
+def objectness_balance(strides: Sequence[float]) -> list[float]:
+    """YOLOv5's objectness weight of each head, given the heads' strides in model order.
+
+    Heads are ranked by stride from the finest (YOLOv3's cfgs list the coarsest first, YOLOv4's
+    the finest); heads of equal stride share a weight. More than five distinct strides: the
+    coarser ones get the last weight.
+    """
+    distinct = sorted(set(strides))
+    weights = OBJ_BALANCE_3_HEADS if len(distinct) == 3 else OBJ_BALANCE
+    return [weights[min(distinct.index(s), len(weights) - 1)] for s in strides]
 
 
 def smooth_bce(eps: float = 0.0) -> tuple[float, float]:
@@ -276,7 +296,8 @@ def compute_loss(
             ``scale_x_y``, ``new_coords`` when the heads have them).
         hyp: validated hyperparameters with gains already scaled by :func:`scale_loss_gains`:
             ``giou``, ``obj``, ``cls`` (gains), ``obj_pw``, ``cls_pw`` (BCE positive weights),
-            ``iou_t`` (anchor assignment threshold), ``fl_gamma`` (focal loss when > 0).
+            ``iou_t`` (anchor assignment threshold), ``fl_gamma`` (focal loss when > 0),
+            optionally ``obj_balance`` (per-head objectness weights when true).
 
     Returns:
         ``{"box_loss", "obj_loss", "class_loss"}``: 0-dim tensors, already multiplied by their
@@ -296,11 +317,16 @@ def compute_loss(
     cp, cn = smooth_bce(LABEL_SMOOTHING_EPS)
     nc = model.nc
     gr = OBJ_GIOU_RATIO
+    heads = [model.module_list[i] for i in model.yolo_layers]
+    if hyp.get("obj_balance", False):
+        balance = objectness_balance([h.stride for h in heads])
+    else:
+        balance = [1.0] * len(heads)
 
     lbox = torch.zeros((), device=device)
     lobj = torch.zeros((), device=device)
     lcls = torch.zeros((), device=device)
-    for pi, lt, layer_index in zip(preds, layer_targets, model.yolo_layers):
+    for pi, lt, head, weight in zip(preds, layer_targets, heads, balance):
         tobj = torch.zeros_like(pi[..., 0])
         if lt.valid.shape[0]:  # a static shape (na * nt): no sync
             b, a, gj, gi = lt.indices
@@ -309,7 +335,7 @@ def compute_loss(
             n_valid = valid.sum().clamp(min=1)
             ps = pi[b, a, gj, gi]  # (P, no)
 
-            pbox = predicted_boxes(ps, lt.anchors, model.module_list[layer_index])
+            pbox = predicted_boxes(ps, lt.anchors, head)
             giou = 1.0 - torchvision.ops.generalized_box_iou_loss(
                 torchvision.ops.box_convert(pbox, "cxcywh", "xyxy"),
                 torchvision.ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),
@@ -326,7 +352,7 @@ def compute_loss(
                 per_elem = criterion_cls(ps[:, 5:], t)  # (P, nc)
                 lcls = lcls + torch.where(valid[:, None], per_elem, 0.0).sum() / (n_valid * nc)
 
-        lobj = lobj + criterion_obj(pi[..., 4], tobj).mean()
+        lobj = lobj + criterion_obj(pi[..., 4], tobj).mean() * weight
 
     return {
         "box_loss": lbox * hyp["giou"],

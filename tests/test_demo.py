@@ -18,18 +18,22 @@ def _labels(short_px: list[float], w: int, h: int) -> np.ndarray:
     return np.array([[0, 0.5, 0.5, s / w, s / h] for s in short_px], dtype=np.float64)
 
 
-def test_image_size_shows_the_small_objects_at_12_px() -> None:
+def test_image_size_shows_the_small_objects_at_11_px() -> None:
+    assert demo.MIN_OBJECT_PX == 11.0
     shapes = np.array([[400, 300]] * 10)
-    # The 10th percentile of the short sides is 16 px of a 400-px long side: 12 px needs 300,
-    # the next multiple of 32 is 320.
+    # The 10th percentile of the short sides is 20 px of a 400-px long side: 11 px needs 220,
+    # the next multiple of 32 is 224.
+    labels = [_labels([20.0] * 2 + [60.0] * 8, 400, 300) for _ in range(10)]
+    assert demo.choose_img_size(labels, shapes) == 224
+    # 16 px: 275 would be needed, more than the upper bound 256 a ten-minute budget affords.
     labels = [_labels([16.0] * 2 + [60.0] * 8, 400, 300) for _ in range(10)]
-    assert demo.choose_img_size(labels, shapes) == 320
-    # Objects of 40 px: 12 px at 120 (= 400 * 12 / 40), below the lower bound 128.
+    assert demo.choose_img_size(labels, shapes) == 256
+    # Objects of 40 px: 11 px at 110 (= 400 * 11 / 40), below the lower bound 128.
     labels = [_labels([40.0] * 10, 400, 300) for _ in range(10)]
     assert demo.choose_img_size(labels, shapes) == 128
-    # Objects of 24 px: 200 px -> the next multiple of 32, 224.
+    # Objects of 24 px: 183 px -> the next multiple of 32, 192.
     labels = [_labels([24.0] * 10, 400, 300) for _ in range(10)]
-    assert demo.choose_img_size(labels, shapes) == 224
+    assert demo.choose_img_size(labels, shapes) == 192
 
 
 def test_image_size_never_upscales_nor_leaves_the_bounds() -> None:
@@ -37,7 +41,7 @@ def test_image_size_never_upscales_nor_leaves_the_bounds() -> None:
     tiny_objects = [_labels([4.0] * 5, 180, 150) for _ in range(4)]
     assert demo.choose_img_size(tiny_objects, small_images) == 192  # median side 180 -> 192
     huge = np.array([[2000, 1500]] * 4)
-    assert demo.choose_img_size([_labels([10.0] * 5, 2000, 1500)] * 4, huge) == 320
+    assert demo.choose_img_size([_labels([10.0] * 5, 2000, 1500)] * 4, huge) == 256
     # No labels at all: the lower bound.
     assert demo.choose_img_size([np.zeros((0, 5))] * 4, huge) == 128
     assert demo.choose_img_size([np.zeros((0, 5))] * 4, huge, bounds=(160, 320)) == 160

@@ -15,6 +15,7 @@ from models.loss import (
     GAIN_REFERENCE_NUM_CLASSES,
     build_targets,
     compute_loss,
+    objectness_balance,
     scale_loss_gains,
 )
 
@@ -31,17 +32,21 @@ HYP = {
 
 
 def fake_model(
-    anchor_vecs: list[list[tuple[float, float]]], nc: int, new_coords: bool = False
+    anchor_vecs: list[list[tuple[float, float]]],
+    nc: int,
+    new_coords: bool = False,
+    strides: list[float] | None = None,
 ) -> SimpleNamespace:
     """A stand-in for Darknet: heads at module_list[1], [3], ... with ``anchor_vec`` (grid);
     ``new_coords`` heads as in Scaled-YOLOv4/YOLOv7 cfgs (``scale_x_y=2``)."""
     module_list: list[object] = []
     yolo_layers = []
-    for anchors in anchor_vecs:
+    strides = strides or [8.0] * len(anchor_vecs)
+    for anchors, stride in zip(anchor_vecs, strides):
         module_list.append(object())  # a conv in the real network
         yolo_layers.append(len(module_list))
         vec = torch.tensor(anchors, dtype=torch.float64)
-        head = SimpleNamespace(anchor_vec=vec, na=vec.shape[0], nc=nc, stride=8.0)
+        head = SimpleNamespace(anchor_vec=vec, na=vec.shape[0], nc=nc, stride=stride)
         if new_coords:
             head.new_coords, head.scale_x_y = True, 2.0
         module_list.append(head)
@@ -142,13 +147,15 @@ NEW_COORDS_CELLS = [
 ]
 
 
-def reference_loss(preds, targets, anchor_vecs, nc, hyp, new_coords=False):
+def reference_loss(preds, targets, anchor_vecs, nc, hyp, new_coords=False, obj_weights=None):
     """Loop-based re-implementation of the lineage's compute_loss/build_targets in numpy, and
-    with ``new_coords`` of the Scaled-YOLOv4/YOLOv7 assignment and Darknet's new_coords decode."""
+    with ``new_coords`` of the Scaled-YOLOv4/YOLOv7 assignment and Darknet's new_coords decode;
+    ``obj_weights`` per head multiply its objectness term (YOLOv5's ``balance``)."""
     lbox = lobj = lcls = 0.0
     gamma = hyp["fl_gamma"]
     cells = NEW_COORDS_CELLS if new_coords else NEW_COORDS_CELLS[:1]
-    for pred, anchors in zip(preds, anchor_vecs):
+    obj_weights = obj_weights or [1.0] * len(preds)
+    for pred, anchors, obj_weight in zip(preds, anchor_vecs, obj_weights):
         bs, na, ny, nx, _ = pred.shape
         tobj = np.zeros((bs, na, ny, nx))
         box_terms, cls_terms = [], []
@@ -194,7 +201,7 @@ def reference_loss(preds, targets, anchor_vecs, nc, hyp, new_coords=False):
             lbox += np.mean(box_terms)
             if nc > 1:
                 lcls += np.mean(np.stack(cls_terms))
-        lobj += np.mean(_bce(pred[..., 4], tobj, hyp["obj_pw"], gamma))
+        lobj += np.mean(_bce(pred[..., 4], tobj, hyp["obj_pw"], gamma)) * obj_weight
     return {
         "box_loss": lbox * hyp["giou"],
         "obj_loss": lobj * hyp["obj"],
@@ -253,6 +260,43 @@ def test_new_coords_matches_numpy_reference(seed, nt, nc):
     # Not the classic loss: the assignment and the decode differ.
     classic = reference_loss(preds, t, anchor_vecs, nc, hyp)
     assert got["box_loss"].item() != pytest.approx(classic["box_loss"], rel=1e-3)
+
+
+@pytest.mark.parametrize(
+    "strides,expected",
+    [
+        ([32, 16, 8], [0.4, 1.0, 4.0]),  # YOLOv3 cfgs: coarsest head first
+        ([8, 16, 32], [4.0, 1.0, 0.4]),  # YOLOv4 cfgs: finest first
+        ([32, 16], [1.0, 4.0]),  # the tiny cfgs
+        ([8, 16, 32, 64], [4.0, 1.0, 0.25, 0.06]),  # YOLOv7-W6-style, YOLOv5's P3-P6 list
+        ([16, 8, 16], [1.0, 4.0, 1.0]),  # equal strides share a weight
+        ([8, 16, 32, 64, 128, 256], [4.0, 1.0, 0.25, 0.06, 0.02, 0.02]),
+    ],
+)
+def test_objectness_balance_ranks_heads_by_stride(strides, expected):
+    assert objectness_balance([float(s) for s in strides]) == expected
+
+
+@pytest.mark.parametrize("new_coords", [False, True])
+def test_obj_balance_weighs_each_heads_objectness(new_coords):
+    preds, t, anchor_vecs = _random_case(8, 15, 3, duplicates=True)
+    strides = [16.0, 8.0]  # the 4x5 grid is the coarse head, the 8x10 one the fine head
+    model = fake_model(anchor_vecs, 3, new_coords=new_coords, strides=strides)
+    args = ([torch.from_numpy(p) for p in preds], torch.from_numpy(t), model)
+    hyp = dict(HYP, giou=3.54, obj=64.3, cls=37.4)
+    plain = compute_loss(*args, hyp)
+    got = compute_loss(*args, dict(hyp, obj_balance=True))
+    expected = reference_loss(
+        preds, t, anchor_vecs, 3, hyp, new_coords=new_coords, obj_weights=[1.0, 4.0]
+    )
+    assert got["obj_loss"].item() == pytest.approx(expected["obj_loss"], abs=1e-5, rel=1e-6)
+    assert got["obj_loss"].item() > plain["obj_loss"].item() * 1.5
+    # Only the objectness term is weighted.
+    for key in ("box_loss", "class_loss"):
+        assert torch.equal(got[key], plain[key]), key
+    assert torch.equal(
+        compute_loss(*args, dict(hyp, obj_balance=False))["obj_loss"], plain["obj_loss"]
+    )
 
 
 def test_new_coords_assignment_uses_neighbour_cells_and_wh_ratios():

@@ -77,9 +77,9 @@ TARGET_MAP50 = 0.85
 # 10th percentile of the labels, so that a few specks do not decide), never above the images'
 # median size (no upscaling), within IMG_SIZE_BOUNDS: the lower bound is the demo's own size,
 # the upper what a ten-minute CPU budget trains for enough epochs (cost grows with the area).
-MIN_OBJECT_PX = 12.0
+MIN_OBJECT_PX = 11.0
 SMALL_OBJECT_QUANTILE = 0.10
-IMG_SIZE_BOUNDS = (128, 320)
+IMG_SIZE_BOUNDS = (128, 256)
 
 
 def choose_img_size(

@@ -52,6 +52,7 @@ HYP_SPECS: dict[str, HypSpec] = {
     "obj_pw": HypSpec(float, 0.0, 1e2),
     "iou_t": HypSpec(float, 0.0, 1.0),
     "fl_gamma": HypSpec(float, 0.0, 10.0),
+    "obj_balance": HypSpec(bool, default=False),
     # optimiser and schedule
     "lr0": HypSpec(float, 0.0, 10.0),
     "lrf": HypSpec(float, 0.0, 1.0),
