@@ -67,7 +67,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         help="Scaled-YOLOv4 heads: new_coords=1, scale_x_y=2, logistic activation before them",
     )
     parser.add_argument(
-        "-o", "--output", type=Path, help="output cfg (default: <cfg stem>-<N>cls.cfg beside it)"
+        "-o",
+        "--output",
+        type=Path,
+        help="output cfg (default: beside it, <stem>[-w<W>][-newcoords][-<N>cls].cfg)",
     )
     return parser
 
