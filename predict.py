@@ -37,15 +37,14 @@ from build_utils.parse_config import (
     parse_model_cfg,
     parse_model_cfg_text,
 )
-from models.darknet import Darknet
+from models.darknet import Darknet, model_blocks_for
 from models.weights import load_darknet_weights
-from train_utils.builders import model_blocks_for
 from train_utils.checkpoint import extract_state_dict, fit_state_dict, load_checkpoint
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import check_img_size
-from train_utils.devices import select_device
-from train_utils.exports import write_yolo_txt
-from train_utils.train_eval_utils import autocast_context
+from train_utils.distributed.devices import select_device
+from train_utils.distributed.precision import autocast_context
+from train_utils.evaluation.exports import write_yolo_txt
 
 logger = logging.getLogger("predict")
 

@@ -19,9 +19,9 @@ from collections.abc import Sequence
 
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import build_config, get_args_parser
-from train_utils.devices import select_device
-from train_utils.distributed_utils import DistInfo
-from train_utils.launch import processes_to_spawn, spawn_training
+from train_utils.distributed.devices import select_device
+from train_utils.distributed.launch import processes_to_spawn, spawn_training
+from train_utils.distributed.process_group import DistInfo
 from train_utils.trainer import run
 
 

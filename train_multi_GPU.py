@@ -25,7 +25,7 @@ from collections.abc import Sequence
 
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import get_args_parser
-from train_utils.launch import processes_to_spawn, spawn_training, train_distributed
+from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
 
 
 def get_parser() -> argparse.ArgumentParser:

@@ -34,28 +34,29 @@ from pathlib import Path
 import torch
 
 from build_utils.errors import ConfigError
-from models.darknet import Darknet
-from train_utils.builders import make_eval_dataset, make_eval_loader, model_blocks_for
+from models.darknet import Darknet, model_blocks_for
+from train_utils.builders import make_eval_dataset, make_eval_loader
 from train_utils.checkpoint import load_weights
 from train_utils.cli import run_main, setup_console_logging
-from train_utils.coco_eval import STAT_NAMES
-from train_utils.coco_utils import coco_dict_from_dataset, get_coco_api_from_dataset
 from train_utils.config import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
     check_img_size,
     load_data_config,
 )
-from train_utils.distributed_utils import cleanup, init_distributed_mode
-from train_utils.eval_report import write_eval_report
-from train_utils.exports import (
+from train_utils.distributed.process_group import cleanup, init_distributed_mode
+from train_utils.engine import evaluate
+from train_utils.evaluation.coco_eval import STAT_NAMES
+from train_utils.evaluation.coco_gt import coco_dict_from_dataset, get_coco_api_from_dataset
+from train_utils.evaluation.exports import (
     gt_to_official_coco_ids,
     resolve_coco_ids,
     to_official_coco_ids,
     write_dataset_txt,
 )
-from train_utils.speed import measure_speed
-from train_utils.train_eval_utils import MAX_DET, EvalOptions, evaluate
+from train_utils.evaluation.options import MAX_DET, EvalOptions
+from train_utils.evaluation.report import write_eval_report
+from train_utils.evaluation.speed import measure_speed
 
 logger = logging.getLogger("validation")
 

@@ -65,7 +65,8 @@ from torch import nn
 
 from bench.bench_model import FORMATS, TrainStep, cpu_description, memory_format, synthetic_batch
 from models.darknet import Darknet
-from train_utils.distributed_utils import barrier, cleanup, init_distributed_mode
+from train_utils.distributed.comm import barrier
+from train_utils.distributed.process_group import cleanup, init_distributed_mode
 
 REPO = Path(__file__).resolve().parents[1]
 DISTINCT_BATCHES = 4  # synthetic batches per rank, cycled through

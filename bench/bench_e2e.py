@@ -49,10 +49,10 @@ from tools.demo import (
     TARGET_MAP50,
     ensure_demo_dataset,
 )
-from train_utils import train_eval_utils
 from train_utils.config import build_config, get_args_parser
-from train_utils.devices import select_device
-from train_utils.distributed_utils import DistInfo
+from train_utils.distributed import precision
+from train_utils.distributed.devices import select_device
+from train_utils.distributed.process_group import DistInfo
 from train_utils.trainer import run
 
 
@@ -131,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     if args.force_bf16:
         # Benchmark-only switch: the trainer's check for native bf16 kernels says yes.
-        train_eval_utils.cpu_bf16_is_fast = lambda: True
+        precision.cpu_bf16_is_fast = lambda: True
 
     try:
         with tempfile.TemporaryDirectory() as tmp:

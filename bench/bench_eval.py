@@ -13,7 +13,8 @@ each at conf 0.001 and 0.01, single- and multi-label. Box geometry (``--geometry
 puts each box at its cell with its anchor's shape (jittered), as the network does;
 ``uniform`` draws centres uniformly in the image and sides in 10..200 px.
 
-COCO scoring (``train_utils.coco_eval.CocoEvaluator``): ``--coco-images`` synthetic images with
+COCO scoring (``train_utils.evaluation.coco_eval.CocoEvaluator``): ``--coco-images``
+synthetic images with
 ~7 objects each, ``--dets-per-image`` detections per image (jittered ground truth plus false
 positives), scored by each available backend; ground-truth building is timed separately.
 
@@ -46,12 +47,12 @@ import numpy as np
 import torch
 
 from build_utils.boxes import non_max_suppression
-from train_utils.coco_eval import (
+from train_utils.evaluation.coco_eval import (
     CocoEvaluator,
     detections_to_coco,
     faster_coco_eval_available,
 )
-from train_utils.coco_utils import get_coco_api_from_dataset
+from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
 
 IMG_SIZE = 416
 NUM_CLASSES = 80

@@ -25,8 +25,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from models.darknet import Darknet  # noqa: E402
-from train_utils.builders import model_blocks_for  # noqa: E402
+from models.darknet import (  # noqa: E402
+    Darknet,
+    model_blocks_for,
+)
 from train_utils.memory_format import (  # noqa: E402
     choose_channels_last,
     cpu_model,

@@ -12,7 +12,7 @@ is timed for
 
 - ``eval``: ``model.eval()`` forward under ``torch.no_grad()`` (decoding included, no NMS),
   batch ``--eval-batch``;
-- ``train``: one training step as ``train_utils.train_eval_utils.train_one_epoch`` does it:
+- ``train``: one training step as ``train_utils.engine.train_one_epoch`` does it:
   uint8 -> float / 255, forward, ``compute_loss`` in fp32 (``cfg/hyp.yaml`` gains), backward,
   SGD (``trainer.build_optimizer``: Nesterov momentum, weight decay on conv weights),
   ``zero_grad(set_to_none=True)``, batch ``--train-batch``, on synthetic images with

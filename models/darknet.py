@@ -37,6 +37,7 @@ from build_utils.parse_config import (
     layer_error,
     maxpool_params,
     parse_model_cfg,
+    rewrite_cfg_classes,
     validate_model_cfg,
     yolo_mask,
 )
@@ -573,3 +574,22 @@ def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
     conv_bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
     fused.bias.copy_(bn.bias + (conv_bias - bn.running_mean) * scale)
     return fused
+
+
+def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
+    """Parse ``cfg`` (a file, or blocks already parsed) and, when its heads are for another
+    class count, rewrite them for ``nc``."""
+    blocks = cfg if isinstance(cfg, list) else parse_model_cfg(cfg)
+    if isinstance(cfg, list):
+        cfg = blocks[0].get("_path", "the cfg")
+    cfg_nc = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
+    if cfg_nc != [nc]:
+        LOGGER.warning(
+            "%s has classes=%s but the dataset has %d; rewriting the heads for %d classes",
+            cfg,
+            ",".join(map(str, cfg_nc)),
+            nc,
+            nc,
+        )
+        blocks = rewrite_cfg_classes(blocks, nc)
+    return blocks

@@ -23,7 +23,7 @@ from train_utils.autoanchor import (
     with_anchors,
 )
 from train_utils.config import build_config, get_args_parser
-from train_utils.distributed_utils import DistInfo
+from train_utils.distributed.process_group import DistInfo
 from train_utils.trainer import run
 
 REPO = Path(__file__).resolve().parents[1]

@@ -8,7 +8,7 @@ import torch
 
 from train_utils.builders import build_train_data
 from train_utils.config import build_config, get_args_parser
-from train_utils.distributed_utils import DistInfo
+from train_utils.distributed.process_group import DistInfo
 
 
 def _config(data: Path, repo: Path, out: Path, workers: int, *extra: str):

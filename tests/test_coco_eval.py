@@ -12,13 +12,13 @@ import pytest
 import torch
 
 from build_utils.errors import ConfigError, DatasetError
-from train_utils.coco_eval import (
+from train_utils.evaluation.coco_eval import (
     STAT_NAMES,
     CocoEvaluator,
     detections_to_coco,
     faster_coco_eval_available,
 )
-from train_utils.coco_utils import (
+from train_utils.evaluation.coco_gt import (
     CACHE_PREFIX,
     coco_dict_from_dataset,
     get_coco_api_from_dataset,
@@ -348,7 +348,7 @@ def test_faster_coco_eval_matches_pycocotools(perfect, dataset):
 
 
 def test_missing_faster_backend_is_a_config_error(dataset, monkeypatch):
-    from train_utils import coco_eval
+    from train_utils.evaluation import coco_eval
 
     monkeypatch.setattr(coco_eval, "faster_coco_eval_available", lambda: False)
     with pytest.raises(ConfigError, match="requirements-extra.txt"):
@@ -356,7 +356,7 @@ def test_missing_faster_backend_is_a_config_error(dataset, monkeypatch):
 
 
 def test_coco_rows_round_trip():
-    from train_utils.coco_eval import coco_to_rows, rows_to_coco
+    from train_utils.evaluation.coco_eval import coco_to_rows, rows_to_coco
 
     dets = [
         {"image_id": 3, "category_id": 1, "bbox": [1.25, 2.5, 30.0, 4.125], "score": 0.91234},

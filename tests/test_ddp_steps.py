@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from train_utils.train_eval_utils import multi_scale_size
+from train_utils.engine import multi_scale_size
 
 REPO = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 240
@@ -33,14 +33,14 @@ WORKER = textwrap.dedent(
 
     from models.darknet import Darknet
     from models.loss import scale_loss_gains
-    from train_utils import distributed_utils as du
-    from train_utils import train_eval_utils as teu
-    from train_utils.builders import model_blocks_for
+    from train_utils.distributed import process_group
+    from train_utils import engine
+    from models.darknet import model_blocks_for
     from train_utils.config import load_hyp
     from train_utils.optim import build_optimizer, build_scheduler
 
     out = Path(sys.argv[1])
-    info = du.init_distributed_mode(None, timeout_s=120)
+    info = process_group.init_distributed_mode(None, timeout_s=120)
     r = info.rank
     NB, ACCUMULATE, SIZE = 6, 3, 64
     hyp = scale_loss_gains(load_hyp("cfg/hyp.yaml"), 1, SIZE)
@@ -58,7 +58,7 @@ WORKER = textwrap.dedent(
         sizes = []
         model.register_forward_pre_hook(lambda m, a: sizes.append(a[0].shape[-1]))
         optimizer = build_optimizer(model, hyp, 0.01)
-        state = teu.TrainState(model, model, optimizer, build_scheduler(optimizer, 2, 0.1))
+        state = engine.TrainState(model, model, optimizer, build_scheduler(optimizer, 2, 0.1))
         ddp = nn.parallel.DistributedDataParallel(model)
         synced = []
 
@@ -70,16 +70,16 @@ WORKER = textwrap.dedent(
 
         ddp.register_comm_hook(None, counting_allreduce)
         state.model = ddp
-        opts = teu.TrainOptions(torch.device("cpu"), hyp, accumulate=ACCUMULATE,
+        opts = engine.TrainOptions(torch.device("cpu"), hyp, accumulate=ACCUMULATE,
                                 multi_scale=multi_scale, seed=7, log_interval=NB)
         random.seed(r)  # the old per-rank stream: sizes would differ by rank
-        saved = teu._no_sync
+        saved = engine._no_sync
         if not no_sync:
-            teu._no_sync = lambda model: nullcontext()
+            engine._no_sync = lambda model: nullcontext()
         try:
-            teu.train_one_epoch(state, list(batches()), 1, opts)
+            engine.train_one_epoch(state, list(batches()), 1, opts)
         finally:
-            teu._no_sync = saved
+            engine._no_sync = saved
         params = torch.cat([p.detach().flatten() for p in model.parameters()])
         return params, len(synced), sizes
 
@@ -93,7 +93,7 @@ WORKER = textwrap.dedent(
         "max_param_diff": float((p_sync2 - p_all).abs().max()),
         "param_scale": float(p_all.abs().max()),
     }
-    du.cleanup()
+    process_group.cleanup()
     (out / f"rank{r}.json").write_text(json.dumps(res))
     """
 )

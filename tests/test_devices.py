@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from build_utils.errors import ConfigError
-from train_utils.devices import choose_device, parse_device_list, select_device
+from train_utils.distributed.devices import choose_device, parse_device_list, select_device
 
 CPU = torch.device("cpu")
 
@@ -139,7 +139,7 @@ def test_select_device_makes_the_gpu_current() -> None:
 @pytest.fixture
 def fake_gpus(monkeypatch):
     """Pretend this process sees ``n`` GPUs; records the devices made current."""
-    from train_utils import devices
+    from train_utils.distributed import devices
 
     current: list[torch.device] = []
 
@@ -170,15 +170,17 @@ def test_one_visible_gpu_per_task_is_used_by_every_local_rank(fake_gpus, caplog)
 
 
 def test_an_existing_nccl_group_still_sets_the_device(fake_gpus, monkeypatch) -> None:
-    from train_utils import distributed_utils as du
+    from train_utils.distributed import comm, process_group
 
     current = fake_gpus(4)
-    monkeypatch.setattr(du.dist, "get_backend", lambda: "nccl")
-    monkeypatch.setattr(du, "get_rank", lambda: 2)
-    monkeypatch.setattr(du, "get_world_size", lambda: 4)
+    monkeypatch.setattr(comm.dist, "get_backend", lambda: "nccl")
+    monkeypatch.setattr(process_group, "get_rank", lambda: 2)
+    monkeypatch.setattr(process_group, "get_world_size", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "2")
-    info = du._describe_existing_group(None)
+    info = process_group._describe_existing_group(None)
     assert (info.rank, info.local_rank, info.device, info.backend) == (2, 2, cuda(2), "nccl")
     assert current == [cuda(2)]
     with pytest.raises(ConfigError, match="uses NCCL"):
-        du._describe_existing_group(type("Args", (), {"device": "cpu", "local_rank": -1})())
+        process_group._describe_existing_group(
+            type("Args", (), {"device": "cpu", "local_rank": -1})()
+        )

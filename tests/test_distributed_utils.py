@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from build_utils.errors import ConfigError
-from train_utils import distributed_utils as du
+from train_utils.distributed import comm, node, process_group
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 90
@@ -53,7 +53,7 @@ WORKER = textwrap.dedent(
 
     import torch
 
-    from train_utils import distributed_utils as du
+    from train_utils.distributed import comm, process_group
 
     parser = argparse.ArgumentParser()
     parser.add_argument("out")
@@ -62,7 +62,7 @@ WORKER = textwrap.dedent(
     args = parser.parse_args()
     out = Path(args.out)
 
-    info = du.init_distributed_mode(args, timeout_s=60)
+    info = process_group.init_distributed_mode(args, timeout_s=60)
     r = info.rank
     res = {
         "rank": r,
@@ -72,8 +72,8 @@ WORKER = textwrap.dedent(
         "device": str(info.device),
         "distributed": info.distributed,
         "is_main": info.is_main,
-        "get_rank": du.get_rank(),
-        "get_world_size": du.get_world_size(),
+        "get_rank": comm.get_rank(),
+        "get_world_size": comm.get_world_size(),
         "master_addr": os.environ.get("MASTER_ADDR"),
         "env_rank": os.environ.get("RANK"),
         "root_level": logging.getLogger().level,
@@ -82,28 +82,28 @@ WORKER = textwrap.dedent(
     losses = {"box": torch.tensor(float(r + 1)), "obj": torch.tensor(10.0 * r)}
     if r == 1:
         losses = dict(reversed(list(losses.items())))
-    res["reduce_avg"] = {k: v.item() for k, v in du.reduce_dict(losses).items()}
-    res["reduce_sum"] = {k: v.item() for k, v in du.reduce_dict(losses, False).items()}
-    res["reduce_int"] = du.reduce_dict({"n": torch.tensor(r + 1)})["n"].item()
-    res["gather"] = du.all_gather({"rank": r, "items": list(range(r + 1))})
-    res["broadcast"] = du.broadcast_object(f"from rank {r}", src=1)
+    res["reduce_avg"] = {k: v.item() for k, v in comm.reduce_dict(losses).items()}
+    res["reduce_sum"] = {k: v.item() for k, v in comm.reduce_dict(losses, False).items()}
+    res["reduce_int"] = comm.reduce_dict({"n": torch.tensor(r + 1)})["n"].item()
+    res["gather"] = comm.all_gather({"rank": r, "items": list(range(r + 1))})
+    res["broadcast"] = comm.broadcast_object(f"from rank {r}", src=1)
     rows = torch.arange(3.0 * (r + 1), dtype=torch.float64).reshape(-1, 3) + 100 * r
-    gathered = du.gather_rows_to_main(rows)
+    gathered = comm.gather_rows_to_main(rows)
     res["rows"] = None if gathered is None else gathered.tolist()
-    res["flag_none"] = du.all_reduce_flag(False)
-    res["flag_one"] = du.all_reduce_flag(r == 1)
+    res["flag_none"] = comm.all_reduce_flag(False)
+    res["flag_one"] = comm.all_reduce_flag(r == 1)
 
     marker = out / "marker.txt"
-    with du.torch_distributed_zero_first(r):
+    with comm.torch_distributed_zero_first(r):
         if r == 0:
             # Rank 1 would read a missing file if it did not wait for this block.
             time.sleep(1.0)
             marker.write_text("written by rank 0")
         else:
             res["marker"] = marker.read_text()
-    du.barrier()
-    du.cleanup()
-    res["initialised_after_cleanup"] = du.is_dist_avail_and_initialized()
+    comm.barrier()
+    process_group.cleanup()
+    res["initialised_after_cleanup"] = comm.is_dist_avail_and_initialized()
     (out / f"rank{r}.json").write_text(json.dumps(res))
     """
 )
@@ -265,11 +265,11 @@ NONFINITE_WORKER = textwrap.dedent(
 
     import torch
 
-    from train_utils import distributed_utils as du
-    from train_utils.train_eval_utils import NonFiniteLossError, _check_finite
+    from train_utils.distributed import process_group
+    from train_utils.engine import NonFiniteLossError, _check_finite
 
     out = Path(sys.argv[1])
-    info = du.init_distributed_mode(None, timeout_s=60)
+    info = process_group.init_distributed_mode(None, timeout_s=60)
     r = info.rank
     # Three logged iterations; rank 1's second loss is NaN.
     flags = [torch.tensor(True), torch.tensor(r != 1), torch.tensor(True)]
@@ -281,7 +281,7 @@ NONFINITE_WORKER = textwrap.dedent(
         _check_finite(flags, paths, 3)
     except NonFiniteLossError as e:
         res["error"] = str(e)
-    du.cleanup()
+    process_group.cleanup()
     (out / f"rank{r}.json").write_text(json.dumps(res))
     """
 )
@@ -320,12 +320,12 @@ def clean_env():
 
 
 def test_no_launcher_gives_single_process(clean_env, caplog) -> None:
-    with caplog.at_level(logging.INFO, logger=du.__name__):
-        info = du.init_distributed_mode(None)
+    with caplog.at_level(logging.INFO, logger=process_group.__name__):
+        info = process_group.init_distributed_mode(None)
     assert info.world_size == 1 and info.rank == 0 and info.local_rank == 0
     assert info.backend is None
     assert not info.distributed and info.is_main
-    assert not du.is_dist_avail_and_initialized()
+    assert not comm.is_dist_avail_and_initialized()
     assert "single process" in caplog.text
 
 
@@ -334,42 +334,42 @@ def test_no_launcher_device_cpu_forced(clean_env) -> None:
         device = "cpu"
         local_rank = -1
 
-    assert du.init_distributed_mode(Args()).device == torch.device("cpu")
+    assert process_group.init_distributed_mode(Args()).device == torch.device("cpu")
 
 
 def test_helpers_without_group() -> None:
-    assert du.get_rank() == 0 and du.get_world_size() == 1
+    assert comm.get_rank() == 0 and comm.get_world_size() == 1
     d = {"a": torch.tensor(2.0)}
-    assert du.reduce_dict(d) == d
-    assert du.all_gather({"x": 1}) == [{"x": 1}]
-    assert du.broadcast_object("obj") == "obj"
+    assert comm.reduce_dict(d) == d
+    assert comm.all_gather({"x": 1}) == [{"x": 1}]
+    assert comm.broadcast_object("obj") == "obj"
     rows = torch.ones(2, 7)
-    assert du.gather_rows_to_main(rows) is rows
-    assert du.all_reduce_flag(True) is True and du.all_reduce_flag(False) is False
-    with du.torch_distributed_zero_first(0):
+    assert comm.gather_rows_to_main(rows) is rows
+    assert comm.all_reduce_flag(True) is True and comm.all_reduce_flag(False) is False
+    with comm.torch_distributed_zero_first(0):
         pass
-    with du.torch_distributed_zero_first(3):
+    with comm.torch_distributed_zero_first(3):
         pass
-    du.barrier()
-    du.cleanup()
-    du.cleanup()
+    comm.barrier()
+    process_group.cleanup()
+    process_group.cleanup()
 
 
 def test_distinfo() -> None:
-    info = du.DistInfo.single("cpu")
-    assert info == du.DistInfo(0, 1, 0, torch.device("cpu"), None)
+    info = process_group.DistInfo.single("cpu")
+    assert info == process_group.DistInfo(0, 1, 0, torch.device("cpu"), None)
     assert not info.distributed and info.is_main
     with pytest.raises(AttributeError):
         info.rank = 1  # type: ignore[misc]
-    assert du.DistInfo(1, 2, 1, torch.device("cpu"), "gloo").distributed
-    assert not du.DistInfo(1, 2, 1, torch.device("cpu"), "gloo").is_main
-    assert du.DistInfo(0, 1, 0, torch.device("cpu"), "gloo").distributed
+    assert process_group.DistInfo(1, 2, 1, torch.device("cpu"), "gloo").distributed
+    assert not process_group.DistInfo(1, 2, 1, torch.device("cpu"), "gloo").is_main
+    assert process_group.DistInfo(0, 1, 0, torch.device("cpu"), "gloo").distributed
     expected = "cuda" if torch.cuda.is_available() else "cpu"
-    assert du.DistInfo.single().device.type == expected
+    assert process_group.DistInfo.single().device.type == expected
 
 
 def test_launch_hint() -> None:
-    hint = du.launch_hint()
+    hint = process_group.launch_hint()
     assert "torchrun --nproc_per_node=" in hint and "train_multi_GPU.py" in hint
 
 
@@ -379,7 +379,7 @@ def test_slurm_env_exported(clean_env) -> None:
         SLURM_LAUNCH_NODE_IPADDR="10.1.2.3", SLURM_JOB_NODELIST="gpu[07-08]",
         SLURM_TASKS_PER_NODE="2(x2)", SLURM_NODEID="1",
     )  # fmt: skip
-    rank, world, local, launcher = du._read_launch_env(None)
+    rank, world, local, launcher = process_group._read_launch_env(None)
     assert (rank, world, local, launcher) == (3, 4, 1, "SLURM")
     assert clean_env["RANK"] == "3" and clean_env["WORLD_SIZE"] == "4"
     assert clean_env["LOCAL_RANK"] == "1"
@@ -394,14 +394,14 @@ def test_slurm_keeps_given_master(clean_env) -> None:
         SLURM_PROCID="0", SLURM_NTASKS="1", MASTER_ADDR="node7", MASTER_PORT="4242",
         SLURM_JOB_NODELIST="gpu01", SLURM_NTASKS_PER_NODE="8", LOCAL_WORLD_SIZE="3",
     )  # fmt: skip
-    assert du._read_launch_env(None)[:3] == (0, 1, 0)
+    assert process_group._read_launch_env(None)[:3] == (0, 1, 0)
     assert clean_env["MASTER_ADDR"] == "node7" and clean_env["MASTER_PORT"] == "4242"
     assert clean_env["LOCAL_WORLD_SIZE"] == "3"
 
 
 def test_slurm_without_a_node_list_uses_localhost(clean_env) -> None:
     clean_env.update(SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_NTASKS_PER_NODE="4")
-    du._read_launch_env(None)
+    process_group._read_launch_env(None)
     assert clean_env["MASTER_ADDR"] == "127.0.0.1"
     assert clean_env["LOCAL_WORLD_SIZE"] == "4"
 
@@ -409,11 +409,11 @@ def test_slurm_without_a_node_list_uses_localhost(clean_env) -> None:
 def test_bad_launcher_variables(clean_env) -> None:
     clean_env.update(RANK="zero", WORLD_SIZE="2")
     with pytest.raises(ConfigError, match="RANK='zero' is not an integer"):
-        du.init_distributed_mode(None)
+        process_group.init_distributed_mode(None)
     clean_env.update(RANK="2", WORLD_SIZE="2", LOCAL_RANK="0")
     with pytest.raises(ConfigError, match="rank 2 outside world size 2"):
-        du.init_distributed_mode(None)
-    assert not du.is_dist_avail_and_initialized()
+        process_group.init_distributed_mode(None)
+    assert not comm.is_dist_avail_and_initialized()
 
 
 FAILURE_WORKER = textwrap.dedent(
@@ -423,19 +423,19 @@ FAILURE_WORKER = textwrap.dedent(
     from pathlib import Path
 
     from build_utils.errors import CheckpointError
-    from train_utils import distributed_utils as du
+    from train_utils.distributed import comm, process_group
 
     out = Path(sys.argv[1])
-    info = du.init_distributed_mode(None, timeout_s=60)
+    info = process_group.init_distributed_mode(None, timeout_s=60)
     r = info.rank
     res = {}
-    du.raise_if_any_rank_failed(None, "nothing")  # nobody failed: nobody raises
+    comm.raise_if_any_rank_failed(None, "nothing")  # nobody failed: nobody raises
     error = CheckpointError("cannot read", "/node1/last.pt") if r == 1 else None
     try:
-        du.raise_if_any_rank_failed(error, "--resume")
+        comm.raise_if_any_rank_failed(error, "--resume")
     except CheckpointError as e:
         res["error"] = str(e)
-    du.cleanup()
+    process_group.cleanup()
     (out / f"rank{r}.json").write_text(json.dumps(res))
     """
 )
@@ -454,9 +454,9 @@ def test_a_failure_on_one_rank_raises_the_same_error_on_every_rank(tmp_path: Pat
 
 
 def test_raise_if_any_rank_failed_without_group() -> None:
-    du.raise_if_any_rank_failed(None, "x")
+    comm.raise_if_any_rank_failed(None, "x")
     with pytest.raises(ConfigError, match="^bad$"):
-        du.raise_if_any_rank_failed(ConfigError("bad"), "x")
+        comm.raise_if_any_rank_failed(ConfigError("bad"), "x")
 
 
 @pytest.mark.parametrize(
@@ -464,37 +464,37 @@ def test_raise_if_any_rank_failed_without_group() -> None:
     [(16, 1, 8), (16, 2, 8), (16, 4, 4), (6, 4, 1), (2, 4, 0), (1, 1, 1), (64, 0, 8)],
 )
 def test_default_workers(cpus: int, procs: int, expected: int) -> None:
-    assert du.default_workers(cpus, procs) == expected
+    assert node.default_workers(cpus, procs) == expected
 
 
 def test_processes_per_node() -> None:
-    assert du.processes_per_node({}) == 1
-    assert du.processes_per_node({"LOCAL_WORLD_SIZE": "4"}) == 4
-    assert du.processes_per_node({"LOCAL_WORLD_SIZE": "x"}) == 1
+    assert node.processes_per_node({}) == 1
+    assert node.processes_per_node({"LOCAL_WORLD_SIZE": "4"}) == 4
+    assert node.processes_per_node({"LOCAL_WORLD_SIZE": "x"}) == 1
     slurm = {"SLURM_PROCID": "5", "SLURM_TASKS_PER_NODE": "4(x2),3", "SLURM_NODEID": "2"}
-    assert du.processes_per_node(slurm) == 3
-    assert du.processes_per_node({**slurm, "LOCAL_WORLD_SIZE": "2"}) == 2
+    assert node.processes_per_node(slurm) == 3
+    assert node.processes_per_node({**slurm, "LOCAL_WORLD_SIZE": "2"}) == 2
     # SLURM variables of an enclosing allocation do not count for a process SLURM did not start.
-    assert du.processes_per_node({"SLURM_NTASKS_PER_NODE": "4"}) == 1
+    assert node.processes_per_node({"SLURM_NTASKS_PER_NODE": "4"}) == 1
 
 
 def test_resolve_workers(monkeypatch, caplog) -> None:
-    assert du.resolve_workers(3) == 3 and du.resolve_workers(0) == 0  # explicit wins
+    assert node.resolve_workers(3) == 3 and node.resolve_workers(0) == 0  # explicit wins
     for name in ("SLURM_PROCID", "SLURM_CPUS_PER_TASK"):
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(du, "usable_cpus", lambda: 12)
+    monkeypatch.setattr(node, "usable_cpus", lambda: 12)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with caplog.at_level(logging.INFO, logger=du.__name__):
-        assert du.resolve_workers(None) == 6
+    with caplog.at_level(logging.INFO, logger=node.__name__):
+        assert node.resolve_workers(None) == 6
     assert "--workers 6 (default: 12 usable CPU(s) / 2 process(es)" in caplog.text
     # Under SLURM the task's own CPUs are its share already.
     monkeypatch.setenv("SLURM_PROCID", "0")
     monkeypatch.setenv("SLURM_CPUS_PER_TASK", "4")
-    with caplog.at_level(logging.INFO, logger=du.__name__):
-        assert du.resolve_workers(None) == 4
+    with caplog.at_level(logging.INFO, logger=node.__name__):
+        assert node.resolve_workers(None) == 4
     assert "SLURM_CPUS_PER_TASK=4" in caplog.text
-    assert du.slurm_cpus_per_task({"SLURM_CPUS_PER_TASK": "4"}) is None  # not started by SLURM
+    assert node.slurm_cpus_per_task({"SLURM_CPUS_PER_TASK": "4"}) is None  # not started by SLURM
 
 
 def test_usable_cpus() -> None:
-    assert 1 <= du.usable_cpus() <= (os.cpu_count() or 1)
+    assert 1 <= node.usable_cpus() <= (os.cpu_count() or 1)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from build_utils.errors import ConfigError
-from train_utils.exports import (
+from train_utils.evaluation.exports import (
     COCO80_TO_91,
     gt_to_official_coco_ids,
     resolve_coco_ids,

@@ -38,6 +38,57 @@ def test_dependency_direction(package):
         assert not forbidden, f"{path.relative_to(REPO)} imports {sorted(forbidden)}"
 
 
+# Rooms inside train_utils: what each sub-package or module must never import. Evaluation measures
+# any model (validation.py, speed, the report) and so knows nothing of training; the engine runs
+# epochs and knows nothing of the run around it (files, checkpoints, reporting).
+FORBIDDEN_INSIDE = {
+    "train_utils/evaluation": {
+        "train_utils.engine",
+        "train_utils.trainer",
+        "train_utils.reporting",
+        "train_utils.checkpoint",
+        "train_utils.builders",
+        "train_utils.config",
+        "train_utils.optim",
+        "train_utils.plan",
+    },
+    "train_utils/engine.py": {
+        "train_utils.trainer",
+        "train_utils.reporting",
+        "train_utils.checkpoint",
+        "train_utils.builders",
+    },
+    "train_utils/distributed/comm.py": {"train_utils.engine", "train_utils.trainer"},
+    "train_utils/distributed/precision.py": {"train_utils.engine", "train_utils.trainer"},
+    "train_utils/distributed/devices.py": {"train_utils.engine", "train_utils.trainer"},
+}
+
+
+def _imported_modules(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{a.name}" for a in node.names)
+    return names
+
+
+@pytest.mark.parametrize("room", sorted(FORBIDDEN_INSIDE))
+def test_rooms_inside_train_utils(room):
+    target = REPO / room
+    paths = sorted(target.rglob("*.py")) if target.is_dir() else [target]
+    assert paths, room
+    for path in paths:
+        imported = _imported_modules(path)
+        bad = {
+            m for m in imported for f in FORBIDDEN_INSIDE[room] if m == f or m.startswith(f + ".")
+        }
+        assert not bad, f"{path.relative_to(REPO)} imports {sorted(bad)}"
+
+
 def test_no_star_imports_and_no_pickle():
     for path in sorted(REPO.glob("**/*.py")):
         # .venv and .venv-cv4 (the OpenCV 4 reference environment) hold third-party code.

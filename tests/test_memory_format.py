@@ -11,8 +11,7 @@ import pytest
 import torch
 
 from build_utils.parse_config import format_model_cfg
-from models.darknet import Darknet
-from train_utils.builders import model_blocks_for
+from models.darknet import Darknet, model_blocks_for
 from train_utils.memory_format import (
     cache_key,
     choose_channels_last,

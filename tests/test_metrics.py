@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from train_utils.metrics import (
+from train_utils.evaluation.metrics import (
     ConfusionMatrix,
     ap_per_class,
     compute_ap,

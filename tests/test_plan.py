@@ -20,8 +20,8 @@ from test_train import _run as _train
 from build_utils.errors import ConfigError
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
-from train_utils.coco_eval import STAT_NAMES
 from train_utils.config import build_config, get_args_parser
+from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.optim import build_scheduler, cosine_lambda
 from train_utils.plan import EpochPlan, epochs_within_budget, evaluated
 from train_utils.reporting import FITNESS_KEY
@@ -135,21 +135,21 @@ RANK_WORKER = textwrap.dedent(
     """
     import json, sys, time
     from pathlib import Path
-    from train_utils import distributed_utils as du
+    from train_utils.distributed import process_group
     from train_utils.plan import EpochPlan
 
     class Args:
         local_rank = -1
         device = "cpu"
 
-    info = du.init_distributed_mode(Args(), timeout_s=60)
+    info = process_group.init_distributed_mode(Args(), timeout_s=60)
     r = info.rank
     # Each rank's clock and timings differ; rank 0's must decide for both.
     plan = EpochPlan(epochs=30, budget_s=100.0, patience=2)
     plan.started = time.time() - (10.0 if r == 0 else 95.0)
     total = plan.after_training(0, 10.0 if r == 0 else 50.0, info.is_main)
     stop = plan.stops_early(4, best_epoch=2 if r == 0 else 4, is_main=info.is_main)
-    du.cleanup()
+    process_group.cleanup()
     Path(sys.argv[1], f"rank{r}.json").write_text(json.dumps({"total": total, "stop": stop}))
     """
 )

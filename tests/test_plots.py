@@ -10,11 +10,10 @@ import cv2
 import numpy as np
 import pytest
 
-from train_utils.coco_utils import get_coco_api_from_dataset
 from train_utils.config import load_data_config
-from train_utils.eval_report import write_eval_report
-from train_utils.metrics import ap_per_class, match_detections
-from train_utils.plots import (
+from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
+from train_utils.evaluation.metrics import ap_per_class, match_detections
+from train_utils.evaluation.plots import (
     MOSAIC_CELL,
     batch_to_images,
     plot_confusion_matrix,
@@ -22,6 +21,7 @@ from train_utils.plots import (
     plot_images,
     plot_labels,
 )
+from train_utils.evaluation.report import write_eval_report
 
 NAMES = ["circle", "square"]
 EVAL_PICTURES = [

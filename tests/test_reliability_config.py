@@ -26,10 +26,9 @@ import train as train_script
 import train_multi_GPU
 import validation
 from data.make_shapes import make_dataset
-from models.darknet import Darknet
+from models.darknet import Darknet, model_blocks_for
 from models.weights import save_weights
 from tools import convert_weights, kmeans_anchors, make_cfg
-from train_utils.builders import model_blocks_for
 from train_utils.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

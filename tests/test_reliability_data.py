@@ -41,8 +41,9 @@ from models.darknet import Darknet
 from tools import kmeans_anchors
 from train_utils.builders import make_eval_dataset, make_eval_loader
 from train_utils.checkpoint import load_checkpoint
-from train_utils.coco_utils import get_coco_api_from_dataset
-from train_utils.train_eval_utils import MAX_DET, EvalOptions, predict_batches
+from train_utils.engine import predict_batches
+from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
+from train_utils.evaluation.options import MAX_DET, EvalOptions
 
 REPO = Path(__file__).resolve().parents[1]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
@@ -557,7 +558,7 @@ def test_corrupt_coco_ground_truth_cache_is_rebuilt(tmp_path, caplog):
     [path] = cache_dir.glob("coco_gt_*.json")
     for payload in ('{"info": {"cache_key": "stale"}, "images": []', '["not", "a", "cache"]'):
         path.write_text(payload)
-        with caplog.at_level(logging.WARNING, logger="train_utils.coco_utils"):
+        with caplog.at_level(logging.WARNING, logger="train_utils.evaluation.coco_gt"):
             coco = get_coco_api_from_dataset(d, cache_dir=cache_dir, num_classes=NC)
         assert len(coco.getImgIds()) == 3 and len(coco.getAnnIds()) == 3
         assert "rebuilding it" in caplog.records[-1].getMessage()

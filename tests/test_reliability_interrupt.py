@@ -39,7 +39,7 @@ sys.path.insert(0, {repo!r})
 import torch
 
 import train
-from train_utils import train_eval_utils, trainer
+from train_utils import engine, trainer
 
 # Python's own Ctrl-C handler even when this process was started with SIGINT ignored (as
 # non-interactive shells start background jobs), so that the test's SIGINT is a Ctrl-C.
@@ -85,7 +85,7 @@ elif point == "kill-in-eval":
         marker.write_text("in eval")
         die()
 
-    train_eval_utils.non_max_suppression = nms
+    engine.non_max_suppression = nms
 elif point == "kill-in-save":
     # Write half of the checkpoint's bytes into the temporary file, then die.
     real_save = torch.save

@@ -25,7 +25,7 @@ from build_utils.shared_images import (
     unlink_quietly,
 )
 from train_utils import builders
-from train_utils.distributed_utils import DistInfo
+from train_utils.distributed.process_group import DistInfo
 
 REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 180
@@ -126,7 +126,8 @@ WORKER = textwrap.dedent(
     from build_utils import shared_images
     from build_utils.datasets import LoadImagesAndLabels
     from train_utils import builders
-    from train_utils import distributed_utils as du
+    from train_utils.distributed import comm
+    from train_utils.distributed import process_group
 
     lists, out = [Path(p) for p in sys.argv[1:3]], Path(sys.argv[3])
     created, counted = [], []
@@ -141,10 +142,10 @@ WORKER = textwrap.dedent(
 
     builders.SharedImages.create = create
     builders.check_ram_cache_fits = check
-    info = du.init_distributed_mode(None, timeout_s=60)
+    info = process_group.init_distributed_mode(None, timeout_s=60)
     datasets = [LoadImagesAndLabels(p, 96, batch_size=4, rank=info.rank) for p in lists]
     builders._cache_in_ram(datasets, info)
-    du.barrier()
+    comm.barrier()
     equal = []
     for ds, p in zip(datasets, lists):
         disk = LoadImagesAndLabels(p, 96, batch_size=4, rank=info.rank)
@@ -165,7 +166,7 @@ WORKER = textwrap.dedent(
         "left": [p for p in created if Path(p).exists()],
         "types": [type(ds._imgs).__name__ for ds in datasets],
     }
-    du.cleanup()
+    process_group.cleanup()
     (out / f"rank{info.rank}.json").write_text(json.dumps(res))
     """
 )

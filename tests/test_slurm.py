@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from build_utils.errors import ConfigError
-from train_utils.slurm import expand_nodelist, expand_tasks_per_node, tasks_on_this_node
+from train_utils.distributed.slurm import expand_nodelist, expand_tasks_per_node, tasks_on_this_node
 
 
 @pytest.mark.parametrize(

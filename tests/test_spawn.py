@@ -13,8 +13,8 @@ import torch
 import train
 from build_utils.errors import ConfigError
 from tests.test_ddp import _env, _rows, _train_flags, _validate
-from train_utils import launch
-from train_utils.launch import (
+from train_utils.distributed import launch
+from train_utils.distributed.launch import (
     SPAWN_MASTER_ADDR,
     free_port,
     launcher_name,
@@ -111,7 +111,7 @@ def test_spawn_devices():
 
 
 def test_train_py_gpu_list_without_cuda_is_one_line(monkeypatch, tmp_path, console):
-    monkeypatch.setattr("train_utils.launch.cuda_device_count", lambda: 0)
+    monkeypatch.setattr("train_utils.distributed.launch.cuda_device_count", lambda: 0)
     for key in ("RANK", "WORLD_SIZE", "SLURM_PROCID"):
         monkeypatch.delenv(key, raising=False)
     code = train.main(["--device", "0,1", "--output-dir", str(tmp_path / "x")])

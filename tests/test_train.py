@@ -16,7 +16,7 @@ from models.loss import scale_loss_gains
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import build_config, get_args_parser, load_hyp
-from train_utils.distributed_utils import DistInfo
+from train_utils.distributed.process_group import DistInfo
 from train_utils.reporting import RESULTS_HEADER
 from train_utils.trainer import run
 

@@ -1,4 +1,4 @@
-"""Tests for train_utils/train_eval_utils.py helpers that need no training run."""
+"""Tests for train_utils/engine.py helpers that need no training run."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from build_utils.errors import ConfigError
-from train_utils import train_eval_utils
-from train_utils.train_eval_utils import autocast_context, resolve_amp
+from train_utils.distributed import precision
+from train_utils.distributed.precision import autocast_context, resolve_amp
 
 CPU = torch.device("cpu")
 
@@ -25,14 +25,14 @@ def test_autocast_is_off_without_amp():
 
 
 def test_cpu_amp_uses_bf16_where_the_cpu_has_native_bf16(monkeypatch):
-    monkeypatch.setattr(train_eval_utils, "cpu_bf16_is_fast", lambda: True)
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
     assert _forward_dtype(True) == torch.bfloat16
 
 
 def test_cpu_amp_falls_back_to_fp32_with_a_warning_without_native_bf16(monkeypatch, caplog):
-    monkeypatch.setattr(train_eval_utils, "cpu_bf16_is_fast", lambda: False)
-    train_eval_utils._warn_slow_cpu_bf16.cache_clear()
-    with caplog.at_level(logging.WARNING, logger=train_eval_utils.__name__):
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: False)
+    precision._warn_slow_cpu_bf16.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=precision.__name__):
         assert _forward_dtype(True) == torch.float32
         assert _forward_dtype(True) == torch.float32
     warnings = [r for r in caplog.records if "no native bf16" in r.getMessage()]
@@ -84,7 +84,7 @@ def test_amp_flag_values():
 
 
 def test_autocast_to_a_given_dtype(monkeypatch):
-    monkeypatch.setattr(train_eval_utils, "cpu_bf16_is_fast", lambda: True)
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
     conv = torch.nn.Conv2d(3, 4, 1)
     with autocast_context(CPU, torch.bfloat16):
         assert conv(torch.zeros(1, 3, 2, 2)).dtype == torch.bfloat16

@@ -15,14 +15,14 @@ from models.darknet import Darknet, backbone_end, frozen_layer_indices
 from models.loss import scale_loss_gains
 from train_utils.config import load_hyp
 from train_utils.ema import ModelEMA
-from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda
-from train_utils.train_eval_utils import (
+from train_utils.engine import (
     WARMUP_START_FACTOR,
     TrainOptions,
     TrainState,
     train_one_epoch,
     warmup_lr,
 )
+from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda
 
 REPO = Path(__file__).resolve().parents[1]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"

@@ -21,7 +21,7 @@ import validation
 from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
 from models.darknet import Darknet
 from train_utils.checkpoint import save_checkpoint
-from train_utils.exports import COCO80_TO_91
+from train_utils.evaluation.exports import COCO80_TO_91
 
 REPO = Path(__file__).resolve().parents[1]
 IMG = "128"

@@ -40,8 +40,8 @@ from build_utils.errors import ConfigError  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import run_main, setup_console_logging  # noqa: E402
 from train_utils.config import build_config, get_args_parser, load_data_config  # noqa: E402
-from train_utils.devices import select_device  # noqa: E402
-from train_utils.distributed_utils import DistInfo  # noqa: E402
+from train_utils.distributed.devices import select_device  # noqa: E402
+from train_utils.distributed.process_group import DistInfo  # noqa: E402
 from train_utils.reporting import read_results  # noqa: E402
 from train_utils.trainer import run  # noqa: E402
 

@@ -37,7 +37,8 @@ from build_utils.errors import CheckpointError, YoloError
 from build_utils.parse_config import Block, parse_model_cfg_text, yolo_mask
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import TrainConfig
-from train_utils.distributed_utils import DistInfo, broadcast_object, raise_if_any_rank_failed
+from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
+from train_utils.distributed.process_group import DistInfo
 
 logger = logging.getLogger(__name__)
 

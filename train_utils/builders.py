@@ -1,5 +1,5 @@
-"""Construction shared by the trainer, ``validation.py`` and ``predict.py``: the model cfg for a
-dataset's class count, and the training and evaluation data pipelines."""
+"""Construction shared by the trainer, ``validation.py`` and ``predict.py``: the training and
+evaluation data pipelines."""
 
 from __future__ import annotations
 
@@ -13,40 +13,19 @@ from torch.utils.data import DataLoader
 
 from build_utils.datasets import LoadImagesAndLabels, check_ram_cache_fits, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError, YoloError
-from build_utils.parse_config import Block, parse_model_cfg, rewrite_cfg_classes
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
 from build_utils.shared_images import SharedImages, shared_cache_dir, unlink_quietly
-from train_utils.coco_utils import get_coco_api_from_dataset
 from train_utils.config import TrainConfig
-from train_utils.distributed_utils import (
-    DistInfo,
+from train_utils.distributed.comm import (
     broadcast_object,
-    processes_per_node,
     raise_if_any_rank_failed,
-    resolve_workers,
     torch_distributed_zero_first,
 )
+from train_utils.distributed.node import processes_per_node, resolve_workers
+from train_utils.distributed.process_group import DistInfo
+from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
 
 logger = logging.getLogger(__name__)
-
-
-def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
-    """Parse ``cfg`` (a file, or blocks already parsed) and, when its heads are for another
-    class count, rewrite them for ``nc``."""
-    blocks = cfg if isinstance(cfg, list) else parse_model_cfg(cfg)
-    if isinstance(cfg, list):
-        cfg = blocks[0].get("_path", "the cfg")
-    cfg_nc = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
-    if cfg_nc != [nc]:
-        logger.warning(
-            "%s has classes=%s but the dataset has %d; rewriting the heads for %d classes",
-            cfg,
-            ",".join(map(str, cfg_nc)),
-            nc,
-            nc,
-        )
-        blocks = rewrite_cfg_classes(blocks, nc)
-    return blocks
 
 
 def make_eval_dataset(

@@ -22,7 +22,7 @@ from build_utils.augmentations import GRID  # every input side must be a multipl
 from build_utils.errors import ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
 from models.darknet import FREEZE_MODES
-from train_utils.distributed_utils import MAX_DEFAULT_WORKERS
+from train_utils.distributed.node import MAX_DEFAULT_WORKERS
 from train_utils.optim import OPTIMIZER_CHOICES
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step

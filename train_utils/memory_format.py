@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from train_utils.train_eval_utils import autocast_context
+from train_utils.distributed.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,7 @@ import statistics
 import time
 from dataclasses import dataclass, field
 
-from train_utils.distributed_utils import broadcast_object
+from train_utils.distributed.comm import broadcast_object
 
 # Epoch-time estimate: the median of the last few epochs, so that one slow epoch (a busy
 # machine, a cache filling) neither shortens the plan nor makes the schedule jump.

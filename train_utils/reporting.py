@@ -19,9 +19,9 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from train_utils.checkpoint import save_checkpoint, to_plain
-from train_utils.coco_eval import STAT_NAMES
+from train_utils.engine import EpochStats
+from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.run_pictures import plot_first_batches, report_evaluation
-from train_utils.train_eval_utils import EpochStats
 
 logger = logging.getLogger(__name__)
 

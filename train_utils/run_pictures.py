@@ -19,8 +19,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from train_utils.eval_report import write_eval_report
-from train_utils.plots import batch_to_images, plot_images, plot_labels
+from train_utils.evaluation.plots import batch_to_images, plot_images, plot_labels
+from train_utils.evaluation.report import write_eval_report
 
 logger = logging.getLogger(__name__)
 

@@ -25,10 +25,10 @@ from torch import nn
 
 from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg
-from models.darknet import Darknet
+from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
 from train_utils.autoanchor import check_anchors
-from train_utils.builders import TrainData, build_train_data, model_blocks_for
+from train_utils.builders import TrainData, build_train_data
 from train_utils.checkpoint import (
     load_checkpoint,
     load_weights,
@@ -44,14 +44,17 @@ from train_utils.config import (
     multi_scale_bounds,
     scaled_lr0,
 )
-from train_utils.distributed_utils import (
-    DistInfo,
+from train_utils.distributed.comm import (
     all_gather,
     barrier,
     broadcast_object,
     raise_if_any_rank_failed,
 )
+from train_utils.distributed.precision import resolve_amp
+from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
+from train_utils.engine import TrainOptions, TrainState, evaluate, train_one_epoch
+from train_utils.evaluation.options import EvalOptions
 from train_utils.memory_format import (
     cache_key,
     cache_path,
@@ -63,14 +66,6 @@ from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
 from train_utils.reporting import EpochReporter, SilentReporter, make_reporter, write_run_files
 from train_utils.run_pictures import plot_dataset_labels
-from train_utils.train_eval_utils import (
-    EvalOptions,
-    TrainOptions,
-    TrainState,
-    evaluate,
-    resolve_amp,
-    train_one_epoch,
-)
 
 logger = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
-from train_utils.metrics import ClassMetrics
+from train_utils.evaluation.metrics import ClassMetrics
 
 MOSAIC_CELL = 320  # pixels of the longer side of each image in a mosaic
 MOSAIC_MAX_IMAGES = 16

@@ -7,7 +7,6 @@ no-ops without a process group, so the same code serves one process and DDP.
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 from collections.abc import Iterable, Mapping, Sequence
@@ -23,15 +22,24 @@ from tqdm import tqdm
 
 from build_utils.augmentations import GRID
 from build_utils.boxes import non_max_suppression, scale_coords
-from build_utils.errors import ConfigError, YoloError
+from build_utils.errors import YoloError
 from models.loss import compute_loss
-from train_utils.coco_eval import CocoEvaluator, coco_to_rows, detections_to_coco, rows_to_coco
-from train_utils.distributed_utils import all_reduce_flag, gather_rows_to_main, reduce_dict
+from train_utils.distributed.comm import all_reduce_flag, gather_rows_to_main, reduce_dict
+from train_utils.distributed.precision import autocast_context
 from train_utils.ema import ModelEMA
+from train_utils.evaluation.coco_eval import (
+    CocoEvaluator,
+    coco_to_rows,
+    detections_to_coco,
+    rows_to_coco,
+)
+from train_utils.evaluation.options import EvalOptions
 
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration
+
+
 LOSS_NAMES = ("box_loss", "obj_loss", "cls_loss", "loss")
-MAX_DET = 300
+
 
 logger = logging.getLogger(__name__)
 
@@ -56,75 +64,6 @@ class EpochStats:
             "cls_loss": self.cls_loss,
             "loss": self.loss,
         }
-
-
-@functools.cache
-def cpu_bf16_is_fast() -> bool:
-    """True when oneDNN has native bf16 kernels on this CPU (AVX512-BF16 or AMX).
-
-    Without them (e.g. AVX2-only CPUs) a bf16 convolution falls back to ATen's generic
-    ``_slow_conv2d`` and a YOLO training step runs about 10x slower than in fp32
-    (``bench/bench_model.py`` measures it), so ``--amp`` would only cost time there.
-    """
-    check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    return bool(check()) if check is not None else True
-
-
-@functools.cache
-def _warn_slow_cpu_bf16() -> None:
-    logger.warning(
-        "--amp: this CPU has no native bf16 kernels (AVX512-BF16/AMX); bf16 autocast "
-        "would make training and evaluation about 10x slower, so they run in fp32"
-    )
-
-
-def resolve_amp(
-    mode: str | bool, device: torch.device, cuda_bf16: bool | None = None
-) -> torch.dtype | None:
-    """The autocast dtype for ``--amp mode`` on ``device``, or None for full precision.
-
-    ``auto`` (the default) is on for CUDA, as users of this lineage expect on a GPU (bf16 where
-    the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise), and
-    off on CPU, where it would change the numbers (and is slow without native bf16). ``on``
-    (``--amp`` alone) is ``auto`` plus bf16 on CPU; ``fp16``/``bf16`` force a type; ``off``
-    (or False) is full precision. ``cuda_bf16`` defaults to asking this machine's GPU.
-
-    Raises:
-        ConfigError: a type the device cannot autocast to.
-    """
-    if isinstance(mode, bool):
-        mode = "on" if mode else "off"
-    if mode == "off":
-        return None
-    if device.type == "cuda":
-        if cuda_bf16 is None:
-            cuda_bf16 = torch.cuda.is_bf16_supported()
-        if mode == "bf16" and not cuda_bf16:
-            raise ConfigError("--amp bf16: this GPU has no bf16 support; use --amp fp16 or off")
-        if mode in ("auto", "on"):
-            return torch.bfloat16 if cuda_bf16 else torch.float16
-        return torch.bfloat16 if mode == "bf16" else torch.float16
-    if mode == "auto":
-        return None
-    if mode == "fp16":
-        raise ConfigError("--amp fp16 needs CUDA; on the CPU use --amp bf16 (or --amp) or off")
-    return torch.bfloat16
-
-
-def autocast_context(device: torch.device, amp: bool | torch.dtype | None) -> Any:
-    """Autocast to ``amp`` (a dtype from :func:`resolve_amp`; True means fp16 on CUDA, bf16 on
-    CPU); a no-op without amp, and on a CPU without native bf16 kernels (with a warning, once):
-    see :func:`cpu_bf16_is_fast`."""
-    if amp is None or amp is False:
-        return nullcontext()
-    if device.type == "cpu" and not cpu_bf16_is_fast():
-        _warn_slow_cpu_bf16()
-        return nullcontext()
-    if isinstance(amp, torch.dtype):
-        dtype = amp
-    else:
-        dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
-    return torch.autocast(device_type=device.type, dtype=dtype)
 
 
 def warmup_lr(base: float, ni: int, warmup_iters: int, start: float | None = None) -> float:
@@ -368,33 +307,6 @@ def _check_finite(flags: list[torch.Tensor], paths: list[list[str]], epoch: int)
                 f"Lower lr0, check these images' labels, or disable --amp"
             )
         raise NonFiniteLossError(f"non-finite loss on another rank in epoch {epoch}; stopping")
-
-
-@dataclass(frozen=True)
-class EvalOptions:
-    """Settings of an evaluation pass; the defaults are the training-time evaluation's.
-
-    Attributes:
-        device: where the batches go.
-        conf_thres, iou_thres, multi_label, max_det: NMS settings.
-        amp: mixed-precision inference: a dtype, True or None/False (see
-            :func:`autocast_context`).
-        backend: COCO scoring library (``pycocotools`` or ``faster-coco-eval``).
-        show_progress: draw a tqdm bar (rank 0).
-        channels_last: feed NHWC batches.
-        per_class: also compute per-class AP.
-    """
-
-    device: torch.device
-    conf_thres: float = 0.001
-    iou_thres: float = 0.6
-    multi_label: bool = True
-    max_det: int = MAX_DET
-    amp: bool | torch.dtype | None = None
-    backend: str = "pycocotools"
-    show_progress: bool = False
-    channels_last: bool = False
-    per_class: bool = False
 
 
 @torch.no_grad()

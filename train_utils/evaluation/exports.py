@@ -61,7 +61,7 @@ def write_dataset_txt(
 ) -> int:
     """``out_dir/<image stem>.txt`` for every image of ``coco_gt`` (``file_name``, ``width``,
     ``height``), from COCO-format ``detections`` with internal ids. Returns the files written."""
-    from train_utils.metrics import dets_by_image
+    from train_utils.evaluation.metrics import dets_by_image
 
     out_dir.mkdir(parents=True, exist_ok=True)
     dets = dets_by_image(detections)

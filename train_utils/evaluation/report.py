@@ -21,14 +21,14 @@ from typing import Any
 import cv2
 import numpy as np
 
-from train_utils.metrics import (
+from train_utils.evaluation.metrics import (
     CONFUSION_CONF,
     DetectionMetrics,
     dets_by_image,
     evaluate_detections,
     gt_by_image,
 )
-from train_utils.plots import (
+from train_utils.evaluation.plots import (
     MOSAIC_MAX_IMAGES,
     plot_confusion_matrix,
     plot_curves,

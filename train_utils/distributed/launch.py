@@ -6,7 +6,8 @@ SLURM) started. Without a launcher it can start the processes itself with
 ``--device 0,1`` (also from ``train.py``), one process per GPU. Each child gets the variables
 torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE``,
 ``MASTER_ADDR``, ``MASTER_PORT``) and then runs the same :func:`train_distributed`, so
-:func:`~train_utils.distributed_utils.init_distributed_mode` and the device policy are those of
+:func:`~train_utils.distributed.process_group.init_distributed_mode` and the device policy are
+those of
 torchrun. The start method is ``spawn`` (fresh interpreters, as on Windows and macOS) and the
 child entry point is a module-level function, so nothing depends on ``fork``.
 
@@ -30,15 +31,14 @@ import torch.multiprocessing as mp
 from build_utils.errors import CheckpointError, ConfigError, DatasetError, YoloError
 from train_utils.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, setup_console_logging
 from train_utils.config import build_config
-from train_utils.devices import choose_device, cuda_device_count, parse_device_list
-from train_utils.distributed_utils import (
+from train_utils.distributed.comm import all_reduce_flag, broadcast_object
+from train_utils.distributed.devices import choose_device, cuda_device_count, parse_device_list
+from train_utils.distributed.node import usable_cpus
+from train_utils.distributed.process_group import (
     DEFAULT_TIMEOUT_S,
-    all_reduce_flag,
-    broadcast_object,
     cleanup,
     init_distributed_mode,
     launch_hint,
-    usable_cpus,
 )
 from train_utils.trainer import run
 
@@ -63,7 +63,7 @@ def free_port(host: str = SPAWN_MASTER_ADDR) -> int:
 def launcher_name(env: Mapping[str, str]) -> str | None:
     """The launcher that started this process ('torchrun', 'SLURM'), or None.
 
-    The same variables :func:`~train_utils.distributed_utils.init_distributed_mode` reads.
+    The same variables :func:`~train_utils.distributed.process_group.init_distributed_mode` reads.
     """
     if "RANK" in env and "WORLD_SIZE" in env:
         return "torchrun"
@@ -132,7 +132,8 @@ def spawn_devices(device: str, nprocs: int, cuda_count: int) -> list[torch.devic
     """The device of each of ``nprocs`` spawned processes, by local rank (the torchrun policy).
 
     Raises:
-        ConfigError: what :func:`~train_utils.devices.choose_device` refuses, and two processes
+        ConfigError: what :func:`~train_utils.distributed.devices.choose_device` refuses, and two
+            processes
             on one GPU: the policy's "a process that sees one GPU uses it" holds for launchers
             that hide the others per rank, but spawned processes all see the same GPUs, and
             NCCL refuses two ranks on one device.

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from build_utils.boxes import non_max_suppression
-from train_utils.train_eval_utils import EvalOptions, autocast_context
+from train_utils.distributed.precision import autocast_context
+from train_utils.evaluation.options import EvalOptions
 
 WARMUP_BATCHES = 1  # batches run before timing starts (allocations, oneDNN/cuDNN plans)
 
