@@ -34,16 +34,30 @@ from build_utils.image_io import is_image_file, read_image
 from build_utils.parse_config import (
     load_class_names,
     parse_data_cfg,
-    parse_model_cfg,
-    parse_model_cfg_text,
 )
-from models.darknet import Darknet, model_blocks_for
-from models.weights import load_darknet_weights
-from train_utils.checkpoint import extract_state_dict, fit_state_dict, load_checkpoint
-from train_utils.cli import run_main, setup_console_logging
-from train_utils.config import check_img_size
+from models.darknet import Darknet
+from train_utils.builders import model_from_weights
+from train_utils.checkpoint import (
+    WeightsFile,
+    read_weights,
+)
+from train_utils.cli import (
+    DEFAULT_IMG_SIZE,
+    add_device_flags,
+    add_img_size_flag,
+    add_model_flag,
+    add_precision_flags,
+    add_weights_flags,
+    check_at_least,
+    check_fractions,
+    check_img_size,
+    parse_args,
+    run_main,
+    setup_console_logging,
+    take_from_run,
+)
 from train_utils.distributed.devices import select_device
-from train_utils.distributed.precision import autocast_context
+from train_utils.distributed.precision import autocast_context, replay_precision
 from train_utils.evaluation.exports import write_yolo_txt
 
 logger = logging.getLogger("predict")
@@ -58,7 +72,7 @@ def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         "YOLOv3-SPP prediction", formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--weights", required=True, help="checkpoint .pt, state_dict .pt or .weights")
+    add_weights_flags(p, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
     p.add_argument(
         "--source",
         nargs="+",
@@ -66,13 +80,13 @@ def get_parser() -> argparse.ArgumentParser:
         help="image or video files, folders (images and videos inside), a camera "
         "index (0) or a stream URL (rtsp://, rtmp://, http(s)://)",
     )
-    p.add_argument("--cfg", default=None, help="model cfg (default: the one in the checkpoint)")
+    add_model_flag(p, None)
     p.add_argument("--data", default=None, help=".data file whose names= gives class names")
     p.add_argument("--names", default=None, help=".names file (one class per line)")
     p.add_argument("--output", default="runs/predict", help="folder for the drawn images/videos")
-    p.add_argument("--img-size", type=int, default=512, help="inference size (multiple of 32)")
-    p.add_argument("--conf-thres", type=float, default=0.3)
-    p.add_argument("--iou-thres", type=float, default=0.6)
+    add_img_size_flag(p, None, "inference size, a multiple of 32 (default: the run's)")
+    p.add_argument("--conf-thres", type=float, default=0.3, help="confidence threshold")
+    p.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
     p.add_argument("--max-det", type=int, default=300)
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     p.add_argument(
@@ -93,13 +107,8 @@ def get_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fp16 weights and inputs (CUDA only; --amp is fp16 autocast)",
     )
-    p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if present)")
-    p.add_argument("--amp", action="store_true", help="bf16 (CPU) / fp16 (CUDA) inference")
-    p.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="allow full-pickle checkpoint loading (only for files you trust)",
-    )
+    add_precision_flags(p, None, " (default: as the checkpoint's run)")
+    add_device_flags(p)
     return p
 
 
@@ -148,7 +157,7 @@ class Predictor:
         iou_thres: float,
         max_det: int,
         agnostic: bool,
-        amp: bool,
+        amp: torch.dtype | None,
         classes: Sequence[int] | None = None,
         half: bool = False,
     ):
@@ -186,32 +195,19 @@ class Predictor:
         return det
 
 
-def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str]]:
-    """Build the model from ``--cfg`` or the checkpoint's own cfg, and find the class names."""
-    names: list[str] | None = None
-    ckpt = None
-    if not args.weights.endswith(".weights"):
-        ckpt = load_checkpoint(args.weights, trust=args.trust_checkpoint)
-        if isinstance(ckpt.get("names"), list):
-            names = [str(n) for n in ckpt["names"]]
+def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str], WeightsFile]:
+    """The model ``--weights`` holds (its own cfg unless ``--cfg``), and the class names:
+    ``--names``, else ``--data``'s, else the checkpoint's, else the class ids."""
+    weights = read_weights(args.weights, trust=args.trust_checkpoint)
+    take_from_run(args, weights.run, {"img_size": DEFAULT_IMG_SIZE}, f"--weights {args.weights}")
+    check_img_size(args.img_size)
+    names = weights.names
     if args.names:
         names = load_class_names(args.names)
     elif args.data:
         names = load_class_names(parse_data_cfg(args.data)["names"])
-    if args.cfg is not None:
-        blocks = parse_model_cfg(args.cfg)
-    elif ckpt is not None and isinstance(ckpt.get("cfg"), str):
-        blocks = parse_model_cfg_text(ckpt["cfg"], f"{args.weights} (its cfg)")
-    else:
-        raise ConfigError("these weights carry no cfg; pass --cfg (and --names)", args.weights)
-    cfg_nc = max(int(b["classes"]) for b in blocks if b["type"] == "yolo")
-    nc = len(names) if names else cfg_nc
-    model = Darknet(model_blocks_for(blocks, nc), img_size=(args.img_size, args.img_size))
-    if ckpt is None:
-        load_darknet_weights(model, args.weights)
-    else:
-        fit_state_dict(model, extract_state_dict(ckpt, args.weights), args.weights, strict=True)
-    return model, names or [str(i) for i in range(nc)]
+    model = model_from_weights(weights, args.cfg, len(names) if names else None, args.img_size)
+    return model, names or [str(i) for i in range(model.nc)], weights
 
 
 def is_camera(source: str) -> bool:
@@ -317,18 +313,17 @@ def predict_video(
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = get_parser().parse_args(argv)
+    args = parse_args(get_parser(), argv)
     setup_console_logging()
 
     def body() -> None:
-        check_img_size(args.img_size)
-        if not Path(args.weights).is_file():
-            raise ConfigError("weights file not found; check --weights", args.weights)
-        for flag, v in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
-            if not 0 <= v <= 1:
-                raise ConfigError(f"{flag} must be in [0, 1], got {v}")
+        check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
+        check_at_least({"--max-det": args.max_det}, 1)
         device = select_device(args.device)
-        model, names = load_model(args)
+        model, names, weights = load_model(args)
+        amp, _, _ = replay_precision(
+            weights.precision, weights.run.get("amp"), args.amp, False, device
+        )
         if args.classes is not None and any(not 0 <= c < len(names) for c in args.classes):
             raise ConfigError(f"--classes {args.classes}: class ids are 0..{len(names) - 1}")
         predictor = Predictor(
@@ -339,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.iou_thres,
             args.max_det,
             args.agnostic_nms,
-            args.amp,
+            amp,
             args.classes,
             args.half,
         )

@@ -2,7 +2,8 @@
 
     python train.py --cfg cfg/yolov3-spp.cfg --data data/my_data.data --weights weights/x.pt
     python train.py --data demo_data/shapes/shapes.data --cfg cfg/yolov3-spp-nano.cfg --device cpu
-    python train.py ... --resume                 # continue runs/<name>/last.pt exactly
+    python train.py --resume runs/exp/last.pt    # continue that run exactly, with its own flags
+    python train.py ... --resume --name exp      # continue runs/exp/last.pt exactly
     python train.py --device 0,1 ...             # DDP, one spawned process per listed GPU
 
 A GPU list spawns one DDP process per GPU on this node, as ``train_multi_GPU.py --device 0,1``
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Sequence
 
 from train_utils.cli import run_main, setup_console_logging
-from train_utils.config import build_config, get_args_parser
+from train_utils.config import build_config, parse_train_args
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.launch import processes_to_spawn, spawn_training
 from train_utils.distributed.process_group import DistInfo
@@ -26,7 +27,7 @@ from train_utils.trainer import run
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
+    args = parse_train_args(argv)
     setup_console_logging()
 
     def body() -> None:

@@ -23,7 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from train_utils.cli import run_main, setup_console_logging
+from train_utils.cli import add_local_rank_flag, parse_args, run_main, setup_console_logging
 from train_utils.config import get_args_parser
 from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
 
@@ -34,15 +34,7 @@ def get_parser() -> argparse.ArgumentParser:
         parents=[get_args_parser(add_help=False)],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    # torch.distributed.launch passes one of these; torchrun sets LOCAL_RANK instead.
-    parser.add_argument(
-        "--local_rank",
-        "--local-rank",
-        dest="local_rank",
-        type=int,
-        default=-1,
-        help=argparse.SUPPRESS,
-    )
+    add_local_rank_flag(parser)
     parser.add_argument(
         "--dist-timeout",
         type=float,
@@ -62,7 +54,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = get_parser().parse_args(argv)
+    args = parse_args(get_parser(), argv)
     setup_console_logging()
 
     def body() -> None:

@@ -1,14 +1,21 @@
 """Evaluate weights on a dataset's validation set with pycocotools (COCO mAP).
 
-    python validation.py --cfg cfg/yolov3-spp.cfg --data data/coco.data --weights best.pt
+    python validation.py --weights runs/exp/best.pt            # the run's own data and settings
+    python validation.py --weights runs/exp/best.pt --data data/other.data
+    python validation.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --data coco.data
     python validation.py ... --save-json out/ --json-out stats.json
     python validation.py ... --save-txt --save-conf --save-dir runs/val/exp
     python validation.py ... --task speed --batch-size 1      # ms per image for each step
     torchrun --nproc_per_node=2 validation.py ...     # each process scores a disjoint shard
 
-The settings are those of the training-time evaluation (rectangular letterboxed batches,
-conf 0.001, NMS IoU 0.6, multi-label, at most 300 detections per image), so a checkpoint's mAP
-here equals the one its training run logged.
+A checkpoint written by train.py describes its run, and every setting not given on the command
+line is the run's: cfg, dataset, image size, batch size (rectangular batches are shaped per
+batch), thresholds, COCO backend, and the autocast dtype and memory format the run evaluated
+in. So ``validation.py --weights best.pt`` scores exactly as the evaluation inside training did
+and gives the mAP the run logged for that epoch. A flag overrides the run's value (and a line
+says so). Darknet ``.weights`` and bare state_dicts carry nothing: they need ``--cfg`` and
+``--data``, and get the training-time evaluation's defaults (rectangular letterboxed batches,
+conf 0.001, NMS IoU 0.6, multi-label, at most 300 detections per image).
 
 Beside the 12 COCO numbers it writes into ``--save-dir`` a per-class table (``per_class.csv``,
 also logged), the confusion matrix, the P/R/F1/PR curves and the first validation images with
@@ -34,16 +41,32 @@ from pathlib import Path
 import torch
 
 from build_utils.errors import ConfigError
-from models.darknet import Darknet, model_blocks_for
-from train_utils.builders import make_eval_dataset, make_eval_loader
-from train_utils.checkpoint import load_weights
-from train_utils.cli import run_main, setup_console_logging
-from train_utils.config import (
+from models.darknet import Darknet
+from train_utils.builders import make_eval_dataset, make_eval_loader, model_from_weights
+from train_utils.checkpoint import WeightsFile, read_weights
+from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
+    DEFAULT_IMG_SIZE,
+    add_data_flags,
+    add_device_flags,
+    add_eval_flags,
+    add_img_size_flag,
+    add_local_rank_flag,
+    add_model_flag,
+    add_precision_flags,
+    add_weights_flags,
+    check_at_least,
+    check_fractions,
     check_img_size,
-    load_data_config,
+    parse_args,
+    run_main,
+    setup_console_logging,
+    switch,
+    take_from_run,
 )
+from train_utils.config import load_data_config
+from train_utils.distributed.precision import replay_precision
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
 from train_utils.engine import evaluate
 from train_utils.evaluation.coco_eval import STAT_NAMES
@@ -54,95 +77,137 @@ from train_utils.evaluation.exports import (
     to_official_coco_ids,
     write_dataset_txt,
 )
-from train_utils.evaluation.options import MAX_DET, EvalOptions
+from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import write_eval_report
 from train_utils.evaluation.speed import measure_speed
 
 logger = logging.getLogger("validation")
+
+DEFAULT_BATCH_SIZE = 8  # for weights that do not record their run's
+# What a run's checkpoint answers when the flag is not given, and the default otherwise.
+RUN_SETTINGS = {
+    "data": None,
+    "img_size": DEFAULT_IMG_SIZE,
+    "batch_size": DEFAULT_BATCH_SIZE,
+    "conf_thres": DEFAULT_EVAL_CONF,
+    "iou_thres": DEFAULT_EVAL_IOU,
+    "single_cls": False,
+    "coco_backend": "pycocotools",
+}
+RUN_HINT = " (default: as the checkpoint's run)"
 
 
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         "YOLOv3-SPP validation", formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
-    p.add_argument("--cfg", default="cfg/yolov3-spp.cfg", help="model .cfg file")
-    p.add_argument("--data", required=True, help="dataset .data file (its 'valid' list is used)")
-    p.add_argument("--weights", required=True, help=".pt checkpoint/state_dict or .weights")
-    p.add_argument("--img-size", type=int, default=512, help="inference size (multiple of 32)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: cuda if present)")
-    p.add_argument("--conf-thres", type=float, default=DEFAULT_EVAL_CONF)
-    p.add_argument("--iou-thres", type=float, default=DEFAULT_EVAL_IOU)
-    p.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
-    p.add_argument(
+    g = p.add_argument_group("model and data")
+    add_weights_flags(g, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
+    add_model_flag(g, None)
+    add_data_flags(g, None, single_cls_default=None)
+    g = p.add_argument_group("evaluation" + RUN_HINT)
+    add_img_size_flag(g, None, "inference size, a multiple of 32")
+    g.add_argument("--batch-size", type=int, default=None, help="images per batch and process")
+    add_eval_flags(g, None, None, None)
+    g.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
+    switch(g, "--multi-label", True, "one detection per class above threshold for each box")
+    add_precision_flags(g, None, RUN_HINT)
+    g.add_argument(
         "--task",
         default="val",
         choices=("val", "speed"),
         help="val: COCO mAP, per-class table and pictures; speed: ms per image of "
         "pre-process, inference and NMS",
     )
-    p.add_argument(
+    g = p.add_argument_group("output")
+    g.add_argument(
         "--save-dir",
         default="runs/val",
         help="folder for per_class.csv, the pictures and --save-txt labels",
     )
-    p.add_argument(
-        "--plots",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="draw the confusion matrix, P/R/F1/PR curves and validation images",
-    )
-    p.add_argument(
+    switch(g, "--plots", True, "draw the confusion matrix, P/R/F1/PR curves and validation images")
+    g.add_argument(
         "--save-txt",
         action="store_true",
         help="write SAVE_DIR/labels/<image>.txt: class cx cy w h normalised, one detection a line",
     )
-    p.add_argument("--save-conf", action="store_true", help="add the confidence to --save-txt")
-    p.add_argument(
+    g.add_argument("--save-conf", action="store_true", help="add the confidence to --save-txt")
+    switch(
+        g,
         "--coco-ids",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="--save-json with official COCO image/category ids (default: when the data has 80 "
+        None,
+        "--save-json with official COCO image/category ids (default: when the data has 80 "
         "classes and numeric image file names)",
     )
-    p.add_argument(
-        "--multi-label",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="one detection per class above threshold for each box",
-    )
-    p.add_argument("--single-cls", action="store_true", help="score as a one-class detector")
-    p.add_argument("--workers", type=int, default=2)
-    p.add_argument("--amp", action="store_true", help="bf16 (CPU) / fp16 (CUDA) inference")
-    p.add_argument(
-        "--coco-backend", default="pycocotools", choices=("pycocotools", "faster-coco-eval")
-    )
-    p.add_argument(
+    g.add_argument(
         "--save-json",
         default=None,
         metavar="DIR",
         help="write DIR/ground_truth.json and DIR/predictions.json (COCO format)",
     )
-    p.add_argument(
+    g.add_argument(
         "--json-out",
         default=None,
         metavar="FILE",
         help="write the 12 COCO stats as JSON with the results.csv names",
     )
-    p.add_argument(
-        "--trust-checkpoint",
-        action="store_true",
-        help="allow full-pickle checkpoint loading (only for files you trust)",
-    )
-    p.add_argument(
-        "--local_rank",
-        "--local-rank",
-        dest="local_rank",
-        type=int,
-        default=-1,
-        help=argparse.SUPPRESS,
-    )
+    add_device_flags(p.add_argument_group("device"), 2, "DataLoader workers per process")
+    add_local_rank_flag(p)
     return p
+
+
+def resolve_settings(args: argparse.Namespace, weights: WeightsFile) -> None:
+    """Fill every setting not given from the run that wrote ``weights``, then check them all."""
+    run = dict(weights.run)
+    if isinstance(run.get("data"), dict):
+        run["data"] = run["data"].get("path")
+    take_from_run(args, run, RUN_SETTINGS, f"--weights {weights.path}")
+    if args.data is None:
+        raise ConfigError(
+            "these weights do not name the dataset they were trained on; pass --data", args.weights
+        )
+    check_img_size(args.img_size)
+    check_at_least({"--batch-size": args.batch_size, "--max-det": args.max_det}, 1)
+    check_at_least({"--workers": args.workers}, 0)
+    check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
+
+
+def evaluation_options(
+    args: argparse.Namespace, weights: WeightsFile, device: torch.device, is_main: bool
+) -> EvalOptions:
+    """The options the run's own evaluation used (see :func:`eval_options`), flags on top."""
+    amp, channels_last, why = replay_precision(
+        weights.precision, weights.run.get("amp"), args.amp, args.channels_last, device
+    )
+    logger.info(
+        "precision: %s (%s), %s",
+        "full" if amp is None else str(amp).removeprefix("torch."),
+        why,
+        "channels_last" if channels_last else "contiguous",
+    )
+    return eval_options(
+        vars(args),
+        device,
+        amp,
+        channels_last,
+        is_main,
+        multi_label=args.multi_label,
+        max_det=args.max_det,
+    )
+
+
+def build_model(
+    args: argparse.Namespace,
+    weights: WeightsFile,
+    nc: int,
+    device: torch.device,
+    channels_last: bool,
+) -> Darknet:
+    model = model_from_weights(weights, args.cfg, nc, args.img_size)
+    model.to(device).eval()
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model
 
 
 def format_report(stats: Sequence[float]) -> str:
@@ -151,29 +216,18 @@ def format_report(stats: Sequence[float]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = get_parser().parse_args(argv)
+    args = parse_args(get_parser(), argv)
     setup_console_logging()
 
     def body() -> None:
-        check_img_size(args.img_size)
-        if args.batch_size < 1:
-            raise ConfigError(f"--batch-size must be >= 1, got {args.batch_size}")
-        if args.max_det < 1:
-            raise ConfigError(f"--max-det must be >= 1, got {args.max_det}")
-        for flag, v in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
-            if not 0 <= v <= 1:
-                raise ConfigError(f"{flag} must be in [0, 1], got {v}")
-        if not Path(args.weights).is_file():
-            raise ConfigError("weights file not found; check --weights", args.weights)
+        weights = read_weights(args.weights, trust=args.trust_checkpoint)
+        resolve_settings(args, weights)
         dist = init_distributed_mode(args)
         try:
             device = dist.device
             data = load_data_config(args.data, args.single_cls)
-            model = Darknet(
-                model_blocks_for(args.cfg, data.nc), img_size=(args.img_size, args.img_size)
-            )
-            load_weights(model, args.weights, strict=True, trust=args.trust_checkpoint)
-            model.to(device).eval()
+            opts = evaluation_options(args, weights, device, dist.is_main)
+            model = build_model(args, weights, data.nc, device, opts.channels_last)
             dataset = make_eval_dataset(
                 data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
             )
@@ -191,17 +245,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             coco_gt = None
             if dist.is_main:
                 coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc)
-            opts = EvalOptions(
-                device,
-                args.conf_thres,
-                args.iou_thres,
-                args.multi_label,
-                max_det=args.max_det,
-                amp=args.amp,
-                backend=args.coco_backend,
-                show_progress=dist.is_main,
-                per_class=True,
-            )
             if args.task == "speed":
                 speed = measure_speed(model, loader, opts)
                 if dist.is_main:

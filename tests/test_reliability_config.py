@@ -365,7 +365,7 @@ CASES: dict[str, Case] = {
     "predict weights without a cfg": Case(
         "predict",
         lambda f: ["--weights", str(f["weights_pt"])],
-        lambda f: [f"{f['weights_pt']}: these weights carry no cfg; pass --cfg (and --names)"],
+        lambda f: [f"{f['weights_pt']}: these weights carry no model cfg"],
     ),
     "predict missing source": Case(
         "predict",

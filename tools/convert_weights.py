@@ -1,10 +1,15 @@
 """Convert model weights between Darknet ``.weights`` and PyTorch ``.pt`` files.
 
-    python tools/convert_weights.py cfg/yolov3-spp.cfg yolov3-spp.weights yolov3-spp.pt
-    python tools/convert_weights.py cfg/yolov3-spp.cfg best.pt best.weights
+    python tools/convert_weights.py --weights runs/exp/best.pt          # -> runs/exp/best.weights
+    python tools/convert_weights.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg
+    python tools/convert_weights.py cfg/yolov3-spp.cfg yolov3-spp.weights yolov3-spp.pt   # lineage
+    python tools/convert_weights.py best.pt best.weights          # the checkpoint carries its cfg
 
-The direction follows the file suffixes: one of SRC and DST must end in ``.weights``, the
-other in ``.pt`` (or ``.pth``). A ``.pt`` source may be a lineage checkpoint
+The direction follows what the source is (recognised by its content): a PyTorch checkpoint
+becomes a Darknet ``.weights`` file and a Darknet file a ``.pt``; the output defaults to the
+source's name with the other suffix and never overwrites the source. A checkpoint written by
+train.py carries its cfg; Darknet files and bare state_dicts need ``--cfg`` (or the lineage's
+first positional argument). A ``.pt`` source may be a lineage checkpoint
 (``{'model': state_dict, ...}``) or a bare state_dict; it must match the cfg exactly. The
 ``.pt`` written is ``{'model': state_dict, 'epoch': -1, ...}``: weights to start from, not a
 run to resume. BatchNorm ``num_batches_tracked`` counters are not part of the Darknet format and
@@ -21,11 +26,12 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from build_utils.errors import ConfigError, YoloError
-from models.darknet import Darknet
 from models.weights import save_weights
-from train_utils.checkpoint import load_weights, save_weights_pt
+from train_utils.builders import model_from_weights
+from train_utils.checkpoint import read_weights, save_weights_pt
+from train_utils.cli import add_model_flag, add_weights_flags
 
-PT_SUFFIXES = (".pt", ".pth")
+PT_SUFFIX = ".pt"
 DARKNET_SUFFIX = ".weights"
 
 
@@ -33,40 +39,70 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Convert weights between Darknet .weights and PyTorch .pt.", add_help=add_help
     )
-    parser.add_argument("cfg", type=Path, help="model cfg the weights belong to")
-    parser.add_argument("src", type=Path, help="input .weights or .pt")
-    parser.add_argument("dst", type=Path, help="output .pt or .weights")
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        type=Path,
+        metavar="[CFG] SRC DST",
+        help="the lineage's positional form: cfg (optional for a checkpoint), source, output",
+    )
+    add_weights_flags(parser, required=False, help="source: .pt checkpoint or Darknet .weights")
+    add_model_flag(parser, None)
+    parser.add_argument("-o", "--output", type=Path, help="output file (default: see above)")
     return parser
 
 
-def convert(cfg: Path, src: Path, dst: Path) -> None:
-    """Load ``src`` into the model of ``cfg`` and write it as ``dst`` (format from suffixes)."""
-    s, d = src.suffix.lower(), dst.suffix.lower()
-    to_pt = s == DARKNET_SUFFIX and d in PT_SUFFIXES
-    to_darknet = s in PT_SUFFIXES and d == DARKNET_SUFFIX
-    if not (to_pt or to_darknet):
+def _paths(args: argparse.Namespace) -> tuple[Path | None, Path, Path | None]:
+    """(cfg, source, output) from either form of the command line."""
+    if args.paths:
+        if args.weights or len(args.paths) not in (2, 3):
+            raise ConfigError("give CFG SRC DST, SRC DST, or --weights SRC [--output DST]")
+        cfg, src, dst = args.paths if len(args.paths) == 3 else (None, *args.paths)
+        return cfg or args.cfg, src, dst
+    if not args.weights:
+        raise ConfigError("nothing to convert: pass --weights SRC (or CFG SRC DST)")
+    return args.cfg, Path(args.weights), args.output
+
+
+def _fits(dst: Path, wanted: str) -> bool:
+    suffix = dst.suffix.lower()
+    return suffix == wanted or (wanted == PT_SUFFIX and suffix == ".pth")
+
+
+def convert(cfg: Path | None, src: Path, dst: Path | None, trust: bool = False) -> Path:
+    """Load ``src`` (with its own cfg unless ``cfg``) and write it in the other format as
+    ``dst`` (default: ``src`` with the other suffix); returns where it was written."""
+    weights = read_weights(src, trust=trust)
+    to_darknet = weights.kind == "torch"
+    if dst is None:
+        dst = src.with_suffix(DARKNET_SUFFIX if to_darknet else PT_SUFFIX)
+    if dst.exists() and dst.resolve() == src.resolve():
+        raise ConfigError(f"the output {dst} is the source itself; choose another name")
+    wanted = DARKNET_SUFFIX if to_darknet else PT_SUFFIX
+    if dst.suffix.lower() in (DARKNET_SUFFIX, PT_SUFFIX, ".pth") and not _fits(dst, wanted):
         raise ConfigError(
-            f"cannot convert '{src.name}' to '{dst.name}': one file must end in .weights and the "
-            "other in .pt or .pth"
+            f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
+            f"in .weights and the other in .pt or .pth"
         )
-    model = Darknet(cfg)
-    load_weights(model, src, strict=True)
+    model = model_from_weights(weights, cfg, None, img_size=416)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    if to_pt:
-        save_weights_pt(model, dst)
-    else:
+    if to_darknet:
         save_weights(model, dst)
+    else:
+        save_weights_pt(model, dst)
+    return dst
 
 
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        convert(args.cfg, args.src, args.dst)
+        cfg, src, dst = _paths(args)
+        written = convert(cfg, src, dst, trust=args.trust_checkpoint)
     except YoloError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    logging.getLogger(__name__).info("wrote %s", args.dst)
+    logging.getLogger(__name__).info("wrote %s", written)
     return 0
 
 

@@ -1,6 +1,7 @@
 """Export a Darknet model to ONNX (optional extra: ``pip install -r requirements-onnx.txt``).
 
-    python tools/export_onnx.py --cfg cfg/yolov3-spp.cfg --weights best.pt --img-size 608 --verify
+    python tools/export_onnx.py --weights runs/exp/best.pt --verify     # -> runs/exp/best.onnx
+    python tools/export_onnx.py --cfg cfg/yolov3-spp.cfg --weights yolov3-spp.weights --img-size 608
     python tools/export_onnx.py --cfg cfg/yolov3-spp-nano.cfg --img-size 320 416 -o nano.onnx
 
 The graph has one input ``images`` (batch, 3, H, W) float32 in [0, 1] and one output
@@ -28,13 +29,16 @@ from torch import nn
 
 from build_utils.errors import ConfigError, YoloError
 from models.darknet import Darknet
-from train_utils.checkpoint import load_weights
+from train_utils.builders import model_from_weights
+from train_utils.checkpoint import read_weights
+from train_utils.cli import add_model_flag, add_weights_flags
 
 LOGGER = logging.getLogger(__name__)
 
 # Opset 11 is the first with the Resize semantics nn.Upsample needs; 12 is widely supported.
 MIN_OPSET = 11
 DEFAULT_OPSET = 12
+DEFAULT_SIDE = 416  # export size of a cfg without a trained run
 VERIFY_TOLERANCE = 1e-4
 VERIFY_BATCH = 2  # not the export batch (1), to exercise the dynamic batch axis
 
@@ -136,12 +140,25 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         description="Export a Darknet model to ONNX.", add_help=add_help
     )
-    parser.add_argument("--cfg", type=Path, required=True, help="model cfg")
-    parser.add_argument("--weights", type=Path, help=".pt or .weights matching the cfg")
+    add_weights_flags(parser, required=False, help=".pt checkpoint (carries its cfg) or .weights")
+    add_model_flag(parser, None)
     parser.add_argument(
-        "--img-size", type=int, nargs="+", default=[416], metavar="N", help="H [W] in pixels"
+        "--img-size",
+        "--imgsz",
+        "--img",
+        dest="img_size",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help=f"H [W] in pixels (default: the checkpoint's run's, else {DEFAULT_SIDE})",
     )
-    parser.add_argument("-o", "--output", type=Path, help="output file (default: <cfg stem>.onnx)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="output file (default: the weights' name with .onnx, else <cfg stem>.onnx)",
+    )
     parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f">= {MIN_OPSET}")
     parser.add_argument(
         "--verify", action="store_true", help="compare with PyTorch using onnxruntime"
@@ -149,17 +166,31 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def _model_and_output(args: argparse.Namespace) -> tuple[Darknet, Path, tuple[int, int]]:
+    """The model to export (from ``--weights`` alone, or ``--cfg``), where it goes, its size."""
+    if not args.weights:
+        if args.cfg is None:
+            raise ConfigError("pass --weights (a checkpoint carries its cfg) or --cfg")
+        img_size = _hw(args.img_size or [DEFAULT_SIDE])
+        out = args.output or Path(Path(args.cfg).stem + ".onnx")
+        return Darknet(args.cfg, img_size=img_size), out, img_size
+    weights = read_weights(args.weights, trust=args.trust_checkpoint)
+    run_side = weights.run.get("img_size")
+    img_size = _hw(args.img_size or [run_side or DEFAULT_SIDE])
+    model = model_from_weights(weights, args.cfg, None, img_size)
+    out = args.output or Path(args.weights).with_suffix(".onnx")
+    if out.resolve() == Path(args.weights).resolve():
+        raise ConfigError(f"--output {out} is the weights file itself; choose another name")
+    return model, out, img_size
+
+
 def main(argv: list[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     try:
-        if len(args.img_size) > 2:
+        if args.img_size is not None and len(args.img_size) > 2:
             raise ConfigError(f"--img-size takes H or H W, got {len(args.img_size)} numbers")
-        img_size = _hw(args.img_size)
-        model = Darknet(args.cfg, img_size=img_size)
-        if args.weights is not None:
-            load_weights(model, args.weights, strict=True)
-        out = args.output if args.output is not None else Path(args.cfg.stem + ".onnx")
+        model, out, img_size = _model_and_output(args)
         export_onnx(model, out, img_size, args.opset)
         LOGGER.info("wrote %s (input images: batch x 3 x %d x %d)", out, *img_size)
         if args.verify:

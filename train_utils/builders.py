@@ -1,5 +1,5 @@
-"""Construction shared by the trainer, ``validation.py`` and ``predict.py``: the training and
-evaluation data pipelines."""
+"""Construction shared by the trainer, ``validation.py``, ``predict.py`` and the tools: the model
+a weights file describes, and the training and evaluation data pipelines."""
 
 from __future__ import annotations
 
@@ -13,8 +13,16 @@ from torch.utils.data import DataLoader
 
 from build_utils.datasets import LoadImagesAndLabels, check_ram_cache_fits, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError, YoloError
+from build_utils.parse_config import parse_model_cfg, parse_model_cfg_text
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
 from build_utils.shared_images import SharedImages, shared_cache_dir, unlink_quietly
+from models.darknet import Darknet, model_blocks_for
+from train_utils.checkpoint import (
+    WeightsFile,
+    extract_state_dict,
+    fit_state_dict,
+    load_weights,
+)
 from train_utils.config import TrainConfig
 from train_utils.distributed.comm import (
     broadcast_object,
@@ -26,6 +34,48 @@ from train_utils.distributed.process_group import DistInfo
 from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
 
 logger = logging.getLogger(__name__)
+
+
+def model_from_weights(
+    weights: WeightsFile,
+    cfg: str | Path | None,
+    nc: int | None,
+    img_size: int | tuple[int, int],
+) -> Darknet:
+    """The model ``weights`` holds, with its weights loaded strictly.
+
+    Args:
+        weights: the file, as :func:`~train_utils.checkpoint.read_weights` read it.
+        cfg: a cfg file that overrides the one the checkpoint carries (needed for Darknet
+            ``.weights`` and bare state_dicts, which carry none).
+        nc: the class count to build the heads for (None: the cfg's).
+        img_size: the side (or (H, W)) the model is built for.
+
+    Raises:
+        ConfigError: no cfg to build from.
+        CheckpointError: the weights do not fit the model.
+    """
+    if cfg is not None:
+        if weights.cfg_text is not None:
+            logger.info("--cfg %s overrides the cfg that %s carries", cfg, weights.path)
+        blocks = parse_model_cfg(cfg)
+    elif weights.cfg_text is not None:
+        blocks = parse_model_cfg_text(weights.cfg_text, f"{weights.path} (its cfg)")
+    else:
+        raise ConfigError(
+            "these weights carry no model cfg (Darknet .weights or a bare state_dict); pass the "
+            "--cfg they were trained with",
+            weights.path,
+        )
+    if nc is not None:
+        blocks = model_blocks_for(blocks, nc)
+    hw = (img_size, img_size) if isinstance(img_size, int) else img_size
+    model = Darknet(blocks, img_size=hw)
+    if weights.ckpt is None:
+        load_weights(model, weights.path, strict=True)
+    else:
+        fit_state_dict(model, extract_state_dict(weights.ckpt, weights.path), weights.path)
+    return model
 
 
 def make_eval_dataset(

@@ -558,20 +558,105 @@ def load_weights(
     return fit_state_dict(model, load_state_dict_file(path, trust), path, strict)
 
 
-def is_darknet_weights(path: str | Path) -> bool:
-    """``*.weights``, Darknet's backbone names (``*.conv.N``), or, for other names than
-    ``.pt``/``.pth``, a file that is neither a zip (``torch.save``) nor a pickle (legacy)."""
-    path = Path(path)
-    if path.suffix == ".weights" or re.search(r"\.conv\.\d+$", path.name):
-        return True
-    if path.suffix in (".pt", ".pth"):
+_ONNX_SUFFIXES = (".onnx", ".ort")
+_TORCH_SUFFIXES = (".pt", ".pth")
+_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip container
+# A Darknet file starts with int32 major, minor, revision: 0.1.0 or 0.2.0 in every published file.
+_DARKNET_VERSION_BYTES = 12
+_DARKNET_MAX_VERSION = (1, 20, 1000)
+
+
+def _is_darknet_version(head: bytes) -> bool:
+    if len(head) < _DARKNET_VERSION_BYTES:
         return False
+    version = np.frombuffer(head, dtype="<i4", count=3)
+    return all(0 <= int(v) <= hi for v, hi in zip(version, _DARKNET_MAX_VERSION))
+
+
+def weights_kind(path: str | Path) -> str:
+    """What a weights file is, from its content and (case-insensitively) its name: ``"torch"``
+    (a ``torch.save`` zip or a legacy pickle), ``"darknet"`` (``.weights`` and Darknet's backbone
+    files ``*.conv.N``, or any other file that is neither) or ``"onnx"``.
+
+    Raises:
+        CheckpointError: the file is missing, is not a regular file, or is an ONNX model (which
+            no script here loads: it says what to do instead).
+    """
+    path = Path(path)
+    if not path.is_file():
+        what = "is a directory, not a weights file" if path.is_dir() else "weights file not found"
+        raise CheckpointError(f"{what}; check --weights", path)
     try:
         with path.open("rb") as f:
-            head = f.read(4)
-    except OSError:
-        return False
-    return len(head) == 4 and head != b"PK\x03\x04" and head[0] != _PICKLE_PROTO
+            head = f.read(_DARKNET_VERSION_BYTES)
+    except OSError as e:
+        raise CheckpointError(f"cannot read the weights file ({e.strerror or e})", path) from e
+    suffix = path.suffix.lower()
+    if head[:4] == _ZIP_MAGIC or (head[:1] and head[0] == _PICKLE_PROTO):
+        return "torch"
+    if suffix in _ONNX_SUFFIXES:
+        raise CheckpointError(
+            "this is an ONNX model, which runs in onnxruntime (or OpenCV's dnn module), not in "
+            "these scripts; pass the .pt checkpoint it was exported from (tools/export_onnx.py "
+            "--weights X.pt --verify checks an export against it)",
+            path,
+        )
+    if _is_darknet_version(head):
+        return "darknet"
+    if suffix in _TORCH_SUFFIXES:
+        # Named like a PyTorch file but holding neither container: truncated or not a checkpoint;
+        # load_checkpoint words the error.
+        return "torch"
+    return "darknet"
+
+
+def is_darknet_weights(path: str | Path) -> bool:
+    """True for Darknet ``.weights`` files (see :func:`weights_kind`)."""
+    return weights_kind(path) == "darknet"
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsFile:
+    """A weights file as every script reads it: what it is and what it says about its run.
+
+    Attributes:
+        path: the file.
+        kind: ``"torch"`` or ``"darknet"`` (see :func:`weights_kind`).
+        ckpt: the checkpoint dict (None for Darknet files).
+        cfg_text: the model cfg the checkpoint carries (train.py writes it), else None.
+        names: its class names, else None.
+        run: the resolved arguments of the run that wrote it (``TrainConfig.to_dict()``), else
+            an empty dict.
+        precision: how that run computed (``{"amp": "bfloat16" | "float16" | None,
+            "channels_last": bool}``), else an empty dict.
+    """
+
+    path: Path
+    kind: str
+    ckpt: dict[str, Any] | None
+    cfg_text: str | None
+    names: list[str] | None
+    run: dict[str, Any]
+    precision: dict[str, Any]
+
+
+def read_weights(path: str | Path, trust: bool = False) -> WeightsFile:
+    """Open ``path`` once for any script: the one reader of what a weights file carries.
+
+    Raises:
+        CheckpointError: see :func:`weights_kind` and :func:`load_checkpoint`.
+    """
+    path = Path(path)
+    kind = weights_kind(path)
+    if kind == "darknet":
+        return WeightsFile(path, kind, None, None, None, {}, {})
+    ckpt = load_checkpoint(path, trust=trust)
+    cfg_text = ckpt.get("cfg") if isinstance(ckpt.get("cfg"), str) else None
+    names = ckpt.get("names")
+    names = [str(n) for n in names] if isinstance(names, list) and names else None
+    run = ckpt.get("config") if isinstance(ckpt.get("config"), dict) else {}
+    precision = ckpt.get("precision") if isinstance(ckpt.get("precision"), dict) else {}
+    return WeightsFile(path, kind, ckpt, cfg_text, names, dict(run), dict(precision))
 
 
 def fit_state_dict(

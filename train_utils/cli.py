@@ -1,4 +1,11 @@
-"""What every script's ``main()`` shares: console logging, and user errors as one line.
+"""The command-line layer every script shares: flag groups defined once, their value checks, a
+run's own settings (from its checkpoint) as defaults, console logging, and user errors as one line.
+
+``train.py``, ``train_multi_GPU.py``, ``validation.py``, ``predict.py`` and the tools build their
+parsers from the same ``add_*`` groups, so a flag has one spelling, one meaning and one check
+everywhere (``--amp`` is the same five-way choice in every script). Inference scripts declare
+the flags a checkpoint can answer with ``default=None``; :func:`take_from_run` then fills them
+from the run that wrote the checkpoint, and says so when a flag overrides the run's value.
 
 A :class:`YoloError` (bad cfg, .data, hyp, flag, weights or dataset) becomes ``error: <message>``
 on stderr with exit status 2; Ctrl-C exits with 130 after the trainer saved what it could.
@@ -7,14 +14,27 @@ Anything else is a bug in this project and keeps its traceback.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
-from build_utils.errors import YoloError
+from build_utils.augmentations import GRID  # every input side must be a multiple of it
+from build_utils.errors import ConfigError, YoloError
+from train_utils.distributed.precision import AMP_CHOICES
+
+logger = logging.getLogger(__name__)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+DEFAULT_IMG_SIZE = 512
+DEFAULT_EVAL_CONF = 0.001  # COCO evaluation keeps low-confidence boxes (they raise recall)
+DEFAULT_EVAL_IOU = 0.6
+MAX_IMG_SIZE = 8192  # larger sides need tens of GB per image batch; nobody trains at them
+COCO_BACKENDS = ("pycocotools", "faster-coco-eval")
+ArgGroup = argparse.ArgumentParser | argparse._ArgumentGroup
 
 
 def setup_console_logging(level: int = logging.INFO) -> None:
@@ -38,3 +58,181 @@ def run_main(body: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+
+
+# ---- flag groups ----------------------------------------------------------------------------
+
+
+def switch(group: ArgGroup, flag: str, default: bool | None, help: str) -> None:
+    """``--flag`` / ``--no-flag`` (never ``type=bool``, with which ``--flag False`` is true)."""
+    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
+
+
+def add_weights_flags(g: ArgGroup, required: bool, help: str) -> None:
+    """``--weights`` and ``--trust-checkpoint``."""
+    g.add_argument("--weights", required=required, default="", help=help)
+    trust_help = "allow full-pickle checkpoint loading (only for files you trust)"
+    g.add_argument("--trust-checkpoint", action="store_true", help=trust_help)
+
+
+def add_model_flag(g: ArgGroup, default: str | None) -> None:
+    """``--cfg``; inference scripts pass None: the cfg the checkpoint carries."""
+    why = "model .cfg file" + ("" if default else " (default: the one the checkpoint carries)")
+    g.add_argument("--cfg", default=default, help=why)
+
+
+def add_data_flags(g: ArgGroup, default: str | None, single_cls_default: bool | None) -> None:
+    """``--data`` and ``--single-cls``; None defaults come from the checkpoint's run."""
+    why = "dataset .data file" + ("" if default else " (default: the checkpoint's run's)")
+    g.add_argument("--data", default=default, help=why)
+    switch(g, "--single-cls", single_cls_default, "treat every class as one ('object')")
+
+
+def add_img_size_flag(g: ArgGroup, default: int | None, help: str) -> None:
+    """``--img-size`` with YOLOv5's spellings ``--imgsz`` and ``--img``."""
+    g.add_argument(
+        "--img-size", "--imgsz", "--img", dest="img_size", type=int, default=default, help=help
+    )
+
+
+def add_eval_flags(g: ArgGroup, conf: float | None, iou: float | None, backend: str | None) -> None:
+    """NMS thresholds of an evaluation and the COCO scoring library."""
+    g.add_argument("--conf-thres", type=float, default=conf, help="confidence threshold")
+    g.add_argument("--iou-thres", type=float, default=iou, help="NMS IoU threshold")
+    g.add_argument(
+        "--coco-backend", default=backend, choices=COCO_BACKENDS, help="COCO scoring library"
+    )
+
+
+AMP_HELP = (
+    "mixed precision. auto: on for CUDA (bf16 where the GPU has it, else fp16), off on CPU; "
+    "--amp alone: also bf16 autocast on CPU (fp32 on CPUs without native bf16 kernels); "
+    "fp16, bf16 or off to choose"
+)
+
+
+def add_precision_flags(g: ArgGroup, amp_default: str | None, run_hint: str = "") -> None:
+    """``--amp`` (one meaning in every script) and ``--channels-last``."""
+    g.add_argument(
+        "--amp",
+        nargs="?",
+        const="on",
+        default=amp_default,
+        choices=AMP_CHOICES,
+        help=AMP_HELP + run_hint,
+    )
+    switch(
+        g,
+        "--channels-last",
+        None,
+        "channels_last memory format (default: on CUDA; on CPU the faster for this model, timed)"
+        + run_hint,
+    )
+
+
+def add_device_flags(
+    g: ArgGroup, workers_default: int | None = None, workers_help: str | None = None
+) -> None:
+    """``--device``, and ``--workers`` when ``workers_help`` is given."""
+    g.add_argument(
+        "--device",
+        default="",
+        help="cpu, cuda, cuda:N or N (default: cuda if available); a GPU list such as 0,1 "
+        "starts one DDP process per listed GPU on this node (training)",
+    )
+    if workers_help is not None:
+        g.add_argument("--workers", type=int, default=workers_default, help=workers_help)
+
+
+def add_local_rank_flag(p: argparse.ArgumentParser) -> None:
+    """The local rank that old ``torch.distributed.launch`` passes as ``--local_rank`` or
+    ``--local-rank`` (torchrun sets ``LOCAL_RANK`` instead)."""
+    p.add_argument(
+        "--local_rank",
+        "--local-rank",
+        dest="local_rank",
+        type=int,
+        default=-1,
+        help=argparse.SUPPRESS,
+    )
+
+
+# ---- checks ---------------------------------------------------------------------------------
+
+
+def check_img_size(size: int, flag: str = "--img-size") -> int:
+    """``size`` when it is a positive multiple of :data:`GRID` no larger than MAX_IMG_SIZE."""
+    if size <= 0 or size % GRID:
+        fix = max(GRID, round(size / GRID) * GRID)
+        raise ConfigError(f"{flag} {size} is not a positive multiple of {GRID}; use e.g. {fix}")
+    if size > MAX_IMG_SIZE:
+        raise ConfigError(f"{flag} {size} is larger than the limit {MAX_IMG_SIZE}")
+    return size
+
+
+def check_at_least(values: Mapping[str, int | None], lo: int) -> None:
+    """Each ``--flag: value`` (None: not set) is at least ``lo``."""
+    for flag, value in values.items():
+        if value is not None and value < lo:
+            raise ConfigError(f"{flag} must be >= {lo}, got {value}")
+
+
+def check_fractions(values: Mapping[str, float | None]) -> None:
+    """Each ``--flag: value`` (None: not set) is in [0, 1]."""
+    for flag, value in values.items():
+        if value is not None and not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{flag} must be in [0, 1], got {value}")
+
+
+# ---- which flags the user typed, and a run's settings as defaults -----------------------------
+
+
+def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> frozenset[str]:
+    """The ``dest`` of every option the command line names (whatever its value), so that a
+    run's own settings can fill the others. Parses ``argv`` again with no defaults."""
+    probe = copy.deepcopy(parser)
+    for action in probe._actions:
+        action.default = argparse.SUPPRESS
+        action.required = False
+    namespace, _ = probe.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    return frozenset(vars(namespace))
+
+
+def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """``parser.parse_args(argv)`` with ``given``: the flags the user typed (see
+    :func:`given_flags`)."""
+    args = parser.parse_args(argv)
+    args.given = given_flags(parser, argv)
+    return args
+
+
+def take_from_run(
+    args: argparse.Namespace,
+    run: Mapping[str, Any],
+    fields: Mapping[str, Any],
+    source: str,
+) -> list[str]:
+    """Fill each flag in ``fields`` (dest -> fallback) the user did not give from ``run`` (the
+    checkpoint's run settings), else from its fallback; log flags that override the run.
+
+    A flag counts as given when it is in ``args.given`` (see :func:`parse_args`) or, without
+    it, when its value is not None. Returns the dests taken from the run.
+    """
+    given = getattr(args, "given", None)
+    taken, overridden = [], []
+    for dest, fallback in fields.items():
+        value = getattr(args, dest, None)
+        typed = dest in given if given is not None else value is not None
+        saved = run.get(dest)
+        if typed:
+            if saved is not None and saved != value:
+                overridden.append(f"--{dest.replace('_', '-')} {value} (the run had {saved})")
+            continue
+        if saved is not None:
+            setattr(args, dest, saved)
+            taken.append(dest)
+        else:
+            setattr(args, dest, fallback)
+    if overridden:
+        logger.info("%s: the command line overrides %s", source, ", ".join(overridden))
+    return taken

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,16 +24,39 @@ from build_utils.augmentations import GRID  # every input side must be a multipl
 from build_utils.errors import ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
 from models.darknet import FREEZE_MODES
+from train_utils.checkpoint import read_weights
+from train_utils.cli import (
+    DEFAULT_EVAL_CONF,
+    DEFAULT_EVAL_IOU,
+    DEFAULT_IMG_SIZE,
+    add_data_flags,
+    add_device_flags,
+    add_eval_flags,
+    add_img_size_flag,
+    add_model_flag,
+    add_precision_flags,
+    add_weights_flags,
+    check_at_least,
+    check_fractions,
+    check_img_size,
+    parse_args,
+    switch,
+    take_from_run,
+)
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
 from train_utils.optim import OPTIMIZER_CHOICES
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
-# --amp values; resolved per device by train_eval_utils.resolve_amp.
-AMP_CHOICES = ("auto", "on", "fp16", "bf16", "off")
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
-DEFAULT_EVAL_CONF = 0.001
-DEFAULT_EVAL_IOU = 0.6
 DEFAULT_EPOCHS = 30
+DEFAULT_CFG = "cfg/yolov3-spp.cfg"
+DEFAULT_DATA = "data/my_data.data"
+DEFAULT_HYP = "cfg/hyp.yaml"
+RUNS_DIR = Path("runs")  # where runs go when no --output-dir is given
+RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
+RUN_HYP_NAME = "hyp.yaml"
+
+logger = logging.getLogger(__name__)
 
 
 # Hyperparameters: name -> (type, min, max, required). Booleans have no range.
@@ -180,24 +205,20 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
-def _switch(group: argparse._ArgumentGroup, flag: str, default: bool | None, help: str) -> None:
-    """``--flag`` / ``--no-flag`` (never ``type=bool``, with which ``--flag False`` is true)."""
-    group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)
-
-
 def _add_inputs(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--cfg", default="cfg/yolov3-spp.cfg", help="model .cfg file")
-    g.add_argument("--data", default="data/my_data.data", help="dataset .data file")
-    g.add_argument("--hyp", default="cfg/hyp.yaml", help="hyperparameter YAML file")
-    g.add_argument("--weights", default="", help="initial weights: .pt or Darknet .weights")
-    resume_help = "resume from PATH, or from OUTPUT_DIR/last.pt when no path is given"
+    add_model_flag(g, DEFAULT_CFG)
+    add_data_flags(g, DEFAULT_DATA, single_cls_default=False)
+    g.add_argument("--hyp", default=DEFAULT_HYP, help="hyperparameter YAML file")
+    add_weights_flags(g, required=False, help="initial weights: .pt or Darknet .weights")
+    resume_help = (
+        "continue a run: PATH (a last.pt) alone continues that run in its folder with its own "
+        "arguments (flags given override them); without PATH, runs/<--name>/last.pt, or the "
+        "most recent runs/*/last.pt when no --name/--output-dir is given"
+    )
     g.add_argument(
         "--resume", nargs="?", const="auto", default=None, metavar="PATH", help=resume_help
     )
-    trust_help = "allow full-pickle checkpoint loading (only for files you trust)"
-    g.add_argument("--trust-checkpoint", action="store_true", help=trust_help)
-    g.add_argument("--single-cls", action="store_true", help="train as a one-class detector")
-    _switch(
+    switch(
         g,
         "--autoanchor",
         False,
@@ -237,13 +258,10 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         help="stop when mAP@0.5:0.95 has not improved for N epochs (0 = never)",
     )
     g.add_argument("--batch-size", type=int, default=4, help="images per process per step")
-    g.add_argument(
-        "--img-size",
-        type=int,
-        default=512,
-        help="training/test image side, a multiple of 32 (max side for --rect)",
+    add_img_size_flag(
+        g, DEFAULT_IMG_SIZE, "training/test image side, a multiple of 32 (max side for --rect)"
     )
-    _switch(g, "--multi-scale", True, "train at random sides in 67%%-150%% of --img-size")
+    switch(g, "--multi-scale", True, "train at random sides in 67%%-150%% of --img-size")
     g.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
     g.add_argument(
         "--freeze-layers",
@@ -271,39 +289,18 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         default=None,
         help="override: optimizer step every N batches (default from --nbs)",
     )
-    _switch(
+    switch(
         g, "--ema", True, "keep an exponential moving average of the weights for eval and saving"
     )
-    g.add_argument(
-        "--amp",
-        nargs="?",
-        const="on",
-        default="auto",
-        choices=AMP_CHOICES,
-        help="mixed precision. auto: on for CUDA (bf16 where the GPU has it, else "
-        "fp16 with a GradScaler), off on CPU; --amp alone: also bf16 autocast on CPU "
-        "(fp32 on CPUs without native bf16 kernels); fp16, bf16 or off to choose",
-    )
+    add_precision_flags(g, "auto")
     g.add_argument("--seed", type=int, default=0)
 
 
 def _add_evaluation(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
     g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
-    g.add_argument(
-        "--conf-thres",
-        type=float,
-        default=DEFAULT_EVAL_CONF,
-        help="evaluation confidence threshold",
-    )
-    g.add_argument("--iou-thres", type=float, default=DEFAULT_EVAL_IOU, help="evaluation NMS IoU")
-    g.add_argument(
-        "--coco-backend",
-        default="pycocotools",
-        choices=("pycocotools", "faster-coco-eval"),
-        help="COCO scoring library",
-    )
-    _switch(
+    add_eval_flags(g, DEFAULT_EVAL_CONF, DEFAULT_EVAL_IOU, "pycocotools")
+    switch(
         g,
         "--savebest",
         True,
@@ -315,23 +312,11 @@ def _add_evaluation(g: argparse._ArgumentGroup) -> None:
 def _add_runtime(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--name", default="", help="run name; output goes to runs/<name>")
     g.add_argument("--output-dir", default="", help="output folder (default runs/<name or time>)")
-    g.add_argument(
-        "--device",
-        default="",
-        help="cpu, cuda, cuda:N or N (default: cuda if available); a GPU list such as 0,1 "
-        "starts one DDP process per listed GPU on this node",
-    )
     workers_help = (
         "DataLoader workers per process (default: the process's share of the node's usable "
         f"CPUs, at most {MAX_DEFAULT_WORKERS}; results do not depend on it)"
     )
-    g.add_argument("--workers", type=int, default=None, help=workers_help)
-    _switch(
-        g,
-        "--channels-last",
-        None,
-        "channels_last memory format (default: on CUDA; on CPU the faster for this model, timed)",
-    )
+    add_device_flags(g, None, workers_help)
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument(
         "--log-interval",
@@ -397,15 +382,15 @@ class TrainConfig:
         return out
 
 
-def check_img_size(size: int, flag: str = "--img-size") -> int:
-    if size <= 0 or size % GRID:
-        fix = max(GRID, round(size / GRID) * GRID)
-        raise ConfigError(f"{flag} {size} is not a positive multiple of {GRID}; use e.g. {fix}")
-    return size
+def parse_train_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The training flags of ``argv``, with ``given``: the flags typed (``--resume PATH`` takes
+    the others from the run)."""
+    return parse_args(get_args_parser(), argv)
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:
     """Validate parsed CLI arguments, load hyp and .data, and decide the output folder."""
+    resumed = _settings_of_resumed_run(args)
     check_img_size(args.img_size)
     if args.epochs is None and args.time_budget is None:
         args.epochs = DEFAULT_EPOCHS
@@ -413,22 +398,19 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError(
             f"--time-budget must be a positive number of minutes, got {args.time_budget}"
         )
-    for flag, value, lo in (
-        ("--epochs", 1 if args.epochs is None else args.epochs, 1),
-        ("--patience", args.patience, 0),
-        ("--batch-size", args.batch_size, 1),
-        ("--workers", 0 if args.workers is None else args.workers, 0),
-        ("--nbs", args.nbs, 1),
-        ("--eval-interval", args.eval_interval, 1),
-        ("--log-interval", args.log_interval, 1),
-    ):
-        if value < lo:
-            raise ConfigError(f"{flag} must be >= {lo}, got {value}")
-    if args.accumulate is not None and args.accumulate < 1:
-        raise ConfigError(f"--accumulate must be >= 1, got {args.accumulate}")
-    for flag, value in (("--conf-thres", args.conf_thres), ("--iou-thres", args.iou_thres)):
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{flag} must be in [0, 1], got {value}")
+    check_at_least(
+        {
+            "--epochs": args.epochs,
+            "--batch-size": args.batch_size,
+            "--nbs": args.nbs,
+            "--eval-interval": args.eval_interval,
+            "--log-interval": args.log_interval,
+            "--accumulate": args.accumulate,
+        },
+        1,
+    )
+    check_at_least({"--patience": args.patience, "--workers": args.workers}, 0)
+    check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
     cfg = Path(args.cfg)
     if not cfg.is_file():
         raise ConfigError("model cfg not found; pass an existing .cfg to --cfg", cfg)
@@ -436,14 +418,67 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         raise ConfigError("weights file not found; check --weights", args.weights)
     data = load_data_config(args.data, args.single_cls)
     hyp = load_hyp(args.hyp)
-    if args.output_dir:
+    if resumed is not None:
+        output_dir = resumed
+    elif args.output_dir:
         output_dir = Path(args.output_dir)
     else:
-        output_dir = Path("runs") / (args.name or time.strftime("%Y%m%d-%H%M%S"))
+        output_dir = RUNS_DIR / (args.name or time.strftime("%Y%m%d-%H%M%S"))
     derived = {"cfg": cfg, "data": data, "hyp": hyp, "output_dir": output_dir}
     # Every other field is the flag of the same name, as validated above.
     flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     return TrainConfig(**{**flags, **derived})
+
+
+def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
+    """The most recently written ``runs/*/last.pt`` (what bare ``--resume`` continues)."""
+    found = [p for p in runs.glob("*/last.pt") if p.is_file()]
+    return max(found, key=lambda p: p.stat().st_mtime) if found else None
+
+
+def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
+    """``--resume PATH`` (or bare ``--resume`` with no run named): take the run's own arguments
+    for every flag not typed, and return the run's folder, where it continues. None when this
+    is not such a resume (no ``--resume``, or ``--resume`` with ``--name``/``--output-dir``)."""
+    if args.resume is None:
+        return None
+    if args.resume == "auto":
+        if args.name or args.output_dir:
+            return None  # runs/<name>/last.pt, found by the trainer
+        latest = latest_run_checkpoint()
+        if latest is None:
+            raise ConfigError(
+                f"--resume: no {RUNS_DIR}/*/last.pt to continue; give the path of a last.pt "
+                f"or the run's --name"
+            )
+        args.resume = str(latest)
+    path = Path(args.resume)
+    run = read_weights(path, args.trust_checkpoint).run
+    if not run:
+        logger.info("--resume %s: the checkpoint records no run arguments; using the flags", path)
+        return path.parent
+    folder = path.parent
+    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    for own in ("cfg", "data", "hyp", "output_dir", "resume", "trust_checkpoint"):
+        fields.pop(own)
+    take_from_run(args, run, fields, f"--resume {path}")
+    given = getattr(args, "given", frozenset())
+    if "cfg" not in given:
+        # The cfg the run was started with, while it is there; else the run's own resolved copy.
+        saved = Path(str(run.get("cfg", "")))
+        args.cfg = str(saved if saved.is_file() else folder / RUN_CFG_NAME)
+    if "data" not in given and isinstance(run.get("data"), dict) and run["data"].get("path"):
+        args.data = str(run["data"]["path"])
+    if "hyp" not in given and (folder / RUN_HYP_NAME).is_file():
+        args.hyp = str(folder / RUN_HYP_NAME)
+    logger.info(
+        "--resume %s: continuing that run in %s with its own arguments (cfg %s, data %s)",
+        path,
+        folder,
+        args.cfg,
+        args.data,
+    )
+    return folder
 
 
 def accumulate_steps(nbs: int, batch_size: int, world_size: int, override: int | None) -> int:

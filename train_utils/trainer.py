@@ -50,11 +50,11 @@ from train_utils.distributed.comm import (
     broadcast_object,
     raise_if_any_rank_failed,
 )
-from train_utils.distributed.precision import resolve_amp
+from train_utils.distributed.precision import precision_record, resolve_amp
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
 from train_utils.engine import TrainOptions, TrainState, evaluate, train_one_epoch
-from train_utils.evaluation.options import EvalOptions
+from train_utils.evaluation.options import EvalOptions, eval_options
 from train_utils.memory_format import (
     cache_key,
     cache_path,
@@ -123,6 +123,8 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
+    # Recorded in every checkpoint, so that validation.py evaluates as this run does.
+    precision = precision_record(amp, channels_last)
     if dist.is_main:
         write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
         _log_start(
@@ -137,7 +139,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         total_epochs=plan.epochs,
         start_epoch=start_epoch,
         checkpoint=lambda epoch, best, best_epoch: _checkpoint(
-            state, epoch, best, best_epoch, config, hyp, cfg_text, dist, plan
+            state, epoch, best, best_epoch, config, hyp, cfg_text, dist, plan, precision
         ),
         keep_best=config.savebest,
     )
@@ -540,16 +542,7 @@ def _train_options(
 def _eval_options(
     config: TrainConfig, dist: DistInfo, channels_last: bool, amp: torch.dtype | None
 ) -> EvalOptions:
-    return EvalOptions(
-        dist.device,
-        config.conf_thres,
-        config.iou_thres,
-        amp=amp,
-        backend=config.coco_backend,
-        show_progress=dist.is_main,
-        channels_last=channels_last,
-        per_class=True,
-    )
+    return eval_options(config.to_dict(), dist.device, amp, channels_last, dist.is_main)
 
 
 def _log_start(
@@ -598,6 +591,7 @@ def _checkpoint(
     cfg_text: str,
     dist: DistInfo,
     plan: EpochPlan,
+    precision: dict[str, Any],
 ) -> dict[str, Any]:
     """Everything needed to resume, as tensors and plain types (``weights_only`` loadable).
 
@@ -624,6 +618,7 @@ def _checkpoint(
         nc=config.data.nc,
         cfg=cfg_text,
         world_size=dist.world_size,
+        precision=precision,
         **plan.state(),
     )
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
 
@@ -13,6 +14,9 @@ import torch
 from build_utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
+
+# --amp values, the same in every script; resolved per device by resolve_amp.
+AMP_CHOICES = ("auto", "on", "fp16", "bf16", "off")
 
 
 @functools.cache
@@ -82,3 +86,48 @@ def autocast_context(device: torch.device, amp: bool | torch.dtype | None) -> An
     else:
         dtype = torch.float16 if device.type == "cuda" else torch.bfloat16
     return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def precision_record(amp: torch.dtype | None, channels_last: bool) -> dict[str, Any]:
+    """How a run computes, as its checkpoints record it (plain types): the autocast dtype's
+    name (None: full precision) and whether batches were channels_last."""
+    return {
+        "amp": _DTYPE_NAMES.get(amp) if amp is not None else None,
+        "channels_last": channels_last,
+    }
+
+
+def replay_precision(
+    record: Mapping[str, Any],
+    run_amp: str | None,
+    amp_flag: str | None,
+    channels_last_flag: bool | None,
+    device: torch.device,
+) -> tuple[torch.dtype | None, bool, str]:
+    """The autocast dtype and memory format an evaluation of a run's checkpoint uses, and why.
+
+    Flags win. Otherwise the run's own: the dtype its checkpoints record (so that the mAP the
+    run logged is reproduced), unless this device cannot autocast to it (fp16 on a CPU), when
+    the run's ``--amp`` mode is resolved for this device instead; a checkpoint that records no
+    dtype (written before it was recorded) resolves the run's ``--amp`` mode (``run_amp``,
+    default ``auto``) on this device.
+    """
+    if amp_flag is not None:
+        amp, why = resolve_amp(amp_flag, device), f"--amp {amp_flag}"
+    elif "amp" in record:
+        name = record["amp"]
+        amp = {v: k for k, v in _DTYPE_NAMES.items()}.get(name) if name else None
+        why = f"the run's {name or 'full precision'}"
+        if amp is torch.float16 and device.type != "cuda":
+            amp = resolve_amp(run_amp or "auto", device)
+            why = f"the run's float16 needs CUDA; --amp {run_amp or 'auto'} on {device.type}"
+    else:
+        amp, why = resolve_amp(run_amp or "auto", device), f"--amp {run_amp or 'auto'}"
+    if channels_last_flag is not None:
+        channels_last = channels_last_flag
+    else:
+        channels_last = bool(record.get("channels_last", False))
+    return amp, channels_last, why

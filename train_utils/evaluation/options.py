@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -38,3 +40,28 @@ class EvalOptions:
     show_progress: bool = False
     channels_last: bool = False
     per_class: bool = False
+
+
+def eval_options(
+    run: Mapping[str, Any],
+    device: torch.device,
+    amp: torch.dtype | None,
+    channels_last: bool,
+    show_progress: bool,
+    **nms: Any,
+) -> EvalOptions:
+    """The options of an evaluation of a run: the one builder for the evaluation inside training
+    (``run`` = the run's config) and ``validation.py`` (``run`` = the checkpoint's run config
+    with the flags given on top), so both score with the same thresholds, backend, precision
+    and memory format. ``nms`` may set ``multi_label``/``max_det`` (``validation.py`` flags)."""
+    return EvalOptions(
+        device,
+        float(run["conf_thres"]),
+        float(run["iou_thres"]),
+        amp=amp,
+        backend=str(run["coco_backend"]),
+        show_progress=show_progress,
+        channels_last=channels_last,
+        per_class=True,
+        **nms,
+    )
