@@ -37,10 +37,6 @@ from train_utils.evaluation.options import EvalOptions
 
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration
 
-
-LOSS_NAMES = ("box_loss", "obj_loss", "cls_loss", "loss")
-
-
 logger = logging.getLogger(__name__)
 
 
@@ -222,13 +218,13 @@ def _forward_backward(
         preds = state.model(imgs)
     # The loss stays in fp32 whatever the forward precision.
     loss_dict = compute_loss([p.float() for p in preds], targets, state.model_without_ddp, opts.hyp)
-    loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["class_loss"]
+    loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["cls_loss"]
     step_loss = loss / opts.accumulate
     if state.scaler is not None:
         state.scaler.scale(step_loss).backward()
     else:
         step_loss.backward()
-    parts = (loss_dict["box_loss"], loss_dict["obj_loss"], loss_dict["class_loss"], loss)
+    parts = (loss_dict["box_loss"], loss_dict["obj_loss"], loss_dict["cls_loss"], loss)
     return torch.stack(parts).detach()
 
 
