@@ -43,7 +43,7 @@ from train_utils.checkpoint import extract_state_dict, fit_state_dict, load_chec
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import check_img_size
 from train_utils.distributed.devices import select_device
-from train_utils.distributed.precision import autocast_context
+from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
 
 logger = logging.getLogger("predict")
@@ -166,8 +166,8 @@ class Predictor:
         """Detections ``(n, 6)``: xyxy in ``img`` pixels, confidence, class."""
         lb, ratio, pad = letterbox(img, self.img_size, auto=True, scale_up=False)
         x = torch.from_numpy(np.ascontiguousarray(lb[:, :, ::-1].transpose(2, 0, 1)))
-        x = x.to(self.device)
-        x = (x.half() if self.half else x.float()).div_(255).unsqueeze(0)
+        dtype = torch.float16 if self.half else torch.float32
+        x = to_model_input(x.unsqueeze(0), self.device, dtype=dtype)
         with autocast_context(self.device, self.amp):
             pred = self.model(x)[0]
         det = non_max_suppression(
