@@ -45,6 +45,7 @@ from train_utils.config import check_img_size
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
+from train_utils.evaluation.plots import class_colour
 
 logger = logging.getLogger("predict")
 
@@ -101,13 +102,6 @@ def get_parser() -> argparse.ArgumentParser:
         help="allow full-pickle checkpoint loading (only for files you trust)",
     )
     return p
-
-
-def class_colour(c: int) -> tuple[int, int, int]:
-    """A stable, distinct BGR colour per class."""
-    hue = (c * 47) % 180
-    hsv = np.uint8([[[hue, 220, 255]]])
-    return tuple(int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)[0, 0])
 
 
 def draw_detections(img: np.ndarray, det: torch.Tensor, names: Sequence[str]) -> np.ndarray:
