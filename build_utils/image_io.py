@@ -21,6 +21,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 
+from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
 
 # Image file types the datasets accept; compared case-insensitively.
@@ -257,12 +258,7 @@ def list_images(folder: str | os.PathLike[str]) -> list[str]:
 
 
 def write_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """Save ``array`` as ``.npy`` via a temporary file and a rename (no torn files)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+    """Save ``array`` as ``.npy`` atomically (no torn files). Not fsynced: a cache file is
+    cheap to rebuild, and there is one per image."""
+    with atomic_write(path, "wb", fsync=False) as f:
+        np.save(f, array, allow_pickle=False)

@@ -13,6 +13,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from build_utils import atomic as atomic_mod
 from build_utils import datasets as ds_mod
 from build_utils import labels as labels_mod
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
@@ -482,7 +483,7 @@ def test_label_cache_reuse_and_invalidation(tmp_path, monkeypatch, caplog):
         raise PermissionError(13, "Permission denied")
 
     caplog.clear()
-    monkeypatch.setattr(labels_mod.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(atomic_mod, "_open_temp", read_only)  # no file can be created
     with caplog.at_level(logging.WARNING, logger="build_utils.labels"):
         d3 = LoadImagesAndLabels(lst, 96, nc=3)
     assert len(d3) == len(d) and "cannot write label cache" in caplog.text
