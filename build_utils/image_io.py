@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import os
 import struct
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import cv2
 import numpy as np
+from tqdm import tqdm
 
-from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
 
 # Image file types the datasets accept; compared case-insensitively.
@@ -29,6 +31,8 @@ IMG_FORMATS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".tif", ".tiff"
 # Threads for decoding many images (label checks, image caches): decoding releases the GIL, so
 # threads scale with the cores.
 DECODE_THREADS = min(8, os.cpu_count() or 1)
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 # JPEG decoding can scale by 1/2, 1/4 or 1/8 inside the IDCT, much cheaper than a full decode
 # followed by a resize; OpenCV exposes it through these flags.
@@ -257,8 +261,18 @@ def list_images(folder: str | os.PathLike[str]) -> list[str]:
     return found
 
 
-def write_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """Save ``array`` as ``.npy`` atomically (no torn files). Not fsynced: a cache file is
-    cheap to rebuild, and there is one per image."""
-    with atomic_write(path, "wb", fsync=False) as f:
-        np.save(f, array, allow_pickle=False)
+def map_in_threads(
+    fn: Callable[[Item], Result], items: Sequence[Item], desc: str, progress: bool
+) -> list[Result]:
+    """``[fn(x) for x in items]`` on :data:`DECODE_THREADS` threads, in order, with a tqdm bar
+    when ``progress``: the one loop behind label checking and every image cache fill."""
+    with ThreadPoolExecutor(DECODE_THREADS) as pool:
+        return list(
+            tqdm(
+                pool.map(fn, items),
+                total=len(items),
+                desc=desc,
+                disable=not progress,
+                leave=False,
+            )
+        )

@@ -29,22 +29,20 @@ import math
 import os
 import zipfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
 from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
 from build_utils.image_io import (
-    DECODE_THREADS,
     IMG_FORMATS,
     check_image,
     file_stamp,
     is_image_file,
     list_images,
+    map_in_threads,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -333,16 +331,11 @@ def build_label_cache(
     desc: str = "checking labels",
 ) -> LabelCache:
     """Check every image and label file (in a thread pool) and gather the results."""
-    with ThreadPoolExecutor(DECODE_THREADS) as pool:
-        results = list(
-            tqdm(
-                pool.map(check_file, img_files, label_files, [nc] * len(img_files)),
-                total=len(img_files),
-                desc=desc,
-                disable=not progress,
-                leave=False,
-            )
-        )
+
+    def check(k: int) -> FileCheck:
+        return check_file(img_files[k], label_files[k], nc)
+
+    results = map_in_threads(check, range(len(img_files)), desc, progress)
     stats = dict.fromkeys(LabelCache.STAT_NAMES, 0)
     report: list[str] = []
     for img, r in zip(img_files, results):
