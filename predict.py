@@ -57,8 +57,9 @@ from train_utils.cli import (
     take_from_run,
 )
 from train_utils.distributed.devices import select_device
-from train_utils.distributed.precision import autocast_context, replay_precision
+from train_utils.distributed.precision import autocast_context, replay_precision, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
+from train_utils.evaluation.plots import class_colour
 
 logger = logging.getLogger("predict")
 
@@ -110,13 +111,6 @@ def get_parser() -> argparse.ArgumentParser:
     add_precision_flags(p, None, " (default: as the checkpoint's run)")
     add_device_flags(p)
     return p
-
-
-def class_colour(c: int) -> tuple[int, int, int]:
-    """A stable, distinct BGR colour per class."""
-    hue = (c * 47) % 180
-    hsv = np.uint8([[[hue, 220, 255]]])
-    return tuple(int(v) for v in cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR)[0, 0])
 
 
 def draw_detections(img: np.ndarray, det: torch.Tensor, names: Sequence[str]) -> np.ndarray:
@@ -175,8 +169,8 @@ class Predictor:
         """Detections ``(n, 6)``: xyxy in ``img`` pixels, confidence, class."""
         lb, ratio, pad = letterbox(img, self.img_size, auto=True, scale_up=False)
         x = torch.from_numpy(np.ascontiguousarray(lb[:, :, ::-1].transpose(2, 0, 1)))
-        x = x.to(self.device)
-        x = (x.half() if self.half else x.float()).div_(255).unsqueeze(0)
+        dtype = torch.float16 if self.half else torch.float32
+        x = to_model_input(x.unsqueeze(0), self.device, dtype=dtype)
         with autocast_context(self.device, self.amp):
             pred = self.model(x)[0]
         det = non_max_suppression(

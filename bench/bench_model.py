@@ -189,7 +189,7 @@ class TrainStep:
         with autocast(self.precision, self.device):
             preds = self.model(x)
         losses = compute_loss([p.float() for p in preds], targets, self.raw, self.hyp)
-        loss = losses["box_loss"] + losses["obj_loss"] + losses["class_loss"]
+        loss = losses["box_loss"] + losses["obj_loss"] + losses["cls_loss"]
         if self.scaler is not None:
             self.scaler.scale(loss).backward()
             self.scaler.step(self.optimizer)

@@ -10,7 +10,8 @@ Speed (see ``bench/bench_data.py``): mosaics are resized straight into the outpu
 (:mod:`build_utils.augmentations`), HSV jitter runs on uint8 lookup tables over the fewest pixels,
 large JPEGs are decoded at 1/2, 1/4 or 1/8 scale when that is all the output needs, recently
 decoded images are reused for the three extra mosaic tiles (``mosaic_buffer``), and decoded,
-resized images can be cached in RAM or as ``.npy`` files (``cache_images``).
+resized images can be cached in RAM or as ``.npy`` files (``cache_images``; the caches
+themselves are :mod:`build_utils.image_cache`).
 
 Randomness: a sample asked for by :class:`~build_utils.samplers.SampleKey` (index, epoch, seed),
 as the training loader's keyed batch sampler does, draws from a ``np.random.Generator`` seeded
@@ -29,7 +30,6 @@ import logging
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,6 @@ import cv2
 import numpy as np
 import torch
 from torch.utils.data import Dataset, default_collate
-from tqdm import tqdm
 
 from build_utils.augmentations import (
     GRID,
@@ -61,15 +60,14 @@ from build_utils.augmentations import (
 )
 from build_utils.boxes import xywhn2xyxy, xyxy2xywhn
 from build_utils.errors import ConfigError, DatasetError
-from build_utils.image_io import (
-    DECODE_THREADS,
-    IMG_FORMATS,
-    decode_image,
-    file_stamp,
-    read_file_bytes,
-    reduce_factor,
-    write_npy_atomic,
+from build_utils.image_cache import (
+    cache_on_disk,
+    check_ram_cache_fits,
+    fill_ram,
+    fill_shared,
+    read_npy,
 )
+from build_utils.image_io import IMG_FORMATS, decode_image, read_file_bytes, reduce_factor
 from build_utils.labels import (
     LabelCache,
     collect_image_files,
@@ -83,8 +81,6 @@ from build_utils.shared_images import SharedImages
 LOGGER = logging.getLogger(__name__)
 ColorFn = Callable[[np.ndarray], np.ndarray]
 
-# cache_images="ram" is refused when the estimate exceeds this fraction of available memory.
-RAM_CACHE_MAX_FRACTION = 0.8
 HYP_AUGMENT_KEYS = (
     "hsv_h",
     "hsv_s",
@@ -106,56 +102,6 @@ MOSAIC_BUFFER_MAX_BYTES = 512 * 2**20
 MOSAIC_POOL_MIN = 4
 # SampleKey seeds are reduced to this many bits (numpy's SeedSequence takes non-negative ints).
 SEED_MASK = 2**64 - 1
-
-
-# ---------------------------------------------------------------------------------------------
-# Memory
-
-
-def available_memory_bytes() -> int | None:
-    """Memory available to new allocations (Linux ``MemAvailable``), None when unknown."""
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (AttributeError, ValueError, OSError):
-        return None
-
-
-def check_ram_cache_fits(
-    need: int, images: int, procs: int | None = None, avail: int | None = None
-) -> None:
-    """Refuse a RAM image cache of ``need`` bytes per copy when ``procs`` copies on this node
-    (default: ``LOCAL_WORLD_SIZE``, one per process; 1 for the node's shared cache, see
-    :class:`~build_utils.shared_images.SharedImages`) would take more than
-    :data:`RAM_CACHE_MAX_FRACTION` of ``avail`` bytes (default: the available memory).
-
-    Raises:
-        DatasetError: it would not fit.
-    """
-    procs = _processes_per_node() if procs is None else procs
-    avail = available_memory_bytes() if avail is None else avail
-    gb = 1e9
-    if avail is not None and need * procs > RAM_CACHE_MAX_FRACTION * avail:
-        copies = "one copy for the node" if procs == 1 else f"x {procs} process(es)"
-        raise DatasetError(
-            f"caching {images} images in RAM needs {need / gb:.1f} GB {copies} "
-            f"but only {avail / gb:.1f} GB is available; use "
-            f"cache_images='disk' (--cache-images disk) or no image cache"
-        )
-
-
-def _processes_per_node() -> int:
-    # torchrun sets LOCAL_WORLD_SIZE; every process on the node holds its own image cache.
-    try:
-        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    except ValueError:
-        return 1
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -200,6 +146,9 @@ class LoadImagesAndLabels(Dataset):
             :class:`~build_utils.samplers.SampleKey` (the training loader) use their own images
             instead (at least :data:`MOSAIC_POOL_MIN` of them): what a worker decoded for other
             batches must not change a sample, or results would depend on the worker.
+        ram_cache_copies: processes on this node that each hold their own RAM cache
+            (``cache_images="ram"``), all counted by the memory check; the caller knows how many
+            there are (``train_utils.distributed.node.processes_per_node()``).
 
     Attributes:
         img_files: usable images in dataset order; ``label_files`` their label paths.
@@ -226,8 +175,9 @@ class LoadImagesAndLabels(Dataset):
         *,
         nc: int | None = None,
         mosaic_buffer: int | None = None,
+        ram_cache_copies: int = 1,
     ) -> None:
-        _check_sizes(img_size, batch_size, nc, mosaic_buffer)
+        _check_sizes(img_size, batch_size, nc, mosaic_buffer, ram_cache_copies)
         mode = _cache_mode(cache_images)
         _check_hyp(augment, hyp)
         self.img_size = img_size
@@ -240,6 +190,7 @@ class LoadImagesAndLabels(Dataset):
         self.nc = nc
         self.pad = pad
         self.rank = rank
+        self.ram_cache_copies = ram_cache_copies
         self._affine = AffineParams(
             *(float(self.hyp.get(k, 0.0)) for k in ("degrees", "translate", "scale", "shear"))
         )
@@ -325,7 +276,9 @@ class LoadImagesAndLabels(Dataset):
         if mode == "ram":
             self._cache_in_ram(is_main)
         elif mode == "disk":
-            self._cache_on_disk(folder, is_main)
+            self._npy_files = cache_on_disk(
+                self._decode_for_cache, self.img_files, self.img_size, folder, is_main
+            )
 
     def _init_mosaic_buffer(self, size: int | None) -> None:
         """An empty mosaic buffer of ``size`` images (None: a default from the batch size);
@@ -399,29 +352,9 @@ class LoadImagesAndLabels(Dataset):
         """Decode images ``share, share + shares, ...`` into ``images``, this process's part of a
         cache that ``shares`` processes of the node fill together; call
         :meth:`use_ram_cache` once every part is in."""
-        todo = range(share, len(self), shares)
-        if is_main:
-            gb = 1e9
-            LOGGER.info(
-                "caching %d images in RAM shared by %d process(es) (%.2f GB per node)",
-                len(self),
-                shares,
-                images.nbytes / gb,
-            )
-
-        def put(i: int) -> None:
-            images.put(i, self._decode_for_cache(i))
-
-        with ThreadPoolExecutor(DECODE_THREADS) as pool:
-            list(
-                tqdm(
-                    pool.map(put, todo),
-                    total=len(todo),
-                    desc="caching images",
-                    disable=not is_main,
-                    leave=False,
-                )
-            )
+        if len(images) != len(self):
+            raise ValueError(f"a shared cache of {len(images)} images for a dataset of {len(self)}")
+        fill_shared(images, self._decode_for_cache, share, shares, is_main)
 
     def use_ram_cache(self, images: SharedImages | list[np.ndarray]) -> None:
         """Serve every image from ``images`` (all filled) from now on."""
@@ -435,59 +368,17 @@ class LoadImagesAndLabels(Dataset):
         """Fill the RAM image cache now (for a dataset built without one).
 
         ``check_memory=False`` when the caller already decided it fits (see
-        :func:`check_ram_cache_fits`), e.g. once per node for all its processes.
+        :func:`~build_utils.image_cache.check_ram_cache_fits`), e.g. once per node for all its
+        processes.
         """
         self._cache_in_ram(is_main, check_memory)
         self._init_mosaic_buffer(self._mosaic_buffer_size)
 
     def _cache_in_ram(self, is_main: bool, check_memory: bool = True) -> None:
         need = self.ram_cache_bytes()
-        gb = 1e9
         if check_memory:
-            check_ram_cache_fits(need, len(self))
-        if is_main:
-            LOGGER.info("caching %d images in RAM (%.2f GB)", len(self), need / gb)
-        with ThreadPoolExecutor(DECODE_THREADS) as pool:
-            self._imgs = list(
-                tqdm(
-                    pool.map(self._decode_for_cache, range(len(self))),
-                    total=len(self),
-                    desc="caching images",
-                    disable=not is_main,
-                    leave=False,
-                )
-            )
-
-    def _cache_on_disk(self, folder: Path, is_main: bool) -> None:
-        names = []
-        for f in self.img_files:
-            digest = hashlib.sha1(f"{f}|{file_stamp(f)}|{self.img_size}".encode()).hexdigest()
-            names.append(folder / f"{digest[:20]}.npy")
-        todo = [i for i, p in enumerate(names) if not p.is_file()]
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-
-            def write(i: int) -> None:
-                write_npy_atomic(names[i], self._decode_for_cache(i))
-
-            with ThreadPoolExecutor(DECODE_THREADS) as pool:
-                list(
-                    tqdm(
-                        pool.map(write, todo),
-                        total=len(todo),
-                        desc="caching images to disk",
-                        disable=not is_main or not todo,
-                        leave=False,
-                    )
-                )
-        except OSError as e:
-            LOGGER.warning(
-                "cannot write the image cache in %s (%s); images are decoded on the fly",
-                folder,
-                e.strerror or e,
-            )
-            return
-        self._npy_files = names
+            check_ram_cache_fits(need, len(self), self.ram_cache_copies)
+        self._imgs = fill_ram(self._decode_for_cache, len(self), need, is_main)
 
     # ---- image access -------------------------------------------------------------------------
 
@@ -513,14 +404,9 @@ class LoadImagesAndLabels(Dataset):
         if self._imgs is not None:
             return self._imgs[i]
         if self._npy_files is not None:
-            try:
-                return np.load(self._npy_files[i], allow_pickle=False)
-            except (OSError, ValueError) as e:
-                LOGGER.warning(
-                    "image cache file %s is unreadable (%s); decoding the image",
-                    self._npy_files[i],
-                    e,
-                )
+            img = read_npy(self._npy_files[i])
+            if img is not None:
+                return img
         return self._decode(i, scale)
 
     def _buffered_image(self, i: int, scale: float) -> np.ndarray:
@@ -726,7 +612,9 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _check_sizes(img_size: Any, batch_size: Any, nc: Any, mosaic_buffer: Any) -> None:
+def _check_sizes(
+    img_size: Any, batch_size: Any, nc: Any, mosaic_buffer: Any, ram_cache_copies: Any
+) -> None:
     """ConfigError naming the first bad size argument of :class:`LoadImagesAndLabels`."""
     if not _is_int(img_size) or img_size < GRID:
         raise ConfigError(f"img_size must be an integer >= {GRID}, got {img_size!r}")
@@ -736,6 +624,8 @@ def _check_sizes(img_size: Any, batch_size: Any, nc: Any, mosaic_buffer: Any) ->
         raise ConfigError(f"nc must be a positive integer or None, got {nc!r}")
     if mosaic_buffer is not None and (not _is_int(mosaic_buffer) or mosaic_buffer < 0):
         raise ConfigError(f"mosaic_buffer must be an integer >= 0 or None, got {mosaic_buffer!r}")
+    if not _is_int(ram_cache_copies) or ram_cache_copies < 1:
+        raise ConfigError(f"ram_cache_copies must be a positive integer, got {ram_cache_copies!r}")
 
 
 def _check_hyp(augment: bool, hyp: dict[str, Any] | None) -> None:

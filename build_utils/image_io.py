@@ -16,10 +16,13 @@ from __future__ import annotations
 
 import os
 import struct
-from pathlib import Path
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
 
 import cv2
 import numpy as np
+from tqdm import tqdm
 
 from build_utils.errors import DatasetError
 
@@ -28,6 +31,8 @@ IMG_FORMATS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".tif", ".tiff"
 # Threads for decoding many images (label checks, image caches): decoding releases the GIL, so
 # threads scale with the cores.
 DECODE_THREADS = min(8, os.cpu_count() or 1)
+Item = TypeVar("Item")
+Result = TypeVar("Result")
 
 # JPEG decoding can scale by 1/2, 1/4 or 1/8 inside the IDCT, much cheaper than a full decode
 # followed by a resize; OpenCV exposes it through these flags.
@@ -256,13 +261,18 @@ def list_images(folder: str | os.PathLike[str]) -> list[str]:
     return found
 
 
-def write_npy_atomic(path: Path, array: np.ndarray) -> None:
-    """Save ``array`` as ``.npy`` via a temporary file and a rename (no torn files)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            np.save(f, array, allow_pickle=False)
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
+def map_in_threads(
+    fn: Callable[[Item], Result], items: Sequence[Item], desc: str, progress: bool
+) -> list[Result]:
+    """``[fn(x) for x in items]`` on :data:`DECODE_THREADS` threads, in order, with a tqdm bar
+    when ``progress``: the one loop behind label checking and every image cache fill."""
+    with ThreadPoolExecutor(DECODE_THREADS) as pool:
+        return list(
+            tqdm(
+                pool.map(fn, items),
+                total=len(items),
+                desc=desc,
+                disable=not progress,
+                leave=False,
+            )
+        )

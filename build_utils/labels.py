@@ -27,24 +27,22 @@ import hashlib
 import logging
 import math
 import os
-import tempfile
 import zipfile
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
-from tqdm import tqdm
 
+from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
 from build_utils.image_io import (
-    DECODE_THREADS,
     IMG_FORMATS,
     check_image,
     file_stamp,
     is_image_file,
     list_images,
+    map_in_threads,
 )
 
 LOGGER = logging.getLogger(__name__)
@@ -333,16 +331,11 @@ def build_label_cache(
     desc: str = "checking labels",
 ) -> LabelCache:
     """Check every image and label file (in a thread pool) and gather the results."""
-    with ThreadPoolExecutor(DECODE_THREADS) as pool:
-        results = list(
-            tqdm(
-                pool.map(check_file, img_files, label_files, [nc] * len(img_files)),
-                total=len(img_files),
-                desc=desc,
-                disable=not progress,
-                leave=False,
-            )
-        )
+
+    def check(k: int) -> FileCheck:
+        return check_file(img_files[k], label_files[k], nc)
+
+    results = map_in_threads(check, range(len(img_files)), desc, progress)
     stats = dict.fromkeys(LabelCache.STAT_NAMES, 0)
     report: list[str] = []
     for img, r in zip(img_files, results):
@@ -365,33 +358,28 @@ def build_label_cache(
 
 
 def save_label_cache(path: Path, key: str, cache: LabelCache) -> bool:
-    """Write the cache atomically (temporary file + rename). Returns False, with a warning,
-    when the folder is not writable: a read-only dataset is fine, it is just checked again."""
+    """Write the cache atomically (:func:`~build_utils.atomic.atomic_write`). Returns False,
+    with a warning, when the folder is not writable: a read-only dataset is fine, it is just
+    checked again."""
     counts = np.array([len(x) for x in cache.labels], dtype=np.int64)
     labels = (
         np.concatenate(cache.labels) if cache.labels else np.zeros((0, LABEL_FIELDS), np.float32)
     )
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(
-                    f,
-                    version=np.int64(CACHE_VERSION),
-                    key=np.str_(key),
-                    files=np.array(cache.files, dtype=np.str_),
-                    ok=cache.ok,
-                    sizes=cache.sizes,
-                    counts=counts,
-                    labels=labels.astype(np.float32),
-                    stats=np.array([cache.stats[k] for k in LabelCache.STAT_NAMES]),
-                    report=np.array(cache.report, dtype=np.str_),
-                )
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_write(path, "wb") as f:
+            np.savez(
+                f,
+                version=np.int64(CACHE_VERSION),
+                key=np.str_(key),
+                files=np.array(cache.files, dtype=np.str_),
+                ok=cache.ok,
+                sizes=cache.sizes,
+                counts=counts,
+                labels=labels.astype(np.float32),
+                stats=np.array([cache.stats[k] for k in LabelCache.STAT_NAMES]),
+                report=np.array(cache.report, dtype=np.str_),
+            )
     except OSError as e:
         LOGGER.warning(
             "cannot write label cache %s (%s); labels will be checked again next time",
@@ -436,11 +424,9 @@ def load_label_cache(path: Path, key: str) -> LabelCache | None:
 def write_report(path: Path, header: str, lines: Sequence[str]) -> None:
     """Write the per-file problem list; a failure is only a warning."""
     try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with atomic_write(path, "w") as f:
             f.write(f"# {header}\n")
             f.writelines(line + "\n" for line in lines)
-        os.replace(tmp, path)
     except OSError as e:
         LOGGER.warning("cannot write label report %s (%s)", path, e.strerror or e)
 

@@ -300,8 +300,8 @@ def compute_loss(
             optionally ``obj_balance`` (per-head objectness weights when true).
 
     Returns:
-        ``{"box_loss", "obj_loss", "class_loss"}``: 0-dim tensors, already multiplied by their
-        gains; their sum is the loss to minimise. ``class_loss`` is 0 when ``nc == 1``.
+        ``{"box_loss", "obj_loss", "cls_loss"}``: 0-dim tensors, already multiplied by their
+        gains; their sum is the loss to minimise. ``cls_loss`` is 0 when ``nc == 1``.
 
     Duplicates: several targets of one image may land on the same (anchor, cell). They all
     count in the box and class losses; the objectness target there is the GIoU of the last
@@ -357,7 +357,7 @@ def compute_loss(
     return {
         "box_loss": lbox * hyp["giou"],
         "obj_loss": lobj * hyp["obj"],
-        "class_loss": lcls * hyp["cls"],
+        "cls_loss": lcls * hyp["cls"],
     }
 
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from build_utils.atomic import atomic_write
 from build_utils.errors import CheckpointError
 from models.darknet import Darknet
 from models.layers import WeightedFeatureFusion
@@ -181,8 +182,8 @@ def save_weights(model: Darknet, path: str | os.PathLike[str], cutoff: int = -1)
     """Write ``model`` (layers ``0 .. cutoff - 1``, -1: all) as a Darknet ``.weights`` file:
     the header version of the file the model was loaded from (``model.darknet_version``),
     otherwise 0.2.0, and ``model.seen`` (int64 from version 0.2 on, as Darknet reads it), so
-    that loading and saving a Darknet file gives it back byte for byte. Written to a temporary
-    file and renamed.
+    that loading and saving a Darknet file gives it back byte for byte. Written atomically
+    (:func:`~build_utils.atomic.atomic_write`).
 
     Raises:
         CheckpointError: the model is fused.
@@ -191,16 +192,11 @@ def save_weights(model: Darknet, path: str | os.PathLike[str], cutoff: int = -1)
     version = tuple(getattr(model, "darknet_version", DARKNET_VERSION))
     seen_dtype = "<i8" if _seen_is_int64(version[0], version[1]) else "<i4"
     layers = list(_darknet_tensors(model, cutoff))  # raises for a fused model
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        with tmp.open("wb") as f:
-            f.write(np.asarray(version, dtype="<i4").tobytes())
-            f.write(np.asarray([int(getattr(model, "seen", 0))], dtype=seen_dtype).tobytes())
-            # One tensor at a time, without extra copies: files reach hundreds of MB.
-            for _, tensors in layers:
-                for t in tensors:
-                    values = t.detach().to("cpu", torch.float32).contiguous().numpy()
-                    f.write(np.ascontiguousarray(values, dtype="<f4").data)
-        tmp.replace(path)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with atomic_write(path, "wb") as f:
+        f.write(np.asarray(version, dtype="<i4").tobytes())
+        f.write(np.asarray([int(getattr(model, "seen", 0))], dtype=seen_dtype).tobytes())
+        # One tensor at a time, without extra copies: files reach hundreds of MB.
+        for _, tensors in layers:
+            for t in tensors:
+                values = t.detach().to("cpu", torch.float32).contiguous().numpy()
+                f.write(np.ascontiguousarray(values, dtype="<f4").data)

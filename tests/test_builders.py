@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
-from train_utils.builders import build_train_data
+from build_utils import image_cache
+from build_utils.errors import DatasetError
+from train_utils.builders import build_train_data, make_eval_dataset
 from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.process_group import DistInfo
 
@@ -63,3 +66,17 @@ def test_batches_do_not_depend_on_persistent_workers(shapes_data, repo_root, tmp
     second = {i: img for imgs, _, ids in main[1] for i, img in zip(ids, imgs)}
     common = first.keys() & second.keys()
     assert common and all(not torch.equal(first[i], second[i]) for i in common)
+
+
+def test_a_per_process_ram_cache_counts_the_processes_of_the_node(shapes_data, monkeypatch):
+    """Each process that caches its own copy is counted: LOCAL_WORLD_SIZE (or SLURM's tasks on
+    the node) through processes_per_node(), which build_utils cannot read itself."""
+    lst = shapes_data.parent / "val.txt"
+    for var in ("LOCAL_WORLD_SIZE", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    need = make_eval_dataset(lst, 96, 4, nc=3).ram_cache_bytes()
+    monkeypatch.setattr(image_cache, "available_memory_bytes", lambda: 4 * need)
+    assert make_eval_dataset(lst, 96, 4, nc=3, cache_images="ram").ram_cache_copies == 1
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    with pytest.raises(DatasetError, match=r"x 8 process\(es\)"):
+        make_eval_dataset(lst, 96, 4, nc=3, cache_images="ram")

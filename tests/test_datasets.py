@@ -13,7 +13,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from build_utils import datasets as ds_mod
+from build_utils import atomic as atomic_mod
+from build_utils import image_cache as cache_mod
 from build_utils import labels as labels_mod
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError
@@ -482,7 +483,7 @@ def test_label_cache_reuse_and_invalidation(tmp_path, monkeypatch, caplog):
         raise PermissionError(13, "Permission denied")
 
     caplog.clear()
-    monkeypatch.setattr(labels_mod.tempfile, "mkstemp", read_only)
+    monkeypatch.setattr(atomic_mod, "_open_temp", read_only)  # no file can be created
     with caplog.at_level(logging.WARNING, logger="build_utils.labels"):
         d3 = LoadImagesAndLabels(lst, 96, nc=3)
     assert len(d3) == len(d) and "cannot write label cache" in caplog.text
@@ -516,20 +517,27 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
     assert later.ram_cache_bytes() == ram.ram_cache_bytes() > 0
     for i in range(len(plain)):
         assert torch.equal(plain[i][0], later[i][0])
-    monkeypatch.setattr(ds_mod, "available_memory_bytes", lambda: 1000)
+    monkeypatch.setattr(cache_mod, "available_memory_bytes", lambda: 1000)
     with pytest.raises(DatasetError, match="cache_images='disk'"):
         LoadImagesAndLabels(lst, 96, cache_images="ram")
 
 
-def test_ram_cache_check_counts_the_processes_of_the_node(monkeypatch):
-    monkeypatch.setattr(ds_mod, "available_memory_bytes", lambda: 10_000)
-    ds_mod.check_ram_cache_fits(1500, 5, procs=4)
+def test_ram_cache_check_counts_the_processes_of_the_node(tmp_path, monkeypatch):
+    monkeypatch.setattr(cache_mod, "available_memory_bytes", lambda: 10_000)
+    cache_mod.check_ram_cache_fits(1500, 5, procs=4)
     with pytest.raises(DatasetError, match=r"needs 0\.0 GB x 8 process\(es\)"):
-        ds_mod.check_ram_cache_fits(1500, 5, procs=8)
-    # Under SLURM, LOCAL_WORLD_SIZE comes from the tasks per node (distributed_utils).
+        cache_mod.check_ram_cache_fits(1500, 5, procs=8)
+    # The dataset counts the copies its caller announces (train_utils passes the processes per
+    # node, from LOCAL_WORLD_SIZE or SLURM); build_utils reads no environment for it.
+    lst = small_dataset(tmp_path)
+    need = LoadImagesAndLabels(lst, 96).ram_cache_bytes()
+    monkeypatch.setattr(cache_mod, "available_memory_bytes", lambda: 4 * need)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
+    assert len(LoadImagesAndLabels(lst, 96, cache_images="ram")) > 0
     with pytest.raises(DatasetError, match="x 8 process"):
-        ds_mod.check_ram_cache_fits(1500, 5)
+        LoadImagesAndLabels(lst, 96, cache_images="ram", ram_cache_copies=8)
+    with pytest.raises(ConfigError, match="ram_cache_copies must be a positive integer"):
+        LoadImagesAndLabels(lst, 96, ram_cache_copies=0)
 
 
 # ---------------------------------------------------------------------------------------------

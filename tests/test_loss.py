@@ -74,7 +74,7 @@ def test_hand_computed_perfect_box():
     loss = _one_cell_case(wh_logit=0.0, obj_pw=2.0)
     assert loss["box_loss"].item() == pytest.approx(0.0, abs=1e-6)
     assert loss["obj_loss"].item() == pytest.approx(5 / 4 * LN2, abs=1e-6)
-    assert loss["class_loss"].item() == pytest.approx(LN2, abs=1e-6)
+    assert loss["cls_loss"].item() == pytest.approx(LN2, abs=1e-6)
     assert all(v.dim() == 0 for v in loss.values())
 
 
@@ -95,15 +95,15 @@ def test_gains_multiply():
     pred[0, 0, 0, 0, 2:4] = LN2
     targets = torch.tensor([[0, 1, 0.25, 0.25, 0.5, 0.5]], dtype=torch.float64)
     scaled = compute_loss([pred], targets, model, dict(HYP, giou=3.0, obj=5.0, cls=7.0))
-    for key, g in (("box_loss", 3.0), ("obj_loss", 5.0), ("class_loss", 7.0)):
+    for key, g in (("box_loss", 3.0), ("obj_loss", 5.0), ("cls_loss", 7.0)):
         assert scaled[key].item() == pytest.approx(g * base[key].item(), rel=1e-9)
 
 
-def test_single_class_has_no_class_loss():
+def test_single_class_has_no_cls_loss():
     model = fake_model([[(1.0, 1.0)]], nc=1)
     pred = torch.randn(1, 1, 2, 2, 6, dtype=torch.float64)
     targets = torch.tensor([[0, 0, 0.25, 0.25, 0.5, 0.5]], dtype=torch.float64)
-    assert compute_loss([pred], targets, model, HYP)["class_loss"].item() == 0.0
+    assert compute_loss([pred], targets, model, HYP)["cls_loss"].item() == 0.0
 
 
 # ------------------------------------------------------------------- independent numpy reference
@@ -205,7 +205,7 @@ def reference_loss(preds, targets, anchor_vecs, nc, hyp, new_coords=False, obj_w
     return {
         "box_loss": lbox * hyp["giou"],
         "obj_loss": lobj * hyp["obj"],
-        "class_loss": lcls * hyp["cls"],
+        "cls_loss": lcls * hyp["cls"],
     }
 
 
@@ -244,7 +244,7 @@ def test_matches_numpy_reference(seed, nt, nc, duplicates, gamma):
     expected = reference_loss(preds, t, anchor_vecs, nc, hyp)
     model = fake_model(anchor_vecs, nc)
     got = compute_loss([torch.from_numpy(p) for p in preds], torch.from_numpy(t), model, hyp)
-    for key in ("box_loss", "obj_loss", "class_loss"):
+    for key in ("box_loss", "obj_loss", "cls_loss"):
         assert got[key].item() == pytest.approx(expected[key], abs=1e-5, rel=1e-6), key
 
 
@@ -255,7 +255,7 @@ def test_new_coords_matches_numpy_reference(seed, nt, nc):
     expected = reference_loss(preds, t, anchor_vecs, nc, hyp, new_coords=True)
     model = fake_model(anchor_vecs, nc, new_coords=True)
     got = compute_loss([torch.from_numpy(p) for p in preds], torch.from_numpy(t), model, hyp)
-    for key in ("box_loss", "obj_loss", "class_loss"):
+    for key in ("box_loss", "obj_loss", "cls_loss"):
         assert got[key].item() == pytest.approx(expected[key], abs=1e-5, rel=1e-6), key
     # Not the classic loss: the assignment and the decode differ.
     classic = reference_loss(preds, t, anchor_vecs, nc, hyp)
@@ -292,7 +292,7 @@ def test_obj_balance_weighs_each_heads_objectness(new_coords):
     assert got["obj_loss"].item() == pytest.approx(expected["obj_loss"], abs=1e-5, rel=1e-6)
     assert got["obj_loss"].item() > plain["obj_loss"].item() * 1.5
     # Only the objectness term is weighted.
-    for key in ("box_loss", "class_loss"):
+    for key in ("box_loss", "cls_loss"):
         assert torch.equal(got[key], plain[key]), key
     assert torch.equal(
         compute_loss(*args, dict(hyp, obj_balance=False))["obj_loss"], plain["obj_loss"]
@@ -375,7 +375,7 @@ def test_empty_targets():
     ]
     loss = compute_loss(preds, torch.zeros(0, 6), model, HYP)
     assert loss["box_loss"].item() == 0.0
-    assert loss["class_loss"].item() == 0.0
+    assert loss["cls_loss"].item() == 0.0
     # Every objectness target is 0 and every logit 0: ln 2 per head.
     assert loss["obj_loss"].item() == pytest.approx(2 * LN2, abs=1e-6)
     sum(loss.values()).backward()
@@ -388,7 +388,7 @@ def test_no_assignment_at_all():
     pred = torch.zeros(1, 1, 2, 2, 7)
     targets = torch.tensor([[0, 0, 0.5, 0.5, 0.01, 0.01]])
     loss = compute_loss([pred], targets, model, HYP)
-    assert loss["box_loss"].item() == 0.0 and loss["class_loss"].item() == 0.0
+    assert loss["box_loss"].item() == 0.0 and loss["cls_loss"].item() == 0.0
     assert loss["obj_loss"].item() == pytest.approx(LN2, abs=1e-6)
 
 

@@ -32,6 +32,7 @@ from torch import nn
 import predict
 import validation
 from build_utils import datasets as ds_mod
+from build_utils import image_cache as cache_mod
 from build_utils import labels as labels_mod
 from build_utils.boxes import non_max_suppression
 from build_utils.datasets import LoadImagesAndLabels
@@ -577,7 +578,7 @@ def test_ram_image_cache_is_refused_when_it_does_not_fit(tmp_path, console, monk
     (tmp_path / "d" / "x.data").write_text(
         f"classes={NC}\ntrain={lst}\nvalid={lst}\nnames=x.names\n"
     )
-    monkeypatch.setattr(ds_mod, "available_memory_bytes", lambda: 50_000)  # 50 kB free
+    monkeypatch.setattr(cache_mod, "available_memory_bytes", lambda: 50_000)  # 50 kB free
     out = tmp_path / "run"
     code = train_script.main(
         [

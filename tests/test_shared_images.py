@@ -16,8 +16,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from build_utils.datasets import LoadImagesAndLabels, check_ram_cache_fits
+from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import DatasetError
+from build_utils.image_cache import check_ram_cache_fits
 from build_utils.shared_images import (
     SharedImages,
     shared_cache_dir,

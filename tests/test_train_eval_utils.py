@@ -9,7 +9,7 @@ import torch
 
 from build_utils.errors import ConfigError
 from train_utils.distributed import precision
-from train_utils.distributed.precision import autocast_context, resolve_amp
+from train_utils.distributed.precision import autocast_context, resolve_amp, to_model_input
 
 CPU = torch.device("cpu")
 
@@ -90,6 +90,19 @@ def test_autocast_to_a_given_dtype(monkeypatch):
         assert conv(torch.zeros(1, 3, 2, 2)).dtype == torch.bfloat16
     with autocast_context(CPU, None):
         assert conv(torch.zeros(1, 3, 2, 2)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_model_input_is_the_scaled_float_batch(channels_last):
+    imgs = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
+    imgs[0, 0, 0, :2] = torch.tensor([0, 255], dtype=torch.uint8)
+    x = to_model_input(imgs, CPU, channels_last)
+    expected = imgs.float() / 255
+    assert x.dtype == torch.float32 and torch.equal(x, expected)
+    assert x[0, 0, 0, :2].tolist() == [0.0, 1.0]
+    assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
+    half = to_model_input(imgs, CPU, dtype=torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, imgs.half().div_(255))
 
 
 def test_sync_batchnorm_only_on_cuda_without_compile():

@@ -11,8 +11,9 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
-from build_utils.datasets import LoadImagesAndLabels, check_ram_cache_fits, worker_init_fn
+from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError, YoloError
+from build_utils.image_cache import check_ram_cache_fits
 from build_utils.parse_config import parse_model_cfg, parse_model_cfg_text
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
 from build_utils.shared_images import SharedImages, shared_cache_dir, unlink_quietly
@@ -95,6 +96,8 @@ def make_eval_dataset(
     # Evaluation: no augmentation, rectangular letterboxed batches.
     options = {"augment": False, "hyp": hyp, "rect": True, "cache_images": cache_images}
     options.update(single_cls=single_cls, rank=rank, nc=nc)
+    # A RAM cache built here is one copy per process of the node.
+    options.update(ram_cache_copies=processes_per_node())
     return LoadImagesAndLabels(str(list_path), img_size, batch_size, **options)
 
 
@@ -214,6 +217,7 @@ def _load_datasets(
                 single_cls=config.single_cls,
                 rank=dist.rank,
                 nc=data.nc,
+                ram_cache_copies=processes_per_node(),
             )
             val_set = make_eval_dataset(
                 data.valid,

@@ -24,13 +24,10 @@ and bare state_dicts load the same way; :func:`save_weights_pt` writes that line
 from __future__ import annotations
 
 import argparse
-import contextlib
 import dataclasses
 import enum
 import logging
-import os
 import re
-import secrets
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path, PurePath
@@ -40,6 +37,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from build_utils.atomic import atomic_write
 from build_utils.errors import CheckpointError
 from models.weights import load_darknet_weights
 
@@ -98,19 +96,6 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
-def _fsync_dir(directory: Path) -> None:
-    """Make a rename in ``directory`` durable; best effort, as some OSes (Windows) refuse."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        with contextlib.suppress(OSError):
-            os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(obj: Mapping[str, Any], path: str | Path) -> None:
     """Write ``obj`` to ``path`` atomically: readers see the old file or the new one, never half.
 
@@ -126,24 +111,12 @@ def save_checkpoint(obj: Mapping[str, Any], path: str | Path) -> None:
     if not isinstance(obj, Mapping):
         raise TypeError(f"a checkpoint must be a dict, got {type(obj).__name__}")
     plain = to_plain(dict(obj))
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        # open() rather than NamedTemporaryFile so that the file gets the usual umask
-        # permissions and not 0600.
-        with open(tmp, "xb") as f:
+        with atomic_write(path, "wb", durable_dir=True) as f:
             torch.save(plain, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        # Best effort: a failed cleanup must not hide the error that caused it.
-        with contextlib.suppress(OSError):
-            tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError):
-            raise CheckpointError(f"cannot write checkpoint: {e.strerror or e}", path) from e
-        raise
-    _fsync_dir(path.parent)
+    except OSError as e:
+        raise CheckpointError(f"cannot write checkpoint: {e.strerror or e}", path) from e
     logger.debug("saved checkpoint %s", path)
 
 

@@ -25,7 +25,7 @@ from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import YoloError
 from models.loss import compute_loss
 from train_utils.distributed.comm import all_reduce_flag, gather_rows_to_main, reduce_dict
-from train_utils.distributed.precision import autocast_context
+from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.ema import ModelEMA
 from train_utils.evaluation.coco_eval import (
     CocoEvaluator,
@@ -36,10 +36,6 @@ from train_utils.evaluation.coco_eval import (
 from train_utils.evaluation.options import EvalOptions
 
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration
-
-
-LOSS_NAMES = ("box_loss", "obj_loss", "cls_loss", "loss")
-
 
 logger = logging.getLogger(__name__)
 
@@ -194,12 +190,15 @@ def _prepare_batch(
     imgs: torch.Tensor, targets: torch.Tensor, img_size: int | None, opts: TrainOptions
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 (bs, 3, h, w) -> float in [0, 1] on the device, resized for multi-scale."""
-    imgs = imgs.to(opts.device, non_blocking=True).float().div_(255)
+    if img_size is None:
+        imgs = to_model_input(imgs, opts.device, opts.channels_last)
+    else:
+        # Multi-scale resizes the NCHW batch and only then changes the memory format, as it
+        # always has: interpolating a channels_last batch may round differently.
+        imgs = resize_batch(to_model_input(imgs, opts.device), img_size)
+        if opts.channels_last:
+            imgs = imgs.contiguous(memory_format=torch.channels_last)
     targets = targets.to(opts.device, non_blocking=True)
-    if img_size is not None:
-        imgs = resize_batch(imgs, img_size)
-    if opts.channels_last:
-        imgs = imgs.contiguous(memory_format=torch.channels_last)
     return imgs, targets
 
 
@@ -222,13 +221,13 @@ def _forward_backward(
         preds = state.model(imgs)
     # The loss stays in fp32 whatever the forward precision.
     loss_dict = compute_loss([p.float() for p in preds], targets, state.model_without_ddp, opts.hyp)
-    loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["class_loss"]
+    loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["cls_loss"]
     step_loss = loss / opts.accumulate
     if state.scaler is not None:
         state.scaler.scale(step_loss).backward()
     else:
         step_loss.backward()
-    parts = (loss_dict["box_loss"], loss_dict["obj_loss"], loss_dict["class_loss"], loss)
+    parts = (loss_dict["box_loss"], loss_dict["obj_loss"], loss_dict["cls_loss"], loss)
     return torch.stack(parts).detach()
 
 
@@ -317,9 +316,7 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
     for imgs, _, _, shapes, indices in tqdm(
         loader, desc="eval", disable=not opts.show_progress, leave=False, dynamic_ncols=True
     ):
-        imgs = imgs.to(opts.device, non_blocking=True).float().div_(255)
-        if opts.channels_last:
-            imgs = imgs.contiguous(memory_format=torch.channels_last)
+        imgs = to_model_input(imgs, opts.device, opts.channels_last)
         with autocast_context(opts.device, opts.amp):
             det = model(imgs)[0]
         outputs = non_max_suppression(

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from build_utils.atomic import atomic_write
 from train_utils.distributed.precision import autocast_context
 
 logger = logging.getLogger(__name__)
@@ -99,9 +100,8 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
         data = _read_cache(path)
         data[key] = entry
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(data, indent=1, sort_keys=True))
-        os.replace(tmp, path)
+        with atomic_write(path, "w") as f:
+            f.write(json.dumps(data, indent=1, sort_keys=True))
     except OSError as e:  # a read-only home must not stop training
         logger.info("could not cache the memory-format decision in %s: %s", path, e)
 

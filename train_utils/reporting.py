@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import csv
 import logging
-import os
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ from typing import Any
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
+from build_utils.atomic import atomic_write
 from train_utils.checkpoint import save_checkpoint, to_plain
 from train_utils.engine import EpochStats
 from train_utils.evaluation.coco_eval import STAT_NAMES
@@ -52,12 +52,10 @@ def read_results(path: Path) -> list[dict[str, str]]:
 
 def write_results(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
     """Replace ``results.csv`` atomically."""
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w", newline="") as f:
+    with atomic_write(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=RESULTS_HEADER)
         w.writeheader()
         w.writerows(rows)
-    os.replace(tmp, path)
 
 
 def plot_results(csv_path: Path, png_path: Path) -> None:

@@ -131,3 +131,23 @@ def replay_precision(
     else:
         channels_last = bool(record.get("channels_last", False))
     return amp, channels_last, why
+
+
+def to_model_input(
+    imgs: torch.Tensor,
+    device: torch.device,
+    channels_last: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """uint8 images ``(bs, 3, h, w)`` (0..255) -> ``dtype`` in [0, 1] on ``device``, in the
+    channels_last memory format if asked (the model's own format must match).
+
+    The copy to the device comes first, so only uint8 (a quarter of the float bytes) crosses
+    the bus; ``non_blocking`` overlaps it with the host when ``imgs`` is in pinned memory.
+    Every script's input goes through here: the same pixels give the same tensor bit for bit
+    in training, evaluation, timing and prediction.
+    """
+    x = imgs.to(device, non_blocking=True).to(dtype).div_(255)
+    if channels_last:
+        x = x.contiguous(memory_format=torch.channels_last)
+    return x

@@ -17,13 +17,13 @@ import io
 import json
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 from pycocotools.coco import COCO
 
+from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
 
 logger = logging.getLogger(__name__)
@@ -192,18 +192,10 @@ def _read_cache(path: Path, key: str) -> dict | None:
 
 
 def _write_cache(path: Path, coco_dict: dict) -> None:
-    tmp_name = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp_name = tempfile.mkstemp(prefix=path.name, suffix=".tmp", dir=path.parent)
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
+        with atomic_write(path, "w") as f:
             json.dump(coco_dict, f)
-        os.replace(tmp_name, path)
-        tmp_name = None
         logger.info("COCO ground truth cached to %s", path)
     except OSError as e:
         logger.warning("could not write the COCO ground-truth cache %s: %s", path, e)
-    finally:
-        if tmp_name is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp_name)

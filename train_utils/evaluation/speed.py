@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from build_utils.boxes import non_max_suppression
-from train_utils.distributed.precision import autocast_context
+from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.evaluation.options import EvalOptions
 
 WARMUP_BATCHES = 1  # batches run before timing starts (allocations, oneDNN/cuDNN plans)
@@ -56,9 +56,7 @@ def measure_speed(model: nn.Module, loader: Iterable, opts: EvalOptions) -> Spee
     for batch in loader:
         imgs = batch[0]
         t0 = _sync(opts.device)
-        x = imgs.to(opts.device, non_blocking=True).float().div_(255)
-        if opts.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
+        x = to_model_input(imgs, opts.device, opts.channels_last)
         t1 = _sync(opts.device)
         with autocast_context(opts.device, opts.amp):
             det = model(x)[0]

@@ -1,0 +1,149 @@
+"""The image caches of a dataset: decoded, resized images kept so that later epochs skip decoding.
+
+Three kinds, all filled by :func:`~build_utils.image_io.map_in_threads` from a dataset's
+``decode(i)`` (image ``i`` resized for the cache, BGR ``(h, w, 3) uint8``):
+
+- RAM, one copy per process (:func:`fill_ram`), refused by :func:`check_ram_cache_fits` when the
+  node's copies would not fit;
+- RAM, one copy per node in a shared file (:func:`fill_shared`, see
+  :mod:`build_utils.shared_images`), filled by the node's processes together;
+- ``.npy`` files on disk (:func:`cache_on_disk`) next to the label cache, one per image, named
+  by a hash of the image path, its size and modification time and the cache's image size, so a
+  changed image or another ``img_size`` gets a new file and nothing stale is read.
+
+Which images go into the cache and at what size is the dataset's business
+(:class:`~build_utils.datasets.LoadImagesAndLabels`); this module only stores and reads them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from build_utils.atomic import atomic_write
+from build_utils.errors import DatasetError
+from build_utils.image_io import file_stamp, map_in_threads
+from build_utils.shared_images import SharedImages
+
+LOGGER = logging.getLogger(__name__)
+Decode = Callable[[int], np.ndarray]
+
+# cache_images="ram" is refused when the estimate exceeds this fraction of available memory.
+RAM_CACHE_MAX_FRACTION = 0.8
+NPY_NAME_CHARS = 20  # hex digits of the SHA-1 that name a .npy cache file
+GB = 1e9
+
+
+def available_memory_bytes() -> int | None:
+    """Memory available to new allocations (Linux ``MemAvailable``), None when unknown."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_ram_cache_fits(need: int, images: int, procs: int, avail: int | None = None) -> None:
+    """Refuse a RAM image cache of ``need`` bytes per copy when ``procs`` copies on this node
+    (one per process that caches its own, see
+    :func:`train_utils.distributed.node.processes_per_node`; 1 for the node's shared cache, see
+    :class:`~build_utils.shared_images.SharedImages`) would take more than
+    :data:`RAM_CACHE_MAX_FRACTION` of ``avail`` bytes (default: the available memory).
+
+    Raises:
+        DatasetError: it would not fit.
+    """
+    avail = available_memory_bytes() if avail is None else avail
+    if avail is not None and need * procs > RAM_CACHE_MAX_FRACTION * avail:
+        copies = "one copy for the node" if procs == 1 else f"x {procs} process(es)"
+        raise DatasetError(
+            f"caching {images} images in RAM needs {need / GB:.1f} GB {copies} "
+            f"but only {avail / GB:.1f} GB is available; use "
+            f"cache_images='disk' (--cache-images disk) or no image cache"
+        )
+
+
+def fill_ram(decode: Decode, count: int, nbytes: int, progress: bool) -> list[np.ndarray]:
+    """Images ``0 .. count - 1`` (``nbytes`` in all, for the log) decoded into this process's
+    memory; ``progress`` logs and draws a bar (the main process)."""
+    if progress:
+        LOGGER.info("caching %d images in RAM (%.2f GB)", count, nbytes / GB)
+    return map_in_threads(decode, range(count), "caching images", progress)
+
+
+def fill_shared(
+    images: SharedImages, decode: Decode, share: int, shares: int, progress: bool
+) -> None:
+    """Decode images ``share, share + shares, ...`` into ``images``: this process's part of a
+    cache that ``shares`` processes of the node fill together."""
+    if progress:
+        LOGGER.info(
+            "caching %d images in RAM shared by %d process(es) (%.2f GB per node)",
+            len(images),
+            shares,
+            images.nbytes / GB,
+        )
+
+    def put(i: int) -> None:
+        images.put(i, decode(i))
+
+    map_in_threads(put, range(share, len(images), shares), "caching images", progress)
+
+
+def npy_cache_files(img_files: Sequence[str], img_size: int, folder: Path) -> list[Path]:
+    """The ``.npy`` file of every image in ``folder``: named by the image's path, size and
+    modification time and ``img_size``, so an edited image is cached again."""
+    names = []
+    for f in img_files:
+        digest = hashlib.sha1(f"{f}|{file_stamp(f)}|{img_size}".encode()).hexdigest()
+        names.append(folder / f"{digest[:NPY_NAME_CHARS]}.npy")
+    return names
+
+
+def cache_on_disk(
+    decode: Decode, img_files: Sequence[str], img_size: int, folder: Path, progress: bool
+) -> list[Path] | None:
+    """The ``.npy`` file of every image in ``folder``, writing those that do not exist yet;
+    None, with a warning, when ``folder`` is not writable (images are then decoded on the fly).
+    """
+    names = npy_cache_files(img_files, img_size, folder)
+    todo = [i for i, p in enumerate(names) if not p.is_file()]
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+
+        def write(i: int) -> None:
+            img = decode(i)
+            # Not fsynced: a cache file is cheap to rebuild, and there is one per image.
+            with atomic_write(names[i], "wb", fsync=False) as f:
+                np.save(f, img, allow_pickle=False)
+
+        map_in_threads(write, todo, "caching images to disk", progress and bool(todo))
+    except OSError as e:
+        LOGGER.warning(
+            "cannot write the image cache in %s (%s); images are decoded on the fly",
+            folder,
+            e.strerror or e,
+        )
+        return None
+    return names
+
+
+def read_npy(path: Path) -> np.ndarray | None:
+    """The image in the ``.npy`` cache file ``path``; None, with a warning, when it cannot be
+    read (the caller decodes the image instead)."""
+    try:
+        return np.load(path, allow_pickle=False)
+    except (OSError, ValueError) as e:
+        LOGGER.warning("image cache file %s is unreadable (%s); decoding the image", path, e)
+        return None

@@ -1,0 +1,88 @@
+"""build_utils/atomic.py: the one atomic writer (checkpoints, caches, results.csv, weights)."""
+
+from __future__ import annotations
+
+import os
+import stat
+from pathlib import Path
+
+import pytest
+
+from build_utils.atomic import atomic_write, temp_path
+
+
+class Boom(Exception):
+    pass
+
+
+def _leftovers(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.name.endswith(".tmp"))
+
+
+@pytest.mark.parametrize(
+    ("mode", "content"), [("wb", b"\x00\x01binary\xff"), ("w", "text \u00e9\nline 2\n")]
+)
+def test_writes_and_replaces(tmp_path, mode, content):
+    path = tmp_path / "out.dat"
+    for data in (content, content * 2):  # a new file, then one replaced
+        with atomic_write(path, mode) as f:
+            f.write(data)
+        got = path.read_bytes() if mode == "wb" else path.read_text(encoding="utf-8")
+        assert got == data
+    assert _leftovers(tmp_path) == []
+
+
+@pytest.mark.parametrize("mode", ["wb", "w"])
+def test_old_file_survives_a_writer_that_fails_midway(tmp_path, mode):
+    path = tmp_path / "out.dat"
+    path.write_bytes(b"old")
+    with pytest.raises(Boom), atomic_write(path, mode) as f:
+        f.write(b"half of the new" if mode == "wb" else "half of the new")
+        f.flush()
+        assert _leftovers(tmp_path), "the data goes to a temporary file first"
+        raise Boom
+    assert path.read_bytes() == b"old"
+    assert _leftovers(tmp_path) == []
+
+
+def test_a_failed_first_write_leaves_nothing(tmp_path):
+    path = tmp_path / "new.dat"
+    with pytest.raises(OSError), atomic_write(path) as f:
+        f.write(b"x")
+        raise OSError(28, "No space left on device")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_text_mode_options(tmp_path):
+    path = tmp_path / "rows.csv"
+    with atomic_write(path, "w", newline="") as f:
+        f.write("a,b\r\n")
+    assert path.read_bytes() == b"a,b\r\n"  # newline="" keeps the csv module's line ends
+    with atomic_write(path, "w", encoding="latin-1") as f:
+        f.write("\u00e9")
+    assert path.read_bytes() == b"\xe9"
+
+
+def test_temporary_names_are_hidden_unique_and_in_the_same_folder(tmp_path):
+    path = tmp_path / "last.pt"
+    a, b = temp_path(path), temp_path(path)
+    assert a != b and a.parent == b.parent == tmp_path
+    assert a.name.startswith(f".last.pt.{os.getpid()}.") and a.name.endswith(".tmp")
+
+
+def test_the_file_gets_the_usual_permissions(tmp_path):
+    # Not mkstemp's 0600: a checkpoint or cache must be readable like any other file.
+    umask = os.umask(0)
+    os.umask(umask)
+    path = tmp_path / "f"
+    with atomic_write(path, durable_dir=True, fsync=False) as f:
+        f.write(b"x")
+    assert stat.S_IMODE(path.stat().st_mode) == 0o666 & ~umask
+
+
+def test_a_missing_folder_or_a_bad_mode_is_an_error(tmp_path):
+    with pytest.raises(FileNotFoundError), atomic_write(tmp_path / "no" / "f"):
+        pass
+    with pytest.raises(ValueError, match="mode must be one of"), atomic_write(tmp_path / "f", "a"):
+        pass
+    assert list(tmp_path.iterdir()) == []
