@@ -75,16 +75,8 @@ HEAVY_CFGS = {"cfg/yolov3-spp.cfg": "cfg/yolov3-spp-nano.cfg"}
 ELLIPSIS = {
     "train.py": ["--cfg", "cfg/yolov3-spp.cfg", "--data", "mydata/mydata.data"],
     "train_multi_GPU.py": ["--cfg", "cfg/yolov3-spp.cfg", "--data", "mydata/mydata.data"],
-    "validation.py": [
-        "--cfg",
-        "runs/mydata/model.cfg",
-        "--data",
-        "mydata/mydata.data",
-        "--weights",
-        "runs/mydata/best.pt",
-    ],
+    "validation.py": ["--weights", "runs/mydata/best.pt"],
 }
-SELF_DESCRIBING = "needs self-describing checkpoints"
 
 
 @dataclass(frozen=True)
@@ -282,11 +274,7 @@ def _continues_runs_mydata(work: Path) -> None:
 
 CHECKS: list[tuple[Callable[[str], bool], Callable[[Path], None], str | None]] = [
     (lambda t: "--name mydata --resume" in t, _continues_runs_mydata, None),
-    (
-        lambda t: "--resume runs/mydata/last.pt" in t,
-        _continues_runs_mydata,
-        f"{SELF_DESCRIBING}: --resume PATH alone continues PATH's run folder",
-    ),
+    (lambda t: "--resume runs/mydata/last.pt" in t, _continues_runs_mydata, None),
 ]
 
 COMMANDS = parse_commands(README.read_text(encoding="utf-8"))
