@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed_utils import _rank_envs, _run_pair
+from test_comm import _rank_envs, _run_pair
 from test_train import _flags, _rows
 from test_train import _run as _train
 
