@@ -1,17 +1,219 @@
-"""Shared fixtures: tiny generated datasets, the repository root, the optional ../shared folder."""
+"""Shared fixtures and helpers: tiny generated datasets, the repository root, the optional
+../shared folder, the command lines of short training and validation runs, and the launch of
+two-rank gloo groups running a worker program of tests/workers/.
+
+Test modules import the helpers with ``from conftest import ...`` (pytest puts tests/ on the
+path); the fixtures need no import.
+"""
 
 from __future__ import annotations
 
+import csv
+import json
 import logging
+import os
+import subprocess
+import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 import pytest
 import torch
 
 from data.make_shapes import make_dataset
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed.launch import free_port
+from train_utils.distributed.process_group import DistInfo
+from train_utils.trainer import run
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SHARED_DIR = REPO_ROOT.parent / "shared"
+NANO_CFG = REPO_ROOT / "cfg" / "yolov3-spp-nano.cfg"
+HYP_YAML = REPO_ROOT / "cfg" / "hyp.yaml"
+LAUNCH_TIMEOUT_S = 90  # one two-rank worker run, set-up included
+# Launcher variables that must not leak from the test runner's environment into launched ranks.
+LAUNCH_VARS = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "SLURM_PROCID",
+    "SLURM_NTASKS",
+    "SLURM_LOCALID",
+    "SLURM_JOB_ID",
+    "SLURM_LAUNCH_NODE_IPADDR",
+    "SLURM_JOB_NODELIST",
+    "SLURM_STEP_NODELIST",
+    "SLURM_NTASKS_PER_NODE",
+    "SLURM_TASKS_PER_NODE",
+    "SLURM_NODEID",
+    "LOCAL_WORLD_SIZE",
+)
+
+
+# ---------------------------------------------------------------- command lines of short runs
+
+
+def train_argv(
+    data: Path,
+    out: Path,
+    *extra: str,
+    cfg: Path | str = NANO_CFG,
+    hyp: Path | str | None = HYP_YAML,
+    epochs: int | None = 1,
+    batch: int | None = 4,
+    img: int | str | None = 128,
+    nbs: int | None = None,
+    multi_scale: bool | None = False,
+    workers: int | None = 0,
+    device: str | None = "cpu",
+) -> list[str]:
+    """``train.py``'s arguments for a short CPU run of ``cfg`` on ``data`` into ``out``.
+
+    The defaults are the tests' common run: yolov3-spp-nano, cfg/hyp.yaml, 1 epoch, batch 4 at
+    128 px, no multi-scale, no DataLoader workers. A keyword set to None leaves its flag out (the
+    parser's default). ``extra`` comes last, so a flag there also wins over an earlier one.
+    """
+    argv = ["--data", str(data), "--cfg", str(cfg), "--output-dir", str(out)]
+    flags = {
+        "--hyp": hyp,
+        "--epochs": epochs,
+        "--batch-size": batch,
+        "--img-size": img,
+        "--nbs": nbs,
+        "--workers": workers,
+        "--device": device,
+    }
+    for flag, value in flags.items():
+        if value is not None:
+            argv += [flag, str(value)]
+    if multi_scale is not None:
+        argv.append("--multi-scale" if multi_scale else "--no-multi-scale")
+    return [*argv, *extra]
+
+
+def validation_argv(
+    cfg: Path | str,
+    data: Path,
+    weights: Path,
+    *extra: str,
+    img: int | str = 128,
+    batch: int | None = 4,
+    workers: int = 0,
+    device: str = "cpu",
+) -> list[str]:
+    """``validation.py``'s arguments for scoring ``weights`` on ``data``'s validation split on the
+    CPU; ``batch=None`` leaves ``--batch-size`` out. ``extra`` comes last."""
+    argv = ["--cfg", str(cfg), "--data", str(data), "--weights", str(weights)]
+    argv += ["--img-size", str(img), "--device", device, "--workers", str(workers)]
+    if batch is not None:
+        argv += ["--batch-size", str(batch)]
+    return [*argv, *extra]
+
+
+def run_training(argv: list[str]):
+    """Train in this process as ``train.py argv`` would on one CPU process; the run's summary."""
+    config = build_config(get_args_parser().parse_args(argv))
+    return run(config, DistInfo.single(torch.device("cpu")))
+
+
+def read_results(path: Path) -> list[dict[str, str]]:
+    """The rows of a run's ``results.csv``, one dict per evaluated epoch."""
+    with path.open() as f:
+        return list(csv.DictReader(f))
+
+
+def script_env() -> dict[str, str]:
+    """This environment for a script run as a process: one OpenMP thread, unbuffered output."""
+    return {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def validate_run(data: Path, out: Path, tmp_path: Path, img: int = 64) -> dict[str, float]:
+    """``validation.py`` (a process of its own) on the run in ``out`` (its model.cfg and last.pt)
+    over ``data``'s validation split; the stats it writes with ``--json-out``."""
+    stats = tmp_path / "stats.json"
+    argv = validation_argv(out / "model.cfg", data, out / "last.pt", img=img)
+    argv += ["--save-dir", str(tmp_path / "val"), "--json-out", str(stats)]
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "validation.py"), *argv],
+        cwd=REPO_ROOT,
+        env=script_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(stats.read_text())
+
+
+# ---------------------------------------------------------------- two-rank gloo groups
+
+
+def worker_cmd(name: str, *args: str | Path) -> list[str]:
+    """The command that runs the worker program ``tests/workers/<name>.py`` as a module (from the
+    repository root, or with it on PYTHONPATH, as :func:`base_env` sets)."""
+    return [sys.executable, "-m", f"tests.workers.{name}", *map(str, args)]
+
+
+def base_env() -> dict[str, str]:
+    """This environment without launcher variables, one thread, no GPU, the repository on
+    PYTHONPATH."""
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS}
+    env["PYTHONPATH"] = str(REPO_ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    env["OMP_NUM_THREADS"] = "1"  # two ranks share two cores with other test runs
+    env["CUDA_VISIBLE_DEVICES"] = ""
+    return env
+
+
+def pair_envs(variables: Mapping[str, str]) -> list[dict[str, str]]:
+    """Environments of ranks 0 and 1 of a one-node group: ``variables`` (values may name
+    ``{rank}`` and ``{port}``, a free loopback port shared by both) over :func:`base_env`."""
+    port = str(free_port())
+    return [
+        {**base_env(), **{k: v.format(rank=rank, port=port) for k, v in variables.items()}}
+        for rank in range(2)
+    ]
+
+
+def rank_envs(**extra: str) -> list[dict[str, str]]:
+    """torchrun's variables for ranks 0 and 1 of a one-node group on a free loopback port;
+    ``extra`` values may name ``{rank}``."""
+    torchrun = {
+        "RANK": "{rank}",
+        "WORLD_SIZE": "2",
+        "LOCAL_RANK": "{rank}",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": "{port}",
+    }
+    return pair_envs({**torchrun, **extra})
+
+
+def run_pair(
+    commands: list[list[str]], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
+) -> None:
+    """Start one process per command at once (from the repository root) and fail with their
+    output if any fails."""
+    procs = [
+        subprocess.Popen(
+            cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    outputs = []
+    try:
+        for p in procs:
+            outputs.append(p.communicate(timeout=timeout))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, f"{p.args} failed:\n{stdout.decode()}\n{stderr.decode()}"
+
+
+# ---------------------------------------------------------------- fixtures
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -11,6 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import NANO_CFG, train_argv, validation_argv
 
 import validation
 from build_utils import anchors as anchors_lib
@@ -26,9 +27,7 @@ from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.process_group import DistInfo
 from train_utils.trainer import run
 
-REPO = Path(__file__).resolve().parents[1]
-NANO_CFG = REPO / "cfg" / "yolov3-spp-nano.cfg"
-IMG = "128"
+IMG = 128
 CPU = DistInfo.single(torch.device("cpu"))
 # Needles and plates: no shapes-data box (roughly square, 8-64 px at 128 px) gets IoU > 0.2.
 BAD_ANCHORS = "1,40,  2,60,  3,90,  40,1,  60,2,  90,3,  1,120,  120,1,  2,2"
@@ -96,30 +95,8 @@ def _cfg_with(path: Path, anchors: str) -> Path:
 
 
 def _flags(data: Path, cfg: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(cfg),
-        "--hyp",
-        str(REPO / "cfg" / "hyp.yaml"),
-        "--epochs",
-        "1",
-        "--batch-size",
-        "4",
-        "--img-size",
-        IMG,
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--nbs",
-        "4",
-        *extra,
-    ]
+    """One epoch of ``cfg`` in batches of 4 (nominal 4)."""
+    return train_argv(data, out, *extra, cfg=cfg, batch=4, nbs=4, img=IMG)
 
 
 def _config(*argv: str):
@@ -196,23 +173,8 @@ def test_autoanchor_trains_with_better_anchors(make_shapes_data, tmp_path):
     resumed_blocks = check_anchors(parse_model_cfg(cfg), resumed, CPU)
     np.testing.assert_array_equal(cfg_anchors(resumed_blocks), new)
     code = validation.main(
-        [
-            "--cfg",
-            str(out / "model.cfg"),
-            "--data",
-            str(data),
-            "--weights",
-            str(out / "last.pt"),
-            "--img-size",
-            IMG,
-            "--batch-size",
-            "4",
-            "--device",
-            "cpu",
-            "--workers",
-            "0",
-            "--save-dir",
-            str(tmp_path / "val"),
-        ]
+        validation_argv(
+            out / "model.cfg", data, out / "last.pt", "--save-dir", str(tmp_path / "val"), img=IMG
+        )
     )
     assert code == 0

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_argv
 
 from build_utils import image_cache
 from build_utils.errors import DatasetError
@@ -14,32 +15,17 @@ from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.process_group import DistInfo
 
 
-def _config(data: Path, repo: Path, out: Path, workers: int, *extra: str):
-    argv = [
-        "--data",
-        str(data),
-        "--cfg",
-        str(repo / "cfg" / "yolov3-spp-nano.cfg"),
-        "--hyp",
-        str(repo / "cfg" / "hyp.yaml"),
-        "--batch-size",
-        "6",
-        "--img-size",
-        "96",
-        "--workers",
-        str(workers),
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
+def _config(data: Path, out: Path, workers: int, *extra: str):
+    # No --epochs and multi-scale left at its default: only the data pipeline is built.
+    argv = train_argv(
+        data, out, *extra, batch=6, img=96, workers=workers, epochs=None, multi_scale=None
+    )
     return build_config(get_args_parser().parse_args(argv))
 
 
-def _epochs(data: Path, repo: Path, out: Path, workers: int, epochs: int = 2) -> list[list]:
+def _epochs(data: Path, out: Path, workers: int, epochs: int = 2) -> list[list]:
     """Image batches of ``epochs`` epochs, as the trainer loads them (set_epoch, then iterate)."""
-    config = _config(data, repo, out, workers)
+    config = _config(data, out, workers)
     train = build_train_data(config, DistInfo.single(torch.device("cpu")), config.hyp)
     assert train.train_loader.persistent_workers == (workers > 0)
     result = []
@@ -51,11 +37,11 @@ def _epochs(data: Path, repo: Path, out: Path, workers: int, epochs: int = 2) ->
     return result
 
 
-def test_batches_do_not_depend_on_persistent_workers(shapes_data, repo_root, tmp_path):
+def test_batches_do_not_depend_on_persistent_workers(shapes_data, tmp_path):
     """Two epochs with 2 persistent workers give bitwise the batches of the main process, and
     epoch 1 is augmented differently from epoch 0 (the epoch reaches the workers)."""
-    main = _epochs(shapes_data, repo_root, tmp_path / "w0", workers=0)
-    workers = _epochs(shapes_data, repo_root, tmp_path / "w2", workers=2)
+    main = _epochs(shapes_data, tmp_path / "w0", workers=0)
+    workers = _epochs(shapes_data, tmp_path / "w2", workers=2)
     for epoch_main, epoch_workers in zip(main, workers, strict=True):
         assert len(epoch_main) == len(epoch_workers) > 0
         for (a, ta, ia), (b, tb, ib) in zip(epoch_main, epoch_workers, strict=True):

@@ -1,4 +1,4 @@
-"""train_utils/coco_utils.py and train_utils/coco_eval.py on small fake datasets."""
+"""train_utils/evaluation/coco_gt.py and coco_eval.py on small fake datasets."""
 
 from __future__ import annotations
 

@@ -3,11 +3,10 @@ runs on the shapes data showing that ``new_coords`` heads and classic heads lear
 
 from __future__ import annotations
 
-import csv
 import json
-from pathlib import Path
 
 import pytest
+from conftest import read_results, train_argv, validation_argv
 
 import predict
 import train as train_script
@@ -23,40 +22,6 @@ CSP_WIDTH = 0.125
 TRAIN_IMG = "64"
 
 
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
-
-
-def _train_flags(
-    data: Path, cfg: Path, hyp: Path, out: Path, epochs: int, img: str, batch: int, *extra: str
-) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(cfg),
-        "--hyp",
-        str(hyp),
-        "--epochs",
-        str(epochs),
-        "--batch-size",
-        str(batch),
-        "--nbs",
-        str(batch),
-        "--img-size",
-        img,
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
-
-
 @pytest.mark.parametrize("name", ["yolov4-tiny", "yolov4-csp", "yolov7-tiny"])
 def test_train_validate_predict(name, make_shapes_data, repo_root, tmp_path, console):
     data = make_shapes_data(n_train=8, n_val=4)
@@ -64,9 +29,9 @@ def test_train_validate_predict(name, make_shapes_data, repo_root, tmp_path, con
     if name == "yolov4-csp":
         cfg = make_cfg.make_cfg(cfg, output=tmp_path / "csp.cfg", width=CSP_WIDTH)
     out = tmp_path / "run"
-    argv = _train_flags(data, cfg, repo_root / "cfg" / "hyp.yaml", out, 1, TRAIN_IMG, 8)
+    argv = train_argv(data, out, cfg=cfg, batch=8, nbs=8, img=TRAIN_IMG)
     assert train_script.main(argv) == 0
-    (row,) = _rows(out / "results.csv")
+    (row,) = read_results(out / "results.csv")
     assert float(row["loss"]) > 0
     # The run's cfg (rewritten for 5 classes) keeps Darknet's head type.
     model = Darknet(out / "model.cfg")
@@ -76,26 +41,17 @@ def test_train_validate_predict(name, make_shapes_data, repo_root, tmp_path, con
     stats_file = tmp_path / "stats.json"
     assert (
         validation.main(
-            [
+            validation_argv(
+                out / "model.cfg",
+                data,
+                out / "last.pt",
                 "--save-dir",
                 str(tmp_path / "val"),
-                "--cfg",
-                str(out / "model.cfg"),
-                "--data",
-                str(data),
-                "--weights",
-                str(out / "last.pt"),
-                "--img-size",
-                TRAIN_IMG,
-                "--batch-size",
-                "8",
-                "--device",
-                "cpu",
-                "--workers",
-                "0",
                 "--json-out",
                 str(stats_file),
-            ]
+                img=TRAIN_IMG,
+                batch=8,
+            )
         )
         == 0
     )
@@ -160,23 +116,10 @@ def test_short_run_learns(heads, make_shapes_data, repo_root, tmp_path):
         )
     hyp.write_text(text)  # hyp_demo.yaml already has mosaic off
     out = tmp_path / "run"
-    argv = _train_flags(
-        own,
-        cfg,
-        hyp,
-        out,
-        60,
-        "96",
-        2,
-        "--notest",
-        "--no-ema",
-        "--optimizer",
-        "adam",
-        "--seed",
-        "0",
-    )
+    adam = ("--notest", "--no-ema", "--optimizer", "adam", "--seed", "0")
+    argv = train_argv(own, out, *adam, cfg=cfg, hyp=hyp, epochs=60, batch=2, nbs=2, img=96)
     assert train_script.main(argv) == 0
-    (row,) = _rows(out / "results.csv")  # --notest: only the last epoch is scored
+    (row,) = read_results(out / "results.csv")  # --notest: only the last epoch is scored
     log = (out / "train.log").read_text()
     losses = [
         float(line.split("loss ")[1].split()[0].rstrip(","))

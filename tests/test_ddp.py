@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import csv
 import json
 import os
 import signal
@@ -14,50 +13,21 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import (
+    read_results,
+    script_env,
+    train_argv,
+    validate_run,
+    validation_argv,
+)
 
 from train_utils.checkpoint import load_checkpoint
+from train_utils.distributed.launch import free_port
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["OMP_NUM_THREADS"] = "1"
-    env["PYTHONUNBUFFERED"] = "1"
-    return env
-
-
-def _train_flags(data: Path, out: Path, epochs: int) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
-        "--hyp",
-        str(REPO / "cfg" / "hyp.yaml"),
-        "--epochs",
-        str(epochs),
-        "--batch-size",
-        "4",
-        "--img-size",
-        "128",
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-    ]
 
 
 def _torchrun(
@@ -70,25 +40,20 @@ def _torchrun(
     cmd = [
         *TORCHRUN,
         f"--nproc_per_node={nproc}",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         *(extra or []),
         str(REPO / script),
         *args,
     ]
     return subprocess.run(
-        cmd, cwd=REPO, env=_env(), capture_output=True, text=True, timeout=timeout
+        cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=timeout
     )
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
 
 
 @pytest.fixture(scope="module")
 def ddp_run(shapes_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    proc = _torchrun("train_multi_GPU.py", _train_flags(shapes_data, out, 2))
+    proc = _torchrun("train_multi_GPU.py", train_argv(shapes_data, out, epochs=2))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 
@@ -106,7 +71,7 @@ def test_torchrun_training_writes_the_outputs(ddp_run):
         "train.log",
     ):
         assert (out / name).is_file(), name
-    assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0", "1"]
+    assert [r["epoch"] for r in read_results(out / "results.csv")] == ["0", "1"]
     ckpt = load_checkpoint(out / "last.pt")
     assert ckpt["epoch"] == 1 and not any(k.startswith("module.") for k in ckpt["model"])
     assert ckpt["config"]["batch_size"] == 4
@@ -121,24 +86,9 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
     """10 validation images over 3 processes (4/3/3 in whole rect batches of 2, no padding): the
     gathered detections and the 12 stats equal a single-process run."""
     out, _ = ddp_run
-    common = [
-        "--cfg",
-        str(out / "model.cfg"),
-        "--data",
-        str(shapes_data),
-        "--weights",
-        str(out / "last.pt"),
-        "--img-size",
-        "128",
-        "--batch-size",
-        "2",
-        "--device",
-        "cpu",
-        "--workers",
-        "0",
-        "--conf-thres",
-        "0.001",
-    ]
+    common = validation_argv(
+        out / "model.cfg", shapes_data, out / "last.pt", "--conf-thres", "0.001", batch=2
+    )
     single = subprocess.run(
         [
             sys.executable,
@@ -152,7 +102,7 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
             str(tmp_path / "single"),
         ],
         cwd=REPO,
-        env=_env(),
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -204,13 +154,13 @@ def test_killed_worker_is_restarted_and_the_run_completes(make_shapes_data, tmp_
     cmd = [
         *TORCHRUN,
         "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         "--max-restarts=1",
         str(REPO / "train_multi_GPU.py"),
-        *_train_flags(data, out, 3),
+        *train_argv(data, out, epochs=3),
     ]
     proc = subprocess.Popen(
-        cmd, cwd=REPO, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        cmd, cwd=REPO, env=script_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
         # Wait until epoch 0 is checkpointed, then SIGKILL one worker during epoch 1.
@@ -228,7 +178,7 @@ def test_killed_worker_is_restarted_and_the_run_completes(make_shapes_data, tmp_
             proc.kill()
     assert proc.returncode == 0, log[-3000:]
     assert "resuming from" in log
-    rows = _rows(out / "results.csv")
+    rows = read_results(out / "results.csv")
     assert [r["epoch"] for r in rows] == ["0", "1", "2"]  # each epoch exactly once
     assert load_checkpoint(out / "last.pt")["epoch"] == 2
 
@@ -238,10 +188,10 @@ def test_plain_python_launch_runs_single_process_with_a_hint(shapes_data, tmp_pa
         [
             sys.executable,
             str(REPO / "train_multi_GPU.py"),
-            *_train_flags(shapes_data, tmp_path / "plain", 1),
+            *train_argv(shapes_data, tmp_path / "plain"),
         ],
         cwd=REPO,
-        env=_env(),
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -255,7 +205,7 @@ def _python(script: str, args: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, str(REPO / script), *args],
         cwd=REPO,
-        env=_env(),
+        env=script_env(),
         capture_output=True,
         text=True,
         timeout=300,
@@ -271,7 +221,7 @@ def test_resume_on_another_number_of_processes(make_shapes_data, tmp_path):
 
     def flags(epochs: int, *extra: str) -> list[str]:
         # nbs 4: a global batch of 4 x 2 doubles the learning rate, 4 x 1 keeps it.
-        return [*_train_flags(data, out, epochs), "--img-size", "64", "--nbs", "4", *extra]
+        return train_argv(data, out, *extra, epochs=epochs, img=64, nbs=4)
 
     def initial_lrs() -> set[float]:
         ckpt = load_checkpoint(out / "last.pt")
@@ -291,7 +241,7 @@ def test_resume_on_another_number_of_processes(make_shapes_data, tmp_path):
     # The other settings that changed (epochs) are named too.
     assert "this run differs from the checkpoint's: epochs: 2 -> 3" in shrunk.stderr
     assert initial_lrs() == {lr0}
-    assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0", "1", "2"]
+    assert [r["epoch"] for r in read_results(out / "results.csv")] == ["0", "1", "2"]
     assert load_checkpoint(out / "last.pt")["epoch"] == 2
 
 
@@ -302,7 +252,7 @@ def _popen(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Pope
     return subprocess.Popen(
         cmd,
         cwd=REPO,
-        env=env or _env(),
+        env=env or script_env(),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -322,42 +272,13 @@ def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
     return logs
 
 
-def _validate(data: Path, out: Path, tmp_path: Path) -> dict[str, float]:
-    stats = tmp_path / "stats.json"
-    proc = _python(
-        "validation.py",
-        [
-            "--save-dir",
-            str(tmp_path / "val"),
-            "--cfg",
-            str(out / "model.cfg"),
-            "--data",
-            str(data),
-            "--weights",
-            str(out / "last.pt"),
-            "--img-size",
-            "64",
-            "--batch-size",
-            "4",
-            "--device",
-            "cpu",
-            "--workers",
-            "0",
-            "--json-out",
-            str(stats),
-        ],
-    )
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(stats.read_text())
-
-
 def test_two_nodes_static_rendezvous_equals_single_process_validation(make_shapes_data, tmp_path):
     """Two torchrun launchers (--nnodes=2, node_rank 0 and 1), one gloo process each, as on
     two machines: 2 epochs, and the final mAP equals validation.py on last.pt."""
     data = make_shapes_data(n_train=16, n_val=4)
     out = tmp_path / "two_nodes"
-    port = _free_port()
-    flags = [*_train_flags(data, out, 2), "--img-size", "64", "--multi-scale"]
+    port = free_port()
+    flags = train_argv(data, out, epochs=2, img=64, multi_scale=True)
     launchers = [
         _popen(
             [
@@ -375,9 +296,9 @@ def test_two_nodes_static_rendezvous_equals_single_process_validation(make_shape
     ]
     logs = _finish(launchers)
     assert "device cpu x 2 process(es)" in logs[0]
-    rows = _rows(out / "results.csv")
+    rows = read_results(out / "results.csv")
     assert [r["epoch"] for r in rows] == ["0", "1"]
-    single = _validate(data, out, tmp_path)
+    single = validate_run(data, out, tmp_path)
     for key, value in single.items():
         assert float(rows[-1][key]) == pytest.approx(value, abs=1e-6), key
 
@@ -387,8 +308,8 @@ def test_two_nodes_c10d_rendezvous_survive_a_killed_process(make_shapes_data, tm
     killed during epoch 1: both restart, resume from last.pt, and each epoch runs once."""
     data = make_shapes_data(n_train=16, n_val=4)
     out = tmp_path / "c10d"
-    port = _free_port()
-    flags = [*_train_flags(data, out, 3), "--img-size", "64"]
+    port = free_port()
+    flags = train_argv(data, out, epochs=3, img=64)
     launchers = [
         _popen(
             [
@@ -423,7 +344,7 @@ def test_two_nodes_c10d_rendezvous_survive_a_killed_process(make_shapes_data, tm
         raise
     logs = _finish(launchers)
     assert "resuming from" in logs[0]
-    assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0", "1", "2"]
+    assert [r["epoch"] for r in read_results(out / "results.csv")] == ["0", "1", "2"]
     assert load_checkpoint(out / "last.pt")["epoch"] == 2
 
 
@@ -447,7 +368,7 @@ def test_slurm_two_tasks_train_one_epoch(make_shapes_data, tmp_path):
     job_id = _slurm_job_id()
     procs = []
     for task in range(2):
-        env = _env()
+        env = script_env()
         for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
             env.pop(key, None)
         env.update(
@@ -467,9 +388,7 @@ def test_slurm_two_tasks_train_one_epoch(make_shapes_data, tmp_path):
                 [
                     sys.executable,
                     str(REPO / "train_multi_GPU.py"),
-                    *_train_flags(data, out, 1),
-                    "--img-size",
-                    "64",
+                    *train_argv(data, out, img=64),
                 ],
                 env,
             )
@@ -477,7 +396,7 @@ def test_slurm_two_tasks_train_one_epoch(make_shapes_data, tmp_path):
     logs = _finish(procs)
     assert f"master localhost:{15000 + job_id % 15000}" in logs[0]
     assert "device cpu x 2 process(es)" in logs[0]
-    assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0"]
+    assert [r["epoch"] for r in read_results(out / "results.csv")] == ["0"]
 
 
 def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank(make_shapes_data, tmp_path):
@@ -485,12 +404,12 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank(make_shapes_dat
     there. Both ranks stop at once with the same one-line error naming rank 1 (no hang)."""
     data = make_shapes_data(n_train=8, n_val=4)
     out = tmp_path / "shared"
-    first = _python("train.py", [*_train_flags(data, out, 1), "--img-size", "64"])
+    first = _python("train.py", train_argv(data, out, img=64))
     assert first.returncode == 0, first.stderr[-3000:]
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank, resume in enumerate([out / "last.pt", tmp_path / "node1" / "last.pt"]):
-        env = _env()
+        env = script_env()
         env.update(
             RANK=str(rank),
             WORLD_SIZE="2",
@@ -500,7 +419,7 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank(make_shapes_dat
             CUDA_VISIBLE_DEVICES="",
             SLURMD_NODENAME=f"node{rank}",
         )
-        flags = [*_train_flags(data, tmp_path / f"out{rank}", 2), "--img-size", "64"]
+        flags = train_argv(data, tmp_path / f"out{rank}", epochs=2, img=64)
         procs.append(
             subprocess.Popen(
                 [

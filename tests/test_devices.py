@@ -1,4 +1,5 @@
-"""train_utils/devices.py: the device policy, as a pure function of request, GPUs and rank."""
+"""train_utils/distributed/devices.py: the device policy, as a pure function of request, GPUs
+and rank."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""train_utils/exports.py: YOLO txt lines and the official COCO id mapping."""
+"""train_utils/evaluation/exports.py: YOLO txt lines and the official COCO id mapping."""
 
 from __future__ import annotations
 

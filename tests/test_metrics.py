@@ -1,4 +1,4 @@
-"""train_utils/metrics.py against hand-computed values."""
+"""train_utils/evaluation/metrics.py against hand-computed values."""
 
 from __future__ import annotations
 

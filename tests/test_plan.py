@@ -6,16 +6,12 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-import textwrap
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from test_distributed_utils import _rank_envs, _run_pair
-from test_train import _flags, _rows
-from test_train import _run as _train
+from conftest import rank_envs, read_results, run_pair, run_training, train_argv, worker_cmd
 
 from build_utils.errors import ConfigError
 from train_utils import trainer as trainer_module
@@ -131,35 +127,9 @@ def test_budget_and_patience_flags_are_checked(shapes_data, repo_root) -> None:
     assert build_config(get_args_parser().parse_args(base)).epochs == 30
 
 
-RANK_WORKER = textwrap.dedent(
-    """
-    import json, sys, time
-    from pathlib import Path
-    from train_utils.distributed import process_group
-    from train_utils.plan import EpochPlan
-
-    class Args:
-        local_rank = -1
-        device = "cpu"
-
-    info = process_group.init_distributed_mode(Args(), timeout_s=60)
-    r = info.rank
-    # Each rank's clock and timings differ; rank 0's must decide for both.
-    plan = EpochPlan(epochs=30, budget_s=100.0, patience=2)
-    plan.started = time.time() - (10.0 if r == 0 else 95.0)
-    total = plan.after_training(0, 10.0 if r == 0 else 50.0, info.is_main)
-    stop = plan.stops_early(4, best_epoch=2 if r == 0 else 4, is_main=info.is_main)
-    process_group.cleanup()
-    Path(sys.argv[1], f"rank{r}.json").write_text(json.dumps({"total": total, "stop": stop}))
-    """
-)
-
-
 @pytest.mark.slow
 def test_every_rank_follows_rank_zeros_plan(tmp_path: Path) -> None:
-    script = tmp_path / "plan_worker.py"
-    script.write_text(RANK_WORKER)
-    _run_pair([[sys.executable, str(script), str(tmp_path)]] * 2, _rank_envs())
+    run_pair([worker_cmd("plan_worker", tmp_path)] * 2, rank_envs())
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # Rank 0: 90 s left, 10 s epochs, evaluations guessed at 2 s: 7 more epochs (84 s).
     assert res == [{"total": 8, "stop": True}] * 2
@@ -171,15 +141,10 @@ BUDGET_MIN = 0.4  # 24 s: several epochs of the tiny data even on a busy CI mach
 EXTRA_MIN = 0.25  # what the resumed run adds
 
 
-def _budget_flags(data: Path, out: Path, repo: Path, minutes: float, *extra: str) -> list[str]:
-    """test_train's flags with a time budget instead of an epoch count, at 64 px."""
-    flags = _flags(
-        data, out, repo, 1, "--time-budget", str(minutes), "--eval-interval", "2", *extra
-    )
-    i = flags.index("--epochs")
-    del flags[i : i + 2]
-    flags[flags.index("--img-size") + 1] = "64"
-    return flags
+def _budget_flags(data: Path, out: Path, minutes: float, *extra: str) -> list[str]:
+    """test_train's run (batch 8, nbs 8) with a time budget instead of an epoch count, at 64 px."""
+    budget = ["--time-budget", str(minutes), "--eval-interval", "2", "--log-interval", "1"]
+    return train_argv(data, out, *budget, *extra, epochs=None, batch=8, nbs=8, img=64)
 
 
 def _check_schedule_ended(ckpt: dict, epochs_total: int) -> None:
@@ -193,12 +158,12 @@ def _check_schedule_ended(ckpt: dict, epochs_total: int) -> None:
 
 
 @pytest.mark.slow
-def test_time_budget_stops_on_time_and_resumes(shapes_data, repo_root, tmp_path) -> None:
+def test_time_budget_stops_on_time_and_resumes(shapes_data, tmp_path) -> None:
     out = tmp_path / "run"
     t0 = time.time()
-    summary = _train(_budget_flags(shapes_data, out, repo_root, BUDGET_MIN))
+    summary = run_training(_budget_flags(shapes_data, out, BUDGET_MIN))
     wall = time.time() - t0
-    rows = _rows(out / "results.csv")
+    rows = read_results(out / "results.csv")
     ckpt = load_checkpoint(out / "last.pt")
     epochs = summary.epochs_run
     assert epochs >= 2, "the tiny data trains several epochs in 24 s"
@@ -216,7 +181,7 @@ def test_time_budget_stops_on_time_and_resumes(shapes_data, repo_root, tmp_path)
     spent = ckpt["budget_spent_s"]
     t1 = time.time()
     budget2 = BUDGET_MIN + EXTRA_MIN
-    more = _train(_budget_flags(shapes_data, out, repo_root, budget2, "--resume"))
+    more = run_training(_budget_flags(shapes_data, out, budget2, "--resume"))
     resumed_wall = time.time() - t1
     ckpt2 = load_checkpoint(out / "last.pt")
     total = epochs + more.epochs_run
@@ -224,18 +189,16 @@ def test_time_budget_stops_on_time_and_resumes(shapes_data, repo_root, tmp_path)
     _check_schedule_ended(ckpt2, total)
     assert ckpt2["budget_spent_s"] == pytest.approx(spent + resumed_wall, abs=3.0)
     assert ckpt2["budget_spent_s"] < budget2 * 60 + 2 * resumed_wall / more.epochs_run + 3
-    epochs_in_csv = [int(r["epoch"]) for r in _rows(out / "results.csv")]
+    epochs_in_csv = [int(r["epoch"]) for r in read_results(out / "results.csv")]
     assert epochs_in_csv == sorted(set(epochs_in_csv)) and epochs_in_csv[-1] == total - 1
 
     # The same budget again: already spent, nothing is trained.
-    again = _train(_budget_flags(shapes_data, out, repo_root, budget2, "--resume"))
+    again = run_training(_budget_flags(shapes_data, out, budget2, "--resume"))
     assert again.epochs_run == 0
 
 
 @pytest.mark.slow
-def test_patience_stops_a_run_that_does_not_improve(
-    shapes_data, repo_root, tmp_path, monkeypatch
-) -> None:
+def test_patience_stops_a_run_that_does_not_improve(shapes_data, tmp_path, monkeypatch) -> None:
     out = tmp_path / "run"
     # The evaluation reports mAP@0.5:0.95 falling after epoch 0 (the real one is near 0 and
     # could tie or wobble on this tiny data).
@@ -249,9 +212,9 @@ def test_patience_stops_a_run_that_does_not_improve(
 
     real_evaluate = trainer_module.evaluate
     monkeypatch.setattr(trainer_module, "evaluate", evaluate)
-    flags = _budget_flags(shapes_data, out, repo_root, 10.0, "--epochs", "20", "--patience", "2")
+    flags = _budget_flags(shapes_data, out, 10.0, "--epochs", "20", "--patience", "2")
     flags[flags.index("--eval-interval") + 1] = "1"
-    summary = _train(flags)
+    summary = run_training(flags)
     # Best at epoch 0 (first evaluation), no improvement at 1 and 2: stop after epoch 2.
     assert summary.epochs_run == 3
     assert load_checkpoint(out / "last.pt")["best_epoch"] == 0

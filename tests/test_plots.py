@@ -1,5 +1,5 @@
-"""train_utils/plots.py and train_utils/eval_report.py: every picture exists, has the expected
-size and is not blank."""
+"""train_utils/evaluation/plots.py and report.py: every picture exists, has the expected size and
+is not blank."""
 
 from __future__ import annotations
 

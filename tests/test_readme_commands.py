@@ -34,7 +34,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 from collections.abc import Callable
@@ -46,6 +45,7 @@ import cv2
 import pytest
 
 from data.make_shapes import make_dataset
+from train_utils.distributed.launch import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
@@ -246,14 +246,8 @@ def tiny_argv(cmd: Command) -> list[str]:
     launcher = "torch.distributed.run" in head or "torch.distributed.launch" in head
     # Other test processes on the machine may hold the default port 29500.
     if launcher and not any(x.startswith("--master_port") for x in head):
-        head = [*head[:-1], f"--master_port={_free_port()}", head[-1]]
+        head = [*head[:-1], f"--master_port={free_port()}", head[-1]]
     return head + args
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _keeps_runs_mydata(argv: list[str]) -> bool:
@@ -487,7 +481,7 @@ def test_no_module_names_from_before_the_rooms() -> None:
     docs = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
     found = []
     for doc in docs:
-        # Test files keep their names until they are moved (tests/test_train_eval_utils.py).
+        # Test files are named after their modules; their paths are not module names.
         text = re.sub(r"tests/test_\w+\.py", "", doc.read_text(encoding="utf-8"))
         found += [f"{doc.name}: {n}" for n in old if re.search(rf"\b{re.escape(n)}\b", text)]
     assert found == []

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import train_argv, validation_argv
 
 import predict
 import train as train_script
@@ -118,31 +119,6 @@ def env(tmp_path_factory):
     )
     f["other_ckpt"] = root / "other_ckpt.pt"
     return f
-
-
-def _train_argv(f: dict, out: Path, *extra: str) -> list[str]:
-    return [
-        "--data",
-        str(f["data"]),
-        "--cfg",
-        str(NANO),
-        "--hyp",
-        str(HYP),
-        "--epochs",
-        "1",
-        "--img-size",
-        "128",
-        "--batch-size",
-        "4",
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
 
 
 @dataclass
@@ -415,26 +391,12 @@ def model_cfg_for(f: dict) -> Path:
 def _invoke(name: str, f: dict, out: Path, extra: list[str]) -> int:
     if name in ("train", "train_multi_GPU"):
         main = train_script.main if name == "train" else train_multi_GPU.main
-        return main(_train_argv(f, out, *extra))
+        return main(train_argv(f["data"], out, *extra))
     if name == "validation":
         return validation.main(
-            [
-                "--save-dir",
-                str(out / "val"),
-                "--cfg",
-                str(NANO),
-                "--data",
-                str(f["data"]),
-                "--weights",
-                str(f["weights_pt"]),
-                "--img-size",
-                "128",
-                "--device",
-                "cpu",
-                "--workers",
-                "0",
-                *extra,
-            ]
+            validation_argv(
+                NANO, f["data"], f["weights_pt"], "--save-dir", str(out / "val"), *extra, batch=None
+            )
         )
     if name == "predict":
         return predict.main(
@@ -495,7 +457,7 @@ def test_entry_point_process_exits_2_with_one_line(env, tmp_path):
         [
             sys.executable,
             str(REPO / "train.py"),
-            *_train_argv(env, out, "--hyp", str(env["hyp_unknown"])),
+            *train_argv(env["data"], out, hyp=env["hyp_unknown"]),
         ],
         cwd=tmp_path,
         env=dict(os.environ, OMP_NUM_THREADS="1"),

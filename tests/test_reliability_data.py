@@ -27,6 +27,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from conftest import train_argv, validation_argv
 from torch import nn
 
 import predict
@@ -255,33 +256,8 @@ def bad_run(tmp_path_factory):
     expect = build_bad_corpus(root)
     out = root / "run"
     weights = _nano_80_weights(root / "nano80.pt")
-    cmd = [
-        sys.executable,
-        str(REPO / "train.py"),
-        "--data",
-        str(root / "bad.data"),
-        "--cfg",
-        str(NANO),
-        "--hyp",
-        str(REPO / "cfg" / "hyp.yaml"),
-        "--epochs",
-        "1",
-        "--batch-size",
-        "8",
-        "--img-size",
-        "64",
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--nbs",
-        "8",
-        "--output-dir",
-        str(out),
-        "--weights",
-        str(weights),
-    ]
+    argv = train_argv(root / "bad.data", out, "--weights", str(weights), batch=8, nbs=8, img=64)
+    cmd = [sys.executable, str(REPO / "train.py"), *argv]
     # cwd = the corpus: a shell-expanded name would create 'pwned' right here.
     proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=300)
     # Read now: later tests run tools that rebuild these files with other settings.
@@ -407,26 +383,16 @@ def test_no_cache_or_result_file_needs_pickle(bad_run):
 def test_validation_and_predict_skip_bad_images(bad_run, console, tmp_path):
     root, out, _, _ = bad_run
     code = validation.main(
-        [
-            "--cfg",
-            str(out / "model.cfg"),
-            "--data",
-            str(root / "bad.data"),
-            "--weights",
-            str(out / "last.pt"),
-            "--img-size",
-            "64",
-            "--batch-size",
-            "4",
-            "--device",
-            "cpu",
-            "--workers",
-            "0",
+        validation_argv(
+            out / "model.cfg",
+            root / "bad.data",
+            out / "last.pt",
             "--json-out",
             str(tmp_path / "stats.json"),
             "--save-dir",
             str(tmp_path / "val"),
-        ]
+            img=64,
+        )
     )
     err = console.readouterr().err
     assert code == 0 and "Traceback" not in err, err[-2000:]
@@ -580,29 +546,8 @@ def test_ram_image_cache_is_refused_when_it_does_not_fit(tmp_path, console, monk
     )
     monkeypatch.setattr(cache_mod, "available_memory_bytes", lambda: 50_000)  # 50 kB free
     out = tmp_path / "run"
-    code = train_script.main(
-        [
-            "--data",
-            str(tmp_path / "d" / "x.data"),
-            "--cfg",
-            str(NANO),
-            "--hyp",
-            str(REPO / "cfg" / "hyp.yaml"),
-            "--epochs",
-            "1",
-            "--img-size",
-            "128",
-            "--batch-size",
-            "2",
-            "--workers",
-            "0",
-            "--device",
-            "cpu",
-            "--output-dir",
-            str(out),
-            "--cache-images",
-        ]
-    )
+    argv = train_argv(tmp_path / "d" / "x.data", out, "--cache-images", batch=2, multi_scale=None)
+    code = train_script.main(argv)
     err = console.readouterr().err
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert code == 2 and "Traceback" not in err

@@ -3,9 +3,9 @@ points (mid-epoch, mid-evaluation, half-way through writing ``last.pt``), each f
 ``--resume``, lose nothing: ``last.pt`` always loads, the finished run's ``results.csv`` has
 every epoch exactly once. Ctrl-C in the very first epoch leaves a ``last.pt`` that resumes.
 
-The kill points are made deterministic by a small wrapper (written to tmp_path) that runs
-``train.main`` with one hook: it either parks the process at a known point and writes a marker
-file, so the test signals it from outside, or sends SIGKILL to itself there. SIGKILL of a
+The kill points are made deterministic by a small wrapper (tests/workers/interrupted_train.py)
+that runs ``train.main`` with one hook: it either parks the process at a known point and writes a
+marker file, so the test signals it from outside, or sends SIGKILL to itself there. SIGKILL of a
 torchrun worker under ``--max-restarts=1`` is tests/test_ddp.py
 ``test_killed_worker_is_restarted_and_the_run_completes``.
 """
@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import train_argv, worker_cmd
 
 import train as train_script
 from train_utils import trainer as trainer_module
@@ -31,106 +32,8 @@ EPOCHS = 2
 KILLED_EPOCH = 1  # epoch 0 finishes and is checkpointed first
 PARK_SECONDS = 120  # how long a parked process waits for the test's signal
 
-WRAPPER = """
-import io, os, signal, sys, time
-from pathlib import Path
-
-sys.path.insert(0, {repo!r})
-import torch
-
-import train
-from train_utils import engine, trainer
-
-# Python's own Ctrl-C handler even when this process was started with SIGINT ignored (as
-# non-interactive shells start background jobs), so that the test's SIGINT is a Ctrl-C.
-signal.signal(signal.SIGINT, signal.default_int_handler)
-
-point = os.environ["REL_POINT"]
-marker = Path(os.environ["REL_MARKER"])
-epoch_to_stop = int(os.environ["REL_EPOCH"])
-
-
-def die():
-    sys.stderr.flush()
-    os.kill(os.getpid(), signal.SIGKILL)
-
-
-if point == "park-mid-epoch":
-    # After the first batch of the epoch has trained, wait for the test's signal.
-    real_train = trainer.train_one_epoch
-
-    class ParkAfterFirstBatch:
-        def __init__(self, loader):
-            self.loader = loader
-
-        def __len__(self):
-            return len(self.loader)
-
-        def __iter__(self):
-            for i, batch in enumerate(self.loader):
-                if i == 1:
-                    marker.write_text("parked")
-                    time.sleep({park})
-                yield batch
-
-    def train_one_epoch(*args, **kwargs):
-        if args[2] == epoch_to_stop:  # (state, loader, epoch, opts)
-            args = (args[0], ParkAfterFirstBatch(args[1]), *args[2:])
-        return real_train(*args, **kwargs)
-
-    trainer.train_one_epoch = train_one_epoch
-elif point == "kill-in-eval":
-    # The model has run on the first validation batch; die before its NMS.
-    def nms(*args, **kwargs):
-        marker.write_text("in eval")
-        die()
-
-    engine.non_max_suppression = nms
-elif point == "kill-in-save":
-    # Write half of the checkpoint's bytes into the temporary file, then die.
-    real_save = torch.save
-
-    def save(obj, f, *args, **kwargs):
-        buf = io.BytesIO()
-        real_save(obj, buf, *args, **kwargs)
-        data = buf.getvalue()
-        f.write(data[: len(data) // 2])
-        f.flush()
-        os.fsync(f.fileno())
-        marker.write_text("half written")
-        die()
-
-    torch.save = save
-
-sys.exit(train.main(sys.argv[1:]))
-"""
-
-
-def _flags(data: Path, out: Path, *extra: str) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
-        "--hyp",
-        str(REPO / "cfg" / "hyp.yaml"),
-        "--epochs",
-        str(EPOCHS),
-        "--batch-size",
-        "8",
-        "--img-size",
-        "64",
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--nbs",
-        "8",
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
+# train_argv's settings of every run here: batches of 8 (nominal 8) at 64 px.
+RUN = {"epochs": EPOCHS, "batch": 8, "img": 64, "nbs": 8}
 
 
 def _epochs_in_results(out: Path) -> list[int]:
@@ -146,22 +49,22 @@ class Run:
 
     def __init__(self, tmp: Path, data: Path, out: Path, point: str | None, *extra: str):
         self.marker = tmp / f"marker-{point}-{time.monotonic_ns()}"
-        script = tmp / "wrapper.py"
-        script.write_text(WRAPPER.format(repo=str(REPO), park=PARK_SECONDS))
         env = dict(
             os.environ,
             OMP_NUM_THREADS="1",
             PYTHONUNBUFFERED="1",
+            PYTHONPATH=str(REPO),  # the worker module runs from tmp, outside the repository
             REL_POINT=point or "none",
             REL_MARKER=str(self.marker),
             REL_EPOCH=str(KILLED_EPOCH),
+            REL_PARK_S=str(PARK_SECONDS),
         )
-        prog = [str(script)] if point else [str(REPO / "train.py")]
+        cmd = worker_cmd("interrupted_train") if point else [sys.executable, str(REPO / "train.py")]
         # Output to a file, not a pipe: nobody reads a pipe while the process runs.
         self.log = tmp / f"{self.marker.name}.log"
         with self.log.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, *prog, *_flags(data, out, *extra)],
+                [*cmd, *train_argv(data, out, *extra, **RUN)],
                 cwd=tmp,
                 env=env,
                 stdout=log,
@@ -280,7 +183,7 @@ def test_ctrl_c_in_the_first_epoch_leaves_a_resumable_checkpoint(
     monkeypatch.setattr(trainer_module, "train_one_epoch", ctrl_c)
     # Python's own Ctrl-C handler, whatever the test runner installed.
     previous = signal.signal(signal.SIGINT, signal.default_int_handler)
-    argv = [*_flags(data, out), "--epochs", "1"]
+    argv = [*train_argv(data, out, **RUN), "--epochs", "1"]
     try:
         assert train_script.main(argv) == 130
     finally:

@@ -1,20 +1,18 @@
 """The node-wide shared RAM image cache (build_utils/shared_images.py, builders._cache_in_ram):
 the file layout, reading it from another process without copying, the memory check that counts
-one copy per node, and two gloo processes under torchrun filling one cache together."""
+one copy per node, and two gloo processes under torchrun filling one cache together
+(tests/workers/shared_images_worker.py)."""
 
 from __future__ import annotations
 
 import json
 import multiprocessing as mp
-import os
-import socket
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
 import pytest
+from conftest import base_env, run_pair
 
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import DatasetError
@@ -26,9 +24,9 @@ from build_utils.shared_images import (
     unlink_quietly,
 )
 from train_utils import builders
+from train_utils.distributed.launch import free_port
 from train_utils.distributed.process_group import DistInfo
 
-REPO = Path(__file__).resolve().parents[1]
 LAUNCH_TIMEOUT_S = 180
 SIZES = np.array([[4, 3], [2, 5], [1, 1]])  # (w, h)
 
@@ -114,80 +112,10 @@ def test_single_process_cache_counts_one_copy(shapes_data, monkeypatch):
         assert np.array_equal(ds.load_image(i), disk._decode_for_cache(i))
 
 
-WORKER = textwrap.dedent(
-    """
-    import json
-    import sys
-    from pathlib import Path
-
-    import numpy as np
-    import torch
-    from torch.utils.data import DataLoader
-
-    from build_utils import shared_images
-    from build_utils.datasets import LoadImagesAndLabels
-    from train_utils import builders
-    from train_utils.distributed import comm
-    from train_utils.distributed import process_group
-
-    lists, out = [Path(p) for p in sys.argv[1:3]], Path(sys.argv[3])
-    created, counted = [], []
-    real_create = shared_images.SharedImages.create
-
-    def create(path, sizes):
-        created.append(str(path))
-        return real_create(path, sizes)
-
-    def check(need, images, procs=None, avail=None):
-        counted.append(procs)
-
-    builders.SharedImages.create = create
-    builders.check_ram_cache_fits = check
-    info = process_group.init_distributed_mode(None, timeout_s=60)
-    datasets = [LoadImagesAndLabels(p, 96, batch_size=4, rank=info.rank) for p in lists]
-    builders._cache_in_ram(datasets, info)
-    comm.barrier()
-    equal = []
-    for ds, p in zip(datasets, lists):
-        disk = LoadImagesAndLabels(p, 96, batch_size=4, rank=info.rank)
-        for i in range(len(ds)):
-            equal.append(np.array_equal(ds.load_image(i), disk._decode_for_cache(i)))
-    # Forked DataLoader workers read the same mapping.
-    loader = DataLoader(datasets[0], batch_size=2, num_workers=2, collate_fn=datasets[0].collate_fn)
-    worker_imgs = [imgs for imgs, *_ in loader]
-    direct = [datasets[0][i][0] for i in range(len(datasets[0]))]
-    flat = [torch.cat([b.flatten() for b in batches]) for batches in (worker_imgs, direct)]
-    same = torch.equal(*flat)
-    res = {
-        "rank": info.rank,
-        "created": created,
-        "counted": counted,
-        "equal": equal,
-        "workers_same": same,
-        "left": [p for p in created if Path(p).exists()],
-        "types": [type(ds._imgs).__name__ for ds in datasets],
-    }
-    process_group.cleanup()
-    (out / f"rank{info.rank}.json").write_text(json.dumps(res))
-    """
-)
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
 def test_two_processes_share_one_cache(shapes_data, tmp_path):
-    script, out = tmp_path / "worker.py", tmp_path / "out"
-    script.write_text(WORKER)
+    out = tmp_path / "out"
     out.mkdir()
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("SLURM_", "LOCAL_"))}
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(k, None)
     lists = [shapes_data.parent / "val.txt", shapes_data.parent / "train.txt"]
     cmd = [
         sys.executable,
@@ -195,15 +123,13 @@ def test_two_processes_share_one_cache(shapes_data, tmp_path):
         "torch.distributed.run",
         "--nproc_per_node=2",
         "--master_addr=127.0.0.1",
-        f"--master_port={_free_port()}",
-        str(script),
+        f"--master_port={free_port()}",
+        "-m",  # the worker as a module: tests/workers/shared_images_worker.py
+        "tests.workers.shared_images_worker",
         *map(str, lists),
         str(out),
     ]
-    proc = subprocess.run(
-        cmd, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S, cwd=REPO
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_pair([cmd], [base_env()], timeout=LAUNCH_TIMEOUT_S)
     res = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
     # Created once (by local rank 0), one file per dataset, and gone once everyone mapped it.
     assert len(res[0]["created"]) == 2 and res[1]["created"] == []

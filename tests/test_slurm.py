@@ -1,4 +1,4 @@
-"""train_utils/slurm.py: SLURM's compressed node and task lists."""
+"""train_utils/distributed/slurm.py: SLURM's compressed node and task lists."""
 
 from __future__ import annotations
 

@@ -2,73 +2,38 @@
 
 from __future__ import annotations
 
-import csv
 import json
 from pathlib import Path
 
 import cv2
 import pytest
 import torch
+from conftest import read_results, run_training, train_argv, validation_argv
 
 import train as train_script
 import validation
 from models.loss import scale_loss_gains
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
-from train_utils.config import build_config, get_args_parser, load_hyp
-from train_utils.distributed.process_group import DistInfo
+from train_utils.config import load_hyp
 from train_utils.reporting import RESULTS_HEADER
-from train_utils.trainer import run
 
 pytestmark = pytest.mark.slow
 
-IMG = "128"
+IMG = 128
 
 
-def _flags(data: Path, out: Path, repo: Path, epochs: int = 2, *extra: str) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(repo / "cfg" / "yolov3-spp-nano.cfg"),
-        "--hyp",
-        str(repo / "cfg" / "hyp.yaml"),
-        "--epochs",
-        str(epochs),
-        "--batch-size",
-        "8",
-        "--img-size",
-        IMG,
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--nbs",
-        "8",
-        "--log-interval",
-        "1",
-        *extra,
-    ]
-
-
-def _run(argv: list[str]):
-    config = build_config(get_args_parser().parse_args(argv))
-    return run(config, DistInfo.single(torch.device("cpu")))
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
+def _flags(data: Path, out: Path, *extra: str, **overrides) -> list[str]:
+    """This file's run: 2 epochs, batches of 8 (nominal 8), a log line per step."""
+    settings = {"epochs": 2, "batch": 8, "nbs": 8, "img": IMG, **overrides}
+    return train_argv(data, out, "--log-interval", "1", *extra, **settings)
 
 
 @pytest.fixture(scope="module")
-def trained(shapes_data, repo_root, tmp_path_factory):
+def trained(shapes_data, tmp_path_factory):
     """One 2-epoch run shared by the tests that only read its outputs."""
     out = tmp_path_factory.mktemp("run")
-    summary = _run(_flags(shapes_data, out, repo_root, 2))
+    summary = run_training(_flags(shapes_data, out))
     return out, summary
 
 
@@ -102,11 +67,11 @@ def test_training_writes_every_output_and_lowers_loss(trained):
         img = cv2.imread(str(out / name))
         assert img is not None and min(img.shape[:2]) >= 200, name
         assert img.reshape(-1, 3).std(0).max() > 5, f"{name} is blank"
-    assert _rows(out / "per_class.csv")[0]["name"] == "all"
+    assert read_results(out / "per_class.csv")[0]["name"] == "all"
     assert list(out.glob("events.out.tfevents.*"))
     with (out / "results.csv").open() as f:
         assert f.readline().strip() == ",".join(RESULTS_HEADER)
-    rows = _rows(out / "results.csv")
+    rows = read_results(out / "results.csv")
     assert [int(r["epoch"]) for r in rows] == [0, 1]
     assert all(float(r["loss"]) > 0 and float(r["train_seconds"]) > 0 for r in rows)
     ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
@@ -142,21 +107,11 @@ def test_training_lowers_the_loss(make_shapes_data, repo_root, tmp_path):
         )
     hyp.write_text(text.replace("mosaic: true", "mosaic: false"))
     out = tmp_path / "run"
-    _run(
-        _flags(
-            data,
-            out,
-            repo_root,
-            6,
-            "--hyp",
-            str(hyp),
-            "--notest",
-            "--no-ema",
-            "--optimizer",
-            "adam",
-        )
-    )  # hyp_demo.yaml's lr0 is an Adam learning rate
-    rows = _rows(out / "results.csv")
+    # hyp_demo.yaml's lr0 is an Adam learning rate.
+    run_training(
+        _flags(data, out, "--notest", "--no-ema", "--optimizer", "adam", epochs=6, hyp=hyp)
+    )
+    rows = read_results(out / "results.csv")
     assert [r["epoch"] for r in rows] == ["5"]  # --notest: only the final epoch is evaluated
     log = (out / "train.log").read_text()
     losses = [
@@ -171,32 +126,23 @@ def test_validation_reproduces_training_map(trained, shapes_data, tmp_path):
     out, _ = trained
     stats_file = tmp_path / "stats.json"
     code = validation.main(
-        [
-            "--cfg",
-            str(out / "model.cfg"),
-            "--data",
-            str(shapes_data),
-            "--weights",
-            str(out / "last.pt"),
-            "--img-size",
-            IMG,
-            "--batch-size",
-            "8",
-            "--device",
-            "cpu",
-            "--workers",
-            "0",
+        validation_argv(
+            out / "model.cfg",
+            shapes_data,
+            out / "last.pt",
             "--json-out",
             str(stats_file),
             "--save-json",
             str(tmp_path / "js"),
             "--save-dir",
             str(tmp_path / "val"),
-        ]
+            img=IMG,
+            batch=8,
+        )
     )
     assert code == 0
     stats = json.loads(stats_file.read_text())
-    last = _rows(out / "results.csv")[-1]
+    last = read_results(out / "results.csv")[-1]
     for name, value in stats.items():
         assert value == pytest.approx(float(last[name]), abs=1e-4), name
     gt = json.loads((tmp_path / "js" / "ground_truth.json").read_text())
@@ -205,9 +151,9 @@ def test_validation_reproduces_training_map(trained, shapes_data, tmp_path):
     assert all({"image_id", "category_id", "bbox", "score"} <= set(p) for p in preds)
 
 
-def test_resume_is_exact(shapes_data, repo_root, tmp_path, monkeypatch):
+def test_resume_is_exact(shapes_data, tmp_path, monkeypatch):
     full = tmp_path / "full"
-    _run(_flags(shapes_data, full, repo_root, 2))
+    run_training(_flags(shapes_data, full))
 
     part = tmp_path / "part"
     real = trainer_module.train_one_epoch
@@ -219,10 +165,10 @@ def test_resume_is_exact(shapes_data, repo_root, tmp_path, monkeypatch):
 
     monkeypatch.setattr(trainer_module, "train_one_epoch", interrupt_second_epoch)
     with pytest.raises(KeyboardInterrupt):
-        _run(_flags(shapes_data, part, repo_root, 2))
+        run_training(_flags(shapes_data, part))
     monkeypatch.setattr(trainer_module, "train_one_epoch", real)
     assert load_checkpoint(part / "last.pt")["epoch"] == 0
-    _run(_flags(shapes_data, part, repo_root, 2, "--resume"))
+    run_training(_flags(shapes_data, part, "--resume"))
 
     a = load_checkpoint(full / "last.pt")
     b = load_checkpoint(part / "last.pt")
@@ -230,7 +176,7 @@ def test_resume_is_exact(shapes_data, repo_root, tmp_path, monkeypatch):
         assert a[key].keys() == b[key].keys()
         for k in a[key]:
             assert torch.equal(a[key][k], b[key][k]), (key, k)
-    ra, rb = _rows(full / "results.csv"), _rows(part / "results.csv")
+    ra, rb = read_results(full / "results.csv"), read_results(part / "results.csv")
     assert [r["epoch"] for r in rb] == ["0", "1"]
     for x, y in zip(ra, rb):
         x.pop("train_seconds"), y.pop("train_seconds")
@@ -238,20 +184,14 @@ def test_resume_is_exact(shapes_data, repo_root, tmp_path, monkeypatch):
         assert x == y
 
 
-def test_weights_with_other_class_count(trained, shapes_data, repo_root, tmp_path, caplog):
+def test_weights_with_other_class_count(trained, shapes_data, tmp_path, caplog):
     out, _ = trained
     # --single-cls makes a 1-class model: the 5-class heads cannot load, everything else does.
     run_dir = tmp_path / "ft"
     with caplog.at_level("WARNING"):
-        _run(
+        run_training(
             _flags(
-                shapes_data,
-                run_dir,
-                repo_root,
-                1,
-                "--single-cls",
-                "--weights",
-                str(out / "last.pt"),
+                shapes_data, run_dir, "--single-cls", "--weights", str(out / "last.pt"), epochs=1
             )
         )
     skipped = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
@@ -259,13 +199,13 @@ def test_weights_with_other_class_count(trained, shapes_data, repo_root, tmp_pat
     assert load_checkpoint(run_dir / "last.pt")["nc"] == 1
 
 
-def test_cli_errors_are_one_line(shapes_data, repo_root, tmp_path, capsys):
-    code = train_script.main(_flags(shapes_data, tmp_path / "x", repo_root, 1, "--img-size", "100"))
+def test_cli_errors_are_one_line(shapes_data, tmp_path, capsys):
+    code = train_script.main(_flags(shapes_data, tmp_path / "x", epochs=1, img=100))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and err == [
         "error: --img-size 100 is not a positive multiple of 32; use e.g. 96"
     ]
-    code = train_script.main(_flags(shapes_data, tmp_path / "x", repo_root, 1, "--resume"))
+    code = train_script.main(_flags(shapes_data, tmp_path / "x", "--resume", epochs=1))
     assert code == 2 and "--resume: no checkpoint" in capsys.readouterr().err
 
 
@@ -277,5 +217,5 @@ def test_run_folder_hyp_is_what_the_user_gave(trained, repo_root):
     assert load_hyp(out / "hyp.yaml") == given
     ckpt = load_checkpoint(out / "last.pt")
     assert ckpt["hyp"] == given
-    assert ckpt["hyp_scaled"] == scale_loss_gains(given, 5, int(IMG))
+    assert ckpt["hyp_scaled"] == scale_loss_gains(given, 5, IMG)
     assert ckpt["hyp_scaled"]["cls"] != given["cls"]

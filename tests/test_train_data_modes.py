@@ -4,9 +4,6 @@ in one process (train.py) and under DDP (torchrun train_multi_GPU.py, gloo on th
 
 from __future__ import annotations
 
-import csv
-import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,10 +12,12 @@ import numpy as np
 import pytest
 import torch
 import yaml
+from conftest import read_results, script_env, train_argv
 
 import train as train_script
 from build_utils.augmentations import GRID
 from build_utils.datasets import LoadImagesAndLabels
+from train_utils.distributed.launch import free_port
 
 pytestmark = pytest.mark.slow  # whole training runs, like tests/test_train.py and test_ddp.py
 
@@ -32,36 +31,7 @@ NC = 5  # classes of the shapes dataset
 RECT_SIDES = (64, 256)
 RECT_BATCH = 2
 N_RECT_TRAIN = 16
-
-
-def _flags(data: Path, out: Path, *extra: str, batch: int = BATCH) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
-        "--hyp",
-        str(REPO / "cfg" / "hyp.yaml"),
-        "--epochs",
-        "1",
-        "--batch-size",
-        str(batch),
-        "--img-size",
-        str(IMG),
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        *extra,
-    ]
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
+DISK_CACHE = ("--cache-images", "disk")
 
 
 def _rect_train_set(data: Path) -> LoadImagesAndLabels:
@@ -70,12 +40,6 @@ def _rect_train_set(data: Path) -> LoadImagesAndLabels:
     return LoadImagesAndLabels(
         data.parent / "train.txt", IMG, RECT_BATCH, augment=True, hyp=hyp, rect=True, nc=NC
     )
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -106,8 +70,8 @@ def test_rect_training_trains_on_whole_rectangular_batches(
 
     monkeypatch.setattr(LoadImagesAndLabels, "collate_fn", staticmethod(recording_collate))
     out = tmp_path / "rect"
-    assert train_script.main(_flags(data, out, "--rect", batch=RECT_BATCH)) == 0
-    assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0"]
+    assert train_script.main(train_argv(data, out, "--rect", img=IMG, batch=RECT_BATCH)) == 0
+    assert [r["epoch"] for r in read_results(out / "results.csv")] == ["0"]
 
     assert len(seen) == len(groups) == N_RECT_TRAIN // RECT_BATCH  # all batches full
     dealt = []
@@ -128,20 +92,21 @@ def test_rect_training_under_ddp(make_shapes_data, tmp_path):
     ref = _rect_train_set(data)
     assert len({tuple(s) for s in ref.batch_shapes.tolist()}) > 1  # a mix-up would crash
     out = tmp_path / "ddp_rect"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--nproc_per_node=2",
-        f"--master_port={_free_port()}",
+        f"--master_port={free_port()}",
         str(REPO / "train_multi_GPU.py"),
-        *_flags(data, out, "--rect", batch=RECT_BATCH),
+        *train_argv(data, out, "--rect", img=IMG, batch=RECT_BATCH),
     ]
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300
+    )
     assert "stack expects" not in proc.stderr + proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert [r["epoch"] for r in _rows(out / "results.csv")] == ["0"]
+    assert [r["epoch"] for r in read_results(out / "results.csv")] == ["0"]
     assert torch.load(out / "last.pt", weights_only=True)["epoch"] == 0
     log = (out / "train.log").read_text()
     assert "device cpu x 2 process(es)" in log and log.count("done: 1 epochs") == 1
@@ -162,7 +127,7 @@ def test_disk_image_cache_is_written_reused_and_changes_nothing(
     n_images = {"train": 8, "val": 4}
     data = make_shapes_data(n_train=n_images["train"], n_val=n_images["val"])
     first = tmp_path / "first"
-    assert train_script.main(_flags(data, first, "--cache-images", "disk")) == 0
+    assert train_script.main(train_argv(data, first, *DISK_CACHE, img=IMG, batch=BATCH)) == 0
 
     def cached() -> dict[Path, int]:
         """Every .npy file of both splits with its modification time."""
@@ -189,11 +154,11 @@ def test_disk_image_cache_is_written_reused_and_changes_nothing(
 
     monkeypatch.setattr(LoadImagesAndLabels, "_decode", recording_decode)
     second = tmp_path / "second"
-    assert train_script.main(_flags(data, second, "--cache-images", "disk")) == 0
+    assert train_script.main(train_argv(data, second, *DISK_CACHE, img=IMG, batch=BATCH)) == 0
     assert cached() == npys  # the same files, none rewritten
     assert decoded == []  # every image came from its .npy file
 
-    a, b = _rows(first / "results.csv"), _rows(second / "results.csv")
+    a, b = read_results(first / "results.csv"), read_results(second / "results.csv")
     assert [r["epoch"] for r in a] == [r["epoch"] for r in b] == ["0"]
     assert float(a[0]["loss"]) > 0
     for x, y in zip(a, b):

@@ -14,6 +14,7 @@ from pathlib import Path
 import cv2
 import pytest
 import torch
+from conftest import NANO_CFG, validation_argv
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
@@ -23,13 +24,12 @@ from models.darknet import Darknet
 from train_utils.checkpoint import save_checkpoint
 from train_utils.evaluation.exports import COCO80_TO_91
 
-REPO = Path(__file__).resolve().parents[1]
-IMG = "128"
+IMG = 128
 
 
 def _weights(path: Path, nc: int) -> Path:
     """A nano model whose head biases make boxes confident (class 0 wins), as a state_dict."""
-    blocks = rewrite_cfg_classes(parse_model_cfg(REPO / "cfg" / "yolov3-spp-nano.cfg"), nc)
+    blocks = rewrite_cfg_classes(parse_model_cfg(NANO_CFG), nc)
     torch.manual_seed(0)
     model = Darknet(blocks, img_size=(128, 128))
     with torch.no_grad():
@@ -42,23 +42,8 @@ def _weights(path: Path, nc: int) -> Path:
 
 
 def _argv(data: Path, weights: Path, *extra: str) -> list[str]:
-    return [
-        "--cfg",
-        str(REPO / "cfg" / "yolov3-spp-nano.cfg"),
-        "--data",
-        str(data),
-        "--weights",
-        str(weights),
-        "--img-size",
-        IMG,
-        "--batch-size",
-        "4",
-        "--device",
-        "cpu",
-        "--workers",
-        "0",
-        *extra,
-    ]
+    """validation.py's arguments for the nano model's ``weights`` on ``data``."""
+    return validation_argv(NANO_CFG, data, weights, *extra, img=IMG)
 
 
 @pytest.fixture(scope="module")

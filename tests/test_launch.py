@@ -1,4 +1,5 @@
-"""train_utils/launch.py: torch.multiprocessing.spawn launching, pure parts and one CPU run."""
+"""train_utils/distributed/launch.py: torch.multiprocessing.spawn launching, its pure parts and
+one CPU run."""
 
 from __future__ import annotations
 
@@ -9,10 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import read_results, script_env, train_argv, validate_run
 
 import train
 from build_utils.errors import ConfigError
-from tests.test_ddp import _env, _rows, _train_flags, _validate
 from train_utils.distributed import launch
 from train_utils.distributed.launch import (
     SPAWN_MASTER_ADDR,
@@ -122,7 +123,7 @@ def test_train_py_gpu_list_without_cuda_is_one_line(monkeypatch, tmp_path, conso
 
 
 def _spawn(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess:
-    env = _env()
+    env = script_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         env.pop(key, None)
     return subprocess.run(
@@ -141,13 +142,13 @@ def test_spawned_training_map_equals_validation(make_shapes_data, tmp_path):
     on last.pt."""
     data = make_shapes_data(n_train=16, n_val=4)
     out = tmp_path / "spawned"
-    proc = _spawn([*_train_flags(data, out, 1), "--img-size", "64"])
+    proc = _spawn(train_argv(data, out, img=64))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "spawning 2 processes on this node (cpu, cpu)" in proc.stderr
     assert "device cpu x 2 process(es)" in proc.stderr
-    rows = _rows(out / "results.csv")
+    rows = read_results(out / "results.csv")
     assert [r["epoch"] for r in rows] == ["0"]
-    single = _validate(data, out, tmp_path)
+    single = validate_run(data, out, tmp_path)
     for key, value in single.items():
         assert float(rows[-1][key]) == pytest.approx(value, abs=1e-6), key
 
@@ -156,8 +157,7 @@ def test_spawned_training_map_equals_validation(make_shapes_data, tmp_path):
 def test_a_child_error_comes_back_as_one_line(make_shapes_data, tmp_path):
     data = make_shapes_data(n_train=4, n_val=2)
     missing = tmp_path / "missing.cfg"
-    flags = [*_train_flags(data, tmp_path / "out", 1), "--cfg", str(missing)]
-    proc = _spawn(flags)
+    proc = _spawn(train_argv(data, tmp_path / "out", cfg=missing))
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert proc.returncode == 2, proc.stderr[-3000:]
     assert errors == [f"error: {missing}: model cfg not found; pass an existing .cfg to --cfg"]

@@ -1,4 +1,5 @@
-"""Tests for train_utils/engine.py helpers that need no training run."""
+"""train_utils/distributed/precision.py: autocast and the --amp resolution per device, the --amp
+flag values, and the SyncBatchNorm decision (train_utils/trainer.py)."""
 
 from __future__ import annotations
 
