@@ -9,7 +9,6 @@ are recognised by content; an ONNX file gets a sentence, not a traceback.
 
 from __future__ import annotations
 
-import csv
 import json
 import shutil
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import REPO_ROOT, read_results, train_argv
 
 import predict
 import train
@@ -34,43 +34,17 @@ CPU = torch.device("cpu")
 CUDA = torch.device("cuda")
 
 
-def _train_argv(data: Path, out: Path, repo: Path, epochs: int, *extra: str) -> list[str]:
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(repo / "cfg" / "yolov3-spp-nano.cfg"),
-        "--hyp",
-        str(repo / "cfg" / "hyp_demo.yaml"),
-        "--epochs",
-        str(epochs),
-        "--batch-size",
-        "3",  # not validation.py's default: rect batches are shaped per batch
-        "--img-size",
-        "96",  # not validation.py's default either
-        "--no-multi-scale",
-        "--workers",
-        "0",
-        "--device",
-        "cpu",
-        "--output-dir",
-        str(out),
-        "--nbs",
-        "6",
-        "--channels-last",  # the run's memory format must come back from the checkpoint
-        *extra,
-    ]
-
-
-def _rows(path: Path) -> list[dict[str, str]]:
-    with path.open() as f:
-        return list(csv.DictReader(f))
+def _train_argv(data: Path, out: Path, epochs: int) -> list[str]:
+    # Batch 3 and 96 px are not validation.py's defaults (rect batches are shaped per batch),
+    # and the run's channels_last must come back from the checkpoint.
+    hyp = REPO_ROOT / "cfg" / "hyp_demo.yaml"
+    return train_argv(data, out, "--channels-last", hyp=hyp, epochs=epochs, batch=3, img=96, nbs=6)
 
 
 @pytest.fixture(scope="module")
-def run_dir(shapes_data, repo_root, tmp_path_factory) -> Path:
+def run_dir(shapes_data, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("selfdesc") / "run"
-    assert train.main(_train_argv(shapes_data, out, repo_root, 2)) == 0
+    assert train.main(_train_argv(shapes_data, out, 2)) == 0
     return out
 
 
@@ -86,7 +60,7 @@ def test_validation_with_the_checkpoint_alone_reproduces_the_logged_map(run_dir,
     argv = ["--weights", str(run_dir / "best.pt"), "--json-out", str(stats_file)]
     assert validation.main([*argv, "--save-dir", str(tmp_path / "val"), "--no-plots"]) == 0
     got = json.loads(stats_file.read_text())
-    best = max(_rows(run_dir / "results.csv"), key=lambda r: float(r["mAP50-95"]))
+    best = max(read_results(run_dir / "results.csv"), key=lambda r: float(r["mAP50-95"]))
     for name in STAT_NAMES:
         assert got[name] == pytest.approx(float(best[name]), abs=1e-4), name
     # Some recall at all: the comparison would be vacuous if every number were 0.
@@ -139,32 +113,32 @@ def test_weights_are_recognised_by_content_not_suffix_case(run_dir, tmp_path, ca
 
 
 def test_resume_with_the_path_alone_continues_the_run_in_its_folder(
-    shapes_data, repo_root, tmp_path, monkeypatch
+    shapes_data, tmp_path, monkeypatch
 ):
     monkeypatch.chdir(tmp_path)
     run = tmp_path / "runs" / "exp"
-    assert train.main(_train_argv(shapes_data, run, repo_root, 1)) == 0
+    assert train.main(_train_argv(shapes_data, run, 1)) == 0
     # Make it a run interrupted after epoch 0 of 2, as a preempted job leaves it.
     ckpt = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     ckpt["config"]["epochs"] = 2
     torch.save(ckpt, run / "last.pt")
     assert train.main(["--resume", str(run / "last.pt")]) == 0
-    assert [r["epoch"] for r in _rows(run / "results.csv")] == ["0", "1"]
+    assert [r["epoch"] for r in read_results(run / "results.csv")] == ["0", "1"]
     assert torch.load(run / "last.pt", weights_only=True)["epoch"] == 1
     assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == ["exp"]
 
 
-def test_bare_resume_takes_the_latest_run(shapes_data, repo_root, tmp_path, monkeypatch, capsys):
+def test_bare_resume_takes_the_latest_run(shapes_data, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert train.main(["--resume"]) == 2
     assert "no runs/*/last.pt to continue" in capsys.readouterr().err
     run = tmp_path / "runs" / "a"
-    assert train.main(_train_argv(shapes_data, run, repo_root, 1)) == 0
+    assert train.main(_train_argv(shapes_data, run, 1)) == 0
     ckpt = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     ckpt["config"]["epochs"] = 2
     torch.save(ckpt, run / "last.pt")
     assert train.main(["--resume"]) == 0
-    assert [r["epoch"] for r in _rows(run / "results.csv")] == ["0", "1"]
+    assert [r["epoch"] for r in read_results(run / "results.csv")] == ["0", "1"]
 
 
 # ---- the pure parts, including the CUDA decisions ------------------------------------------
