@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import logging
 import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,8 @@ from torch.utils.tensorboard import SummaryWriter
 from train_utils.checkpoint import save_checkpoint, to_plain
 from train_utils.engine import EpochStats
 from train_utils.evaluation.coco_eval import STAT_NAMES
-from train_utils.run_pictures import plot_first_batches, report_evaluation
+from train_utils.evaluation.report import write_eval_report
+from train_utils.run_pictures import plot_first_batches
 
 logger = logging.getLogger(__name__)
 
@@ -173,8 +175,17 @@ class EpochReporter:
         names: Sequence[str],
         coco_ap: Mapping[int, tuple[float, float]] | None,
     ) -> None:
-        """The per-class table, ``per_class.csv`` and the evaluation pictures."""
-        report_evaluation(self.out, coco_gt, detections, names, coco_ap)
+        """The per-class table, ``per_class.csv`` and the evaluation pictures
+        (:func:`write_eval_report`); a failure is a warning."""
+        t0 = time.time()
+        try:
+            write_eval_report(self.out, coco_gt, detections, names, coco_ap)
+        except Exception as e:  # pictures are a convenience; training goes on without them
+            logger.warning("could not write the evaluation pictures in %s: %s", self.out, e)
+            return
+        logger.info(
+            "evaluation pictures and per_class.csv in %s (%.1f s)", self.out, time.time() - t0
+        )
 
     def _append_row(self, epoch: int, stats: EpochStats, seconds: float, elapsed: float) -> None:
         row = {
