@@ -20,7 +20,7 @@ from train_utils.config import build_config, get_args_parser
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.optim import build_scheduler, cosine_lambda
 from train_utils.plan import EpochPlan, epochs_within_budget, evaluated
-from train_utils.reporting import FITNESS_KEY
+from train_utils.trainer import FITNESS_KEY
 
 
 def _brute_force(epoch, remaining, epoch_s, eval_s, interval, notest, max_epochs=None):
@@ -63,9 +63,8 @@ def test_budget_estimate_by_hand() -> None:
     assert epochs_within_budget(4, -30.0, 10.0, 5.0) == 5
 
 
-def test_plan_without_budget_is_fixed_and_needs_no_clock() -> None:
+def test_plan_without_budget_is_fixed() -> None:
     plan = EpochPlan(epochs=7, eval_interval=3)
-    assert plan.after_training(0, 1e6, is_main=True) == 7
     assert [e for e in range(7) if plan.evaluates(e)] == [2, 5, 6]
 
 
@@ -74,20 +73,19 @@ def test_plan_uses_recent_epochs_and_the_measured_evaluation() -> None:
     # 10 s spent; the first epoch took 10 s and no evaluation was timed yet (guessed 5 s, half
     # the epoch as val/train = 0.5). Every epoch is evaluated: a total of T costs
     # (T - 1) * 10 s of training + T * 5 s of evaluation; 90 s left buy T = 6 (80 s), not 7.
-    plan.started -= 10.0
-    assert plan.after_training(0, 10.0, is_main=True) == 6
+    assert plan.budget_epochs(0, 10.0, spent_s=10.0) == 6
     plan.after_epoch(10.0, 1.0)  # evaluations turn out to take 1 s
-    plan.started -= 11.0  # 21 s spent
     # 79 s left: 1 s for epoch 1's own evaluation, then 11 s per further epoch: 7 more.
-    assert plan.after_training(1, 10.0, is_main=True) == 9
+    assert plan.budget_epochs(1, 10.0, spent_s=21.0) == 9
+    assert plan.epochs == 30, "a pure decision: the trainer stores (and broadcasts) the answer"
 
 
 def test_one_slow_epoch_does_not_move_the_plan() -> None:
     def plan_after(times: list[float]) -> int:
-        plan = EpochPlan(epochs=30, budget_s=1000.0, started=time.time() - 100.0)
+        plan = EpochPlan(epochs=30, budget_s=1000.0)
         for t in times[:-1]:
             plan.after_epoch(t, 1.0)
-        return plan.after_training(len(times) - 1, times[-1], is_main=True)
+        return plan.budget_epochs(len(times) - 1, times[-1], spent_s=100.0)
 
     steady = plan_after([10.0, 10.0, 10.0, 10.0])
     assert plan_after([10.0, 10.0, 10.0, 25.0]) == steady  # the median of the last five
@@ -110,10 +108,10 @@ def test_stretched_cosine_ends_at_lrf() -> None:
 
 def test_patience_counts_epochs_since_the_best() -> None:
     plan = EpochPlan(epochs=50, patience=3)
-    assert not plan.stops_early(5, best_epoch=3, is_main=True)
-    assert plan.stops_early(6, best_epoch=3, is_main=True)
-    assert not plan.stops_early(6, best_epoch=None, is_main=True)
-    assert not EpochPlan(epochs=50).stops_early(60, best_epoch=0, is_main=True)
+    assert not plan.out_of_patience(5, best_epoch=3)
+    assert plan.out_of_patience(6, best_epoch=3)
+    assert not plan.out_of_patience(6, best_epoch=None)
+    assert not EpochPlan(epochs=50).out_of_patience(60, best_epoch=0)
 
 
 def test_budget_and_patience_flags_are_checked(shapes_data, repo_root) -> None:
@@ -132,7 +130,10 @@ def test_every_rank_follows_rank_zeros_plan(tmp_path: Path) -> None:
     run_pair([worker_cmd("plan_worker", tmp_path)] * 2, rank_envs())
     res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
     # Rank 0: 90 s left, 10 s epochs, evaluations guessed at 2 s: 7 more epochs (84 s).
-    assert res == [{"total": 8, "stop": True}] * 2
+    assert [{"total": r["total"], "stop": r["stop"]} for r in res] == [
+        {"total": 8, "stop": True}
+    ] * 2
+    assert res[1]["mine"] == [1, False], "rank 1 alone would have decided otherwise"
 
 
 # ---------------------------------------------------------------- budgeted training runs

@@ -4,26 +4,24 @@
 With a time budget the epoch count is estimated after every epoch from the measured time of
 training epochs and evaluations, and the cosine schedule (:func:`train_utils.optim.
 build_scheduler` reads :attr:`EpochPlan.epochs`) is stretched or shrunk to end at the planned
-last epoch, which is always evaluated. Rank 0's clock decides and every rank follows
-(:meth:`EpochPlan.share`), so all ranks stop after the same epoch. The budget counts from the
-start of :func:`train_utils.trainer.run` (set-up and caching included) and, on ``--resume``,
-continues from what the checkpoint had spent.
+last epoch, which is always evaluated. The budget counts from the start of
+:func:`train_utils.trainer.run` (set-up and caching included) and, on ``--resume``, continues
+from what the checkpoint had spent.
+
+Everything here is a pure decision and calls no collective: under DDP the trainer asks rank 0
+(whose clock and mAP decide) and broadcasts the answer at the call site, so that all ranks stop
+after the same epoch and a reader sees every collective there.
 """
 
 from __future__ import annotations
 
-import logging
 import statistics
 import time
 from dataclasses import dataclass, field
 
-from train_utils.distributed.comm import broadcast_object
-
 # Epoch-time estimate: the median of the last few epochs, so that one slow epoch (a busy
 # machine, a cache filling) neither shortens the plan nor makes the schedule jump.
 RECENT_EPOCHS = 5
-
-logger = logging.getLogger(__name__)
 
 
 def evaluated(epoch: int, total: int, eval_interval: int, notest: bool) -> bool:
@@ -98,26 +96,22 @@ class EpochPlan:
     def evaluates(self, epoch: int) -> bool:
         return evaluated(epoch, self.epochs, self.eval_interval, self.notest)
 
-    def after_training(self, epoch: int, seconds: float, is_main: bool) -> int:
-        """Re-plan after training ``epoch`` (``seconds`` of training) and before evaluating it;
-        the total is rank 0's estimate on every rank (collective when a budget is set)."""
-        if self.budget_s is None:
-            return self.epochs
-        total = None
-        if is_main:
-            epoch_s = statistics.median([*self.epoch_s[-(RECENT_EPOCHS - 1) :], seconds])
-            eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
-            total = epochs_within_budget(
-                epoch,
-                self.budget_s - self.spent(),
-                epoch_s,
-                eval_s,
-                self.eval_interval,
-                self.notest,
-                self.max_epochs,
-            )
-        self.epochs = int(broadcast_object(total))
-        return self.epochs
+    def budget_epochs(self, epoch: int, seconds: float, spent_s: float) -> int:
+        """The total epochs that fit ``--time-budget`` after training ``epoch`` (``seconds`` of
+        training) and before evaluating it, with ``spent_s`` of the budget used (:meth:`spent`).
+        Only meaningful with a budget; the caller stores the answer in :attr:`epochs`."""
+        assert self.budget_s is not None, "budget_epochs needs a --time-budget"
+        epoch_s = statistics.median([*self.epoch_s[-(RECENT_EPOCHS - 1) :], seconds])
+        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
+        return epochs_within_budget(
+            epoch,
+            self.budget_s - spent_s,
+            epoch_s,
+            eval_s,
+            self.eval_interval,
+            self.notest,
+            self.max_epochs,
+        )
 
     def after_epoch(self, wall_s: float, eval_s: float | None) -> None:
         """Record an epoch's wall time (evaluation excluded) and its evaluation's time."""
@@ -125,22 +119,11 @@ class EpochPlan:
         if eval_s is not None:
             self.eval_s = eval_s
 
-    def stops_early(self, epoch: int, best_epoch: int | None, is_main: bool) -> bool:
+    def out_of_patience(self, epoch: int, best_epoch: int | None) -> bool:
         """``--patience``: whether ``epoch`` ends the run because mAP@0.5:0.95 has not improved
-        for ``patience`` epochs; rank 0's answer on every rank (collective with patience)."""
-        if self.patience <= 0:
-            return False
-        stop = None
-        if is_main:
-            stop = best_epoch is not None and epoch - best_epoch >= self.patience
-            if stop:
-                logger.info(
-                    "--patience %d: no better mAP@0.5:0.95 since epoch %d; stopping after epoch %d",
-                    self.patience,
-                    best_epoch,
-                    epoch,
-                )
-        return bool(broadcast_object(stop))
+        since ``best_epoch`` (None: nothing evaluated yet) for ``patience`` epochs; never
+        without ``--patience``."""
+        return self.patience > 0 and best_epoch is not None and epoch - best_epoch >= self.patience
 
     def state(self) -> dict[str, float | int]:
         """What a checkpoint keeps so that a resumed run continues the same budget."""

@@ -1,16 +1,19 @@
 """What a training run records, and only on rank 0: the run folder's files, one results.csv row
-and TensorBoard scalars per epoch, results.png, the epoch's log line, best-mAP tracking and the
-``last.pt``/``best.pt`` checkpoints.
+and TensorBoard scalars per epoch, results.png, the epoch's log line, the evaluation report
+(per-class table, ``per_class.csv`` and pictures) and the first training batches.
 
-The trainer calls the same methods on every rank; :func:`make_reporter` gives the other ranks a
-:class:`SilentReporter` whose methods do nothing, so the loop has no rank branches.
+The reporter only records what the trainer hands it: the best mAP, the checkpoints and every
+decision stay in :mod:`train_utils.trainer`. The trainer calls the same methods on every rank;
+:func:`make_reporter` gives the other ranks a :class:`SilentReporter` whose methods do nothing,
+so the loop has no rank branches.
 """
 
 from __future__ import annotations
 
 import csv
 import logging
-from collections.abc import Callable, Mapping, Sequence
+import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -18,10 +21,11 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from build_utils.atomic import atomic_write
-from train_utils.checkpoint import save_checkpoint, to_plain
+from train_utils.checkpoint import to_plain
 from train_utils.engine import EpochStats
 from train_utils.evaluation.coco_eval import STAT_NAMES
-from train_utils.run_pictures import plot_first_batches, report_evaluation
+from train_utils.evaluation.report import write_eval_report
+from train_utils.run_pictures import plot_first_batches
 
 logger = logging.getLogger(__name__)
 
@@ -36,10 +40,6 @@ RESULTS_HEADER = [
     "train_seconds",
     "elapsed_seconds",  # since the run started (earlier attempts of a resumed run included)
 ]
-FITNESS_KEY = "mAP50-95"  # what best.pt is chosen by
-
-# (epoch, best fitness so far, epoch of the best) -> checkpoint dict
-CheckpointFactory = Callable[[int, "float | None", "int | None"], dict[str, Any]]
 
 
 def read_results(path: Path) -> list[dict[str, str]]:
@@ -100,32 +100,12 @@ class EpochReporter:
 
     Args:
         out: the run folder.
-        total_epochs: the run's ``--epochs`` (for log lines).
         start_epoch: the first epoch this process runs; rows of later epochs left in
             ``results.csv`` by an interrupted attempt are dropped, as that work is redone.
-        best: the best fitness so far (from a resumed checkpoint), or None.
-        checkpoint: builds the checkpoint dict for (epoch, best fitness, best epoch).
-        keep_best: also write ``best.pt`` when the fitness improves (``--savebest``).
     """
 
-    def __init__(
-        self,
-        out: Path,
-        total_epochs: int,
-        start_epoch: int,
-        best: float | None,
-        checkpoint: CheckpointFactory,
-        keep_best: bool = True,
-        best_epoch: int | None = None,
-    ):
+    def __init__(self, out: Path, start_epoch: int):
         self.out = out
-        self.total_epochs = total_epochs
-        self.start_epoch = start_epoch
-        self.best = best
-        self.best_epoch = best_epoch
-        self.last_stats: dict[str, float] | None = None
-        self.checkpoint = checkpoint
-        self.keep_best = keep_best
         self.results = out / "results.csv"
         write_results(
             self.results, [r for r in read_results(self.results) if int(r["epoch"]) < start_epoch]
@@ -135,30 +115,22 @@ class EpochReporter:
     def end_epoch(
         self,
         epoch: int,
+        total_epochs: int,
         stats: EpochStats,
-        coco_stats: Sequence[float] | None,
+        val: Mapping[str, float] | None,
         seconds: float,
         elapsed: float = 0.0,
     ) -> None:
-        """Record a finished epoch (``coco_stats`` None when it was not evaluated) and save;
-        ``seconds`` is its training time, ``elapsed`` the run's time so far."""
-        is_best = False
-        if coco_stats is not None:
-            self.last_stats = dict(zip(STAT_NAMES, (float(s) for s in coco_stats)))
-            self._append_row(epoch, stats, seconds, elapsed)
-            fitness = self.last_stats[FITNESS_KEY]
-            is_best = self.best is None or fitness > self.best
-            if is_best:
-                self.best, self.best_epoch = fitness, epoch
-        self._log_epoch(epoch, stats, seconds, evaluated=coco_stats is not None)
+        """Record a finished epoch of the ``total_epochs`` now planned: ``val`` its COCO stats by
+        name (None when it was not evaluated), ``seconds`` its training time, ``elapsed`` the
+        run's time so far."""
+        if val is not None:
+            self._append_row(epoch, stats, val, seconds, elapsed)
+        self._log_epoch(epoch, total_epochs, stats, val, seconds)
         for k, v in stats.as_dict().items():
             self.writer.add_scalar(f"train/{k}", v, epoch)
         self.writer.add_scalar("train/lr", stats.lr, epoch)
         self.writer.flush()
-        ckpt = self.checkpoint(epoch, self.best, self.best_epoch)
-        save_checkpoint(ckpt, self.out / "last.pt")
-        if is_best and self.keep_best:
-            save_checkpoint(ckpt, self.out / "best.pt")
 
     def watch_batches(self, loader: Any, epoch: int, names: Sequence[str]) -> Any:
         """``loader``, drawing its first batches to ``train_batch*.jpg`` in epoch 0."""
@@ -171,13 +143,29 @@ class EpochReporter:
         names: Sequence[str],
         coco_ap: Mapping[int, tuple[float, float]] | None,
     ) -> None:
-        """The per-class table, ``per_class.csv`` and the evaluation pictures."""
-        report_evaluation(self.out, coco_gt, detections, names, coco_ap)
+        """The per-class table, ``per_class.csv`` and the evaluation pictures
+        (:func:`write_eval_report`); a failure is a warning."""
+        t0 = time.time()
+        try:
+            write_eval_report(self.out, coco_gt, detections, names, coco_ap)
+        except Exception as e:  # pictures are a convenience; training goes on without them
+            logger.warning("could not write the evaluation pictures in %s: %s", self.out, e)
+            return
+        logger.info(
+            "evaluation pictures and per_class.csv in %s (%.1f s)", self.out, time.time() - t0
+        )
 
-    def _append_row(self, epoch: int, stats: EpochStats, seconds: float, elapsed: float) -> None:
+    def _append_row(
+        self,
+        epoch: int,
+        stats: EpochStats,
+        val: Mapping[str, float],
+        seconds: float,
+        elapsed: float,
+    ) -> None:
         row = {
             "epoch": epoch,
-            **self.last_stats,
+            **val,
             **stats.as_dict(),
             "lr": stats.lr,
             "train_seconds": round(seconds, 3),
@@ -185,12 +173,19 @@ class EpochReporter:
         }
         write_results(self.results, [*read_results(self.results), row])
         plot_results(self.results, self.out / "results.png")
-        for k, v in self.last_stats.items():
+        for k, v in val.items():
             self.writer.add_scalar(f"val/{k}", v, epoch)
 
-    def _log_epoch(self, epoch: int, stats: EpochStats, seconds: float, evaluated: bool) -> None:
-        last = self.total_epochs - 1
-        if not evaluated:
+    def _log_epoch(
+        self,
+        epoch: int,
+        total_epochs: int,
+        stats: EpochStats,
+        val: Mapping[str, float] | None,
+        seconds: float,
+    ) -> None:
+        last = total_epochs - 1
+        if val is None:
             logger.info(
                 "epoch %d/%d: loss %.4f, lr %.3g, %.1f s",
                 epoch,
@@ -211,28 +206,34 @@ class EpochReporter:
             stats.cls_loss,
             stats.lr,
             seconds,
-            self.last_stats["mAP50-95"],
-            self.last_stats["mAP50"],
+            val["mAP50-95"],
+            val["mAP50"],
+        )
+
+    def stopped_early(self, epoch: int, best_epoch: int | None, patience: int) -> None:
+        """``--patience`` ended the run after ``epoch`` (the best was ``best_epoch``)."""
+        logger.info(
+            "--patience %d: no better mAP@0.5:0.95 since epoch %s; stopping after epoch %d",
+            patience,
+            best_epoch,
+            epoch,
         )
 
     def interrupted(self, epoch: int) -> None:
-        """Ctrl-C/SIGTERM: say how to continue; keep the partial weights when nothing was saved
-        yet, resumable from epoch ``start_epoch`` (a checkpoint of epoch ``start_epoch - 1``)."""
+        """Ctrl-C/SIGTERM: say how to continue."""
         logger.warning(
             "interrupted in epoch %d; last completed epoch is saved in %s; continue with --resume",
             epoch,
             self.out / "last.pt",
         )
-        if not (self.out / "last.pt").is_file():
-            ckpt = self.checkpoint(self.start_epoch - 1, self.best, self.best_epoch)
-            save_checkpoint(ckpt, self.out / "last.pt")
 
-    def finished(self, seconds: float, epochs_run: int) -> None:
+    def finished(self, seconds: float, epochs_run: int, best: float | None) -> None:
+        """The run's last line: ``best`` is the best mAP@0.5:0.95 (None: never evaluated)."""
         logger.info(
             "done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s, %s",
             epochs_run,
             seconds / 60,
-            "-" if self.best is None else f"{self.best:.4f}",
+            "-" if best is None else f"{best:.4f}",
             self.results,
             self.out / "last.pt",
             self.out / "best.pt",
@@ -243,14 +244,8 @@ class EpochReporter:
 
 
 class SilentReporter:
-    """The reporter of ranks other than 0: records nothing; ``best``/``last_stats`` stay as
-    given (the resumed best) and None."""
-
-    def __init__(self, best: float | None = None, best_epoch: int | None = None):
-        self.best = best
-        self.best_epoch = best_epoch
-        self.total_epochs = 0  # set by the trainer like the main reporter's; unused here
-        self.last_stats: dict[str, float] | None = None
+    """The reporter of ranks other than 0: records nothing (only the interruption is logged,
+    as a warning, which other ranks still show)."""
 
     def end_epoch(self, *args: Any) -> None:
         pass
@@ -259,6 +254,9 @@ class SilentReporter:
         return loader
 
     def evaluated(self, *args: Any) -> None:
+        pass
+
+    def stopped_early(self, *args: Any) -> None:
         pass
 
     def interrupted(self, epoch: int) -> None:
@@ -271,11 +269,8 @@ class SilentReporter:
         pass
 
 
-def make_reporter(
-    is_main: bool, best: float | None, best_epoch: int | None = None, **kwargs: Any
-) -> EpochReporter | SilentReporter:
-    """``EpochReporter(best=best, best_epoch=best_epoch, **kwargs)`` on rank 0, a
-    :class:`SilentReporter` elsewhere."""
+def make_reporter(is_main: bool, out: Path, start_epoch: int) -> EpochReporter | SilentReporter:
+    """``EpochReporter(out, start_epoch)`` on rank 0, a :class:`SilentReporter` elsewhere."""
     if is_main:
-        return EpochReporter(best=best, best_epoch=best_epoch, **kwargs)
-    return SilentReporter(best, best_epoch)
+        return EpochReporter(out, start_epoch)
+    return SilentReporter()

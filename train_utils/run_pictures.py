@@ -1,6 +1,6 @@
-"""The pictures of a training run, drawn by rank 0 without touching the training:
-``labels.png`` and ``train_batch0..2.jpg`` at the start, the evaluation pictures and
-``per_class.csv`` after each evaluation (``eval_report.py``).
+"""The pictures of a training run's data, drawn by rank 0 without touching the training:
+``labels.png`` and ``train_batch0..2.jpg`` at the start. (The evaluation pictures and
+``per_class.csv`` are :func:`train_utils.evaluation.report.write_eval_report`'s.)
 
 The first batches are drawn from the batches the loop itself consumes (:func:`plot_first_batches`
 wraps the loader and passes every batch through unchanged), so no random number generator is
@@ -11,8 +11,7 @@ never the end of a training run.
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,6 @@ import numpy as np
 import torch
 
 from train_utils.evaluation.plots import batch_to_images, plot_images, plot_labels
-from train_utils.evaluation.report import write_eval_report
 
 logger = logging.getLogger(__name__)
 
@@ -81,23 +79,3 @@ def plot_first_batches(
     batches (``(imgs (bs, 3, H, W) uint8 RGB, targets (nt, 6), paths, ...)``) into
     ``out_dir/train_batch{i}.jpg``."""
     return _FirstBatches(loader, out_dir, names, n) if enabled else loader
-
-
-def report_evaluation(
-    out_dir: Path,
-    coco_gt: Any,
-    detections: Sequence[dict[str, Any]],
-    names: Sequence[str],
-    coco_ap: Mapping[int, tuple[float, float]] | None,
-) -> float:
-    """:func:`eval_report.write_eval_report`, with failures as warnings; returns the seconds it
-    took."""
-    t0 = time.time()
-    try:
-        write_eval_report(out_dir, coco_gt, detections, names, coco_ap)
-    except Exception as e:  # pictures are a convenience; training goes on without them
-        logger.warning("could not write the evaluation pictures in %s: %s", out_dir, e)
-        return time.time() - t0
-    seconds = time.time() - t0
-    logger.info("evaluation pictures and per_class.csv in %s (%.1f s)", out_dir, seconds)
-    return seconds

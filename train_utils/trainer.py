@@ -1,9 +1,15 @@
 """THE training loop, shared by ``train.py`` (one process) and ``train_multi_GPU.py`` (torchrun).
 
 ``run(config, dist)`` reads top to bottom: model, optimizer, restore, DDP wrap, data, then the
-loop ``train_one_epoch`` / scheduler / ``evaluate`` / report. Everything that differs between
-one process and DDP is decided from ``dist`` before the loop: collectives are no-ops without a
-process group, and only rank 0's reporter writes files.
+loop ``train_one_epoch`` / scheduler / ``evaluate`` / record / save. Everything that differs
+between one process and DDP is decided from ``dist`` before the loop: collectives are no-ops
+without a process group, and only rank 0's reporter and checkpoints write files.
+
+The trainer owns its state: the best mAP and its epoch (:class:`LoopState`), whether an epoch
+is the best (:func:`is_better`), what is saved (:func:`_save_on_main`) and when the run stops.
+Decisions that only rank 0 can make (its clock for ``--time-budget``, its mAP for
+``--patience``) are pure functions of rank 0's inputs, shared by a collective written out in
+the loop (``# Collective:``), never inside a helper.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from train_utils.checkpoint import (
     load_weights,
     make_checkpoint,
     restore_training_state,
+    save_checkpoint,
     training_weights,
     validate_resume_checkpoint,
 )
@@ -54,6 +61,7 @@ from train_utils.distributed.precision import precision_record, resolve_amp
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
 from train_utils.engine import TrainOptions, TrainState, evaluate, train_one_epoch
+from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.options import EvalOptions, eval_options
 from train_utils.memory_format import (
     cache_key,
@@ -73,6 +81,8 @@ logger = logging.getLogger(__name__)
 EPOCH_SEED_STRIDE = 1000
 RANK_SEED_STRIDE = 1_000_003
 
+FITNESS_KEY = "mAP50-95"  # the COCO stat (STAT_NAMES) that best.pt and --patience go by
+
 SHARED_STORAGE_HINT = (
     "resuming on several nodes needs the output folder on storage every node shares "
     "(or a copy of last.pt at the same path on each node)"
@@ -88,6 +98,56 @@ class RunSummary:
     seconds: float
 
 
+@dataclass
+class LoopState:
+    """What the trainer carries from epoch to epoch (the checkpoint keeps it for ``--resume``).
+
+    Only rank 0 gets evaluation stats, so only rank 0's ``best`` moves; other ranks keep the
+    resumed values and follow rank 0's broadcast decisions.
+
+    Attributes:
+        epoch: the epoch running, or the last one run (``start_epoch - 1`` before the first).
+        best: the best :data:`FITNESS_KEY` so far, None before any evaluation.
+        best_epoch: the epoch of ``best``.
+        last_stats: the last evaluation's COCO stats by name (:data:`STAT_NAMES`).
+    """
+
+    epoch: int
+    best: float | None = None
+    best_epoch: int | None = None
+    last_stats: dict[str, float] | None = None
+
+    def update(self, epoch: int, val: dict[str, float] | None, is_best: bool) -> None:
+        """Take ``epoch``'s evaluation (``val`` None: not evaluated here), the new best when
+        ``is_best`` (decided by :func:`is_better`)."""
+        if val is None:
+            return
+        self.last_stats = val
+        if is_best:
+            self.best, self.best_epoch = val[FITNESS_KEY], epoch
+
+
+def is_better(fitness: float, best: float | None) -> bool:
+    """Whether ``fitness`` beats ``best`` (None: nothing evaluated yet). A tie is not better,
+    so ``best.pt`` and ``--patience`` keep the earlier epoch."""
+    return best is None or fitness > best
+
+
+@dataclass
+class _Run:
+    """What the epoch loop and the checkpoints are made of, built once by :func:`_train`."""
+
+    config: TrainConfig
+    dist: DistInfo
+    state: TrainState
+    hyp: dict[str, Any]  # the loss gains as used (scaled for classes and image size)
+    cfg_text: str
+    plan: EpochPlan
+    train_data: TrainData
+    opts: TrainOptions
+    eval_opts: EvalOptions
+
+
 def seed_all(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
@@ -99,6 +159,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     t_start = time.time()
     if dist.is_main:
         config.output_dir.mkdir(parents=True, exist_ok=True)
+    # Collective: every rank waits until rank 0 has made the output folder.
     barrier()
     with _log_to_file(config.output_dir / "train.log", dist.is_main):
         return _train(config, dist, t_start)
@@ -123,82 +184,89 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
-    # Recorded in every checkpoint, so that validation.py evaluates as this run does.
-    precision = precision_record(amp, channels_last)
     if dist.is_main:
         write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
         _log_start(
             config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
         )
         plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
-    reporter = make_reporter(
-        dist.is_main,
-        best,
-        best_epoch=best_epoch,
-        out=config.output_dir,
-        total_epochs=plan.epochs,
-        start_epoch=start_epoch,
-        checkpoint=lambda epoch, best, best_epoch: _checkpoint(
-            state, epoch, best, best_epoch, config, hyp, cfg_text, dist, plan, precision
-        ),
-        keep_best=config.savebest,
-    )
-
-    epoch = start_epoch - 1
+    run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
+    loop = LoopState(start_epoch - 1, best, best_epoch)
+    reporter = make_reporter(dist.is_main, config.output_dir, start_epoch)
     try:
         with _sigterm_as_keyboard_interrupt():
-            while epoch + 1 < plan.epochs:
-                epoch += 1
-                seed_all(config.seed + epoch * EPOCH_SEED_STRIDE + dist.rank * RANK_SEED_STRIDE)
-                train_data.sampler.set_epoch(epoch)
-                t0 = time.time()
-                loader = reporter.watch_batches(train_data.train_loader, epoch, data.names)
-                stats = train_one_epoch(state, loader, epoch, opts)
-                seconds = time.time() - t0
-                # With --time-budget this may make the epoch the last; all ranks agree.
-                reporter.total_epochs = plan.after_training(epoch, seconds, dist.is_main)
-                state.scheduler.step()
-                coco_stats, eval_s = None, None
-                if plan.evaluates(epoch):
-                    coco_stats, eval_s = _evaluate_epoch(
-                        state, model, train_data, eval_opts, reporter, data.names
-                    )
-                reporter.end_epoch(epoch, stats, coco_stats, seconds, plan.spent())
-                plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
-                # Nobody starts the next epoch before the checkpoint of this one exists.
-                barrier()
-                if eval_s is not None and plan.stops_early(
-                    epoch, reporter.best_epoch, dist.is_main
-                ):
-                    break
+            _train_epochs(run, reporter, loop)
     except KeyboardInterrupt:
-        reporter.interrupted(epoch)
+        reporter.interrupted(loop.epoch)
+        if not (config.output_dir / "last.pt").is_file():
+            # Nothing saved yet: keep the partial weights, resumable from start_epoch.
+            _save_on_main(run, start_epoch - 1, loop, as_best=False)
         raise
     finally:
         reporter.close()
     seconds = time.time() - t_start
-    reporter.finished(seconds, epoch + 1 - start_epoch)
-    return RunSummary(
-        config.output_dir, epoch + 1 - start_epoch, reporter.best, reporter.last_stats, seconds
-    )
+    epochs_run = loop.epoch + 1 - start_epoch
+    reporter.finished(seconds, epochs_run, loop.best)
+    return RunSummary(config.output_dir, epochs_run, loop.best, loop.last_stats, seconds)
+
+
+def _train_epochs(run: _Run, reporter: EpochReporter | SilentReporter, loop: LoopState) -> None:
+    """Train the epochs after ``loop.epoch`` until the plan (or ``--patience``) ends the run:
+    each trained, evaluated when planned, recorded and saved, ``loop`` kept current (the caller
+    reads it after an interrupt). Every rank runs this; its collectives are marked."""
+    config, dist, state, plan = run.config, run.dist, run.state, run.plan
+    while loop.epoch + 1 < plan.epochs:
+        loop.epoch += 1
+        epoch = loop.epoch
+        seed_all(config.seed + epoch * EPOCH_SEED_STRIDE + dist.rank * RANK_SEED_STRIDE)
+        run.train_data.sampler.set_epoch(epoch)
+        t0 = time.time()
+        loader = reporter.watch_batches(run.train_data.train_loader, epoch, config.data.names)
+        stats = train_one_epoch(state, loader, epoch, run.opts)
+        seconds = time.time() - t0
+        if plan.budget_s is not None:
+            total = plan.budget_epochs(epoch, seconds, plan.spent()) if dist.is_main else None
+            # Collective: every rank takes rank 0's plan (its clock decides), so that all stop
+            # after the same epoch; with --time-budget this epoch may become the last.
+            plan.epochs = int(broadcast_object(total))
+        state.scheduler.step()
+        val, eval_s = None, None
+        if plan.evaluates(epoch):
+            val, eval_s = _evaluate_epoch(run, reporter)
+        # Only rank 0 has the stats (val is None elsewhere): its best chooses best.pt.
+        is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
+        loop.update(epoch, val, is_best)
+        reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
+        _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
+        plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
+        # Collective: every rank waits here, so that none starts the next epoch before rank 0
+        # has written this one's checkpoint.
+        barrier()
+        if eval_s is not None and plan.patience > 0:
+            stop = dist.is_main and plan.out_of_patience(epoch, loop.best_epoch)
+            # Collective: every rank stops where rank 0, the only one with the mAP, says.
+            if broadcast_object(stop):
+                reporter.stopped_early(epoch, loop.best_epoch, plan.patience)
+                return
 
 
 def _evaluate_epoch(
-    state: TrainState,
-    model: Darknet,
-    train_data: TrainData,
-    eval_opts: EvalOptions,
-    reporter: EpochReporter | SilentReporter,
-    names: list[str],
-) -> tuple[np.ndarray | None, float]:
+    run: _Run, reporter: EpochReporter | SilentReporter
+) -> tuple[dict[str, float] | None, float]:
     """Evaluate the EMA weights (the model's when there is no EMA) and report them; the COCO
-    stats (None off rank 0) and the seconds it took. Every rank must call this."""
+    stats by name (None off rank 0) and the seconds it took. Every rank must call this
+    (:func:`evaluate` gathers the detections to rank 0, a collective)."""
     t_eval = time.time()
+    state, train_data = run.state, run.train_data
     coco_stats, coco_ap, detections = evaluate(
-        state.ema.ema if state.ema else model, train_data.val_loader, train_data.coco_gt, eval_opts
+        state.ema.ema if state.ema else state.model_without_ddp,
+        train_data.val_loader,
+        train_data.coco_gt,
+        run.eval_opts,
     )
-    reporter.evaluated(train_data.coco_gt, detections, names, coco_ap)
-    return coco_stats, time.time() - t_eval
+    reporter.evaluated(train_data.coco_gt, detections, run.config.data.names, coco_ap)
+    val = None if coco_stats is None else dict(zip(STAT_NAMES, (float(x) for x in coco_stats)))
+    return val, time.time() - t_eval
 
 
 # ---- model ----------------------------------------------------------------------------------
@@ -250,6 +318,7 @@ def _memory_format(
         key = cache_key(cfg_text, config.img_size, config.batch_size, amp)
         choice = choose_channels_last(config.channels_last, dist.device, key, measure, cache_path())
         logger.info(describe(choice))
+    # Collective: every rank takes rank 0's choice (only rank 0 timed the formats).
     return bool(broadcast_object(None if choice is None else choice.channels_last))
 
 
@@ -287,8 +356,10 @@ def _load_resume_checkpoint(
         error = e
     if error is not None and dist.distributed:
         error = type(error)(f"{error}; {SHARED_STORAGE_HINT}")
+    # Collective: every rank raises the first failing rank's error, or none does.
     raise_if_any_rank_failed(error, "--resume")
     assert ckpt is not None
+    # Collective: every rank sees every rank's epoch, to refuse differing checkpoints.
     epochs = all_gather(int(ckpt.get("epoch", -1)))
     if len(set(epochs)) > 1:
         raise CheckpointError(
@@ -581,17 +652,20 @@ def _log_start(
     )
 
 
+def _save_on_main(run: _Run, epoch: int, loop: LoopState, as_best: bool) -> None:
+    """Rank 0 writes the checkpoint of ``epoch`` to ``last.pt``, then the same one to ``best.pt``
+    when ``as_best``; other ranks write nothing. Not a collective: the trainer's barrier after
+    it keeps the other ranks from running ahead."""
+    if not run.dist.is_main:
+        return
+    ckpt = _checkpoint(run, epoch, loop.best, loop.best_epoch)
+    save_checkpoint(ckpt, run.config.output_dir / "last.pt")
+    if as_best:
+        save_checkpoint(ckpt, run.config.output_dir / "best.pt")
+
+
 def _checkpoint(
-    state: TrainState,
-    epoch: int,
-    best: float | None,
-    best_epoch: int | None,
-    config: TrainConfig,
-    hyp: dict[str, Any],
-    cfg_text: str,
-    dist: DistInfo,
-    plan: EpochPlan,
-    precision: dict[str, Any],
+    run: _Run, epoch: int, best: float | None, best_epoch: int | None
 ) -> dict[str, Any]:
     """Everything needed to resume, as tensors and plain types (``weights_only`` loadable).
 
@@ -599,6 +673,7 @@ def _checkpoint(
     ``train_model`` holds the raw training weights that resuming continues from. ``hyp`` is what
     the user gave, ``hyp_scaled`` the gains the loss used (scaled for classes and image size).
     """
+    config, state = run.config, run.state
     ema, model = state.ema, state.model_without_ddp
     return make_checkpoint(
         model=ema.ema if ema is not None else model,
@@ -613,13 +688,14 @@ def _checkpoint(
         config=config.to_dict(),
         train_model=model.state_dict(),
         hyp=config.hyp,
-        hyp_scaled=hyp,
+        hyp_scaled=run.hyp,
         names=list(config.data.names),
         nc=config.data.nc,
-        cfg=cfg_text,
-        world_size=dist.world_size,
-        precision=precision,
-        **plan.state(),
+        cfg=run.cfg_text,
+        world_size=run.dist.world_size,
+        # How this run computes, so that validation.py evaluates as it does.
+        precision=precision_record(run.eval_opts.amp, run.eval_opts.channels_last),
+        **run.plan.state(),
     )
 
 

@@ -50,7 +50,7 @@ def _collective_device() -> torch.device:
 
 
 def barrier() -> None:
-    """Wait until every rank arrives; no-op without a process group."""
+    """Collective. Wait until every rank arrives; no-op without a process group."""
     if not is_dist_avail_and_initialized():
         return
     if dist.get_backend() == "nccl":
@@ -63,7 +63,7 @@ def barrier() -> None:
 
 @contextlib.contextmanager
 def torch_distributed_zero_first(rank: int | None = None) -> Iterator[None]:
-    """Run the block on rank 0 first; the other ranks enter it once rank 0 has left it.
+    """Collective. Run the block on rank 0 first; the others enter it once rank 0 has left it.
 
     Typical use: rank 0 builds a dataset cache, the others then read it instead of building it
     concurrently. Every rank of the group must enter the context. Pass the local rank when the
@@ -90,7 +90,7 @@ def torch_distributed_zero_first(rank: int | None = None) -> Iterator[None]:
 def reduce_dict(
     input_dict: Mapping[str, torch.Tensor], average: bool = True
 ) -> dict[str, torch.Tensor]:
-    """Sum (or average) each tensor over all ranks; every rank gets the result.
+    """Collective. Sum (or average) each tensor over all ranks; every rank gets the result.
 
     Args:
         input_dict: name -> tensor, the same names and shapes on every rank (e.g. 0-dim losses),
@@ -125,7 +125,8 @@ def reduce_dict(
 
 
 def all_gather(obj: Any) -> list[Any]:
-    """Every rank's picklable ``obj``, indexed by rank; ``[obj]`` without a process group."""
+    """Collective. Every rank's picklable ``obj``, indexed by rank; ``[obj]`` without a process
+    group."""
     world_size = get_world_size()
     if world_size == 1:
         return [obj]
@@ -135,7 +136,8 @@ def all_gather(obj: Any) -> list[Any]:
 
 
 def gather_rows_to_main(rows: torch.Tensor) -> torch.Tensor | None:
-    """Rank 0 gets every rank's ``rows`` concatenated in rank order; other ranks get None.
+    """Collective. Rank 0 gets every rank's ``rows`` concatenated in rank order; other ranks
+    get None.
 
     Args:
         rows: (n, k) tensor; n may differ by rank, k and dtype may not.
@@ -166,7 +168,8 @@ def gather_rows_to_main(rows: torch.Tensor) -> torch.Tensor | None:
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:
-    """Rank ``src``'s picklable ``obj`` on every rank; ``obj`` itself without a process group."""
+    """Collective. Rank ``src``'s picklable ``obj`` on every rank; ``obj`` itself without a
+    process group."""
     if get_world_size() == 1:
         return obj
     box = [obj]
@@ -175,12 +178,11 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
 
 
 def raise_if_any_rank_failed(error: YoloError | None, what: str) -> None:
-    """Raise the same error on every rank when ``error`` is set on any rank.
+    """Collective. Raise the same error on every rank when ``error`` is set on any rank.
 
     For per-rank work whose failure must stop the whole job at once (reading a checkpoint that
     one node lacks): without it the failing rank exits and the others hang in the next
     collective until the timeout. The message names the first failing rank and its host.
-    Every rank must call this.
 
     Raises:
         YoloError: of the first failing rank's type, on every rank.
@@ -202,7 +204,7 @@ _ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetErr
 
 
 def all_reduce_flag(flag: bool) -> bool:
-    """True on every rank when ``flag`` is True on any rank.
+    """Collective. True on every rank when ``flag`` is True on any rank.
 
     Lets one rank's non-finite loss (or a stop request) end the loop on all ranks at the same
     step, instead of the others waiting forever in the next gradient all-reduce.
