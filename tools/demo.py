@@ -199,16 +199,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         weights = out / "best.pt" if (out / "best.pt").is_file() else out / "last.pt"
 
         stats_file = out / "val_stats.json"
+        # The checkpoint carries its cfg, data, sizes and precision: --weights is enough.
         code = validation.main(
             [
-                "--cfg",
-                str(out / "model.cfg"),
-                "--data",
-                str(data),
                 "--weights",
                 str(weights),
-                "--img-size",
-                flags["--img-size"],
                 "--device",
                 str(device),
                 "--json-out",
@@ -233,8 +228,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 *sources,
                 "--output",
                 str(pred_dir),
-                "--img-size",
-                flags["--img-size"],
                 "--device",
                 str(device),
             ]
