@@ -125,7 +125,15 @@ class EpochReporter:
         name (None when it was not evaluated), ``seconds`` its training time, ``elapsed`` the
         run's time so far."""
         if val is not None:
-            self._append_row(epoch, stats, val, seconds, elapsed)
+            row = {
+                "epoch": epoch,
+                **val,
+                **stats.as_dict(),
+                "lr": stats.lr,
+                "train_seconds": round(seconds, 3),
+                "elapsed_seconds": round(elapsed, 1),
+            }
+            self._append_row(epoch, row, val)
         self._log_epoch(epoch, total_epochs, stats, val, seconds)
         for k, v in stats.as_dict().items():
             self.writer.add_scalar(f"train/{k}", v, epoch)
@@ -155,22 +163,7 @@ class EpochReporter:
             "evaluation pictures and per_class.csv in %s (%.1f s)", self.out, time.time() - t0
         )
 
-    def _append_row(
-        self,
-        epoch: int,
-        stats: EpochStats,
-        val: Mapping[str, float],
-        seconds: float,
-        elapsed: float,
-    ) -> None:
-        row = {
-            "epoch": epoch,
-            **val,
-            **stats.as_dict(),
-            "lr": stats.lr,
-            "train_seconds": round(seconds, 3),
-            "elapsed_seconds": round(elapsed, 1),
-        }
+    def _append_row(self, epoch: int, row: Mapping[str, Any], val: Mapping[str, float]) -> None:
         write_results(self.results, [*read_results(self.results), row])
         plot_results(self.results, self.out / "results.png")
         for k, v in val.items():
