@@ -134,7 +134,7 @@ class EpochReporter:
                 "elapsed_seconds": round(elapsed, 1),
             }
             self._append_row(epoch, row, val)
-        self._log_epoch(epoch, total_epochs, stats, val, seconds)
+        self._log_epoch(f"epoch {epoch}/{total_epochs - 1}", stats, val, seconds)
         for k, v in stats.as_dict().items():
             self.writer.add_scalar(f"train/{k}", v, epoch)
         self.writer.add_scalar("train/lr", stats.lr, epoch)
@@ -169,36 +169,24 @@ class EpochReporter:
         for k, v in val.items():
             self.writer.add_scalar(f"val/{k}", v, epoch)
 
+    @staticmethod
     def _log_epoch(
-        self,
-        epoch: int,
-        total_epochs: int,
-        stats: EpochStats,
-        val: Mapping[str, float] | None,
-        seconds: float,
+        where: str, stats: EpochStats, val: Mapping[str, float] | None, s: float
     ) -> None:
-        last = total_epochs - 1
+        """One line for the epoch ``where`` ("epoch 3/9"), ``s`` seconds of training."""
         if val is None:
-            logger.info(
-                "epoch %d/%d: loss %.4f, lr %.3g, %.1f s",
-                epoch,
-                last,
-                stats.loss,
-                stats.lr,
-                seconds,
-            )
+            logger.info("%s: loss %.4f, lr %.3g, %.1f s", where, stats.loss, stats.lr, s)
             return
         logger.info(
-            "epoch %d/%d: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s | "
+            "%s: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s | "
             "mAP@0.5:0.95 %.4f mAP@0.5 %.4f",
-            epoch,
-            last,
+            where,
             stats.loss,
             stats.box_loss,
             stats.obj_loss,
             stats.cls_loss,
             stats.lr,
-            seconds,
+            s,
             val["mAP50-95"],
             val["mAP50"],
         )
