@@ -170,7 +170,7 @@ class EpochReporter:
             self.writer.add_scalar(f"val/{k}", v, epoch)
 
     @staticmethod
-    def _log_epoch(where: str, stats: EpochStats, val: Mapping[str, float] | None, s: float):
+    def _log_epoch(
         where: str, stats: EpochStats, val: Mapping[str, float] | None, s: float
     ) -> None:
         """One line for the epoch ``where`` ("epoch 3/9"), ``s`` seconds of training."""
