@@ -21,7 +21,7 @@ from typing import Any
 import yaml
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
 from models.darknet import FREEZE_MODES
 from train_utils.checkpoint import read_weights
@@ -453,7 +453,13 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
             )
         args.resume = str(latest)
     path = Path(args.resume)
-    run = read_weights(path, args.trust_checkpoint).run
+    try:
+        run = read_weights(path, args.trust_checkpoint).run
+    except CheckpointError as e:
+        # Not an error here: under DDP one rank failing alone would leave the others waiting.
+        # The trainer reads the checkpoint again and stops every rank with this error.
+        logger.debug("--resume %s: not readable here (%s); the trainer reports it", path, e)
+        return path.parent
     if not run:
         logger.info("--resume %s: the checkpoint records no run arguments; using the flags", path)
         return path.parent
