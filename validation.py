@@ -57,6 +57,7 @@ from train_utils.cli import (
     add_precision_flags,
     add_weights_flags,
     check_at_least,
+    check_choices,
     check_fractions,
     check_img_size,
     parse_args,
@@ -159,9 +160,11 @@ def get_parser() -> argparse.ArgumentParser:
 def resolve_settings(args: argparse.Namespace, weights: WeightsFile) -> None:
     """Fill every setting not given from the run that wrote ``weights``, then check them all."""
     run = dict(weights.run)
-    if isinstance(run.get("data"), dict):
-        run["data"] = run["data"].get("path")
+    data = run.get("data")
+    path = data.get("path") if isinstance(data, dict) else None
+    run["data"] = path if isinstance(path, str) else None
     take_from_run(args, run, RUN_SETTINGS, f"--weights {weights.path}")
+    check_choices(get_parser(), args)
     if args.data is None:
         raise ConfigError(
             "these weights do not name the dataset they were trained on; pass --data", args.weights

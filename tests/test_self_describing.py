@@ -194,3 +194,53 @@ def test_take_from_run_fills_only_what_was_not_typed(caplog):
     assert taken == ["batch_size"]
     assert (args.img_size, args.batch_size, args.conf_thres) == (320, 16, 0.001)
     assert "--img-size 320 (the run had 416)" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message", "validates"),
+    [
+        # validation.py replays the recorded precision, not the run's --amp mode.
+        ("amp", "xyz", "--amp 'xyz' is not one of", False),
+        ("coco_backend", "nope", "--coco-backend 'nope' is not one of", True),
+        ("img_size", 65536, "larger than the limit", True),
+        ("batch_size", -3, "--batch-size must be >= 1", True),
+        ("conf_thres", 7.0, "--conf-thres must be in [0, 1]", True),
+    ],
+)
+def test_a_checkpoint_recording_a_bad_run_gets_one_line(
+    run_dir, tmp_path, key, value, message, validates
+):
+    """A recorded run is input too: its values pass the same checks as typed flags."""
+    ckpt = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=True)
+    ckpt["config"][key] = value
+    bad = tmp_path / "runs" / "bad" / "last.pt"
+    bad.parent.mkdir(parents=True)
+    torch.save(ckpt, bad)
+    if validates:
+        argv = ["--weights", str(bad), "--save-dir", str(tmp_path / "val")]
+        code, err = _main_err(validation.main, argv)
+        assert code == 2 and message in err and "Traceback" not in err, err
+    code, err = _main_err(train.main, ["--resume", str(bad)])
+    assert code == 2 and message in err and "Traceback" not in err, err
+    assert sorted(p.name for p in bad.parent.iterdir()) == ["last.pt"]  # nothing written
+
+
+def test_recorded_values_of_the_wrong_kind_are_ignored(run_dir, tmp_path, caplog):
+    ckpt = torch.load(run_dir / "best.pt", map_location="cpu", weights_only=True)
+    ckpt["config"]["img_size"] = "96"  # a string where a number belongs
+    ckpt["config"]["data"] = {"path": 5}
+    bad = tmp_path / "bad.pt"
+    torch.save(ckpt, bad)
+    code, err = _main_err(validation.main, ["--weights", str(bad)])
+    assert code == 2 and "pass --data" in err
+    assert "ignoring the run's img_size='96'" in caplog.text
+
+
+def _main_err(main, argv: list[str]) -> tuple[int, str]:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stderr(buf):
+        code = main(argv)
+    return code, buf.getvalue()

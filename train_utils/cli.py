@@ -162,6 +162,7 @@ def add_local_rank_flag(p: argparse.ArgumentParser) -> None:
 
 def check_img_size(size: int, flag: str = "--img-size") -> int:
     """``size`` when it is a positive multiple of :data:`GRID` no larger than MAX_IMG_SIZE."""
+    _check_number(flag, size, int)
     if size <= 0 or size % GRID:
         fix = max(GRID, round(size / GRID) * GRID)
         raise ConfigError(f"{flag} {size} is not a positive multiple of {GRID}; use e.g. {fix}")
@@ -170,18 +171,42 @@ def check_img_size(size: int, flag: str = "--img-size") -> int:
     return size
 
 
+def _check_number(flag: str, value: Any, kind: type) -> None:
+    # Values may come from a checkpoint's recorded run as well as from argparse.
+    if isinstance(value, bool) or not isinstance(value, (int, kind)):
+        raise ConfigError(f"{flag} must be a number, got {value!r}")
+
+
 def check_at_least(values: Mapping[str, int | None], lo: int) -> None:
-    """Each ``--flag: value`` (None: not set) is at least ``lo``."""
+    """Each ``--flag: value`` (None: not set) is an integer of at least ``lo``."""
     for flag, value in values.items():
-        if value is not None and value < lo:
+        if value is None:
+            continue
+        _check_number(flag, value, int)
+        if value < lo:
             raise ConfigError(f"{flag} must be >= {lo}, got {value}")
 
 
 def check_fractions(values: Mapping[str, float | None]) -> None:
-    """Each ``--flag: value`` (None: not set) is in [0, 1]."""
+    """Each ``--flag: value`` (None: not set) is a number in [0, 1]."""
     for flag, value in values.items():
-        if value is not None and not 0.0 <= value <= 1.0:
+        if value is None:
+            continue
+        _check_number(flag, value, float)
+        if not 0.0 <= value <= 1.0:
             raise ConfigError(f"{flag} must be in [0, 1], got {value}")
+
+
+def check_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Every value with a fixed set of choices is one of them: argparse checks what was typed,
+    this also what :func:`take_from_run` took from a checkpoint."""
+    for action in parser._actions:
+        value = getattr(args, action.dest, None)
+        if action.choices is not None and value is not None and value not in action.choices:
+            flag = action.option_strings[0] if action.option_strings else action.dest
+            raise ConfigError(
+                f"{flag} {value!r} is not one of {', '.join(map(str, action.choices))}"
+            )
 
 
 # ---- which flags the user typed, and a run's settings as defaults -----------------------------
@@ -206,6 +231,20 @@ def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> a
     return args
 
 
+def _same_kind(saved: Any, like: Any) -> bool:
+    """Whether a value recorded in a checkpoint can stand for a flag whose value looks like
+    ``like`` (None: any plain scalar; later checks judge the value)."""
+    if like is None:
+        return isinstance(saved, (bool, int, float, str))
+    if isinstance(like, bool) or isinstance(saved, bool):
+        return isinstance(saved, bool) and isinstance(like, bool)
+    if isinstance(like, (int, float)):
+        return isinstance(saved, (int, float)) and (
+            isinstance(like, float) or isinstance(saved, int)
+        )
+    return isinstance(saved, type(like))
+
+
 def take_from_run(
     args: argparse.Namespace,
     run: Mapping[str, Any],
@@ -224,6 +263,9 @@ def take_from_run(
         value = getattr(args, dest, None)
         typed = dest in given if given is not None else value is not None
         saved = run.get(dest)
+        if saved is not None and not _same_kind(saved, fallback if fallback is not None else value):
+            logger.warning("%s: ignoring the run's %s=%r (not a valid value)", source, dest, saved)
+            saved = None
         if typed:
             if saved is not None and saved != value:
                 overridden.append(f"--{dest.replace('_', '-')} {value} (the run had {saved})")

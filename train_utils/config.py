@@ -37,6 +37,7 @@ from train_utils.cli import (
     add_precision_flags,
     add_weights_flags,
     check_at_least,
+    check_choices,
     check_fractions,
     check_img_size,
     parse_args,
@@ -468,13 +469,15 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
     for own in ("cfg", "data", "hyp", "output_dir", "resume", "trust_checkpoint"):
         fields.pop(own)
     take_from_run(args, run, fields, f"--resume {path}")
+    check_choices(get_args_parser(), args)
     given = getattr(args, "given", frozenset())
     if "cfg" not in given:
         # The cfg the run was started with, while it is there; else the run's own resolved copy.
         saved = Path(str(run.get("cfg", "")))
         args.cfg = str(saved if saved.is_file() else folder / RUN_CFG_NAME)
-    if "data" not in given and isinstance(run.get("data"), dict) and run["data"].get("path"):
-        args.data = str(run["data"]["path"])
+    data = run.get("data")
+    if "data" not in given and isinstance(data, dict) and isinstance(data.get("path"), str):
+        args.data = data["path"]
     if "hyp" not in given and (folder / RUN_HYP_NAME).is_file():
         args.hyp = str(folder / RUN_HYP_NAME)
     logger.info(

@@ -55,6 +55,8 @@ def resolve_amp(
     """
     if isinstance(mode, bool):
         mode = "on" if mode else "off"
+    if mode not in AMP_CHOICES:  # e.g. from a checkpoint's recorded run, not from argparse
+        raise ConfigError(f"--amp {mode!r} is not one of {', '.join(AMP_CHOICES)}")
     if mode == "off":
         return None
     if device.type == "cuda":
