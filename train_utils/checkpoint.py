@@ -558,7 +558,7 @@ def weights_kind(path: str | Path) -> str:
     path = Path(path)
     if not path.is_file():
         what = "is a directory, not a weights file" if path.is_dir() else "weights file not found"
-        raise CheckpointError(f"{what}; check --weights", path)
+        raise CheckpointError(what, path)
     try:
         with path.open("rb") as f:
             head = f.read(_DARKNET_VERSION_BYTES)

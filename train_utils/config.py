@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -437,6 +438,12 @@ def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
+def _launched_distributed() -> bool:
+    """Whether a launcher (torchrun, SLURM, spawn) started this process as one of several."""
+    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
+    return not world.isdigit() or int(world) > 1
+
+
 def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
     """``--resume PATH`` (or bare ``--resume`` with no run named): take the run's own arguments
     for every flag not typed, and return the run's folder, where it continues. None when this
@@ -457,8 +464,10 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
     try:
         run = read_weights(path, args.trust_checkpoint).run
     except CheckpointError as e:
-        # Not an error here: under DDP one rank failing alone would leave the others waiting.
-        # The trainer reads the checkpoint again and stops every rank with this error.
+        if not _launched_distributed():
+            raise ConfigError(f"--resume: {e}") from e
+        # Under DDP one rank failing alone here would leave the others waiting; the trainer
+        # reads the checkpoint again and stops every rank with this error.
         logger.debug("--resume %s: not readable here (%s); the trainer reports it", path, e)
         return path.parent
     if not run:
