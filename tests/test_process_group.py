@@ -103,3 +103,11 @@ def test_bad_launcher_variables(clean_env) -> None:
     with pytest.raises(ConfigError, match="rank 2 outside world size 2"):
         process_group.init_distributed_mode(None)
     assert not comm.is_dist_avail_and_initialized()
+
+
+def test_launched_world_size_reads_the_launchers_variables() -> None:
+    assert process_group.launched_world_size({}) == 1
+    assert process_group.launched_world_size({"RANK": "1", "WORLD_SIZE": "2"}) == 2
+    assert process_group.launched_world_size({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == 4
+    assert process_group.launched_world_size({"SLURM_PROCID": "0"}) == 1
+    assert process_group.launched_world_size({"WORLD_SIZE": "3"}) == 1  # no RANK: not launched

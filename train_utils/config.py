@@ -12,7 +12,6 @@ import argparse
 import dataclasses
 import logging
 import math
-import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -46,6 +45,7 @@ from train_utils.cli import (
     take_from_run,
 )
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
+from train_utils.distributed.process_group import launched_world_size
 from train_utils.optim import OPTIMIZER_CHOICES
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
@@ -438,12 +438,6 @@ def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
     return max(found, key=lambda p: p.stat().st_mtime) if found else None
 
 
-def _launched_distributed() -> bool:
-    """Whether a launcher (torchrun, SLURM, spawn) started this process as one of several."""
-    world = os.environ.get("WORLD_SIZE", os.environ.get("SLURM_NTASKS", "1"))
-    return not world.isdigit() or int(world) > 1
-
-
 def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
     """``--resume PATH`` (or bare ``--resume`` with no run named): take the run's own arguments
     for every flag not typed, and return the run's folder, where it continues. None when this
@@ -464,7 +458,7 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
     try:
         run = read_weights(path, args.trust_checkpoint).run
     except CheckpointError as e:
-        if not _launched_distributed():
+        if launched_world_size() == 1:
             raise ConfigError(f"--resume: {e}") from e
         # Under DDP one rank failing alone here would leave the others waiting; the trainer
         # reads the checkpoint again and stops every rank with this error.

@@ -128,6 +128,19 @@ def _requested_device(args: Any) -> str:
     return "" if device is None else str(device).strip()
 
 
+def launched_world_size(env: Mapping[str, str] | None = None) -> int:
+    """How many processes the launcher that started this one started in all (1 when none did),
+    from the variables :func:`init_distributed_mode` reads, without joining any group."""
+    env = os.environ if env is None else env
+    if "RANK" in env and "WORLD_SIZE" in env:
+        value = env["WORLD_SIZE"]
+    elif "SLURM_PROCID" in env:
+        value = env.get("SLURM_NTASKS", "1")
+    else:
+        return 1
+    return int(value) if value.isdigit() else 1
+
+
 def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
     """(rank, world_size, local_rank, launcher) from the environment, or None when not launched.
 
@@ -160,7 +173,7 @@ def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
         if "LOCAL_WORLD_SIZE" not in os.environ:
             local_world = tasks_on_this_node(dict(os.environ))
             if local_world is not None:
-                # Read by the RAM-cache memory check (build_utils.datasets).
+                # Read by node.processes_per_node (RAM-cache check, default workers).
                 os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
         if "MASTER_PORT" not in os.environ:
             job_id = os.environ.get("SLURM_JOB_ID", "0")
