@@ -143,7 +143,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.perf_counter()
             summary = run(config, DistInfo.single(select_device(config.device)))
             total = time.perf_counter() - t0
-            with (out / "results.csv").open() as f:
+            with (summary.output_dir / "results.csv").open() as f:
                 rows, reached = summarise(list(csv.DictReader(f)), args.target_map50)
     except YoloError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -156,7 +156,11 @@ def ensure_demo_dataset(root: Path) -> Path:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", default=None, help="a .data file (default: the shapes demo)")
-    parser.add_argument("--output-dir", default="runs/demo", help="where the run is written")
+    parser.add_argument(
+        "--output-dir",
+        default="runs/demo",
+        help="where the run is written (numbered, e.g. runs/demo2, when it holds a previous run)",
+    )
     parser.add_argument("--device", default="", help="cpu, cuda or cuda:N (default: auto)")
     parser.add_argument(
         "--time-budget",
@@ -195,7 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = build_config(get_args_parser().parse_args(train_argv))
         device = select_device(config.device)
         summary = run(config, DistInfo.single(device))
-        out = Path(args.output_dir)
+        out = summary.output_dir  # runs/demo2 when runs/demo holds a previous run
         weights = out / "best.pt" if (out / "best.pt").is_file() else out / "last.pt"
 
         stats_file = out / "val_stats.json"

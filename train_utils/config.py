@@ -312,8 +312,24 @@ def _add_evaluation(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_runtime(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--name", default="", help="run name; output goes to runs/<name>")
-    g.add_argument("--output-dir", default="", help="output folder (default runs/<name or time>)")
+    g.add_argument(
+        "--name",
+        default="",
+        help="run name; output goes to runs/<name>, or runs/<name>2, 3, ... when that folder "
+        "holds a previous run (never overwritten)",
+    )
+    g.add_argument(
+        "--output-dir",
+        default="",
+        help="output folder (default runs/<name or time>); numbered like --name when it holds "
+        "a previous run",
+    )
+    g.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="write into the --name/--output-dir folder even when it holds a previous run: "
+        "that run's files are first moved into <folder>/replaced-<time>/",
+    )
     workers_help = (
         "DataLoader workers per process (default: the process's share of the node's usable "
         f"CPUs, at most {MAX_DEFAULT_WORKERS}; results do not depend on it)"
@@ -346,7 +362,8 @@ class TrainConfig:
     weights: str
     resume: str | None
     trust_checkpoint: bool
-    output_dir: Path
+    output_dir: Path  # as given; the trainer's run_folder claim may number it (runs/x2)
+    exist_ok: bool
     device: str
     workers: int | None  # None: resolve_workers() picks it once the node's process count is known
     seed: int
@@ -469,7 +486,7 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
         return path.parent
     folder = path.parent
     fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    for own in ("cfg", "data", "hyp", "output_dir", "resume", "trust_checkpoint"):
+    for own in ("cfg", "data", "hyp", "output_dir", "exist_ok", "resume", "trust_checkpoint"):
         fields.pop(own)
     take_from_run(args, run, fields, f"--resume {path}")
     check_choices(get_args_parser(), args)

@@ -73,6 +73,7 @@ from train_utils.memory_format import (
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
 from train_utils.reporting import EpochReporter, SilentReporter, make_reporter, write_run_files
+from train_utils.run_folder import claim_run_folder, relocated
 from train_utils.run_pictures import plot_dataset_labels
 
 logger = logging.getLogger(__name__)
@@ -157,12 +158,31 @@ def seed_all(seed: int) -> None:
 def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     """Train according to ``config`` on this process's share of the work (see module docstring)."""
     t_start = time.time()
+    claim, error = None, None
     if dist.is_main:
-        config.output_dir.mkdir(parents=True, exist_ok=True)
-    # Collective: every rank waits until rank 0 has made the output folder.
-    barrier()
-    with _log_to_file(config.output_dir / "train.log", dist.is_main):
-        return _train(config, dist, t_start)
+        try:
+            claim = claim_run_folder(
+                config.output_dir, resume=config.resume is not None, exist_ok=config.exist_ok
+            )
+        except YoloError as e:
+            error = e
+    # Collective: a folder rank 0 may not write (a live run holds it) stops every rank with the
+    # same line, instead of leaving the others waiting in the next collective.
+    raise_if_any_rank_failed(error, "claiming the run folder")
+    try:
+        # A --weights inside a folder whose previous run --exist-ok moved aside moved with it.
+        chosen = (str(claim.path), relocated(config.weights, claim)) if claim else None
+        # Collective: every rank writes into the folder rank 0 chose and locked (runs/x2 when
+        # runs/x holds a previous run); it exists once this returns.
+        folder, config.weights = broadcast_object(chosen)
+        config.output_dir = Path(folder)
+        with _log_to_file(config.output_dir / "train.log", dist.is_main):
+            if claim is not None:
+                claim.log()
+            return _train(config, dist, t_start)
+    finally:
+        if claim is not None:
+            claim.release()
 
 
 def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
@@ -519,7 +539,7 @@ def _saved_accumulate(ckpt: dict[str, Any]) -> int:
 
 # Settings that may differ on resume without a word: where and how fast it runs, not what.
 _RESUME_QUIET_KEYS = frozenset(
-    {"resume", "device", "workers", "trust_checkpoint", "log_interval", "output_dir"}
+    {"resume", "device", "workers", "trust_checkpoint", "log_interval", "output_dir", "exist_ok"}
 )
 
 

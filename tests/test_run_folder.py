@@ -1,0 +1,222 @@
+"""A run folder has one owner: a live run's lock refuses a second run, a previous run is never
+written over (numbered folders, --exist-ok moves it aside), the lock goes with the run."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import read_results, run_training, train_argv
+
+import train as train_script
+from build_utils.errors import ConfigError
+from train_utils import trainer as trainer_module
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed.process_group import DistInfo
+from train_utils.run_folder import (
+    FOREIGN_STALE_S,
+    LOCK_NAME,
+    claim_run_folder,
+    read_lock,
+)
+
+IMG = 64
+
+
+def _write_lock(folder: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
+    folder.mkdir(parents=True, exist_ok=True)
+    lock = folder / LOCK_NAME
+    lock.write_text(json.dumps({"host": host, "pid": pid, "started": "2026-01-01T00:00:00"}))
+    if age_s:
+        t = time.time() - age_s
+        os.utime(lock, (t, t))
+    return lock
+
+
+def _snapshot(folder: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+@pytest.fixture
+def sleeper():
+    """A live process of this host (the holder of a lock), killed at the end."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield proc
+    proc.kill()
+    proc.wait()
+
+
+# ---- the lock -------------------------------------------------------------------------------
+
+
+def test_a_claim_locks_the_folder_with_host_and_pid_and_releases_it(tmp_path):
+    claim = claim_run_folder(tmp_path / "r", resume=False, exist_ok=False)
+    holder = read_lock(tmp_path / "r" / LOCK_NAME)
+    assert (holder.host, holder.pid) == (socket.gethostname(), os.getpid())
+    # A second claim while it is held is refused, naming the holder.
+    with pytest.raises(ConfigError, match=f"in use by another run \\(pid {os.getpid()} on "):
+        claim_run_folder(tmp_path / "r", resume=True, exist_ok=False)
+    claim.release()
+    assert not (tmp_path / "r" / LOCK_NAME).exists()
+
+
+def test_a_live_lock_refuses_and_a_dead_pids_lock_is_taken_over(tmp_path, sleeper, caplog):
+    run = tmp_path / "r"
+    lock = _write_lock(run, socket.gethostname(), sleeper.pid)
+    (run / "last.pt").write_bytes(b"previous")
+    before = _snapshot(run)
+    for resume, exist_ok in ((False, False), (True, False), (False, True)):
+        with pytest.raises(ConfigError, match=f"pid {sleeper.pid} on {socket.gethostname()}"):
+            claim_run_folder(run, resume=resume, exist_ok=exist_ok)
+    assert _snapshot(run) == before and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
+    sleeper.kill()
+    sleeper.wait()
+    claim = claim_run_folder(run, resume=True, exist_ok=False)
+    assert claim.path == run and read_lock(lock).pid == os.getpid()
+    assert any(
+        f"taking over the lock of a run that is gone (pid {sleeper.pid}" in n for n in claim.notes
+    )
+    claim.release()
+
+
+def test_another_hosts_lock_is_honoured_until_its_heartbeat_stops(tmp_path):
+    run = tmp_path / "r"
+    _write_lock(run, "node-17", 4242, age_s=FOREIGN_STALE_S / 2)
+    with pytest.raises(ConfigError, match="pid 4242 on node-17"):
+        claim_run_folder(run, resume=True, exist_ok=False)
+    _write_lock(run, "node-17", 4242, age_s=FOREIGN_STALE_S + 60)
+    claim = claim_run_folder(run, resume=True, exist_ok=False)
+    assert read_lock(run / LOCK_NAME).host == socket.gethostname()
+    claim.release()
+
+
+def test_the_path_a_file_is_one_clear_error(tmp_path):
+    (tmp_path / "f").write_text("mine")
+    with pytest.raises(ConfigError, match="the run folder's path is a file"):
+        claim_run_folder(tmp_path / "f", resume=False, exist_ok=False)
+    assert (tmp_path / "f").read_text() == "mine"
+
+
+# ---- numbering and --exist-ok ---------------------------------------------------------------
+
+
+def test_a_folder_holding_a_run_gets_the_next_free_number(tmp_path):
+    base = tmp_path / "x"
+    for name in ("x", "x2"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "results.csv").write_text("epoch\n0\n")
+    (tmp_path / "x3").mkdir()  # empty: free
+    claim = claim_run_folder(base, resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "x3"
+    assert claim.notes == [
+        f"{base} holds a previous run (never overwritten); this run writes {tmp_path / 'x3'} "
+        f"(--resume continues {base}, --exist-ok reuses it)"
+    ]
+    assert not (base / LOCK_NAME).exists()
+    claim.release()
+    # An empty or run-less folder is used as it is.
+    claim = claim_run_folder(tmp_path / "x3", resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "x3" and claim.notes == []
+    claim.release()
+
+
+def test_exist_ok_moves_the_previous_run_aside(tmp_path):
+    run = tmp_path / "x"
+    (run / "val").mkdir(parents=True)
+    (run / "results.csv").write_text("old rows")
+    (run / "val" / "pic.png").write_bytes(b"png")
+    claim = claim_run_folder(run, resume=False, exist_ok=True)
+    assert claim.path == run and claim.moved_to is not None
+    assert sorted(p.name for p in run.iterdir()) == sorted([LOCK_NAME, claim.moved_to.name])
+    assert claim.moved_to.name.startswith("replaced-")
+    assert (claim.moved_to / "results.csv").read_text() == "old rows"
+    assert (claim.moved_to / "val" / "pic.png").read_bytes() == b"png"
+    claim.release()
+
+
+# ---- through the trainer and train.py -------------------------------------------------------
+
+
+def test_the_lock_is_gone_after_an_exception_and_ctrl_c(make_shapes_data, tmp_path, monkeypatch):
+    data = make_shapes_data(n_train=4, n_val=2)
+    config = build_config(get_args_parser().parse_args(train_argv(data, tmp_path / "r", img=IMG)))
+
+    for error in (RuntimeError("boom"), KeyboardInterrupt()):
+        held = []
+
+        def fail(config, dist, t_start, error=error, held=held):
+            held.append(config.output_dir)
+            assert read_lock(config.output_dir / LOCK_NAME).pid == os.getpid()
+            raise error
+
+        monkeypatch.setattr(trainer_module, "_train", fail)
+        with pytest.raises(type(error)):
+            trainer_module.run(config, DistInfo.single(torch.device("cpu")))
+        assert held and not (held[0] / LOCK_NAME).exists()
+
+
+def test_train_py_on_a_live_runs_folder_exits_2_with_one_line(
+    make_shapes_data, tmp_path, sleeper, console
+):
+    """Defect 2: a second run on a folder a live run holds stops, writing nothing there."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    run = tmp_path / "same"
+    _write_lock(run, socket.gethostname(), sleeper.pid)
+    (run / "train.log").write_text("the live run's log\n")
+    before = _snapshot(run)
+    for extra in ((), ("--exist-ok",), ("--resume",)):
+        code = train_script.main(train_argv(data, run, *extra, img=IMG))
+        assert code == 2
+        [line] = console.readouterr().err.splitlines()
+        assert line.startswith(f"error: {run} is in use by another run (pid {sleeper.pid} on ")
+        assert _snapshot(run) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["same", "shapes"]
+
+
+@pytest.mark.slow
+def test_a_name_in_use_never_overwrites_the_run_there(make_shapes_data, tmp_path, caplog):
+    """Defect 1: training again with the name of a copied run leaves the copy as it was and
+    writes the next numbered folder; --exist-ok reuses it with the old run moved aside."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    first = tmp_path / "r3"
+    run_training(train_argv(data, first, img=IMG, epochs=1))
+    assert not (first / LOCK_NAME).exists()
+    copy = tmp_path / "r3copy"
+    shutil.copytree(first, copy)
+    before = _snapshot(copy)
+
+    with caplog.at_level(logging.INFO):
+        summary = run_training(train_argv(data, copy, img=IMG, epochs=1))
+    assert summary.output_dir == tmp_path / "r3copy2"
+    assert _snapshot(copy) == before
+    assert [r["epoch"] for r in read_results(tmp_path / "r3copy2" / "results.csv")] == ["0"]
+    assert (
+        f"{copy} holds a previous run (never overwritten); this run writes {tmp_path / 'r3copy2'}"
+        in caplog.text
+    )
+    assert (
+        f"this run writes {tmp_path / 'r3copy2'}"
+        in (tmp_path / "r3copy2" / "train.log").read_text()
+    )
+    assert not (tmp_path / "r3copy2" / LOCK_NAME).exists()
+
+    # --weights from inside the folder that --exist-ok empties still loads (it moved along).
+    summary = run_training(
+        train_argv(data, copy, "--exist-ok", "--weights", str(copy / "last.pt"), img=IMG, epochs=1)
+    )
+    assert summary.output_dir == copy
+    [moved] = [p for p in copy.iterdir() if p.name.startswith("replaced-")]
+    assert _snapshot(moved) == before
+    assert [r["epoch"] for r in read_results(copy / "results.csv")] == ["0"]
+    assert "the previous run" not in (moved / "train.log").read_text()
+    assert "--exist-ok: the previous run" in (copy / "train.log").read_text()
+    assert not (copy / LOCK_NAME).exists()

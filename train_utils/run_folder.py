@@ -1,0 +1,304 @@
+"""Who may write a run folder: one live run at a time, and never over a previous run.
+
+A live run holds ``<run>/run.lock`` (JSON: host, pid, start time), created with
+``O_CREAT | O_EXCL`` so that of two runs started together exactly one gets it, refreshed every
+:data:`HEARTBEAT_S` seconds and removed when the run ends (normally, by an exception or Ctrl-C).
+A lock is stale, and taken over with a log line, when its process is gone: on this host when its
+pid no longer runs; from another host (whose processes this one cannot see) when it was not
+refreshed for :data:`FOREIGN_STALE_S` seconds. A live lock stops the second run with one line
+naming its holder.
+
+A folder that holds a previous run (:data:`RUN_FILES`) is never written over by accident:
+``--name x`` / ``--output-dir x`` then writes ``x2``, ``x3``, ... (YOLOv5's ``increment_path``),
+``--resume`` continues the run in it, and ``--exist-ok`` reuses it after moving the previous
+run's files into ``x/replaced-<time>/`` (nothing is deleted or mixed).
+
+Only rank 0 calls :func:`claim_run_folder`; the trainer shares its answer with every rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from build_utils.errors import ConfigError
+
+logger = logging.getLogger(__name__)
+
+LOCK_NAME = "run.lock"
+# The files by which a folder holds a run that must not be written over.
+RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log")
+REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
+HEARTBEAT_S = 60.0  # how often a live run refreshes its lock's modification time
+# Another host's lock not refreshed for this long belongs to a run that is gone (ten missed
+# heartbeats: a slow shared file system may delay a few, a live run never misses ten).
+FOREIGN_STALE_S = 10 * HEARTBEAT_S
+MAX_NUMBER = 9999  # x2 ... x9999, as YOLOv5's increment_path
+
+
+@dataclass(frozen=True)
+class LockHolder:
+    """What a lock file says about the run holding it."""
+
+    host: str
+    pid: int
+    started: str  # local time, ISO 8601
+    age_s: float  # seconds since the lock was last refreshed
+
+    def describe(self) -> str:
+        return f"pid {self.pid} on {self.host}, started {self.started}"
+
+
+def this_host() -> str:
+    return socket.gethostname()
+
+
+def read_lock(path: Path) -> LockHolder | None:
+    """The holder of the lock file ``path``; None when there is none. A lock that cannot be
+    parsed (being written this instant, or damaged) is reported with pid -1."""
+    try:
+        text = path.read_text(encoding="utf-8")
+        age = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise ConfigError(f"cannot read the run lock: {e.strerror}", path) from e
+    try:
+        info = json.loads(text)
+        return LockHolder(str(info["host"]), int(info["pid"]), str(info["started"]), age)
+    except (ValueError, KeyError, TypeError):
+        return LockHolder("unknown host", -1, "at an unknown time", age)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: it exists
+    return True
+
+
+def is_stale(holder: LockHolder, host: str | None = None) -> bool:
+    """Whether the run ``holder`` names is gone (see the module docstring)."""
+    if holder.pid > 0 and holder.host == (host or this_host()):
+        return not _pid_alive(holder.pid)
+    # Another host's run, or an unreadable lock: only its heartbeat tells.
+    return holder.age_s > FOREIGN_STALE_S
+
+
+def holds_run(folder: Path) -> bool:
+    """Whether ``folder`` holds the files of a previous run."""
+    return any((folder / name).exists() for name in RUN_FILES)
+
+
+def _refusal(folder: Path, holder: LockHolder) -> ConfigError:
+    return ConfigError(
+        f"{folder} is in use by another run ({holder.describe()}); wait for it to finish or "
+        f"choose another --name/--output-dir (if that run is gone, delete {folder / LOCK_NAME})"
+    )
+
+
+def _numbered(base: Path) -> Path:
+    """The first of ``base2``, ``base3``, ... that holds no run and no lock (YOLOv5's
+    ``increment_path`` with an empty separator)."""
+    for n in range(2, MAX_NUMBER + 1):
+        candidate = base.with_name(f"{base.name}{n}")
+        if not candidate.exists():
+            return candidate
+        if candidate.is_dir() and not holds_run(candidate) and not (candidate / LOCK_NAME).exists():
+            return candidate
+    raise ConfigError(f"{base}2 ... {base}{MAX_NUMBER} all hold runs; choose another --name")
+
+
+@dataclass
+class RunFolder:
+    """A run folder this process holds the lock of; :meth:`release` gives it up.
+
+    Attributes:
+        path: the folder the run writes.
+        notes: what the claim did that the run's log should say (logged by :meth:`log`, once
+            ``train.log`` is open).
+    """
+
+    path: Path
+    notes: list[str] = field(default_factory=list)
+    moved_to: Path | None = None  # where --exist-ok moved the previous run
+    _stop: threading.Event = field(default_factory=threading.Event, repr=False)
+    _thread: threading.Thread | None = field(default=None, repr=False)
+
+    @property
+    def lock(self) -> Path:
+        return self.path / LOCK_NAME
+
+    def log(self) -> None:
+        for note in self.notes:
+            logger.warning(note)
+
+    def start_heartbeat(self) -> None:
+        self._thread = threading.Thread(target=self._beat, name="run-lock-heartbeat", daemon=True)
+        self._thread.start()
+
+    def _beat(self) -> None:
+        while not self._stop.wait(HEARTBEAT_S):
+            # A missed beat only makes the lock look older to other hosts.
+            with contextlib.suppress(OSError):
+                os.utime(self.lock)
+
+    def release(self) -> None:
+        """Remove the lock (only if it is still this process's)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        holder = read_lock(self.lock)
+        if holder is not None and holder.pid == os.getpid() and holder.host == this_host():
+            self.lock.unlink(missing_ok=True)
+
+
+def _lock_text() -> str:
+    info: dict[str, Any] = {
+        "host": this_host(),
+        "pid": os.getpid(),
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+    }
+    return json.dumps(info) + "\n"
+
+
+def _create_lock(path: Path) -> bool:
+    """Create ``path`` holding this process's lock; False when it exists already."""
+    try:
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+    except FileExistsError:
+        return False
+    try:
+        os.write(fd, _lock_text().encode())
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return True
+
+
+def _take_over(path: Path, holder: LockHolder) -> bool:
+    """Move the stale lock ``holder`` out of the way; False when another run did first."""
+    aside = path.with_name(f".{LOCK_NAME}.{os.getpid()}.stale")
+    try:
+        os.rename(path, aside)
+    except FileNotFoundError:
+        return False
+    # Between reading the stale lock and the rename, another run may have taken it over and
+    # written its own: that one is live, so put it back.
+    now = read_lock(aside)
+    if now is not None and (now.host, now.pid, now.started) != (
+        holder.host,
+        holder.pid,
+        holder.started,
+    ):
+        if not path.exists():
+            os.rename(aside, path)
+        return False
+    aside.unlink(missing_ok=True)
+    return True
+
+
+def _acquire(folder: Path, notes: list[str]) -> None:
+    lock = folder / LOCK_NAME
+    for _ in range(3):  # a lost race with another taker is retried once or twice
+        if _create_lock(lock):
+            return
+        holder = read_lock(lock)
+        if holder is None:
+            continue  # released in between
+        if not is_stale(holder):
+            raise _refusal(folder, holder)
+        if _take_over(lock, holder):
+            gone = holder.describe()
+            notes.append(f"{lock}: taking over the lock of a run that is gone ({gone})")
+    holder = read_lock(lock)
+    raise _refusal(folder, holder or LockHolder("unknown host", -1, "just now", 0.0))
+
+
+def _move_previous_run(folder: Path) -> Path:
+    """Move everything in ``folder`` but the lock and earlier replaced runs into
+    ``folder/replaced-<time>/``; that folder."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    target = folder / f"{REPLACED_PREFIX}{stamp}"
+    n = 2
+    while target.exists():
+        target = folder / f"{REPLACED_PREFIX}{stamp}-{n}"
+        n += 1
+    target.mkdir()
+    for entry in sorted(folder.iterdir()):
+        if entry.name == LOCK_NAME or entry == target or entry.name.startswith(REPLACED_PREFIX):
+            continue
+        os.rename(entry, target / entry.name)
+    return target
+
+
+def claim_run_folder(base: Path, resume: bool, exist_ok: bool) -> RunFolder:
+    """Decide the folder a run writes from the one it was given, and lock it.
+
+    Args:
+        base: ``--output-dir``, ``runs/<--name>`` or the resumed run's folder.
+        resume: the run continues the run in ``base`` (``--resume``): used as it is.
+        exist_ok: ``--exist-ok``: reuse ``base``, its previous run moved aside.
+
+    Returns:
+        The locked folder (created), with notes for the run's log.
+
+    Raises:
+        ConfigError: a live run holds the folder (named), the path is a file, or the folder
+            cannot be created or locked (read-only, full disk).
+    """
+    notes: list[str] = []
+    if base.exists() and not base.is_dir():
+        raise ConfigError(
+            "the run folder's path is a file; choose another --name/--output-dir", base
+        )
+    holder = read_lock(base / LOCK_NAME)
+    if holder is not None and not is_stale(holder):
+        raise _refusal(base, holder)
+    folder = base
+    if not resume and not exist_ok and base.is_dir() and holds_run(base):
+        folder = _numbered(base)
+        notes.append(
+            f"{base} holds a previous run (never overwritten); this run writes {folder} "
+            f"(--resume continues {base}, --exist-ok reuses it)"
+        )
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        _acquire(folder, notes)
+    except OSError as e:
+        raise ConfigError(f"cannot create or lock the run folder: {e.strerror or e}", folder) from e
+    claim = RunFolder(folder, notes)
+    try:
+        if exist_ok and not resume and holds_run(folder):
+            claim.moved_to = _move_previous_run(folder)
+            notes.append(f"--exist-ok: the previous run in {folder} was moved to {claim.moved_to}")
+    except OSError as e:
+        claim.release()
+        raise ConfigError(
+            f"--exist-ok: cannot move the previous run aside: {e.strerror or e}", folder
+        ) from e
+    claim.start_heartbeat()
+    return claim
+
+
+def relocated(path: str, claim: RunFolder) -> str:
+    """``path`` as it is after ``--exist-ok`` moved the previous run aside (a ``--weights``
+    inside the folder moved with it); unchanged when it was not inside the folder."""
+    if not path or claim.moved_to is None:
+        return path
+    try:
+        rel = Path(path).resolve().relative_to(claim.path.resolve())
+    except ValueError:
+        return path
+    return str(claim.moved_to / rel)
