@@ -99,6 +99,22 @@ def test_another_hosts_lock_is_honoured_until_its_heartbeat_stops(tmp_path):
     claim.release()
 
 
+def test_an_earlier_attempt_of_the_same_job_is_taken_over_at_once(tmp_path, monkeypatch):
+    """A requeued SLURM job (same SLURM_JOB_ID) may start on another node right away."""
+    run = tmp_path / "r"
+    lock = _write_lock(run, "node-3", 99)
+    info = json.loads(lock.read_text())
+    lock.write_text(json.dumps({**info, "job": "slurm:77"}))
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "78")
+    with pytest.raises(ConfigError, match="pid 99 on node-3"):
+        claim_run_folder(run, resume=True, exist_ok=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "77")
+    claim = claim_run_folder(run, resume=True, exist_ok=False)
+    assert read_lock(lock).job == "slurm:77" and read_lock(lock).pid == os.getpid()
+    claim.release()
+
+
 def test_the_path_a_file_is_one_clear_error(tmp_path):
     (tmp_path / "f").write_text("mine")
     with pytest.raises(ConfigError, match="the run folder's path is a file"):

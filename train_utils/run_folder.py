@@ -5,7 +5,8 @@ A live run holds ``<run>/run.lock`` (JSON: host, pid, start time), created with
 :data:`HEARTBEAT_S` seconds and removed when the run ends (normally, by an exception or Ctrl-C).
 A lock is stale, and taken over with a log line, when its process is gone: on this host when its
 pid no longer runs; from another host (whose processes this one cannot see) when it was not
-refreshed for :data:`FOREIGN_STALE_S` seconds. A live lock stops the second run with one line
+refreshed for :data:`FOREIGN_STALE_S` seconds; an earlier attempt of the same SLURM job or
+torchrun rendezvous (:func:`job_id`) at once. A live lock stops the second run with one line
 naming its holder.
 
 A folder that holds a previous run (:data:`RUN_FILES`) is never written over by accident:
@@ -25,6 +26,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -52,6 +54,7 @@ class LockHolder:
     pid: int
     started: str  # local time, ISO 8601
     age_s: float  # seconds since the lock was last refreshed
+    job: str = ""  # the scheduler's job (see job_id), "" outside one
 
     def describe(self) -> str:
         return f"pid {self.pid} on {self.host}, started {self.started}"
@@ -59,6 +62,18 @@ class LockHolder:
 
 def this_host() -> str:
     return socket.gethostname()
+
+
+def job_id(env: Mapping[str, str] | None = None) -> str:
+    """The job this process belongs to across its restarts: SLURM keeps ``SLURM_JOB_ID`` when it
+    requeues a job, torchrun keeps ``TORCHELASTIC_RUN_ID`` (its ``--rdzv-id``) when it restarts
+    workers; "" when neither names one (torchrun's static default is "none")."""
+    env = os.environ if env is None else env
+    slurm = env.get("SLURM_JOB_ID", "")
+    if slurm:
+        return f"slurm:{slurm}"
+    elastic = env.get("TORCHELASTIC_RUN_ID", "")
+    return f"torchrun:{elastic}" if elastic and elastic != "none" else ""
 
 
 def read_lock(path: Path) -> LockHolder | None:
@@ -73,7 +88,8 @@ def read_lock(path: Path) -> LockHolder | None:
         raise ConfigError(f"cannot read the run lock: {e.strerror}", path) from e
     try:
         info = json.loads(text)
-        return LockHolder(str(info["host"]), int(info["pid"]), str(info["started"]), age)
+        job = str(info.get("job", ""))
+        return LockHolder(str(info["host"]), int(info["pid"]), str(info["started"]), age, job)
     except (ValueError, KeyError, TypeError):
         return LockHolder("unknown host", -1, "at an unknown time", age)
 
@@ -88,8 +104,13 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def is_stale(holder: LockHolder, host: str | None = None) -> bool:
-    """Whether the run ``holder`` names is gone (see the module docstring)."""
+def is_stale(holder: LockHolder, host: str | None = None, job: str | None = None) -> bool:
+    """Whether the run ``holder`` names is gone (see the module docstring). An earlier attempt
+    of this process's own job (requeued, restarted) is gone by definition: its scheduler
+    stopped it before starting this one, maybe on another node."""
+    job = job_id() if job is None else job
+    if job and holder.job == job:
+        return True
     if holder.pid > 0 and holder.host == (host or this_host()):
         return not _pid_alive(holder.pid)
     # Another host's run, or an unreadable lock: only its heartbeat tells.
@@ -169,6 +190,7 @@ def _lock_text() -> str:
         "host": this_host(),
         "pid": os.getpid(),
         "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "job": job_id(),
     }
     return json.dumps(info) + "\n"
 
