@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import read_results, run_training, train_argv
+from conftest import LAUNCH_VARS, REPO_ROOT, read_results, run_training, script_env, train_argv
 
 import train as train_script
 from build_utils.errors import ConfigError
@@ -30,6 +30,7 @@ from train_utils.run_folder import (
 )
 
 IMG = 64
+REPO = REPO_ROOT
 
 
 def _write_lock(folder: Path, host: str, pid: int, age_s: float = 0.0) -> Path:
@@ -236,3 +237,27 @@ def test_a_name_in_use_never_overwrites_the_run_there(make_shapes_data, tmp_path
     assert "the previous run" not in (moved / "train.log").read_text()
     assert "--exist-ok: the previous run" in (copy / "train.log").read_text()
     assert not (copy / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_under_ddp_a_refusal_stops_every_rank(make_shapes_data, tmp_path, sleeper):
+    """train_multi_GPU.py with 2 spawned gloo processes: a live lock stops both ranks with the
+    same one line (no hang), and nothing is written."""
+    data = make_shapes_data(n_train=8, n_val=2)
+    run = tmp_path / "x"
+    _write_lock(run, socket.gethostname(), sleeper.pid)
+    (run / "results.csv").write_text("epoch\n0\n")
+    before = _snapshot(run)
+    env = {k: v for k, v in script_env().items() if k not in LAUNCH_VARS}
+    cmd = [sys.executable, str(REPO / "train_multi_GPU.py"), "--nproc-per-node", "2"]
+    cmd += train_argv(data, run, img=IMG)
+    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert errors == [
+        f"error: claiming the run folder failed on rank 0 ({socket.gethostname()}): {run} is in "
+        f"use by another run (pid {sleeper.pid} on {socket.gethostname()}, started "
+        f"2026-01-01T00:00:00); wait for it to finish or choose another --name/--output-dir "
+        f"(if that run is gone, delete {run / LOCK_NAME})"
+    ]
+    assert _snapshot(run) == before and not (tmp_path / "x2").exists()
