@@ -4,6 +4,8 @@
     python train.py --data demo_data/shapes/shapes.data --cfg cfg/yolov3-spp-nano.cfg --device cpu
     python train.py --resume runs/exp/last.pt    # continue that run exactly, with its own flags
     python train.py ... --resume --name exp      # continue runs/exp/last.pt exactly
+    python train.py ... --name exp               # runs/exp2 when runs/exp holds a run
+    python train.py ... --name exp --exist-ok    # runs/exp, its old run moved to replaced-<time>/
     python train.py --device 0,1 ...             # DDP, one spawned process per listed GPU
 
 A GPU list spawns one DDP process per GPU on this node, as ``train_multi_GPU.py --device 0,1``

@@ -47,6 +47,10 @@ def _snapshot(folder: Path) -> dict[str, bytes]:
     return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
 
 
+def _is_zombie(pid: int) -> bool:
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[-1].split()[0] == "Z"
+
+
 @pytest.fixture
 def sleeper():
     """A live process of this host (the holder of a lock), killed at the end."""
@@ -80,7 +84,8 @@ def test_a_live_lock_refuses_and_a_dead_pids_lock_is_taken_over(tmp_path, sleepe
             claim_run_folder(run, resume=resume, exist_ok=exist_ok)
     assert _snapshot(run) == before and sorted(p.name for p in tmp_path.iterdir()) == ["r"]
     sleeper.kill()
-    sleeper.wait()
+    while not _is_zombie(sleeper.pid):  # killed, not yet reaped: dead all the same
+        time.sleep(0.01)
     claim = claim_run_folder(run, resume=True, exist_ok=False)
     assert claim.path == run and read_lock(lock).pid == os.getpid()
     assert any(

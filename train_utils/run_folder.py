@@ -100,8 +100,13 @@ def _pid_alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True  # another user's process: it exists
-    return True
+        pass  # another user's process: it exists
+    # A killed process its parent has not reaped yet (a zombie) still answers kill(0).
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return True  # no /proc (macOS): trust kill(0)
+    return stat.rsplit(")", 1)[-1].split()[0] != "Z"
 
 
 def is_stale(holder: LockHolder, host: str | None = None, job: str | None = None) -> bool:
@@ -118,8 +123,15 @@ def is_stale(holder: LockHolder, host: str | None = None, job: str | None = None
 
 
 def holds_run(folder: Path) -> bool:
-    """Whether ``folder`` holds the files of a previous run."""
-    return any((folder / name).exists() for name in RUN_FILES)
+    """Whether ``folder`` holds the files of a previous run (empty ones do not count: a run
+    that stopped before logging anything leaves an empty ``train.log``)."""
+    for name in RUN_FILES:
+        try:
+            if (folder / name).stat().st_size > 0:
+                return True
+        except FileNotFoundError:
+            continue
+    return False
 
 
 def _refusal(folder: Path, holder: LockHolder) -> ConfigError:
