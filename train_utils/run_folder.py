@@ -214,10 +214,15 @@ def _create_lock(path: Path) -> bool:
     except FileExistsError:
         return False
     try:
-        os.write(fd, _lock_text().encode())
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            os.write(fd, _lock_text().encode())
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError:
+        # A full disk: no half-written lock that would look like another run's.
+        path.unlink(missing_ok=True)
+        raise
     return True
 
 
