@@ -48,6 +48,7 @@ from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
     DEFAULT_IMG_SIZE,
+    HelpFormatter,
     add_data_flags,
     add_device_flags,
     add_eval_flags,
@@ -99,17 +100,17 @@ RUN_HINT = " (default: as the checkpoint's run)"
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        "YOLOv3-SPP validation", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser("YOLOv3-SPP validation", formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     add_weights_flags(g, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
     add_model_flag(g, None)
     add_data_flags(g, None, single_cls_default=None)
-    g = p.add_argument_group("evaluation" + RUN_HINT)
-    add_img_size_flag(g, None, "inference size, a multiple of 32")
-    g.add_argument("--batch-size", type=int, default=None, help="images per batch and process")
-    add_eval_flags(g, None, None, None)
+    g = p.add_argument_group("evaluation")
+    add_img_size_flag(g, None, "inference size, a multiple of 32" + RUN_HINT)
+    g.add_argument(
+        "--batch-size", type=int, default=None, help="images per batch and process" + RUN_HINT
+    )
+    add_eval_flags(g, None, None, None, RUN_HINT)
     g.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     switch(g, "--multi-label", True, "one detection per class above threshold for each box")
     add_precision_flags(g, None, RUN_HINT)
@@ -144,13 +145,13 @@ def get_parser() -> argparse.ArgumentParser:
         "--save-json",
         default=None,
         metavar="DIR",
-        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format)",
+        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; default: none)",
     )
     g.add_argument(
         "--json-out",
         default=None,
         metavar="FILE",
-        help="write the 12 COCO stats as JSON with the results.csv names",
+        help="write the 12 COCO stats as JSON with the results.csv names (default: none)",
     )
     add_device_flags(p.add_argument_group("device"), 2, "DataLoader workers per process")
     add_local_rank_flag(p)

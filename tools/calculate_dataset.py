@@ -32,7 +32,7 @@ from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
 from build_utils.labels import parse_label_text
 from build_utils.parse_config import load_class_names
-from train_utils.cli import run_main, setup_console_logging
+from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("calculate_dataset")
 
@@ -122,7 +122,9 @@ def write_cfg(template: Path, nc: int, out: Path) -> None:
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
+    )
     p.add_argument("--root", type=Path, help="dataset root with train/labels and val/labels")
     p.add_argument("--train-labels", type=Path, help="training label folder")
     p.add_argument("--val-labels", type=Path, help="validation label folder")

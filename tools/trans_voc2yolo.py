@@ -55,7 +55,7 @@ from build_utils.image_io import (
     raw_image_size,
     read_file_bytes,
 )
-from train_utils.cli import run_main, setup_console_logging
+from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 # Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).
@@ -343,7 +343,9 @@ def convert_voc_root(
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
+    )
     p.add_argument("--xml-dir", type=Path, help="folder of VOC XML files")
     p.add_argument("--img-dir", type=Path, help="folder of the images (for sizes and EXIF)")
     p.add_argument("--label-dir", type=Path, help="output folder for the label files")
