@@ -65,6 +65,9 @@ def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
     """
     if not labels_dir.is_dir():
         raise DatasetError(f"{name} label folder not found", labels_dir)
+    # list_images gives absolute paths; a relative --root must be made absolute the same way
+    # (abspath, no symlink resolution) for the relative_to below to hold.
+    labels_dir = Path(os.path.abspath(labels_dir))
     images_dir = labels_dir.parent / "images"
     if not images_dir.is_dir():
         raise DatasetError(f"{name} images folder not found beside the labels", images_dir)
