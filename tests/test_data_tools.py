@@ -366,3 +366,20 @@ def test_kmeans_anchors_cli_writes_a_cfg(make_shapes_data, tmp_path, capsys):
         ]
     )
     assert rc == 2 and "num=9 but 6 anchors" in capsys.readouterr().err
+
+
+def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):
+    """The label cache tools/kmeans_anchors.py writes is reused as it is by training's dataset
+    (no "out of date; rebuilding", no image checked again)."""
+    import build_utils.labels as labels
+    from train_utils.config import load_data_config
+
+    data = make_shapes_data(n_train=8, n_val=2)
+    assert kmeans_anchors.main(["--data", str(data), "--img-size", "64", "--generations", "3"]) == 0
+    checked = []
+    monkeypatch.setattr(labels, "check_file", lambda *a: checked.append(a))
+    caplog.clear()
+    d = load_data_config(data)
+    train = LoadImagesAndLabels(str(d.train), 64, 4, nc=d.nc)
+    assert checked == [] and "out of date" not in caplog.text
+    assert len(train) == 8

@@ -132,8 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.iou_t < 1:
             raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
         n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
-        source = parse_data_cfg(args.data)["train"] if args.data else args.list
-        dataset = LoadImagesAndLabels(source, args.img_size)
+        data = parse_data_cfg(args.data) if args.data else None
+        source = data["train"] if data else args.list
+        # The label cache is keyed by the class count as well: read it with the .data's, as
+        # training does, so that the cache written here is the one training reuses.
+        nc = int(data["classes"]) if data else None
+        dataset = LoadImagesAndLabels(source, args.img_size, nc=nc)
         wh = label_sizes(dataset)
         small = too_small(wh)
         if small.any():
