@@ -1,7 +1,7 @@
 """Rewrite a model cfg for another number of classes, or a narrower (or wider) network.
 
     python tools/make_cfg.py cfg/yolov3-spp.cfg --classes 20 -o cfg/yolov3-spp-voc.cfg
-    python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --data data/shapes.data
+    python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --data demo_data/shapes/shapes.data
     python tools/make_cfg.py cfg/darknet/yolov4-csp.cfg --width 0.125 --classes 5
     python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --new-coords      # -newcoords.cfg beside it
 

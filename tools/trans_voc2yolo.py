@@ -7,8 +7,10 @@ Two layouts:
         --label-dir D/train/labels --classes D/shapes.names
 
     # a VOC devkit year folder -> OUT/<split>/{images,labels} for the ImageSets/Main splits
+    # (voc.names: the 20 VOC class names, one a line, which you write; leave --classes out
+    # to collect the names from the XML files)
     python tools/trans_voc2yolo.py --voc-root VOCdevkit/VOC2012 --out my_yolo_dataset \\
-        --classes data/pascal_voc_classes.json --names-out my_yolo_dataset/voc.names
+        --classes voc.names --names-out my_yolo_dataset/voc.names
 
 Classes come from ``--classes`` (a ``.names`` file, one name per line, or a JSON list or
 ``{name: id}`` mapping; 0- or 1-based ids are both accepted, ids are taken in increasing order)
