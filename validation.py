@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
 from train_utils.builders import make_eval_dataset, make_eval_loader, model_from_weights
 from train_utils.checkpoint import WeightsFile, read_weights
@@ -197,6 +197,7 @@ def evaluation_options(
         is_main,
         multi_label=args.multi_label,
         max_det=args.max_det,
+        single_cls=bool(args.single_cls),
     )
 
 
@@ -206,8 +207,20 @@ def build_model(
     nc: int,
     device: torch.device,
     channels_last: bool,
+    data_nc: int | None = None,
 ) -> Darknet:
-    model = model_from_weights(weights, args.cfg, nc, args.img_size)
+    """The model of ``weights`` with ``nc`` classes (1 under --single-cls), or under
+    --single-cls with the .data's ``data_nc`` classes, on ``device``, in eval mode."""
+    try:
+        model = model_from_weights(weights, args.cfg, nc, args.img_size)
+    except CheckpointError:
+        if not args.single_cls or data_nc == nc:
+            raise
+        # --single-cls on a model of the data's classes: YOLOv5 scores it as one class (see
+        # EvalOptions.single_cls) instead of refusing; a model trained with --single-cls has
+        # one class and was built above.
+        model = model_from_weights(weights, args.cfg, data_nc, args.img_size)
+        logger.info("--single-cls: the model's %d classes are scored as one class", model.nc)
     model.to(device).eval()
     if channels_last:
         model.to(memory_format=torch.channels_last)
@@ -231,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             device = dist.device
             data = load_data_config(args.data, args.single_cls)
             opts = evaluation_options(args, weights, device, dist.is_main)
-            model = build_model(args, weights, data.nc, device, opts.channels_last)
+            data_nc = load_data_config(args.data).nc if args.single_cls else data.nc
+            model = build_model(args, weights, data.nc, device, opts.channels_last, data_nc)
             dataset = make_eval_dataset(
                 data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
             )
