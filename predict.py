@@ -517,7 +517,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for x1, y1, x2, y2, conf, c in det.tolist()
             )
             print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
-            target = out_dir / stem.with_suffix(path.suffix)
+            # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
+            target = out_dir / stem.parent / (stem.name + path.suffix)
             ok, buf = cv2.imencode(target.suffix or ".jpg", draw_detections(img, det, names))
             if ok:
                 target.write_bytes(buf.tobytes())

@@ -181,6 +181,7 @@ def test_same_names_from_several_sources_keep_apart(checkpoint, tmp_path):
     a, b = _image(tmp_path / "a" / "x.jpg", 40), _image(tmp_path / "b" / "x.jpg", 200)
     c = _image(tmp_path / "p" / "b" / "y.jpg", 120)  # a second source folder named 'b'
     _image(tmp_path / "a" / "x.png", 80)  # x.jpg and x.png would share labels/x.txt
+    _image(tmp_path / "a" / "x.v2.jpg", 60)  # a dot in the stem stays
     out = tmp_path / "out"
     argv = ["--source", str(a.parent), str(b.parent), str(c.parent), "--save-txt"]
     assert _main(checkpoint, out, *argv) == 0
@@ -188,10 +189,12 @@ def test_same_names_from_several_sources_keep_apart(checkpoint, tmp_path):
     # their sources do, and each has its own label file.
     assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.*")) == [
         "a/x.jpg",
+        "a/x.v2.jpg",
         "a/x_2.png",
         "b/x.jpg",
         "b_2/y.jpg",
         "labels/a/x.txt",
+        "labels/a/x.v2.txt",
         "labels/a/x_2.txt",
         "labels/b/x.txt",
         "labels/b_2/y.txt",
