@@ -13,6 +13,14 @@ drawn image is saved under ``--output`` with the same name (videos, cameras and 
 ``<name>.mp4``); ``--save-txt`` also writes ``--output/labels/<name>.txt`` (YOLO format:
 ``class cx cy w h`` normalised, ``+ conf`` with ``--save-conf``; video frames as
 ``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C.
+
+predict.py never writes over what it reads or what an earlier run wrote (:func:`plan_outputs`,
+:func:`choose_output_dir`): an output folder that is, lies inside or holds a source is refused;
+an image found in a source folder keeps its path inside that folder, under a sub-folder named
+after the folder when several sources are given (``a/``, ``a_2/`` for a second folder named
+``a``); a name still taken twice (``x.jpg`` and ``x.png`` would share ``labels/x.txt``) gets
+``_2``, ``_3``; and an ``--output`` folder that already holds files becomes ``OUTPUT2``,
+``OUTPUT3``, ... (YOLOv5's ``exp2``) unless ``--exist-ok``.
 """
 
 from __future__ import annotations
@@ -20,7 +28,8 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import cv2
@@ -30,7 +39,7 @@ import torch
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError
-from build_utils.image_io import is_image_file, read_image
+from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
 from build_utils.parse_config import (
     load_class_names,
     parse_data_cfg,
@@ -43,6 +52,7 @@ from train_utils.checkpoint import (
 )
 from train_utils.cli import (
     DEFAULT_IMG_SIZE,
+    HelpFormatter,
     add_device_flags,
     add_img_size_flag,
     add_model_flag,
@@ -70,9 +80,7 @@ BOX_THICKNESS = 2
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        "YOLOv3-SPP prediction", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser("YOLOv3-SPP prediction", formatter_class=HelpFormatter)
     add_weights_flags(p, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
     p.add_argument(
         "--source",
@@ -82,20 +90,38 @@ def get_parser() -> argparse.ArgumentParser:
         "index (0) or a stream URL (rtsp://, rtmp://, http(s)://)",
     )
     add_model_flag(p, None)
-    p.add_argument("--data", default=None, help=".data file whose names= gives class names")
-    p.add_argument("--names", default=None, help=".names file (one class per line)")
-    p.add_argument("--output", default="runs/predict", help="folder for the drawn images/videos")
+    p.add_argument(
+        "--data",
+        default=None,
+        help=".data file whose names= gives class names (default: the checkpoint's names)",
+    )
+    p.add_argument(
+        "--names",
+        default=None,
+        help=".names file, one class per line (default: the checkpoint's names, else class ids)",
+    )
+    p.add_argument(
+        "--output",
+        default="runs/predict",
+        help="folder for the drawn images/videos; one that already holds files becomes "
+        "OUTPUT2, OUTPUT3, ... (default: %(default)s)",
+    )
+    p.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="write into an --output folder that already holds files (same names are replaced)",
+    )
     add_img_size_flag(p, None, "inference size, a multiple of 32 (default: the run's)")
     p.add_argument("--conf-thres", type=float, default=0.3, help="confidence threshold")
     p.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
-    p.add_argument("--max-det", type=int, default=300)
+    p.add_argument("--max-det", type=int, default=300, help="detections kept per image")
     p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
     p.add_argument(
         "--classes",
         type=int,
         nargs="+",
         default=None,
-        help="keep only these class ids (e.g. --classes 0 2)",
+        help="keep only these class ids, e.g. --classes 0 2 (default: all)",
     )
     p.add_argument(
         "--save-txt",
@@ -212,21 +238,149 @@ def is_stream(source: str) -> bool:
     return source.lower().startswith(STREAM_PREFIXES)
 
 
-def iter_sources(sources: Sequence[str]) -> Iterator[str | Path]:
-    """Files (images and videos found in folders, sorted), camera indices and stream URLs (as
-    given, strings), in the order of ``sources``."""
+@dataclass(frozen=True)
+class Output:
+    """One thing to predict on and where its results go.
+
+    ``source``: an image or video file (Path), or a camera index / stream URL (str).
+    ``stem``: its output path relative to ``--output``, without suffix: the image is written as
+    ``stem + its suffix``, a video as ``stem.mp4``, labels as ``labels/stem.txt``
+    (``labels/stem_<frame>.txt`` for video frames).
+    """
+
+    source: str | Path
+    stem: Path
+
+
+def _is_media(path: Path) -> bool:
+    return is_image_file(path) or path.suffix.lower() in VIDEO_SUFFIXES
+
+
+def _unique(name: str, taken: set[str]) -> str:
+    """``name``, or ``name_2``, ``name_3``, ... the first not in ``taken`` (compared without
+    letter case, as macOS and Windows file systems do); the result is added to ``taken``."""
+    candidate, k = name, 1
+    while candidate.casefold() in taken:
+        k += 1
+        candidate = f"{name}_{k}"
+    taken.add(candidate.casefold())
+    return candidate
+
+
+def plan_outputs(sources: Sequence[str]) -> list[Output]:
+    """Every image and video of ``sources`` (folders searched recursively, sorted), camera and
+    stream, in the order given, each with an output path no other one shares.
+
+    An image in a source folder keeps its path inside the folder; with several sources each
+    folder's outputs go to a sub-folder named after it (``a_2`` for a second folder named
+    ``a``), so same-named images of different folders keep apart. Files, cameras and streams go
+    to the top. Two outputs that would still share a stem (``x.jpg`` and ``x.png`` both label
+    ``x.txt``; ``a/x.jpg`` and ``b/x.jpg`` given as files) are told apart by ``_2``, ``_3``.
+
+    Raises:
+        ConfigError: a source that does not exist, or a folder with no image or video in it.
+    """
+    folder_names: set[str] = set()
+    stems: set[str] = set()
+    outputs, renamed = [], []
     for s in sources:
         if is_camera(s) or is_stream(s):
-            yield s
-            continue
-        p = Path(s)
-        if p.is_dir():
-            files = sorted(f for f in p.rglob("*") if f.is_file())
-            yield from (f for f in files if is_image_file(f) or f.suffix.lower() in VIDEO_SUFFIXES)
-        elif p.is_file():
-            yield p
+            planned = [(s, Path(capture_name(s)))]
         else:
-            raise ConfigError("--source: no such file or folder", p)
+            p = Path(s)
+            if p.is_dir():
+                files = sorted(f for f in p.rglob("*") if f.is_file() and _is_media(f))
+                if not files:
+                    raise ConfigError(
+                        f"--source {s}: no images or videos in this folder (images: "
+                        f"{' '.join(IMG_FORMATS)}; videos: {' '.join(sorted(VIDEO_SUFFIXES))})"
+                    )
+                # Why the folder's own name: a user finds a/x.jpg's result under OUTPUT/a/.
+                top = Path(_unique(p.resolve().name or "source", folder_names))
+                base = top if len(sources) > 1 else Path()
+                planned = [(f, base / f.relative_to(p).with_suffix("")) for f in files]
+            elif p.is_file():
+                planned = [(p, Path(p.stem))]
+            else:
+                raise ConfigError("--source: no such file or folder", p)
+        for source, stem in planned:
+            unique = Path(_unique(stem.as_posix(), stems))
+            if unique != stem:
+                renamed.append(f"{source} -> {unique}")
+            outputs.append(Output(source, unique))
+    if renamed:
+        logger.warning("same output names told apart: %s", ", ".join(renamed))
+    return outputs
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or path.is_relative_to(folder)
+
+
+def check_not_over_sources(
+    out_dir: Path, sources: Sequence[str], outputs: Sequence[Output]
+) -> None:
+    """Refuse an output folder that is a source folder, lies inside one, or holds a source file
+    (paths compared resolved, so symbolic links count as what they point to).
+
+    Raises:
+        ConfigError: the output would be written over or among what is read.
+    """
+    out = out_dir.resolve()
+    for s in sources:
+        if is_camera(s) or is_stream(s):
+            continue
+        src = Path(s).resolve()
+        if src.is_dir() and _inside(out, src):
+            where = "is" if out == src else "is inside"
+            raise ConfigError(
+                f"--output {out_dir} {where} --source {s}: the predictions would be written "
+                "among the images they are made from; choose an --output outside it"
+            )
+        if _inside(src, out):
+            raise ConfigError(
+                f"--output {out_dir} holds --source {s}: the predictions could overwrite it; "
+                "choose another --output"
+            )
+    for o in outputs:  # a symbolic link in a source folder may point into the output folder
+        if isinstance(o.source, Path) and _inside(o.source.resolve(), out):
+            raise ConfigError(
+                f"--output {out_dir} holds {o.source} (a source image); choose another --output"
+            )
+
+
+def choose_output_dir(
+    requested: Path, exist_ok: bool, sources: Sequence[str], outputs: Sequence[Output]
+) -> Path:
+    """Create and return the folder this run writes: ``requested``, or when it already holds
+    files (an earlier run's predictions) and not ``exist_ok``, the first of ``requested2``,
+    ``requested3``, ... that is new or empty, as YOLOv5 numbers ``exp2``.
+
+    Raises:
+        ConfigError: the folder overlaps a source (see :func:`check_not_over_sources`), or a
+            file stands where it should be, or it cannot be created.
+    """
+    check_not_over_sources(requested, sources, outputs)
+    out, n = requested, 1
+    while True:
+        if out.exists() and not out.is_dir():
+            raise ConfigError(f"--output {out} is a file, not a folder; choose another --output")
+        if not out.exists() or exist_ok or not any(out.iterdir()):
+            break
+        n += 1
+        out = requested.with_name(f"{requested.name}{n}")
+    if out != requested:
+        logger.info(
+            "--output %s already holds files; writing to %s (--exist-ok to write into it)",
+            requested,
+            out,
+        )
+    check_not_over_sources(out, sources, outputs)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"--output {out}: cannot create the folder ({e.strerror or e})") from e
+    return out
 
 
 def open_capture(source: str | Path) -> cv2.VideoCapture:
@@ -251,8 +405,10 @@ def predict_video(
     names: Sequence[str],
     txt_dir: Path | None = None,
     save_conf: bool = False,
+    stem: Path | None = None,
 ) -> int:
-    """Detect in every frame of a video file, camera or stream and write ``<name>.mp4``.
+    """Detect in every frame of a video file, camera or stream and write ``<stem>.mp4``
+    (``stem``: the output path relative to ``out_dir``, default :func:`capture_name`).
 
     Raises:
         ConfigError: a camera or stream cannot be opened (a video file that cannot be read is a
@@ -273,7 +429,7 @@ def predict_video(
             f"--source {source}: cannot open the stream; check the URL and that it is reachable"
         )
     fps = cap.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS
-    name = capture_name(source)
+    name = stem if stem is not None else capture_name(source)
     writer = None
     frames = 0
     try:
@@ -313,6 +469,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
         check_at_least({"--max-det": args.max_det}, 1)
+        # Sources first: a missing or empty one is reported before the model is loaded.
+        outputs = plan_outputs(args.source)
         device = select_device(args.device)
         model, names, weights = load_model(args)
         amp, _, _ = replay_precision(
@@ -332,15 +490,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.classes,
             args.half,
         )
-        out_dir = Path(args.output)
-        out_dir.mkdir(parents=True, exist_ok=True)
+        out_dir = choose_output_dir(Path(args.output), args.exist_ok, args.source, outputs)
         txt_dir = out_dir / "labels" if args.save_txt else None
-        if txt_dir is not None:
-            txt_dir.mkdir(exist_ok=True)
         n_images = 0
-        for path in iter_sources(args.source):
+        for item in outputs:
+            path, stem = item.source, item.stem
+            if stem.parent != Path():
+                (out_dir / stem.parent).mkdir(parents=True, exist_ok=True)
+            if txt_dir is not None:
+                (txt_dir / stem.parent).mkdir(parents=True, exist_ok=True)
             if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
-                predict_video(predictor, path, out_dir, names, txt_dir, args.save_conf)
+                predict_video(predictor, path, out_dir, names, txt_dir, args.save_conf, stem)
                 continue
             if not is_image_file(path):
                 logger.warning("%s: not an image or video file; skipped", path)
@@ -357,13 +517,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for x1, y1, x2, y2, conf, c in det.tolist()
             )
             print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
-            target = out_dir / path.name
+            # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
+            target = out_dir / stem.parent / (stem.name + path.suffix)
             ok, buf = cv2.imencode(target.suffix or ".jpg", draw_detections(img, det, names))
             if ok:
                 target.write_bytes(buf.tobytes())
             if txt_dir is not None:
                 write_yolo_txt(
-                    txt_dir / f"{path.stem}.txt",
+                    txt_dir / f"{stem}.txt",
                     det.numpy(),
                     img.shape[1],
                     img.shape[0],

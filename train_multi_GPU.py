@@ -23,7 +23,13 @@ import os
 import sys
 from collections.abc import Sequence
 
-from train_utils.cli import add_local_rank_flag, parse_args, run_main, setup_console_logging
+from train_utils.cli import (
+    HelpFormatter,
+    add_local_rank_flag,
+    parse_args,
+    run_main,
+    setup_console_logging,
+)
 from train_utils.config import get_args_parser
 from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
 
@@ -32,7 +38,7 @@ def get_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         "YOLOv3-SPP distributed training",
         parents=[get_args_parser(add_help=False)],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     add_local_rank_flag(parser)
     parser.add_argument(

@@ -40,7 +40,7 @@ from pathlib import Path
 
 import torch
 
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
 from train_utils.builders import make_eval_dataset, make_eval_loader, model_from_weights
 from train_utils.checkpoint import WeightsFile, read_weights
@@ -48,6 +48,7 @@ from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
     DEFAULT_IMG_SIZE,
+    HelpFormatter,
     add_data_flags,
     add_device_flags,
     add_eval_flags,
@@ -99,17 +100,17 @@ RUN_HINT = " (default: as the checkpoint's run)"
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        "YOLOv3-SPP validation", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
+    p = argparse.ArgumentParser("YOLOv3-SPP validation", formatter_class=HelpFormatter)
     g = p.add_argument_group("model and data")
     add_weights_flags(g, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
     add_model_flag(g, None)
     add_data_flags(g, None, single_cls_default=None)
-    g = p.add_argument_group("evaluation" + RUN_HINT)
-    add_img_size_flag(g, None, "inference size, a multiple of 32")
-    g.add_argument("--batch-size", type=int, default=None, help="images per batch and process")
-    add_eval_flags(g, None, None, None)
+    g = p.add_argument_group("evaluation")
+    add_img_size_flag(g, None, "inference size, a multiple of 32" + RUN_HINT)
+    g.add_argument(
+        "--batch-size", type=int, default=None, help="images per batch and process" + RUN_HINT
+    )
+    add_eval_flags(g, None, None, None, RUN_HINT)
     g.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     switch(g, "--multi-label", True, "one detection per class above threshold for each box")
     add_precision_flags(g, None, RUN_HINT)
@@ -144,13 +145,13 @@ def get_parser() -> argparse.ArgumentParser:
         "--save-json",
         default=None,
         metavar="DIR",
-        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format)",
+        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; default: none)",
     )
     g.add_argument(
         "--json-out",
         default=None,
         metavar="FILE",
-        help="write the 12 COCO stats as JSON with the results.csv names",
+        help="write the 12 COCO stats as JSON with the results.csv names (default: none)",
     )
     add_device_flags(p.add_argument_group("device"), 2, "DataLoader workers per process")
     add_local_rank_flag(p)
@@ -196,6 +197,7 @@ def evaluation_options(
         is_main,
         multi_label=args.multi_label,
         max_det=args.max_det,
+        single_cls=bool(args.single_cls),
     )
 
 
@@ -205,8 +207,20 @@ def build_model(
     nc: int,
     device: torch.device,
     channels_last: bool,
+    data_nc: int | None = None,
 ) -> Darknet:
-    model = model_from_weights(weights, args.cfg, nc, args.img_size)
+    """The model of ``weights`` with ``nc`` classes (1 under --single-cls), or under
+    --single-cls with the .data's ``data_nc`` classes, on ``device``, in eval mode."""
+    try:
+        model = model_from_weights(weights, args.cfg, nc, args.img_size)
+    except CheckpointError:
+        if not args.single_cls or data_nc == nc:
+            raise
+        # --single-cls on a model of the data's classes: YOLOv5 scores it as one class (see
+        # EvalOptions.single_cls) instead of refusing; a model trained with --single-cls has
+        # one class and was built above.
+        model = model_from_weights(weights, args.cfg, data_nc, args.img_size)
+        logger.info("--single-cls: the model's %d classes are scored as one class", model.nc)
     model.to(device).eval()
     if channels_last:
         model.to(memory_format=torch.channels_last)
@@ -230,7 +244,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             device = dist.device
             data = load_data_config(args.data, args.single_cls)
             opts = evaluation_options(args, weights, device, dist.is_main)
-            model = build_model(args, weights, data.nc, device, opts.channels_last)
+            data_nc = load_data_config(args.data).nc if args.single_cls else data.nc
+            model = build_model(args, weights, data.nc, device, opts.channels_last, data_nc)
             dataset = make_eval_dataset(
                 data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
             )

@@ -228,7 +228,9 @@ class LoadImagesAndLabels(Dataset):
         cache = load_labels(
             files,
             label_files,
-            self.nc,
+            # Under single_cls every class becomes 0: a class id is not checked against the
+            # (collapsed) class count, or all objects of classes >= 1 would be dropped.
+            None if self.single_cls else self.nc,
             self.cache_path,
             self.report_path,
             progress=is_main,

@@ -290,6 +290,19 @@ def test_calculate_dataset_writes_lists_data_and_cfg(make_shapes_data, tmp_path)
     assert heads and all(b["classes"] == 5 for b in heads)
 
 
+def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
+    """``--root shapes`` from the dataset's parent folder (all paths relative), as a user types
+    it: the same lists as with the absolute root."""
+    root = make_shapes_data(n_train=4, n_val=2).parent
+    monkeypatch.chdir(root.parent)
+    rc = calculate_dataset.main(["--root", root.name, "--names", f"{root.name}/shapes.names"])
+    assert rc == 0
+    d = parse_data_cfg(root / "my_data.data")
+    train = LoadImagesAndLabels(d["train"], 64, nc=5)
+    assert train.img_files == LoadImagesAndLabels(root / "train.txt", 64, nc=5).img_files
+    assert len(LoadImagesAndLabels(d["valid"], 64, nc=5)) == 2
+
+
 def test_calculate_dataset_refuses_a_split_without_objects(make_shapes_data, tmp_path, capsys):
     data = make_shapes_data(n_train=4, n_val=2)
     root = data.parent
@@ -353,3 +366,20 @@ def test_kmeans_anchors_cli_writes_a_cfg(make_shapes_data, tmp_path, capsys):
         ]
     )
     assert rc == 2 and "num=9 but 6 anchors" in capsys.readouterr().err
+
+
+def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):
+    """The label cache tools/kmeans_anchors.py writes is reused as it is by training's dataset
+    (no "out of date; rebuilding", no image checked again)."""
+    import build_utils.labels as labels
+    from train_utils.config import load_data_config
+
+    data = make_shapes_data(n_train=8, n_val=2)
+    assert kmeans_anchors.main(["--data", str(data), "--img-size", "64", "--generations", "3"]) == 0
+    checked = []
+    monkeypatch.setattr(labels, "check_file", lambda *a: checked.append(a))
+    caplog.clear()
+    d = load_data_config(data)
+    train = LoadImagesAndLabels(str(d.train), 64, 4, nc=d.nc)
+    assert checked == [] and "out of date" not in caplog.text
+    assert len(train) == 8

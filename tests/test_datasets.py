@@ -428,6 +428,13 @@ def test_single_cls_folds_classes(tmp_path):
     d = LoadImagesAndLabels(small_dataset(tmp_path), 96, single_cls=True)
     assert all((lb[:, 0] == 0).all() for lb in d.labels)
     assert sum(len(lb) for lb in d.labels) > len(d)
+    # With the collapsed class count (nc=1, as training and validation.py pass it under
+    # --single-cls) no object of a class >= 1 is dropped: the same boxes as without folding.
+    one = LoadImagesAndLabels(small_dataset(tmp_path), 96, single_cls=True, nc=1)
+    every = LoadImagesAndLabels(small_dataset(tmp_path), 96)
+    assert any((lb[:, 0] > 0).any() for lb in every.labels)
+    for a, b in zip(one.labels, every.labels, strict=True):
+        np.testing.assert_array_equal(a[:, 1:], b[:, 1:])
 
 
 def test_coco_index_reads_no_pixels(tmp_path, monkeypatch):

@@ -77,8 +77,11 @@ def test_images_folders_and_video(checkpoint, shapes_data, tmp_path, capsys):
     )
     assert code == 0
     stdout = capsys.readouterr().out
+    # Several sources: the folder's images go to a sub-folder named after it.
+    assert (out / images[0].name).is_file()
+    for p in images[1:]:
+        assert (out / "folder" / p.name).is_file() and not (out / p.name).exists()
     for p in images:
-        assert (out / p.name).is_file()
         assert any(p.name in x and "detections" in x for x in stdout.splitlines()), p
     # The biased heads make every kept box a confident 'circle', drawn inside the image.
     first = next(x for x in stdout.splitlines() if x.startswith(str(images[0])))

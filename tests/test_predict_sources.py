@@ -91,8 +91,9 @@ def test_folder_with_images_and_videos(checkpoint, shapes_data, tmp_path, capsys
     assert _main(checkpoint, out, "--source", str(folder), "--save-txt") == 0
     stdout = capsys.readouterr().out
     assert (out / image.name).is_file()
-    assert (out / "clip.mp4").is_file() and stdout.count("clip.avi frame") == 3
-    assert sorted(p.name for p in (out / "labels").glob("clip_*.txt")) == [
+    # One source folder: each output keeps its path inside the folder.
+    assert (out / "sub" / "clip.mp4").is_file() and stdout.count("clip.avi frame") == 3
+    assert sorted(p.name for p in (out / "labels" / "sub").glob("clip_*.txt")) == [
         "clip_1.txt",
         "clip_2.txt",
         "clip_3.txt",
@@ -142,3 +143,96 @@ def test_capture_names():
     assert predict.capture_name("0") == "camera0"
     assert predict.capture_name("rtsp://host:554/live/cam.sdp") == "cam_sdp"
     assert predict.is_stream("HTTP://x") and not predict.is_stream("clip.mp4")
+
+
+def _image(path: Path, value: int) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    cv2.imwrite(str(path), np.full((64, 96, 3), value, np.uint8))
+    return path
+
+
+def _tree(root: Path) -> dict[str, bytes]:
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return {str(p.relative_to(root)): p.read_bytes() for p in files}
+
+
+def test_output_over_a_source_is_refused(checkpoint, tmp_path, console):
+    src = tmp_path / "imgs"
+    _image(src / "a.jpg", 50)
+    _image(src / "deep" / "b.jpg", 90)
+    (tmp_path / "link").symlink_to(src, target_is_directory=True)
+    before = _tree(tmp_path)
+    cases = {
+        "same folder": (str(src), src),
+        "inside it": (str(src), src / "pred"),
+        "a symlink to it": (str(src), tmp_path / "link"),
+        "a source given through a symlink": (str(tmp_path / "link"), src / "pred"),
+        "holds a source file": (str(src / "deep" / "b.jpg"), src),
+        "holds a source folder": (str(src / "deep"), src),
+    }
+    for case, (source, out) in cases.items():
+        assert _main(checkpoint, out, "--source", source, "--save-txt") == 2, case
+        err = console.readouterr().err.strip()
+        assert err.startswith("error: --output") and "\n" not in err, (case, err)
+        assert _tree(tmp_path) == before, case  # nothing written, nothing replaced
+
+
+def test_same_names_from_several_sources_keep_apart(checkpoint, tmp_path):
+    a, b = _image(tmp_path / "a" / "x.jpg", 40), _image(tmp_path / "b" / "x.jpg", 200)
+    c = _image(tmp_path / "p" / "b" / "y.jpg", 120)  # a second source folder named 'b'
+    _image(tmp_path / "a" / "x.png", 80)  # x.jpg and x.png would share labels/x.txt
+    _image(tmp_path / "a" / "x.v2.jpg", 60)  # a dot in the stem stays
+    out = tmp_path / "out"
+    argv = ["--source", str(a.parent), str(b.parent), str(c.parent), "--save-txt"]
+    assert _main(checkpoint, out, *argv) == 0
+    # Each folder has its sub-folder (b_2 for the second 'b'); the drawn copies differ as
+    # their sources do, and each has its own label file.
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*.*")) == [
+        "a/x.jpg",
+        "a/x.v2.jpg",
+        "a/x_2.png",
+        "b/x.jpg",
+        "b_2/y.jpg",
+        "labels/a/x.txt",
+        "labels/a/x.v2.txt",
+        "labels/a/x_2.txt",
+        "labels/b/x.txt",
+        "labels/b_2/y.txt",
+    ]
+    assert cv2.imread(str(out / "a" / "x.jpg")).mean() < cv2.imread(str(out / "b" / "x.jpg")).mean()
+    # The same file name given twice as files: the second becomes x_2.
+    out2 = tmp_path / "files"
+    assert _main(checkpoint, out2, "--source", str(a), str(b)) == 0
+    assert sorted(p.name for p in out2.iterdir()) == ["x.jpg", "x_2.jpg"]
+
+
+def test_a_second_run_never_overwrites_the_first(checkpoint, tmp_path, console):
+    src = tmp_path / "imgs"
+    _image(src / "a.jpg", 50)
+    out = tmp_path / "pred"
+    assert _main(checkpoint, out, "--source", str(src)) == 0
+    (out / "a.jpg").write_bytes(b"the first run's picture, edited by its user")
+    first = _tree(out)
+    assert _main(checkpoint, out, "--source", str(src)) == 0
+    assert "writing to " + str(tmp_path / "pred2") in console.readouterr().err
+    assert _tree(out) == first and (tmp_path / "pred2" / "a.jpg").is_file()
+    assert _main(checkpoint, out, "--source", str(src)) == 0
+    assert (tmp_path / "pred3" / "a.jpg").is_file()
+    # --exist-ok: the user says the folder may be written into.
+    assert _main(checkpoint, out, "--source", str(src), "--exist-ok") == 0
+    assert (out / "a.jpg").read_bytes() == (tmp_path / "pred2" / "a.jpg").read_bytes()
+    # A file where the folder should be: one line.
+    (tmp_path / "afile").write_text("x")
+    assert _main(checkpoint, tmp_path / "afile", "--source", str(src)) == 2
+    assert "is a file, not a folder" in console.readouterr().err
+
+
+def test_a_source_without_images_stops(checkpoint, tmp_path, console):
+    empty = tmp_path / "empty"
+    (empty / "sub").mkdir(parents=True)
+    (empty / "notes.txt").write_text("no pictures here")
+    out = tmp_path / "out"
+    assert _main(checkpoint, out, "--source", str(empty)) == 2
+    err = console.readouterr().err.strip()
+    assert err.startswith(f"error: --source {empty}: no images or videos") and "\n" not in err
+    assert not out.exists()

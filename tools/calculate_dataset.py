@@ -32,7 +32,7 @@ from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
 from build_utils.labels import parse_label_text
 from build_utils.parse_config import load_class_names
-from train_utils.cli import run_main, setup_console_logging
+from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("calculate_dataset")
 
@@ -65,6 +65,9 @@ def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
     """
     if not labels_dir.is_dir():
         raise DatasetError(f"{name} label folder not found", labels_dir)
+    # list_images gives absolute paths; a relative --root must be made absolute the same way
+    # (abspath, no symlink resolution) for the relative_to below to hold.
+    labels_dir = Path(os.path.abspath(labels_dir))
     images_dir = labels_dir.parent / "images"
     if not images_dir.is_dir():
         raise DatasetError(f"{name} images folder not found beside the labels", images_dir)
@@ -122,7 +125,9 @@ def write_cfg(template: Path, nc: int, out: Path) -> None:
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
+    )
     p.add_argument("--root", type=Path, help="dataset root with train/labels and val/labels")
     p.add_argument("--train-labels", type=Path, help="training label folder")
     p.add_argument("--val-labels", type=Path, help="validation label folder")

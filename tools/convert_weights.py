@@ -29,7 +29,7 @@ from build_utils.errors import ConfigError, YoloError
 from models.weights import save_weights
 from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights, save_weights_pt
-from train_utils.cli import add_model_flag, add_weights_flags
+from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags
 
 PT_SUFFIX = ".pt"
 DARKNET_SUFFIX = ".weights"
@@ -37,7 +37,9 @@ DARKNET_SUFFIX = ".weights"
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Convert weights between Darknet .weights and PyTorch .pt.", add_help=add_help
+        description="Convert weights between Darknet .weights and PyTorch .pt.",
+        add_help=add_help,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument(
         "paths",

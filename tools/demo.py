@@ -38,7 +38,7 @@ from build_utils.augmentations import GRID  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
-from train_utils.cli import run_main, setup_console_logging  # noqa: E402
+from train_utils.cli import HelpFormatter, run_main, setup_console_logging  # noqa: E402
 from train_utils.config import build_config, get_args_parser, load_data_config  # noqa: E402
 from train_utils.distributed.devices import select_device  # noqa: E402
 from train_utils.distributed.process_group import DistInfo  # noqa: E402
@@ -154,7 +154,9 @@ def ensure_demo_dataset(root: Path) -> Path:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+    )
     parser.add_argument("--data", default=None, help="a .data file (default: the shapes demo)")
     parser.add_argument(
         "--output-dir",

@@ -31,7 +31,7 @@ from build_utils.errors import ConfigError, YoloError
 from models.darknet import Darknet
 from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights
-from train_utils.cli import add_model_flag, add_weights_flags
+from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags
 
 LOGGER = logging.getLogger(__name__)
 
@@ -138,7 +138,9 @@ def verify_onnx(
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Export a Darknet model to ONNX.", add_help=add_help
+        description="Export a Darknet model to ONNX.",
+        add_help=add_help,
+        formatter_class=HelpFormatter,
     )
     add_weights_flags(parser, required=False, help=".pt checkpoint (carries its cfg) or .weights")
     add_model_flag(parser, None)

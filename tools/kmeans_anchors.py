@@ -44,7 +44,7 @@ from build_utils.anchors import (
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_data_cfg
-from train_utils.cli import run_main, setup_console_logging
+from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("kmeans_anchors")
 
@@ -104,7 +104,9 @@ def cfg_anchor_count(cfg: Path) -> int | None:
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
+    )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help=".data file (its train list is used)")
     src.add_argument("--list", type=Path, help="image list or folder")
@@ -112,7 +114,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("-n", "--num", type=int, default=None, help="anchors (default: cfg's or 9)")
     p.add_argument("--iou-t", type=float, default=0.20, help="anchor matching IoU threshold")
     p.add_argument("--generations", type=int, default=1000, help="genetic refinement steps")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of k-means and the genetic search")
     p.add_argument("--cfg", type=Path, help="cfg whose [yolo] anchors to replace (with --out-cfg)")
     p.add_argument("--out-cfg", type=Path, help="where to write the cfg with the new anchors")
     return p
@@ -130,8 +132,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.iou_t < 1:
             raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
         n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
-        source = parse_data_cfg(args.data)["train"] if args.data else args.list
-        dataset = LoadImagesAndLabels(source, args.img_size)
+        data = parse_data_cfg(args.data) if args.data else None
+        source = data["train"] if data else args.list
+        # The label cache is keyed by the class count as well: read it with the .data's, as
+        # training does, so that the cache written here is the one training reuses.
+        nc = int(data["classes"]) if data else None
+        dataset = LoadImagesAndLabels(source, args.img_size, nc=nc)
         wh = label_sizes(dataset)
         small = too_small(wh)
         if small.any():

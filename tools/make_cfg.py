@@ -1,7 +1,7 @@
 """Rewrite a model cfg for another number of classes, or a narrower (or wider) network.
 
     python tools/make_cfg.py cfg/yolov3-spp.cfg --classes 20 -o cfg/yolov3-spp-voc.cfg
-    python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --data data/shapes.data
+    python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --data demo_data/shapes/shapes.data
     python tools/make_cfg.py cfg/darknet/yolov4-csp.cfg --width 0.125 --classes 5
     python tools/make_cfg.py cfg/yolov3-spp-nano.cfg --new-coords      # -newcoords.cfg beside it
 
@@ -41,6 +41,7 @@ from build_utils.parse_config import (
     validate_model_cfg,
     write_model_cfg,
 )
+from train_utils.cli import HelpFormatter
 
 # --width rounds filter counts up to a multiple of this (channel counts that vectorise well,
 # and even ones for [route] groups=2).
@@ -52,7 +53,9 @@ NEW_COORDS_SCALE_XY = 2.0
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description="Rewrite a Darknet cfg for another number of classes.", add_help=add_help
+        description="Rewrite a Darknet cfg for another number of classes.",
+        add_help=add_help,
+        formatter_class=HelpFormatter,
     )
     parser.add_argument("cfg", type=Path, help="source model cfg")
     source = parser.add_mutually_exclusive_group()

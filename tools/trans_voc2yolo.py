@@ -7,8 +7,10 @@ Two layouts:
         --label-dir D/train/labels --classes D/shapes.names
 
     # a VOC devkit year folder -> OUT/<split>/{images,labels} for the ImageSets/Main splits
+    # (voc.names: the 20 VOC class names, one a line, which you write; leave --classes out
+    # to collect the names from the XML files)
     python tools/trans_voc2yolo.py --voc-root VOCdevkit/VOC2012 --out my_yolo_dataset \\
-        --classes data/pascal_voc_classes.json --names-out my_yolo_dataset/voc.names
+        --classes voc.names --names-out my_yolo_dataset/voc.names
 
 Classes come from ``--classes`` (a ``.names`` file, one name per line, or a JSON list or
 ``{name: id}`` mapping; 0- or 1-based ids are both accepted, ids are taken in increasing order)
@@ -55,7 +57,7 @@ from build_utils.image_io import (
     raw_image_size,
     read_file_bytes,
 )
-from train_utils.cli import run_main, setup_console_logging
+from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 # Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).
@@ -343,7 +345,9 @@ def convert_voc_root(
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
+    )
     p.add_argument("--xml-dir", type=Path, help="folder of VOC XML files")
     p.add_argument("--img-dir", type=Path, help="folder of the images (for sizes and EXIF)")
     p.add_argument("--label-dir", type=Path, help="output folder for the label files")

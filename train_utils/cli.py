@@ -60,6 +60,27 @@ def run_main(body: Callable[[], int | None]) -> int:
         return EXIT_INTERRUPTED
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` that shows each default once: appended as ``(default: X)`` only when the help
+    does not already say what the default is, and never for None (a flag whose None means "from
+    the checkpoint" or "auto" says so in its help) or an off switch."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        help = action.help or ""
+        default = action.default
+        if (
+            "default" in help
+            or "%(default)" in help
+            or default is None
+            or default is argparse.SUPPRESS
+            or default is False
+            or default == ""
+            or action.option_strings == []  # positionals: no default to speak of
+        ):
+            return help
+        return help + " (default: %(default)s)"
+
+
 # ---- flag groups ----------------------------------------------------------------------------
 
 
@@ -85,7 +106,10 @@ def add_data_flags(g: ArgGroup, default: str | None, single_cls_default: bool | 
     """``--data`` and ``--single-cls``; None defaults come from the checkpoint's run."""
     why = "dataset .data file" + ("" if default else " (default: the checkpoint's run's)")
     g.add_argument("--data", default=default, help=why)
-    switch(g, "--single-cls", single_cls_default, "treat every class as one ('object')")
+    single = "treat every class as one ('object')"
+    if single_cls_default is None:
+        single += " (default: as the checkpoint's run)"
+    switch(g, "--single-cls", single_cls_default, single)
 
 
 def add_img_size_flag(g: ArgGroup, default: int | None, help: str) -> None:
@@ -95,12 +119,18 @@ def add_img_size_flag(g: ArgGroup, default: int | None, help: str) -> None:
     )
 
 
-def add_eval_flags(g: ArgGroup, conf: float | None, iou: float | None, backend: str | None) -> None:
-    """NMS thresholds of an evaluation and the COCO scoring library."""
-    g.add_argument("--conf-thres", type=float, default=conf, help="confidence threshold")
-    g.add_argument("--iou-thres", type=float, default=iou, help="NMS IoU threshold")
+def add_eval_flags(
+    g: ArgGroup, conf: float | None, iou: float | None, backend: str | None, run_hint: str = ""
+) -> None:
+    """NMS thresholds of an evaluation and the COCO scoring library; ``run_hint`` says where
+    a None default comes from."""
+    g.add_argument("--conf-thres", type=float, default=conf, help="confidence threshold" + run_hint)
+    g.add_argument("--iou-thres", type=float, default=iou, help="NMS IoU threshold" + run_hint)
     g.add_argument(
-        "--coco-backend", default=backend, choices=COCO_BACKENDS, help="COCO scoring library"
+        "--coco-backend",
+        default=backend,
+        choices=COCO_BACKENDS,
+        help="COCO scoring library" + run_hint,
     )
 
 
@@ -121,12 +151,14 @@ def add_precision_flags(g: ArgGroup, amp_default: str | None, run_hint: str = ""
         choices=AMP_CHOICES,
         help=AMP_HELP + run_hint,
     )
+    # One default per help: a checkpoint's run decides first where there is one.
+    device_rule = "on CUDA; on CPU the faster for this model, timed"
     switch(
         g,
         "--channels-last",
         None,
-        "channels_last memory format (default: on CUDA; on CPU the faster for this model, timed)"
-        + run_hint,
+        "channels_last memory format "
+        + (f"{run_hint[:-1]}; else {device_rule})" if run_hint else f"(default: {device_rule})"),
     )
 
 

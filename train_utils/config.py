@@ -29,6 +29,7 @@ from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
     DEFAULT_IMG_SIZE,
+    HelpFormatter,
     add_data_flags,
     add_device_flags,
     add_eval_flags,
@@ -198,7 +199,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         "YOLOv3-SPP training",
         add_help=add_help,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     _add_inputs(p.add_argument_group("model, data and weights"))
     _add_schedule(p.add_argument_group("training"))
@@ -295,7 +296,12 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         g, "--ema", True, "keep an exponential moving average of the weights for eval and saving"
     )
     add_precision_flags(g, "auto")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of every random choice (init, augmentation, sampling, multi-scale sizes)",
+    )
 
 
 def _add_evaluation(g: argparse._ArgumentGroup) -> None:

@@ -324,11 +324,15 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
             conf_thres=opts.conf_thres,
             iou_thres=opts.iou_thres,
             multi_label=opts.multi_label,
+            # One class: a box found as two classes is one detection, kept once.
+            agnostic=opts.single_cls,
             max_det=opts.max_det,
         )
         scaled = []
         for out, shape in zip(outputs, shapes):
             out = out.cpu()
+            if opts.single_cls:
+                out[:, 5] = 0
             if len(out):
                 out[:, :4] = scale_coords(imgs.shape[2:], out[:, :4], shape[0], shape[1])
             scaled.append(out)

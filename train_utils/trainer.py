@@ -43,6 +43,7 @@ from train_utils.checkpoint import (
     save_checkpoint,
     training_weights,
     validate_resume_checkpoint,
+    weights_kind,
 )
 from train_utils.config import (
     DEFAULT_EPOCHS,
@@ -398,6 +399,10 @@ def _initialise_weights(model: Darknet, config: TrainConfig) -> None:
             len(skipped),
             ", ".join(skipped),
         )
+    elif weights_kind(config.weights) != "darknet":  # Darknet's loader says which layers it read
+        # Say it when everything fitted too, so a user need not infer it from a missing warning.
+        n = len(model.state_dict())
+        logger.info("--weights %s: all %d tensors loaded", config.weights, n)
 
 
 def _build_train_state(

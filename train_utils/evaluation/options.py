@@ -28,6 +28,8 @@ class EvalOptions:
         show_progress: draw a tqdm bar (rank 0).
         channels_last: feed NHWC batches.
         per_class: also compute per-class AP.
+        single_cls: score every class as one (YOLOv5's ``--single-cls`` on a multi-class
+            model): class-agnostic NMS, then every detection is class 0.
     """
 
     device: torch.device
@@ -40,6 +42,7 @@ class EvalOptions:
     show_progress: bool = False
     channels_last: bool = False
     per_class: bool = False
+    single_cls: bool = False
 
 
 def eval_options(
@@ -53,7 +56,8 @@ def eval_options(
     """The options of an evaluation of a run: the one builder for the evaluation inside training
     (``run`` = the run's config) and ``validation.py`` (``run`` = the checkpoint's run config
     with the flags given on top), so both score with the same thresholds, backend, precision
-    and memory format. ``nms`` may set ``multi_label``/``max_det`` (``validation.py`` flags)."""
+    and memory format. ``nms`` may set ``multi_label``/``max_det``/``single_cls`` (``validation.py``
+    flags)."""
     return EvalOptions(
         device,
         float(run["conf_thres"]),
