@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import (
     read_results,
@@ -23,6 +24,8 @@ from conftest import (
 )
 
 from data.make_shapes import make_dataset
+from models.darknet import Darknet
+from train_utils.checkpoint import load_checkpoint
 from train_utils.distributed.launch import free_port
 
 pytestmark = pytest.mark.slow
@@ -118,19 +121,31 @@ def _run(cmd: list[str]) -> None:
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
+def _torchrun(argv: list[str]) -> None:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    _run([*cmd, f"--master_port={free_port()}", str(REPO / "train_multi_GPU.py"), *argv])
+
+
 def test_torchrun_fine_tune_logs_the_map_of_last_pt(trained, tmp_path):
     out = tmp_path / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(REPO / "train_multi_GPU.py"),
-        *_fine_tune_argv(trained, out),
-    ]
-    _run(cmd)
+    _torchrun(_fine_tune_argv(trained, out))
     _assert_logged_equals_validation(trained[0], out, tmp_path)
+
+
+def test_torchrun_fine_tune_of_the_heads_only(trained, tmp_path):
+    """DDP with frozen parameters (no gradients to all-reduce): only the heads' convolutions
+    move, every frozen tensor (BatchNorm statistics included) stays as loaded, and the logged
+    mAP is still last.pt's."""
+    out = tmp_path / "heads"
+    _torchrun([*_fine_tune_argv(trained, out), "--freeze-layers", "all-but-heads"])
+    _assert_logged_equals_validation(trained[0], out, tmp_path)
+    loaded = load_checkpoint(trained[2])["model"]
+    ckpt = load_checkpoint(out / "last.pt")
+    heads = {i - 1 for i in Darknet(out / "model.cfg").yolo_layers}
+    for key in ("train_model", "model"):
+        state = ckpt[key]
+        changed = {int(k.split(".")[1]) for k, v in state.items() if not torch.equal(v, loaded[k])}
+        assert changed == heads, (key, sorted(changed))
 
 
 def test_spawned_fine_tune_logs_the_map_of_last_pt(trained, tmp_path):
