@@ -75,6 +75,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]
         "adam",
         "--eval-interval",
         str(PRETRAIN_EPOCHS),
+        "--no-channels-last",  # not the timed choice: the same checkpoint on every machine
         hyp=hyp,
         epochs=PRETRAIN_EPOCHS,
         img=IMG,
