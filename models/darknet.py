@@ -21,7 +21,7 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -342,8 +342,8 @@ class Darknet(nn.Module):
         }
         self._frozen_end = max((i for i, v in self.stopbackward.items() if v == 1), default=-1)
         # Layers kept out of training: stopbackward=1 and everything before it, plus what
-        # freeze() adds.
-        self.frozen: list[int] = list(range(self._frozen_end + 1))
+        # freeze() adds; never a [yolo] layer (see freeze()).
+        self.frozen: list[int] = self._without_heads(range(self._frozen_end + 1))
         for i in self.frozen:
             self.module_list[i].requires_grad_(False)
 
@@ -501,7 +501,9 @@ class Darknet(nn.Module):
         Frozen layers get ``requires_grad=False`` and stay in eval mode through
         :meth:`train`, so their BatchNorm running statistics do not drift either
         (pytorch/pytorch#86590). Layers frozen by the cfg's ``stopbackward=1`` stay frozen.
-        Build the optimizer after freezing.
+        A ``[yolo]`` layer is never frozen: it has no parameters, and in eval mode it would
+        decode boxes instead of returning the raw outputs the loss needs. Logs (INFO) what
+        was frozen. Build the optimizer after freezing.
 
         Returns:
             The frozen ``module_list`` indices.
@@ -510,12 +512,19 @@ class Darknet(nn.Module):
             ConfigError: an unknown mode.
         """
         stopped = range(self._frozen_end + 1)  # stopbackward=1 stays frozen whatever the mode
-        self.frozen = sorted(set(frozen_layer_indices(self, mode)) | set(stopped))
+        self.frozen = self._without_heads(set(frozen_layer_indices(self, mode)) | set(stopped))
         for i in self.frozen:
             for p in self.module_list[i].parameters():
                 p.requires_grad_(False)
         self.train(self.training)
+        if self.frozen:
+            LOGGER.info("freeze %s: %s", mode, describe_frozen(self))
         return self.frozen
+
+    def _without_heads(self, layers: Iterable[int]) -> list[int]:
+        """``layers`` sorted, without the [yolo] layers."""
+        heads = set(self.yolo_layers)
+        return sorted(i for i in layers if i not in heads)
 
     def train(self, mode: bool = True) -> Darknet:
         """As ``nn.Module.train``, but frozen layers stay in eval mode (for ``stopbackward=1``
@@ -551,9 +560,33 @@ def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
     if mode == "backbone":
         return list(range(backbone_end(model) + 1))
     if mode == "all-but-heads":
-        outputs = {i - 1 for i in model.yolo_layers}
-        return [i for i in range(len(model.module_list)) if i not in outputs]
+        # The convolutions feeding the heads train; the heads themselves hold no parameters
+        # and must stay in training mode (see Darknet.freeze).
+        trained = {i - 1 for i in model.yolo_layers} | set(model.yolo_layers)
+        return [i for i in range(len(model.module_list)) if i not in trained]
     raise ConfigError(f"unknown freeze mode {mode!r}; use one of {', '.join(FREEZE_MODES)}")
+
+
+def index_ranges(indices: Iterable[int]) -> str:
+    """``[0, 1, 2, 5, 7, 8]`` -> ``"0-2, 5, 7-8"``."""
+    runs: list[list[int]] = []
+    for i in sorted(indices):
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def describe_frozen(model: Darknet) -> str:
+    """One line on ``model.frozen``: how many layers and parameters, and which layers."""
+    n_layers = len(model.module_list)
+    frozen = sum(p.numel() for i in model.frozen for p in model.module_list[i].parameters())
+    total = sum(p.numel() for p in model.parameters())
+    return (
+        f"{len(model.frozen)} of {n_layers} layers frozen (layers {index_ranges(model.frozen)}), "
+        f"{frozen:,} of {total:,} parameters; their BatchNorm statistics are kept (eval mode)"
+    )
 
 
 @torch.no_grad()

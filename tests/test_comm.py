@@ -46,6 +46,12 @@ def _check_collectives(res: list[dict]) -> None:
         # Rank 0 alone receives every rank's rows (1 and 2 of them), in rank order.
         expected_rows = [[0, 1, 2], [100, 101, 102], [103, 104, 105]] if r == 0 else None
         assert got["rows"] == expected_rows
+        assert got["tensors"] == [
+            [[1.0] * 3] * 2,
+            torch.arange(24.0).reshape(1, 2, 3, 4).add(10).tolist(),
+            8,
+        ]
+        assert got["tensors_kept"] is True
         assert got["flag_none"] is False
         assert got["flag_one"] is True
         assert got["initialised_after_cleanup"] is False
@@ -129,6 +135,9 @@ def test_helpers_without_group() -> None:
     assert comm.reduce_dict(d) == d
     assert comm.all_gather({"x": 1}) == [{"x": 1}]
     assert comm.broadcast_object("obj") == "obj"
+    t = torch.ones(3)
+    comm.broadcast_tensors_([t])
+    assert torch.equal(t, torch.ones(3))
     rows = torch.ones(2, 7)
     assert comm.gather_rows_to_main(rows) is rows
     assert comm.all_reduce_flag(True) is True and comm.all_reduce_flag(False) is False

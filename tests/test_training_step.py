@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from build_utils.errors import ConfigError
-from models.darknet import Darknet, backbone_end, frozen_layer_indices
+from models.darknet import Darknet, backbone_end, frozen_layer_indices, index_ranges
 from models.loss import scale_loss_gains
 from train_utils.config import load_hyp
 from train_utils.ema import ModelEMA
@@ -203,9 +203,16 @@ def test_backbone_end_is_darknet53s_last_shortcut() -> None:
     assert min(tiny.yolo_layers) == 16 and backbone_end(tiny) == 14
     assert frozen_layer_indices(tiny, "backbone") == list(range(15))
     heads_in = {i - 1 for i in tiny.yolo_layers}
+    # The heads' convolutions train, and the [yolo] layers are never frozen (in eval mode they
+    # would decode boxes during training).
     assert set(frozen_layer_indices(tiny, "all-but-heads")) == (
-        set(range(len(tiny.module_list))) - heads_in
+        set(range(len(tiny.module_list))) - heads_in - set(tiny.yolo_layers)
     )
+    tiny.freeze("all-but-heads")
+    tiny.train()
+    assert all(tiny.module_list[i].training for i in tiny.yolo_layers)
+    assert isinstance(tiny(torch.rand(1, 3, 64, 64)), list)  # raw outputs for the loss
+    assert index_ranges([0, 1, 2, 5, 7, 8]) == "0-2, 5, 7-8" and index_ranges([]) == ""
     assert frozen_layer_indices(tiny, "none") == []
     with pytest.raises(ConfigError, match="unknown freeze mode 'neck'"):
         tiny.freeze("neck")

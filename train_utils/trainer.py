@@ -56,6 +56,7 @@ from train_utils.distributed.comm import (
     all_gather,
     barrier,
     broadcast_object,
+    broadcast_tensors_,
     raise_if_any_rank_failed,
 )
 from train_utils.distributed.precision import precision_record, resolve_amp
@@ -276,11 +277,22 @@ def _evaluate_epoch(
 ) -> tuple[dict[str, float] | None, float]:
     """Evaluate the EMA weights (the model's when there is no EMA) and report them; the COCO
     stats by name (None off rank 0) and the seconds it took. Every rank must call this
-    (:func:`evaluate` gathers the detections to rank 0, a collective)."""
+    (:func:`evaluate` gathers the detections to rank 0, a collective).
+
+    Every rank evaluates rank 0's weights, those :func:`_save_on_main` saves: without
+    SyncBatchNorm (CPU/gloo, ``--compile``) each rank's BatchNorm running statistics follow its
+    own batches, and so do its EMA's, so each shard would be scored by a different model.
+    """
     t_eval = time.time()
     state, train_data = run.state, run.train_data
+    model = state.ema.ema if state.ema else state.model_without_ddp
+    # Rank 0's own weights are untouched (it is the source); on the other ranks the EMA only
+    # serves evaluation, DDP overwrites the model's buffers with rank 0's at the next forward
+    # (broadcast_buffers), and its parameters equal rank 0's already (all-reduced gradients).
+    # Collective: every rank takes rank 0's evaluated weights and BatchNorm statistics.
+    broadcast_tensors_(list(model.state_dict().values()))
     coco_stats, coco_ap, detections = evaluate(
-        state.ema.ema if state.ema else state.model_without_ddp,
+        model,
         train_data.val_loader,
         train_data.coco_gt,
         run.eval_opts,

@@ -55,6 +55,19 @@ def main(argv: list[str] | None = None) -> None:
     rows = torch.arange(3.0 * (r + 1), dtype=torch.float64).reshape(-1, 3) + 100 * r
     gathered = comm.gather_rows_to_main(rows)
     res["rows"] = None if gathered is None else gathered.tolist()
+    # Two dtypes, a channels_last tensor among them: every rank ends with rank 1's values, in
+    # place (same objects, same memory format).
+    tensors = [
+        torch.full((2, 3), float(r)),
+        torch.arange(24.0).reshape(1, 2, 3, 4).add(10 * r).to(memory_format=torch.channels_last),
+        torch.tensor(r + 7),
+    ]
+    ids = [id(t) for t in tensors]
+    comm.broadcast_tensors_(tensors, src=1)
+    res["tensors"] = [t.tolist() for t in tensors]
+    res["tensors_kept"] = [id(t) for t in tensors] == ids and tensors[1].is_contiguous(
+        memory_format=torch.channels_last
+    )
     res["flag_none"] = comm.all_reduce_flag(False)
     res["flag_one"] = comm.all_reduce_flag(r == 1)
 

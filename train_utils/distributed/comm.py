@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -175,6 +175,37 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def broadcast_tensors_(tensors: Sequence[torch.Tensor], src: int = 0) -> None:
+    """Collective. Overwrite ``tensors`` in place with rank ``src``'s; no-op without a process
+    group.
+
+    Args:
+        tensors: the same shapes and dtypes in the same order on every rank (e.g. the values of
+            one model's ``state_dict()``, which alias its parameters and buffers), any memory
+            format.
+
+    One broadcast per dtype (the tensors flattened into one buffer), not one per tensor: a
+    model's state is hundreds of small tensors, and each collective has a fixed latency.
+    """
+    if get_world_size() == 1 or not tensors:
+        return
+    device = _collective_device()
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        # Sorted by name so that every rank broadcasts the groups in the same order.
+        for dtype in sorted(by_dtype, key=str):
+            group = by_dtype[dtype]
+            flat = torch.cat([t.reshape(-1).to(device) for t in group])
+            dist.broadcast(flat, src=src)
+            offset = 0
+            for t in group:
+                n = t.numel()
+                t.copy_(flat[offset : offset + n].view(t.shape))
+                offset += n
 
 
 def raise_if_any_rank_failed(error: YoloError | None, what: str) -> None:
