@@ -3,8 +3,10 @@
 Which files make up the dataset, where their labels are and how the labels are checked and
 cached is :mod:`build_utils.labels`; bad images are excluded and bad label lines dropped there,
 and one summary line goes to the log here. Only a dataset with no usable image at all raises
-:class:`~build_utils.errors.DatasetError`. The rect sort is applied after the labels are loaded,
-so one label cache serves every order.
+:class:`~build_utils.errors.DatasetError`. An image that becomes unreadable after that (deleted
+or damaged mid-run) is replaced by a stand-in sample whose ``path`` names it
+(:class:`SubstitutePath`, :func:`unreadable_in`); training goes on. The rect sort is applied
+after the labels are loaded, so one label cache serves every order.
 
 Speed (see ``bench/bench_data.py``): mosaics are resized straight into the output
 (:mod:`build_utils.augmentations`), HSV jitter runs on uint8 lookup tables over the fewest pixels,
@@ -102,6 +104,33 @@ MOSAIC_BUFFER_MAX_BYTES = 512 * 2**20
 MOSAIC_POOL_MIN = 4
 # SampleKey seeds are reduced to this many bits (numpy's SeedSequence takes non-negative ints).
 SEED_MASK = 2**64 - 1
+
+
+class ImageUnreadable(DatasetError):
+    """An image that was checked when the dataset was built can no longer be read or decoded
+    (deleted, truncated, permissions changed during the run)."""
+
+
+class SubstitutePath(str):
+    """The ``path`` of a sample that stands in for unreadable images: the path of what was
+    loaded, carrying ``unreadable``, the images that could not be. A ``str`` rides through
+    DataLoader workers, collation and pinning unchanged (a tuple subclass would not), so the
+    record reaches the main process inside the batch's ``paths``."""
+
+    unreadable: tuple[str, ...]
+
+    def __new__(cls, path: str, unreadable: Sequence[str]) -> SubstitutePath:
+        obj = super().__new__(cls, path)
+        obj.unreadable = tuple(unreadable)
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SubstitutePath, (str(self), self.unreadable))
+
+
+def unreadable_in(paths: Sequence[str]) -> list[str]:
+    """The images a batch's samples could not read (see :class:`SubstitutePath`), in order."""
+    return [bad for p in paths for bad in getattr(p, "unreadable", ())]
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -215,6 +244,9 @@ class LoadImagesAndLabels(Dataset):
         # Indices the current keyed batch draws its mosaics' extra images from (None: the
         # mosaic buffer or the whole dataset).
         self._pool: list[int] | None = None
+        # Indices found unreadable mid-run (see _sample_or_substitute): since the start of the
+        # keyed batch, so that a batch stays a pure function of its keys and the files present.
+        self._unreadable: set[int] = set()
         self._cache_images(mode, cache_dir / f"{stem}.img{img_size}", is_main)
         self._init_mosaic_buffer(mosaic_buffer)
 
@@ -389,12 +421,12 @@ class LoadImagesAndLabels(Dataset):
         try:
             data = read_file_bytes(path)
         except OSError as e:
-            raise DatasetError(
+            raise ImageUnreadable(
                 f"image became unreadable after the dataset was checked: {e.strerror or e}", path
             ) from e
         img = decode_image(data, reduce_factor(scale))
         if img is None:
-            raise DatasetError("image became undecodable after the dataset was checked", path)
+            raise ImageUnreadable("image became undecodable after the dataset was checked", path)
         return img
 
     def load_image(self, i: int, scale: float = 1.0) -> np.ndarray:
@@ -462,6 +494,10 @@ class LoadImagesAndLabels(Dataset):
         pool = self._pool
         if pool is None and self._buffer_cap and len(self._buffer) >= self._buffer_cap:
             pool = list(self._buffer)
+        if pool is not None and self._unreadable:
+            # Images found unreadable in this keyed batch are not drawn again as tiles (only
+            # then does the stream differ from a run with every file present).
+            pool = [i for i in pool if i not in self._unreadable] or None
         if pool is not None:
             ids = [index] + [pool[k] for k in rng.integers(0, len(pool), 3)]
         else:
@@ -524,7 +560,7 @@ class LoadImagesAndLabels(Dataset):
         """
         if isinstance(index, SampleKey):
             return self.__getitems__([index])[0]
-        return self._sample(index, self._rng())
+        return self._sample_or_substitute(index, lambda i: self._rng())
 
     def __getitems__(self, indices: Sequence[int | SampleKey]) -> list[tuple]:
         """A batch of samples (the DataLoader's fetcher calls this with a batch sampler's batch).
@@ -539,12 +575,66 @@ class LoadImagesAndLabels(Dataset):
         keys = [SampleKey(*k) for k in indices]
         use_pool = self._buffer_cap > 0 and len(keys) >= MOSAIC_POOL_MIN
         self._clear_buffer()
+        self._unreadable.clear()
         self._pool = [k.index for k in keys] if use_pool else None
         try:
-            return [self._sample(k.index, _sample_rng(k)) for k in keys]
+            return [
+                self._sample_or_substitute(k.index, lambda i, k=k: _sample_rng(k._replace(index=i)))
+                for k in keys
+            ]
         finally:
             self._pool = None
             self._clear_buffer()
+
+    def _sample_or_substitute(
+        self, index: int, rng_for: Callable[[int], np.random.Generator]
+    ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
+        """Sample ``index``, or, when an image it needs cannot be read any more, a stand-in, so
+        that a file deleted or damaged mid-run does not stop training (the dataset checked every
+        image when it was built; see the module docstring).
+
+        Training (``augment``): the next index whose sample loads, with that index's generator
+        (``rng_for(i)``), so batch sizes stay and the stand-in is a pure function of which files
+        are gone. Evaluation: a blank (padding-colour) image with no boxes at ``index`` itself,
+        so no image is scored twice; its ground truth counts as not found. Either way the
+        sample's ``path`` is a :class:`SubstitutePath` naming the unreadable images.
+
+        Raises:
+            DatasetError: no image of the dataset can be read any more.
+        """
+        unreadable: list[str] = []
+        for step in range(len(self)):
+            i = (index + step) % len(self)
+            try:
+                sample = self._sample(i, rng_for(i))
+            except ImageUnreadable as e:
+                unreadable.append(str(e.path))
+                self._unreadable.add(i)
+                if not self.augment:
+                    return self._blank_sample(index, unreadable)
+                continue
+            if not unreadable:
+                return sample
+            img, labels, path, shapes, j = sample
+            return img, labels, SubstitutePath(path, unreadable), shapes, j
+        raise DatasetError(
+            f"none of the {len(self)} images can be read any more (the dataset was checked at "
+            f"start-up; were its files deleted or moved?)",
+            _describe(self.img_files[index]),
+        )
+
+    def _blank_sample(
+        self, index: int, unreadable: Sequence[str]
+    ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
+        """An evaluation sample of padding colour and no boxes in place of image ``index``."""
+        H, W = self._target_shape(index)
+        w0, h0 = (int(v) for v in self.shapes[index])
+        g = letterbox_geometry((h0, w0), (H, W), max_ratio=self.img_size / max(h0, w0))
+        (w, h), pad = g.new_unpad, g.pad
+        img = filled((H, W), PAD_COLOR)
+        shapes = ((h0, w0), ((h / h0, w / w0), pad))
+        path = SubstitutePath(self.img_files[index], unreadable)
+        return torch.from_numpy(_to_chw_rgb(img)), torch.zeros((0, 6)), path, shapes, index
 
     def _sample(
         self, index: int, rng: np.random.Generator
