@@ -31,7 +31,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -61,7 +61,7 @@ from build_utils.augmentations import (
     resize_into,
 )
 from build_utils.boxes import xywhn2xyxy, xyxy2xywhn
-from build_utils.errors import ConfigError, DatasetError
+from build_utils.errors import ConfigError, DatasetError, YoloError
 from build_utils.image_cache import (
     cache_on_disk,
     check_ram_cache_fits,
@@ -131,6 +131,71 @@ class SubstitutePath(str):
 def unreadable_in(paths: Sequence[str]) -> list[str]:
     """The images a batch's samples could not read (see :class:`SubstitutePath`), in order."""
     return [bad for p in paths for bad in getattr(p, "unreadable", ())]
+
+
+MAX_LISTED_UNREADABLE = 5  # file names named in an unreadable-images warning
+
+
+class UnreadableImages:
+    """A view of a loader that collects the images its samples could not read (the dataset
+    replaced them, :class:`~build_utils.datasets.SubstitutePath`), for the epoch's warning.
+
+    It also turns a project error raised inside a DataLoader worker (which torch re-raises with
+    the worker's whole traceback as its message) back into the one line it was.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.paths: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def take(self) -> list[str]:
+        """The unreadable images seen since the last call, each once, in order."""
+        paths, self.paths = list(dict.fromkeys(self.paths)), []
+        return paths
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for batch in self.loader:
+                self.paths += unreadable_in(batch[2])
+                yield batch
+        except YoloError as e:
+            raise _without_worker_traceback(e) from None
+
+
+def _without_worker_traceback(e: YoloError) -> YoloError:
+    """``e`` as raised in the worker: its message is the last line of the traceback torch
+    wraps around it (``build_utils.errors.DatasetError: path: message``)."""
+    if "Original Traceback" not in e.message:
+        return e
+    last = [line for line in e.message.splitlines() if line.strip()][-1]
+    name, sep, message = last.partition(": ")
+    return type(e)(message if sep and name.endswith(type(e).__name__) else last)
+
+
+def log_unreadable(epoch: int | None, split: str, paths: Sequence[str], rank: int | None) -> None:
+    """One warning for the images of ``split`` (``"train"`` or ``"val"``) that could not be read
+    in ``epoch`` (None: outside training), every rank its own (``rank`` None: one process)."""
+    if not paths:
+        return
+    n = len(paths)
+    listed = ", ".join(str(p) for p in paths[:MAX_LISTED_UNREADABLE])
+    if n > MAX_LISTED_UNREADABLE:
+        listed += f" and {n - MAX_LISTED_UNREADABLE} more"
+    what = f"{n} {split} image{'s' if n > 1 else ''} could not be read"
+    was = "was" if n == 1 else "were"
+    if split == "train":
+        done = f"and {was} replaced by the next readable sample"
+    else:
+        done = f"and {was} scored as blank (objects count as missed: the mAP is a lower bound)"
+    where = "" if rank is None else f"rank {rank}: "
+    when = "" if epoch is None else f"epoch {epoch}: "
+    LOGGER.warning("%s%s%s %s: %s", where, when, what, done, listed)
 
 
 def worker_init_fn(worker_id: int) -> None:

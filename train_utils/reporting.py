@@ -13,7 +13,7 @@ from __future__ import annotations
 import csv
 import logging
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -21,8 +21,6 @@ import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from build_utils.atomic import atomic_write
-from build_utils.datasets import unreadable_in
-from build_utils.errors import YoloError
 from train_utils.checkpoint import to_plain
 from train_utils.engine import EpochStats
 from train_utils.evaluation.coco_eval import STAT_NAMES
@@ -30,8 +28,6 @@ from train_utils.evaluation.report import write_eval_report
 from train_utils.run_pictures import plot_first_batches
 
 logger = logging.getLogger(__name__)
-
-MAX_LISTED_UNREADABLE = 5  # file names named in the epoch's unreadable-images warning
 
 RESULTS_HEADER = [
     "epoch",
@@ -259,63 +255,3 @@ def make_reporter(is_main: bool, out: Path, start_epoch: int) -> EpochReporter |
     if is_main:
         return EpochReporter(out, start_epoch)
     return SilentReporter()
-
-
-class UnreadableImages:
-    """A view of a loader that collects the images its samples could not read (the dataset
-    replaced them, :class:`~build_utils.datasets.SubstitutePath`), for the epoch's warning.
-
-    It also turns a project error raised inside a DataLoader worker (which torch re-raises with
-    the worker's whole traceback as its message) back into the one line it was.
-    """
-
-    def __init__(self, loader: Any) -> None:
-        self.loader = loader
-        self.paths: list[str] = []
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
-
-    def take(self) -> list[str]:
-        """The unreadable images seen since the last call, each once, in order."""
-        paths, self.paths = list(dict.fromkeys(self.paths)), []
-        return paths
-
-    def __iter__(self) -> Iterator[Any]:
-        try:
-            for batch in self.loader:
-                self.paths += unreadable_in(batch[2])
-                yield batch
-        except YoloError as e:
-            raise _without_worker_traceback(e) from None
-
-
-def _without_worker_traceback(e: YoloError) -> YoloError:
-    """``e`` as raised in the worker: its message is the last line of the traceback torch
-    wraps around it (``build_utils.errors.DatasetError: path: message``)."""
-    if "Original Traceback" not in e.message:
-        return e
-    last = [line for line in e.message.splitlines() if line.strip()][-1]
-    name, sep, message = last.partition(": ")
-    return type(e)(message if sep and name.endswith(type(e).__name__) else last)
-
-
-def log_unreadable(epoch: int, split: str, paths: Sequence[str], rank: int | None) -> None:
-    """One warning for the images of ``split`` (``"train"`` or ``"val"``) that could not be read
-    in ``epoch`` (every rank says its own; ``rank`` None in a single process)."""
-    if not paths:
-        return
-    n = len(paths)
-    listed = ", ".join(str(p) for p in paths[:MAX_LISTED_UNREADABLE])
-    if n > MAX_LISTED_UNREADABLE:
-        listed += f" and {n - MAX_LISTED_UNREADABLE} more"
-    what = f"{n} {split} image{'s' if n > 1 else ''} could not be read"
-    if split == "train":
-        done = "and were replaced by the next readable ones"
-    else:
-        done = "and were scored as blank (their objects count as missed: the mAP is a lower bound)"
-    where = "" if rank is None else f"rank {rank}: "
-    logger.warning("%sepoch %d: %s %s: %s", where, epoch, what, done, listed)

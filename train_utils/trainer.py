@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
@@ -74,14 +75,7 @@ from train_utils.memory_format import (
 )
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
-from train_utils.reporting import (
-    EpochReporter,
-    SilentReporter,
-    UnreadableImages,
-    log_unreadable,
-    make_reporter,
-    write_run_files,
-)
+from train_utils.reporting import EpochReporter, SilentReporter, make_reporter, write_run_files
 from train_utils.run_pictures import plot_dataset_labels
 
 logger = logging.getLogger(__name__)
