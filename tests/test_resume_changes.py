@@ -43,6 +43,7 @@ def _resume(data: Path, run: Path, *extra: str, cfg: Path = NANO_CFG) -> list[st
     return _argv(data, run, "--resume", str(run / "last.pt"), *extra, cfg=cfg, epochs=2)
 
 
+@pytest.mark.slow
 def test_changed_optimizer_is_one_line(shapes_data, one_epoch, tmp_path, capsys, console):
     run = _copy_run(one_epoch, tmp_path)
     code = train_script.main(_resume(shapes_data, run, "--optimizer", "adam"))
@@ -54,6 +55,7 @@ def test_changed_optimizer_is_one_line(shapes_data, one_epoch, tmp_path, capsys,
     assert load_checkpoint(run / "last.pt")["epoch"] == 0  # nothing written over
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("before, after", [("none", "backbone"), ("backbone", "none")])
 def test_changed_freeze_resumes(shapes_data, tmp_path, caplog, before, after):
     run = tmp_path / "run"
@@ -106,6 +108,7 @@ def _frozen_ids(model: Darknet, frozen: set[int]) -> set[int]:
     return {k for k, p in enumerate(params) if id(p) in in_frozen}
 
 
+@pytest.mark.slow
 def test_cfg_edited_in_place_is_refused(shapes_data, one_epoch, tmp_path, capsys, console):
     run = _copy_run(one_epoch, tmp_path)
     cfg = tmp_path / "edited.cfg"
@@ -127,6 +130,7 @@ def test_cfg_edited_in_place_is_refused(shapes_data, one_epoch, tmp_path, capsys
     assert load_checkpoint(run / "last.pt")["epoch"] == 0
 
 
+@pytest.mark.slow
 def test_same_cfg_elsewhere_is_quiet(shapes_data, one_epoch, tmp_path, capsys, console):
     run = _copy_run(one_epoch, tmp_path)
     cfg = tmp_path / "elsewhere" / "copy.cfg"

@@ -37,6 +37,7 @@ def _images(data: Path, split: str) -> list[Path]:
     return sorted((data.parent / split / "images").glob("*.jpg"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("workers", [0, 2])
 def test_image_lost_mid_run_is_replaced_and_reported(
     make_shapes_data, tmp_path, monkeypatch, capsys, console, workers
@@ -68,6 +69,7 @@ def test_image_lost_mid_run_is_replaced_and_reported(
     assert str(gone) in (out / "train.log").read_text()
 
 
+@pytest.mark.slow
 def test_no_readable_image_left_is_one_line(
     make_shapes_data, tmp_path, monkeypatch, capsys, console
 ):

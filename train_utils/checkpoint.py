@@ -24,6 +24,7 @@ and bare state_dicts load the same way; :func:`save_weights_pt` writes that line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -38,7 +39,8 @@ import torch
 from torch import nn
 
 from build_utils.atomic import atomic_write
-from build_utils.errors import CheckpointError
+from build_utils.errors import CheckpointError, YoloError
+from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from models.weights import load_darknet_weights
 
 logger = logging.getLogger(__name__)
@@ -559,6 +561,11 @@ def check_resume_cfg(
         CheckpointError: naming the first differing line (its block and layer index).
     """
     if not saved_text or saved_text == cfg_text:
+        return
+    with contextlib.suppress(YoloError):
+        # Written by another version, perhaps formatted otherwise: compare what it means.
+        saved_text = format_model_cfg(parse_model_cfg_text(saved_text, "checkpoint"))
+    if saved_text == cfg_text:
         return
     old, new = saved_text.splitlines(), cfg_text.splitlines()
     i = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
