@@ -549,8 +549,9 @@ _RESUME_QUIET_KEYS = frozenset(
 
 
 def _warn_about_changes(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
-    """Say which settings of the resumed run differ from the checkpoint's (a model that cannot
-    take the weights is refused earlier, by :func:`validate_resume_checkpoint`)."""
+    """Say which settings of the resumed run differ from the checkpoint's (another model, by
+    shapes or by cfg text, and another optimizer's state are refused earlier, in
+    :func:`_restore`; the cfg's path alone is no change)."""
     saved = dict(ckpt.get("config") or {})
     saved["hyp"] = ckpt.get("hyp", saved.get("hyp"))
     now = config.to_dict()
