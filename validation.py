@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
 from train_utils.builders import make_eval_dataset, make_eval_loader, model_from_weights
@@ -270,7 +271,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "%s; weights %s, img %d", speed.format(), args.weights, args.img_size
                     )
                 return
-            stats, per_class, detections = evaluate(model, loader, coco_gt, opts)
+            # Images deleted or damaged since the dataset was checked are scored as blank.
+            watched = UnreadableImages(loader)
+            stats, per_class, detections = evaluate(model, watched, coco_gt, opts)
+            log_unreadable(None, "val", watched.take(), dist.rank if dist.distributed else None)
             if not dist.is_main:
                 return
             logger.info(

@@ -3,8 +3,10 @@
 Which files make up the dataset, where their labels are and how the labels are checked and
 cached is :mod:`build_utils.labels`; bad images are excluded and bad label lines dropped there,
 and one summary line goes to the log here. Only a dataset with no usable image at all raises
-:class:`~build_utils.errors.DatasetError`. The rect sort is applied after the labels are loaded,
-so one label cache serves every order.
+:class:`~build_utils.errors.DatasetError`. An image that becomes unreadable after that (deleted
+or damaged mid-run) is replaced by a stand-in sample whose ``path`` names it
+(:class:`SubstitutePath`, :func:`unreadable_in`); training goes on. The rect sort is applied
+after the labels are loaded, so one label cache serves every order.
 
 Speed (see ``bench/bench_data.py``): mosaics are resized straight into the output
 (:mod:`build_utils.augmentations`), HSV jitter runs on uint8 lookup tables over the fewest pixels,
@@ -29,7 +31,7 @@ import hashlib
 import logging
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,7 @@ from build_utils.augmentations import (
     resize_into,
 )
 from build_utils.boxes import xywhn2xyxy, xyxy2xywhn
-from build_utils.errors import ConfigError, DatasetError
+from build_utils.errors import ConfigError, DatasetError, YoloError
 from build_utils.image_cache import (
     cache_on_disk,
     check_ram_cache_fits,
@@ -102,6 +104,98 @@ MOSAIC_BUFFER_MAX_BYTES = 512 * 2**20
 MOSAIC_POOL_MIN = 4
 # SampleKey seeds are reduced to this many bits (numpy's SeedSequence takes non-negative ints).
 SEED_MASK = 2**64 - 1
+
+
+class ImageUnreadable(DatasetError):
+    """An image that was checked when the dataset was built can no longer be read or decoded
+    (deleted, truncated, permissions changed during the run)."""
+
+
+class SubstitutePath(str):
+    """The ``path`` of a sample that stands in for unreadable images: the path of what was
+    loaded, carrying ``unreadable``, the images that could not be. A ``str`` rides through
+    DataLoader workers, collation and pinning unchanged (a tuple subclass would not), so the
+    record reaches the main process inside the batch's ``paths``."""
+
+    unreadable: tuple[str, ...]
+
+    def __new__(cls, path: str, unreadable: Sequence[str]) -> SubstitutePath:
+        obj = super().__new__(cls, path)
+        obj.unreadable = tuple(unreadable)
+        return obj
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (SubstitutePath, (str(self), self.unreadable))
+
+
+def unreadable_in(paths: Sequence[str]) -> list[str]:
+    """The images a batch's samples could not read (see :class:`SubstitutePath`), in order."""
+    return [bad for p in paths for bad in getattr(p, "unreadable", ())]
+
+
+MAX_LISTED_UNREADABLE = 5  # file names named in an unreadable-images warning
+
+
+class UnreadableImages:
+    """A view of a loader that collects the images its samples could not read (the dataset
+    replaced them, :class:`~build_utils.datasets.SubstitutePath`), for the epoch's warning.
+
+    It also turns a project error raised inside a DataLoader worker (which torch re-raises with
+    the worker's whole traceback as its message) back into the one line it was.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        self.loader = loader
+        self.paths: list[str] = []
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.loader, name)
+
+    def take(self) -> list[str]:
+        """The unreadable images seen since the last call, each once, in order."""
+        paths, self.paths = list(dict.fromkeys(self.paths)), []
+        return paths
+
+    def __iter__(self) -> Iterator[Any]:
+        try:
+            for batch in self.loader:
+                self.paths += unreadable_in(batch[2])
+                yield batch
+        except YoloError as e:
+            raise _without_worker_traceback(e) from None
+
+
+def _without_worker_traceback(e: YoloError) -> YoloError:
+    """``e`` as raised in the worker: its message is the last line of the traceback torch
+    wraps around it (``build_utils.errors.DatasetError: path: message``)."""
+    if "Original Traceback" not in e.message:
+        return e
+    last = [line for line in e.message.splitlines() if line.strip()][-1]
+    name, sep, message = last.partition(": ")
+    return type(e)(message if sep and name.endswith(type(e).__name__) else last)
+
+
+def log_unreadable(epoch: int | None, split: str, paths: Sequence[str], rank: int | None) -> None:
+    """One warning for the images of ``split`` (``"train"`` or ``"val"``) that could not be read
+    in ``epoch`` (None: outside training), every rank its own (``rank`` None: one process)."""
+    if not paths:
+        return
+    n = len(paths)
+    listed = ", ".join(str(p) for p in paths[:MAX_LISTED_UNREADABLE])
+    if n > MAX_LISTED_UNREADABLE:
+        listed += f" and {n - MAX_LISTED_UNREADABLE} more"
+    what = f"{n} {split} image{'s' if n > 1 else ''} could not be read"
+    was = "was" if n == 1 else "were"
+    if split == "train":
+        done = f"and {was} replaced by the next readable sample"
+    else:
+        done = f"and {was} scored as blank (objects count as missed: the mAP is a lower bound)"
+    where = "" if rank is None else f"rank {rank}: "
+    when = "" if epoch is None else f"epoch {epoch}: "
+    LOGGER.warning("%s%s%s %s: %s", where, when, what, done, listed)
 
 
 def worker_init_fn(worker_id: int) -> None:
@@ -215,6 +309,9 @@ class LoadImagesAndLabels(Dataset):
         # Indices the current keyed batch draws its mosaics' extra images from (None: the
         # mosaic buffer or the whole dataset).
         self._pool: list[int] | None = None
+        # Indices found unreadable mid-run (see _sample_or_substitute): since the start of the
+        # keyed batch, so that a batch stays a pure function of its keys and the files present.
+        self._unreadable: set[int] = set()
         self._cache_images(mode, cache_dir / f"{stem}.img{img_size}", is_main)
         self._init_mosaic_buffer(mosaic_buffer)
 
@@ -391,12 +488,12 @@ class LoadImagesAndLabels(Dataset):
         try:
             data = read_file_bytes(path)
         except OSError as e:
-            raise DatasetError(
+            raise ImageUnreadable(
                 f"image became unreadable after the dataset was checked: {e.strerror or e}", path
             ) from e
         img = decode_image(data, reduce_factor(scale))
         if img is None:
-            raise DatasetError("image became undecodable after the dataset was checked", path)
+            raise ImageUnreadable("image became undecodable after the dataset was checked", path)
         return img
 
     def load_image(self, i: int, scale: float = 1.0) -> np.ndarray:
@@ -464,6 +561,10 @@ class LoadImagesAndLabels(Dataset):
         pool = self._pool
         if pool is None and self._buffer_cap and len(self._buffer) >= self._buffer_cap:
             pool = list(self._buffer)
+        if pool is not None and self._unreadable:
+            # Images found unreadable in this keyed batch are not drawn again as tiles (only
+            # then does the stream differ from a run with every file present).
+            pool = [i for i in pool if i not in self._unreadable] or None
         if pool is not None:
             ids = [index] + [pool[k] for k in rng.integers(0, len(pool), 3)]
         else:
@@ -526,7 +627,7 @@ class LoadImagesAndLabels(Dataset):
         """
         if isinstance(index, SampleKey):
             return self.__getitems__([index])[0]
-        return self._sample(index, self._rng())
+        return self._sample_or_substitute(index, lambda i: self._rng())
 
     def __getitems__(self, indices: Sequence[int | SampleKey]) -> list[tuple]:
         """A batch of samples (the DataLoader's fetcher calls this with a batch sampler's batch).
@@ -541,12 +642,66 @@ class LoadImagesAndLabels(Dataset):
         keys = [SampleKey(*k) for k in indices]
         use_pool = self._buffer_cap > 0 and len(keys) >= MOSAIC_POOL_MIN
         self._clear_buffer()
+        self._unreadable.clear()
         self._pool = [k.index for k in keys] if use_pool else None
         try:
-            return [self._sample(k.index, _sample_rng(k)) for k in keys]
+            return [
+                self._sample_or_substitute(k.index, lambda i, k=k: _sample_rng(k._replace(index=i)))
+                for k in keys
+            ]
         finally:
             self._pool = None
             self._clear_buffer()
+
+    def _sample_or_substitute(
+        self, index: int, rng_for: Callable[[int], np.random.Generator]
+    ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
+        """Sample ``index``, or, when an image it needs cannot be read any more, a stand-in, so
+        that a file deleted or damaged mid-run does not stop training (the dataset checked every
+        image when it was built; see the module docstring).
+
+        Training (``augment``): the next index whose sample loads, with that index's generator
+        (``rng_for(i)``), so batch sizes stay and the stand-in is a pure function of which files
+        are gone. Evaluation: a blank (padding-colour) image with no boxes at ``index`` itself,
+        so no image is scored twice; its ground truth counts as not found. Either way the
+        sample's ``path`` is a :class:`SubstitutePath` naming the unreadable images.
+
+        Raises:
+            DatasetError: no image of the dataset can be read any more.
+        """
+        unreadable: list[str] = []
+        for step in range(len(self)):
+            i = (index + step) % len(self)
+            try:
+                sample = self._sample(i, rng_for(i))
+            except ImageUnreadable as e:
+                unreadable.append(str(e.path))
+                self._unreadable.add(i)
+                if not self.augment:
+                    return self._blank_sample(index, unreadable)
+                continue
+            if not unreadable:
+                return sample
+            img, labels, path, shapes, j = sample
+            return img, labels, SubstitutePath(path, unreadable), shapes, j
+        raise DatasetError(
+            f"none of the {len(self)} images can be read any more (the dataset was checked at "
+            f"start-up; were its files deleted or moved?)",
+            _describe(self.img_files[index]),
+        )
+
+    def _blank_sample(
+        self, index: int, unreadable: Sequence[str]
+    ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
+        """An evaluation sample of padding colour and no boxes in place of image ``index``."""
+        H, W = self._target_shape(index)
+        w0, h0 = (int(v) for v in self.shapes[index])
+        g = letterbox_geometry((h0, w0), (H, W), max_ratio=self.img_size / max(h0, w0))
+        (w, h), pad = g.new_unpad, g.pad
+        img = filled((H, W), PAD_COLOR)
+        shapes = ((h0, w0), ((h / h0, w / w0), pad))
+        path = SubstitutePath(self.img_files[index], unreadable)
+        return torch.from_numpy(_to_chw_rgb(img)), torch.zeros((0, 6)), path, shapes, index
 
     def _sample(
         self, index: int, rng: np.random.Generator

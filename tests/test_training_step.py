@@ -89,14 +89,24 @@ def test_optimizer_groups(hyp) -> None:
         build_optimizer(model, hyp, 0.01, "lion")
 
 
-def test_frozen_parameters_are_left_out_of_the_optimizer(hyp) -> None:
+def test_frozen_parameters_are_held_but_never_stepped(hyp) -> None:
+    """The optimizer holds every parameter (so its state fits any freeze on resume); frozen ones
+    get no gradient, so a step leaves them, and their state, untouched."""
     model = Darknet(NANO, img_size=SIDE)
     frozen = model.freeze("backbone")
     opt = build_optimizer(model, hyp, 0.01)
-    in_opt = {id(p) for g in opt.param_groups for p in g["params"]}
+    sizes = [len(g["params"]) for g in opt.param_groups]
+    unfrozen = build_optimizer(Darknet(NANO, img_size=SIDE), hyp, 0.01)
+    assert sizes == [len(g["params"]) for g in unfrozen.param_groups]
+    before = {id(p): p.detach().clone() for p in model.parameters()}
+    model.train()
+    out = model(torch.rand(2, 3, SIDE, SIDE))
+    sum(o.float().mean() for o in out).backward()
+    opt.step()
     for i, m in enumerate(model.module_list):
         for p in m.parameters():
-            assert (id(p) in in_opt) is (i not in frozen), i
+            if i in frozen:
+                assert p.grad is None and p not in opt.state and torch.equal(p, before[id(p)]), i
 
 
 def test_warmup_lr_values() -> None:

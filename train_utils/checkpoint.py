@@ -24,6 +24,7 @@ and bare state_dicts load the same way; :func:`save_weights_pt` writes that line
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import enum
 import logging
@@ -38,7 +39,8 @@ import torch
 from torch import nn
 
 from build_utils.atomic import atomic_write
-from build_utils.errors import CheckpointError
+from build_utils.errors import CheckpointError, YoloError
+from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from models.weights import load_darknet_weights
 
 logger = logging.getLogger(__name__)
@@ -440,11 +442,11 @@ def restore_training_state(
         ``(start_epoch, best_fitness)``: the first epoch to run and the best mAP so far.
 
     Raises:
-        CheckpointError: see :func:`validate_resume_checkpoint`.
+        CheckpointError: see :func:`validate_resume_checkpoint` and :func:`load_optimizer_state`.
     """
     state = training_weights(ckpt, path)
     model.load_state_dict(validate_resume_checkpoint(state, model.state_dict(), path))
-    optimizer.load_state_dict(ckpt["optimizer"])
+    load_optimizer_state(optimizer, ckpt["optimizer"], path)
     scheduler.load_state_dict(ckpt["scheduler"])
     if scaler is not None and ckpt.get("scaler"):
         scaler.load_state_dict(ckpt["scaler"])
@@ -455,6 +457,129 @@ def restore_training_state(
         else:
             ema.ema.load_state_dict(model.state_dict())
     return int(ckpt["epoch"]) + 1, ckpt.get("best_fitness")
+
+
+# What an optimizer's saved groups hold besides its parameters tells its kind.
+_OPTIMIZER_KINDS = ((torch.optim.Adam, "adam", "betas"), (torch.optim.SGD, "sgd", "nesterov"))
+
+
+def optimizer_kind(optimizer: torch.optim.Optimizer | Mapping[str, Any]) -> str | None:
+    """``"sgd"``/``"adam"`` for an optimizer or its ``state_dict()`` (by the settings its groups
+    carry: Adam's ``betas``, SGD's ``nesterov``); None for anything else."""
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return next((kind for cls, kind, _ in _OPTIMIZER_KINDS if isinstance(optimizer, cls)), None)
+    groups = optimizer.get("param_groups") or [{}]
+    return next((kind for _, kind, key in _OPTIMIZER_KINDS if key in groups[0]), None)
+
+
+def load_optimizer_state(
+    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], path: str | Path | None = None
+) -> None:
+    """Load a checkpoint's optimizer state into this run's ``optimizer``, or say in one line why
+    it cannot continue it.
+
+    The optimizer holds every parameter of the model, frozen or not (``optim.build_optimizer``),
+    so its state fits whatever ``--freeze-layers`` the resumed run uses. Checkpoints of older
+    versions held only the trainable parameters: their state is put back at the positions of
+    this run's trainable parameters when the counts agree (the same freeze as then).
+
+    Raises:
+        CheckpointError: the state is another kind of optimizer's (SGD momentum cannot become
+            Adam moments), or it does not fit this model's parameters.
+    """
+    weights_hint = f"or start a new run from these weights with --weights {path or 'last.pt'}"
+    saved_kind, kind = optimizer_kind(saved), optimizer_kind(optimizer)
+    if saved_kind is not None and kind is not None and saved_kind != kind:
+        raise CheckpointError(
+            f"the checkpoint holds {saved_kind} optimizer state, which --optimizer {kind} cannot "
+            f"continue: resume with --optimizer {saved_kind}, {weights_hint}",
+            path,
+        )
+    sizes = [len(g["params"]) for g in optimizer.param_groups]
+    saved_groups = saved.get("param_groups") or []
+    if [len(g["params"]) for g in saved_groups] != sizes:
+        remapped = _state_of_trainable_only(optimizer, saved)
+        if remapped is None:
+            raise CheckpointError(
+                f"the optimizer state holds {sum(len(g['params']) for g in saved_groups)} "
+                f"parameters, this model's optimizer {sum(sizes)} (a checkpoint of an older "
+                f"version saved with another --freeze-layers): resume with the checkpoint's "
+                f"--freeze-layers, {weights_hint}",
+                path,
+            )
+        saved = remapped
+    try:
+        optimizer.load_state_dict(saved)
+    except (ValueError, KeyError, TypeError) as e:
+        raise CheckpointError(
+            f"the optimizer state does not fit this model ({e}); {weights_hint}", path
+        ) from e
+
+
+def _state_of_trainable_only(
+    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
+) -> dict[str, Any] | None:
+    """An older checkpoint's optimizer state (trainable parameters only) laid out for
+    ``optimizer`` (every parameter): saved parameter k of a group goes to the group's k-th
+    parameter with ``requires_grad``. None when the groups or their counts disagree."""
+    saved_groups = saved.get("param_groups") or []
+    if len(saved_groups) != len(optimizer.param_groups):
+        return None
+    saved_state = saved.get("state") or {}
+    state: dict[int, Any] = {}
+    groups: list[dict[str, Any]] = []
+    offset = 0
+    for own, old in zip(optimizer.param_groups, saved_groups, strict=True):
+        if own.get("name") != old.get("name"):
+            return None
+        trainable = [offset + j for j, p in enumerate(own["params"]) if p.requires_grad]
+        if len(trainable) != len(old["params"]):
+            return None
+        for old_id, new_id in zip(old["params"], trainable, strict=True):
+            if old_id in saved_state:
+                state[new_id] = saved_state[old_id]
+        groups.append({**old, "params": list(range(offset, offset + len(own["params"])))})
+        offset += len(own["params"])
+    return {"state": state, "param_groups": groups}
+
+
+def check_resume_cfg(
+    saved_text: str | None,
+    cfg_text: str,
+    cfg: str | Path,
+    own_cfg: str | Path,
+    path: str | Path | None = None,
+) -> None:
+    """Refuse to resume a model whose resolved cfg text differs from the checkpoint's.
+
+    The text is compared, not the path: a cfg edited in place (an activation changed, same
+    tensor shapes) would otherwise train another network on the checkpoint's weights, while a
+    copy of the same cfg elsewhere is the same model. Checkpoints without a cfg pass.
+    ``own_cfg`` is the run folder's copy of the checkpoint's cfg, offered as the fix.
+
+    Raises:
+        CheckpointError: naming the first differing line (its block and layer index).
+    """
+    if not saved_text or saved_text == cfg_text:
+        return
+    with contextlib.suppress(YoloError):
+        # Written by another version, perhaps formatted otherwise: compare what it means.
+        saved_text = format_model_cfg(parse_model_cfg_text(saved_text, "checkpoint"))
+    if saved_text == cfg_text:
+        return
+    old, new = saved_text.splitlines(), cfg_text.splitlines()
+    i = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    headers = [line for line in new[: i + 1] if line.startswith("[")]
+    layer = sum(1 for h in headers if h != "[net]") - 1
+    where = f"{headers[-1]} layer {layer}" if headers and layer >= 0 else "[net]"
+    was = old[i] if i < len(old) else "(end of cfg)"
+    now = new[i] if i < len(new) else "(end of cfg)"
+    raise CheckpointError(
+        f"--cfg {cfg} is another model than the checkpoint's: at {where}, {was!r} in the "
+        f"checkpoint, {now!r} in the cfg; resume with the run's own cfg (--cfg {own_cfg}), "
+        f"or start a new run from these weights with --weights {path or 'last.pt'}",
+        path,
+    )
 
 
 def load_state_dict_flexible(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:

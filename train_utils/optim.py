@@ -19,15 +19,16 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """Nesterov SGD (or Adam) with three named groups; BN weights and biases get no weight decay.
 
-    Only parameters with ``requires_grad`` are included (freeze the model first). The group
-    names let the warm-up treat biases apart (``warmup_bias_lr``). ``fused`` (CUDA parameters
-    only) selects the fused implementation, whose step GradScaler drives without a host sync.
+    Every parameter is included, frozen ones too: they never get a gradient, so the optimizer
+    skips them (no update, no weight decay, no state), and the optimizer's layout (its
+    ``state_dict``) is the model's whatever ``--freeze-layers`` says, so a run resumed with
+    another freeze restores the state of every parameter. The group names let the warm-up treat
+    biases apart (``warmup_bias_lr``). ``fused`` (CUDA parameters only) selects the fused
+    implementation, whose step GradScaler drives without a host sync.
     """
     bn_weights, conv_weights, biases = [], [], []
     for module in model.modules():
         for name, p in module.named_parameters(recurse=False):
-            if not p.requires_grad:
-                continue
             if name == "bias":
                 biases.append(p)
             elif isinstance(module, nn.modules.batchnorm._BatchNorm):

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
@@ -36,6 +37,7 @@ from models.loss import scale_loss_gains
 from train_utils.autoanchor import check_anchors
 from train_utils.builders import TrainData, build_train_data
 from train_utils.checkpoint import (
+    check_resume_cfg,
     load_checkpoint,
     load_weights,
     make_checkpoint,
@@ -47,6 +49,7 @@ from train_utils.checkpoint import (
 )
 from train_utils.config import (
     DEFAULT_EPOCHS,
+    RUN_CFG_NAME,
     TrainConfig,
     accumulate_steps,
     multi_scale_bounds,
@@ -199,7 +202,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     state = _build_train_state(model, config, hyp, dist, amp, plan)
     start_epoch, best, best_epoch = 0, None, None
     if ckpt is not None:
-        start_epoch, best, best_epoch = _restore(ckpt, config, state, dist, plan)
+        start_epoch, best, best_epoch = _restore(ckpt, config, state, dist, plan, cfg_text)
     state.model = _wrap_for_training(model, config, dist)
 
     train_data = build_train_data(config, dist, hyp)
@@ -237,14 +240,22 @@ def _train_epochs(run: _Run, reporter: EpochReporter | SilentReporter, loop: Loo
     each trained, evaluated when planned, recorded and saved, ``loop`` kept current (the caller
     reads it after an interrupt). Every rank runs this; its collectives are marked."""
     config, dist, state, plan = run.config, run.dist, run.state, run.plan
+    # Images deleted or damaged mid-run are replaced by the datasets; these views collect them
+    # for one warning per epoch (each rank its own share: a count is not worth a collective).
+    val_unreadable = UnreadableImages(run.train_data.val_loader)
+    run.train_data.val_loader = val_unreadable
+    rank = dist.rank if dist.distributed else None
     while loop.epoch + 1 < plan.epochs:
         loop.epoch += 1
         epoch = loop.epoch
         seed_all(config.seed + epoch * EPOCH_SEED_STRIDE + dist.rank * RANK_SEED_STRIDE)
         run.train_data.sampler.set_epoch(epoch)
         t0 = time.time()
-        loader = reporter.watch_batches(run.train_data.train_loader, epoch, config.data.names)
+        loader = UnreadableImages(
+            reporter.watch_batches(run.train_data.train_loader, epoch, config.data.names)
+        )
         stats = train_one_epoch(state, loader, epoch, run.opts)
+        log_unreadable(epoch, "train", loader.take(), rank)
         seconds = time.time() - t0
         if plan.budget_s is not None:
             total = plan.budget_epochs(epoch, seconds, plan.spent()) if dist.is_main else None
@@ -255,6 +266,7 @@ def _train_epochs(run: _Run, reporter: EpochReporter | SilentReporter, loop: Loo
         val, eval_s = None, None
         if plan.evaluates(epoch):
             val, eval_s = _evaluate_epoch(run, reporter)
+            log_unreadable(epoch, "val", val_unreadable.take(), rank)
         # Only rank 0 has the stats (val is None elsewhere): its best chooses best.pt.
         is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
         loop.update(epoch, val, is_best)
@@ -457,11 +469,20 @@ def _epoch_plan(config: TrainConfig, t_start: float) -> EpochPlan:
 
 
 def _restore(
-    ckpt: dict[str, Any], config: TrainConfig, state: TrainState, dist: DistInfo, plan: EpochPlan
+    ckpt: dict[str, Any],
+    config: TrainConfig,
+    state: TrainState,
+    dist: DistInfo,
+    plan: EpochPlan,
+    cfg_text: str,
 ) -> tuple[int, Any, int | None]:
+    """Continue the checkpoint's run: what may change (sizes, freeze, ...) is said in one
+    warning, what cannot (another model, another optimizer's state) is a ``CheckpointError``.
+    Every rank holds the same checkpoint and flags, so all raise alike (no collective needed)."""
     path = ckpt.pop("_path")
-    if dist.is_main:
-        _warn_about_changes(ckpt, config, path)
+    # The model is the cfg's text (resolved for the classes, anchors from the checkpoint), not
+    # its path: a cfg edited in place must not train silently on these weights.
+    check_resume_cfg(ckpt.get("cfg"), cfg_text, config.cfg, path.parent / RUN_CFG_NAME, path)
     # The saved groups carry the saved run's implementation flags (fused on a GPU); this run's
     # device decides.
     impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in state.optimizer.param_groups]
@@ -476,6 +497,9 @@ def _restore(
     )
     for group, flags in zip(state.optimizer.param_groups, impl, strict=True):
         group.update(flags)
+    if dist.is_main:
+        # After the checks above: what is said to have changed is what this run then does.
+        _warn_about_changes(ckpt, config, path)
     _rescale_lr_for_this_run(ckpt, config, state, dist)
     logger.info(
         "resuming from %s: epoch %d done, best mAP@0.5:0.95 %s",
@@ -555,14 +579,25 @@ def _saved_accumulate(ckpt: dict[str, Any]) -> int:
 
 
 # Settings that may differ on resume without a word: where and how fast it runs, not what.
+# The cfg's path is one: the model is compared by its text (checkpoint.check_resume_cfg).
 _RESUME_QUIET_KEYS = frozenset(
-    {"resume", "device", "workers", "trust_checkpoint", "log_interval", "output_dir", "exist_ok"}
+    {
+        "resume",
+        "device",
+        "workers",
+        "trust_checkpoint",
+        "log_interval",
+        "output_dir",
+        "exist_ok",
+        "cfg",
+    }
 )
 
 
 def _warn_about_changes(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
-    """Say which settings of the resumed run differ from the checkpoint's (a model that cannot
-    take the weights is refused earlier, by :func:`validate_resume_checkpoint`)."""
+    """Say which settings of the resumed run differ from the checkpoint's (another model, by
+    shapes or by cfg text, and another optimizer's state are refused earlier, in
+    :func:`_restore`; the cfg's path alone is no change)."""
     saved = dict(ckpt.get("config") or {})
     saved["hyp"] = ckpt.get("hyp", saved.get("hyp"))
     now = config.to_dict()
