@@ -26,6 +26,8 @@ from train_utils.run_folder import (
     FOREIGN_STALE_S,
     LOCK_NAME,
     claim_run_folder,
+    folder_of_launch,
+    launch_id,
     read_lock,
 )
 
@@ -266,3 +268,25 @@ def test_under_ddp_a_refusal_stops_every_rank(make_shapes_data, tmp_path, sleepe
         f"(if that run is gone, delete {run / LOCK_NAME})"
     ]
     assert _snapshot(run) == before and not (tmp_path / "x2").exists()
+
+
+def test_a_restarted_launch_finds_the_numbered_folder_its_first_attempt_wrote(tmp_path):
+    """torchrun --max-restarts: the first attempt wrote runs/x2 (runs/x held a previous run);
+    the restart must continue runs/x2, never the previous run in runs/x (the old code looked
+    for runs/x/last.pt and would have resumed someone else's run there)."""
+    agent = {"TORCHELASTIC_RESTART_COUNT": "1", "TORCHELASTIC_RUN_ID": "none"}
+    me = launch_id(agent)
+    assert me == f"torchrun-agent:{socket.gethostname()}:{os.getppid()}"
+    assert launch_id({"SLURM_JOB_ID": "42", **agent}) == "slurm:42"
+    assert launch_id({}) == ""  # no launcher: nothing to continue
+    base = tmp_path / "x"
+    for name, launch in (("x", "slurm:7"), ("x2", me), ("x3", "slurm:8"), ("xy", me)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "last.pt").write_bytes(b"weights")
+        (tmp_path / name / "args.yaml").write_text(f"epochs: 3\nlaunch: '{launch}'\n")
+    assert folder_of_launch(base, me) == tmp_path / "x2"
+    assert folder_of_launch(base, "slurm:7") == base
+    assert folder_of_launch(base, "slurm:9") is None
+    assert folder_of_launch(base, "") is None
+    (tmp_path / "x2" / "last.pt").unlink()  # the first attempt died before its first epoch
+    assert folder_of_launch(base, me) is None

@@ -23,6 +23,7 @@ import contextlib
 import json
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -31,11 +32,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from build_utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 
 LOCK_NAME = "run.lock"
+RUN_ARGS_NAME = "args.yaml"  # the run's resolved arguments (reporting.write_run_files)
 # The files by which a folder holds a run that must not be written over.
 RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log")
 REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
@@ -74,6 +78,36 @@ def job_id(env: Mapping[str, str] | None = None) -> str:
         return f"slurm:{slurm}"
     elastic = env.get("TORCHELASTIC_RUN_ID", "")
     return f"torchrun:{elastic}" if elastic and elastic != "none" else ""
+
+
+def launch_id(env: Mapping[str, str] | None = None) -> str:
+    """What stays the same when torchrun restarts this run's workers: the scheduler's job
+    (:func:`job_id`), else the torchrun agent that started this process (host and pid: the agent
+    outlives the workers it restarts); "" outside torchrun and SLURM."""
+    env = os.environ if env is None else env
+    job = job_id(env)
+    if job or "TORCHELASTIC_RESTART_COUNT" not in env:
+        return job
+    return f"torchrun-agent:{this_host()}:{os.getppid()}"
+
+
+def folder_of_launch(base: Path, launch: str) -> Path | None:
+    """The folder among ``base``, ``base2``, ``base3``, ... that an earlier attempt of this
+    launch (:func:`launch_id`, recorded in its ``args.yaml``) wrote a ``last.pt`` into: where a
+    restarted worker continues when the first attempt was numbered. None when there is none."""
+    if not launch or not base.parent.is_dir():
+        return None
+    pattern = re.compile(re.escape(base.name) + r"\d*")
+    for candidate in sorted(base.parent.iterdir()):
+        if not pattern.fullmatch(candidate.name) or not (candidate / "last.pt").is_file():
+            continue
+        try:
+            recorded = yaml.safe_load((candidate / RUN_ARGS_NAME).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            continue
+        if isinstance(recorded, dict) and recorded.get("launch") == launch:
+            return candidate
+    return None
 
 
 def read_lock(path: Path) -> LockHolder | None:

@@ -78,7 +78,7 @@ from train_utils.memory_format import (
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
 from train_utils.reporting import EpochReporter, SilentReporter, make_reporter, write_run_files
-from train_utils.run_folder import claim_run_folder, relocated
+from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
 
 logger = logging.getLogger(__name__)
@@ -210,7 +210,9 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
     if dist.is_main:
-        write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
+        # The launch is recorded so that a torchrun restart finds this folder (run_folder).
+        args = {**config.to_dict(), "launch": launch_id()}
+        write_run_files(config.output_dir, args, config.hyp, cfg_text)
         _log_start(
             config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
         )

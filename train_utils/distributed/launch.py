@@ -40,6 +40,7 @@ from train_utils.distributed.process_group import (
     init_distributed_mode,
     launch_hint,
 )
+from train_utils.run_folder import folder_of_launch, launch_id
 from train_utils.trainer import run
 
 logger = logging.getLogger(__name__)
@@ -176,10 +177,13 @@ def train_distributed(args: argparse.Namespace, timeout_s: float = DEFAULT_TIMEO
         config.output_dir = Path(broadcast_object(str(config.output_dir)))
         if config.resume is None and _restarted():
             # Rank 0 decides for everyone: on nodes without a shared output folder the others
-            # would otherwise start from epoch 0 while rank 0 resumes.
-            last = config.output_dir / "last.pt"
-            if broadcast_object(last.is_file() if dist.is_main else None):
-                logger.warning("restarted by torchrun: resuming from %s", last)
+            # would otherwise start from epoch 0 while rank 0 resumes. The first attempt may
+            # have written runs/x2 (runs/x held a previous run): its args.yaml names this launch.
+            found = folder_of_launch(config.output_dir, launch_id()) if dist.is_main else None
+            folder = broadcast_object(None if found is None else str(found))
+            if folder is not None:
+                config.output_dir = Path(folder)
+                logger.warning("restarted by torchrun: resuming from %s", Path(folder) / "last.pt")
                 config.resume = "auto"
         run(config, dist)
     finally:
