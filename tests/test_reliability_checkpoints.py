@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import csv
 import json
+import logging
 import os
 import re
 import signal
@@ -27,7 +28,8 @@ import torch
 from conftest import rank_envs, run_pair, train_argv, worker_cmd
 
 from data.make_shapes import make_dataset
-from train_utils.checkpoint import load_checkpoint
+from train_utils import trainer
+from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.cli import EXIT_INTERRUPTED, EXIT_STOPPED
 from train_utils.trainer import STOP_POLL_BATCHES
 
@@ -197,3 +199,84 @@ def test_sigusr1_on_one_rank_stops_every_rank_before_the_same_batch(tmp_path):
         assert res["taken"] == list(range(stop_at))
         expected = f"SIGUSR1 (stop requested) in epoch 4 before batch {stop_at}/25"
         assert res["message"].startswith(expected)
+
+
+# ---------------------------------------------------------------- --resume's repair of best.pt
+
+
+def _ckpt(path: Path, epoch: int, best_epoch: int | None) -> None:
+    save_checkpoint({"epoch": epoch, "best_epoch": best_epoch, "w": torch.full((2,), epoch)}, path)
+
+
+def test_resume_rebuilds_a_best_pt_that_a_crash_left_missing_or_stale(tmp_path, caplog):
+    """A crash between last.pt and best.pt (or a folder of the old order): last.pt names itself
+    the best, so best.pt becomes a copy of it; one that already agrees is left alone."""
+    caplog.set_level(logging.INFO)
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    _ckpt(last, 3, 3)
+    ckpt = load_checkpoint(last)
+    trainer._reconcile_best(ckpt, last, best, trust=False)  # missing
+    assert best.read_bytes() == last.read_bytes()
+    _ckpt(best, 1, 1)  # stale
+    trainer._reconcile_best(ckpt, last, best, trust=False)
+    assert best.read_bytes() == last.read_bytes()
+    assert "best.pt was epoch 1: rebuilt from" in caplog.text
+    _ckpt(best, 3, 3)  # agrees: not rewritten
+    mtime = best.stat().st_mtime_ns
+    trainer._reconcile_best(ckpt, last, best, trust=False)
+    assert best.stat().st_mtime_ns == mtime
+
+
+def test_resume_says_when_best_pt_cannot_be_rebuilt(tmp_path, caplog):
+    """last.pt names an earlier epoch as the best whose best.pt is gone: one warning, nothing
+    written (the next better epoch writes best.pt)."""
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    _ckpt(last, 3, 2)
+    _ckpt(best, 1, 1)
+    before = best.read_bytes()
+    trainer._reconcile_best(load_checkpoint(last), last, best, trust=False)
+    assert best.read_bytes() == before
+    assert "is epoch 1 but" in caplog.text and "names epoch 2 as the best" in caplog.text
+
+
+# ---------------------------------------------------------------- README's sbatch script
+
+
+def _readme_sbatch_script() -> str:
+    text = (REPO / "README.md").read_text()
+    scripts = re.findall(r"```bash\n(#!/bin/bash\n#SBATCH .*?)```", text, flags=re.S)
+    assert len(scripts) == 1
+    return scripts[0]
+
+
+def test_readme_sbatch_script_requeues_on_status_75_and_resumes_when_requeued(tmp_path):
+    """The README's sbatch script with stand-ins for srun and scontrol: a first job trains
+    without --resume; stopped by the signal (75) it requeues itself; the requeued job, finding
+    last.pt, passes --resume; a job that ends with 0 is not requeued."""
+    runs = tmp_path / "runs"
+    script = tmp_path / "job.sh"
+    script.write_text(_readme_sbatch_script().replace("/shared/runs", str(runs)))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "calls"
+    # srun: records its arguments, "saves" last.pt and exits with $SRUN_STATUS.
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\necho "srun $*" >> {calls}\nmkdir -p {runs}/yolo\n'
+        f"touch {runs}/yolo/last.pt\nexit $SRUN_STATUS\n"
+    )
+    (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> {calls}\n')
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    env.update(SLURM_JOB_NAME="yolo", SLURM_JOB_ID="42")
+
+    def job(status: int) -> tuple[int, list[str]]:
+        calls.write_text("")
+        proc = subprocess.run(["bash", str(script)], env={**env, "SRUN_STATUS": str(status)})
+        return proc.returncode, calls.read_text().splitlines()
+
+    code, lines = job(EXIT_STOPPED)
+    assert code == EXIT_STOPPED
+    assert "--resume" not in lines[0].split() and lines[1:] == ["scontrol requeue 42"]
+    code, lines = job(0)
+    assert code == 0 and lines[0].split()[-1] == "--resume" and len(lines) == 1
