@@ -7,7 +7,10 @@ files that exist. A SLURM-style SIGUSR1 mid-epoch stops the run with exit status
 ``last.pt`` that resumes exactly.
 
 The signals are sent by the process to itself at the chosen write (tests/workers/
-interrupted_train.py, ``signal-at-write``), so each point is hit deterministically.
+interrupted_train.py, ``signal-at-write``), so each point is hit deterministically. Also here:
+SIGUSR1 reaching one of two gloo ranks stops both before the same batch
+(tests/workers/stop_request_worker.py), ``--resume``'s repair of ``best.pt`` on its own, and the
+README's sbatch script (requeue on 75, ``--resume`` when requeued) with stand-in srun/scontrol.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import pytest
 import torch
 from conftest import rank_envs, run_pair, train_argv, worker_cmd
 
+from build_utils.errors import CheckpointError
 from data.make_shapes import make_dataset
 from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint, save_checkpoint
@@ -280,3 +284,17 @@ def test_readme_sbatch_script_requeues_on_status_75_and_resumes_when_requeued(tm
     assert "--resume" not in lines[0].split() and lines[1:] == ["scontrol requeue 42"]
     code, lines = job(0)
     assert code == 0 and lines[0].split()[-1] == "--resume" and len(lines) == 1
+
+
+def test_a_best_pt_that_cannot_be_rebuilt_is_a_warning(tmp_path, caplog, monkeypatch):
+    """The repair runs on rank 0 only: a failed copy (read-only folder, full disk) must not
+    raise there while the other ranks wait in a collective; it is one warning."""
+    last, best = tmp_path / "last.pt", tmp_path / "best.pt"
+    _ckpt(last, 3, 3)
+
+    def fail(*args):
+        raise CheckpointError("cannot copy: Read-only file system", best)
+
+    monkeypatch.setattr(trainer, "copy_checkpoint", fail)
+    trainer._reconcile_best(load_checkpoint(last), last, best, trust=False)
+    assert not best.exists() and "could not be rebuilt" in caplog.text

@@ -764,7 +764,13 @@ def _reconcile_best(ckpt: dict[str, Any], last: Path, best: Path, trust: bool) -
         )
         return
     # The bytes of last.pt are the checkpoint that the interrupted write of best.pt had.
-    copy_checkpoint(last, best)
+    try:
+        copy_checkpoint(last, best)
+    except CheckpointError as e:
+        # Only rank 0 is here: raising would leave the other ranks waiting in a collective.
+        # The run goes on; its own writes to this folder report a lasting problem.
+        logger.warning("%s is %s and could not be rebuilt: %s", best, found, e)
+        return
     logger.info("%s was %s: rebuilt from %s (epoch %s, the best)", best, found, last, epoch)
 
 
