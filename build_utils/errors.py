@@ -37,3 +37,9 @@ class DatasetError(YoloError):
 
 class CheckpointError(YoloError):
     """A weights or checkpoint file that is truncated, of the wrong kind, or for another model."""
+
+
+class RunStopped(Exception):
+    """A run that stopped on request (a scheduler's warning signal, SIGUSR1) at a safe point,
+    with its last finished epoch saved: nothing is wrong, ``--resume`` continues it exactly.
+    Not a :class:`YoloError` (no user error); scripts map it to ``EXIT_STOPPED``."""

@@ -29,6 +29,7 @@ import dataclasses
 import enum
 import logging
 import re
+import shutil
 from collections import OrderedDict
 from collections.abc import Mapping
 from pathlib import Path, PurePath
@@ -120,6 +121,21 @@ def save_checkpoint(obj: Mapping[str, Any], path: str | Path) -> None:
     except OSError as e:
         raise CheckpointError(f"cannot write checkpoint: {e.strerror or e}", path) from e
     logger.debug("saved checkpoint %s", path)
+
+
+def copy_checkpoint(src: str | Path, dst: str | Path) -> None:
+    """Copy the checkpoint file ``src`` to ``dst`` byte for byte, atomically as
+    :func:`save_checkpoint` writes (``dst`` is the old file or the whole copy, never half).
+
+    Raises:
+        CheckpointError: ``src`` cannot be read or ``dst`` cannot be written.
+    """
+    src, dst = Path(src), Path(dst)
+    try:
+        with src.open("rb") as f_src, atomic_write(dst, "wb", durable_dir=True) as f_dst:
+            shutil.copyfileobj(f_src, f_dst)
+    except OSError as e:
+        raise CheckpointError(f"cannot copy {src} here: {e.strerror or e}", dst) from e
 
 
 def _numpy_safe_globals() -> list[Any]:

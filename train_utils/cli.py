@@ -22,13 +22,16 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
-from build_utils.errors import ConfigError, YoloError
+from build_utils.errors import ConfigError, RunStopped, YoloError
 from train_utils.distributed.precision import AMP_CHOICES
 
 logger = logging.getLogger(__name__)
 
 EXIT_USER_ERROR = 2
 EXIT_INTERRUPTED = 130
+# sysexits' EX_TEMPFAIL ("try again later"): stopped on request, resumable; an sbatch script
+# requeues the job on it (README "Clusters").
+EXIT_STOPPED = 75
 DEFAULT_IMG_SIZE = 512
 DEFAULT_EVAL_CONF = 0.001  # COCO evaluation keeps low-confidence boxes (they raise recall)
 DEFAULT_EVAL_IOU = 0.6
@@ -49,7 +52,8 @@ def setup_console_logging(level: int = logging.INFO) -> None:
 
 
 def run_main(body: Callable[[], int | None]) -> int:
-    """Run a script body, mapping user errors to exit status 2 and Ctrl-C to 130."""
+    """Run a script body, mapping user errors to exit status 2, Ctrl-C to 130 and a requested
+    stop (:class:`RunStopped`, SIGUSR1) to 75."""
     try:
         return body() or 0
     except YoloError as e:
@@ -58,6 +62,9 @@ def run_main(body: Callable[[], int | None]) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED
+    except RunStopped as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        return EXIT_STOPPED
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -201,23 +201,32 @@ class EpochReporter:
         )
 
     def interrupted(self, epoch: int) -> None:
-        """Ctrl-C/SIGTERM: say how to continue."""
+        """Ctrl-C/SIGTERM: say how to continue (or that nothing could be saved)."""
+        last = self.out / "last.pt"
+        if not last.is_file():
+            logger.warning("interrupted in epoch %d; nothing is saved in %s", epoch, self.out)
+            return
         logger.warning(
             "interrupted in epoch %d; last completed epoch is saved in %s; continue with --resume",
             epoch,
-            self.out / "last.pt",
+            last,
         )
 
+    def stopped_on_request(self, why: str) -> None:
+        """A stop request (SIGUSR1) ended the run between two batches; ``why`` says where."""
+        logger.warning("stopped: %s", why)
+
     def finished(self, seconds: float, epochs_run: int, best: float | None) -> None:
-        """The run's last line: ``best`` is the best mAP@0.5:0.95 (None: never evaluated)."""
+        """The run's last line: ``best`` is the best mAP@0.5:0.95 (None: never evaluated). It
+        names only the checkpoints that exist (no best.pt with --no-savebest or no evaluation)."""
+        weights = [str(p) for p in (self.out / "last.pt", self.out / "best.pt") if p.is_file()]
         logger.info(
-            "done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s, %s",
+            "done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s",
             epochs_run,
             seconds / 60,
             "-" if best is None else f"{best:.4f}",
             self.results,
-            self.out / "last.pt",
-            self.out / "best.pt",
+            ", ".join(weights) or "none",
         )
 
     def close(self) -> None:
@@ -242,6 +251,9 @@ class SilentReporter:
 
     def interrupted(self, epoch: int) -> None:
         logger.warning("interrupted in epoch %d", epoch)
+
+    def stopped_on_request(self, *args: Any) -> None:
+        pass
 
     def finished(self, *args: Any) -> None:
         pass

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from build_utils.datasets import UnreadableImages, log_unreadable
-from build_utils.errors import CheckpointError, ConfigError, YoloError
+from build_utils.errors import CheckpointError, ConfigError, RunStopped, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
@@ -38,6 +38,7 @@ from train_utils.autoanchor import check_anchors
 from train_utils.builders import TrainData, build_train_data
 from train_utils.checkpoint import (
     check_resume_cfg,
+    copy_checkpoint,
     load_checkpoint,
     load_weights,
     make_checkpoint,
@@ -57,6 +58,7 @@ from train_utils.config import (
 )
 from train_utils.distributed.comm import (
     all_gather,
+    all_reduce_flag,
     barrier,
     broadcast_object,
     broadcast_tensors_,
@@ -88,6 +90,11 @@ EPOCH_SEED_STRIDE = 1000
 RANK_SEED_STRIDE = 1_000_003
 
 FITNESS_KEY = "mAP50-95"  # the COCO stat (STAT_NAMES) that best.pt and --patience go by
+
+# Under DDP a stop request (SIGUSR1) is agreed by a collective every this many batches (one
+# process checks every batch): a tiny all-reduce, but also a host sync that CUDA would rather
+# skip. A scheduler's warning (``--signal=USR1@120``) leaves minutes, far more than 10 batches.
+STOP_POLL_BATCHES = 10
 
 SHARED_STORAGE_HINT = (
     "resuming on several nodes needs the output folder on storage every node shares "
@@ -220,14 +227,20 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
     loop = LoopState(start_epoch - 1, best, best_epoch)
     reporter = make_reporter(dist.is_main, config.output_dir, start_epoch)
+    signals = _StopSignals()
     try:
-        with _sigterm_as_keyboard_interrupt():
-            _train_epochs(run, reporter, loop)
-    except KeyboardInterrupt:
-        reporter.interrupted(loop.epoch)
+        with signals.installed():
+            _train_epochs(run, reporter, loop, signals)
+    except (KeyboardInterrupt, RunStopped) as e:
         if not (config.output_dir / "last.pt").is_file():
-            # Nothing saved yet: keep the partial weights, resumable from start_epoch.
+            # Nothing saved yet: keep the weights, resumable from start_epoch. Before the first
+            # batch (a stop request at once) that is the start and resuming is exact; later
+            # they are part-trained, and epoch start_epoch runs again from them (README).
             _save_on_main(run, start_epoch - 1, loop, as_best=False)
+        if isinstance(e, RunStopped):
+            reporter.stopped_on_request(str(e))
+        else:
+            reporter.interrupted(loop.epoch)
         raise
     finally:
         reporter.close()
@@ -237,10 +250,16 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     return RunSummary(config.output_dir, epochs_run, loop.best, loop.last_stats, seconds)
 
 
-def _train_epochs(run: _Run, reporter: EpochReporter | SilentReporter, loop: LoopState) -> None:
+def _train_epochs(
+    run: _Run,
+    reporter: EpochReporter | SilentReporter,
+    loop: LoopState,
+    signals: _StopSignals,
+) -> None:
     """Train the epochs after ``loop.epoch`` until the plan (or ``--patience``) ends the run:
     each trained, evaluated when planned, recorded and saved, ``loop`` kept current (the caller
-    reads it after an interrupt). Every rank runs this; its collectives are marked."""
+    reads it after an interrupt). A stop request (``signals``) ends it between two batches with
+    :class:`RunStopped`. Every rank runs this; its collectives are marked."""
     config, dist, state, plan = run.config, run.dist, run.state, run.plan
     # Images deleted or damaged mid-run are replaced by the datasets; these views collect them
     # for one warning per epoch (each rank its own share: a count is not worth a collective).
@@ -253,11 +272,12 @@ def _train_epochs(run: _Run, reporter: EpochReporter | SilentReporter, loop: Loo
         seed_all(config.seed + epoch * EPOCH_SEED_STRIDE + dist.rank * RANK_SEED_STRIDE)
         run.train_data.sampler.set_epoch(epoch)
         t0 = time.time()
-        loader = UnreadableImages(
+        unreadable = UnreadableImages(
             reporter.watch_batches(run.train_data.train_loader, epoch, config.data.names)
         )
+        loader = _StopPoints(unreadable, signals, epoch, dist, config.output_dir / "last.pt")
         stats = train_one_epoch(state, loader, epoch, run.opts)
-        log_unreadable(epoch, "train", loader.take(), rank)
+        log_unreadable(epoch, "train", unreadable.take(), rank)
         seconds = time.time() - t0
         if plan.budget_s is not None:
             total = plan.budget_epochs(epoch, seconds, plan.spent()) if dist.is_main else None
@@ -272,8 +292,11 @@ def _train_epochs(run: _Run, reporter: EpochReporter | SilentReporter, loop: Loo
         # Only rank 0 has the stats (val is None elsewhere): its best chooses best.pt.
         is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
         loop.update(epoch, val, is_best)
-        reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
-        _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
+        # results.csv, last.pt and best.pt are written whole before a Ctrl-C/SIGTERM acts, so
+        # that the three agree; a SIGKILL between them is repaired by --resume (_reconcile_best).
+        with signals.deferred():
+            reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
+            _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
         plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
         # Collective: every rank waits here, so that none starts the next epoch before rank 0
         # has written this one's checkpoint.
@@ -502,6 +525,8 @@ def _restore(
     if dist.is_main:
         # After the checks above: what is said to have changed is what this run then does.
         _warn_about_changes(ckpt, config, path)
+        if config.savebest:
+            _reconcile_best(ckpt, path, config.output_dir / "best.pt", config.trust_checkpoint)
     _rescale_lr_for_this_run(ckpt, config, state, dist)
     logger.info(
         "resuming from %s: epoch %d done, best mAP@0.5:0.95 %s",
@@ -729,7 +754,13 @@ def _log_start(
 def _save_on_main(run: _Run, epoch: int, loop: LoopState, as_best: bool) -> None:
     """Rank 0 writes the checkpoint of ``epoch`` to ``last.pt``, then the same one to ``best.pt``
     when ``as_best``; other ranks write nothing. Not a collective: the trainer's barrier after
-    it keeps the other ranks from running ahead."""
+    it keeps the other ranks from running ahead.
+
+    Why last.pt first: a crash between the two leaves a ``last.pt`` that names its own epoch as
+    the best and holds exactly the bytes ``best.pt`` should have, so ``--resume`` can rebuild
+    ``best.pt`` from it (:func:`_reconcile_best`). The other order would leave a ``best.pt``
+    ahead of ``last.pt``, right only if the replayed epoch is judged the same way again.
+    """
     if not run.dist.is_main:
         return
     ckpt = _checkpoint(run, epoch, loop.best, loop.best_epoch)
@@ -773,6 +804,50 @@ def _checkpoint(
     )
 
 
+def _reconcile_best(ckpt: dict[str, Any], last: Path, best: Path, trust: bool) -> None:
+    """Make ``best`` the epoch the resumed checkpoint ``ckpt`` (read from ``last``) names as its
+    best, when a crash (SIGKILL, power loss) came between writing ``last.pt`` and ``best.pt``.
+
+    When ``ckpt`` is itself the best epoch, ``best`` must hold the same checkpoint: ``last`` is
+    copied over it (atomically) unless it already holds that epoch. Otherwise the best epoch's
+    weights exist only in ``best``; if it holds another epoch (a folder written by an older
+    version, or edited by hand) that is said in one line and the next better epoch replaces it.
+    Only a ``last.pt`` of this run's folder is reconciled: ``--resume other/last.pt`` into a new
+    folder has no ``best.pt`` of its own yet.
+    """
+    best_epoch, epoch = ckpt.get("best_epoch"), ckpt.get("epoch")
+    if best_epoch is None or last.resolve().parent != best.resolve().parent:
+        return
+    try:
+        on_disk = load_checkpoint(best, trust=trust).get("epoch") if best.is_file() else None
+    except CheckpointError as e:
+        logger.warning("%s cannot be read (%s)", best, e)
+        on_disk = None
+    if on_disk == best_epoch:
+        return
+    found = "missing" if on_disk is None else f"epoch {on_disk}"
+    if best_epoch != epoch:
+        logger.warning(
+            "%s is %s but %s names epoch %s as the best, whose weights are gone; best.pt will be "
+            "the next epoch better than mAP@0.5:0.95 %s",
+            best,
+            found,
+            last,
+            best_epoch,
+            ckpt.get("best_fitness"),
+        )
+        return
+    # The bytes of last.pt are the checkpoint that the interrupted write of best.pt had.
+    try:
+        copy_checkpoint(last, best)
+    except CheckpointError as e:
+        # Only rank 0 is here: raising would leave the other ranks waiting in a collective.
+        # The run goes on; its own writes to this folder report a lasting problem.
+        logger.warning("%s is %s and could not be rebuilt: %s", best, found, e)
+        return
+    logger.info("%s was %s: rebuilt from %s (epoch %s, the best)", best, found, last, epoch)
+
+
 # ---- process plumbing -----------------------------------------------------------------------
 
 
@@ -799,19 +874,92 @@ def _log_to_file(path: Path, enabled: bool) -> Iterator[None]:
         root.setLevel(level)
 
 
-@contextlib.contextmanager
-def _sigterm_as_keyboard_interrupt() -> Iterator[None]:
-    """torchrun and schedulers stop jobs with SIGTERM: treat it like Ctrl-C, so the run saves
-    what it can and says how to resume. Signal handlers can only be set from the main thread."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
+# A scheduler's "time is nearly up" warning (SLURM ``--signal=USR1@120``); absent on Windows.
+STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
 
-    def raise_interrupt(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, raise_interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+class _StopSignals:
+    """How the run reacts to signals while it trains.
+
+    SIGINT (Ctrl-C) and SIGTERM (torchrun, schedulers, ``kill``) raise KeyboardInterrupt at
+    once, so the run stops and says how to resume, except inside :meth:`deferred` (the writes
+    of an epoch's end), where they wait until those are done: a signal never leaves
+    ``results.csv``, ``last.pt`` and ``best.pt`` disagreeing. SIGUSR1 only asks for a stop,
+    which :class:`_StopPoints` acts on between two batches, agreed by every rank.
+    """
+
+    def __init__(self) -> None:
+        self.stop_requested = False
+        self._deferring = False
+        self._pending: int | None = None
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        if signum == STOP_SIGNAL:
+            self.stop_requested = True
+        elif self._deferring:
+            self._pending = signum
+        else:
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[None]:
+        """SIGINT/SIGTERM arriving inside wait for its end (then raise KeyboardInterrupt)."""
+        self._deferring = True
+        try:
+            yield
+        finally:
+            self._deferring = False
+        if self._pending is not None:
+            logger.warning(
+                "signal %d received during the epoch's writes: stopping after them", self._pending
+            )
+            self._pending = None
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Handle the signals while inside (only the main thread can set handlers). SIGINT is
+        taken over only from Python's own Ctrl-C handler (a shell may have set it to ignore)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        wanted = [signal.SIGTERM, STOP_SIGNAL]
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            wanted.append(signal.SIGINT)
+        previous = {s: signal.signal(s, self._handle) for s in wanted if s is not None}
+        try:
+            yield
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+
+class _StopPoints:
+    """The epoch's ``loader``, checking for a stop request before each batch (every
+    :data:`STOP_POLL_BATCHES` under DDP, where every rank must check at the same batches).
+
+    Stopping mid-epoch keeps the last finished epoch's ``last.pt`` as it is: a mid-epoch state
+    could not be resumed exactly, so the epoch in progress is trained again after ``--resume``.
+    """
+
+    def __init__(
+        self, loader: Any, signals: _StopSignals, epoch: int, dist: DistInfo, last: Path
+    ) -> None:
+        self.loader, self.signals, self.epoch, self.last = loader, signals, epoch, last
+        self.poll = STOP_POLL_BATCHES if dist.distributed else 1
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        n = len(self.loader)
+        for i, batch in enumerate(self.loader):
+            # Collective: every rank stops at the same batch when any rank was asked (srun
+            # signals every task; a signal forwarded by hand may reach only some).
+            if i % self.poll == 0 and all_reduce_flag(self.signals.stop_requested):
+                raise RunStopped(
+                    f"SIGUSR1 (stop requested) in epoch {self.epoch} before batch {i}/{n}: "
+                    f"epoch {self.epoch - 1} is the last in {self.last}; continue with --resume "
+                    f"(epoch {self.epoch} is trained again)"
+                )
+            yield batch

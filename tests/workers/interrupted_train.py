@@ -5,16 +5,22 @@ file, so the test signals it from outside, or sends SIGKILL to itself.
 The environment chooses the hook:
     REL_POINT   park-mid-epoch (after the first batch of epoch REL_EPOCH has trained, wait
                 REL_PARK_S seconds), kill-in-eval (before the NMS of the first validation
-                batch), kill-in-save (half-way through writing a checkpoint), or none
+                batch), kill-in-save (half-way through writing a checkpoint),
+                signal-at-write (send REL_SIGNAL to itself at the epoch-end write REL_WRITE
+                of epoch REL_EPOCH), or none
     REL_MARKER  the file written when the point is reached
-    REL_EPOCH   the epoch park-mid-epoch stops in
+    REL_EPOCH   the epoch park-mid-epoch stops in, or signal-at-write signals in
     REL_PARK_S  how long a parked process waits for the test's signal
+    REL_WRITE   results.csv, last.pt or best.pt (while its temporary file is open, nothing of
+                it on disk yet), or between (after last.pt is written, before best.pt)
+    REL_SIGNAL  KILL, TERM or INT
 
 Usage: python -m tests.workers.interrupted_train TRAIN_FLAGS...
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import signal
@@ -25,7 +31,7 @@ from pathlib import Path
 import torch
 
 import train
-from train_utils import engine, trainer
+from train_utils import checkpoint, engine, reporting, trainer
 
 
 def _die() -> None:
@@ -86,6 +92,52 @@ def _kill_in_save(marker: Path) -> None:
     torch.save = save
 
 
+def _signal_at_write(marker: Path, write: str, epoch: int, signum: int) -> None:
+    """At the epoch-end ``write`` of ``epoch``, send ``signum`` to this process once. A signal
+    Python handles (TERM, INT) arrives while the write's temporary file is open and the write
+    then goes on, as a signal from outside could."""
+    current = {"epoch": None}  # the epoch of the write in progress
+
+    def hit() -> None:
+        if marker.exists():
+            return
+        marker.write_text(f"{write} of epoch {epoch}")
+        if signum == signal.SIGKILL:
+            _die()
+        os.kill(os.getpid(), signum)
+        time.sleep(0.1)  # the handler runs here, at the latest
+
+    def watch(module) -> None:
+        real = module.atomic_write
+
+        @contextlib.contextmanager
+        def atomic_write(path, *args, **kwargs):
+            with real(path, *args, **kwargs) as f:
+                if Path(path).name == write and current["epoch"] == epoch:
+                    hit()
+                yield f
+
+        module.atomic_write = atomic_write
+
+    watch(reporting)  # results.csv
+    watch(checkpoint)  # last.pt, best.pt
+    real_save, real_write_results = trainer.save_checkpoint, reporting.write_results
+
+    def save_checkpoint(obj, path):
+        current["epoch"] = obj["epoch"]
+        real_save(obj, path)
+        if write == "between" and Path(path).name == "last.pt" and obj["epoch"] == epoch:
+            hit()
+
+    def write_results(path, rows):
+        # The reporter rewrites results.csv at start-up too: only its row of `epoch` counts.
+        current["epoch"] = max((int(r["epoch"]) for r in rows), default=None)
+        real_write_results(path, rows)
+
+    trainer.save_checkpoint = save_checkpoint
+    reporting.write_results = write_results
+
+
 def main(argv: list[str] | None = None) -> int:
     # Python's own Ctrl-C handler even when this process was started with SIGINT ignored (as
     # non-interactive shells start background jobs), so that the test's SIGINT is a Ctrl-C.
@@ -98,6 +150,9 @@ def main(argv: list[str] | None = None) -> int:
         _kill_in_eval(marker)
     elif point == "kill-in-save":
         _kill_in_save(marker)
+    elif point == "signal-at-write":
+        signum = getattr(signal, "SIG" + os.environ["REL_SIGNAL"])
+        _signal_at_write(marker, os.environ["REL_WRITE"], int(os.environ["REL_EPOCH"]), signum)
     return train.main(sys.argv[1:] if argv is None else argv)
 
 

@@ -28,8 +28,8 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from build_utils.errors import CheckpointError, ConfigError, DatasetError, YoloError
-from train_utils.cli import EXIT_INTERRUPTED, EXIT_USER_ERROR, setup_console_logging
+from build_utils.errors import CheckpointError, ConfigError, DatasetError, RunStopped, YoloError
+from train_utils.cli import EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USER_ERROR, setup_console_logging
 from train_utils.config import build_config
 from train_utils.distributed.comm import all_reduce_flag, broadcast_object
 from train_utils.distributed.devices import choose_device, cuda_device_count, parse_device_list
@@ -218,6 +218,8 @@ def _spawned_worker(
     except KeyboardInterrupt as e:
         # torch.multiprocessing treats a KeyboardInterrupt as a clean exit; it is not one.
         raise SystemExit(EXIT_INTERRUPTED) from e
+    except RunStopped as e:
+        raise SystemExit(EXIT_STOPPED) from e
 
 
 def spawn_training(
@@ -255,6 +257,8 @@ def spawn_training(
     except mp.ProcessExitedException as e:
         if e.exit_code == EXIT_INTERRUPTED:
             raise KeyboardInterrupt from e
+        if e.exit_code == EXIT_STOPPED:
+            raise RunStopped("on request (SIGUSR1); continue with --resume") from None
         if errors.empty():
             raise  # killed by a signal or a crash: keep what torch says about it
         kind, message = errors.get()
