@@ -27,9 +27,10 @@ import cv2
 import numpy as np
 import torch
 
+from build_utils.atomic import make_output_dir
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
-from build_utils.errors import ConfigError, DatasetError
+from build_utils.errors import ConfigError, DatasetError, OutputError
 from build_utils.image_io import is_image_file, read_image
 from build_utils.parse_config import (
     load_class_names,
@@ -59,12 +60,13 @@ from train_utils.cli import (
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.precision import autocast_context, replay_precision, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
-from train_utils.evaluation.plots import class_colour
+from train_utils.evaluation.plots import class_colour, write_image
 
 logger = logging.getLogger("predict")
 
 VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv"}
 STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
+OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
 BOX_THICKNESS = 2
 
@@ -285,9 +287,15 @@ def predict_video(
             drawn = draw_detections(frame, det, names)
             if writer is None:
                 h, w = drawn.shape[:2]
-                writer = cv2.VideoWriter(
-                    str(out_dir / f"{name}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h)
-                )
+                target = out_dir / f"{name}.mp4"
+                fourcc = cv2.VideoWriter_fourcc(*"mp4v")
+                writer = cv2.VideoWriter(str(target), fourcc, fps, (w, h))
+                if not writer.isOpened():  # OpenCV reports no reason, only that it failed
+                    raise OutputError(
+                        f"cannot write {target}: OpenCV cannot open it for writing; "
+                        f"check the place is writable and has space, or choose another "
+                        f"{OUTPUT_FLAG}"
+                    )
             writer.write(drawn)
             frames += 1
             if txt_dir is not None:
@@ -297,6 +305,7 @@ def predict_video(
                     frame.shape[1],
                     frame.shape[0],
                     save_conf,
+                    OUTPUT_FLAG,
                 )
             print(f"{source} frame {frames}: {len(det)} detections")
     finally:
@@ -332,11 +341,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.classes,
             args.half,
         )
-        out_dir = Path(args.output)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        txt_dir = out_dir / "labels" if args.save_txt else None
-        if txt_dir is not None:
-            txt_dir.mkdir(exist_ok=True)
+        out_dir = make_output_dir(args.output, OUTPUT_FLAG)
+        txt_dir = make_output_dir(out_dir / "labels", OUTPUT_FLAG) if args.save_txt else None
         n_images = 0
         for path in iter_sources(args.source):
             if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
@@ -357,10 +363,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for x1, y1, x2, y2, conf, c in det.tolist()
             )
             print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
-            target = out_dir / path.name
-            ok, buf = cv2.imencode(target.suffix or ".jpg", draw_detections(img, det, names))
-            if ok:
-                target.write_bytes(buf.tobytes())
+            write_image(out_dir / path.name, draw_detections(img, det, names), OUTPUT_FLAG)
             if txt_dir is not None:
                 write_yolo_txt(
                     txt_dir / f"{path.stem}.txt",
@@ -368,6 +371,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     img.shape[1],
                     img.shape[0],
                     args.save_conf,
+                    OUTPUT_FLAG,
                 )
             n_images += 1
         logger.info("%d images drawn in %s", n_images, out_dir)

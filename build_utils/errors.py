@@ -37,3 +37,8 @@ class DatasetError(YoloError):
 
 class CheckpointError(YoloError):
     """A weights or checkpoint file that is truncated, of the wrong kind, or for another model."""
+
+
+class OutputError(YoloError):
+    """A file or folder the user chose cannot be written: a full disk, a read-only place, a file
+    where a folder should be, or a name taken by something else. The previous file stays."""

@@ -29,7 +29,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from build_utils.errors import CheckpointError, ConfigError, YoloError
+from build_utils.atomic import make_output_dir, reported_write
+from build_utils.errors import CheckpointError, ConfigError, OutputError, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
@@ -53,7 +54,6 @@ from train_utils.config import (
 )
 from train_utils.distributed.comm import (
     all_gather,
-    barrier,
     broadcast_object,
     raise_if_any_rank_failed,
 )
@@ -72,7 +72,13 @@ from train_utils.memory_format import (
 )
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
-from train_utils.reporting import EpochReporter, SilentReporter, make_reporter, write_run_files
+from train_utils.reporting import (
+    OUTPUT_FLAG,
+    EpochReporter,
+    SilentReporter,
+    make_reporter,
+    write_run_files,
+)
 from train_utils.run_pictures import plot_dataset_labels
 
 logger = logging.getLogger(__name__)
@@ -157,11 +163,17 @@ def seed_all(seed: int) -> None:
 def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     """Train according to ``config`` on this process's share of the work (see module docstring)."""
     t_start = time.time()
+    log_handler, failure = None, None
     if dist.is_main:
-        config.output_dir.mkdir(parents=True, exist_ok=True)
-    # Collective: every rank waits until rank 0 has made the output folder.
-    barrier()
-    with _log_to_file(config.output_dir / "train.log", dist.is_main):
+        try:
+            make_output_dir(config.output_dir, OUTPUT_FLAG)
+            log_handler = _log_file_handler(config.output_dir / "train.log")
+        except OutputError as e:
+            failure = e
+    # Collective: every rank waits until rank 0 has made the output folder, and all stop
+    # with its error when it could not.
+    raise_if_any_rank_failed(failure, "creating the run folder")
+    with _log_to_file(log_handler):
         return _train(config, dist, t_start)
 
 
@@ -184,15 +196,22 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
-    if dist.is_main:
-        write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
-        _log_start(
-            config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
-        )
-        plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
+    failure = None
+    try:
+        if dist.is_main:
+            write_run_files(config.output_dir, config.to_dict(), config.hyp, cfg_text)
+            _log_start(
+                config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
+            )
+            plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
+        reporter = make_reporter(dist.is_main, config.output_dir, start_epoch)
+    except OutputError as e:  # only rank 0 writes
+        failure = e
+    # Collective: every rank stops with rank 0's error when it cannot write the run's files,
+    # instead of waiting for it in the first step's gradient all-reduce.
+    raise_if_any_rank_failed(failure, "writing the run folder")
     run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
     loop = LoopState(start_epoch - 1, best, best_epoch)
-    reporter = make_reporter(dist.is_main, config.output_dir, start_epoch)
     try:
         with _sigterm_as_keyboard_interrupt():
             _train_epochs(run, reporter, loop)
@@ -236,12 +255,16 @@ def _train_epochs(run: _Run, reporter: EpochReporter | SilentReporter, loop: Loo
         # Only rank 0 has the stats (val is None elsewhere): its best chooses best.pt.
         is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
         loop.update(epoch, val, is_best)
-        reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
-        _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
+        failure = None
+        try:
+            reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
+            _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
+        except OutputError as e:  # a full disk: stop here, never train on without checkpoints
+            failure = e
         plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
         # Collective: every rank waits here, so that none starts the next epoch before rank 0
-        # has written this one's checkpoint.
-        barrier()
+        # has written this one's checkpoint, and all stop with rank 0's error when it could not.
+        raise_if_any_rank_failed(failure, f"saving epoch {epoch}")
         if eval_s is not None and plan.patience > 0:
             stop = dist.is_main and plan.out_of_patience(epoch, loop.best_epoch)
             # Collective: every rank stops where rank 0, the only one with the mAP, says.
@@ -654,14 +677,18 @@ def _log_start(
 
 def _save_on_main(run: _Run, epoch: int, loop: LoopState, as_best: bool) -> None:
     """Rank 0 writes the checkpoint of ``epoch`` to ``last.pt``, then the same one to ``best.pt``
-    when ``as_best``; other ranks write nothing. Not a collective: the trainer's barrier after
-    it keeps the other ranks from running ahead."""
+    when ``as_best``; other ranks write nothing. Not a collective: the trainer's
+    ``raise_if_any_rank_failed`` after it keeps the other ranks from running ahead.
+
+    Raises:
+        OutputError: a checkpoint cannot be written (the previous one stays as it was).
+    """
     if not run.dist.is_main:
         return
     ckpt = _checkpoint(run, epoch, loop.best, loop.best_epoch)
-    save_checkpoint(ckpt, run.config.output_dir / "last.pt")
+    save_checkpoint(ckpt, run.config.output_dir / "last.pt", OUTPUT_FLAG)
     if as_best:
-        save_checkpoint(ckpt, run.config.output_dir / "best.pt")
+        save_checkpoint(ckpt, run.config.output_dir / "best.pt", OUTPUT_FLAG)
 
 
 def _checkpoint(
@@ -702,16 +729,25 @@ def _checkpoint(
 # ---- process plumbing -----------------------------------------------------------------------
 
 
+def _log_file_handler(path: Path) -> logging.FileHandler:
+    """A handler appending to ``path`` (rank 0's ``train.log``).
+
+    Raises:
+        OutputError: the file cannot be opened for writing.
+    """
+    with reported_write(path, OUTPUT_FLAG):
+        return logging.FileHandler(path)
+
+
 @contextlib.contextmanager
-def _log_to_file(path: Path, enabled: bool) -> Iterator[None]:
-    """Send INFO and above to ``path`` (rank 0's ``train.log``), whatever the caller's logging
-    set-up, and restore the root logger afterwards."""
+def _log_to_file(handler: logging.Handler | None) -> Iterator[None]:
+    """Send INFO and above to ``handler`` (None: nowhere, off rank 0), whatever the caller's
+    logging set-up, and restore the root logger afterwards."""
     root = logging.getLogger()
     level = root.level
-    if not enabled:
+    if handler is None:
         yield
         return
-    handler = logging.FileHandler(path)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)
