@@ -15,12 +15,21 @@ import builtins
 import errno
 import io
 import os
+import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from conftest import NANO_CFG, train_argv, validation_argv
+from conftest import (
+    LAUNCH_TIMEOUT_S,
+    NANO_CFG,
+    REPO_ROOT,
+    rank_envs,
+    train_argv,
+    validation_argv,
+    worker_cmd,
+)
 
 import predict
 import train as train_script
@@ -171,7 +180,7 @@ def test_save_checkpoint_full_disk_keeps_previous(tmp_path, monkeypatch) -> None
     before = path.read_bytes()
     failing_disk(monkeypatch, tmp_path, errno.ENOSPC)
     with pytest.raises(OutputError, match="cannot write .*last.pt: No space left on device"):
-        ck.save_checkpoint({"epoch": 2, "model": {"w": torch.zeros(300)}}, path, "--output-dir")
+        ck.save_checkpoint({"epoch": 2, "model": {"w": torch.zeros(300)}}, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["last.pt"]
 
@@ -189,20 +198,33 @@ def test_save_checkpoint_torch_unexpected_pos(tmp_path, monkeypatch) -> None:
 
     monkeypatch.setattr(torch, "save", full_disk_save)
     with pytest.raises(OutputError, match=r"best.pt: the write failed \(is the disk full\?\)"):
-        ck.save_checkpoint({"epoch": 2}, path, "--output-dir")
+        ck.save_checkpoint({"epoch": 2}, path)
     assert path.read_bytes() == before
     assert [p.name for p in tmp_path.iterdir()] == ["best.pt"]
 
 
 def test_train_full_disk_at_second_checkpoint(make_shapes_data, tmp_path, monkeypatch, console):
-    """The disk fills after epoch 0's last.pt: the run stops at epoch 1's with one line, exit 2,
-    and last.pt still holds epoch 0 (it does not train on without checkpoints)."""
+    """The disk fills after epoch 0's last.pt (torch.save fails as it does on a full disk): the
+    run stops at epoch 1's with one line, exit 2, and last.pt still holds epoch 0 byte for byte
+    (it does not train on without checkpoints)."""
     data = make_shapes_data(n_train=4, n_val=2)
     out = tmp_path / "run"
-    failing_disk(monkeypatch, out, errno.ENOSPC, name="last.pt", skip=1)
+    real_save, saved = torch.save, {}
+
+    def save_then_fill_disk(obj: Any, f: Any) -> None:
+        if not saved:
+            real_save(obj, f)
+            saved["epoch0"] = True
+            return
+        saved["last.pt"] = (out / "last.pt").read_bytes()
+        f.write(b"PK\x03\x04partial")
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 64 vs 0")
+
+    monkeypatch.setattr(torch, "save", save_then_fill_disk)
     argv = train_argv(data, out, "--no-savebest", epochs=2, batch=2, img=IMG)
     assert train_script.main(argv) == 2
-    one_error_line(console, f"cannot write {out / 'last.pt'}", "No space left", "--output-dir")
+    one_error_line(console, f"cannot write {out / 'last.pt'}: the write failed", "--output-dir")
+    assert (out / "last.pt").read_bytes() == saved["last.pt"]
     assert ck.load_checkpoint(out / "last.pt")["epoch"] == 0
     assert no_temp_files(out)
 
@@ -315,3 +337,43 @@ def test_export_onnx_full_disk(weights, tmp_path, monkeypatch, console) -> None:
     assert export_onnx.main(argv) == 2
     one_error_line(console, f"cannot write {dst}: No space left on device", "--output")
     assert snapshot(out) == before
+
+
+# ---- DDP: rank 0 alone writes -------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ddp_full_disk_stops_every_rank(make_shapes_data, tmp_path) -> None:
+    """Two gloo ranks; rank 0's checkpoint of epoch 1 hits a full disk. Both ranks stop at once
+    with the same error line and exit 2 (rank 1 does not wait for rank 0 at the epoch's end),
+    and last.pt still holds epoch 0."""
+    data = make_shapes_data(n_train=8, n_val=4)
+    out = tmp_path / "run"
+    argv = train_argv(data, out, "--no-savebest", "--dist-timeout", "120", epochs=2, img=IMG)
+    envs = rank_envs()
+    procs = [
+        subprocess.Popen(
+            worker_cmd("full_disk_train", *argv),
+            env=env,
+            cwd=REPO_ROOT,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in envs
+    ]
+    try:
+        results = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    errors = [[ln for ln in err.splitlines() if ln.startswith("error:")] for _, err in results]
+    assert [p.returncode for p in procs] == [2, 2], results
+    assert all("Traceback" not in err for _, err in results), results
+    assert errors[0] == errors[1] and len(errors[0]) == 1, errors
+    assert errors[0][0].startswith("error: saving epoch 1 failed on rank 0 (")
+    assert f"cannot write {out / 'last.pt'}: the write failed" in errors[0][0]
+    assert ck.load_checkpoint(out / "last.pt")["epoch"] == 0
+    assert no_temp_files(out)
