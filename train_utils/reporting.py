@@ -238,8 +238,12 @@ class EpochReporter:
         )
 
     def close(self) -> None:
-        with reported_write(self.out, OUTPUT_FLAG, folder=True):
+        """Flush and close TensorBoard's file; a failure is a warning, as this runs while the
+        run ends, often with an error of its own that it must not hide."""
+        try:
             self.writer.close()
+        except OSError as e:
+            logger.warning("could not finish the TensorBoard file in %s: %s", self.out, e)
 
 
 class SilentReporter:
