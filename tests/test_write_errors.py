@@ -229,6 +229,20 @@ def test_train_full_disk_at_second_checkpoint(make_shapes_data, tmp_path, monkey
     assert no_temp_files(out)
 
 
+def test_train_log_on_a_full_disk_is_one_warning(make_shapes_data, tmp_path, monkeypatch, console):
+    """train.log's lines cannot be written: one warning, not logging's traceback per line."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    out = tmp_path / "run"
+    failing_disk(monkeypatch, out, errno.ENOSPC, name="train.log")
+    assert train_script.main(train_argv(data, out, epochs=1, batch=2, img=IMG)) == 0
+    err = console.readouterr().err
+    assert "Traceback" not in err and "Logging error" not in err, err
+    warnings = [line for line in err.splitlines() if "the log goes on on the console" in line]
+    assert len(warnings) == 1, err
+    assert f"cannot write {out / 'train.log'}: No space left on device" in warnings[0]
+    assert ck.load_checkpoint(out / "last.pt")["epoch"] == 0
+
+
 def test_train_output_dir_is_a_file(make_shapes_data, tmp_path, console) -> None:
     data = make_shapes_data(n_train=4, n_val=2)
     blocker = tmp_path / "run"

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,7 +30,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from build_utils.atomic import make_output_dir, reported_write
+from build_utils.atomic import make_output_dir, reported_write, write_error
 from build_utils.errors import CheckpointError, ConfigError, OutputError, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
@@ -729,6 +730,22 @@ def _checkpoint(
 # ---- process plumbing -----------------------------------------------------------------------
 
 
+class _RunLogHandler(logging.FileHandler):
+    """``train.log``. A line it cannot write (a full disk) is one warning on the console, not
+    logging's traceback per line; the run goes on (its next checkpoint says whether the disk
+    is full)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        self.failed = True  # before logging: the warning comes back here and must not loop
+        e = sys.exc_info()[1]
+        why = write_error(e, self.baseFilename) if isinstance(e, OSError) else e
+        logger.warning("%s; the log goes on on the console only", why)
+
+
 def _log_file_handler(path: Path) -> logging.FileHandler:
     """A handler appending to ``path`` (rank 0's ``train.log``).
 
@@ -736,7 +753,7 @@ def _log_file_handler(path: Path) -> logging.FileHandler:
         OutputError: the file cannot be opened for writing.
     """
     with reported_write(path, OUTPUT_FLAG):
-        return logging.FileHandler(path)
+        return _RunLogHandler(path)
 
 
 @contextlib.contextmanager
