@@ -36,9 +36,10 @@ import cv2
 import numpy as np
 import torch
 
+from build_utils.atomic import make_output_dir
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
-from build_utils.errors import ConfigError, DatasetError
+from build_utils.errors import ConfigError, DatasetError, OutputError
 from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
 from build_utils.parse_config import (
     load_class_names,
@@ -69,12 +70,13 @@ from train_utils.cli import (
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.precision import autocast_context, replay_precision, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
-from train_utils.evaluation.plots import class_colour
+from train_utils.evaluation.plots import class_colour, write_image
 
 logger = logging.getLogger("predict")
 
 VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv"}
 STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
+OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
 BOX_THICKNESS = 2
 
@@ -358,7 +360,8 @@ def choose_output_dir(
 
     Raises:
         ConfigError: the folder overlaps a source (see :func:`check_not_over_sources`), or a
-            file stands where it should be, or it cannot be created.
+            file stands where it should be.
+        OutputError: it cannot be created (a read-only place, a full disk).
     """
     check_not_over_sources(requested, sources, outputs)
     out, n = requested, 1
@@ -376,11 +379,7 @@ def choose_output_dir(
             out,
         )
     check_not_over_sources(out, sources, outputs)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ConfigError(f"--output {out}: cannot create the folder ({e.strerror or e})") from e
-    return out
+    return make_output_dir(out, OUTPUT_FLAG)
 
 
 def open_capture(source: str | Path) -> cv2.VideoCapture:
@@ -441,9 +440,15 @@ def predict_video(
             drawn = draw_detections(frame, det, names)
             if writer is None:
                 h, w = drawn.shape[:2]
-                writer = cv2.VideoWriter(
-                    str(out_dir / f"{name}.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), fps, (w, h)
-                )
+                target = out_dir / f"{name}.mp4"
+                fourcc = cv2.VideoWriter_fourcc(*"mp4v")
+                writer = cv2.VideoWriter(str(target), fourcc, fps, (w, h))
+                if not writer.isOpened():  # OpenCV reports no reason, only that it failed
+                    raise OutputError(
+                        f"cannot write {target}: OpenCV cannot open it for writing; "
+                        f"check the place is writable and has space, or choose another "
+                        f"{OUTPUT_FLAG}"
+                    )
             writer.write(drawn)
             frames += 1
             if txt_dir is not None:
@@ -453,6 +458,7 @@ def predict_video(
                     frame.shape[1],
                     frame.shape[0],
                     save_conf,
+                    OUTPUT_FLAG,
                 )
             print(f"{source} frame {frames}: {len(det)} detections")
     finally:
@@ -491,14 +497,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.half,
         )
         out_dir = choose_output_dir(Path(args.output), args.exist_ok, args.source, outputs)
-        txt_dir = out_dir / "labels" if args.save_txt else None
+        txt_dir = make_output_dir(out_dir / "labels", OUTPUT_FLAG) if args.save_txt else None
         n_images = 0
         for item in outputs:
             path, stem = item.source, item.stem
             if stem.parent != Path():
-                (out_dir / stem.parent).mkdir(parents=True, exist_ok=True)
+                make_output_dir(out_dir / stem.parent, OUTPUT_FLAG)
             if txt_dir is not None:
-                (txt_dir / stem.parent).mkdir(parents=True, exist_ok=True)
+                make_output_dir(txt_dir / stem.parent, OUTPUT_FLAG)
             if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
                 predict_video(predictor, path, out_dir, names, txt_dir, args.save_conf, stem)
                 continue
@@ -519,9 +525,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
             # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
             target = out_dir / stem.parent / (stem.name + path.suffix)
-            ok, buf = cv2.imencode(target.suffix or ".jpg", draw_detections(img, det, names))
-            if ok:
-                target.write_bytes(buf.tobytes())
+            write_image(target, draw_detections(img, det, names), OUTPUT_FLAG)
             if txt_dir is not None:
                 write_yolo_txt(
                     txt_dir / f"{stem}.txt",
@@ -529,6 +533,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     img.shape[1],
                     img.shape[0],
                     args.save_conf,
+                    OUTPUT_FLAG,
                 )
             n_images += 1
         logger.info("%d images drawn in %s", n_images, out_dir)

@@ -40,6 +40,7 @@ from pathlib import Path
 
 import torch
 
+from build_utils.atomic import make_output_dir, write_text
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
@@ -287,19 +288,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 format_report(stats),
             )
             save_dir = Path(args.save_dir)
-            write_eval_report(save_dir, coco_gt, detections, data.names, per_class, args.plots)
+            write_eval_report(
+                save_dir, coco_gt, detections, data.names, per_class, args.plots, "--save-dir"
+            )
             if args.save_txt:
-                n = write_dataset_txt(save_dir / "labels", coco_gt, detections, args.save_conf)
+                n = write_dataset_txt(
+                    save_dir / "labels", coco_gt, detections, args.save_conf, "--save-dir"
+                )
                 logger.info("wrote %d label files in %s", n, save_dir / "labels")
             if args.save_json:
-                out = Path(args.save_json)
-                out.mkdir(parents=True, exist_ok=True)
+                out = make_output_dir(args.save_json, "--save-json")
                 gt = coco_dict_from_dataset(dataset, num_classes=data.nc)
                 if coco_ids is not None:
                     gt = gt_to_official_coco_ids(gt, coco_ids, data.names)
                     detections = to_official_coco_ids(detections, coco_ids)
-                (out / "ground_truth.json").write_text(json.dumps(gt))
-                (out / "predictions.json").write_text(json.dumps(detections))
+                write_text(out / "ground_truth.json", json.dumps(gt), "--save-json")
+                write_text(out / "predictions.json", json.dumps(detections), "--save-json")
                 logger.info(
                     "wrote %s and %s (%s ids)",
                     out / "ground_truth.json",
@@ -307,10 +311,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     "official COCO" if coco_ids is not None else "dataset index and class",
                 )
             if args.json_out:
-                Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.json_out).write_text(
-                    json.dumps({k: float(v) for k, v in zip(STAT_NAMES, stats)}, indent=2)
-                )
+                json_out = Path(args.json_out)
+                make_output_dir(json_out.parent, "--json-out")
+                stats_by_name = {k: float(v) for k, v in zip(STAT_NAMES, stats)}
+                write_text(json_out, json.dumps(stats_by_name, indent=2), "--json-out")
         finally:
             cleanup()
 

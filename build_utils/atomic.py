@@ -7,19 +7,30 @@ system and is atomic), named ``.{name}.{pid}.{random}.tmp``: hidden, unique per 
 call, so concurrent writers (DDP ranks sharing a dataset folder) never write into each other's
 file. It is flushed, fsynced and then renamed onto the target with ``os.replace``; on any
 exception it is removed and the exception propagates.
+
+Writes to a place the user chose (a run folder, ``--save-dir``, ``--output``) go through
+:func:`reported_write` / :func:`make_output_dir`, which turn an ``OSError`` into one
+:class:`~build_utils.errors.OutputError` line naming the place, the reason and the fix: "cannot
+write runs/x/last.pt: No space left on device; free some space or choose another --output-dir".
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import IO, Any
 
+from build_utils.errors import OutputError
+
 TEMP_SUFFIX = ".tmp"
 _MODES = ("w", "wb")
+
+_NO_SPACE = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG}
+_NOT_ALLOWED = {errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def temp_path(path: Path) -> Path:
@@ -93,3 +104,83 @@ def atomic_write(
         raise
     if durable_dir:
         fsync_dir(path.parent)
+
+
+# ---- failures at a place the user chose -----------------------------------------------------
+
+
+def _file_in_the_way(path: Path) -> Path | None:
+    """The nearest of ``path``'s folders that exists as something other than a folder."""
+    for parent in path.parents:
+        if parent.exists() or parent.is_symlink():
+            return None if parent.is_dir() else parent
+    return None
+
+
+def write_error(
+    e: OSError, path: str | os.PathLike[str], flag: str | None = None, folder: bool = False
+) -> OutputError:
+    """The one-line error for ``e``, raised while writing ``path`` (a folder when ``folder``):
+    the place, the reason and what to do, ``flag`` being the option that chose the place.
+
+    >>> str(write_error(OSError(errno.ENOSPC, "No space left on device"), "r/last.pt", "--o"))
+    'cannot write r/last.pt: No space left on device; free some space or choose another --o'
+    """
+    path = Path(path)
+    other = f"choose another {flag}" if flag else "choose another place"
+    code = e.errno
+    if code in _NO_SPACE:
+        why, fix = os.strerror(code), f"free some space or {other}"
+    elif code in _NOT_ALLOWED:
+        why, fix = os.strerror(code), f"make it writable or {other}"
+    elif code == errno.ENOTDIR or (code == errno.EEXIST and folder):
+        blocker = path if path.exists() and not path.is_dir() else _file_in_the_way(path)
+        why = f"{blocker or path} is a file where a folder should be"
+        fix = f"move it away or {other}"
+    elif code == errno.EISDIR:
+        why, fix = f"{path} is a folder, not a file", f"move it away or {other}"
+    elif code == errno.EEXIST:
+        why, fix = f"{path} already exists", f"move it away or {other}"
+    else:
+        why, fix = e.strerror or str(e), other
+    return OutputError(f"cannot write {path}: {why}; {fix}")
+
+
+@contextlib.contextmanager
+def reported_write(
+    path: str | os.PathLike[str], flag: str | None = None, folder: bool = False
+) -> Iterator[None]:
+    """Turn an ``OSError`` of the block into :func:`write_error`'s :class:`OutputError` about
+    ``path``: ``with reported_write(out / "per_class.csv", "--save-dir"): ...``.
+
+    Raises:
+        OutputError: the block raised an ``OSError``.
+    """
+    try:
+        yield
+    except OSError as e:
+        raise write_error(e, path, flag, folder) from e
+
+
+def make_output_dir(path: str | os.PathLike[str], flag: str | None = None) -> Path:
+    """Create the folder ``path`` (and its parents) unless it exists; returns it.
+
+    Raises:
+        OutputError: it cannot be created (a file of that name or in its path, a read-only or
+            full file system).
+    """
+    path = Path(path)
+    with reported_write(path, flag, folder=True):
+        path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def write_text(path: str | os.PathLike[str], text: str, flag: str | None = None) -> None:
+    """Write ``text`` (UTF-8) to the user-chosen ``path`` atomically.
+
+    Raises:
+        OutputError: it cannot be written (``flag``: the option that chose it); the previous
+            file stays as it was.
+    """
+    with reported_write(path, flag), atomic_write(path, "w") as f:
+        f.write(text)

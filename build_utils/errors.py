@@ -43,3 +43,8 @@ class RunStopped(Exception):
     """A run that stopped on request (a scheduler's warning signal, SIGUSR1) at a safe point,
     with its last finished epoch saved: nothing is wrong, ``--resume`` continues it exactly.
     Not a :class:`YoloError` (no user error); scripts map it to ``EXIT_STOPPED``."""
+
+
+class OutputError(YoloError):
+    """A file or folder the user chose cannot be written: a full disk, a read-only place, a file
+    where a folder should be, or a name taken by something else. The previous file stays."""

@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from build_utils.errors import CheckpointError
+from build_utils.errors import CheckpointError, OutputError
 from train_utils import checkpoint as ck
 
 
@@ -126,10 +126,10 @@ def test_atomic_save_keeps_old_file_on_crash(tmp_path: Path, monkeypatch) -> Non
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.pt"]  # temp file removed
 
 
-def test_save_error_is_checkpoint_error(tmp_path: Path) -> None:
+def test_save_error_is_output_error(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(CheckpointError, match="cannot write checkpoint"):
+    with pytest.raises(OutputError, match=f"{blocker} is a file where a folder should be"):
         ck.save_checkpoint({"epoch": 0}, blocker / "sub" / "last.pt")
 
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from build_utils.atomic import make_output_dir, reported_write
 from build_utils.errors import ConfigError, YoloError
 from models.weights import save_weights
 from train_utils.builders import model_from_weights
@@ -33,6 +34,7 @@ from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags
 
 PT_SUFFIX = ".pt"
 DARKNET_SUFFIX = ".weights"
+OUTPUT_FLAG = "--output"  # the option that chose the output file, named in write errors
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -87,11 +89,12 @@ def convert(cfg: Path | None, src: Path, dst: Path | None, trust: bool = False) 
             f"in .weights and the other in .pt or .pth"
         )
     model = model_from_weights(weights, cfg, None, img_size=416)
-    dst.parent.mkdir(parents=True, exist_ok=True)
+    make_output_dir(dst.parent, OUTPUT_FLAG)
     if to_darknet:
-        save_weights(model, dst)
+        with reported_write(dst, OUTPUT_FLAG):
+            save_weights(model, dst)
     else:
-        save_weights_pt(model, dst)
+        save_weights_pt(model, dst, OUTPUT_FLAG)
     return dst
 
 

@@ -16,6 +16,7 @@ Without ``--weights`` the model keeps its random initialisation (useful for test
 from __future__ import annotations
 
 import argparse
+import io
 import logging
 import sys
 import warnings
@@ -27,6 +28,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError, YoloError
 from models.darknet import Darknet
 from train_utils.builders import model_from_weights
@@ -40,6 +42,7 @@ MIN_OPSET = 11
 DEFAULT_OPSET = 12
 DEFAULT_SIDE = 416  # export size of a cfg without a trained run
 VERIFY_TOLERANCE = 1e-4
+OUTPUT_FLAG = "--output"  # the option that chose the output file, named in write errors
 VERIFY_BATCH = 2  # not the export batch (1), to exercise the dynamic batch axis
 
 
@@ -81,7 +84,7 @@ def export_onnx(
     if h % stride or w % stride:
         raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    make_output_dir(path.parent, OUTPUT_FLAG)
     wrapper = DetectionsOnly(model).eval()
     x = torch.zeros(1, model.hyperparams.get("channels", 3), h, w)
     with warnings.catch_warnings():
@@ -93,10 +96,13 @@ def export_onnx(
         # Darknet's max-pooling pads with -inf where MaxPool's symmetric padding cannot (size=2
         # stride=1): F.pad exports as Pad with a reversed (step -1) Slice the folder skips.
         warnings.filterwarnings("ignore", message="Constant folding", category=UserWarning)
+        # Into memory first, then atomically onto ``path``: a full disk mid-write must leave
+        # the previous export whole (the exporter would write ``path`` in place).
+        buf = io.BytesIO()
         torch.onnx.export(
             wrapper,
             (x,),
-            str(path),
+            buf,
             dynamo=False,
             opset_version=opset,
             input_names=["images"],
@@ -105,6 +111,8 @@ def export_onnx(
         )
     # The exporter restores the wrapper's original (training) mode on exit, recursively.
     model.eval()
+    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
+        f.write(buf.getbuffer())
     return path
 
 

@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import dataclasses
 import enum
+import errno
 import logging
 import re
 import shutil
@@ -39,7 +40,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from build_utils.atomic import atomic_write
+from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import CheckpointError, YoloError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from models.weights import load_darknet_weights
@@ -99,27 +100,30 @@ def to_plain(obj: Any) -> Any:
     return obj
 
 
-def save_checkpoint(obj: Mapping[str, Any], path: str | Path) -> None:
+def save_checkpoint(obj: Mapping[str, Any], path: str | Path, flag: str | None = None) -> None:
     """Write ``obj`` to ``path`` atomically: readers see the old file or the new one, never half.
 
     The dict goes through :func:`to_plain` first, then into a temp file in the same directory
     (same file system, so the rename is atomic), which is flushed and fsynced before
     ``os.replace`` moves it onto ``path``. A crash or a full disk mid-write leaves any previous
     ``path`` intact and removes the temp file. Missing parent directories are created.
+    ``flag`` is the option that chose the place, named in the error's fix.
 
     Raises:
-        CheckpointError: the file cannot be written (permissions, disk full, ...).
+        OutputError: the file cannot be written (disk full, read-only, a file where a folder
+            should be, a folder of that name, ...).
     """
     path = Path(path)
     if not isinstance(obj, Mapping):
         raise TypeError(f"a checkpoint must be a dict, got {type(obj).__name__}")
     plain = to_plain(dict(obj))
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_write(path, "wb", durable_dir=True) as f:
-            torch.save(plain, f)
-    except OSError as e:
-        raise CheckpointError(f"cannot write checkpoint: {e.strerror or e}", path) from e
+    make_output_dir(path.parent, flag)
+    with reported_write(path, flag):
+        try:
+            with atomic_write(path, "wb", durable_dir=True) as f:
+                torch.save(plain, f)
+        except RuntimeError as e:
+            raise _torch_write_failure(e) from e
     logger.debug("saved checkpoint %s", path)
 
 
@@ -136,6 +140,18 @@ def copy_checkpoint(src: str | Path, dst: str | Path) -> None:
             shutil.copyfileobj(f_src, f_dst)
     except OSError as e:
         raise CheckpointError(f"cannot copy {src} here: {e.strerror or e}", dst) from e
+
+
+def _torch_write_failure(e: RuntimeError) -> OSError:
+    """The ``OSError`` behind ``torch.save``'s ``RuntimeError``: its zip writer reports a failed
+    write of the file object (a full disk) as "unexpected pos" or "file write failed", with
+    the file's own ``OSError`` as the context when there was one."""
+    if isinstance(e.__context__, OSError):
+        return e.__context__
+    text = str(e)
+    if "unexpected pos" in text or "write failed" in text:
+        return OSError(errno.EIO, "the write failed (is the disk full?)")
+    raise e
 
 
 def _numpy_safe_globals() -> list[Any]:
@@ -791,7 +807,7 @@ def fit_state_dict(
     return skipped
 
 
-def save_weights_pt(model: nn.Module, path: str | Path) -> None:
+def save_weights_pt(model: nn.Module, path: str | Path, flag: str | None = None) -> None:
     """Write ``model``'s weights as a lineage ``.pt``, atomically: ``{'model': state_dict,
     'epoch': -1, 'best_fitness': None, 'training_results': None, 'optimizer': None}``
     (``epoch=-1`` marks weights to initialise from, never a run to resume)."""
@@ -804,4 +820,5 @@ def save_weights_pt(model: nn.Module, path: str | Path) -> None:
             "optimizer": None,
         },
         path,
+        flag,
     )

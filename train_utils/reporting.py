@@ -20,14 +20,17 @@ from typing import Any
 import yaml
 from torch.utils.tensorboard import SummaryWriter
 
-from build_utils.atomic import atomic_write
+from build_utils.atomic import atomic_write, reported_write
 from train_utils.checkpoint import to_plain
 from train_utils.engine import EpochStats
 from train_utils.evaluation.coco_eval import STAT_NAMES
+from train_utils.evaluation.plots import save_figure
 from train_utils.evaluation.report import write_eval_report
 from train_utils.run_pictures import plot_first_batches
 
 logger = logging.getLogger(__name__)
+
+OUTPUT_FLAG = "--output-dir"  # the option that chose the run folder, named in write errors
 
 RESULTS_HEADER = [
     "epoch",
@@ -51,8 +54,12 @@ def read_results(path: Path) -> list[dict[str, str]]:
 
 
 def write_results(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
-    """Replace ``results.csv`` atomically."""
-    with atomic_write(path, "w", newline="") as f:
+    """Replace ``results.csv`` atomically.
+
+    Raises:
+        OutputError: it cannot be written (the previous file stays as it was).
+    """
+    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=RESULTS_HEADER)
         w.writeheader()
         w.writerows(rows)
@@ -79,20 +86,27 @@ def plot_results(csv_path: Path, png_path: Path) -> None:
     axes[1].set(title="validation mAP", xlabel="epoch", ylim=(0, 1))
     axes[1].legend()
     fig.tight_layout()
-    fig.savefig(png_path, dpi=100)
-    plt.close(fig)
+    save_figure(fig, png_path)
 
 
 def write_run_files(
     out: Path, args: Mapping[str, Any], hyp: Mapping[str, Any], cfg_text: str
 ) -> None:
     """``args.yaml`` (the resolved run config), ``hyp.yaml`` (the hyperparameters as the user
-    gave them, so that ``--hyp runs/x/hyp.yaml`` reproduces the run) and ``model.cfg``."""
-    (out / "model.cfg").write_text(cfg_text)
-    with open(out / "args.yaml", "w") as f:
-        yaml.safe_dump(to_plain(dict(args)), f, sort_keys=False)
-    with open(out / "hyp.yaml", "w") as f:
-        yaml.safe_dump(to_plain(dict(hyp)), f, sort_keys=False)
+    gave them, so that ``--hyp runs/x/hyp.yaml`` reproduces the run) and ``model.cfg``, each
+    atomically (a resumed run rewrites them over the previous run's).
+
+    Raises:
+        OutputError: one of them cannot be written.
+    """
+    texts = {
+        "model.cfg": cfg_text,
+        "args.yaml": yaml.safe_dump(to_plain(dict(args)), sort_keys=False),
+        "hyp.yaml": yaml.safe_dump(to_plain(dict(hyp)), sort_keys=False),
+    }
+    for name, text in texts.items():
+        with reported_write(out / name, OUTPUT_FLAG), atomic_write(out / name, "w") as f:
+            f.write(text)
 
 
 class EpochReporter:
@@ -110,7 +124,8 @@ class EpochReporter:
         write_results(
             self.results, [r for r in read_results(self.results) if int(r["epoch"]) < start_epoch]
         )
-        self.writer = SummaryWriter(str(out))
+        with reported_write(out, OUTPUT_FLAG, folder=True):
+            self.writer = SummaryWriter(str(out))
 
     def end_epoch(
         self,
@@ -138,7 +153,9 @@ class EpochReporter:
         for k, v in stats.as_dict().items():
             self.writer.add_scalar(f"train/{k}", v, epoch)
         self.writer.add_scalar("train/lr", stats.lr, epoch)
-        self.writer.flush()
+        # TensorBoard writes in a thread and raises its failure at the next flush.
+        with reported_write(self.out, OUTPUT_FLAG, folder=True):
+            self.writer.flush()
 
     def watch_batches(self, loader: Any, epoch: int, names: Sequence[str]) -> Any:
         """``loader``, drawing its first batches to ``train_batch*.jpg`` in epoch 0."""
@@ -230,7 +247,12 @@ class EpochReporter:
         )
 
     def close(self) -> None:
-        self.writer.close()
+        """Flush and close TensorBoard's file; a failure is a warning, as this runs while the
+        run ends, often with an error of its own that it must not hide."""
+        try:
+            self.writer.close()
+        except OSError as e:
+            logger.warning("could not finish the TensorBoard file in %s: %s", self.out, e)
 
 
 class SilentReporter:

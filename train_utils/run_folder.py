@@ -34,6 +34,7 @@ from typing import Any
 
 import yaml
 
+from build_utils.atomic import write_error
 from build_utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ HEARTBEAT_S = 60.0  # how often a live run refreshes its lock's modification tim
 # Another host's lock not refreshed for this long belongs to a run that is gone (ten missed
 # heartbeats: a slow shared file system may delay a few, a live run never misses ten).
 FOREIGN_STALE_S = 10 * HEARTBEAT_S
+RUN_FOLDER_FLAGS = "--name/--output-dir"  # the options that choose a run folder, for errors
 MAX_NUMBER = 9999  # x2 ... x9999, as YOLOv5's increment_path
 
 
@@ -328,8 +330,8 @@ def claim_run_folder(base: Path, resume: bool, exist_ok: bool) -> RunFolder:
         The locked folder (created), with notes for the run's log.
 
     Raises:
-        ConfigError: a live run holds the folder (named), the path is a file, or the folder
-            cannot be created or locked (read-only, full disk).
+        ConfigError: a live run holds the folder (named), or the path is a file.
+        OutputError: the folder cannot be created or locked (read-only, full disk).
     """
     notes: list[str] = []
     if base.exists() and not base.is_dir():
@@ -349,8 +351,8 @@ def claim_run_folder(base: Path, resume: bool, exist_ok: bool) -> RunFolder:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _acquire(folder, notes)
-    except OSError as e:
-        raise ConfigError(f"cannot create or lock the run folder: {e.strerror or e}", folder) from e
+    except OSError as e:  # a read-only place, a full disk, a file in the path
+        raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
     claim = RunFolder(folder, notes)
     try:
         if exist_ok and not resume and holds_run(folder):

@@ -18,6 +18,7 @@ import contextlib
 import logging
 import random
 import signal
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -29,8 +30,9 @@ import numpy as np
 import torch
 from torch import nn
 
+from build_utils.atomic import reported_write, write_error
 from build_utils.datasets import UnreadableImages, log_unreadable
-from build_utils.errors import CheckpointError, ConfigError, RunStopped, YoloError
+from build_utils.errors import CheckpointError, ConfigError, OutputError, RunStopped, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
@@ -59,7 +61,6 @@ from train_utils.config import (
 from train_utils.distributed.comm import (
     all_gather,
     all_reduce_flag,
-    barrier,
     broadcast_object,
     broadcast_tensors_,
     raise_if_any_rank_failed,
@@ -79,7 +80,13 @@ from train_utils.memory_format import (
 )
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
-from train_utils.reporting import EpochReporter, SilentReporter, make_reporter, write_run_files
+from train_utils.reporting import (
+    OUTPUT_FLAG,
+    EpochReporter,
+    SilentReporter,
+    make_reporter,
+    write_run_files,
+)
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
 
@@ -170,16 +177,20 @@ def seed_all(seed: int) -> None:
 def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     """Train according to ``config`` on this process's share of the work (see module docstring)."""
     t_start = time.time()
-    claim, error = None, None
+    claim, log_handler, error = None, None, None
     if dist.is_main:
         try:
             claim = claim_run_folder(
                 config.output_dir, resume=config.resume is not None, exist_ok=config.exist_ok
             )
+            log_handler = _log_file_handler(claim.path / "train.log")
         except YoloError as e:
             error = e
-    # Collective: a folder rank 0 may not write (a live run holds it) stops every rank with the
-    # same line, instead of leaving the others waiting in the next collective.
+            if claim is not None:
+                claim.release()
+                claim = None
+    # Collective: a folder rank 0 may not write (a live run holds it, a full disk) stops every
+    # rank with the same line, instead of leaving the others waiting in the next collective.
     raise_if_any_rank_failed(error, "claiming the run folder")
     try:
         # A --weights inside a folder whose previous run --exist-ok moved aside moved with it.
@@ -188,7 +199,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
         # runs/x holds a previous run); it exists once this returns.
         folder, config.weights = broadcast_object(chosen)
         config.output_dir = Path(folder)
-        with _log_to_file(config.output_dir / "train.log", dist.is_main):
+        with _log_to_file(log_handler):
             if claim is not None:
                 claim.log()
             return _train(config, dist, t_start)
@@ -216,17 +227,24 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
-    if dist.is_main:
-        # The launch is recorded so that a torchrun restart finds this folder (run_folder).
-        args = {**config.to_dict(), "launch": launch_id()}
-        write_run_files(config.output_dir, args, config.hyp, cfg_text)
-        _log_start(
-            config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
-        )
-        plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
+    failure = None
+    try:
+        if dist.is_main:
+            # The launch is recorded so that a torchrun restart finds this folder (run_folder).
+            args = {**config.to_dict(), "launch": launch_id()}
+            write_run_files(config.output_dir, args, config.hyp, cfg_text)
+            _log_start(
+                config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
+            )
+            plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
+        reporter = make_reporter(dist.is_main, config.output_dir, start_epoch)
+    except OutputError as e:  # only rank 0 writes
+        failure = e
+    # Collective: every rank stops with rank 0's error when it cannot write the run's files,
+    # instead of waiting for it in the first step's gradient all-reduce.
+    raise_if_any_rank_failed(failure, "writing the run folder")
     run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
     loop = LoopState(start_epoch - 1, best, best_epoch)
-    reporter = make_reporter(dist.is_main, config.output_dir, start_epoch)
     signals = _StopSignals()
     try:
         with signals.installed():
@@ -294,13 +312,17 @@ def _train_epochs(
         loop.update(epoch, val, is_best)
         # results.csv, last.pt and best.pt are written whole before a Ctrl-C/SIGTERM acts, so
         # that the three agree; a SIGKILL between them is repaired by --resume (_reconcile_best).
-        with signals.deferred():
-            reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
-            _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
+        failure = None
+        try:
+            with signals.deferred():
+                reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
+                _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
+        except OutputError as e:  # a full disk: stop here, never train on without checkpoints
+            failure = e
         plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
         # Collective: every rank waits here, so that none starts the next epoch before rank 0
-        # has written this one's checkpoint.
-        barrier()
+        # has written this one's checkpoint, and all stop with rank 0's error when it could not.
+        raise_if_any_rank_failed(failure, f"saving epoch {epoch}")
         if eval_s is not None and plan.patience > 0:
             stop = dist.is_main and plan.out_of_patience(epoch, loop.best_epoch)
             # Collective: every rank stops where rank 0, the only one with the mAP, says.
@@ -753,20 +775,23 @@ def _log_start(
 
 def _save_on_main(run: _Run, epoch: int, loop: LoopState, as_best: bool) -> None:
     """Rank 0 writes the checkpoint of ``epoch`` to ``last.pt``, then the same one to ``best.pt``
-    when ``as_best``; other ranks write nothing. Not a collective: the trainer's barrier after
-    it keeps the other ranks from running ahead.
+    when ``as_best``; other ranks write nothing. Not a collective: the trainer's
+    ``raise_if_any_rank_failed`` after it keeps the other ranks from running ahead.
 
     Why last.pt first: a crash between the two leaves a ``last.pt`` that names its own epoch as
     the best and holds exactly the bytes ``best.pt`` should have, so ``--resume`` can rebuild
     ``best.pt`` from it (:func:`_reconcile_best`). The other order would leave a ``best.pt``
     ahead of ``last.pt``, right only if the replayed epoch is judged the same way again.
+
+    Raises:
+        OutputError: a checkpoint cannot be written (the previous one stays as it was).
     """
     if not run.dist.is_main:
         return
     ckpt = _checkpoint(run, epoch, loop.best, loop.best_epoch)
-    save_checkpoint(ckpt, run.config.output_dir / "last.pt")
+    save_checkpoint(ckpt, run.config.output_dir / "last.pt", OUTPUT_FLAG)
     if as_best:
-        save_checkpoint(ckpt, run.config.output_dir / "best.pt")
+        save_checkpoint(ckpt, run.config.output_dir / "best.pt", OUTPUT_FLAG)
 
 
 def _checkpoint(
@@ -851,16 +876,41 @@ def _reconcile_best(ckpt: dict[str, Any], last: Path, best: Path, trust: bool) -
 # ---- process plumbing -----------------------------------------------------------------------
 
 
+class _RunLogHandler(logging.FileHandler):
+    """``train.log``. A line it cannot write (a full disk) is one warning on the console, not
+    logging's traceback per line; the run goes on (its next checkpoint says whether the disk
+    is full)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        self.failed = True  # before logging: the warning comes back here and must not loop
+        e = sys.exc_info()[1]
+        why = write_error(e, self.baseFilename) if isinstance(e, OSError) else e
+        logger.warning("%s; the log goes on on the console only", why)
+
+
+def _log_file_handler(path: Path) -> logging.FileHandler:
+    """A handler appending to ``path`` (rank 0's ``train.log``).
+
+    Raises:
+        OutputError: the file cannot be opened for writing.
+    """
+    with reported_write(path, OUTPUT_FLAG):
+        return _RunLogHandler(path)
+
+
 @contextlib.contextmanager
-def _log_to_file(path: Path, enabled: bool) -> Iterator[None]:
-    """Send INFO and above to ``path`` (rank 0's ``train.log``), whatever the caller's logging
-    set-up, and restore the root logger afterwards."""
+def _log_to_file(handler: logging.Handler | None) -> Iterator[None]:
+    """Send INFO and above to ``handler`` (None: nowhere, off rank 0), whatever the caller's
+    logging set-up, and restore the root logger afterwards."""
     root = logging.getLogger()
     level = root.level
-    if not enabled:
+    if handler is None:
         yield
         return
-    handler = logging.FileHandler(path)
     handler.setLevel(logging.INFO)
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root.addHandler(handler)

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from build_utils.errors import CheckpointError, ConfigError, DatasetError, YoloError
+from build_utils.errors import CheckpointError, ConfigError, DatasetError, OutputError, YoloError
 
 logger = logging.getLogger(__name__)
 
@@ -231,7 +231,7 @@ def raise_if_any_rank_failed(error: YoloError | None, what: str) -> None:
             raise cls(f"{what} failed on rank {rank} ({host}): {message}") from error
 
 
-_ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError)}
+_ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError, OutputError)}
 
 
 def all_reduce_flag(flag: bool) -> bool:

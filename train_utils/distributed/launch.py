@@ -28,7 +28,14 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from build_utils.errors import CheckpointError, ConfigError, DatasetError, RunStopped, YoloError
+from build_utils.errors import (
+    CheckpointError,
+    ConfigError,
+    DatasetError,
+    OutputError,
+    RunStopped,
+    YoloError,
+)
 from train_utils.cli import EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USER_ERROR, setup_console_logging
 from train_utils.config import build_config
 from train_utils.distributed.comm import all_reduce_flag, broadcast_object
@@ -46,7 +53,9 @@ from train_utils.trainer import run
 logger = logging.getLogger(__name__)
 
 SPAWN_MASTER_ADDR = "127.0.0.1"  # spawned processes share one node: rendezvous on loopback
-_ERROR_TYPES = {c.__name__: c for c in (YoloError, ConfigError, CheckpointError, DatasetError)}
+_ERROR_TYPES = {
+    c.__name__: c for c in (YoloError, ConfigError, CheckpointError, DatasetError, OutputError)
+}
 
 
 def free_port(host: str = SPAWN_MASTER_ADDR) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError
 
 # The official COCO category id of each of the 80 class indices of coco.names (ids 12, 26, 29,
@@ -47,10 +48,23 @@ def yolo_txt_lines(det: np.ndarray, width: int, height: int, save_conf: bool) ->
     return lines
 
 
-def write_yolo_txt(path: Path, det: np.ndarray, width: int, height: int, save_conf: bool) -> None:
-    """One image's detections as a YOLO ``.txt`` (an empty file when there are none)."""
+def write_yolo_txt(
+    path: Path,
+    det: np.ndarray,
+    width: int,
+    height: int,
+    save_conf: bool,
+    flag: str | None = None,
+) -> None:
+    """One image's detections as a YOLO ``.txt`` (an empty file when there are none), written
+    atomically.
+
+    Raises:
+        OutputError: ``path`` cannot be written (``flag``: the option that chose the folder).
+    """
     lines = yolo_txt_lines(det, width, height, save_conf)
-    path.write_text("".join(line + "\n" for line in lines))
+    with reported_write(path, flag), atomic_write(path, "w") as f:
+        f.write("".join(line + "\n" for line in lines))
 
 
 def write_dataset_txt(
@@ -58,19 +72,25 @@ def write_dataset_txt(
     coco_gt: Any,
     detections: Sequence[dict[str, Any]],
     save_conf: bool,
+    flag: str | None = None,
 ) -> int:
     """``out_dir/<image stem>.txt`` for every image of ``coco_gt`` (``file_name``, ``width``,
-    ``height``), from COCO-format ``detections`` with internal ids. Returns the files written."""
+    ``height``), from COCO-format ``detections`` with internal ids. Returns the files written.
+
+    Raises:
+        OutputError: a file cannot be written (``flag``: the option that chose ``out_dir``).
+    """
     from train_utils.evaluation.metrics import dets_by_image
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out_dir, flag)
     dets = dets_by_image(detections)
     empty = np.zeros((0, 6))
     n = 0
     for img_id in sorted(coco_gt.getImgIds()):
         info = coco_gt.imgs[img_id]
         path = out_dir / f"{Path(info['file_name']).stem}.txt"
-        write_yolo_txt(path, dets.get(img_id, empty), info["width"], info["height"], save_conf)
+        h, w = info["height"], info["width"]
+        write_yolo_txt(path, dets.get(img_id, empty), w, h, save_conf, flag)
         n += 1
     return n
 

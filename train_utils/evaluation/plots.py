@@ -11,10 +11,13 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import cv2
 import numpy as np
 
+from build_utils.atomic import atomic_write, reported_write
+from build_utils.errors import OutputError
 from train_utils.evaluation.metrics import ClassMetrics
 
 MOSAIC_CELL = 320  # pixels of the longer side of each image in a mosaic
@@ -22,6 +25,36 @@ MOSAIC_MAX_IMAGES = 16
 BOX_THICKNESS = 2
 DPI = 100
 MAX_CURVE_LEGEND = 10  # classes named in a curve's legend; more are drawn grey and unnamed
+
+
+def save_figure(fig: Any, path: str | Path) -> None:
+    """Write the matplotlib ``fig`` to ``path`` (format from the suffix) atomically and close it.
+
+    Raises:
+        OutputError: ``path`` cannot be written (the previous picture stays as it was).
+    """
+    path = Path(path)
+    try:
+        with reported_write(path), atomic_write(path, "wb") as f:
+            fig.savefig(f, dpi=DPI, format=path.suffix.lstrip(".") or "png")
+    finally:
+        _pyplot().close(fig)
+
+
+def write_image(path: str | Path, img: np.ndarray, flag: str | None = None) -> None:
+    """Encode the BGR ``img`` by ``path``'s suffix (``.jpg`` when none) and write it atomically.
+
+    Raises:
+        OutputError: OpenCV cannot encode that format (``cv2.imencode`` returns False rather
+            than raising), or ``path`` cannot be written (the previous picture stays);
+            ``flag`` is the option that chose the folder.
+    """
+    path = Path(path)
+    ok, buf = cv2.imencode(path.suffix or ".jpg", img)
+    if not ok:
+        raise OutputError(f"cannot write {path}: OpenCV cannot encode {path.suffix!r} images")
+    with reported_write(path, flag), atomic_write(path, "wb") as f:
+        f.write(buf.tobytes())
 
 
 def _pyplot():
@@ -64,8 +97,7 @@ def plot_labels(labels: Sequence[np.ndarray], names: Sequence[str], path: Path) 
     axes[2].hist2d(lb[:, 3], lb[:, 4], bins=50, range=[[0, 1], [0, 1]], cmap="Blues")
     axes[2].set(title="box sizes", xlabel="width", ylabel="height", xlim=(0, 1), ylim=(0, 1))
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_images(
@@ -118,9 +150,7 @@ def plot_images(
         cv2.rectangle(
             mosaic, (x0, y0), (x0 + MOSAIC_CELL - 1, y0 + MOSAIC_CELL - 1), (255, 255, 255), 1
         )
-    ok, buf = cv2.imencode(Path(path).suffix or ".jpg", mosaic)
-    if ok:
-        Path(path).write_bytes(buf.tobytes())
+    write_image(path, mosaic)
 
 
 def batch_to_images(
@@ -170,8 +200,7 @@ def plot_confusion_matrix(matrix: np.ndarray, names: Sequence[str], path: Path) 
                     ax.text(j, i, f"{norm[i, j]:.2f}", ha="center", va="center", color=colour)
     ax.set(xlabel="true", ylabel="predicted", title="confusion matrix (column-normalised)")
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def plot_curves(metrics: ClassMetrics, names: Sequence[str], out_dir: Path) -> list[Path]:
@@ -208,7 +237,6 @@ def plot_curves(metrics: ClassMetrics, names: Sequence[str], out_dir: Path) -> l
         ax.legend(loc="lower left" if fname == "PR_curve.png" else "best", fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
-        fig.savefig(out_dir / fname, dpi=DPI)
-        plt.close(fig)
+        save_figure(fig, out_dir / fname)
         written.append(out_dir / fname)
     return written

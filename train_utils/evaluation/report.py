@@ -21,6 +21,7 @@ from typing import Any
 import cv2
 import numpy as np
 
+from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from train_utils.evaluation.metrics import (
     CONFUSION_CONF,
     DetectionMetrics,
@@ -101,8 +102,13 @@ def format_table(rows: Sequence[ClassRow], best_conf: float) -> str:
     return "\n".join(lines)
 
 
-def write_per_class_csv(path: Path, rows: Sequence[ClassRow]) -> None:
-    with path.open("w", newline="") as f:
+def write_per_class_csv(path: Path, rows: Sequence[ClassRow], flag: str | None = None) -> None:
+    """The per-class table as CSV, written atomically.
+
+    Raises:
+        OutputError: ``path`` cannot be written (``flag``: the option that chose the folder).
+    """
+    with reported_write(path, flag), atomic_write(path, "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(PER_CLASS_HEADER)
         for r in rows:
@@ -147,19 +153,24 @@ def write_eval_report(
     names: Sequence[str],
     coco_ap: Mapping[int, tuple[float, float]] | None = None,
     plots: bool = True,
+    flag: str | None = None,
 ) -> tuple[DetectionMetrics, list[ClassRow]]:
     """Compute the per-class metrics of ``detections`` (COCO dicts, category id = class) against
     ``coco_gt`` (pycocotools ``COCO``, image ``file_name`` = image path), log the table and
-    write the CSV and (with ``plots``) the pictures into ``out_dir``."""
+    write the CSV and (with ``plots``) the pictures into ``out_dir``.
+
+    Raises:
+        OutputError: a file cannot be written (``flag``: the option that chose ``out_dir``).
+    """
     t0 = time.time()
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out_dir, flag)
     gt = gt_by_image(coco_gt)
     dets = dets_by_image(detections)
     nc = max(len(names), len(coco_gt.getCatIds()))
     metrics = evaluate_detections(gt, dets, nc)
     rows = per_class_rows(metrics, names, coco_ap)
     logger.info("%s", format_table(rows, metrics.per_class.best_conf))
-    write_per_class_csv(out_dir / "per_class.csv", rows)
+    write_per_class_csv(out_dir / "per_class.csv", rows, flag)
     if not plots:
         return metrics, rows
     plot_confusion_matrix(metrics.confusion.matrix, names, out_dir / "confusion_matrix.png")
