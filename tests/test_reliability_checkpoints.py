@@ -265,8 +265,8 @@ def test_readme_sbatch_script_requeues_on_status_75_and_resumes_when_requeued(tm
     calls = tmp_path / "calls"
     # srun: records its arguments, "saves" last.pt and exits with $SRUN_STATUS.
     (bin_dir / "srun").write_text(
-        f'#!/bin/bash\necho "srun $*" >> {calls}\nmkdir -p {runs}/yolo\n'
-        f"touch {runs}/yolo/last.pt\nexit $SRUN_STATUS\n"
+        f'#!/bin/bash\necho "srun $*" >> {calls}\nmkdir -p {runs}/yolo-42\n'
+        f"touch {runs}/yolo-42/last.pt\nexit $SRUN_STATUS\n"
     )
     (bin_dir / "scontrol").write_text(f'#!/bin/bash\necho "scontrol $*" >> {calls}\n')
     for f in bin_dir.iterdir():
@@ -279,6 +279,9 @@ def test_readme_sbatch_script_requeues_on_status_75_and_resumes_when_requeued(tm
         proc = subprocess.run(["bash", str(script)], env={**env, "SRUN_STATUS": str(status)})
         return proc.returncode, calls.read_text().splitlines()
 
+    # An earlier job of the same name (another id) has a run of its own: not this job's.
+    (runs / "yolo-41").mkdir(parents=True)
+    (runs / "yolo-41" / "last.pt").write_bytes(b"an earlier job's run")
     code, lines = job(EXIT_STOPPED)
     assert code == EXIT_STOPPED
     assert "--resume" not in lines[0].split() and lines[1:] == ["scontrol requeue 42"]
