@@ -366,9 +366,8 @@ def choose_output_dir(
     check_not_over_sources(requested, sources, outputs)
     out, n = requested, 1
     while True:
-        if out.exists() and not out.is_dir():
-            raise ConfigError(f"--output {out} is a file, not a folder; choose another --output")
-        if not out.exists() or exist_ok or not any(out.iterdir()):
+        # A file where the folder should be is reported by make_output_dir, as every write is.
+        if not out.is_dir() or exist_ok or not any(out.iterdir()):
             break
         n += 1
         out = requested.with_name(f"{requested.name}{n}")

@@ -224,7 +224,7 @@ def test_a_second_run_never_overwrites_the_first(checkpoint, tmp_path, console):
     # A file where the folder should be: one line.
     (tmp_path / "afile").write_text("x")
     assert _main(checkpoint, tmp_path / "afile", "--source", str(src)) == 2
-    assert "is a file, not a folder" in console.readouterr().err
+    assert "is a file where a folder should be" in console.readouterr().err
 
 
 def test_a_source_without_images_stops(checkpoint, tmp_path, console):

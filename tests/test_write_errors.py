@@ -302,7 +302,8 @@ def test_predict_output_full_or_read_only(
     assert len(before) == 2  # the picture and its label file
     console.readouterr()
     failing_disk(monkeypatch, out, code)
-    assert _predict(weights, source, out, "--save-txt") == 2
+    # --exist-ok: into the folder that holds the first run's predictions (else out2 is used).
+    assert _predict(weights, source, out, "--save-txt", "--exist-ok") == 2
     one_error_line(console, f"cannot write {out}", os.strerror(code), "--output")
     assert snapshot(out) == before
 

@@ -118,8 +118,8 @@ def read_lock(path: Path) -> LockHolder | None:
     try:
         text = path.read_text(encoding="utf-8")
         age = time.time() - path.stat().st_mtime
-    except FileNotFoundError:
-        return None
+    except (FileNotFoundError, NotADirectoryError):
+        return None  # no lock (a file in the folder's path is reported when it is made)
     except OSError as e:
         raise ConfigError(f"cannot read the run lock: {e.strerror}", path) from e
     try:

@@ -123,9 +123,9 @@ def _signal_at_write(marker: Path, write: str, epoch: int, signum: int) -> None:
     watch(checkpoint)  # last.pt, best.pt
     real_save, real_write_results = trainer.save_checkpoint, reporting.write_results
 
-    def save_checkpoint(obj, path):
+    def save_checkpoint(obj, path, *args):
         current["epoch"] = obj["epoch"]
-        real_save(obj, path)
+        real_save(obj, path, *args)
         if write == "between" and Path(path).name == "last.pt" and obj["epoch"] == epoch:
             hit()
 
