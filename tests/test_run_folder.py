@@ -290,3 +290,22 @@ def test_a_restarted_launch_finds_the_numbered_folder_its_first_attempt_wrote(tm
     assert folder_of_launch(base, "") is None
     (tmp_path / "x2" / "last.pt").unlink()  # the first attempt died before its first epoch
     assert folder_of_launch(base, me) is None
+
+
+def test_half_written_files_of_a_killed_run_are_removed_when_the_folder_is_claimed(tmp_path):
+    """A SIGKILL during last.pt leaves .last.pt.<pid>.<hex>.tmp; the next run that holds the
+    folder (--resume) removes it, and nothing else."""
+    folder = tmp_path / "run"
+    folder.mkdir()
+    torn = folder / ".last.pt.4242.0123abcd.tmp"
+    torn.write_bytes(b"half a checkpoint")
+    keep = [folder / "last.pt", folder / ".hidden.tmp", folder / "notes.4242.0123abcd.tmp"]
+    for p in keep:
+        p.write_bytes(b"the user's")
+    claim = claim_run_folder(folder, resume=True, exist_ok=False)
+    try:
+        assert not torn.exists()
+        assert all(p.read_bytes() == b"the user's" for p in keep)
+        assert any(".last.pt.4242.0123abcd.tmp" in note for note in claim.notes)
+    finally:
+        claim.release()

@@ -34,7 +34,7 @@ from typing import Any
 
 import yaml
 
-from build_utils.atomic import write_error
+from build_utils.atomic import TEMP_SUFFIX, write_error
 from build_utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -301,6 +301,23 @@ def _acquire(folder: Path, notes: list[str]) -> None:
     raise _refusal(folder, holder or LockHolder("unknown host", -1, "just now", 0.0))
 
 
+# build_utils.atomic.temp_path's names: ``.{name}.{pid}.{8 hex digits}.tmp``.
+_TORN_WRITE = re.compile(r"\..+\.\d+\.[0-9a-f]{8}" + re.escape(TEMP_SUFFIX))
+
+
+def _remove_torn_writes(folder: Path, notes: list[str]) -> None:
+    """Delete the temporary files of writes a killed run left half done (SIGKILL, power loss
+    during ``last.pt``): the files they would have replaced are whole. Safe only while this
+    run holds the folder's lock: no other run writes here."""
+    torn = [p for p in folder.iterdir() if _TORN_WRITE.fullmatch(p.name) and p.is_file()]
+    for p in torn:
+        with contextlib.suppress(OSError):
+            p.unlink()
+    if torn:
+        names = ", ".join(sorted(p.name for p in torn))
+        notes.append(f"{folder}: removed {len(torn)} half-written temporary file(s): {names}")
+
+
 def _move_previous_run(folder: Path) -> Path:
     """Move everything in ``folder`` but the lock and earlier replaced runs into
     ``folder/replaced-<time>/``; that folder."""
@@ -351,6 +368,7 @@ def claim_run_folder(base: Path, resume: bool, exist_ok: bool) -> RunFolder:
     try:
         folder.mkdir(parents=True, exist_ok=True)
         _acquire(folder, notes)
+        _remove_torn_writes(folder, notes)
     except OSError as e:  # a read-only place, a full disk, a file in the path
         raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
     claim = RunFolder(folder, notes)
