@@ -17,9 +17,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
-import signal
 import sys
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -89,6 +87,7 @@ from train_utils.reporting import (
 )
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
+from train_utils.stop_signals import StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -245,7 +244,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     raise_if_any_rank_failed(failure, "writing the run folder")
     run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
     loop = LoopState(start_epoch - 1, best, best_epoch)
-    signals = _StopSignals()
+    signals = StopSignals()
     try:
         with signals.installed():
             _train_epochs(run, reporter, loop, signals)
@@ -272,7 +271,7 @@ def _train_epochs(
     run: _Run,
     reporter: EpochReporter | SilentReporter,
     loop: LoopState,
-    signals: _StopSignals,
+    signals: StopSignals,
 ) -> None:
     """Train the epochs after ``loop.epoch`` until the plan (or ``--patience``) ends the run:
     each trained, evaluated when planned, recorded and saved, ``loop`` kept current (the caller
@@ -924,66 +923,6 @@ def _log_to_file(handler: logging.Handler | None) -> Iterator[None]:
         root.setLevel(level)
 
 
-# A scheduler's "time is nearly up" warning (SLURM ``--signal=USR1@120``); absent on Windows.
-STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
-
-
-class _StopSignals:
-    """How the run reacts to signals while it trains.
-
-    SIGINT (Ctrl-C) and SIGTERM (torchrun, schedulers, ``kill``) raise KeyboardInterrupt at
-    once, so the run stops and says how to resume, except inside :meth:`deferred` (the writes
-    of an epoch's end), where they wait until those are done: a signal never leaves
-    ``results.csv``, ``last.pt`` and ``best.pt`` disagreeing. SIGUSR1 only asks for a stop,
-    which :class:`_StopPoints` acts on between two batches, agreed by every rank.
-    """
-
-    def __init__(self) -> None:
-        self.stop_requested = False
-        self._deferring = False
-        self._pending: int | None = None
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        if signum == STOP_SIGNAL:
-            self.stop_requested = True
-        elif self._deferring:
-            self._pending = signum
-        else:
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def deferred(self) -> Iterator[None]:
-        """SIGINT/SIGTERM arriving inside wait for its end (then raise KeyboardInterrupt)."""
-        self._deferring = True
-        try:
-            yield
-        finally:
-            self._deferring = False
-        if self._pending is not None:
-            logger.warning(
-                "signal %d received during the epoch's writes: stopping after them", self._pending
-            )
-            self._pending = None
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[None]:
-        """Handle the signals while inside (only the main thread can set handlers). SIGINT is
-        taken over only from Python's own Ctrl-C handler (a shell may have set it to ignore)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        wanted = [signal.SIGTERM, STOP_SIGNAL]
-        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            wanted.append(signal.SIGINT)
-        previous = {s: signal.signal(s, self._handle) for s in wanted if s is not None}
-        try:
-            yield
-        finally:
-            for s, handler in previous.items():
-                signal.signal(s, handler)
-
-
 class _StopPoints:
     """The epoch's ``loader``, checking for a stop request before each batch (every
     :data:`STOP_POLL_BATCHES` under DDP, where every rank must check at the same batches).
@@ -993,7 +932,7 @@ class _StopPoints:
     """
 
     def __init__(
-        self, loader: Any, signals: _StopSignals, epoch: int, dist: DistInfo, last: Path
+        self, loader: Any, signals: StopSignals, epoch: int, dist: DistInfo, last: Path
     ) -> None:
         self.loader, self.signals, self.epoch, self.last = loader, signals, epoch, last
         self.poll = STOP_POLL_BATCHES if dist.distributed else 1
