@@ -108,7 +108,10 @@ SEED_MASK = 2**64 - 1
 
 class ImageUnreadable(DatasetError):
     """An image that was checked when the dataset was built can no longer be read or decoded
-    (deleted, truncated, permissions changed during the run)."""
+    (deleted, truncated, permissions changed during the run). ``index`` is the image's
+    dataset index (a mosaic's lost tile is another image than the sample being built)."""
+
+    index: int | None = None
 
 
 class SubstitutePath(str):
@@ -488,12 +491,16 @@ class LoadImagesAndLabels(Dataset):
         try:
             data = read_file_bytes(path)
         except OSError as e:
-            raise ImageUnreadable(
+            err = ImageUnreadable(
                 f"image became unreadable after the dataset was checked: {e.strerror or e}", path
-            ) from e
+            )
+            err.index = i
+            raise err from e
         img = decode_image(data, reduce_factor(scale))
         if img is None:
-            raise ImageUnreadable("image became undecodable after the dataset was checked", path)
+            err = ImageUnreadable("image became undecodable after the dataset was checked", path)
+            err.index = i
+            raise err
         return img
 
     def load_image(self, i: int, scale: float = 1.0) -> np.ndarray:
@@ -561,11 +568,16 @@ class LoadImagesAndLabels(Dataset):
         pool = self._pool
         if pool is None and self._buffer_cap and len(self._buffer) >= self._buffer_cap:
             pool = list(self._buffer)
+        if pool is None and self._unreadable:
+            pool = list(range(len(self)))
         if pool is not None and self._unreadable:
-            # Images found unreadable in this keyed batch are not drawn again as tiles (only
-            # then does the stream differ from a run with every file present).
-            pool = [i for i in pool if i not in self._unreadable] or None
-        if pool is not None:
+            # Images found unreadable are not drawn again as tiles (only then does the stream
+            # differ from a run with every file present); with none of the pool left, the
+            # dataset's readable images are drawn from.
+            pool = [i for i in pool if i not in self._unreadable] or [
+                i for i in range(len(self)) if i not in self._unreadable
+            ]
+        if pool:
             ids = [index] + [pool[k] for k in rng.integers(0, len(pool), 3)]
         else:
             ids = [index] + [int(i) for i in rng.integers(0, len(self), 3)]
@@ -676,7 +688,9 @@ class LoadImagesAndLabels(Dataset):
                 sample = self._sample(i, rng_for(i))
             except ImageUnreadable as e:
                 unreadable.append(str(e.path))
-                self._unreadable.add(i)
+                # The lost image itself (a mosaic's tile may be another index than i), so that
+                # no later stand-in draws it again as a tile.
+                self._unreadable.add(i if e.index is None else e.index)
                 if not self.augment:
                     return self._blank_sample(index, unreadable)
                 continue

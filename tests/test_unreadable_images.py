@@ -114,3 +114,25 @@ def test_substitute_is_the_next_readable_sample(make_shapes_data):
     img, labels, path, _, index = val[0]
     assert index == 0 and len(labels) == 0 and unreadable_in([path]) == [val.img_files[0]]
     assert img.shape == (3, IMG, IMG) and float(img.float().std()) == 0.0
+
+
+def test_mosaic_tile_lost_mid_run_is_not_drawn_again(make_shapes_data):
+    """A mosaic whose *extra* tile is the lost image: that image (not the sample asking for it)
+    is left out of later draws, so the batch loads; before, every stand-in drew the same lost
+    tile again from the batch's pool and the run stopped with "none of the images"."""
+    data = make_shapes_data(n_train=8, n_val=2)
+    hyp = {**load_hyp(HYP_YAML), "mosaic": True}
+    folder = data.parent / "train" / "images"
+    ds = LoadImagesAndLabels(folder, img_size=IMG, batch_size=8, augment=True, hyp=hyp)
+    lost = [ds.img_files[5], ds.img_files[6]]
+    for p in lost:
+        Path(p).unlink()
+    for epoch in range(4):
+        keys = [SampleKey(i, epoch, 7) for i in range(len(ds))]
+        batch = ds.__getitems__(keys)
+        assert len(batch) == len(ds)
+        named = set(unreadable_in([s[2] for s in batch]))
+        assert named <= set(lost) and named, named
+        assert all(s[4] not in (5, 6) for s in batch)
+        for i in range(len(ds)):  # plain indices (no pool): the whole dataset is drawn from
+            assert ds[i][4] not in (5, 6)
