@@ -19,6 +19,7 @@ from conftest import LAUNCH_VARS, REPO_ROOT, read_results, run_training, script_
 
 import train as train_script
 from build_utils.errors import ConfigError
+from train_utils import run_folder
 from train_utils import trainer as trainer_module
 from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.process_group import DistInfo
@@ -309,3 +310,45 @@ def test_half_written_files_of_a_killed_run_are_removed_when_the_folder_is_claim
         assert any(".last.pt.4242.0123abcd.tmp" in note for note in claim.notes)
     finally:
         claim.release()
+
+
+def test_default_named_runs_started_in_the_same_second_take_the_next_numbers(tmp_path):
+    """The default name (the start time) is not the user's choice: a job array's runs started
+    in one second each get a folder (x, x2, x3), where a chosen name in use is refused."""
+    base = tmp_path / "20261123-223512"
+    claims = [claim_run_folder(base, resume=False, exist_ok=False, auto_named=True)]
+    try:
+        with pytest.raises(ConfigError, match="is in use by another run"):
+            claim_run_folder(base, resume=False, exist_ok=False)
+        claims.append(claim_run_folder(base, resume=False, exist_ok=False, auto_named=True))
+        claims.append(claim_run_folder(base, resume=False, exist_ok=False, auto_named=True))
+        assert [c.path.name for c in claims] == [base.name, f"{base.name}2", f"{base.name}3"]
+        assert "is in use by another run; this run writes" in claims[1].notes[0]
+    finally:
+        for claim in claims:
+            claim.release()
+
+
+def test_a_default_name_that_loses_the_race_for_its_lock_takes_the_next_number(
+    tmp_path, monkeypatch
+):
+    """Both runs saw a free folder; the other run's lock appears just before ours."""
+    base = tmp_path / "20261123-223512"
+    real_acquire = run_folder._acquire
+    raced = []
+
+    def acquire(folder, notes):
+        if not raced:  # the other run takes the folder between our choice and our lock
+            raced.append(None)
+            monkeypatch.setattr(run_folder, "_acquire", real_acquire)
+            raced[0] = claim_run_folder(folder, resume=False, exist_ok=False)
+            monkeypatch.setattr(run_folder, "_acquire", acquire)
+        return real_acquire(folder, notes)
+
+    monkeypatch.setattr(run_folder, "_acquire", acquire)
+    claim = claim_run_folder(base, resume=False, exist_ok=False, auto_named=True)
+    try:
+        assert raced[0].path == base and claim.path == base.with_name(f"{base.name}2")
+    finally:
+        claim.release()
+        raced[0].release()

@@ -390,6 +390,8 @@ class TrainConfig:
     compile: bool
     coco_backend: str
     log_interval: int
+    # The output folder is the default name (the start time), not one the user chose.
+    auto_named: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""
@@ -449,9 +451,19 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         output_dir = Path(args.output_dir)
     else:
         output_dir = RUNS_DIR / (args.name or time.strftime("%Y%m%d-%H%M%S"))
-    derived = {"cfg": cfg, "data": data, "hyp": hyp, "output_dir": output_dir}
+    derived = {
+        "cfg": cfg,
+        "data": data,
+        "hyp": hyp,
+        "output_dir": output_dir,
+        "auto_named": resumed is None and not args.output_dir and not args.name,
+    }
     # Every other field is the flag of the same name, as validated above.
-    flags = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    flags = {
+        f.name: getattr(args, f.name)
+        for f in dataclasses.fields(TrainConfig)
+        if f.name not in derived
+    }
     return TrainConfig(**{**flags, **derived})
 
 
@@ -491,9 +503,19 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
         logger.info("--resume %s: the checkpoint records no run arguments; using the flags", path)
         return path.parent
     folder = path.parent
-    fields = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    for own in ("cfg", "data", "hyp", "output_dir", "exist_ok", "resume", "trust_checkpoint"):
-        fields.pop(own)
+    own = {
+        "cfg",
+        "data",
+        "hyp",
+        "output_dir",
+        "exist_ok",
+        "resume",
+        "trust_checkpoint",
+        "auto_named",
+    }
+    fields = {
+        f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in own
+    }
     take_from_run(args, run, fields, f"--resume {path}")
     check_choices(get_args_parser(), args)
     given = getattr(args, "given", frozenset())

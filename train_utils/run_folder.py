@@ -50,6 +50,8 @@ HEARTBEAT_S = 60.0  # how often a live run refreshes its lock's modification tim
 FOREIGN_STALE_S = 10 * HEARTBEAT_S
 RUN_FOLDER_FLAGS = "--name/--output-dir"  # the options that choose a run folder, for errors
 MAX_NUMBER = 9999  # x2 ... x9999, as YOLOv5's increment_path
+# Default-named runs started together (a job array): each takes the next free number.
+MAX_AUTO_NAME_TRIES = 5
 
 
 @dataclass(frozen=True)
@@ -170,8 +172,12 @@ def holds_run(folder: Path) -> bool:
     return False
 
 
-def _refusal(folder: Path, holder: LockHolder) -> ConfigError:
-    return ConfigError(
+class FolderInUse(ConfigError):
+    """A live run holds the run folder (its lock names it)."""
+
+
+def _refusal(folder: Path, holder: LockHolder) -> FolderInUse:
+    return FolderInUse(
         f"{folder} is in use by another run ({holder.describe()}); wait for it to finish or "
         f"choose another --name/--output-dir (if that run is gone, delete {folder / LOCK_NAME})"
     )
@@ -335,13 +341,38 @@ def _move_previous_run(folder: Path) -> Path:
     return target
 
 
-def claim_run_folder(base: Path, resume: bool, exist_ok: bool) -> RunFolder:
+def _choose_folder(
+    base: Path, resume: bool, exist_ok: bool, auto_named: bool, notes: list[str]
+) -> Path:
+    """``base``, or the next number when it holds a previous run (or, for a default name, a
+    live one); a live run on a chosen name is refused (:class:`FolderInUse`)."""
+    holder = read_lock(base / LOCK_NAME)
+    live = holder is not None and not is_stale(holder)
+    if live and not auto_named:
+        raise _refusal(base, holder)
+    if resume or exist_ok or not base.is_dir() or not (live or holds_run(base)):
+        return base
+    folder = _numbered(base)
+    why = "is in use by another run" if live else "holds a previous run (never overwritten)"
+    note = f"{base} {why}; this run writes {folder}"
+    if not live:
+        note += f" (--resume continues {base}, --exist-ok reuses it)"
+    notes.append(note)
+    return folder
+
+
+def claim_run_folder(
+    base: Path, resume: bool, exist_ok: bool, auto_named: bool = False
+) -> RunFolder:
     """Decide the folder a run writes from the one it was given, and lock it.
 
     Args:
         base: ``--output-dir``, ``runs/<--name>`` or the resumed run's folder.
         resume: the run continues the run in ``base`` (``--resume``): used as it is.
         exist_ok: ``--exist-ok``: reuse ``base``, its previous run moved aside.
+        auto_named: ``base`` is the default name (the start time), which the user did not
+            choose: a live run there (another started in the same second, e.g. a job array)
+            means the next number, not a refusal.
 
     Returns:
         The locked folder (created), with notes for the run's log.
@@ -355,21 +386,21 @@ def claim_run_folder(base: Path, resume: bool, exist_ok: bool) -> RunFolder:
         raise ConfigError(
             "the run folder's path is a file; choose another --name/--output-dir", base
         )
-    holder = read_lock(base / LOCK_NAME)
-    if holder is not None and not is_stale(holder):
-        raise _refusal(base, holder)
-    folder = base
-    if not resume and not exist_ok and base.is_dir() and holds_run(base):
-        folder = _numbered(base)
-        notes.append(
-            f"{base} holds a previous run (never overwritten); this run writes {folder} "
-            f"(--resume continues {base}, --exist-ok reuses it)"
-        )
+    for attempt in range(MAX_AUTO_NAME_TRIES if auto_named else 1):
+        folder = _choose_folder(base, resume, exist_ok, auto_named, notes)
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            _acquire(folder, notes)
+            break
+        except FolderInUse:
+            # Another run of the same default name won the race for this folder: the next one.
+            if attempt + 1 >= (MAX_AUTO_NAME_TRIES if auto_named else 1):
+                raise
+        except OSError as e:  # a read-only place, a full disk, a file in the path
+            raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
     try:
-        folder.mkdir(parents=True, exist_ok=True)
-        _acquire(folder, notes)
         _remove_torn_writes(folder, notes)
-    except OSError as e:  # a read-only place, a full disk, a file in the path
+    except OSError as e:
         raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
     claim = RunFolder(folder, notes)
     try:

@@ -180,7 +180,10 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     if dist.is_main:
         try:
             claim = claim_run_folder(
-                config.output_dir, resume=config.resume is not None, exist_ok=config.exist_ok
+                config.output_dir,
+                resume=config.resume is not None,
+                exist_ok=config.exist_ok,
+                auto_named=config.auto_named,
             )
             log_handler = _log_file_handler(claim.path / "train.log")
         except YoloError as e:
@@ -637,6 +640,7 @@ _RESUME_QUIET_KEYS = frozenset(
         "log_interval",
         "output_dir",
         "exist_ok",
+        "auto_named",
         "cfg",
     }
 )
