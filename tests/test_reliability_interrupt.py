@@ -188,7 +188,9 @@ def test_ctrl_c_in_the_first_epoch_leaves_a_resumable_checkpoint(
         assert train_script.main(argv) == 130
     finally:
         signal.signal(signal.SIGINT, previous)
-    assert "continue with --resume" in console.readouterr().err
+    err = console.readouterr().err
+    assert "interrupted in epoch 0 before any epoch completed; its part-trained weights" in err
+    assert "last completed epoch" not in err and "continue with --resume" in err
     ckpt = load_checkpoint(out / "last.pt")
     assert ckpt["epoch"] == -1 and ckpt["train_model"] is not None
     monkeypatch.setattr(trainer_module, "train_one_epoch", real)

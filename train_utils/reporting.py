@@ -217,11 +217,22 @@ class EpochReporter:
             epoch,
         )
 
-    def interrupted(self, epoch: int) -> None:
-        """Ctrl-C/SIGTERM: say how to continue (or that nothing could be saved)."""
+    def interrupted(self, epoch: int, unfinished_saved: bool = False) -> None:
+        """Ctrl-C/SIGTERM: say how to continue (or that nothing could be saved).
+        ``unfinished_saved``: no epoch was completed, and last.pt holds the part-trained
+        weights of ``epoch``."""
         last = self.out / "last.pt"
         if not last.is_file():
             logger.warning("interrupted in epoch %d; nothing is saved in %s", epoch, self.out)
+            return
+        if unfinished_saved:
+            logger.warning(
+                "interrupted in epoch %d before any epoch completed; its part-trained weights "
+                "are saved in %s; continue with --resume (epoch %d is trained again from them)",
+                epoch,
+                last,
+                epoch,
+            )
             return
         logger.warning(
             "interrupted in epoch %d; last completed epoch is saved in %s; continue with --resume",
@@ -271,7 +282,7 @@ class SilentReporter:
     def stopped_early(self, *args: Any) -> None:
         pass
 
-    def interrupted(self, epoch: int) -> None:
+    def interrupted(self, epoch: int, unfinished_saved: bool = False) -> None:
         logger.warning("interrupted in epoch %d", epoch)
 
     def stopped_on_request(self, *args: Any) -> None:

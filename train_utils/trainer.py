@@ -252,7 +252,8 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         with signals.installed():
             _train_epochs(run, reporter, loop, signals)
     except (KeyboardInterrupt, RunStopped) as e:
-        if not (config.output_dir / "last.pt").is_file():
+        unfinished_saved = not (config.output_dir / "last.pt").is_file()
+        if unfinished_saved:
             # Nothing saved yet: keep the weights, resumable from start_epoch. Before the first
             # batch (a stop request at once) that is the start and resuming is exact; later
             # they are part-trained, and epoch start_epoch runs again from them (README).
@@ -260,7 +261,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         if isinstance(e, RunStopped):
             reporter.stopped_on_request(str(e))
         else:
-            reporter.interrupted(loop.epoch)
+            reporter.interrupted(loop.epoch, unfinished_saved)
         raise
     finally:
         reporter.close()
