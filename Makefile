@@ -35,8 +35,13 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 
+# One pytest worker per usable core, at most 4 (each holds torch and trains small models; most
+# tests use one thread). --dist loadfile keeps a file's tests, and its module fixtures, in one
+# worker. PYTEST_ARGS adds to it (e.g. PYTEST_ARGS='-k freeze'); TEST_WORKERS=0 runs serially.
+TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
+
 test: lint $(CV4_STAMP)
-	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest $(PYTEST_ARGS)
+	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 clean:
 	rm -rf runs demo_data .pytest_cache .ruff_cache
