@@ -1,0 +1,223 @@
+"""Named limits on what a user's file can make this program do, and the checks that apply them.
+
+A small hostile or broken file must not exhaust memory, hang a run or end in a traceback: a PNG
+whose header declares 25000x25000 pixels, a 40 GB sparse file named ``.jpg``, a FIFO named like
+an image, a 3 KB YAML of nested aliases. Each limit here has a name used in its error line, a
+default sized for real datasets (see ``why``), and an environment variable that raises it, the way
+OpenCV's ``OPENCV_IO_MAX_IMAGE_PIXELS`` does: environment variables reach every entry point,
+every DDP rank and every data-loader worker without a flag on each script.
+
+Only regular files are data: :func:`file_problem` stats a path before anything opens it (opening
+a FIFO blocks forever; reading a character device never ends) and says why it is not usable.
+
+Two ways to report a problem, by who owns the file:
+- configuration files (cfg, hyp, ``.data``, weights, checkpoints): :func:`check_config_file`
+  raises :class:`~build_utils.errors.ConfigError` (one line, exit 2);
+- data files (images, labels): :func:`file_problem` returns the reason, which the caller puts in
+  the dataset report and skips the file.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import stat
+from dataclasses import dataclass
+
+from build_utils.errors import ConfigError
+
+_UNITS = ((1 << 30, "GiB"), (1 << 20, "MiB"), (1 << 10, "KiB"))
+
+
+def format_bytes(n: int) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (``"1.5 GiB"``, ``"12 B"``)."""
+    for size, unit in _UNITS:
+        if n >= size:
+            value = n / size
+            return f"{value:.0f} {unit}" if value == int(value) else f"{value:.1f} {unit}"
+    return f"{n} B"
+
+
+@dataclass(frozen=True)
+class Limit:
+    """One named limit. ``value()`` reads the environment each time (cheap), so a limit raised
+    in the environment applies in every process, and tests can set it with ``monkeypatch``."""
+
+    name: str  # what is limited, as the error line says it: "decoded pixels per image"
+    env: str  # the environment variable that raises (or lowers) it
+    default: int
+    unit: str  # "bytes", "pixels", "nodes" or "px" (image side)
+    why: str  # what real data needs, for the README's table
+
+    def value(self) -> int:
+        """The limit in force: ``$env`` when set (a positive integer, ``_`` allowed), else the
+        default. A malformed value is a configuration mistake, not a reason to run unbounded."""
+        raw = os.environ.get(self.env, "").strip()
+        if not raw:
+            return self.default
+        try:
+            value = int(raw.replace("_", ""))
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ConfigError(f"{self.env}={raw!r} must be a positive whole number ({self.unit})")
+        return value
+
+    def describe(self, value: int | None = None) -> str:
+        """``"1 GiB"`` / ``"150000000 pixels"``: a value of this limit in its unit."""
+        v = self.value() if value is None else value
+        return format_bytes(v) if self.unit == "bytes" else f"{v} {self.unit}"
+
+    def exceeded(self, actual: int, what: str = "") -> str:
+        """The reason for ``actual`` over this limit: how much, the limit, its name, the fix:
+        ``"2.1 GiB, over the limit of 512 MiB (bytes per image file); set ... to raise it"``."""
+        head = f"{what} {self.describe(actual)}" if what else self.describe(actual)
+        return (
+            f"{head}, over the limit of {self.describe()} ({self.name}); set {self.env} to raise it"
+        )
+
+
+# The defaults: each sized from what real data needs (``why``) with room to spare, and small
+# enough that one worker per core holding one such file fits a laptop's memory.
+MAX_IMAGE_PIXELS = Limit(
+    "decoded pixels per image",
+    "YOLO_MAX_IMAGE_PIXELS",
+    150_000_000,
+    "pixels",
+    "8K frames are 33 Mpx, aerial tiles of 10000x10000 are 100 Mpx; a decoded 150 Mpx image "
+    "takes 450 MB (OpenCV itself stops at 2^30 px, OPENCV_IO_MAX_IMAGE_PIXELS)",
+)
+MAX_IMAGE_BYTES = Limit(
+    "bytes per image file",
+    "YOLO_MAX_IMAGE_BYTES",
+    512 << 20,
+    "bytes",
+    "an uncompressed 150 Mpx TIFF is 450 MB; camera JPEGs are a few MB",
+)
+MAX_LABEL_BYTES = Limit(
+    "bytes per label file",
+    "YOLO_MAX_LABEL_BYTES",
+    16 << 20,
+    "bytes",
+    "a 10,000-object label file (dense crowds, aerial scenes) is about 400 KB",
+)
+MAX_LIST_BYTES = Limit(
+    "bytes per image list file",
+    "YOLO_MAX_LIST_BYTES",
+    1 << 30,
+    "bytes",
+    "OpenImages' 1.7 M training paths take about 140 MB",
+)
+MAX_TEXT_BYTES = Limit(
+    "bytes per cfg, hyp, .data, data.yaml or names file",
+    "YOLO_MAX_TEXT_BYTES",
+    4 << 20,
+    "bytes",
+    "the largest Darknet cfg (yolov7-e6e) is about 60 KB; 10,000 class names about 200 KB",
+)
+MAX_WEIGHTS_BYTES = Limit(
+    "bytes per weights or checkpoint file",
+    "YOLO_MAX_WEIGHTS_BYTES",
+    8 << 30,
+    "bytes",
+    "YOLOv7-E6E weights are 600 MB; a checkpoint adds the EMA and optimizer state (about 3x)",
+)
+MAX_YAML_NODES = Limit(
+    "YAML nodes per document (aliases expanded)",
+    "YOLO_MAX_YAML_NODES",
+    100_000,
+    "nodes",
+    "a hyp file has about 30 values, a data.yaml with 10,000 names about 10,000",
+)
+MAX_IMG_SIZE = Limit(
+    "pixels per side of --img-size",
+    "YOLO_MAX_IMG_SIZE",
+    8192,
+    "px",
+    "Darknet's largest cfgs train at 1536 px; 8K frames at native size are 7680 px wide",
+)
+
+ALL_LIMITS: tuple[Limit, ...] = (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGE_BYTES,
+    MAX_LABEL_BYTES,
+    MAX_LIST_BYTES,
+    MAX_TEXT_BYTES,
+    MAX_WEIGHTS_BYTES,
+    MAX_YAML_NODES,
+    MAX_IMG_SIZE,
+)
+
+_KINDS = (
+    (stat.S_ISDIR, "a folder, not a file"),
+    (stat.S_ISFIFO, "a FIFO (named pipe), not a regular file"),
+    (stat.S_ISSOCK, "a socket, not a regular file"),
+    (stat.S_ISCHR, "a character device, not a regular file"),
+    (stat.S_ISBLK, "a block device, not a regular file"),
+)
+
+
+def file_problem(path: str | os.PathLike[str], limit: Limit) -> str | None:
+    """Why ``path`` must not be read as data, or None when it is a regular file within
+    ``limit`` bytes. Follows symlinks (a link to an image is an image); a link loop, a dangling
+    link, a FIFO, device, socket or folder is named as such. Never opens the file."""
+    try:
+        st = os.stat(path)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return "a symbolic link loop"
+        if e.errno == errno.ENOENT:
+            return "dangling symbolic link" if os.path.islink(path) else "file not found"
+        return f"cannot read: {e.strerror or e}"
+    if not stat.S_ISREG(st.st_mode):
+        for test, reason in _KINDS:
+            if test(st.st_mode):
+                return reason
+        return "not a regular file"
+    if st.st_size > limit.value():
+        return limit.exceeded(st.st_size)
+    return None
+
+
+def check_config_file(path: str | os.PathLike[str], limit: Limit, what: str) -> int:
+    """Size in bytes of configuration file ``path`` (a cfg, hyp, weights...), after checking it
+    is a regular file within ``limit``; otherwise :class:`ConfigError` naming it (exit 2)."""
+    problem = file_problem(path, limit)
+    if problem is not None:
+        raise ConfigError(f"{what}: {problem}", path)
+    return os.stat(path).st_size
+
+
+def read_limited_bytes(path: str | os.PathLike[str], limit: Limit, what: str) -> bytes:
+    """The bytes of configuration file ``path``, read only after :func:`check_config_file`;
+    reads at most ``limit + 1`` bytes so a file that grows meanwhile cannot exhaust memory."""
+    check_config_file(path, limit, what)
+    cap = limit.value()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(cap + 1)
+    except OSError as e:
+        raise ConfigError(f"cannot read {what}: {e.strerror or e}", path) from e
+    if len(data) > cap:
+        raise ConfigError(f"{what}: {limit.exceeded(cap + 1, 'more than')}", path)
+    return data
+
+
+def decode_text(data: bytes, path: str | os.PathLike[str], what: str) -> str:
+    """UTF-8 text of a configuration file (a UTF-8 byte-order mark is dropped); UTF-16/32 and
+    other encodings get one line saying how to fix the file instead of a decoding traceback."""
+    if data.startswith((b"\xff\xfe", b"\xfe\xff")):
+        raise ConfigError(f"{what} is UTF-16 text; save it as UTF-8", path)
+    try:
+        return data.decode("utf-8-sig")
+    except UnicodeDecodeError as e:
+        raise ConfigError(
+            f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
+            f"save it as UTF-8",
+            path,
+        ) from e
+
+
+def read_config_text(path: str | os.PathLike[str], limit: Limit, what: str) -> str:
+    """The UTF-8 text of a configuration file, checked as a regular file within ``limit``."""
+    return decode_text(read_limited_bytes(path, limit, what), path, what)
