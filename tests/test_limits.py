@@ -1,0 +1,121 @@
+"""build_utils/limits.py: the named limits, the regular-file check and the bounded text reader."""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+import pytest
+
+from build_utils.errors import ConfigError
+from build_utils.limits import (
+    ALL_LIMITS,
+    MAX_IMAGE_BYTES,
+    MAX_TEXT_BYTES,
+    check_config_file,
+    file_problem,
+    format_bytes,
+    read_config_text,
+)
+from tests.conftest import REPO_ROOT
+
+
+def limit_rows() -> list[str]:
+    """The README's limits table rows, as build_utils/limits.py defines the limits."""
+    return [
+        f"| {lim.name} | {lim.describe(lim.default)} | `{lim.env}` | {lim.why} |"
+        for lim in ALL_LIMITS
+    ]
+
+
+def test_readme_lists_every_limit_with_its_default_and_variable():
+    readme = (REPO_ROOT / "README.md").read_text(encoding="utf-8")
+    lines = readme.splitlines()
+    start = lines.index("| Limit | Default | Raise with | Sized for |") + 2
+    table = lines[start : start + len(ALL_LIMITS) + 1]
+    assert table[: len(ALL_LIMITS)] == limit_rows(), "regenerate README's limits table"
+    assert not table[len(ALL_LIMITS)].startswith("|"), "README lists a limit the code lacks"
+
+
+def test_format_bytes():
+    assert format_bytes(0) == "0 B"
+    assert format_bytes(1023) == "1023 B"
+    assert format_bytes(1 << 20) == "1 MiB"
+    assert format_bytes(3 << 29) == "1.5 GiB"
+
+
+def test_environment_variable_raises_a_limit_and_a_bad_one_is_one_line(monkeypatch):
+    assert MAX_IMAGE_BYTES.value() == MAX_IMAGE_BYTES.default
+    monkeypatch.setenv(MAX_IMAGE_BYTES.env, "1_000")
+    assert MAX_IMAGE_BYTES.value() == 1000
+    for bad in ("-1", "0", "lots", "1e9"):
+        monkeypatch.setenv(MAX_IMAGE_BYTES.env, bad)
+        with pytest.raises(ConfigError, match=f"{MAX_IMAGE_BYTES.env}=.* positive whole number"):
+            MAX_IMAGE_BYTES.value()
+
+
+def test_file_problem_names_every_kind_of_non_file(tmp_path: Path, monkeypatch):
+    good = tmp_path / "a.jpg"
+    good.write_bytes(b"x" * 100)
+    assert file_problem(good, MAX_IMAGE_BYTES) is None
+    monkeypatch.setenv(MAX_IMAGE_BYTES.env, "99")
+    assert file_problem(good, MAX_IMAGE_BYTES) == (
+        f"100 B, over the limit of 99 B ({MAX_IMAGE_BYTES.name}); "
+        f"set {MAX_IMAGE_BYTES.env} to raise it"
+    )
+    monkeypatch.delenv(MAX_IMAGE_BYTES.env)
+
+    fifo = tmp_path / "fifo.jpg"
+    os.mkfifo(fifo)
+    folder = tmp_path / "folder.jpg"
+    folder.mkdir()
+    loop = tmp_path / "loop.jpg"
+    loop.symlink_to(loop)
+    dangling = tmp_path / "dangling.jpg"
+    dangling.symlink_to(tmp_path / "gone.jpg")
+    sock_path = tmp_path / "s.jpg"
+    sock = socket.socket(socket.AF_UNIX)
+    sock.bind(str(sock_path))
+    try:
+        reasons = {
+            p.name: file_problem(p, MAX_IMAGE_BYTES)
+            for p in (fifo, folder, loop, dangling, sock_path, Path("/dev/zero"))
+        }
+    finally:
+        sock.close()
+    assert reasons == {
+        "fifo.jpg": "a FIFO (named pipe), not a regular file",
+        "folder.jpg": "a folder, not a file",
+        "loop.jpg": "a symbolic link loop",
+        "dangling.jpg": "dangling symbolic link",
+        "s.jpg": "a socket, not a regular file",
+        "zero": "a character device, not a regular file",
+    }
+    assert file_problem(tmp_path / "none.jpg", MAX_IMAGE_BYTES) == "file not found"
+    link = tmp_path / "link.jpg"
+    link.symlink_to(good)
+    assert file_problem(link, MAX_IMAGE_BYTES) is None
+
+
+def test_config_text_is_bounded_and_utf8(tmp_path: Path, monkeypatch):
+    cfg = tmp_path / "x.cfg"
+    cfg.write_bytes(b"\xef\xbb\xbf[net]\nwidth=416\n")
+    assert read_config_text(cfg, MAX_TEXT_BYTES, "model cfg") == "[net]\nwidth=416\n"
+    cfg.write_bytes("[net]\n# caf\u00e9\n".encode("latin-1"))
+    with pytest.raises(ConfigError, match=r"x\.cfg: model cfg is not UTF-8 text \(byte 0xe9 at"):
+        read_config_text(cfg, MAX_TEXT_BYTES, "model cfg")
+    cfg.write_bytes("[net]\n".encode("utf-16"))
+    with pytest.raises(ConfigError, match="model cfg is UTF-16 text; save it as UTF-8"):
+        read_config_text(cfg, MAX_TEXT_BYTES, "model cfg")
+    big = tmp_path / "big.cfg"
+    with big.open("wb") as f:
+        f.truncate(MAX_TEXT_BYTES.default + 1)  # sparse: no disk used, never read
+    with pytest.raises(
+        ConfigError, match=f"model cfg: 4.0 MiB, over the limit of 4 MiB .*{MAX_TEXT_BYTES.env}"
+    ):
+        read_config_text(big, MAX_TEXT_BYTES, "model cfg")
+    fifo = tmp_path / "f.cfg"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"f\.cfg: model cfg: a FIFO \(named pipe\)"):
+        check_config_file(fifo, MAX_TEXT_BYTES, "model cfg")
