@@ -33,6 +33,7 @@ import logging
 import math
 import os
 import stat
+import tokenize
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -523,6 +524,34 @@ def cache_disagreement(arrays: dict[str, np.ndarray], nc: int | None) -> str | N
     return None
 
 
+def _oversized_member(archive: zipfile.ZipFile, file_bytes: int) -> str | None:
+    """A member of a cache file whose array ``np.load`` would allocate beyond what the file holds
+    (it allocates the shape the header declares before reading): a compressed member (a zip bomb;
+    ``np.savez`` stores), a stored size over the file's, or a header declaring more bytes than
+    its member has. None when every member fits, so loading costs at most the file's size."""
+    for info in archive.infolist():
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            return f"member {info.filename} is compressed"
+        if info.file_size > file_bytes:
+            return (
+                f"member {info.filename} claims {info.file_size} bytes in a {file_bytes}-byte file"
+            )
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            try:
+                shape, _, dtype = read(f)
+            except (SyntaxError, tokenize.TokenError) as e:  # the header is parsed as Python
+                return f"member {info.filename} has a garbled header ({e})"
+        if math.prod(shape) * dtype.itemsize > info.file_size:
+            return f"member {info.filename} declares an array of shape {shape}, larger than itself"
+    return None
+
+
 def load_label_cache(path: Path, key: str, nc: int | None = None) -> LabelCache | None:
     """The cache at ``path`` if it is readable, was made for ``key`` and agrees with itself
     (:func:`cache_disagreement`, class ids checked against ``nc``); else None. A corrupt or
@@ -531,6 +560,9 @@ def load_label_cache(path: Path, key: str, nc: int | None = None) -> LabelCache 
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
+            oversized = _oversized_member(z.zip, path.stat().st_size)
+            if oversized is not None:
+                raise ValueError(oversized)
             if int(z["version"]) != CACHE_VERSION or str(z["key"]) != key:
                 LOGGER.info("label cache %s is out of date; rebuilding", path)
                 return None

@@ -243,3 +243,35 @@ def test_cache_that_disagrees_with_itself_is_rebuilt_with_a_warning(
         caplog.clear()
         assert load_label_cache(cache_path, labels_mod.label_cache_key(files, label_files, 5), 5)
         assert "disagrees" not in caplog.text
+
+
+def test_cache_member_declaring_a_huge_array_is_not_allocated(make_shapes_data, tmp_path, caplog):
+    """A cache member whose header declares far more than the file holds (np.load allocates the
+    declared shape first: a MemoryError traceback) or a compressed member (a zip bomb) is
+    reported as unreadable and rebuilt; nothing of the declared size is allocated."""
+    import zipfile
+
+    root = make_shapes_data(n_train=2, n_val=1).parent
+    files, label_files = _shapes_files(root)
+    cache_path, report_path = tmp_path / "train.cache.npz", tmp_path / "report.txt"
+    truth = load_labels(files, label_files, 5, cache_path, report_path)
+    with np.load(cache_path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    huge = {"descr": "<f4", "fortran_order": False, "shape": (10**8, 10**6)}  # 400 TB
+    with zipfile.ZipFile(cache_path, "w") as zf:
+        for k, a in arrays.items():
+            with zf.open(f"{k}.npy", "w") as f:
+                if k == "labels":
+                    np.lib.format.write_array_header_1_0(f, huge)
+                    f.write(a.tobytes())
+                else:
+                    np.lib.format.write_array(f, a, allow_pickle=False)
+    got = load_labels(files, label_files, 5, cache_path, report_path)
+    assert "declares an array of shape (100000000, 1000000)" in caplog.text
+    assert got.stats == truth.stats
+    with np.load(cache_path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez_compressed(cache_path, **arrays)
+    caplog.clear()
+    assert load_labels(files, label_files, 5, cache_path, report_path).stats == truth.stats
+    assert "is compressed" in caplog.text
