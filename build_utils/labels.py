@@ -175,6 +175,8 @@ def cache_place(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]])
     ``.`` or ``..`` name the real folder.
     """
     sources = list(path) if isinstance(path, list | tuple) else [path]
+    if not sources:
+        raise DatasetError("no image list, folder or image given")
     places = [Path(os.path.abspath(Path(os.fspath(src)).expanduser())) for src in sources]
     stems = []
     for p in places:
@@ -183,12 +185,10 @@ def cache_place(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]])
         else:
             stems.append(p.stem)
     stems = [s or "dataset" for s in stems]  # "/" has no name
-    stem = "+".join(stems) or "dataset"
+    stem = "+".join(stems)
     if len(stem) > _MAX_STEM_CHARS:
         digest = hashlib.sha1(stem.encode()).hexdigest()[:8]
         stem = f"{stems[0][:40]}+{len(stems) - 1}-{digest}"
-    if not places:
-        raise DatasetError("no image list, folder or image given")
     return places[0].parent / stem
 
 
