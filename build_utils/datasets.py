@@ -72,9 +72,9 @@ from build_utils.image_cache import (
 from build_utils.image_io import IMG_FORMATS, decode_image, read_file_bytes, reduce_factor
 from build_utils.labels import (
     LabelCache,
+    cache_place,
     collect_image_files,
     img2label_path,
-    label_root,
     load_labels,
 )
 from build_utils.samplers import SampleKey
@@ -226,8 +226,8 @@ class LoadImagesAndLabels(Dataset):
         rect: rectangular batches: images sorted by aspect ratio (stable sort, the same on every
             rank), one letterbox shape per batch of ``batch_size`` (:attr:`batch_shapes`).
         cache_images: ``False``/``None``, ``True`` or ``"ram"`` (decoded, resized images in
-            memory; refused when they would not fit) or ``"disk"`` (``.npy`` files next to the
-            label cache).
+            memory; refused when they would not fit) or ``"disk"`` (``.npy`` files in
+            ``<stem>.img<img_size>/`` beside the label cache).
         single_cls: fold every class into class 0.
         pad: extra rect padding in units of 32 px.
         rank: DDP rank; progress bars and the summary only on rank -1/0.
@@ -254,7 +254,8 @@ class LoadImagesAndLabels(Dataset):
         batch: ``(N,) int64`` batch index of every image (``i // batch_size``).
         batch_shapes: ``(nb, 2) int64`` ``(h, w)`` per batch when ``rect``, else None.
         content_hash: hash of the images, labels and ``single_cls``/``nc`` (ground truth key).
-        cache_path, report_path: the label cache and problem report files.
+        cache_path, report_path: the label cache and problem report files, beside the list
+            file or folder named by ``path`` (:func:`~build_utils.labels.cache_place`).
     """
 
     def __init__(
@@ -293,12 +294,14 @@ class LoadImagesAndLabels(Dataset):
         )
         is_main = rank in (-1, 0)
 
-        files, stem = collect_image_files(path)
+        files, _ = collect_image_files(path)
         if not files:
             raise DatasetError(f"no images ({', '.join(IMG_FORMATS)}) found", _describe(path))
-        cache_dir = Path(label_root(files[0]))
-        self.cache_path = cache_dir / f"{stem}.cache.npz"
-        self.report_path = cache_dir / f"{stem}.cache_report.txt"
+        # Beside the list or folder the user named, never derived from an entry (see cache_place).
+        place = cache_place(path)
+        stem = place.name
+        self.cache_path = place.with_name(f"{stem}.cache.npz")
+        self.report_path = place.with_name(f"{stem}.cache_report.txt")
         self._load_labels(files, stem, path, is_main)
 
         self.batch = np.arange(len(self.img_files), dtype=np.int64) // batch_size
@@ -315,7 +318,7 @@ class LoadImagesAndLabels(Dataset):
         # Indices found unreadable mid-run (see _sample_or_substitute): since the start of the
         # keyed batch, so that a batch stays a pure function of its keys and the files present.
         self._unreadable: set[int] = set()
-        self._cache_images(mode, cache_dir / f"{stem}.img{img_size}", is_main)
+        self._cache_images(mode, place.with_name(f"{stem}.img{img_size}"), is_main)
         self._init_mosaic_buffer(mosaic_buffer)
 
     # ---- construction steps -------------------------------------------------------------------
@@ -379,7 +382,12 @@ class LoadImagesAndLabels(Dataset):
             self._cache_in_ram(is_main)
         elif mode == "disk":
             self._npy_files = cache_on_disk(
-                self._decode_for_cache, self.img_files, self.img_size, folder, is_main
+                self._decode_for_cache,
+                self.img_files,
+                self.img_size,
+                folder,
+                is_main,
+                [self._cached_shape(i) for i in range(len(self))],
             )
 
     def _init_mosaic_buffer(self, size: int | None) -> None:
@@ -432,6 +440,11 @@ class LoadImagesAndLabels(Dataset):
         w0, h0 = (int(v) for v in self.shapes[i])
         r = min(1.0, self.img_size / max(w0, h0))
         return max(1, round(w0 * r)), max(1, round(h0 * r))
+
+    def _cached_shape(self, i: int) -> tuple[int, int, int]:
+        """``(h, w, 3)``: the array shape of image ``i`` in the image cache."""
+        w, h = self._cached_size(i)
+        return h, w, 3
 
     def _decode_for_cache(self, i: int) -> np.ndarray:
         w, h = self._cached_size(i)
@@ -510,7 +523,7 @@ class LoadImagesAndLabels(Dataset):
         if self._imgs is not None:
             return self._imgs[i]
         if self._npy_files is not None:
-            img = read_npy(self._npy_files[i])
+            img = read_npy(self._npy_files[i], self._cached_shape(i))
             if img is not None:
                 return img
         return self._decode(i, scale)

@@ -7,9 +7,12 @@ Three kinds, all filled by :func:`~build_utils.image_io.map_in_threads` from a d
   node's copies would not fit;
 - RAM, one copy per node in a shared file (:func:`fill_shared`, see
   :mod:`build_utils.shared_images`), filled by the node's processes together;
-- ``.npy`` files on disk (:func:`cache_on_disk`) next to the label cache, one per image, named
-  by a hash of the image path, its size and modification time and the cache's image size, so a
-  changed image or another ``img_size`` gets a new file and nothing stale is read.
+- ``.npy`` files on disk (:func:`cache_on_disk`) in ``<stem>.img<size>/`` beside the label cache
+  (beside the list or folder the user named, never at a place derived from an entry), one per
+  image, named by a hash of the image path, its size and modification time and the cache's image
+  size, so a changed image or another ``img_size`` gets a new file and nothing stale is read. A
+  file whose header disagrees with the image it stands for (shape, dtype, length) is rewritten
+  when the cache is filled and never served (:func:`npy_problem`, :func:`read_npy`); no pickle.
 
 Which images go into the cache and at what size is the dataset's business
 (:class:`~build_utils.datasets.LoadImagesAndLabels`); this module only stores and reads them.
@@ -20,8 +23,11 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import stat
+import tokenize
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import BinaryIO
 
 import numpy as np
 
@@ -111,14 +117,86 @@ def npy_cache_files(img_files: Sequence[str], img_size: int, folder: Path) -> li
     return names
 
 
+def _open_regular(path: Path) -> BinaryIO:
+    """``path`` opened for reading if it is a regular file (a FIFO or device placed where a cache
+    file should be would block or never end); the open itself does not block."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ValueError("not a regular file")
+    return f
+
+
+def _npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` of the open ``.npy`` file ``f``, left at its data."""
+    version = np.lib.format.read_magic(f)
+    if version not in ((1, 0), (2, 0)):
+        raise ValueError(f"unsupported .npy format version {version}")
+    read = (
+        np.lib.format.read_array_header_1_0
+        if version == (1, 0)
+        else (np.lib.format.read_array_header_2_0)
+    )
+    try:
+        return read(f)
+    except (SyntaxError, tokenize.TokenError) as e:  # numpy parses the header as Python text
+        raise ValueError(f"garbled .npy header ({e})") from e
+
+
+def _header_problem(
+    got: tuple[int, ...], fortran: bool, dtype: np.dtype, shape: tuple[int, int, int]
+) -> str | None:
+    if dtype != np.uint8 or fortran or tuple(got) != tuple(shape):
+        order = "Fortran-order " if fortran else ""
+        return f"holds {order}{dtype} {tuple(got)}, expected uint8 {tuple(shape)}"
+    return None
+
+
+def npy_problem(path: Path, shape: tuple[int, int, int]) -> str | None:
+    """Why the ``.npy`` cache file ``path`` does not hold a ``uint8`` image of ``shape``
+    (``(h, w, 3)``), or None when it does. Reads the header only (a few hundred bytes), so a
+    file declaring a huge array costs nothing; the size of the file must match its header."""
+    try:
+        with _open_regular(path) as f:
+            got, fortran, dtype = _npy_header(f)
+            data_bytes = os.fstat(f.fileno()).st_size - f.tell()
+    except FileNotFoundError:
+        return "missing"
+    except (OSError, ValueError) as e:
+        return f"unreadable ({e})"
+    problem = _header_problem(got, fortran, dtype, shape)
+    if problem is not None:
+        return problem
+    if data_bytes != int(np.prod(shape)):
+        return f"{data_bytes} bytes of data for a {shape} image"
+    return None
+
+
 def cache_on_disk(
-    decode: Decode, img_files: Sequence[str], img_size: int, folder: Path, progress: bool
+    decode: Decode,
+    img_files: Sequence[str],
+    img_size: int,
+    folder: Path,
+    progress: bool,
+    shapes: Sequence[tuple[int, int, int]],
 ) -> list[Path] | None:
-    """The ``.npy`` file of every image in ``folder``, writing those that do not exist yet;
-    None, with a warning, when ``folder`` is not writable (images are then decoded on the fly).
-    """
+    """The ``.npy`` file of every image in ``folder``, writing those that do not exist yet or do
+    not hold an image of ``shapes[i]`` (``(h, w, 3)`` uint8, see :func:`npy_problem`: a
+    truncated, foreign or altered file is rewritten, with a warning); None, with a warning, when
+    ``folder`` is not writable (images are then decoded on the fly)."""
     names = npy_cache_files(img_files, img_size, folder)
-    todo = [i for i, p in enumerate(names) if not p.is_file()]
+    problems = [npy_problem(p, shape) for p, shape in zip(names, shapes)]
+    todo = [i for i, why in enumerate(problems) if why is not None]
+    bad = [(names[i], problems[i]) for i in todo if problems[i] != "missing"]
+    if bad:
+        LOGGER.warning(
+            "%d image cache file(s) in %s disagree with their image and are rebuilt (%s: %s)",
+            len(bad),
+            folder,
+            bad[0][0].name,
+            bad[0][1],
+        )
     try:
         folder.mkdir(parents=True, exist_ok=True)
 
@@ -139,11 +217,19 @@ def cache_on_disk(
     return names
 
 
-def read_npy(path: Path) -> np.ndarray | None:
-    """The image in the ``.npy`` cache file ``path``; None, with a warning, when it cannot be
-    read (the caller decodes the image instead)."""
+def read_npy(path: Path, shape: tuple[int, int, int]) -> np.ndarray | None:
+    """The image in the ``.npy`` cache file ``path`` if it holds a ``uint8`` image of ``shape``
+    (``(h, w, 3)``; the header is checked before any data is read, no pickle); None, with a
+    warning, otherwise (the caller decodes the image instead)."""
     try:
-        return np.load(path, allow_pickle=False)
+        with _open_regular(path) as f:
+            problem = _header_problem(*_npy_header(f), shape)
+            if problem is not None:
+                raise ValueError(problem)
+            img = np.fromfile(f, dtype=np.uint8, count=int(np.prod(shape)))
+        if img.size != int(np.prod(shape)):
+            raise ValueError(f"truncated: {img.size} of {int(np.prod(shape))} bytes")
+        return img.reshape(shape)
     except (OSError, ValueError) as e:
         LOGGER.warning("image cache file %s is unreadable (%s); decoding the image", path, e)
         return None

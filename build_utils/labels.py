@@ -11,14 +11,19 @@ missing label file means an image without objects.
 
 Checking and caching (:func:`load_labels`). Every image is decoded once (in a thread pool) and
 every label line parsed once; the result (sizes, labels, what was wrong) goes to
-``<stem>.cache.npz`` beside the label folder (in the folder holding ``images/`` and ``labels/``;
-``stem`` is the list file's name, so train and val never share a cache), keyed by a hash of the
-image and label file names, sizes and modification times and of the class count: any change
-rebuilds it, a corrupt cache is rebuilt and a read-only folder only costs a warning. A per-file
-list of problems goes to ``<stem>.cache_report.txt`` beside it. Bad images are excluded and bad
-label lines dropped (rules in :func:`parse_label_text`); the caller decides what an empty
-result means. No pickle anywhere (``np.savez`` with ``allow_pickle=False``). The cache holds
-every listed file in list order, so one cache serves every later order (e.g. the rect sort).
+``<stem>.cache.npz`` beside the list file or folder the user named (:func:`cache_place`:
+``data/train.txt`` -> ``data/train.cache.npz``; a folder ``d/val`` -> ``d/val.cache.npz``;
+``d/train/images`` -> ``d/train/train.cache.npz``), never at a place derived from a list's
+entries, which may point anywhere. ``stem`` is the list's or folder's name, so train and val
+never share a cache. The key (:func:`label_cache_key`) hashes the image and label file names,
+the images' sizes and modification times, the bytes of every label file (blake2b; a label edited
+with its size and time kept is read again) and the class count: any change rebuilds the cache.
+A corrupt cache, or one whose arrays disagree with each other (:func:`cache_disagreement`), is
+rebuilt with a warning; a read-only folder only costs a warning. A per-file list of problems goes
+to ``<stem>.cache_report.txt`` beside it. Bad images are excluded and bad label lines dropped
+(rules in :func:`parse_label_text`); the caller decides what an empty result means. No pickle
+anywhere (``np.savez``, loaded with ``allow_pickle=False``). The cache holds every listed file in
+list order, so one cache serves every later order (e.g. the rect sort).
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import hashlib
 import logging
 import math
 import os
+import stat
+import tokenize
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -44,10 +51,12 @@ from build_utils.image_io import (
     list_images,
     map_in_threads,
 )
+from build_utils.limits import MAX_LABEL_BYTES, file_problem
 
 LOGGER = logging.getLogger(__name__)
 
-CACHE_VERSION = 1
+# 2: the key hashes the label files' bytes; caches live beside the list or folder.
+CACHE_VERSION = 2
 LABEL_FIELDS = 5  # class cx cy w h
 # Label values this close outside [0, 1] are rounding noise from conversion tools: clipped.
 # Farther out the line is rejected.
@@ -57,6 +66,9 @@ MIN_BOX_SIDE = 1e-5
 _REPORT_LINE_CHARS = 80
 # A cache file name longer than this (many sources joined) is shortened with a hash.
 _MAX_STEM_CHARS = 64
+_DIGEST_BYTES = 32  # blake2b digest size of the cache key and of each label file's hash
+# Opening a label file never blocks (a FIFO swapped in after the stat would, without O_NONBLOCK).
+_READ_NONBLOCKING = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -73,17 +85,6 @@ def img2label_path(img_path: str) -> str:
             parts[k] = "labels"
             break
     return os.path.join(os.sep.join(parts), os.path.splitext(tail)[0] + ".txt")
-
-
-def label_root(img_path: str) -> str:
-    """Folder that holds the label folder of an image: the parent of the last ``images``
-    component (``/d/train/images/a/x.jpg`` -> ``/d/train``), or the parent of the image's folder
-    when there is none. Caches and reports go there, beside the labels, not inside them."""
-    parts = os.path.dirname(img_path).split(os.sep)
-    for k in range(len(parts) - 1, -1, -1):
-        if parts[k] == "images":
-            return os.sep.join(parts[:k]) or os.sep
-    return os.path.dirname(os.path.dirname(img_path))
 
 
 def _read_list_file(path: Path) -> list[str]:
@@ -159,6 +160,36 @@ def collect_image_files(
         digest = hashlib.sha1(stem.encode()).hexdigest()[:8]
         stem = f"{stems[0][:40]}+{len(stems) - 1}-{digest}"
     return files, stem
+
+
+def cache_place(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Path:
+    """Where the caches of the dataset ``path`` (as :func:`collect_image_files` takes it) live,
+    as ``folder / stem``; callers add ``.cache.npz``, ``.cache_report.txt``, ``.img<size>``.
+
+    ``folder`` holds the first source the user named: a list ``d/train.txt`` -> ``d/train``; a
+    folder ``d/val`` -> ``d/val`` (beside the folder, not inside it among the images); a folder
+    named ``images`` takes its parent's name (``d/train/images`` -> ``d/train/train``); an image
+    ``d/x.jpg`` -> ``d/x``. Several sources: beside the first, their names joined with ``+``.
+    Nothing here depends on the entries of a list, which may point anywhere (``../../x``): a
+    cache never lands outside the place the user named. Paths are made absolute first, so
+    ``.`` or ``..`` name the real folder.
+    """
+    sources = list(path) if isinstance(path, list | tuple) else [path]
+    if not sources:
+        raise DatasetError("no image list, folder or image given")
+    places = [Path(os.path.abspath(Path(os.fspath(src)).expanduser())) for src in sources]
+    stems = []
+    for p in places:
+        if p.is_dir():
+            stems.append(p.parent.name if p.name == "images" and p.parent.name else p.name)
+        else:
+            stems.append(p.stem)
+    stems = [s or "dataset" for s in stems]  # "/" has no name
+    stem = "+".join(stems)
+    if len(stem) > _MAX_STEM_CHARS:
+        digest = hashlib.sha1(stem.encode()).hexdigest()[:8]
+        stem = f"{stems[0][:40]}+{len(stems) - 1}-{digest}"
+    return places[0].parent / stem
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,11 +320,43 @@ def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
 # Cache and report
 
 
+def label_file_digest(path: str) -> str:
+    """What a label file adds to the cache key: the blake2b hash of its bytes, or, for a file
+    that is not read (missing, not a regular file, over :data:`~build_utils.limits.MAX_LABEL_BYTES`,
+    unreadable), the reason. Stat first; the open does not block (a FIFO swapped in after the
+    stat is seen by ``fstat`` and not read)."""
+    problem = file_problem(path, MAX_LABEL_BYTES)
+    if problem is not None:
+        return f"!{problem}"
+    try:
+        fd = os.open(path, _READ_NONBLOCKING)
+    except OSError as e:
+        return f"!cannot read: {e.strerror or e}"
+    with os.fdopen(fd, "rb") as f:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return "!not a regular file"
+        try:
+            # The size from fstat, not the limit: read(n) allocates n bytes up front.
+            data = f.read(min(st.st_size, MAX_LABEL_BYTES.value()) + 1)
+        except OSError as e:
+            return f"!cannot read: {e.strerror or e}"
+    return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).hexdigest()
+
+
 def label_cache_key(img_files: Sequence[str], label_files: Sequence[str], nc: int | None) -> str:
-    """Hash of the file names, sizes and modification times and of the class count."""
-    h = hashlib.sha256(f"v{CACHE_VERSION}|nc={nc}\n".encode())
+    """Hash (blake2b) of the image and label file names, the images' sizes and modification
+    times, the label files' bytes (:func:`label_file_digest`) and the class count.
+
+    Labels are hashed by content because a size and a time say nothing when a label is edited
+    and its time put back (``touch -r``, a copy with ``cp -p``, a checkout); labels are small.
+    Images keep the cheap stamp: hashing them would cost as much as checking them. 10,000 label
+    files (4 MB) take about 1 s against 0.15 s for the stamps alone (``docs/RELIABILITY.md``);
+    a thread pool was slower on the 2-core machine measured, so the files are read in order.
+    """
+    h = hashlib.blake2b(f"v{CACHE_VERSION}|nc={nc}\n".encode(), digest_size=_DIGEST_BYTES)
     for img, lbl in zip(img_files, label_files):
-        h.update(f"{img}|{file_stamp(img)}|{lbl}|{file_stamp(lbl)}\n".encode())
+        h.update(f"{img}|{file_stamp(img)}|{lbl}|{label_file_digest(lbl)}\n".encode())
     return h.hexdigest()
 
 
@@ -390,35 +453,137 @@ def save_label_cache(path: Path, key: str, cache: LabelCache) -> bool:
     return True
 
 
-def load_label_cache(path: Path, key: str) -> LabelCache | None:
-    """The cache at ``path`` if it is readable and was made for ``key``; else None (a corrupt
-    file is reported with a warning and will be rebuilt)."""
+# The arrays of a cache file, as save_label_cache writes them.
+_CACHE_ARRAYS = ("files", "ok", "sizes", "counts", "labels", "stats", "report")
+# Box corners of saved labels may overshoot [0, 1] by float32 rounding of the clipped values.
+_CORNER_SLACK = 1e-5
+
+
+def cache_disagreement(arrays: dict[str, np.ndarray], nc: int | None) -> str | None:
+    """What in the arrays of a label cache disagrees with the rest, or None when they agree.
+
+    The cache is only trusted when it could have been written by :func:`save_label_cache` from
+    a real check: kinds and shapes of every array, one entry per file in ``files``/``ok``/
+    ``sizes``/``counts``, counts that add up to the label rows and are 0 for excluded images,
+    sizes that are positive exactly for the images kept, stats that count every file once and
+    the excluded ones as ``corrupt``, a report line for every exclusion and dropped line, and
+    labels a check could have produced (finite, class ids in ``[0, nc)``, boxes inside the image
+    and not zero-size). A cache that passes gives a summary that is true of the images used.
+    """
+    files, ok, sizes = arrays["files"], arrays["ok"], arrays["sizes"]
+    counts, labels, stats, report = (arrays[k] for k in ("counts", "labels", "stats", "report"))
+    kinds = {
+        "files": (files, "U", 1),
+        "ok": (ok, "b", 1),
+        "sizes": (sizes, "i", 2),
+        "counts": (counts, "i", 1),
+        "labels": (labels, "f", 2),
+        "stats": (stats, "i", 1),
+        "report": (report, "U", 1),
+    }
+    for name, (a, kind, ndim) in kinds.items():
+        if a.dtype.kind != kind or a.ndim != ndim:
+            return f"{name} is {a.dtype} with {a.ndim} dimension(s)"
+    n = len(files)
+    for name, a in (("ok", ok), ("sizes", sizes), ("counts", counts)):
+        if len(a) != n:
+            return f"{len(a)} entries in {name} for {n} files"
+    if sizes.shape[1] != 2 or labels.shape[1] != LABEL_FIELDS or labels.dtype != np.float32:
+        return f"sizes of shape {sizes.shape}, labels of shape {labels.shape} {labels.dtype}"
+    if len(stats) != len(LabelCache.STAT_NAMES) or (stats < 0).any():
+        return f"stats {stats.tolist()}"
+    if (counts < 0).any() or int(counts.sum()) != len(labels):
+        return f"label counts add up to {int(counts.sum())} but {len(labels)} label rows are stored"
+    if (counts[~ok] != 0).any():
+        return "labels stored for excluded images"
+    if (sizes[ok] < 1).any() or (sizes[~ok] != 0).any():
+        return "image sizes disagree with which images are kept"
+    found, missing, empty, corrupt, duplicate, bad = (int(v) for v in stats)
+    if found + missing + empty + corrupt != n:
+        return f"stats count {found + missing + empty + corrupt} files, the cache holds {n}"
+    if corrupt != int((~ok).sum()):
+        return f"stats say {corrupt} images excluded, {int((~ok).sum())} are marked excluded"
+    if int((counts > 0).sum()) > found:
+        return f"{int((counts > 0).sum())} images have labels but {found} label files were found"
+    if len(report) < corrupt + duplicate + bad:
+        return f"{len(report)} report lines for {corrupt + duplicate + bad} problems"
+    if len(labels):
+        cls, xywh = labels[:, 0], labels[:, 1:].astype(np.float64)
+        if not np.isfinite(labels).all():
+            return "NaN or infinite label values"
+        if (cls < 0).any() or (cls != np.round(cls)).any():
+            return "class ids that are not non-negative integers"
+        if nc is not None and (cls >= nc).any():
+            return f"class id {int(cls.max())} outside [0, {nc})"
+        half = xywh[:, 2:] / 2
+        lo, hi = xywh[:, :2] - half, xywh[:, :2] + half
+        if (lo < -_CORNER_SLACK).any() or (hi > 1 + _CORNER_SLACK).any():
+            return "boxes outside [0, 1]"
+        if (xywh[:, 2:] < MIN_BOX_SIDE * (1 - _CORNER_SLACK)).any():
+            return "zero-size boxes"
+    return None
+
+
+def _oversized_member(archive: zipfile.ZipFile, file_bytes: int) -> str | None:
+    """A member of a cache file whose array ``np.load`` would allocate beyond what the file holds
+    (it allocates the shape the header declares before reading): a compressed member (a zip bomb;
+    ``np.savez`` stores), a stored size over the file's, or a header declaring more bytes than
+    its member has. None when every member fits, so loading costs at most the file's size."""
+    for info in archive.infolist():
+        if info.compress_type != zipfile.ZIP_STORED or info.compress_size != info.file_size:
+            return f"member {info.filename} is compressed"
+        if info.file_size > file_bytes:
+            return (
+                f"member {info.filename} claims {info.file_size} bytes in a {file_bytes}-byte file"
+            )
+        with archive.open(info) as f:
+            version = np.lib.format.read_magic(f)
+            read = (
+                np.lib.format.read_array_header_1_0
+                if version == (1, 0)
+                else np.lib.format.read_array_header_2_0
+            )
+            try:
+                shape, _, dtype = read(f)
+            except (SyntaxError, tokenize.TokenError) as e:  # the header is parsed as Python
+                return f"member {info.filename} has a garbled header ({e})"
+        if math.prod(shape) * dtype.itemsize > info.file_size:
+            return f"member {info.filename} declares an array of shape {shape}, larger than itself"
+    return None
+
+
+def load_label_cache(path: Path, key: str, nc: int | None = None) -> LabelCache | None:
+    """The cache at ``path`` if it is readable, was made for ``key`` and agrees with itself
+    (:func:`cache_disagreement`, class ids checked against ``nc``); else None. A corrupt or
+    inconsistent file is reported with a warning naming it and what was wrong, and rebuilt."""
     if not path.is_file():
         return None
     try:
         with np.load(path, allow_pickle=False) as z:
+            oversized = _oversized_member(z.zip, path.stat().st_size)
+            if oversized is not None:
+                raise ValueError(oversized)
             if int(z["version"]) != CACHE_VERSION or str(z["key"]) != key:
                 LOGGER.info("label cache %s is out of date; rebuilding", path)
                 return None
-            counts = z["counts"]
-            labels = z["labels"]
-            files = [str(f) for f in z["files"]]
-            ok, sizes = z["ok"].astype(bool), z["sizes"].astype(np.int64)
-            stats = dict(zip(LabelCache.STAT_NAMES, (int(v) for v in z["stats"])))
-            report = [str(r) for r in z["report"]]
+            arrays = {name: z[name] for name in _CACHE_ARRAYS}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
         LOGGER.warning("label cache %s is unreadable (%s); rebuilding", path, e)
         return None
-    if (
-        len(counts) != len(files)
-        or counts.sum() != len(labels)
-        or len(stats) != len(LabelCache.STAT_NAMES)
-    ):
-        LOGGER.warning("label cache %s is inconsistent; rebuilding", path)
+    problem = cache_disagreement(arrays, nc)
+    if problem is not None:
+        LOGGER.warning("label cache %s disagrees with itself (%s); rebuilding", path, problem)
         return None
-    labels = labels.reshape(-1, LABEL_FIELDS)
-    split = np.split(labels, np.cumsum(counts)[:-1]) if len(counts) else []
-    return LabelCache(files, ok, sizes, [s.astype(np.float32) for s in split], stats, report)
+    counts = arrays["counts"]
+    split = np.split(arrays["labels"], np.cumsum(counts)[:-1]) if len(counts) else []
+    return LabelCache(
+        files=[str(f) for f in arrays["files"]],
+        ok=arrays["ok"].astype(bool),
+        sizes=arrays["sizes"].astype(np.int64),
+        labels=[np.ascontiguousarray(x, dtype=np.float32) for x in split],
+        stats=dict(zip(LabelCache.STAT_NAMES, (int(v) for v in arrays["stats"]))),
+        report=[str(r) for r in arrays["report"]],
+    )
 
 
 def write_report(path: Path, header: str, lines: Sequence[str]) -> None:
@@ -441,12 +606,21 @@ def load_labels(
     desc: str = "checking labels",
 ) -> LabelCache:
     """The checked labels of ``img_files``: from the cache at ``cache_path`` when it was made for
-    exactly these files (names, sizes, modification times) and ``nc``; otherwise every file is
-    checked now (:func:`build_label_cache`) and the cache and the problem report at
-    ``report_path`` are rewritten. Unwritable files only cost a warning."""
+    exactly these files (names, image sizes and modification times, label contents) and ``nc``
+    and agrees with itself; otherwise every file is checked now (:func:`build_label_cache`) and
+    the cache and the problem report at ``report_path`` are rewritten. Unwritable files only
+    cost a warning."""
     key = label_cache_key(img_files, label_files, nc)
-    cache = load_label_cache(cache_path, key)
-    if cache is None or cache.files != img_files:
+    cache = load_label_cache(cache_path, key, nc)
+    if cache is not None and cache.files != img_files:
+        # The key hashes the file names, so this cache was altered after it was written.
+        LOGGER.warning(
+            "label cache %s disagrees with itself (its file list is not the one its key "
+            "was made for); rebuilding",
+            cache_path,
+        )
+        cache = None
+    if cache is None:
         cache = build_label_cache(img_files, label_files, nc, progress=progress, desc=desc)
         save_label_cache(cache_path, key, cache)
         write_report(report_path, cache.summary(), cache.report)

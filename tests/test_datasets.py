@@ -529,6 +529,65 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
         LoadImagesAndLabels(lst, 96, cache_images="ram")
 
 
+def _tree(root: Path) -> set[str]:
+    return {str(p.relative_to(root)) for p in root.rglob("*")}
+
+
+def test_caches_live_beside_the_list_even_when_entries_point_elsewhere(tmp_path):
+    """A list whose entries traverse out of its folder (``../../``) still loads, and the label
+    cache, its report and the disk image cache are written beside the list, nowhere else."""
+    outside = tmp_path / "outside"
+    small_dataset(outside, n=4)
+    names = (outside / "train.txt").read_text().split()
+    ds = tmp_path / "a" / "b" / "ds"
+    ds.mkdir(parents=True)
+    lst = write_list(ds / "mine.txt", [f"../../../outside/{n}" for n in names])
+    before = _tree(tmp_path)
+    d = LoadImagesAndLabels(lst, 96, cache_images="disk")
+    assert len(d) == 4 and d.img_files[0].startswith(str(outside))
+    new = _tree(tmp_path) - before
+    assert d.cache_path == ds / "mine.cache.npz" and d.report_path == ds / "mine.cache_report.txt"
+    assert {p.split(os.sep)[0] for p in new} == {"a"}, sorted(new)
+    assert {p for p in new if not p.endswith(".npy")} == {
+        os.path.join("a", "b", "ds", n)
+        for n in ("mine.cache.npz", "mine.cache_report.txt", "mine.img96")
+    }, sorted(new)
+    # A folder named as the source: beside the folder, named after it.
+    f = LoadImagesAndLabels(outside / "train" / "images", 96)
+    assert f.cache_path == outside / "train" / "train.cache.npz"
+
+
+def test_disk_image_cache_file_that_disagrees_is_rebuilt(tmp_path, caplog):
+    """An ``.npy`` whose header disagrees with its image (another shape, dtype, a truncated file,
+    a huge declared array) is never served: rewritten when the cache is filled (with a warning),
+    decoded instead when it goes bad later."""
+    lst = small_dataset(tmp_path, n=3)
+    plain = LoadImagesAndLabels(lst, 96)
+    disk = LoadImagesAndLabels(lst, 96, cache_images="disk")
+    npys = disk._npy_files
+    with open(npys[0], "wb") as f:
+        np.save(f, np.zeros((5, 5, 3), np.uint8))
+    with open(npys[1], "wb") as f:  # a header declaring 3 TB, no data
+        header = {"descr": "|u1", "fortran_order": False, "shape": (10**6, 10**6, 3)}
+        np.lib.format.write_array_header_1_0(f, header)
+    npys[2].write_bytes(npys[2].read_bytes()[:-10])  # truncated
+    with caplog.at_level(logging.WARNING, logger="build_utils.image_cache"):
+        again = LoadImagesAndLabels(lst, 96, cache_images="disk")
+    assert "3 image cache file(s)" in caplog.text and "disagree with their image" in caplog.text
+    for i in range(3):
+        assert cache_mod.npy_problem(npys[i], again._cached_shape(i)) is None
+        assert torch.equal(plain[i][0], again[i][0])
+    with open(npys[0], "wb") as f:  # goes bad while training: decoded instead, with a warning
+        np.save(f, np.zeros((5, 5, 3), np.float32))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="build_utils.image_cache"):
+        assert torch.equal(plain[0][0], again[0][0])
+    assert "expected uint8" in caplog.text
+    npys[1].write_bytes(b"\x93NUMPY\x01\x00\x10\x00{'descr': '|u1', (")  # garbled header
+    assert torch.equal(plain[1][0], again[1][0])
+    assert "garbled .npy header" in caplog.text
+
+
 def test_ram_cache_check_counts_the_processes_of_the_node(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "available_memory_bytes", lambda: 10_000)
     cache_mod.check_ram_cache_fits(1500, 5, procs=4)

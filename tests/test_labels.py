@@ -9,9 +9,9 @@ import numpy as np
 
 from build_utils import labels as labels_mod
 from build_utils.labels import (
+    cache_place,
     collect_image_files,
     img2label_path,
-    label_root,
     load_label_cache,
     load_labels,
     parse_label_text,
@@ -28,11 +28,6 @@ def test_label_path_replaces_only_the_last_images_folder():
     assert img2label_path(sep.join(["", "d", "myimages", "x.png"])) == sep.join(
         ["", "d", "myimages", "x.txt"]
     )
-    assert label_root(p) == sep.join(["", "d", "images", "a"])
-    assert label_root(sep.join(["", "d", "train", "images", "s", "x.png"])) == sep.join(
-        ["", "d", "train"]
-    )
-    assert label_root(sep.join(["", "d", "imgs", "x.png"])) == sep.join(["", "d"])
 
 
 def test_collect_image_files_names_the_cache_after_the_list(make_shapes_data):
@@ -42,6 +37,21 @@ def test_collect_image_files_names_the_cache_after_the_list(make_shapes_data):
     assert stem == "train" and len(files) == 2
     files, stem = collect_image_files([lst, root / "train" / "images"])
     assert stem == "train+train" and len(files) == 4
+
+
+def test_cache_place_is_beside_what_the_user_named_never_an_entry(tmp_path, monkeypatch):
+    """Caches go beside the list file or folder named, whatever the list's entries say: a list
+    whose entries traverse (``../../x``) does not move the cache there."""
+    d = tmp_path / "d"
+    (d / "train" / "images").mkdir(parents=True)
+    (d / "val").mkdir()
+    (d / "train.txt").write_text("../../elsewhere/images/x.jpg\n")
+    assert cache_place(d / "train.txt") == d / "train"
+    assert cache_place(d / "val") == d / "val"  # beside the folder, not inside it
+    assert cache_place(d / "train" / "images") == d / "train" / "train"
+    assert cache_place([d / "train.txt", d / "val"]) == d / "train+val"
+    monkeypatch.chdir(d / "val")
+    assert cache_place(".") == d / "val" and cache_place("..") == tmp_path / "d"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,3 +145,133 @@ def test_load_labels_checks_once_then_reads_the_cache(make_shapes_data, tmp_path
     # The class count is part of the key: a cache made for 5 classes does not serve 4.
     key4 = labels_mod.label_cache_key(files, label_files, 4)
     assert load_label_cache(cache_path, key4) is None
+
+
+def test_label_edited_with_size_and_time_kept_is_read_again(make_shapes_data, tmp_path):
+    """The key hashes the labels' bytes: an edit that keeps the file's size and modification
+    time (``touch -r``) is not served from the cache."""
+    root = make_shapes_data(n_train=2, n_val=1).parent
+    files, label_files = _shapes_files(root)
+    cache_path, report_path = tmp_path / "train.cache.npz", tmp_path / "report.txt"
+    lbl = Path(label_files[0])
+    lbl.write_text("1 0.5 0.5 0.25 0.25\n")
+    load_labels(files, label_files, 5, cache_path, report_path)
+    st = lbl.stat()
+    lbl.write_text("3 0.5 0.5 0.25 0.25\n")  # same size
+    os.utime(lbl, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert lbl.stat().st_size == st.st_size and lbl.stat().st_mtime_ns == st.st_mtime_ns
+    again = load_labels(files, label_files, 5, cache_path, report_path)
+    np.testing.assert_array_equal(again.labels[0], [[3, 0.5, 0.5, 0.25, 0.25]])
+
+
+def test_label_digest_never_opens_what_is_not_a_small_regular_file(tmp_path, monkeypatch):
+    """A FIFO, a folder or an over-limit file adds its reason to the key, unread (a FIFO would
+    block the open forever); a regular file adds the hash of its bytes."""
+    fifo, folder, big = tmp_path / "fifo.txt", tmp_path / "dir.txt", tmp_path / "big.txt"
+    os.mkfifo(fifo)
+    folder.mkdir()
+    big.write_text("0 0.5 0.5 0.1 0.1\n" * 10)
+    monkeypatch.setenv("YOLO_MAX_LABEL_BYTES", "100")
+    assert labels_mod.label_file_digest(str(fifo)) == "!a FIFO (named pipe), not a regular file"
+    assert labels_mod.label_file_digest(str(folder)) == "!a folder, not a file"
+    assert labels_mod.label_file_digest(str(big)).startswith("!180 B, over the limit of 100 B")
+    assert labels_mod.label_file_digest(str(tmp_path / "none.txt")) == "!file not found"
+    small = tmp_path / "small.txt"
+    small.write_bytes(b"0 0.5 0.5 0.1 0.1\n")
+    import hashlib
+
+    expect = hashlib.blake2b(small.read_bytes(), digest_size=32).hexdigest()
+    assert labels_mod.label_file_digest(str(small)) == expect
+
+
+def _edit_cache(path: Path, **changes) -> None:
+    """Rewrite the cache file at ``path`` with some arrays replaced, its key kept."""
+    with np.load(path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    for k, fn in changes.items():
+        arrays[k] = fn(arrays[k])
+    with open(path, "wb") as f:
+        np.savez(f, **arrays)
+
+
+def _set(a: np.ndarray, index, value) -> np.ndarray:
+    a = a.copy()
+    a[index] = value
+    return a
+
+
+def test_cache_that_disagrees_with_itself_is_rebuilt_with_a_warning(
+    make_shapes_data, tmp_path, caplog
+):
+    """A cache with a valid key whose arrays disagree (images marked excluded that the stats
+    count as used, counts that do not add up, NaN or out-of-range labels, a shortened file
+    list...) is rebuilt, with a warning naming the cache and what disagreed; the result is the
+    one a fresh check gives."""
+    root = make_shapes_data(n_train=6, n_val=1).parent
+    files, label_files = _shapes_files(root)
+    Path(label_files[0]).write_text("1 0.5 0.5 0.25 0.25\n2 0.3 0.3 0.2 0.2\n")
+    cache_path, report_path = tmp_path / "train.cache.npz", tmp_path / "report.txt"
+    truth = load_labels(files, label_files, 5, cache_path, report_path)
+    good = cache_path.read_bytes()
+    cases = {
+        "ok": (dict(ok=lambda a: _set(a, slice(0, None), False)), "excluded images"),
+        "counts": (dict(counts=lambda a: _set(a, 0, 1)), "label counts add up"),
+        "nan": (dict(labels=lambda a: _set(a, (0, 1), np.nan)), "NaN"),
+        "class": (dict(labels=lambda a: _set(a, (0, 0), 7)), "class id 7 outside [0, 5)"),
+        "box": (dict(labels=lambda a: _set(a, (0, 1), 0.99)), "boxes outside [0, 1]"),
+        "files": (dict(files=lambda a: a[:-1]), "entries in ok"),
+        "stats": (dict(stats=lambda a: _set(a, 0, 0)), "stats count"),
+        "sizes": (dict(sizes=lambda a: a.astype(np.float64)), "sizes is float64"),
+        "report": (
+            dict(stats=lambda a: _set(a, 4, 3), report=lambda a: a[:0]),
+            "report lines",
+        ),
+    }
+    for name, (changes, fragment) in cases.items():
+        cache_path.write_bytes(good)
+        _edit_cache(cache_path, **changes)
+        caplog.clear()
+        got = load_labels(files, label_files, 5, cache_path, report_path)
+        assert f"label cache {cache_path} disagrees with itself" in caplog.text, name
+        assert fragment in caplog.text, (name, caplog.text)
+        assert got.stats == truth.stats and got.ok.tolist() == truth.ok.tolist(), name
+        for a, b in zip(got.labels, truth.labels):
+            np.testing.assert_array_equal(a, b)
+        with np.load(cache_path, allow_pickle=False) as z:  # rewritten, key kept
+            assert z["stats"].tolist() == list(truth.stats.values()), name
+        # The rewritten cache is trusted again.
+        caplog.clear()
+        assert load_label_cache(cache_path, labels_mod.label_cache_key(files, label_files, 5), 5)
+        assert "disagrees" not in caplog.text
+
+
+def test_cache_member_declaring_a_huge_array_is_not_allocated(make_shapes_data, tmp_path, caplog):
+    """A cache member whose header declares far more than the file holds (np.load allocates the
+    declared shape first: a MemoryError traceback) or a compressed member (a zip bomb) is
+    reported as unreadable and rebuilt; nothing of the declared size is allocated."""
+    import zipfile
+
+    root = make_shapes_data(n_train=2, n_val=1).parent
+    files, label_files = _shapes_files(root)
+    cache_path, report_path = tmp_path / "train.cache.npz", tmp_path / "report.txt"
+    truth = load_labels(files, label_files, 5, cache_path, report_path)
+    with np.load(cache_path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    huge = {"descr": "<f4", "fortran_order": False, "shape": (10**8, 10**6)}  # 400 TB
+    with zipfile.ZipFile(cache_path, "w") as zf:
+        for k, a in arrays.items():
+            with zf.open(f"{k}.npy", "w") as f:
+                if k == "labels":
+                    np.lib.format.write_array_header_1_0(f, huge)
+                    f.write(a.tobytes())
+                else:
+                    np.lib.format.write_array(f, a, allow_pickle=False)
+    got = load_labels(files, label_files, 5, cache_path, report_path)
+    assert "declares an array of shape (100000000, 1000000)" in caplog.text
+    assert got.stats == truth.stats
+    with np.load(cache_path, allow_pickle=False) as z:
+        arrays = {k: z[k] for k in z.files}
+    np.savez_compressed(cache_path, **arrays)
+    caplog.clear()
+    assert load_labels(files, label_files, 5, cache_path, report_path).stats == truth.stats
+    assert "is compressed" in caplog.text

@@ -261,8 +261,8 @@ def bad_run(tmp_path_factory):
     # cwd = the corpus: a shell-expanded name would create 'pwned' right here.
     proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=300)
     # Read now: later tests run tools that rebuild these files with other settings.
-    expect["report"] = (root / "train" / "train.cache_report.txt").read_text(encoding="utf-8")
-    expect["val_report"] = (root / "val" / "val.cache_report.txt").read_text(encoding="utf-8")
+    expect["report"] = (root / "train.cache_report.txt").read_text(encoding="utf-8")
+    expect["val_report"] = (root / "val.cache_report.txt").read_text(encoding="utf-8")
     return root, out, expect, proc
 
 
@@ -315,7 +315,7 @@ def test_every_bad_file_and_line_is_in_the_report(bad_run):
     val_report = expect["val_report"]
     assert "vzero.jpg: excluded: zero-byte" in val_report
     assert "vtext.jpg: excluded: not a readable image" in val_report
-    assert f"details in {root / 'train' / 'train.cache_report.txt'}" in proc.stderr
+    assert f"details in {root / 'train.cache_report.txt'}" in proc.stderr
 
 
 @pytest.mark.slow
@@ -357,7 +357,7 @@ def test_list_file_paths_are_never_run_by_a_shell(bad_run):
     for where in (root, REPO, Path.cwd()):
         assert not list(where.glob("pwned*")), where
     # The real file named like a command substitution was trained on like any other image.
-    cache = np.load(root / "train" / "train.cache.npz", allow_pickle=False)
+    cache = np.load(root / "train.cache.npz", allow_pickle=False)
     names = [Path(str(f)).name for f, ok in zip(cache["files"], cache["ok"]) if ok]
     assert SHELL_NAME in names and "ünïcödé ñame.jpg" in names and "UPPER.JPG" in names
     # Nothing is expanded: '$HOME' stays literal.
@@ -367,7 +367,7 @@ def test_list_file_paths_are_never_run_by_a_shell(bad_run):
 @pytest.mark.slow
 def test_no_cache_or_result_file_needs_pickle(bad_run):
     root, out, _, _ = bad_run
-    for npz in (root / "train" / "train.cache.npz", root / "val" / "val.cache.npz"):
+    for npz in (root / "train.cache.npz", root / "val.cache.npz"):
         with np.load(npz, allow_pickle=False) as z:
             for key in z.files:
                 assert z[key].dtype != object, (npz, key)

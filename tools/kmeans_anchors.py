@@ -4,6 +4,7 @@ refinement, reporting the best possible recall.
     python tools/kmeans_anchors.py --data demo_data/shapes/shapes.data --img-size 512
     python tools/kmeans_anchors.py --data my_data.data --cfg cfg/yolov3-spp.cfg \\
         --out-cfg cfg/my_yolov3-spp.cfg      # also write the anchors into a cfg
+    python tools/kmeans_anchors.py --list my_data/train.txt --classes 20   # a list, 20 classes
 
 Label sizes are taken at ``--img-size`` the way the loader letterboxes (long side = img-size).
 Distance between a box and an anchor is ``1 - IoU`` with both centred at the origin (YOLOv2);
@@ -44,7 +45,7 @@ from build_utils.anchors import (
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_data_cfg
-from train_utils.cli import HelpFormatter, run_main, setup_console_logging
+from train_utils.cli import HelpFormatter, check_at_least, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("kmeans_anchors")
 
@@ -110,6 +111,13 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--data", type=Path, help=".data file (its train list is used)")
     src.add_argument("--list", type=Path, help="image list or folder")
+    p.add_argument(
+        "--classes",
+        type=int,
+        default=None,
+        help="with --list: the dataset's class count (the .data's classes=), so that the label "
+        "cache written here is the one training reuses (it is keyed by the class count)",
+    )
     p.add_argument("--img-size", type=int, default=512, help="training image size")
     p.add_argument("-n", "--num", type=int, default=None, help="anchors (default: cfg's or 9)")
     p.add_argument("--iou-t", type=float, default=0.20, help="anchor matching IoU threshold")
@@ -132,11 +140,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.iou_t < 1:
             raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
         n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
+        check_at_least({"--classes": args.classes}, 1)
+        if args.data and args.classes is not None:
+            raise ConfigError("--classes goes with --list (--data has the .data's classes=)")
         data = parse_data_cfg(args.data) if args.data else None
         source = data["train"] if data else args.list
-        # The label cache is keyed by the class count as well: read it with the .data's, as
-        # training does, so that the cache written here is the one training reuses.
-        nc = int(data["classes"]) if data else None
+        # The label cache is keyed by the class count as well: read it with the .data's (or
+        # --classes), as training does, so that the cache written here is the one training reuses.
+        nc = int(data["classes"]) if data else args.classes
+        if nc is None:
+            LOGGER.info(
+                "no --classes: class ids are not checked, and training (which knows the class "
+                "count) checks the labels again instead of reusing the cache written here"
+            )
         dataset = LoadImagesAndLabels(source, args.img_size, nc=nc)
         wh = label_sizes(dataset)
         small = too_small(wh)
