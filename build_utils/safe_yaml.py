@@ -83,7 +83,7 @@ _repr.maxstring = _repr.maxother = MAX_VALUE_CHARS - 20
 _repr.maxlong = 40
 _repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 6
 _repr.maxlevel = 3
-_BIG_INT_BITS = 1000  # repr of an int over ~300 digits is shortened without computing it
+_BIG_INT_BITS = 14_000  # about 4200 digits: str() refuses ints past 4300 (sys.int_info)
 
 
 def short_text(text: str, limit: int = MAX_VALUE_CHARS) -> str:
@@ -292,10 +292,11 @@ def load_yaml(path: str | os.PathLike[str], what: str) -> Any:
 
 
 class _Dumper(yaml.SafeDumper):
-    """SafeDumper resolving like the loader: a string such as ``'1e6'`` is written quoted."""
+    """SafeDumper that also quotes what the loader reads as a YAML 1.2 float (``'1e6'``), and
+    still quotes ``'='`` (YAML 1.1's value type), so that any YAML reader reads the text back."""
 
 
-_Dumper.yaml_implicit_resolvers = dict(_SafeResolver.yaml_implicit_resolvers)
+_Dumper.add_implicit_resolver(_STD + "float", _FLOAT_12, _FLOAT_12_FIRST)
 
 
 def dump_yaml(data: Any) -> str:
