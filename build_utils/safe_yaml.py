@@ -31,7 +31,7 @@ from typing import Any
 import yaml
 from yaml.composer import Composer
 from yaml.constructor import SafeConstructor
-from yaml.events import AliasEvent, MappingStartEvent, ScalarEvent, SequenceStartEvent
+from yaml.events import AliasEvent
 from yaml.nodes import MappingNode, Node, ScalarNode
 from yaml.parser import Parser
 from yaml.reader import Reader
@@ -164,8 +164,6 @@ class _BoundedLoader(Reader, Scanner, Parser, Composer, SafeConstructor, _SafeRe
             if anchor in self.sizes:
                 self._count(self.sizes[anchor], line)
             return super().compose_node(parent, index)  # an undefined alias: PyYAML's error
-        if not isinstance(event, ScalarEvent | SequenceStartEvent | MappingStartEvent):
-            return super().compose_node(parent, index)
         self.depth += 1
         if self.depth > MAX_DEPTH:
             raise _Refused(f"YAML nested more than {MAX_DEPTH} levels deep", line)
