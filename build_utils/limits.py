@@ -207,15 +207,28 @@ def read_limited_bytes(path: str | os.PathLike[str], limit: Limit, what: str) ->
 def decode_text(data: bytes, path: str | os.PathLike[str], what: str) -> str:
     """UTF-8 text of a configuration file (a UTF-8 byte-order mark is dropped); UTF-16/32 and
     other encodings get one line saying how to fix the file instead of a decoding traceback."""
+    if data.startswith((b"\xff\xfe\x00\x00", b"\x00\x00\xfe\xff")):
+        raise ConfigError(f"{what} is UTF-32 text; save it as UTF-8", path)
     if data.startswith((b"\xff\xfe", b"\xfe\xff")):
         raise ConfigError(f"{what} is UTF-16 text; save it as UTF-8", path)
-    try:
-        return data.decode("utf-8-sig")
-    except UnicodeDecodeError as e:
+    if b"\x00" in data:
+        # Valid UTF-8, but no text file holds NUL: UTF-16 without a byte-order mark (every
+        # ASCII character followed or preceded by NUL) or a binary file.
         raise ConfigError(
-            f"{what} is not UTF-8 text (byte 0x{data[e.start]:02x} at offset {e.start}); "
-            f"save it as UTF-8",
+            f"{what} holds NUL bytes (byte 0x00 at offset {data.index(0)}): UTF-16 text "
+            "without a byte-order mark, or not text; save it as UTF-8",
             path,
+        )
+    skip = 3 if data.startswith(b"\xef\xbb\xbf") else 0  # the UTF-8 byte-order mark
+    try:
+        return data[skip:].decode("utf-8")
+    except UnicodeDecodeError as e:
+        at = skip + e.start  # offsets in the file, and its line, for the user to find it
+        raise ConfigError(
+            f"{what} is not UTF-8 text (byte 0x{data[at]:02x} at offset {at}, e.g. Latin-1 or "
+            "Windows-1252); save it as UTF-8",
+            path,
+            data.count(b"\n", 0, at) + 1,
         ) from e
 
 

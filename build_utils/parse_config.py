@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.errors import ConfigError
+from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 
 LOGGER = logging.getLogger(__name__)
 
@@ -346,15 +347,11 @@ def _format_value(value: Any) -> str:
 
 
 def _read_text(path: Path, what: str) -> str:
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError(f"{what} not found", path)
-    try:
-        # utf-8-sig drops the byte-order mark some Windows editors write.
-        return path.read_text(encoding="utf-8-sig")
-    except UnicodeDecodeError as e:
-        raise ConfigError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})", path) from e
-    except OSError as e:
-        raise ConfigError(f"cannot read {what}: {e.strerror}", path) from e
+    # A regular file within MAX_TEXT_BYTES (a FIFO would block, /dev/zero never ends), UTF-8
+    # with its byte-order mark dropped (some Windows editors write one), or one line.
+    return read_config_text(path, MAX_TEXT_BYTES, what)
 
 
 def _content_lines(text: str) -> Iterable[tuple[int, str]]:

@@ -77,6 +77,38 @@ def test_hyp_missing_wrong_type_and_range(tmp_path):
         load_hyp(tmp_path / "nope.yaml")
 
 
+@pytest.mark.parametrize(
+    "value, match",
+    [
+        ("1e6", r"'lr0' = 1000000.0 is outside \[0.0, 10.0\]$"),
+        ("-2.5e+3", r"'lr0' = -2500.0 is outside \[0.0, 10.0\]$"),
+        ("1" * 400, r"'lr0' = 111111111111...\(400 digits\) is outside \[0.0, 10.0\]$"),
+        (".inf", r"'lr0' must be a finite number, got inf$"),
+        (".nan", r"'lr0' must be a finite number, got nan$"),
+        ("[0.1, 0.2]", r"'lr0' must be a number, got a list$"),
+        ("{a: 1}", r"'lr0' must be a number, got a mapping$"),
+        ("x" * 5000, r"'lr0' must be a number, got 'x+\.\.\.x+'$"),
+    ],
+)
+def test_hyp_values_are_read_as_yaml_12_numbers_and_refused_in_one_short_line(
+    tmp_path, value, match
+):
+    p = tmp_path / "h.yaml"
+    p.write_text(_hyp_text(lr0=value))
+    line = list(HYP_SPECS).index("lr0") + 1
+    with pytest.raises(ConfigError, match=rf"h.yaml:{line}: {match}") as info:
+        load_hyp(p)
+    assert len(str(info.value)) < len(str(p)) + 150
+
+
+def test_hyp_yaml_12_floats_are_accepted(tmp_path):
+    p = tmp_path / "h.yaml"
+    p.write_text(_hyp_text(lr0="1e-2", weight_decay="5E-4", giou="3"))
+    hyp = load_hyp(p)
+    assert (hyp["lr0"], hyp["weight_decay"], hyp["giou"]) == (0.01, 5e-4, 3.0)
+    assert type(hyp["giou"]) is float
+
+
 def test_hyp_optional_keys_get_defaults(tmp_path):
     p = tmp_path / "h.yaml"
     p.write_text(_hyp_text(warmup_epochs=None, mosaic=None))

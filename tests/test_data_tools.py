@@ -383,3 +383,62 @@ def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypa
     train = LoadImagesAndLabels(str(d.train), 64, 4, nc=d.nc)
     assert checked == [] and "out of date" not in caplog.text
     assert len(train) == 8
+
+
+def test_tools_read_configuration_text_within_limits_and_skip_xml_that_is_not_a_file(
+    tmp_path, capsys
+):
+    """The tools' configuration text (class list, VOC id list, cfg) is UTF-8 within
+    YOLO_MAX_TEXT_BYTES or one line; an annotation that is not a regular file (a FIFO would
+    block the XML parser forever) is skipped with its reason in the report."""
+    import os
+
+    xml_dir, label_dir = tmp_path / "Annotations", tmp_path / "labels"
+    xml_dir.mkdir()
+    (xml_dir / "a.xml").write_text(_xml("a.png", (80, 50), [("cat", (8, 5, 24, 25), 0)]))
+    os.mkfifo(xml_dir / "b.xml")
+    (xml_dir / "c.xml").mkdir()
+    names = tmp_path / "classes.names"
+    names.write_text("cat\n")
+    argv = ["--xml-dir", str(xml_dir), "--label-dir", str(label_dir), "--classes", str(names)]
+    assert trans_voc2yolo.main(argv) == 0
+    report = (tmp_path / "voc2yolo_report.txt").read_text()
+    assert f"{xml_dir / 'b.xml'}: skipped: a FIFO (named pipe), not a regular file" in report
+    assert f"{xml_dir / 'c.xml'}: skipped: a folder, not a file" in report
+    assert sorted(p.name for p in label_dir.iterdir()) == ["a.txt"]
+    capsys.readouterr()
+
+    cases = {
+        "utf16.names": ("cat\n".encode("utf-16"), "class list is UTF-16 text; save it as UTF-8"),
+        "deep.json": (b"[" * 100_000 + b"]" * 100_000, "not a usable JSON class list"),
+        "big.json": (b"[" + b"9" * 5000 + b"]", "not a usable JSON class list: Exceeds"),
+    }
+    for name, (content, expected) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        argv[-1] = str(tmp_path / name)
+        assert trans_voc2yolo.main(argv) == 2, name
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {tmp_path / name}: {expected}"), line
+        assert len(line) < 300
+
+    voc = tmp_path / "VOC"
+    (voc / "ImageSets" / "Main").mkdir(parents=True)
+    (voc / "Annotations").mkdir()
+    (voc / "ImageSets" / "Main" / "train.txt").write_bytes("a\n".encode("utf-16-le"))
+    argv = ["--voc-root", str(voc), "--out", str(tmp_path / "out"), "--classes", str(names)]
+    assert trans_voc2yolo.main([*argv, "--splits", "train"]) == 2
+    err = capsys.readouterr().err
+    assert "train.txt: image id list holds NUL bytes" in err and "save it as UTF-8" in err
+
+    bad_num = tmp_path / "num.cfg"
+    bad_num.write_text(NANO_CFG.read_text().replace("num=9", "num=nine", 1))
+    utf16_cfg = tmp_path / "utf16.cfg"
+    utf16_cfg.write_bytes(NANO_CFG.read_text().encode("utf-16"))
+    for cfg, expected in (
+        (bad_num, "[yolo] num='nine' must be a whole number"),
+        (utf16_cfg, "model cfg is UTF-16 text; save it as UTF-8"),
+    ):
+        argv = ["--list", str(tmp_path), "--cfg", str(cfg), "--out-cfg", str(tmp_path / "o.cfg")]
+        assert kmeans_anchors.main(argv) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {cfg}") and expected in line, line

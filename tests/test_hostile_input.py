@@ -107,7 +107,52 @@ def assert_one_line(result: ScriptResult, *fragments: str) -> str:
 # Family 1a: resource exhaustion by small YAML files (billion laughs, huge documents)
 # =============================================================================================
 
-# (family 1a tests go here)
+
+def _fake_dataset(root: Path) -> Path:
+    """A ``.data`` whose lists and names exist (all that flag, hyp and ``.data`` validation
+    reads): configuration mistakes are found before any image would be opened."""
+    root.mkdir(parents=True, exist_ok=True)
+    (root / "train.txt").write_text("images/a.jpg\n")
+    (root / "val.txt").write_text("images/a.jpg\n")
+    (root / "x.names").write_text("".join(f"c{i}\n" for i in range(5)))
+    data = root / "x.data"
+    data.write_text(f"classes=5\ntrain={root / 'train.txt'}\nvalid={root / 'val.txt'}\n")
+    data.write_text(data.read_text() + f"names={root / 'x.names'}\n")
+    return data
+
+
+def _yaml_bomb_hyp(levels: int = 10, fan: int = 10) -> str:
+    """The repository's hyp.yaml whose FIRST value holds every level of nested aliases:
+    ``fan ** levels`` strings once expanded, so the old reader's error line (``got [[[...``,
+    the value's repr) had to expand them all. About 3 KB."""
+    items = ["&l0 [" + ", ".join(['"lol"'] * fan) + "]"]
+    for i in range(1, levels):
+        items.append(f"&l{i} [" + ", ".join([f"*l{i - 1}"] * fan) + "]")
+    rest = (REPO_ROOT / "cfg" / "hyp.yaml").read_text().splitlines()
+    rest = [line for line in rest if not line.startswith("giou:")]
+    return "giou:\n" + "".join(f"  - {item}\n" for item in items) + "\n".join(rest) + "\n"
+
+
+def test_billion_laughs_hyp_is_one_line_quickly_with_bounded_memory(tmp_path):
+    """Issue #24's 3 KB hyp.yaml of nested aliases: was 63 s, 11.7 GB and a 2.1 GB error line."""
+    data = _fake_dataset(tmp_path / "d")
+    hyp = tmp_path / "hyp.yaml"
+    hyp.write_text(_yaml_bomb_hyp())
+    assert 1000 < hyp.stat().st_size < 4000
+    out = tmp_path / "run"
+    args = ["--data", data, "--cfg", REPO_ROOT / "cfg" / "yolov3-spp-nano.cfg", "--hyp", hyp]
+    result = run_script("train.py", *args, "--output-dir", out, cwd=tmp_path, timeout=60)
+    line = assert_one_line(
+        result,
+        f"error: {hyp}:",
+        "a YAML document of at least",
+        "over the limit of 100000 nodes",
+        "set YOLO_MAX_YAML_NODES to raise it",
+    )
+    assert len(line) < 400
+    assert result.peak_rss_mb < BOUNDED_RSS_MB, result.peak_rss_mb
+    assert result.seconds < 30
+    assert not out.exists()
 
 
 # =============================================================================================
@@ -142,7 +187,148 @@ def assert_one_line(result: ScriptResult, *fragments: str) -> str:
 # Family 4: text that is not what it claims (encodings, YAML tags, odd keys, numbers)
 # =============================================================================================
 
-# (family 4 tests go here)
+
+def _hyp_with(**values: str) -> str:
+    """The repository's hyp.yaml with the named keys' values replaced as written."""
+    lines = (REPO_ROOT / "cfg" / "hyp.yaml").read_text().splitlines()
+    for i, line in enumerate(lines):
+        key = line.split(":", 1)[0]
+        if key in values:
+            lines[i] = f"{key}: {values.pop(key)}"
+    assert not values, values
+    return "\n".join(lines) + "\n"
+
+
+def _line_of_key(text: str, key: str) -> int:
+    return next(i for i, ln in enumerate(text.splitlines(), 1) if ln.startswith(f"{key}:"))
+
+
+def test_python_tag_in_hyp_runs_no_code_and_is_one_line(tmp_path):
+    """``!!python/object/apply:os.system`` (PyYAML's safe_load refused it with a traceback):
+    one line naming the line and the tag, and the command never runs."""
+    data = _fake_dataset(tmp_path / "d")
+    text = _hyp_with(lr0='!!python/object/apply:os.system ["touch pwned"]')
+    hyp = tmp_path / "hyp.yaml"
+    hyp.write_text(text)
+    out = tmp_path / "run"
+    args = ["--data", data, "--cfg", REPO_ROOT / "cfg" / "yolov3-spp-nano.cfg", "--hyp", hyp]
+    result = run_script("train.py", *args, "--output-dir", out, cwd=tmp_path, timeout=60)
+    assert_one_line(
+        result,
+        f"error: {hyp}:{_line_of_key(text, 'lr0')}: tag '!!python/object/apply:os.system'",
+        "is not a standard YAML tag",
+    )
+    for place in (tmp_path, REPO_ROOT, Path.cwd()):
+        assert not (place / "pwned").exists(), place
+    assert not out.exists()
+
+
+def test_utf16_model_cfg_is_one_line(tmp_path):
+    """The model cfg is read once the run folder exists (in the trainer): a UTF-16 cfg (as
+    Windows Notepad saves "Unicode") was a UnicodeDecodeError traceback there."""
+    data = _fake_dataset(tmp_path / "d")
+    cfg = tmp_path / "nano16.cfg"
+    cfg.write_bytes((REPO_ROOT / "cfg" / "yolov3-spp-nano.cfg").read_text().encode("utf-16"))
+    out = tmp_path / "run"
+    args = ["--data", data, "--cfg", cfg, "--hyp", REPO_ROOT / "cfg" / "hyp.yaml"]
+    result = run_script(
+        "train.py", *args, "--output-dir", out, "--device", "cpu", cwd=tmp_path, timeout=120
+    )
+    assert_one_line(result, f"error: {cfg}: model cfg is UTF-16 text; save it as UTF-8")
+
+
+def _hostile_text_cases(root: Path) -> dict[str, tuple[dict[str, Path], tuple[str, ...]]]:
+    """Case name -> (the files train.py gets: --hyp and/or --data, the error line's parts)."""
+    hyp_text = (REPO_ROOT / "cfg" / "hyp.yaml").read_text()
+    data = _fake_dataset(root / "d")
+
+    def write(name: str, content: str | bytes) -> Path:
+        path = root / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            path.write_text(content)
+        return path
+
+    latin1 = write("latin1.yaml", ("# réglages\n" + hyp_text).encode("latin-1"))
+    utf16 = write("utf16.yaml", hyp_text.encode("utf-16"))
+    utf16_nobom = write("utf16le.yaml", hyp_text.encode("utf-16-le"))
+    name_tag = write("name.yaml", _hyp_with(lrf="!!python/name:os.system"))
+    seq_key = write("seqkey.yaml", hyp_text + "? [lr0, lrf]\n: 0.1\n")
+    big_int = write("bigint.yaml", _hyp_with(momentum="9" * 400))
+    lr_1e6 = write("lr1e6.yaml", _hyp_with(lr0="1e6"))
+    data_latin1 = write("latin1.data", ("# données\n" + data.read_text()).encode("latin-1"))
+    n_hyp = len(hyp_text.splitlines())
+    return {
+        "latin-1 hyp": (
+            {"--hyp": latin1},
+            (f"{latin1}:1: hyperparameter file is not UTF-8 text (byte 0xe9", "save it as UTF-8"),
+        ),
+        "UTF-16 hyp": (
+            {"--hyp": utf16},
+            (f"{utf16}: hyperparameter file is UTF-16 text; save it as UTF-8",),
+        ),
+        "UTF-16 hyp without BOM": (
+            {"--hyp": utf16_nobom},
+            (f"{utf16_nobom}: hyperparameter file holds NUL bytes", "save it as UTF-8"),
+        ),
+        "python/name tag": (
+            {"--hyp": name_tag},
+            (
+                f"{name_tag}:{_line_of_key(hyp_text, 'lrf')}: tag '!!python/name:os.system' "
+                "is not a standard YAML tag",
+            ),
+        ),
+        "sequence key": (
+            {"--hyp": seq_key},
+            (f"{seq_key}:{n_hyp + 1}: a list is used as a key",),
+        ),
+        "400-digit integer": (
+            {"--hyp": big_int},
+            (
+                f"{big_int}:{_line_of_key(hyp_text, 'momentum')}: 'momentum' = "
+                "999999999999...(400 digits) is outside [0.0, 1.0]",
+            ),
+        ),
+        "lr0 1e6": (
+            {"--hyp": lr_1e6},
+            (
+                f"{lr_1e6}:{_line_of_key(hyp_text, 'lr0')}: 'lr0' = 1000000.0 is outside "
+                "[0.0, 10.0]",
+            ),
+        ),
+        "latin-1 .data": (
+            {"--data": data_latin1},
+            (f"{data_latin1}:1: .data file is not UTF-8 text (byte 0xe9", "save it as UTF-8"),
+        ),
+    }
+
+
+def test_text_that_is_not_what_it_claims_is_one_line(tmp_path, console):
+    """Every case through train.py's main() in this process (the process-level contract is
+    pinned by the tests above): exit 2, one short error line naming file and line, no run
+    folder, no traceback."""
+    import train
+
+    cases = _hostile_text_cases(tmp_path)
+    defaults = {
+        "--data": _fake_dataset(tmp_path / "d"),
+        "--hyp": REPO_ROOT / "cfg" / "hyp.yaml",
+        "--cfg": REPO_ROOT / "cfg" / "yolov3-spp-nano.cfg",
+    }
+    for name, (files, parts) in cases.items():
+        out = tmp_path / "run"
+        argv = [str(a) for k, v in {**defaults, **files}.items() for a in (k, v)]
+        code = train.main([*argv, "--output-dir", str(out), "--device", "cpu"])
+        err = console.readouterr().err
+        assert code == 2, (name, err[-2000:])
+        assert "Traceback" not in err, name
+        lines = [ln for ln in err.splitlines() if ln.strip()]
+        assert len(lines) == 1 and lines[0].startswith("error: "), (name, lines)
+        for part in parts:
+            assert part in lines[0], (name, part, lines[0])
+        assert len(lines[0]) < 300, (name, lines[0])
+        assert not out.exists(), name
 
 
 # =============================================================================================

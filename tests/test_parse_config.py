@@ -403,6 +403,42 @@ def test_binary_file(tmp_path):
         parse_model_cfg(path)
 
 
+def test_cfg_data_and_names_text_is_checked_before_reading(tmp_path, monkeypatch):
+    """A FIFO cfg (opening it would block forever), a UTF-16 cfg, an oversized one: one line.
+    A .data file's hostile values are quoted short (a 1 MB line, a 400-digit class count, a
+    5000-character path that no system accepts)."""
+    import os
+
+    fifo = tmp_path / "fifo.cfg"
+    os.mkfifo(fifo)
+    with pytest.raises(ConfigError, match=r"fifo\.cfg: model cfg: a FIFO \(named pipe\)"):
+        parse_model_cfg(fifo)
+    nano = Path(__file__).resolve().parents[1] / "cfg" / "yolov3-spp-nano.cfg"
+    utf16 = tmp_path / "utf16.cfg"
+    utf16.write_bytes(nano.read_text().encode("utf-16-le"))
+    with pytest.raises(ConfigError, match=r"utf16\.cfg: model cfg holds NUL bytes .* as UTF-8$"):
+        parse_model_cfg(utf16)
+    monkeypatch.setenv("YOLO_MAX_TEXT_BYTES", "1000")
+    with pytest.raises(ConfigError, match=r"over the limit of 1000 B .* YOLO_MAX_TEXT_BYTES"):
+        parse_model_cfg(nano)
+    monkeypatch.delenv("YOLO_MAX_TEXT_BYTES")
+
+    (tmp_path / "n.names").write_text("a\nb\n")
+    (tmp_path / "t.txt").write_text("x.jpg\n")
+    rest = "train=t.txt\nvalid=t.txt\nnames=n.names\n"
+    data = tmp_path / "x.data"
+    for text, match in (
+        ("x" * 1_000_000 + "\n", r":1: expected 'key=value', got 'xxx+\.\.\.x+'$"),
+        (f"classes={'9' * 400}\n{rest}", r":1: classes=9{12}\.\.\.\(400 digits\) but "),
+        (f"classes={'9' * 5000}\n{rest}", r":1: classes='9+\.\.\.9+' must be an integer"),
+        (f"classes=2\ntrain={'a' * 5000}\nvalid=t.txt\nnames=n.names\n", r":2: train='a+\.\.\."),
+    ):
+        data.write_text(text)
+        with pytest.raises(ConfigError, match=match) as info:
+            parse_data_cfg(data)
+        assert len(str(info.value)) < len(str(data)) + 200
+
+
 # --------------------------------------------------------------------------------------------
 # Rewriting and writing
 

@@ -352,3 +352,37 @@ def test_a_default_name_that_loses_the_race_for_its_lock_takes_the_next_number(
     finally:
         claim.release()
         raced[0].release()
+
+
+def test_a_hostile_args_yaml_is_not_a_run_of_ours(tmp_path):
+    """args.yaml files that are not what they claim (a billion-laughs document, a FIFO, a
+    Python tag, UTF-16) are skipped quickly, without hanging or filling memory; the next
+    folder with the launch is found."""
+    me = "slurm:42"
+    laughs = "a0: &a0 [" + ", ".join(['"lol"'] * 10) + "]\n"
+    for i in range(1, 10):
+        laughs += f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]\n"
+    hostile = {
+        "x": laughs + f"launch: '{me}'\n",
+        "x2": f"launch: !!python/object/apply:os.system ['touch {tmp_path}/pwned']\n",
+        "x3": None,  # a FIFO: opening it would block forever
+        "x4": f"launch: '{me}'\n".encode("utf-16"),
+    }
+    for name, content in hostile.items():
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "last.pt").write_bytes(b"weights")
+        args = tmp_path / name / "args.yaml"
+        if content is None:
+            os.mkfifo(args)
+        elif isinstance(content, bytes):
+            args.write_bytes(content)
+        else:
+            args.write_text(content)
+    start = time.monotonic()
+    assert folder_of_launch(tmp_path / "x", me) is None
+    (tmp_path / "x5").mkdir()
+    (tmp_path / "x5" / "last.pt").write_bytes(b"weights")
+    (tmp_path / "x5" / "args.yaml").write_text(f"epochs: 3\nlaunch: '{me}'\n")
+    assert folder_of_launch(tmp_path / "x", me) == tmp_path / "x5"
+    assert time.monotonic() - start < 2
+    assert not (tmp_path / "pwned").exists()

@@ -44,7 +44,9 @@ from build_utils.anchors import (
 )
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
+from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.parse_config import parse_data_cfg
+from build_utils.safe_yaml import short_text
 from train_utils.cli import HelpFormatter, check_at_least, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("kmeans_anchors")
@@ -67,7 +69,7 @@ def write_anchors_into_cfg(src: Path, dst: Path, anchors: np.ndarray) -> int:
     Raises:
         ConfigError: no ``[yolo]`` section, or one whose ``num`` differs from the anchor count.
     """
-    lines = src.read_text(encoding="utf-8").splitlines()
+    lines = _read_cfg(src).splitlines()
     section, changed = "", 0
     for i, line in enumerate(lines):
         stripped = line.strip()
@@ -75,7 +77,7 @@ def write_anchors_into_cfg(src: Path, dst: Path, anchors: np.ndarray) -> int:
             section = stripped.strip("[]").strip().lower()
         elif section == "yolo":
             m = re.match(r"\s*(\w+)\s*=\s*(.*)", line)
-            if m and m.group(1) == "num" and int(m.group(2).split("#")[0]) != len(anchors):
+            if m and m.group(1) == "num" and _num(m.group(2), src, i + 1) != len(anchors):
                 raise ConfigError(
                     f"[yolo] num={m.group(2)} but {len(anchors)} anchors were "
                     "computed; pass -n to match",
@@ -92,15 +94,31 @@ def write_anchors_into_cfg(src: Path, dst: Path, anchors: np.ndarray) -> int:
     return changed
 
 
+def _read_cfg(cfg: Path) -> str:
+    """The cfg's text: a regular file within MAX_TEXT_BYTES, UTF-8, or one ConfigError line."""
+    return read_config_text(cfg, MAX_TEXT_BYTES, "model cfg")
+
+
+def _num(value: str, cfg: Path, line: int) -> int:
+    """A ``[yolo] num=`` value (a trailing ``# comment`` allowed) as an integer."""
+    text = value.split("#")[0].strip()
+    try:
+        return int(text)
+    except ValueError:
+        raise ConfigError(
+            f"[yolo] num={short_text(text, 40)!r} must be a whole number", cfg, line
+        ) from None
+
+
 def cfg_anchor_count(cfg: Path) -> int | None:
     """The ``num`` of the first ``[yolo]`` section, if any."""
     section = ""
-    for line in cfg.read_text(encoding="utf-8").splitlines():
+    for number, line in enumerate(_read_cfg(cfg).splitlines(), 1):
         s = line.strip()
         if s.startswith("["):
             section = s.strip("[]").strip().lower()
         elif section == "yolo" and re.match(r"num\s*=", s):
-            return int(s.split("=", 1)[1].split("#")[0])
+            return _num(s.split("=", 1)[1], cfg, number)
     return None
 
 

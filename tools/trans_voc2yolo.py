@@ -57,6 +57,14 @@ from build_utils.image_io import (
     raw_image_size,
     read_file_bytes,
 )
+from build_utils.limits import (
+    MAX_LABEL_BYTES,
+    MAX_LIST_BYTES,
+    MAX_TEXT_BYTES,
+    file_problem,
+    read_config_text,
+)
+from build_utils.safe_yaml import short_text
 from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("trans_voc2yolo")
@@ -95,15 +103,15 @@ def load_class_list(path: str | os.PathLike[str]) -> list[str]:
         ConfigError: unreadable file, no names, duplicate names or ids.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except OSError as e:
-        raise ConfigError(f"cannot read class list: {e.strerror or e}", path) from e
+    text = read_config_text(path, MAX_TEXT_BYTES, "class list")
     if path.suffix.lower() == ".json":
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
             raise ConfigError(f"not valid JSON: {e.msg}", path, e.lineno) from e
+        except (ValueError, RecursionError) as e:
+            # An integer past Python's 4300 digits; arrays nested thousands deep.
+            raise ConfigError(f"not a usable JSON class list: {short_text(str(e))}", path) from e
         if isinstance(data, dict):
             if not all(isinstance(v, int) for v in data.values()):
                 raise ConfigError("a class mapping must map names to integer ids", path)
@@ -140,6 +148,8 @@ def collect_class_names(xml_files: Sequence[Path]) -> list[str]:
     """Sorted object names found in the XML files (unparsable files are ignored here)."""
     names = set()
     for f in xml_files:
+        if file_problem(f, MAX_LABEL_BYTES) is not None:
+            continue  # convert_file reports it
         try:
             root = ET.parse(f).getroot()
         except (ET.ParseError, OSError):
@@ -171,6 +181,11 @@ def convert_file(
         ``(label lines or None when the file is skipped, report lines, skipped objects)``.
     """
     notes: list[str] = []
+    # Stat first: a FIFO named x.xml would block the parser forever, a huge file fill memory.
+    # (expat itself refuses entity-expansion bombs.)
+    problem = file_problem(xml_path, MAX_LABEL_BYTES)
+    if problem is not None:
+        return None, [f"{xml_path}: skipped: {problem}"], 0
     try:
         root = ET.parse(xml_path).getroot()
     except (ET.ParseError, OSError) as e:
@@ -323,7 +338,8 @@ def convert_voc_root(
         id_file = voc_root / "ImageSets" / "Main" / f"{split}.txt"
         if not id_file.is_file():
             raise DatasetError(f"no image id list for split '{split}'", id_file)
-        ids = [line.split()[0] for line in id_file.read_text().splitlines() if line.strip()]
+        text = read_config_text(id_file, MAX_LIST_BYTES, "image id list")
+        ids = [line.split()[0] for line in text.splitlines() if line.strip()]
         img_out = out / split / "images"
         img_out.mkdir(parents=True, exist_ok=True)
         images = _image_index(voc_root / "JPEGImages")

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import logging
 import math
+import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ import yaml
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.errors import CheckpointError, ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
+from build_utils.safe_yaml import compose_yaml, short_repr
 from models.darknet import FREEZE_MODES
 from train_utils.checkpoint import read_weights
 from train_utils.cli import (
@@ -109,16 +111,11 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
     :class:`ConfigError` naming ``path:line`` and the key. Optional keys get their defaults.
     """
     path = Path(path)
-    if not path.is_file():
+    if not os.path.lexists(path):
         raise ConfigError("hyperparameter file not found; pass an existing file to --hyp", path)
-    text = path.read_text(encoding="utf-8-sig")
-    try:
-        root = yaml.compose(text)
-    except yaml.YAMLError as e:
-        mark = getattr(e, "problem_mark", None)
-        raise ConfigError(
-            f"not valid YAML: {getattr(e, 'problem', e)}", path, mark.line + 1 if mark else None
-        ) from e
+    # Bounded: size, UTF-8, node count with aliases expanded, standard tags only, scalar keys.
+    doc = compose_yaml(path, "hyperparameter file")
+    root = doc.root
     if root is None or not isinstance(root, yaml.MappingNode):
         raise ConfigError("expected a mapping of hyperparameter names to values", path)
     hyp: dict[str, Any] = {}
@@ -127,12 +124,13 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
         key = key_node.value
         if key not in HYP_SPECS:
             raise ConfigError(
-                f"unknown hyperparameter '{key}'; known keys: {', '.join(HYP_SPECS)}", path, line
+                f"unknown hyperparameter {short_repr(key)}; known keys: {', '.join(HYP_SPECS)}",
+                path,
+                line,
             )
         if key in hyp:
             raise ConfigError(f"hyperparameter '{key}' is given twice", path, line)
-        value = yaml.safe_load(yaml.serialize(value_node))
-        hyp[key] = _check_hyp_value(key, value, path, line)
+        hyp[key] = _check_hyp_value(key, doc.value(value_node), path, line)
     missing = [k for k, s in HYP_SPECS.items() if s.default is None and k not in hyp]
     if missing:
         raise ConfigError(
@@ -149,12 +147,19 @@ def _check_hyp_value(key: str, value: Any, path: Path, line: int) -> Any:
     spec = HYP_SPECS[key]
     if spec.kind is bool:
         if not isinstance(value, bool):
-            raise ConfigError(f"'{key}' must be true or false, got {value!r}", path, line)
+            raise ConfigError(f"'{key}' must be true or false, got {short_repr(value)}", path, line)
         return value
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise ConfigError(f"'{key}' must be a number, got {value!r}", path, line)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        kind = {list: "a list", dict: "a mapping"}.get(type(value))
+        got = kind if kind else short_repr(value)
+        raise ConfigError(f"'{key}' must be a number, got {got}", path, line)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"'{key}' must be a finite number, got {value}", path, line)
+    # Compared as given: a 400-digit integer has no float (OverflowError), but is out of range.
     if not spec.lo <= value <= spec.hi:
-        raise ConfigError(f"'{key}' = {value} is outside [{spec.lo}, {spec.hi}]", path, line)
+        raise ConfigError(
+            f"'{key}' = {short_repr(value)} is outside [{spec.lo}, {spec.hi}]", path, line
+        )
     return float(value)
 
 

@@ -17,10 +17,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import yaml
 from torch.utils.tensorboard import SummaryWriter
 
 from build_utils.atomic import atomic_write, reported_write
+from build_utils.safe_yaml import dump_yaml
 from train_utils.checkpoint import to_plain
 from train_utils.engine import EpochStats
 from train_utils.evaluation.coco_eval import STAT_NAMES
@@ -101,8 +101,9 @@ def write_run_files(
     """
     texts = {
         "model.cfg": cfg_text,
-        "args.yaml": yaml.safe_dump(to_plain(dict(args)), sort_keys=False),
-        "hyp.yaml": yaml.safe_dump(to_plain(dict(hyp)), sort_keys=False),
+        # dump_yaml quotes a string that load_yaml would read as a number ('1e6'): read back equal.
+        "args.yaml": dump_yaml(to_plain(dict(args))),
+        "hyp.yaml": dump_yaml(to_plain(dict(hyp))),
     }
     for name, text in texts.items():
         with reported_write(out / name, OUTPUT_FLAG), atomic_write(out / name, "w") as f:

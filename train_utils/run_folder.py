@@ -32,10 +32,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from build_utils.atomic import TEMP_SUFFIX, write_error
 from build_utils.errors import ConfigError
+from build_utils.safe_yaml import load_yaml
 
 logger = logging.getLogger(__name__)
 
@@ -106,8 +105,9 @@ def folder_of_launch(base: Path, launch: str) -> Path | None:
         if not pattern.fullmatch(candidate.name) or not (candidate / "last.pt").is_file():
             continue
         try:
-            recorded = yaml.safe_load((candidate / RUN_ARGS_NAME).read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, yaml.YAMLError):
+            # Bounded (size, aliases, tags): a hostile args.yaml is "not a run of ours".
+            recorded = load_yaml(candidate / RUN_ARGS_NAME, "run arguments")
+        except ConfigError:
             continue
         if isinstance(recorded, dict) and recorded.get("launch") == launch:
             return candidate
