@@ -28,6 +28,7 @@ from typing import Any
 
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
+from build_utils.safe_yaml import short_repr
 
 LOGGER = logging.getLogger(__name__)
 
@@ -747,6 +748,13 @@ def write_model_cfg(blocks: list[Block], path: str | os.PathLike[str], header: s
 # .data and .names
 
 
+def _quoted(value: str, head: int = 48, tail: int = 24) -> str:
+    """``value`` quoted for an error line, its middle cut when long (a 1 MB line stays short)."""
+    if len(value) <= head + tail + 3:
+        return repr(value)
+    return repr(f"{value[:head]}...{value[-tail:]}")
+
+
 def _resolve_data_path(value: str, data_dir: Path) -> str:
     p = Path(value).expanduser()
     if p.is_absolute():
@@ -783,7 +791,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         key, sep, value = line.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
-            raise ConfigError(f"expected 'key=value', got {line!r}", path, number)
+            raise ConfigError(f"expected 'key=value', got {_quoted(line)}", path, number)
         if key in lines:
             raise ConfigError(
                 f"duplicate key '{key}' (first set at line {lines[key]})", path, number
@@ -796,12 +804,17 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
                 out[key] = _to_int(value)
             except ValueError as e:
                 raise ConfigError(
-                    f"classes={value!r} must be an integer number of classes", path, number
+                    f"classes={_quoted(value)} must be an integer number of classes", path, number
                 ) from e
             if out[key] < 1:
                 raise ConfigError(f"classes={out[key]} must be at least 1", path, number)
         elif key in DATA_PATH_KEYS:
-            out[key] = _resolve_data_path(value, path.parent)
+            try:
+                out[key] = _resolve_data_path(value, path.parent)
+            except OSError as e:  # e.g. a name too long for the file system
+                raise ConfigError(
+                    f"{key}={_quoted(value)} is not a usable path ({e.strerror or e})", path, number
+                ) from e
         else:
             out[key] = value
     for key in DATA_REQUIRED_KEYS:
@@ -810,9 +823,13 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
                 f"missing required key '{key}' (needs {', '.join(DATA_REQUIRED_KEYS)})", path
             )
     names_file = Path(out["names"])
-    if not names_file.is_file():
+    try:
+        names_found = names_file.is_file()
+    except OSError:  # a name too long for the file system
+        names_found = False
+    if not names_found:
         raise ConfigError(
-            f"names file '{out['names']}' not found (looked beside the .data file and in the "
+            f"names file {_quoted(out['names'])} not found (looked beside the .data file and in the "
             "current directory)",
             path,
             lines["names"],
@@ -820,7 +837,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     names = load_class_names(names_file)
     if len(names) != out["classes"]:
         raise ConfigError(
-            f"classes={out['classes']} but '{out['names']}' lists {len(names)} names",
+            f"classes={short_repr(out['classes'])} but '{out['names']}' lists {len(names)} names",
             path,
             lines["classes"],
         )

@@ -103,7 +103,9 @@ def test_config_text_is_bounded_and_utf8(tmp_path: Path, monkeypatch):
     cfg.write_bytes(b"\xef\xbb\xbf[net]\nwidth=416\n")
     assert read_config_text(cfg, MAX_TEXT_BYTES, "model cfg") == "[net]\nwidth=416\n"
     cfg.write_bytes("[net]\n# caf\u00e9\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"x\.cfg: model cfg is not UTF-8 text \(byte 0xe9 at"):
+    with pytest.raises(
+        ConfigError, match=r"x\.cfg:2: model cfg is not UTF-8 text \(byte 0xe9 at offset 11"
+    ):
         read_config_text(cfg, MAX_TEXT_BYTES, "model cfg")
     cfg.write_bytes("[net]\n".encode("utf-16"))
     with pytest.raises(ConfigError, match="model cfg is UTF-16 text; save it as UTF-8"):

@@ -24,7 +24,7 @@ import yaml
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.errors import CheckpointError, ConfigError
 from build_utils.parse_config import load_class_names, parse_data_cfg
-from build_utils.safe_yaml import compose_yaml, short_repr
+from build_utils.safe_yaml import compose_yaml, short_repr, short_text
 from models.darknet import FREEZE_MODES
 from train_utils.checkpoint import read_weights
 from train_utils.cli import (
@@ -182,8 +182,12 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
     d = parse_data_cfg(path)
     for key in ("train", "valid"):
         p = Path(d[key])
-        if not p.exists():
-            raise ConfigError(f"'{key}' points to {p}, which does not exist", path)
+        try:
+            exists = p.exists()
+        except OSError:  # a name too long for the file system exists nowhere
+            exists = False
+        if not exists:
+            raise ConfigError(f"'{key}' points to {short_text(str(p))}, which does not exist", path)
     nc = int(d["classes"])
     names_path = d.get("names")
     if names_path:
