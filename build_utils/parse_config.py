@@ -829,8 +829,8 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         names_found = False
     if not names_found:
         raise ConfigError(
-            f"names file {_quoted(out['names'])} not found (looked beside the .data file and in the "
-            "current directory)",
+            f"names file {_quoted(out['names'])} not found (looked beside the .data file and in "
+            "the current directory)",
             path,
             lines["names"],
         )
