@@ -124,7 +124,7 @@ MAX_WEIGHTS_BYTES = Limit(
     "YOLOv7-E6E weights are 600 MB; a checkpoint adds the EMA and optimizer state (about 3x)",
 )
 MAX_YAML_NODES = Limit(
-    "YAML nodes per document (aliases expanded)",
+    "YAML nodes per document, aliases expanded",
     "YOLO_MAX_YAML_NODES",
     100_000,
     "nodes",
