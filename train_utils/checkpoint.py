@@ -458,7 +458,11 @@ _OPTIMIZER_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_s
 
 
 def _bad(what: str, value: Any) -> str:
-    shown = repr(value)
+    """``what`` and its value as an error line shows it: short, one line."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{what} (a {dtype} tensor of shape {tuple(value.shape)})"
+    shown = " ".join(repr(value).split())
     return f"{what} {shown if len(shown) <= 40 else shown[:40] + '...'}"
 
 
@@ -584,6 +588,17 @@ def _check_optimizer_fits(
     order = [i for g in saved["param_groups"] for i in g["params"]]
     position = {pid: k for k, pid in enumerate(order)}
     bad = "the checkpoint's optimizer state does not fit this model: "
+    # A setting this run's optimizer holds as a number must be one there too (and a switch a
+    # switch): "momentum: 'fast'" would fail only at the first step.
+    for n, (own, old) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        for key, value in old.items():
+            mine = own.get(key)
+            if key == "params" or mine is None or value is None:
+                continue
+            if isinstance(mine, bool) != isinstance(value, bool) or (
+                _is_real(mine) and not _is_real(value)
+            ):
+                raise CheckpointError(bad + f"param group {n}: " + _bad(key, value), path)
     for pid, entry in saved["state"].items():
         k = position.get(pid)
         if k is None or k >= len(params):
