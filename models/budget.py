@@ -13,11 +13,15 @@ estimate crosses the memory available: ``/proc/meminfo`` ``MemAvailable`` for th
 The estimate (``tests/test_budget.py`` holds it to the real model):
 - parameters: exact (``sum(p.numel() for p in model.parameters())``);
 - layer output shapes: exact (each layer's output in a forward pass);
-- training activations: what autograd saves for the backward pass, per image, within a factor of
-  1.0-1.5 above the measured bytes for nano, yolov3-tiny and yolov3-spp (it counts the
-  activation output of a convolution separately, which in-place activations share);
+- training activations: what autograd saves for the backward pass, 1.0-1.3x the bytes it
+  actually saves and 0.9-1.1x the peak memory a forward pass adds (nano, yolov3-tiny,
+  yolov3-spp at 512 px on CPU); it counts a convolution's output and its activation's apart,
+  which in-place activations share;
 - inference activations: the largest set of tensors alive at once (the outputs later layers
-  read, plus one layer's input and outputs).
+  read, one layer's input, outputs and the convolution backend's copy of its input), 0.6-1.3x the
+  measured peak.
+A refusal therefore means the model cannot run: it is refused only when the estimate exceeds all
+the memory available, never for being close to it.
 """
 
 from __future__ import annotations
@@ -99,7 +103,7 @@ def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimat
     kept = 0  # bytes of earlier outputs that later layers read (inference keeps them)
     for i, mdef in enumerate(layers):
         kind = mdef["type"]
-        params, extra_train = 0, 0
+        params, extra_train, workspace = 0, 0, 0
         in_elems = c * h * w
         if kind == "convolutional":
             cd = {**CONV_DEFAULTS, **mdef}
@@ -110,6 +114,8 @@ def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimat
             bn = bool(mdef.get("batch_normalize", 0))
             params = filters * (c // max(1, groups)) * k * k + (2 * filters if bn else filters)
             c, h, w = filters, _out_side(h, k, pad, sy), _out_side(w, k, pad, sx)
+            if k > 1:  # a convolution backend's reordered (padded, blocked) copy of its input
+                workspace = c * h * w * FLOAT_BYTES
             act = mdef.get("activation", "logistic")
             copies = 1 + bn + (act in _ACTIVATIONS_SAVING_INPUT)
             extra_train = (copies - 1) * c * h * w * FLOAT_BYTES
@@ -135,7 +141,7 @@ def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimat
         out_bytes = c * h * w * FLOAT_BYTES
         # A [yolo] head returns views in training; in inference it decodes a copy.
         train = 0 if kind == "yolo" else out_bytes + extra_train
-        live = kept + in_elems * FLOAT_BYTES + 2 * out_bytes
+        live = kept + in_elems * FLOAT_BYTES + 2 * out_bytes + workspace
         shapes.append((c, h, w))
         if i in referenced:
             kept += out_bytes
