@@ -20,8 +20,8 @@ The estimate (``tests/test_budget.py`` holds it to the real model):
 - inference activations: the largest set of tensors alive at once (the outputs later layers
   read, one layer's input, outputs and the convolution backend's copy of its input), 0.6-1.3x the
   measured peak.
-A refusal therefore means the model cannot run: it is refused only when the estimate exceeds all
-the memory available, never for being close to it.
+A model is refused only when the estimate exceeds all the memory available, never for coming
+close to it.
 """
 
 from __future__ import annotations
