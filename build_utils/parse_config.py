@@ -839,6 +839,11 @@ def rewrite_cfg_classes(blocks: list[Block], nc: int) -> list[Block]:
     """
     if isinstance(nc, bool) or not isinstance(nc, int) or nc < 1:
         raise ConfigError(f"the number of classes must be a positive integer, got {nc!r}")
+    if nc > MAX_CLASSES:
+        # The count comes from the data (.data classes, names), not from a line of this cfg.
+        raise ConfigError(
+            f"{_shown(nc)} classes is over the limit: allowed 1..{MAX_CLASSES} (classes per model)"
+        )
     out = copy.deepcopy(blocks)
     for i, block in enumerate(out):
         if block["type"] != "yolo":

@@ -654,3 +654,12 @@ def test_make_cfg_runs_as_a_script(tmp_path):
     )
     assert bad.returncode == 2
     assert bad.stderr == "error: missing.cfg: model cfg not found\n"
+
+
+def test_a_class_count_from_the_data_is_bounded_too(tmp_path):
+    # 5,000,000 classes from a .data file would make heads of 15 million filters.
+    blocks = parse_model_cfg(write(tmp_path, NET + CONV + HEAD))
+    with pytest.raises(
+        ConfigError, match=r"^5000000 classes is over the limit: allowed 1\.\.20000"
+    ):
+        rewrite_cfg_classes(blocks, 5_000_000)
