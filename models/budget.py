@@ -191,13 +191,16 @@ def check_model_fits(
     training: bool = False,
     device: Any = None,
     params_only: bool = False,
+    share: int = 1,
 ) -> ModelEstimate:
     """Refuse, in one line, a model that cannot fit the memory of ``device``.
 
     Walks the layers adding each one's cost: its parameters (x :data:`TRAIN_COPIES_PER_PARAM`
     when training) and its activations for ``batch`` images of ``img_hw`` (saved for backward
     when training; the largest live set in inference). ``params_only`` counts the parameters
-    alone (building the model on the CPU, before the size and batch are known).
+    alone (building the model on the CPU, before the size and batch are known). ``share``
+    processes use the same memory alike (the DDP ranks of a node training on its CPU): each
+    gets its part.
 
     Returns:
         The estimate, when it fits.
@@ -210,6 +213,8 @@ def check_model_fits(
     hw = (img_hw, img_hw) if isinstance(img_hw, int) else (int(img_hw[0]), int(img_hw[1]))
     est = estimate_model(blocks, hw)
     avail, what = available_memory(device)
+    if share > 1:
+        avail, what = avail // share, f"{what}, shared by {share} processes"
     copies = TRAIN_COPIES_PER_PARAM if training else 1
     total, live_peak = 0, 0
     mode = "training" if training else "inference"

@@ -108,6 +108,9 @@ def test_activations_refused_at_the_size_and_batch(monkeypatch):
         check_model_fits(blocks, 640, batch=16, training=True)
     monkeypatch.setenv(MEMORY_ENV, str(need))
     check_model_fits(blocks, 640, batch=16, training=True)  # exactly enough
+    # Two DDP ranks training on one node's CPU share its RAM: half each is not enough.
+    with pytest.raises(ConfigError, match=r"YOLO_MEMORY_AVAILABLE, shared by 2 processes;"):
+        check_model_fits(blocks, 640, batch=16, training=True, share=2)
     assert available_memory() == (need, MEMORY_ENV)
 
 

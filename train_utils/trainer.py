@@ -65,6 +65,7 @@ from train_utils.distributed.comm import (
     broadcast_tensors_,
     raise_if_any_rank_failed,
 )
+from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.precision import precision_record, resolve_amp
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
@@ -402,8 +403,10 @@ def _check_model_memory(config: TrainConfig, blocks: list[dict[str, Any]], dist:
     activations of a batch at the largest side this run trains at) exceeds the device's, before
     anything is allocated (models/budget.py)."""
     side = multi_scale_bounds(config.img_size)[1] if config.multi_scale else config.img_size
+    # The ranks of a node training on its CPU share its RAM; GPUs are one per rank.
+    share = processes_per_node() if dist.device.type == "cpu" else 1
     estimate = check_model_fits(
-        blocks, side, batch=config.batch_size, training=True, device=dist.device
+        blocks, side, batch=config.batch_size, training=True, device=dist.device, share=share
     )
     logger.debug("model memory: %s", describe_estimate(estimate, config.batch_size))
 
