@@ -383,3 +383,12 @@ def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypa
     train = LoadImagesAndLabels(str(d.train), 64, 4, nc=d.nc)
     assert checked == [] and "out of date" not in caplog.text
     assert len(train) == 8
+
+
+def test_kmeans_anchors_img_size_is_limited(tmp_path, capsys):
+    rc = kmeans_anchors.main(["--list", str(tmp_path / "train.txt"), "--img-size", "65536"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == (
+        "error: --img-size 65536 is larger than the limit 8192 (pixels per side of --img-size); "
+        "set YOLO_MAX_IMG_SIZE to raise it"
+    )

@@ -44,7 +44,12 @@ from build_utils.anchors import (
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_data_cfg
-from train_utils.cli import HelpFormatter, run_main, setup_console_logging
+from train_utils.cli import (
+    HelpFormatter,
+    check_img_size_limit,
+    run_main,
+    setup_console_logging,
+)
 
 LOGGER = logging.getLogger("kmeans_anchors")
 
@@ -131,6 +136,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("model cfg not found", args.cfg)
         if not 0 < args.iou_t < 1:
             raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
+        check_img_size_limit(args.img_size)
         n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
         data = parse_data_cfg(args.data) if args.data else None
         source = data["train"] if data else args.list

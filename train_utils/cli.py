@@ -203,6 +203,16 @@ def check_img_size(size: int, flag: str = "--img-size") -> int:
     """``size`` when it is a positive multiple of :data:`GRID` no larger than the limit
     :data:`~build_utils.limits.MAX_IMG_SIZE` (``$YOLO_MAX_IMG_SIZE`` raises it): checked before
     the size reaches a model or a loader, where 65536 px would allocate a 12 GB batch first."""
+    check_img_size_limit(size, flag)
+    if size <= 0 or size % GRID:
+        fix = max(GRID, round(size / GRID) * GRID)
+        raise ConfigError(f"{flag} {size} is not a positive multiple of {GRID}; use e.g. {fix}")
+    return size
+
+
+def check_img_size_limit(size: int, flag: str = "--img-size") -> int:
+    """``size`` when it is a whole number no larger than the limit (for sizes that need not be
+    multiples of :data:`GRID`, such as the label scale of ``tools/kmeans_anchors.py``)."""
     _check_number(flag, size, int)
     limit = MAX_IMG_SIZE.value()
     if size > limit:
@@ -210,9 +220,6 @@ def check_img_size(size: int, flag: str = "--img-size") -> int:
             f"{flag} {_shown(size)} is larger than the limit {limit} ({MAX_IMG_SIZE.name}); "
             f"set {MAX_IMG_SIZE.env} to raise it"
         )
-    if size <= 0 or size % GRID:
-        fix = max(GRID, round(size / GRID) * GRID)
-        raise ConfigError(f"{flag} {size} is not a positive multiple of {GRID}; use e.g. {fix}")
     return size
 
 
