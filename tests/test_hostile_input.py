@@ -122,7 +122,7 @@ def assert_one_line(result: ScriptResult, *fragments: str) -> str:
 # =============================================================================================
 
 
-def _sparse_files(folder: Path) -> dict[str, Path]:
+def _f1c_sparse_files(folder: Path) -> dict[str, Path]:
     """A 40 GB sparse Darknet ``.weights`` (a valid v0.2 header, then holes) and ``.pt`` (a zip
     signature, then holes): no disk used, but a reader that reads them whole needs 40 GB."""
     import numpy as np
@@ -137,7 +137,7 @@ def _sparse_files(folder: Path) -> dict[str, Path]:
     return files
 
 
-def _one_image_folder(folder: Path) -> Path:
+def _f1c_image_folder(folder: Path) -> Path:
     import cv2
     import numpy as np
 
@@ -174,14 +174,14 @@ def test_a_40_gb_sparse_weights_file_is_one_line(shapes_data, tmp_path, script, 
     """Was: read whole (MemoryError traceback, or 40 GB of RAM). Now refused from its size."""
     from tests.conftest import NANO_CFG, train_argv
 
-    big = _sparse_files(tmp_path)[kind]
+    big = _f1c_sparse_files(tmp_path)[kind]
     out = tmp_path / "out"
     if script == "train.py":
         args = train_argv(shapes_data, out, "--weights", str(big))
     elif script == "validation.py":
         args = ["--weights", big, "--data", shapes_data, "--save-dir", out]
     else:
-        source = _one_image_folder(tmp_path / "images")
+        source = _f1c_image_folder(tmp_path / "images")
         args = ["--weights", big, "--cfg", NANO_CFG, "--source", source, "--output", out]
     result = run_script(script, *args, cwd=tmp_path)
     assert_one_line(
@@ -206,7 +206,7 @@ def test_a_40_gb_sparse_weights_file_is_one_line(shapes_data, tmp_path, script, 
 # =============================================================================================
 
 
-def _edited_nano(folder: Path, old: str, new: str, nth: int = 1) -> tuple[Path, int]:
+def _f3_edited_nano(folder: Path, old: str, new: str, nth: int = 1) -> tuple[Path, int]:
     """The nano cfg with the ``nth`` line equal to ``old`` replaced by ``new``; the file and
     the line number of the edit."""
     from tests.conftest import NANO_CFG
@@ -265,7 +265,7 @@ def test_a_cfg_value_that_would_explode_is_one_line_naming_its_line(shapes_data,
     from tests.conftest import train_argv
 
     old, new, nth, says = EXPLODING_CFG_VALUES[case]
-    cfg, line = _edited_nano(tmp_path, old, new, nth)
+    cfg, line = _f3_edited_nano(tmp_path, old, new, nth)
     out = tmp_path / "run"
     err = io.StringIO()
     with contextlib.redirect_stderr(err):
@@ -287,7 +287,7 @@ def family3_run(tmp_path_factory, shapes_data) -> Path:
     return out / "last.pt"
 
 
-def _cfg_with_two_wide_convs(text: str) -> str:
+def _f3_two_wide_convs(text: str) -> str:
     """``text`` (a cfg) with its first two 3x3 convolutions 65536 filters wide: each value is
     within its bounds, the second layer's weights are 65536 x 65536 x 3 x 3 (154 GB)."""
     blocks = text.split("\n\n")
@@ -312,14 +312,14 @@ def test_a_checkpoint_whose_cfg_explodes_is_one_line_through_predict(family3_run
         ckpt["cfg"] = ckpt["cfg"].replace("filters=16", "filters=1000000000", 1)
         says = "[convolutional]: filters=1000000000 is over the limit: allowed 1..65536"
     else:
-        ckpt["cfg"] = _cfg_with_two_wide_convs(ckpt["cfg"])
+        ckpt["cfg"] = _f3_two_wide_convs(ckpt["cfg"])
         says = (
             "[convolutional] layer 1: the model does not fit: about 146.0 GiB needed up to "
             "this layer (inference, batch 1, 64x64 px)"
         )
     bad = tmp_path / "bad.pt"
     torch.save(ckpt, bad)
-    source = _one_image_folder(tmp_path / "images")
+    source = _f1c_image_folder(tmp_path / "images")
     out = tmp_path / "out"
     result = run_script(
         "predict.py", "--weights", bad, "--source", source, "--output", out, cwd=tmp_path
