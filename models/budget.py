@@ -237,7 +237,7 @@ def check_model_fits(
             needed = total + live_peak
         if needed > avail:
             scope = (
-                f"{est.params:,} parameters"
+                f"{est.params:,} parameters in all"
                 if params_only
                 else f"{mode}, batch {batch}, {hw[0]}x{hw[1]} px"
             )
