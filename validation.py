@@ -214,14 +214,16 @@ def build_model(
     """The model of ``weights`` with ``nc`` classes (1 under --single-cls), or under
     --single-cls with the .data's ``data_nc`` classes, on ``device``, in eval mode."""
     try:
-        model = model_from_weights(weights, args.cfg, nc, args.img_size)
+        model = model_from_weights(weights, args.cfg, nc, args.img_size, args.batch_size, device)
     except CheckpointError:
         if not args.single_cls or data_nc == nc:
             raise
         # --single-cls on a model of the data's classes: YOLOv5 scores it as one class (see
         # EvalOptions.single_cls) instead of refusing; a model trained with --single-cls has
         # one class and was built above.
-        model = model_from_weights(weights, args.cfg, data_nc, args.img_size)
+        model = model_from_weights(
+            weights, args.cfg, data_nc, args.img_size, args.batch_size, device
+        )
         logger.info("--single-cls: the model's %d classes are scored as one class", model.nc)
     model.to(device).eval()
     if channels_last:

@@ -268,6 +268,64 @@ REQUIRED: dict[str, tuple[str, ...]] = {
     "yolo": ("anchors",),
 }
 
+# Bounds of the numeric cfg values, by section and key: (lowest, highest) allowed, inclusive.
+# A value passes the type check and may still build a network no machine holds (filters=1e9:
+# a 108 GB weight tensor) or a window that pads the input a million-fold; the highest values are
+# far above what Darknet's own cfgs use (in brackets) and what sane models need, and the model's
+# memory is checked separately (models/budget.py). Every other integer key is bounded to a C
+# ``int``, as Darknet reads it (a 400-digit integer is an error, not a bignum).
+MAX_FILTERS = 65_536  # [2048]; YOLO9000's 9418 classes need 3 * 9423 = 28269 at a head
+MAX_KERNEL = 63  # conv and maxpool window side [13, the SPP max-pool]
+MAX_LAYER_STRIDE = 32  # one layer's stride (conv, maxpool, upsample) [2; upsample 4]
+MAX_CLASSES = 20_000  # [601, OpenImages]; ImageNet-21k-scale label sets stay below it
+MAX_ANCHORS = 64  # w,h pairs per [yolo] [16]
+MAX_NET_SIDE = 65_536  # [net] width/height [1280]; only read and kept (--img-size rules)
+INPUT_CHANNELS = 3  # the data loader feeds RGB images (build_utils/datasets.py)
+C_INT = (-(2**31), 2**31 - 1)
+
+_POSITIVE_SIDE = (1, MAX_LAYER_STRIDE)
+BOUNDS: dict[str, dict[str, tuple[int, int]]] = {
+    "net": {
+        "width": (1, MAX_NET_SIDE),
+        "height": (1, MAX_NET_SIDE),
+    },
+    "convolutional": {
+        "batch_normalize": (0, 1),
+        "filters": (1, MAX_FILTERS),
+        "size": (1, MAX_KERNEL),
+        "stride": _POSITIVE_SIDE,
+        "stride_x": _POSITIVE_SIDE,
+        "stride_y": _POSITIVE_SIDE,
+        "pad": (0, 1),  # a flag in Darknet: 1 = "same" padding (size // 2)
+        "padding": (0, MAX_KERNEL),
+        "groups": (1, MAX_FILTERS),
+        "stopbackward": (0, C_INT[1]),
+    },
+    "maxpool": {
+        "size": (1, MAX_KERNEL),
+        "stride": _POSITIVE_SIDE,
+        "stride_x": _POSITIVE_SIDE,
+        "stride_y": _POSITIVE_SIDE,
+        "padding": (0, 2 * MAX_KERNEL - 2),
+    },
+    "upsample": {"stride": _POSITIVE_SIDE},
+    "route": {"groups": (1, MAX_FILTERS), "group_id": (0, MAX_FILTERS - 1)},
+    "yolo": {
+        "classes": (1, MAX_CLASSES),
+        "num": (1, MAX_ANCHORS),
+        "mask": (0, MAX_ANCHORS - 1),
+    },
+}
+# Entries of a [route] layers= / [shortcut] from= list [4, SPP and CSP routes].
+MAX_ROUTE_INPUTS = 64
+# Float keys the model computes with: (lowest exclusive, highest).
+FLOAT_BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
+    "net": {"bn_eps": (0.0, 1.0)},
+    "yolo": {"scale_x_y": (0.0, 16.0)},  # [2.0, Scaled-YOLOv4's heads]
+}
+# A value shown in an error line is cut to this many characters (a 400-digit integer).
+_SHOWN_DIGITS = 12
+
 # Keys holding file paths in a .data file, resolved by parse_data_cfg.
 DATA_PATH_KEYS: tuple[str, ...] = ("train", "valid", "test", "names", "backup")
 DATA_REQUIRED_KEYS: tuple[str, ...] = ("classes", "train", "valid", "names")
@@ -512,6 +570,74 @@ def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
     return j if j > 0 and blocks[j]["type"] == "convolutional" else None
 
 
+def _shown(value: Any) -> str:
+    """A value as an error line shows it: at most :data:`_SHOWN_DIGITS` characters."""
+    text = str(value)
+    if len(text) <= _SHOWN_DIGITS:
+        return text
+    return f"{text[:_SHOWN_DIGITS]}... ({len(text)} characters)"
+
+
+def _check_bounds(block: Block) -> None:
+    """Every numeric value of ``block`` inside its bounds (:data:`BOUNDS`, else a C ``int``);
+    a value below the lowest says ``must be at least``, above the highest names the range."""
+    section = block["type"]
+    bounds = BOUNDS.get(section, {})
+    for key, value in block.items():
+        if key.startswith("_") or key == "type":
+            continue
+        values = value if isinstance(value, list) else [value]
+        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        lo, hi = bounds.get(key, C_INT)
+        for v in ints:
+            if v < lo:
+                raise layer_error(block, f"{key}={_shown(v)} must be at least {lo}", key)
+            if v > hi:
+                raise layer_error(
+                    block,
+                    f"{key}={_shown(v)} is over the limit: allowed {lo}..{hi}",
+                    key,
+                )
+        if key in ("layers", "from") and len(values) > MAX_ROUTE_INPUTS:
+            raise layer_error(
+                block,
+                f"{key} lists {len(values)} layers, over the limit: allowed 1..{MAX_ROUTE_INPUTS}",
+                key,
+            )
+        # The lowest float values are checked with the layer (validate_model_cfg).
+        flo, fhi = FLOAT_BOUNDS.get(section, {}).get(key, (None, None))
+        if fhi is not None and isinstance(value, (int, float)) and value > fhi:
+            raise layer_error(
+                block,
+                f"{key}={_shown(value)} is over the limit: allowed ({flo:g}, {fhi:g}]",
+                key,
+            )
+    if section == "net" and block.get("channels", INPUT_CHANNELS) != INPUT_CHANNELS:
+        raise layer_error(
+            block,
+            f"channels={_shown(block['channels'])}: only channels={INPUT_CHANNELS} is supported "
+            f"(the data loader feeds RGB images; grayscale images are read as 3 channels)",
+            "channels",
+        )
+    if section == "yolo" and "anchors" in block:
+        anchors = block["anchors"]
+        if len(anchors) > 2 * MAX_ANCHORS:
+            raise layer_error(
+                block,
+                f"anchors lists {len(anchors) // 2} w,h pairs, over the limit: allowed "
+                f"1..{MAX_ANCHORS}",
+                "anchors",
+            )
+        big = [a for a in anchors if a > MAX_NET_SIDE]
+        if big:
+            raise layer_error(
+                block,
+                f"anchor size {_shown(big[0])} is over the limit: allowed up to {MAX_NET_SIDE} "
+                "pixels",
+                "anchors",
+            )
+
+
 def validate_model_cfg(blocks: list[Block]) -> list[Block]:
     """Check the structure of parsed cfg blocks (``[net]`` first) and return them unchanged.
 
@@ -531,6 +657,8 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
         raise ConfigError("the first section must be [net] (or [network])", path, line)
     if len(blocks) == 1:
         raise layer_error(blocks[0], "the cfg defines no layers after [net]")
+    for block in blocks:
+        _check_bounds(block)
     for key in ("width", "height", "channels"):
         if key in blocks[0] and blocks[0][key] < 1:
             raise layer_error(blocks[0], f"{key}={blocks[0][key]} must be positive", key)
@@ -709,6 +837,11 @@ def rewrite_cfg_classes(blocks: list[Block], nc: int) -> list[Block]:
     """
     if isinstance(nc, bool) or not isinstance(nc, int) or nc < 1:
         raise ConfigError(f"the number of classes must be a positive integer, got {nc!r}")
+    if nc > MAX_CLASSES:
+        # The count comes from the data (.data classes, names), not from a line of this cfg.
+        raise ConfigError(
+            f"{_shown(nc)} classes is over the limit: allowed 1..{MAX_CLASSES} (classes per model)"
+        )
     out = copy.deepcopy(blocks)
     for i, block in enumerate(out):
         if block["type"] != "yolo":

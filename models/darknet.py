@@ -41,6 +41,7 @@ from build_utils.parse_config import (
     validate_model_cfg,
     yolo_mask,
 )
+from models.budget import check_model_fits
 from models.layers import (
     DarknetMaxPool,
     FeatureConcat,
@@ -293,7 +294,8 @@ class Darknet(nn.Module):
     sigmoid class scores (1 when nc == 1), ``raw`` as in training mode.
 
     Raises:
-        ConfigError: for a cfg that cannot be built (naming file:line).
+        ConfigError: for a cfg that cannot be built (naming file:line), or whose parameters do
+            not fit the RAM available (:func:`~models.budget.check_model_fits`).
     """
 
     def __init__(
@@ -315,6 +317,11 @@ class Darknet(nn.Module):
         self.bn_eps = float(
             bn_eps if bn_eps is not None else blocks[0].get("bn_eps", DARKNET_BN_EPS)
         )
+        # The weights are allocated on the CPU here: refuse, naming the layer, a cfg whose
+        # parameters alone exceed the RAM (filters=1000000000 in a checkpoint's cfg asks for
+        # 108 GB) before allocating them. Activations are checked by the callers, which know
+        # the batch, the size and the device (models/budget.py).
+        check_model_fits(blocks, self.img_size, params_only=True)
         self.module_list, self.routs = self._build(blocks)
         self.yolo_layers: list[int] = [
             i for i, m in enumerate(self.module_list) if isinstance(m, YOLOLayer)

@@ -24,6 +24,7 @@ import torch
 
 from build_utils.atomic import atomic_write
 from build_utils.errors import CheckpointError
+from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
 from models.darknet import Darknet
 from models.layers import WeightedFeatureFusion
 
@@ -89,18 +90,20 @@ def load_darknet_weights(
             counts), or a fused model. Nothing is loaded in that case.
     """
     path = Path(path)
-    if not path.is_file():
-        raise CheckpointError("Darknet weights file not found", path)
-    version, seen, values = _read_weights_file(path)
+    version, seen, body, n_values = _read_weights_header(path)
     layers = list(_darknet_tensors(model, cutoff))
     needed = sum(t.numel() for _, ts in layers for t in ts)
-    end = _layer_ending_at(layers, values.size)
-    if partial and cutoff < 0 and values.size < needed and end is not None:
+    end = _layer_ending_at(layers, n_values)
+    if partial and cutoff < 0 and n_values < needed and end is not None:
         cutoff = end + 1
         layers = list(_darknet_tensors(model, cutoff))
         LOGGER.info("%s: a partial (backbone) file: loading layers 0..%d", path, end)
     else:
-        _check_value_count(model, path, cutoff, needed, values.size, end)
+        _check_value_count(model, path, cutoff, needed, n_values, end)
+    # Only the values the layers take are read (a file checked by its size alone may still be
+    # a sparse 40 GB one within the limit): count= stops there.
+    used = sum(t.numel() for _, ts in layers for t in ts)
+    values = _read_values(path, body, used)
     ptr = 0
     with torch.no_grad():
         for _, tensors in layers:
@@ -110,37 +113,63 @@ def load_darknet_weights(
                 t.copy_(src.to(device=t.device, dtype=t.dtype))
                 ptr += n
     scope = "all layers" if cutoff < 0 else f"layers 0..{cutoff - 1}"
-    if ptr < values.size:
-        LOGGER.info("%s: loaded %s, %d trailing values not used", path, scope, values.size - ptr)
+    if ptr < n_values:
+        LOGGER.info("%s: loaded %s, %d trailing values not used", path, scope, n_values - ptr)
     model.seen = seen
     model.darknet_version = version
     LOGGER.info("%s: Darknet weights v%d.%d.%d, seen %d", path, *version, seen)
     return len(model.module_list) if cutoff < 0 else cutoff
 
 
-def _read_weights_file(path: Path) -> tuple[tuple[int, int, int], int, np.ndarray]:
-    """(version, seen, float32 values) of a ``.weights`` file, checking its header and size."""
-    data = path.read_bytes()
+def _read_weights_header(path: Path) -> tuple[tuple[int, int, int], int, int, int]:
+    """(version, seen, header bytes, float32 values after it) of a ``.weights`` file, from its
+    header and its size: the file is checked as a regular file within
+    :data:`~build_utils.limits.MAX_WEIGHTS_BYTES` and nothing past the header is read."""
+    problem = file_problem(path, MAX_WEIGHTS_BYTES)
+    if problem is not None:
+        if problem == "file not found":
+            problem = "Darknet weights file not found"
+        raise CheckpointError(problem, path)
+    try:
+        size = path.stat().st_size
+        with path.open("rb") as f:
+            head = f.read(_HEADER_INTS * 4 + 8)
+    except OSError as e:
+        raise CheckpointError(f"cannot read the weights file ({e.strerror or e})", path) from e
     header_bytes = 4 * _HEADER_INTS
-    if len(data) < header_bytes:
+    if size < header_bytes:
         raise CheckpointError(
-            f"file of {len(data)} bytes is too short for a Darknet weights header", path
+            f"file of {size} bytes is too short for a Darknet weights header", path
         )
-    major, minor, revision = (int(v) for v in np.frombuffer(data, "<i4", _HEADER_INTS))
+    major, minor, revision = (int(v) for v in np.frombuffer(head, "<i4", _HEADER_INTS))
     seen_dtype = "<i8" if _seen_is_int64(major, minor) else "<i4"
     body = header_bytes + np.dtype(seen_dtype).itemsize
-    if len(data) < body:
+    if size < body:
         raise CheckpointError(
-            f"file of {len(data)} bytes is too short for a Darknet v{major}.{minor} header", path
+            f"file of {size} bytes is too short for a Darknet v{major}.{minor} header", path
         )
-    seen = int(np.frombuffer(data, seen_dtype, 1, header_bytes)[0])
-    if (len(data) - body) % 4:
+    seen = int(np.frombuffer(head, seen_dtype, 1, header_bytes)[0])
+    if (size - body) % 4:
         raise CheckpointError(
-            f"the {len(data) - body} bytes after the {body}-byte header are not a whole number of "
+            f"the {size - body} bytes after the {body}-byte header are not a whole number of "
             "float32 values: not a Darknet weights file, or a damaged one",
             path,
         )
-    return (major, minor, revision), seen, np.frombuffer(data, "<f4", offset=body)
+    return (major, minor, revision), seen, body, (size - body) // 4
+
+
+def _read_values(path: Path, offset: int, count: int) -> np.ndarray:
+    """``count`` float32 values of ``path`` from byte ``offset``: exactly those, never the rest."""
+    try:
+        values = np.fromfile(path, dtype="<f4", count=count, offset=offset)
+    except OSError as e:
+        raise CheckpointError(f"cannot read the weights file ({e.strerror or e})", path) from e
+    if values.size < count:  # the file shrank since its size was read
+        raise CheckpointError(
+            f"truncated while reading: {count:,} float32 values expected, {values.size:,} read",
+            path,
+        )
+    return values
 
 
 def _layer_ending_at(layers: list[tuple[int, list[torch.Tensor]]], n_values: int) -> int | None:

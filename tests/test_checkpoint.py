@@ -305,3 +305,151 @@ def test_lineage_checkpoints_with_numpy_values_load_weights_only(tmp_path: Path)
     torch.save({"model": sd, "names": np.array(["a", None], dtype=object)}, tmp_path / "obj.pt")
     with pytest.raises(CheckpointError, match="pass --trust-checkpoint only if"):
         ck.load_checkpoint(tmp_path / "obj.pt")
+
+
+def _fresh_training_objects():
+    model = tiny_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda e: 0.5**e)
+    return model, opt, sched, torch.amp.GradScaler("cpu", init_scale=1024.0)
+
+
+def _set(path: tuple, value):
+    """A change to a training checkpoint: the value at ``path`` (keys) replaced, or removed
+    when ``value`` is ``_DELETE``."""
+
+    def change(ckpt: dict) -> None:
+        *parents, last = path
+        target = ckpt
+        for key in parents:
+            target = target[key]
+        if value is _DELETE:
+            del target[last]
+        else:
+            target[last] = value(target[last]) if callable(value) else value
+
+    return change
+
+
+_DELETE = object()
+_NAN = float("nan")
+
+GARBAGE_STATES = {
+    # name: (change, the one line's fragment)
+    "optimizer_a_string": (_set(("optimizer",), "garbage"), "a str, not a dict"),
+    "no_state": (_set(("optimizer", "state"), _DELETE), "damaged: no 'state'"),
+    "no_param_groups": (_set(("optimizer", "param_groups"), _DELETE), "no 'param_groups'"),
+    "state_a_list": (_set(("optimizer", "state"), []), "'state' is a list, not a dict"),
+    "groups_of_another_length": (
+        _set(("optimizer", "param_groups"), lambda g: g + g),
+        "the optimizer state holds 12 parameters, this model's optimizer 6",
+    ),
+    "params_not_ids": (
+        _set(("optimizer", "param_groups", 0, "params"), ["a", "b"]),
+        "lists parameters by non-integers",
+    ),
+    "nan_lr": (_set(("optimizer", "param_groups", 0, "lr"), _NAN), "param group 0: lr nan"),
+    "string_lr": (_set(("optimizer", "param_groups", 0, "lr"), "0.01"), "lr '0.01'"),
+    "negative_lr": (_set(("optimizer", "param_groups", 0, "lr"), -1.0), "lr -1.0"),
+    "string_momentum": (
+        _set(("optimizer", "param_groups", 0, "momentum"), "fast"),
+        "momentum 'fast'",
+    ),
+    "wrong_shape": (
+        _set(("optimizer", "state", 0, "momentum_buffer"), torch.zeros(7)),
+        "parameter 0 momentum_buffer (7,) vs the parameter's (4, 3, 3, 3)",
+    ),
+    "wrong_dtype": (
+        _set(
+            ("optimizer", "state", 0, "momentum_buffer"), torch.zeros(4, 3, 3, 3, dtype=torch.int64)
+        ),
+        "parameter 0: momentum_buffer (a int64 tensor of shape (4, 3, 3, 3))",
+    ),
+    "string_for_a_tensor": (
+        _set(("optimizer", "state", 0, "momentum_buffer"), "abc"),
+        "parameter 0: momentum_buffer 'abc'",
+    ),
+    "nan_in_a_buffer": (
+        _set(("optimizer", "state", 0, "momentum_buffer"), lambda t: t * _NAN),
+        "parameter 0 momentum_buffer holds NaN or inf",
+    ),
+    "state_of_no_parameter": (
+        _set(("optimizer", "state", 99), {"momentum_buffer": torch.zeros(1)}),
+        "state of parameter 99, which no group holds",
+    ),
+    "scheduler_epoch_a_string": (
+        _set(("scheduler", "last_epoch"), "x"),
+        "scheduler state is damaged: last_epoch 'x'",
+    ),
+    "scheduler_nan_base_lr": (
+        _set(("scheduler", "base_lrs"), [_NAN]),
+        "scheduler state is damaged: base_lrs [nan]",
+    ),
+    "scheduler_a_list": (_set(("scheduler",), [1, 2]), "'scheduler' is a list, not a Mapping"),
+    "ema_of_another_model": (
+        _set(("ema",), tiny_model(width=8).state_dict()),
+        "the EMA weights do not fit the model (0.weight)",
+    ),
+    "ema_updates_negative": (_set(("ema_updates",), -5), "ema_updates -5 must be in 0.."),
+    "epoch_of_400_digits": (_set(("epoch",), 10**400), "epoch 1000000000000"),
+    "best_fitness_a_string": (
+        _set(("best_fitness",), "high"),
+        "best_fitness 'high' must be a finite number",
+    ),
+    "budget_nan": (_set(("budget_spent_s",), _NAN), "budget_spent_s nan must be a finite"),
+    "cfg_not_text": (_set(("cfg",), 42), "'cfg' is a int, not a str"),
+    "amp_scale_nan": (_set(("scaler", "scale"), _NAN), "the AMP scale nan"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(GARBAGE_STATES))
+def test_a_damaged_training_state_is_one_checkpoint_error(tmp_path: Path, case: str) -> None:
+    """Whatever a damaged or hand-edited checkpoint holds where the training state should be,
+    resuming from it is one CheckpointError line, raised before any state is half restored."""
+    change, fragment = GARBAGE_STATES[case]
+    ckpt = training_state()
+    ckpt["budget_spent_s"], ckpt["cfg"] = 1.0, "[net]\n"
+    change(ckpt)
+    path = tmp_path / "last.pt"
+    ck.save_checkpoint(ckpt, path)
+    loaded = ck.load_checkpoint(path)
+    model, opt, sched, scaler = _fresh_training_objects()
+    with pytest.raises(CheckpointError) as info:
+        ck.validate_resume_checkpoint(loaded, model.state_dict(), path)
+        ck.restore_training_state(loaded, model, opt, sched, scaler, None, path)
+    message = str(info.value)
+    assert message.startswith(f"{path}: ") and fragment in message, message
+    assert "\n" not in message and len(message) < 400
+
+
+def test_an_undamaged_training_state_still_resumes(tmp_path: Path) -> None:
+    ckpt = training_state()
+    model, opt, sched, scaler = _fresh_training_objects()
+    ck.validate_resume_checkpoint(ckpt, model.state_dict())
+    assert ck.restore_training_state(ckpt, model, opt, sched, scaler) == (4, 0.25)
+    assert opt.state_dict()["state"][0]["momentum_buffer"].shape == (4, 3, 3, 3)
+
+
+@pytest.mark.parametrize("reader", ["load_checkpoint", "weights_kind"])
+def test_a_40_gb_sparse_checkpoint_is_refused_unread(tmp_path: Path, reader: str) -> None:
+    import resource
+
+    path = tmp_path / "big.pt"
+    with path.open("wb") as f:
+        f.write(b"PK\x03\x04")
+        f.truncate(40 << 30)  # sparse: no disk used
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError) as info:
+        getattr(ck, reader)(path)
+    assert str(info.value) == (
+        f"{path}: 40 GiB, over the limit of 8 GiB (bytes per weights or checkpoint file); "
+        "set YOLO_MAX_WEIGHTS_BYTES to raise it"
+    )
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 100 << 10  # KiB
+
+
+def test_a_fifo_named_pt_is_refused_without_opening_it(tmp_path: Path) -> None:
+    path = tmp_path / "pipe.pt"
+    os.mkfifo(path)  # opening it would block until a writer came
+    with pytest.raises(CheckpointError, match=r"pipe\.pt: a FIFO \(named pipe\), not a regular"):
+        ck.read_weights(path)

@@ -442,3 +442,12 @@ def test_tools_read_configuration_text_within_limits_and_skip_xml_that_is_not_a_
         assert kmeans_anchors.main(argv) == 2
         [line] = capsys.readouterr().err.strip().splitlines()
         assert line.startswith(f"error: {cfg}") and expected in line, line
+
+
+def test_kmeans_anchors_img_size_is_limited(tmp_path, capsys):
+    rc = kmeans_anchors.main(["--list", str(tmp_path / "train.txt"), "--img-size", "65536"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == (
+        "error: --img-size 65536 is larger than the limit 8192 (pixels per side of --img-size); "
+        "set YOLO_MAX_IMG_SIZE to raise it"
+    )

@@ -166,7 +166,77 @@ def test_billion_laughs_hyp_is_one_line_quickly_with_bounded_memory(tmp_path):
 # Family 1c: resource exhaustion by weights and image sizes (huge .weights, --img-size 65536)
 # =============================================================================================
 
-# (family 1c tests go here)
+
+def _f1c_sparse_files(folder: Path) -> dict[str, Path]:
+    """A 40 GB sparse Darknet ``.weights`` (a valid v0.2 header, then holes) and ``.pt`` (a zip
+    signature, then holes): no disk used, but a reader that reads them whole needs 40 GB."""
+    import numpy as np
+
+    files = {"weights": folder / "big.weights", "pt": folder / "big.pt"}
+    with files["weights"].open("wb") as f:
+        f.write(np.array([0, 2, 0], "<i4").tobytes() + np.array([0], "<i8").tobytes())
+        f.truncate(40 << 30)
+    with files["pt"].open("wb") as f:
+        f.write(b"PK\x03\x04")
+        f.truncate(40 << 30)
+    return files
+
+
+def _f1c_image_folder(folder: Path) -> Path:
+    import cv2
+    import numpy as np
+
+    folder.mkdir()
+    cv2.imwrite(str(folder / "a.jpg"), np.full((64, 64, 3), 127, np.uint8))
+    return folder
+
+
+def test_img_size_65536_is_one_line(shapes_data, tmp_path):
+    """Was: a 12 GB batch allocated, then a traceback. Now the limit, before anything is built."""
+    from tests.conftest import train_argv
+
+    out = tmp_path / "run"
+    result = run_script("train.py", *train_argv(shapes_data, out, img=65536), cwd=tmp_path)
+    assert_one_line(
+        result,
+        "--img-size 65536 is larger than the limit 8192 (pixels per side of --img-size)",
+        "set YOLO_MAX_IMG_SIZE to raise it",
+    )
+    assert result.peak_rss_mb < BOUNDED_RSS_MB
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(
+    ("script", "kind"),
+    [
+        ("train.py", "weights"),
+        ("validation.py", "pt"),
+        ("predict.py", "pt"),
+        ("predict.py", "weights"),
+    ],
+)
+def test_a_40_gb_sparse_weights_file_is_one_line(shapes_data, tmp_path, script, kind):
+    """Was: read whole (MemoryError traceback, or 40 GB of RAM). Now refused from its size."""
+    from tests.conftest import NANO_CFG, train_argv
+
+    big = _f1c_sparse_files(tmp_path)[kind]
+    out = tmp_path / "out"
+    if script == "train.py":
+        args = train_argv(shapes_data, out, "--weights", str(big))
+    elif script == "validation.py":
+        args = ["--weights", big, "--data", shapes_data, "--save-dir", out]
+    else:
+        source = _f1c_image_folder(tmp_path / "images")
+        args = ["--weights", big, "--cfg", NANO_CFG, "--source", source, "--output", out]
+    result = run_script(script, *args, cwd=tmp_path)
+    assert_one_line(
+        result,
+        str(big),
+        "40 GiB, over the limit of 8 GiB (bytes per weights or checkpoint file)",
+        "set YOLO_MAX_WEIGHTS_BYTES to raise it",
+    )
+    assert result.peak_rss_mb < BOUNDED_RSS_MB
+    assert not out.exists()
 
 
 # =============================================================================================
@@ -180,7 +250,150 @@ def test_billion_laughs_hyp_is_one_line_quickly_with_bounded_memory(tmp_path):
 # Family 3: values that pass validation and then explode (cfg values, checkpoint contents)
 # =============================================================================================
 
-# (family 3 tests go here)
+
+def _f3_edited_nano(folder: Path, old: str, new: str, nth: int = 1) -> tuple[Path, int]:
+    """The nano cfg with the ``nth`` line equal to ``old`` replaced by ``new``; the file and
+    the line number of the edit."""
+    from tests.conftest import NANO_CFG
+
+    lines = NANO_CFG.read_text().splitlines()
+    index = [i for i, line in enumerate(lines) if line == old][nth - 1]
+    lines[index] = new
+    path = folder / "edited.cfg"
+    path.write_text("\n".join(lines) + "\n")
+    return path, index + 1
+
+
+# (line to edit, its replacement, which occurrence, what the one line says after "file:line: ")
+EXPLODING_CFG_VALUES = {
+    "filters_a_billion": (
+        "filters=16",
+        "filters=1000000000",
+        1,
+        "[convolutional]: filters=1000000000 is over the limit: allowed 1..65536",
+    ),
+    "maxpool_size_a_million": (
+        "size=5",
+        "size=1000000",
+        1,
+        "[maxpool]: size=1000000 is over the limit: allowed 1..63",
+    ),
+    "conv_stride_a_million": (
+        "stride=2",
+        "stride=1000000",
+        1,
+        "[convolutional]: stride=1000000 is over the limit: allowed 1..32",
+    ),
+    "net_channels_1": (
+        "channels=3",
+        "channels=1",
+        1,
+        "[net]: channels=1: only channels=3 is supported",
+    ),
+    "net_channels_1000": (
+        "channels=3",
+        "channels=1000",
+        1,
+        "[net]: channels=1000: only channels=3 is supported",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXPLODING_CFG_VALUES))
+def test_a_cfg_value_that_would_explode_is_one_line_naming_its_line(shapes_data, tmp_path, case):
+    """Was: a RuntimeError traceback at build or forward (or a 108 GB allocation). Now one line
+    at the cfg's line, before a run folder exists. In-process: the process adds nothing here."""
+    import contextlib
+    import io
+
+    import train
+    from tests.conftest import train_argv
+
+    old, new, nth, says = EXPLODING_CFG_VALUES[case]
+    cfg, line = _f3_edited_nano(tmp_path, old, new, nth)
+    out = tmp_path / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train.main(train_argv(shapes_data, out, cfg=cfg))
+    errors = [ln for ln in err.getvalue().splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err.getvalue()[-3000:]
+    assert errors[0].startswith(f"error: {cfg}:{line}: {says}")
+    assert "Traceback" not in err.getvalue()
+    assert not out.exists()
+
+
+@pytest.fixture(scope="module")
+def family3_run(tmp_path_factory, shapes_data) -> Path:
+    """A checkpoint the product wrote: one epoch of nano at 64 px."""
+    from tests.conftest import run_training, train_argv
+
+    out = tmp_path_factory.mktemp("family3") / "run"
+    run_training(train_argv(shapes_data, out, "--notest", img=64))
+    return out / "last.pt"
+
+
+def _f3_two_wide_convs(text: str) -> str:
+    """``text`` (a cfg) with its first two 3x3 convolutions 65536 filters wide: each value is
+    within its bounds, the second layer's weights are 65536 x 65536 x 3 x 3 (154 GB)."""
+    blocks = text.split("\n\n")
+    wide = 0
+    for i, block in enumerate(blocks):
+        if block.startswith("[convolutional]") and "size=3" in block and wide < 2:
+            blocks[i] = "\n".join(
+                "filters=65536" if ln.startswith("filters=") else ln for ln in block.splitlines()
+            )
+            wide += 1
+    return "\n\n".join(blocks)
+
+
+@pytest.mark.parametrize("edit", ["filters_a_billion", "two_wide_layers"])
+def test_a_checkpoint_whose_cfg_explodes_is_one_line_through_predict(family3_run, tmp_path, edit):
+    """Was: predict.py allocating 108 GB for the checkpoint's own cfg. Now the cfg's bounds, or
+    the model's memory estimate, refuse it in one line with bounded memory."""
+    import torch
+
+    ckpt = torch.load(family3_run, map_location="cpu", weights_only=True)
+    if edit == "filters_a_billion":
+        ckpt["cfg"] = ckpt["cfg"].replace("filters=16", "filters=1000000000", 1)
+        says = "[convolutional]: filters=1000000000 is over the limit: allowed 1..65536"
+    else:
+        ckpt["cfg"] = _f3_two_wide_convs(ckpt["cfg"])
+        says = "[convolutional] layer 1: the model does not fit: about 14"  # 147 GiB
+    bad = tmp_path / "bad.pt"
+    torch.save(ckpt, bad)
+    source = _f1c_image_folder(tmp_path / "images")
+    out = tmp_path / "out"
+    result = run_script(
+        "predict.py", "--weights", bad, "--source", source, "--output", out, cwd=tmp_path
+    )
+    line = assert_one_line(result, f"{bad} (its cfg):", says)
+    if edit == "two_wide_layers":
+        assert "GiB needed up to this layer (inference, batch 1, 64x64 px)" in line
+    assert result.peak_rss_mb < BOUNDED_RSS_MB, line
+    assert not out.exists()
+
+
+def test_resume_from_a_garbage_optimizer_state_is_one_line(family3_run, tmp_path):
+    """Was: a TypeError/ValueError traceback at the first step or at load. Now one line; the
+    run folder keeps its checkpoint as it was."""
+    import shutil
+
+    import torch
+
+    ckpt = torch.load(family3_run, map_location="cpu", weights_only=True)
+    first = next(iter(ckpt["optimizer"]["state"]))
+    ckpt["optimizer"]["state"][first] = {"momentum_buffer": "not a tensor"}
+    folder = tmp_path / "runs" / "bad"
+    shutil.copytree(family3_run.parent, folder)
+    torch.save(ckpt, folder / "last.pt")
+    before = {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".pt"}
+    result = run_script("train.py", "--resume", folder / "last.pt", cwd=tmp_path)
+    assert_one_line(
+        result,
+        f"{folder / 'last.pt'}: the checkpoint's optimizer state is damaged: parameter {first}: "
+        "momentum_buffer 'not a tensor'",
+    )
+    assert {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".pt"} == before
 
 
 # =============================================================================================

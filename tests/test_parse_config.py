@@ -332,6 +332,82 @@ MALFORMED = {
         NET + "bn_eps=0\n" + CONV + HEAD,
         r":4: \[net\]: bn_eps=0.0 must be positive",
     ),
+    # Values that pass the type check and would then explode at build or forward time.
+    "filters_a_billion": (
+        NET + CONV.replace("filters=16", "filters=1000000000") + HEAD,
+        r":6: \[convolutional\]: filters=1000000000 is over the limit: allowed 1\.\.65536$",
+    ),
+    "conv_stride_a_million": (
+        NET + CONV.replace("stride=1", "stride=1000000") + HEAD,
+        r":8: \[convolutional\]: stride=1000000 is over the limit: allowed 1\.\.32$",
+    ),
+    "conv_kernel": (
+        NET + CONV.replace("size=3", "size=999") + HEAD,
+        r":7: \[convolutional\]: size=999 is over the limit: allowed 1\.\.63$",
+    ),
+    "pad_is_a_flag": (
+        NET + CONV.replace("pad=1", "pad=7") + HEAD,
+        r":9: \[convolutional\]: pad=7 is over the limit: allowed 0\.\.1$",
+    ),
+    "maxpool_size_a_million": (
+        NET + CONV + "[maxpool]\nsize=1000000\nstride=1\n" + HEAD,
+        r":12: \[maxpool\]: size=1000000 is over the limit: allowed 1\.\.63$",
+    ),
+    "upsample_stride": (
+        NET + CONV + "[upsample]\nstride=4096\n" + HEAD,
+        r":12: \[upsample\]: stride=4096 is over the limit: allowed 1\.\.32$",
+    ),
+    "a_400_digit_integer": (
+        NET + CONV.replace("filters=16", "filters=" + "9" * 400) + HEAD,
+        r":6: \[convolutional\]: filters=999999999999\.\.\. \(400 characters\) is over the "
+        r"limit: allowed 1\.\.65536$",
+    ),
+    "stopbackward_beyond_a_c_int": (
+        NET + CONV + "stopbackward=" + "1" * 30 + "\n" + HEAD,
+        r":11: \[convolutional\]: stopbackward=111111111111\.\.\. \(30 characters\) is over "
+        r"the limit: allowed 0\.\.2147483647$",
+    ),
+    "net_channels_1": (
+        NET + "channels=1\n" + CONV + HEAD,
+        r":4: \[net\]: channels=1: only channels=3 is supported \(the data loader feeds RGB "
+        r"images; grayscale images are read as 3 channels\)$",
+    ),
+    "net_channels_1000": (
+        NET + "channels=1000\n" + CONV + HEAD,
+        r":4: \[net\]: channels=1000: only channels=3 is supported",
+    ),
+    "net_width": (
+        NET.replace("width=64", "width=10000000") + CONV + HEAD,
+        r":2: \[net\]: width=10000000 is over the limit: allowed 1\.\.65536$",
+    ),
+    "too_many_classes": (
+        NET + CONV + HEAD.replace("classes=3", "classes=5000000"),
+        r":20: \[yolo\]: classes=5000000 is over the limit: allowed 1\.\.20000$",
+    ),
+    "too_many_anchors": (
+        NET + CONV + HEAD.replace("num=9", "num=100"),
+        r":21: \[yolo\]: num=100 is over the limit: allowed 1\.\.64$",
+    ),
+    "anchor_list_too_long": (
+        NET
+        + CONV
+        + HEAD.replace("num=9\n", "").replace(
+            f"anchors={ANCHORS}", "anchors=" + ",".join(["10"] * 300)
+        ),
+        r":19: \[yolo\]: anchors lists 150 w,h pairs, over the limit: allowed 1\.\.64$",
+    ),
+    "huge_anchor": (
+        NET + CONV + HEAD.replace("anchors=10,13,", "anchors=10000000,13,"),
+        r":19: \[yolo\]: anchor size 10000000 is over the limit: allowed up to 65536 pixels$",
+    ),
+    "route_with_too_many_inputs": (
+        NET + CONV + "[route]\nlayers=" + ",".join(["-1"] * 100) + "\n" + HEAD,
+        r":12: \[route\]: layers lists 100 layers, over the limit: allowed 1\.\.64$",
+    ),
+    "scale_x_y": (
+        NET + CONV + HEAD + "scale_x_y=1e9\n",
+        r":22: \[yolo\]: scale_x_y=1000000000\.0 is over the limit: allowed \(0, 16\]$",
+    ),
     "unsupported_maxpool_depth": (
         NET + CONV + "[maxpool]\nmaxpool_depth=1\n" + HEAD,
         r":12: key 'maxpool_depth=1' in \[maxpool\] is a Darknet option",
@@ -614,3 +690,12 @@ def test_make_cfg_runs_as_a_script(tmp_path):
     )
     assert bad.returncode == 2
     assert bad.stderr == "error: missing.cfg: model cfg not found\n"
+
+
+def test_a_class_count_from_the_data_is_bounded_too(tmp_path):
+    # 5,000,000 classes from a .data file would make heads of 15 million filters.
+    blocks = parse_model_cfg(write(tmp_path, NET + CONV + HEAD))
+    with pytest.raises(
+        ConfigError, match=r"^5000000 classes is over the limit: allowed 1\.\.20000"
+    ):
+        rewrite_cfg_classes(blocks, 5_000_000)

@@ -247,6 +247,8 @@ def test_export_onnx_errors(tmp_path, capsys):
     assert export_onnx.main(["--cfg", str(TINY), "--opset", "10", "-o", out]) == 2
     assert "opset 11" in one_error_line(capsys)
     assert export_onnx.main(["--cfg", str(TINY), "--img-size", "100", "-o", out]) == 2
-    assert "multiples of 32" in one_error_line(capsys)
+    assert "--img-size 100 is not a positive multiple of 32" in one_error_line(capsys)
+    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "65536", "-o", out]) == 2
+    assert "--img-size 65536 is larger than the limit 8192" in one_error_line(capsys)
     assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "64", "64", "-o", out]) == 2
     assert "H or H W" in one_error_line(capsys)

@@ -394,3 +394,41 @@ def test_darknet_backbone_files_initialise_the_layers_they_hold(nano_files, tmp_
     renamed = tmp_path / "backbone.bin"
     renamed.write_bytes(backbone.read_bytes())
     assert load_weights(Darknet(NANO), renamed, strict=False) == []
+
+
+def _sparse_weights(path: Path, size: int) -> Path:
+    """A Darknet header (v0.2.0, seen 0) and ``size`` bytes in all, sparse (no disk used)."""
+    with path.open("wb") as f:
+        f.write(np.array([0, 2, 0], "<i4").tobytes() + np.array([0], "<i8").tobytes())
+        f.truncate(size)
+    return path
+
+
+def test_a_40_gb_sparse_weights_file_is_refused_unread(tmp_path):
+    import resource
+
+    path = _sparse_weights(tmp_path / "big.weights", 40 << 30)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError) as info:
+        load_darknet_weights(Darknet(NANO), path)
+    assert str(info.value) == (
+        f"{path}: 40 GiB, over the limit of 8 GiB (bytes per weights or checkpoint file); "
+        "set YOLO_MAX_WEIGHTS_BYTES to raise it"
+    )
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 100 << 10  # KiB
+
+
+def test_only_the_values_the_model_takes_are_read(tmp_path, monkeypatch):
+    """With the limit raised, a file too long for the model is refused from its size, and a
+    backbone load (cutoff) reads only the layers' values: never the whole 40 GB."""
+    import resource
+
+    monkeypatch.setenv("YOLO_MAX_WEIGHTS_BYTES", str(64 << 30))
+    path = _sparse_weights(tmp_path / "big.weights", 40 << 30)
+    model = Darknet(NANO)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    with pytest.raises(CheckpointError, match=r"too long, or for another cfg: .* needs 1,50"):
+        load_darknet_weights(model, path)
+    assert load_darknet_weights(model, path, cutoff=2) == 2  # zeros (the sparse file's)
+    assert float(model.module_list[0].Conv2d.weight.abs().sum()) == 0.0
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - rss < 100 << 10  # KiB

@@ -30,10 +30,12 @@ from torch import nn
 
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError, YoloError
+from build_utils.parse_config import parse_model_cfg
+from models.budget import check_model_fits
 from models.darknet import Darknet
 from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights
-from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags
+from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, check_img_size
 
 LOGGER = logging.getLogger(__name__)
 
@@ -176,17 +178,27 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
+def _checked_hw(sides: list[int]) -> tuple[int, int]:
+    """(H, W) of ``--img-size H [W]`` (or the run's side), each a multiple of 32 within
+    the limit (:func:`~train_utils.cli.check_img_size`)."""
+    for side in sides:
+        check_img_size(side)
+    return _hw(sides)
+
+
 def _model_and_output(args: argparse.Namespace) -> tuple[Darknet, Path, tuple[int, int]]:
     """The model to export (from ``--weights`` alone, or ``--cfg``), where it goes, its size."""
     if not args.weights:
         if args.cfg is None:
             raise ConfigError("pass --weights (a checkpoint carries its cfg) or --cfg")
-        img_size = _hw(args.img_size or [DEFAULT_SIDE])
+        img_size = _checked_hw(args.img_size or [DEFAULT_SIDE])
         out = args.output or Path(Path(args.cfg).stem + ".onnx")
-        return Darknet(args.cfg, img_size=img_size), out, img_size
+        blocks = parse_model_cfg(args.cfg)
+        check_model_fits(blocks, img_size)  # the export traces one image
+        return Darknet(blocks, img_size=img_size), out, img_size
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
     run_side = weights.run.get("img_size")
-    img_size = _hw(args.img_size or [run_side or DEFAULT_SIDE])
+    img_size = _checked_hw(args.img_size or [run_side or DEFAULT_SIDE])
     model = model_from_weights(weights, args.cfg, None, img_size)
     out = args.output or Path(args.weights).with_suffix(".onnx")
     if out.resolve() == Path(args.weights).resolve():

@@ -47,7 +47,13 @@ from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
-from train_utils.cli import HelpFormatter, check_at_least, run_main, setup_console_logging
+from train_utils.cli import (
+    HelpFormatter,
+    check_at_least,
+    check_img_size_limit,
+    run_main,
+    setup_console_logging,
+)
 
 LOGGER = logging.getLogger("kmeans_anchors")
 
@@ -157,6 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError("model cfg not found", args.cfg)
         if not 0 < args.iou_t < 1:
             raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
+        check_img_size_limit(args.img_size)
         n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
         check_at_least({"--classes": args.classes}, 1)
         if args.data and args.classes is not None:

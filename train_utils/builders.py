@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch.utils.data import DataLoader
 
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
@@ -17,6 +18,7 @@ from build_utils.image_cache import check_ram_cache_fits
 from build_utils.parse_config import parse_model_cfg, parse_model_cfg_text
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
 from build_utils.shared_images import SharedImages, shared_cache_dir, unlink_quietly
+from models.budget import check_model_fits
 from models.darknet import Darknet, model_blocks_for
 from train_utils.checkpoint import (
     WeightsFile,
@@ -42,6 +44,8 @@ def model_from_weights(
     cfg: str | Path | None,
     nc: int | None,
     img_size: int | tuple[int, int],
+    batch: int = 1,
+    device: torch.device | None = None,
 ) -> Darknet:
     """The model ``weights`` holds, with its weights loaded strictly.
 
@@ -51,9 +55,13 @@ def model_from_weights(
             ``.weights`` and bare state_dicts, which carry none).
         nc: the class count to build the heads for (None: the cfg's).
         img_size: the side (or (H, W)) the model is built for.
+        batch, device: the images per forward pass and where they run (None: the CPU), for
+            the memory check.
 
     Raises:
-        ConfigError: no cfg to build from.
+        ConfigError: no cfg to build from, or a model that cannot run in the device's memory
+            at ``img_size`` and ``batch`` (:func:`~models.budget.check_model_fits`, before
+            anything is allocated; the cfg may come from the checkpoint itself).
         CheckpointError: the weights do not fit the model.
     """
     if cfg is not None:
@@ -71,6 +79,7 @@ def model_from_weights(
     if nc is not None:
         blocks = model_blocks_for(blocks, nc)
     hw = (img_size, img_size) if isinstance(img_size, int) else img_size
+    check_model_fits(blocks, hw, batch=batch, device=device)
     model = Darknet(blocks, img_size=hw)
     if weights.ckpt is None:
         load_weights(model, weights.path, strict=True)

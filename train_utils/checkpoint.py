@@ -29,10 +29,11 @@ import dataclasses
 import enum
 import errno
 import logging
+import math
 import re
 import shutil
 from collections import OrderedDict
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
 from typing import Any
 
@@ -42,6 +43,7 @@ from torch import nn
 
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import CheckpointError, YoloError
+from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
 from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from models.weights import load_darknet_weights
 
@@ -198,9 +200,7 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
             a file holding Python objects other than tensors and plain types.
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a checkpoint file" if path.is_dir() else "file not found"
-        raise CheckpointError(what, path)
+    _check_weights_file(path, "checkpoint")
     if trust:
         logger.warning(
             "%s: loading with weights_only=False (--trust-checkpoint): this runs code stored in "
@@ -247,6 +247,20 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
         )
     # numpy values (lineage checkpoints) become Python numbers and tensors.
     return obj if trust else to_plain(obj)
+
+
+def _check_weights_file(path: Path, what: str) -> None:
+    """Stat ``path`` before anything opens it: a regular file within
+    :data:`~build_utils.limits.MAX_WEIGHTS_BYTES` (a FIFO would block the open forever, a 40 GB
+    sparse file would be read whole by ``torch.load``), else one :class:`CheckpointError`."""
+    problem = file_problem(path, MAX_WEIGHTS_BYTES)
+    if problem is None:
+        return
+    if problem == "a folder, not a file":
+        problem = f"is a directory, not a {what} file"
+    elif problem == "file not found":
+        problem = "file not found" if what == "checkpoint" else "weights file not found"
+    raise CheckpointError(problem, path)
 
 
 def _corrupt_message(e: BaseException) -> str:
@@ -433,7 +447,173 @@ def validate_resume_checkpoint(
         if more > 0:
             listed += f"; and {more} more"
         raise CheckpointError(f"checkpoint is for another model: {listed}; {use_weights}", path)
+    check_resume_fields(ckpt, model_state_dict, path)
     return saved
+
+
+# Bounds of the numbers a resumable checkpoint carries (a checkpoint is input: it may be damaged
+# or hand-edited, and its values reach the training loop unchecked otherwise).
+MAX_EPOCH = 1_000_000  # ~2,000 years of 1-minute epochs
+_OPTIMIZER_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+
+def _bad(what: str, value: Any) -> str:
+    """``what`` and its value as an error line shows it: short, one line."""
+    if isinstance(value, torch.Tensor):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"{what} (a {dtype} tensor of shape {tuple(value.shape)})"
+    shown = " ".join(repr(value).split())
+    return f"{what} {shown if len(shown) <= 40 else shown[:40] + '...'}"
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_real(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_resume_fields(
+    ckpt: Mapping[str, Any],
+    model_state_dict: Mapping[str, torch.Tensor],
+    path: str | Path | None = None,
+) -> None:
+    """The values ``--resume`` reads besides the model weights, each of its type and range:
+    ``epoch``, ``best_fitness``, ``best_epoch``, ``planned_epochs``, ``budget_spent_s``,
+    ``world_size``, ``ema_updates``, the ``cfg`` text, the ``config`` dict, the EMA weights
+    (the model's names and shapes), the optimizer state's layout (see
+    :func:`check_optimizer_layout`), the scheduler's and the scaler's.
+
+    Raises:
+        CheckpointError: one line naming the field, its (shortened) value and what it must be.
+    """
+    damaged = "the checkpoint is damaged: "
+    epoch = ckpt.get("epoch")
+    if not _is_int(epoch) or not -1 <= epoch <= MAX_EPOCH:
+        raise CheckpointError(damaged + _bad("epoch", epoch) + f" must be in -1..{MAX_EPOCH}", path)
+    ints = {
+        "best_epoch": (-1, MAX_EPOCH),
+        "planned_epochs": (1, MAX_EPOCH),
+        "world_size": (1, 1 << 20),
+        "ema_updates": (0, 1 << 62),
+    }
+    for key, (lo, hi) in ints.items():
+        value = ckpt.get(key)
+        if value is not None and (not _is_int(value) or not lo <= value <= hi):
+            raise CheckpointError(damaged + _bad(key, value) + f" must be in {lo}..{hi}", path)
+    for key, lo in (("best_fitness", -math.inf), ("budget_spent_s", 0.0)):
+        value = ckpt.get(key)
+        if isinstance(value, torch.Tensor) and value.numel() == 1:  # a lineage numpy array
+            value = value.item()
+        if value is not None and not (_is_real(value) and value >= lo):
+            what = "a finite number" + ("" if lo == -math.inf else f" >= {lo:g}")
+            raise CheckpointError(damaged + _bad(key, value) + f" must be {what}", path)
+    for key, kind in (("cfg", str), ("config", Mapping), ("scheduler", Mapping)):
+        value = ckpt.get(key)
+        if value is not None and not isinstance(value, kind):
+            raise CheckpointError(
+                damaged + f"'{key}' is a {type(value).__name__}, not a {kind.__name__}", path
+            )
+    ema = ckpt.get("ema")
+    if ema is not None:
+        if not _is_state_dict(ema):
+            raise CheckpointError(damaged + "'ema' is not a state_dict of tensors", path)
+        ema = strip_prefixes(ema)
+        wrong = [k for k, t in model_state_dict.items() if k not in ema or ema[k].shape != t.shape]
+        if wrong or len(ema) != len(model_state_dict):
+            name = wrong[0] if wrong else "its keys"
+            raise CheckpointError(damaged + f"the EMA weights do not fit the model ({name})", path)
+    check_optimizer_layout(ckpt.get("optimizer"), path)
+    scaler = ckpt.get("scaler")
+    if scaler:
+        if not isinstance(scaler, Mapping):
+            raise CheckpointError(damaged + f"'scaler' is a {type(scaler).__name__}", path)
+        scale = scaler.get("scale")
+        if scale is not None and not (_is_real(scale) and scale > 0):
+            raise CheckpointError(damaged + _bad("the AMP scale", scale), path)
+
+
+def check_optimizer_layout(saved: Any, path: str | Path | None = None) -> None:
+    """An optimizer ``state_dict`` as ``torch.optim`` writes it: ``state`` (parameter id ->
+    dict of tensors and numbers) and ``param_groups`` (dicts with a ``params`` list of ids and
+    finite hyperparameters, ``lr >= 0``); every id of ``state`` in some group.
+
+    Raises:
+        CheckpointError: one line on the first thing that is not so.
+    """
+    bad = "the checkpoint's optimizer state is damaged: "
+    if not isinstance(saved, Mapping):
+        raise CheckpointError(bad + f"a {type(saved).__name__}, not a dict", path)
+    for key in ("state", "param_groups"):
+        if key not in saved:
+            raise CheckpointError(bad + f"no '{key}'", path)
+    groups, state = saved["param_groups"], saved["state"]
+    if not isinstance(groups, (list, tuple)) or not groups:
+        raise CheckpointError(bad + "'param_groups' is not a list of groups", path)
+    if not isinstance(state, Mapping):
+        raise CheckpointError(bad + f"'state' is a {type(state).__name__}, not a dict", path)
+    ids: set[int] = set()
+    for n, group in enumerate(groups):
+        if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
+            raise CheckpointError(bad + f"param group {n} has no 'params' list", path)
+        if not all(_is_int(i) for i in group["params"]):
+            raise CheckpointError(bad + f"param group {n} lists parameters by non-integers", path)
+        ids.update(group["params"])
+        for key, value in group.items():
+            if key == "params" or value is None or isinstance(value, (bool, str)):
+                continue
+            numbers = value if isinstance(value, (list, tuple)) else [value]
+            if not all(_is_real(v) for v in numbers):
+                raise CheckpointError(bad + f"param group {n}: " + _bad(key, value), path)
+        if not (_is_real(group.get("lr", 0.0)) and group.get("lr", 0.0) >= 0):
+            raise CheckpointError(bad + f"param group {n}: " + _bad("lr", group.get("lr")), path)
+    for pid, entry in state.items():
+        if pid not in ids:
+            raise CheckpointError(bad + f"state of parameter {pid!r}, which no group holds", path)
+        if not isinstance(entry, Mapping):
+            raise CheckpointError(bad + f"parameter {pid}: " + _bad("state", entry), path)
+        for key, value in entry.items():
+            ok = (isinstance(value, torch.Tensor) and value.is_floating_point()) or _is_real(value)
+            if not ok:
+                raise CheckpointError(bad + f"parameter {pid}: " + _bad(key, value), path)
+
+
+def _check_optimizer_fits(
+    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], path: str | Path | None
+) -> None:
+    """Each saved state tensor has the shape of the parameter it belongs to (in this run's
+    optimizer, by position) and finite values."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    order = [i for g in saved["param_groups"] for i in g["params"]]
+    position = {pid: k for k, pid in enumerate(order)}
+    bad = "the checkpoint's optimizer state does not fit this model: "
+    # A setting this run's optimizer holds as a number must be one there too (and a switch a
+    # switch): "momentum: 'fast'" would fail only at the first step.
+    for n, (own, old) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
+        for key, value in old.items():
+            mine = own.get(key)
+            if key == "params" or mine is None or value is None:
+                continue
+            if isinstance(mine, bool) != isinstance(value, bool) or (
+                _is_real(mine) and not _is_real(value)
+            ):
+                raise CheckpointError(bad + f"param group {n}: " + _bad(key, value), path)
+    for pid, entry in saved["state"].items():
+        k = position.get(pid)
+        if k is None or k >= len(params):
+            raise CheckpointError(bad + f"state of parameter {pid}, which it lacks", path)
+        shape = tuple(params[k].shape)
+        for key, value in entry.items():
+            if not isinstance(value, torch.Tensor) or key == "step":
+                continue
+            if key in _OPTIMIZER_TENSORS and tuple(value.shape) != shape:
+                raise CheckpointError(
+                    bad + f"parameter {pid} {key} {tuple(value.shape)} vs the parameter's {shape}",
+                    path,
+                )
+            if not torch.isfinite(value).all():
+                raise CheckpointError(bad + f"parameter {pid} {key} holds NaN or inf", path)
 
 
 def training_weights(ckpt: Mapping[str, Any], path: str | Path | None = None) -> Mapping[str, Any]:
@@ -479,16 +659,43 @@ def restore_training_state(
     state = training_weights(ckpt, path)
     model.load_state_dict(validate_resume_checkpoint(state, model.state_dict(), path))
     load_optimizer_state(optimizer, ckpt["optimizer"], path)
-    scheduler.load_state_dict(ckpt["scheduler"])
+    with _damaged("scheduler", path):
+        scheduler.load_state_dict(ckpt["scheduler"])
+        _check_scheduler(scheduler, optimizer, path)
     if scaler is not None and ckpt.get("scaler"):
-        scaler.load_state_dict(ckpt["scaler"])
+        with _damaged("AMP scaler", path):
+            scaler.load_state_dict(ckpt["scaler"])
     if ema is not None:
         if ckpt.get("ema") is not None:
-            ema.ema.load_state_dict(ckpt["ema"])
+            with _damaged("EMA", path):
+                ema.ema.load_state_dict(strip_prefixes(ckpt["ema"]))
             ema.updates = int(ckpt.get("ema_updates", 0))
         else:
             ema.ema.load_state_dict(model.state_dict())
     return int(ckpt["epoch"]) + 1, ckpt.get("best_fitness")
+
+
+@contextlib.contextmanager
+def _damaged(what: str, path: str | Path | None) -> Iterator[None]:
+    """A state that ``load_state_dict`` cannot take becomes one :class:`CheckpointError`."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as e:
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"the checkpoint's {what} state is damaged ({detail})", path) from e
+
+
+def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, path: Any) -> None:
+    """The restored scheduler's epoch and base learning rates are sane numbers, one per group."""
+    bad = "the checkpoint's scheduler state is damaged: "
+    last = getattr(scheduler, "last_epoch", -1)
+    if not _is_int(last) or not -1 <= last <= MAX_EPOCH:
+        raise CheckpointError(bad + _bad("last_epoch", last), path)
+    base = getattr(scheduler, "base_lrs", None)
+    if base is not None and (
+        len(base) != len(optimizer.param_groups) or not all(_is_real(v) and v >= 0 for v in base)
+    ):
+        raise CheckpointError(bad + _bad("base_lrs", base), path)
 
 
 # What an optimizer's saved groups hold besides its parameters tells its kind.
@@ -520,6 +727,7 @@ def load_optimizer_state(
             Adam moments), or it does not fit this model's parameters.
     """
     weights_hint = f"or start a new run from these weights with --weights {path or 'last.pt'}"
+    check_optimizer_layout(saved, path)
     saved_kind, kind = optimizer_kind(saved), optimizer_kind(optimizer)
     if saved_kind is not None and kind is not None and saved_kind != kind:
         raise CheckpointError(
@@ -540,6 +748,7 @@ def load_optimizer_state(
                 path,
             )
         saved = remapped
+    _check_optimizer_fits(optimizer, saved, path)
     try:
         optimizer.load_state_dict(saved)
     except (ValueError, KeyError, TypeError) as e:
@@ -713,9 +922,7 @@ def weights_kind(path: str | Path) -> str:
             no script here loads: it says what to do instead).
     """
     path = Path(path)
-    if not path.is_file():
-        what = "is a directory, not a weights file" if path.is_dir() else "weights file not found"
-        raise CheckpointError(what, path)
+    _check_weights_file(path, "weights")
     try:
         with path.open("rb") as f:
             head = f.read(_DARKNET_VERSION_BYTES)

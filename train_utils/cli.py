@@ -23,6 +23,7 @@ from typing import Any
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.errors import ConfigError, RunStopped, YoloError
+from build_utils.limits import MAX_IMG_SIZE
 from train_utils.distributed.precision import AMP_CHOICES
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,6 @@ EXIT_STOPPED = 75
 DEFAULT_IMG_SIZE = 512
 DEFAULT_EVAL_CONF = 0.001  # COCO evaluation keeps low-confidence boxes (they raise recall)
 DEFAULT_EVAL_IOU = 0.6
-MAX_IMG_SIZE = 8192  # larger sides need tens of GB per image batch; nobody trains at them
 COCO_BACKENDS = ("pycocotools", "faster-coco-eval")
 ArgGroup = argparse.ArgumentParser | argparse._ArgumentGroup
 
@@ -200,14 +200,33 @@ def add_local_rank_flag(p: argparse.ArgumentParser) -> None:
 
 
 def check_img_size(size: int, flag: str = "--img-size") -> int:
-    """``size`` when it is a positive multiple of :data:`GRID` no larger than MAX_IMG_SIZE."""
-    _check_number(flag, size, int)
+    """``size`` when it is a positive multiple of :data:`GRID` no larger than the limit
+    :data:`~build_utils.limits.MAX_IMG_SIZE` (``$YOLO_MAX_IMG_SIZE`` raises it): checked before
+    the size reaches a model or a loader, where 65536 px would allocate a 12 GB batch first."""
+    check_img_size_limit(size, flag)
     if size <= 0 or size % GRID:
         fix = max(GRID, round(size / GRID) * GRID)
         raise ConfigError(f"{flag} {size} is not a positive multiple of {GRID}; use e.g. {fix}")
-    if size > MAX_IMG_SIZE:
-        raise ConfigError(f"{flag} {size} is larger than the limit {MAX_IMG_SIZE}")
     return size
+
+
+def check_img_size_limit(size: int, flag: str = "--img-size") -> int:
+    """``size`` when it is a whole number no larger than the limit (for sizes that need not be
+    multiples of :data:`GRID`, such as the label scale of ``tools/kmeans_anchors.py``)."""
+    _check_number(flag, size, int)
+    limit = MAX_IMG_SIZE.value()
+    if size > limit:
+        raise ConfigError(
+            f"{flag} {_shown(size)} is larger than the limit {limit} ({MAX_IMG_SIZE.name}); "
+            f"set {MAX_IMG_SIZE.env} to raise it"
+        )
+    return size
+
+
+def _shown(value: int) -> str:
+    """A number as an error line shows it: a 400-digit one cut short."""
+    text = str(value)
+    return text if len(text) <= 12 else f"{text[:12]}... ({len(text)} digits)"
 
 
 def _check_number(flag: str, value: Any, kind: type) -> None:

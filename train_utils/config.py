@@ -23,7 +23,8 @@ import yaml
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.errors import CheckpointError, ConfigError
-from build_utils.parse_config import load_class_names, parse_data_cfg
+from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
+from build_utils.parse_config import load_class_names, parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
 from models.darknet import FREEZE_MODES
 from train_utils.checkpoint import read_weights
@@ -450,8 +451,13 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     cfg = Path(args.cfg)
     if not cfg.is_file():
         raise ConfigError("model cfg not found; pass an existing .cfg to --cfg", cfg)
-    if args.weights and not Path(args.weights).is_file():
+    # The cfg's values (bounds, [net] channels) are checked before a run folder is claimed.
+    parse_model_cfg(cfg)
+    if args.weights and not Path(args.weights).exists():
         raise ConfigError("weights file not found; check --weights", args.weights)
+    if args.weights:
+        # A FIFO would block the reader, a 40 GB sparse file be read whole: stat it first.
+        check_config_file(args.weights, MAX_WEIGHTS_BYTES, "--weights")
     data = load_data_config(args.data, args.single_cls)
     hyp = load_hyp(args.hyp)
     if resumed is not None:

@@ -32,6 +32,8 @@ from build_utils.atomic import reported_write, write_error
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError, OutputError, RunStopped, YoloError
 from build_utils.parse_config import format_model_cfg
+from models.budget import check_model_fits
+from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
 from train_utils.autoanchor import check_anchors
@@ -63,6 +65,7 @@ from train_utils.distributed.comm import (
     broadcast_tensors_,
     raise_if_any_rank_failed,
 )
+from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.precision import precision_record, resolve_amp
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
@@ -373,6 +376,14 @@ def _build_model(
     """The model on its device and in its memory format, with its resolved cfg text, the
     resume checkpoint (None when not resuming) and whether it is channels_last."""
     blocks = model_blocks_for(config.cfg, config.data.nc)
+    error = None
+    try:
+        _check_model_memory(config, blocks, dist)
+    except ConfigError as e:
+        error = e
+    # Collective: a model that cannot fit one rank's device stops every rank with the same
+    # line, instead of leaving the others waiting in check_anchors.
+    raise_if_any_rank_failed(error, "checking the model's memory")
     blocks = check_anchors(blocks, config, dist)
     cfg_text = format_model_cfg(blocks)
     model = Darknet(blocks, img_size=(config.img_size, config.img_size))
@@ -385,6 +396,19 @@ def _build_model(
     if channels_last:
         model.to(memory_format=torch.channels_last)
     return model, cfg_text, ckpt, channels_last
+
+
+def _check_model_memory(config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo) -> None:
+    """Refuse a model whose training memory (parameters, gradients, optimizer state, EMA and the
+    activations of a batch at the largest side this run trains at) exceeds the device's, before
+    anything is allocated (models/budget.py)."""
+    side = multi_scale_bounds(config.img_size)[1] if config.multi_scale else config.img_size
+    # The ranks of a node training on its CPU share its RAM; GPUs are one per rank.
+    share = processes_per_node() if dist.device.type == "cpu" else 1
+    estimate = check_model_fits(
+        blocks, side, batch=config.batch_size, training=True, device=dist.device, share=share
+    )
+    logger.debug("model memory: %s", describe_estimate(estimate, config.batch_size))
 
 
 def _configure_backends(device: torch.device) -> None:

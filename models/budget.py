@@ -1,0 +1,279 @@
+"""What a model costs before it is built: parameters and activation memory from parsed cfg blocks,
+and the check that refuses a model the machine cannot hold.
+
+A cfg that passes every value check can still describe a network no machine holds (a checkpoint
+whose embedded cfg says ``filters=1000000000`` asks for a 108 GB weight tensor), and a sane model
+at ``--img-size 8192`` and batch 64 needs hundreds of GB of activations. Building it, or running
+its first batch, ends in an allocator traceback or the kernel's OOM killer. This module walks the
+blocks as :mod:`models.darknet` builds them, with shapes only (nothing is allocated, a few
+milliseconds for the largest cfg), and :func:`check_model_fits` names the layer where the
+estimate crosses the memory available: ``/proc/meminfo`` ``MemAvailable`` for the CPU,
+``torch.cuda.mem_get_info`` for a CUDA device.
+
+The estimate (``tests/test_budget.py`` holds it to the real model):
+- parameters: exact (``sum(p.numel() for p in model.parameters())``);
+- layer output shapes: exact (each layer's output in a forward pass);
+- training activations: what autograd saves for the backward pass, 1.0-1.3x the bytes it
+  actually saves and 0.9-1.1x the peak memory a forward pass adds (nano, yolov3-tiny,
+  yolov3-spp at 512 px on CPU); it counts a convolution's output and its activation's apart,
+  which in-place activations share;
+- inference activations: the largest set of tensors alive at once (the outputs later layers
+  read, one layer's input, outputs and the convolution backend's copy of its input), 0.6-1.3x the
+  measured peak.
+A model is refused only when the estimate exceeds all the memory available, never for coming
+close to it.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from build_utils.errors import ConfigError
+from build_utils.limits import format_bytes
+from build_utils.parse_config import Block, maxpool_params
+
+FLOAT_BYTES = 4  # float32: the estimate is for full precision (AMP needs less)
+INDEX_BYTES = 8  # max-pool indices saved for backward are int64
+# Per parameter while training: the weight, its gradient, two optimizer states (Adam's moments;
+# SGD momentum needs one) and the EMA copy.
+TRAIN_COPIES_PER_PARAM = 5
+# Activations without a saved copy for backward (a convolution's output feeds BatchNorm, whose
+# output an in-place activation overwrites): 1 + BatchNorm + activation.
+_ACTIVATIONS_SAVING_INPUT = frozenset({"mish", "swish", "silu", "elu", "selu", "gelu"})
+# Overrides the measured memory (bytes), e.g. on a machine with swap, or to test.
+MEMORY_ENV = "YOLO_MEMORY_AVAILABLE"
+
+CONV_DEFAULTS: dict[str, Any] = {"filters": 1, "size": 1, "stride": 1, "pad": 0, "padding": 0}
+
+
+@dataclass(frozen=True)
+class LayerCost:
+    """One layer's share. ``shape`` is its output (channels, height, width) for one image;
+    ``train_bytes`` what its forward keeps for the backward pass per image; ``live_bytes`` the
+    memory alive while it runs in inference (earlier outputs still needed, its input and
+    outputs), per image."""
+
+    index: int  # module_list index
+    kind: str
+    line: int | None
+    params: int
+    shape: tuple[int, int, int]
+    train_bytes: int
+    live_bytes: int
+
+
+@dataclass
+class ModelEstimate:
+    """The walk over all layers at one input size (h, w)."""
+
+    img_hw: tuple[int, int]
+    layers: list[LayerCost] = field(default_factory=list)
+    path: str | None = None
+
+    @property
+    def params(self) -> int:
+        return sum(c.params for c in self.layers)
+
+    def train_bytes_per_image(self) -> int:
+        return sum(c.train_bytes for c in self.layers)
+
+    def live_bytes_per_image(self) -> int:
+        return max((c.live_bytes for c in self.layers), default=0)
+
+
+def _out_side(n: int, k: int, pad: int, stride: int) -> int:
+    return max(0, (n + 2 * pad - k) // stride + 1)
+
+
+def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimate:
+    """Shapes, parameters and activation bytes of every layer of ``blocks`` (``[net]`` first,
+    validated) for one image of ``img_hw`` = (h, w) pixels. Allocates nothing."""
+    net, layers = blocks[0], blocks[1:]
+    est = ModelEstimate((int(img_hw[0]), int(img_hw[1])), path=net.get("_path"))
+    c, h, w = int(net.get("channels", 3)), est.img_hw[0], est.img_hw[1]
+    shapes: list[tuple[int, int, int]] = []
+    referenced: set[int] = set()
+    for i, mdef in enumerate(layers):
+        kind = mdef["type"]
+        if kind in ("route", "shortcut"):
+            key = "layers" if kind == "route" else "from"
+            referenced.update(i + r if r < 0 else r for r in mdef[key])
+    kept = 0  # bytes of earlier outputs that later layers read (inference keeps them)
+    for i, mdef in enumerate(layers):
+        kind = mdef["type"]
+        params, extra_train, workspace = 0, 0, 0
+        in_elems = c * h * w
+        if kind == "convolutional":
+            cd = {**CONV_DEFAULTS, **mdef}
+            k, filters, groups = cd["size"], cd["filters"], mdef.get("groups", 1)
+            s = cd["stride"]
+            sy, sx = mdef.get("stride_y", s), mdef.get("stride_x", s)
+            pad = k // 2 if cd["pad"] else cd["padding"]
+            bn = bool(mdef.get("batch_normalize", 0))
+            params = filters * (c // max(1, groups)) * k * k + (2 * filters if bn else filters)
+            c, h, w = filters, _out_side(h, k, pad, sy), _out_side(w, k, pad, sx)
+            if k > 1:  # a convolution backend's reordered (padded, blocked) copy of its input
+                workspace = c * h * w * FLOAT_BYTES
+            act = mdef.get("activation", "logistic")
+            copies = 1 + bn + (act in _ACTIVATIONS_SAVING_INPUT)
+            extra_train = (copies - 1) * c * h * w * FLOAT_BYTES
+        elif kind == "maxpool":
+            size, sy, sx, padding = maxpool_params(mdef)
+            before = padding // 2
+            oh = max(0, (h + padding - size) // sy + 1)
+            ow = max(0, (w + padding - size) // sx + 1)
+            if padding % 2 or before > size // 2:  # asymmetric: a padded copy of the input
+                extra_train += c * (h + padding) * (w + padding) * FLOAT_BYTES
+            h, w = oh, ow
+            extra_train += c * h * w * INDEX_BYTES
+        elif kind == "upsample":
+            s = mdef.get("stride", 2)
+            h, w = h * s, w * s
+        elif kind == "route":
+            refs = [i + r if r < 0 else r for r in mdef["layers"]]
+            groups = mdef.get("groups", 1)
+            c = sum(shapes[j][0] for j in refs) // max(1, groups)
+            h, w = shapes[refs[0]][1], shapes[refs[0]][2]
+        elif kind == "shortcut" and mdef.get("weights_type", "none") == "per_feature":
+            params = len(mdef["from"]) + 1
+        out_bytes = c * h * w * FLOAT_BYTES
+        # A [yolo] head returns views in training; in inference it decodes a copy.
+        train = 0 if kind == "yolo" else out_bytes + extra_train
+        live = kept + in_elems * FLOAT_BYTES + 2 * out_bytes + workspace
+        shapes.append((c, h, w))
+        if i in referenced:
+            kept += out_bytes
+        est.layers.append(LayerCost(i, kind, mdef.get("_line"), params, (c, h, w), train, live))
+    return est
+
+
+def available_memory(device: Any = None) -> tuple[int, str]:
+    """(bytes, what) free for a model on ``device`` (None or CPU: RAM; CUDA: the GPU's free
+    memory). ``$YOLO_MEMORY_AVAILABLE`` (bytes) replaces the measurement."""
+    raw = os.environ.get(MEMORY_ENV, "").strip()
+    if raw:
+        try:
+            value = int(raw.replace("_", ""))
+        except ValueError:
+            value = 0
+        if value <= 0:
+            raise ConfigError(f"{MEMORY_ENV}={raw!r} must be a positive number of bytes")
+        return value, f"{MEMORY_ENV}"
+    dev_type = getattr(device, "type", None) or (str(device).split(":")[0] if device else "cpu")
+    if dev_type == "cuda":
+        import torch
+
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free), f"free on {device}"
+    return _ram_available(), "RAM available (MemAvailable)"
+
+
+def _ram_available() -> int:
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:  # not Linux: physical memory as the upper bound
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+        return 1 << 62  # unknown: no refusal
+
+
+def check_model_fits(
+    blocks: list[Block],
+    img_hw: tuple[int, int] | int,
+    batch: int = 1,
+    training: bool = False,
+    device: Any = None,
+    params_only: bool = False,
+    share: int = 1,
+) -> ModelEstimate:
+    """Refuse, in one line, a model that cannot fit the memory of ``device``.
+
+    Walks the layers adding each one's cost: its parameters (x :data:`TRAIN_COPIES_PER_PARAM`
+    when training) and its activations for ``batch`` images of ``img_hw`` (saved for backward
+    when training; the largest live set in inference). ``params_only`` counts the parameters
+    alone (building the model on the CPU, before the size and batch are known). ``share``
+    processes use the same memory alike (the DDP ranks of a node training on its CPU): each
+    gets its part.
+
+    Returns:
+        The estimate, when it fits.
+
+    Raises:
+        ConfigError: at the cfg line of the layer where the running total first exceeds the
+            memory available, with the estimate and what is available; or where a feature map
+            shrinks to nothing at this input size.
+    """
+    hw = (img_hw, img_hw) if isinstance(img_hw, int) else (int(img_hw[0]), int(img_hw[1]))
+    est = estimate_model(blocks, hw)
+    avail, what = available_memory(device)
+    if share > 1:
+        avail, what = avail // share, f"{what}, shared by {share} processes"
+    copies = TRAIN_COPIES_PER_PARAM if training else 1
+    total, live_peak = 0, 0
+    mode = "training" if training else "inference"
+    for cost in est.layers:
+        if not params_only and 0 in cost.shape[1:]:
+            raise _layer_error(
+                blocks,
+                cost,
+                f"the feature map is {cost.shape[1]}x{cost.shape[2]} at an input of "
+                f"{hw[0]}x{hw[1]}: the input is too small for this network's downsampling",
+            )
+        total += cost.params * FLOAT_BYTES * copies
+        if params_only:
+            needed = total
+        elif training:
+            total += batch * cost.train_bytes
+            needed = total
+        else:
+            live_peak = max(live_peak, batch * cost.live_bytes)
+            needed = total + live_peak
+        if needed > avail:
+            scope = (
+                f"{est.params:,} parameters in all"
+                if params_only
+                else f"{mode}, batch {batch}, {hw[0]}x{hw[1]} px"
+            )
+            raise _layer_error(
+                blocks,
+                cost,
+                f"the model does not fit: about {format_bytes(needed)} needed up to this layer "
+                f"({scope}), {format_bytes(avail)} {what}; use a smaller model, image size or "
+                f"batch (set {MEMORY_ENV} to override the measurement)",
+            )
+    return est
+
+
+def _layer_error(blocks: list[Block], cost: LayerCost, message: str) -> ConfigError:
+    mdef = blocks[cost.index + 1]
+    return ConfigError(
+        f"[{cost.kind}] layer {cost.index}: {message}", mdef.get("_path"), mdef.get("_line")
+    )
+
+
+def describe(est: ModelEstimate, batch: int = 1) -> str:
+    """One line for the log: parameters and activation memory of ``batch`` images."""
+    h, w = est.img_hw
+    return (
+        f"{est.params:,} parameters ({format_bytes(est.params * FLOAT_BYTES)}); activations for "
+        f"{batch} image(s) of {h}x{w}: about "
+        f"{format_bytes(batch * est.train_bytes_per_image())} training, "
+        f"{format_bytes(batch * est.live_bytes_per_image())} inference"
+    )
+
+
+__all__ = [
+    "LayerCost",
+    "ModelEstimate",
+    "available_memory",
+    "check_model_fits",
+    "describe",
+    "estimate_model",
+]
