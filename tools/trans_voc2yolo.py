@@ -57,6 +57,7 @@ from build_utils.image_io import (
     raw_image_size,
     read_file_bytes,
 )
+from build_utils.limits import MAX_IMAGE_BYTES, MAX_LABEL_BYTES, file_problem
 from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
 LOGGER = logging.getLogger("trans_voc2yolo")
@@ -140,6 +141,8 @@ def collect_class_names(xml_files: Sequence[Path]) -> list[str]:
     """Sorted object names found in the XML files (unparsable files are ignored here)."""
     names = set()
     for f in xml_files:
+        if file_problem(f, MAX_LABEL_BYTES) is not None:
+            continue  # reported when the file is converted
         try:
             root = ET.parse(f).getroot()
         except (ET.ParseError, OSError):
@@ -151,7 +154,13 @@ def collect_class_names(xml_files: Sequence[Path]) -> list[str]:
 def _image_index(img_dir: Path | None) -> dict[str, Path]:
     if img_dir is None or not img_dir.is_dir():
         return {}
-    return {p.stem: p for p in sorted(img_dir.iterdir()) if is_image_file(p)}
+    # Only regular files (within the image size limit) are images: a FIFO cannot be linked
+    # across file systems or copied, nor read.
+    return {
+        p.stem: p
+        for p in sorted(img_dir.iterdir())
+        if is_image_file(p) and file_problem(p, MAX_IMAGE_BYTES) is None
+    }
 
 
 def _same_aspect(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -171,6 +180,10 @@ def convert_file(
         ``(label lines or None when the file is skipped, report lines, skipped objects)``.
     """
     notes: list[str] = []
+    # An annotation is a label file: parsing a FIFO would wait forever, a huge file fill memory.
+    problem = file_problem(xml_path, MAX_LABEL_BYTES)
+    if problem is not None:
+        return None, [f"{xml_path}: skipped: {problem}"], 0
     try:
         root = ET.parse(xml_path).getroot()
     except (ET.ParseError, OSError) as e:
@@ -188,7 +201,7 @@ def convert_file(
         else:
             try:
                 orientation = exif_orientation(read_file_bytes(image)[: 1 << 16])
-            except OSError:
+            except DatasetError:
                 orientation = 1
             img_w, img_h = oriented_size(*raw, orientation)
     if not w or not h:
