@@ -79,6 +79,19 @@ def no_hang():
     signal.signal(signal.SIGALRM, old)
 
 
+def bind_socket(path: Path) -> None:
+    """A Unix socket at ``path``, bound by its short relative name (socket paths are limited to
+    about 100 characters, less than a temporary folder's may be)."""
+    cwd = os.getcwd()
+    os.chdir(path.parent)
+    try:
+        sock = socket.socket(socket.AF_UNIX)
+        sock.bind(path.name)
+        sock.close()
+    finally:
+        os.chdir(cwd)
+
+
 def _not_files(d: Path) -> dict[str, str]:
     """Things named like images that are not regular files -> the reason each must give."""
     os.mkfifo(d / "fifo.jpg")
@@ -86,9 +99,7 @@ def _not_files(d: Path) -> dict[str, str]:
     (d / "loop.jpg").symlink_to("loop.jpg")
     (d / "dangling.jpg").symlink_to("nothing-here.jpg")
     (d / "zero.jpg").symlink_to("/dev/zero")
-    sock = socket.socket(socket.AF_UNIX)
-    sock.bind(str(d / "sock.jpg"))
-    sock.close()
+    bind_socket(d / "sock.jpg")
     return {
         "fifo.jpg": "a FIFO (named pipe), not a regular file",
         "folder.jpg": "a folder, not a file",
