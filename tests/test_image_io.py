@@ -19,7 +19,7 @@ from PIL import Image
 from build_utils import image_io
 from build_utils.datasets import LoadImagesAndLabels, SubstitutePath
 from build_utils.errors import ConfigError, DatasetError
-from build_utils.image_io import check_image, header_size, read_image
+from build_utils.image_io import check_image, read_image
 from build_utils.labels import check_file, collect_image_files
 
 # A test that would wait on a FIFO forever (the old code did) fails after this many seconds.
@@ -169,12 +169,12 @@ def test_header_sizes_of_every_accepted_format_without_decoding(tmp_path):
         path = tmp_path / f"x{ext}"
         assert cv2.imwrite(str(path), img)
         with open(path, "rb") as f:
-            assert header_size(f) == (40, 30), ext
+            assert image_io.header_size(f) == (40, 30), ext
     with open(good_jpeg(tmp_path / "y.jpg"), "rb") as f:
-        assert header_size(f) == (48, 32)
+        assert image_io.header_size(f) == (48, 32)
     (tmp_path / "junk.jpg").write_bytes(b"not an image at all")
     with open(tmp_path / "junk.jpg", "rb") as f:
-        assert header_size(f) is None
+        assert image_io.header_size(f) is None
 
 
 def test_an_image_pillow_cannot_parse_is_checked_after_decoding(tmp_path, monkeypatch):
