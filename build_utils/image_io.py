@@ -3,7 +3,8 @@
 Every reader here goes through :func:`decode_image` so that the label tools, the label cache and
 the training loader agree on an image's size and orientation:
 
-- bytes are read with ``np.fromfile`` and decoded with ``cv2.imdecode`` (non-ASCII paths work);
+- bytes are read from the open file (bounded) and decoded with ``cv2.imdecode`` (non-ASCII
+  paths work);
 - ``cv2.IMREAD_COLOR`` applies the EXIF orientation of JPEG images (a phone photo stored
   sideways comes out upright, and its size is the upright one), turns grayscale into 3 channels,
   drops the alpha channel of RGBA images and maps 16-bit images to 8 bits (the high byte);

@@ -65,12 +65,17 @@ def good_jpeg(path: Path, w: int = 48, h: int = 32) -> Path:
     return path
 
 
+class Hung(Exception):
+    """Not an OSError (as TimeoutError is), so that no reader takes it for a read error."""
+
+
 @pytest.fixture
 def no_hang():
-    """Fail, instead of waiting forever, when a read blocks (a FIFO opened for reading)."""
+    """Fail, instead of waiting forever, when a read blocks in this thread (a FIFO opened for
+    reading)."""
 
     def on_alarm(signum, frame):
-        raise TimeoutError(f"blocked for {HANG_S} s (a FIFO was opened?)")
+        raise Hung(f"blocked for {HANG_S} s (a FIFO was opened?)")
 
     old = signal.signal(signal.SIGALRM, on_alarm)
     signal.alarm(HANG_S)
