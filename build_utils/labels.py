@@ -17,8 +17,12 @@ image and label file names, sizes and modification times and of the class count:
 rebuilds it, a corrupt cache is rebuilt and a read-only folder only costs a warning. A per-file
 list of problems goes to ``<stem>.cache_report.txt`` beside it. Bad images are excluded and bad
 label lines dropped (rules in :func:`parse_label_text`); the caller decides what an empty
-result means. No pickle anywhere (``np.savez`` with ``allow_pickle=False``). The cache holds
-every listed file in list order, so one cache serves every later order (e.g. the rect sort).
+result means. Nothing that is not a regular file within its limit is opened (a FIFO, device,
+folder or link loop named like an image or label, a 40 GB sparse file, a PNG declaring more
+pixels than :data:`~build_utils.limits.MAX_IMAGE_PIXELS`): such an image is excluded with the
+reason (:func:`check_file`). No pickle anywhere (``np.savez`` with ``allow_pickle=False``).
+The cache holds every listed file in list order, so one cache serves every later order (e.g.
+the rect sort).
 """
 
 from __future__ import annotations
