@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -41,6 +42,7 @@ from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError, OutputError
 from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
+from build_utils.limits import file_problem
 from build_utils.parse_config import (
     load_class_names,
     parse_data_cfg,
@@ -291,7 +293,9 @@ def plan_outputs(sources: Sequence[str]) -> list[Output]:
         else:
             p = Path(s)
             if p.is_dir():
-                files = sorted(f for f in p.rglob("*") if f.is_file() and _is_media(f))
+                # Anything named like media but a folder is planned, so that a FIFO, socket or
+                # link loop named x.jpg is skipped with its reason rather than in silence.
+                files = sorted(f for f in p.rglob("*") if _is_media(f) and not f.is_dir())
                 if not files:
                     raise ConfigError(
                         f"--source {s}: no images or videos in this folder (images: "
@@ -301,7 +305,7 @@ def plan_outputs(sources: Sequence[str]) -> list[Output]:
                 top = Path(_unique(p.resolve().name or "source", folder_names))
                 base = top if len(sources) > 1 else Path()
                 planned = [(f, base / f.relative_to(p).with_suffix("")) for f in files]
-            elif p.is_file():
+            elif os.path.lexists(p):  # a file, or a FIFO/link loop skipped with its reason
                 planned = [(p, Path(p.stem))]
             else:
                 raise ConfigError("--source: no such file or folder", p)
@@ -319,6 +323,12 @@ def _inside(path: Path, folder: Path) -> bool:
     return path == folder or path.is_relative_to(folder)
 
 
+def _resolved(path: str | Path) -> Path:
+    """``path`` with symbolic links resolved as far as they go: ``Path.resolve`` raises on a
+    link loop, which is a source to skip with its reason, not a traceback."""
+    return Path(os.path.realpath(path))
+
+
 def check_not_over_sources(
     out_dir: Path, sources: Sequence[str], outputs: Sequence[Output]
 ) -> None:
@@ -328,11 +338,11 @@ def check_not_over_sources(
     Raises:
         ConfigError: the output would be written over or among what is read.
     """
-    out = out_dir.resolve()
+    out = _resolved(out_dir)
     for s in sources:
         if is_camera(s) or is_stream(s):
             continue
-        src = Path(s).resolve()
+        src = _resolved(s)
         if src.is_dir() and _inside(out, src):
             where = "is" if out == src else "is inside"
             raise ConfigError(
@@ -345,7 +355,7 @@ def check_not_over_sources(
                 "choose another --output"
             )
     for o in outputs:  # a symbolic link in a source folder may point into the output folder
-        if isinstance(o.source, Path) and _inside(o.source.resolve(), out):
+        if isinstance(o.source, Path) and _inside(_resolved(o.source), out):
             raise ConfigError(
                 f"--output {out_dir} holds {o.source} (a source image); choose another --output"
             )
@@ -412,6 +422,11 @@ def predict_video(
         ConfigError: a camera or stream cannot be opened (a video file that cannot be read is a
             warning).
     """
+    problem = file_problem(source, None) if isinstance(source, Path) else None
+    if problem is not None:
+        # A FIFO named clip.mp4 would block the decoder forever; a video has no size limit.
+        logger.warning("skipped: %s: %s", source, problem)
+        return 0
     cap = open_capture(source)
     if not cap.isOpened():
         cap.release()

@@ -69,7 +69,7 @@ from build_utils.image_cache import (
     fill_shared,
     read_npy,
 )
-from build_utils.image_io import IMG_FORMATS, decode_image, read_file_bytes, reduce_factor
+from build_utils.image_io import IMG_FORMATS, load_image_file, reduce_factor
 from build_utils.labels import (
     LabelCache,
     cache_place,
@@ -499,22 +499,19 @@ class LoadImagesAndLabels(Dataset):
 
     def _decode(self, i: int, scale: float) -> np.ndarray:
         """Decode image ``i`` from its file, JPEGs reduced in the decoder when only ``scale``
-        (output pixels per original pixel) of the resolution is needed."""
+        (output pixels per original pixel) of the resolution is needed. The file passes the
+        same checks as when the dataset was built (:func:`~build_utils.image_io.load_image_file`:
+        a regular file within the byte and pixel limits), so one swapped mid-run for a FIFO or
+        a pixel bomb is reported as unreadable, never waited on or decoded."""
         path = self.img_files[i]
         try:
-            data = read_file_bytes(path)
-        except OSError as e:
+            return load_image_file(path, reduce_factor(scale))
+        except DatasetError as e:
             err = ImageUnreadable(
-                f"image became unreadable after the dataset was checked: {e.strerror or e}", path
+                f"image became unreadable after the dataset was checked: {e.message}", path
             )
             err.index = i
             raise err from e
-        img = decode_image(data, reduce_factor(scale))
-        if img is None:
-            err = ImageUnreadable("image became undecodable after the dataset was checked", path)
-            err.index = i
-            raise err
-        return img
 
     def load_image(self, i: int, scale: float = 1.0) -> np.ndarray:
         """Pixels of image ``i`` as BGR ``(h, w, 3) uint8``: from the image cache if any, else

@@ -3,13 +3,26 @@
 Every reader here goes through :func:`decode_image` so that the label tools, the label cache and
 the training loader agree on an image's size and orientation:
 
-- bytes are read with ``np.fromfile`` and decoded with ``cv2.imdecode`` (non-ASCII paths work);
+- bytes are read from the open file (bounded) and decoded with ``cv2.imdecode`` (non-ASCII
+  paths work);
 - ``cv2.IMREAD_COLOR`` applies the EXIF orientation of JPEG images (a phone photo stored
   sideways comes out upright, and its size is the upright one), turns grayscale into 3 channels,
   drops the alpha channel of RGBA images and maps 16-bit images to 8 bits (the high byte);
 - images are BGR ``(H, W, 3) uint8`` (OpenCV's order); the dataset converts to RGB at the end.
 
-Nothing here changes global OpenCV state (thread counts, log levels).
+Bounded before anything is decoded (:func:`read_image_data`): only a regular file within
+:data:`~build_utils.limits.MAX_IMAGE_BYTES` is opened (a FIFO, device, folder or link loop named
+``x.jpg`` is refused by its kind, a 40 GB sparse file by its size), and the width and height its
+header declares (read by Pillow, which parses the header only) must stay within
+:data:`~build_utils.limits.MAX_IMAGE_PIXELS`, so a 600 KB PNG declaring 25000x25000 pixels is
+refused before OpenCV allocates 1.9 GB for it. The limit is on the image's full size whatever
+JPEG reduction the loader would use, so whether an image belongs to the dataset does not depend
+on ``--img-size``. An image whose header Pillow cannot parse (a format only OpenCV knows) is
+decoded and its decoded size checked instead: there, OpenCV's own cap
+(``OPENCV_IO_MAX_IMAGE_PIXELS``, 2^30 pixels) is what bounds the decode itself.
+
+Nothing here changes global OpenCV or Pillow state (thread counts, log levels, Pillow's
+``Image.MAX_IMAGE_PIXELS``).
 """
 
 from __future__ import annotations
@@ -18,13 +31,15 @@ import os
 import struct
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import TypeVar
+from typing import BinaryIO, TypeVar
 
 import cv2
 import numpy as np
+from PIL import Image
 from tqdm import tqdm
 
 from build_utils.errors import DatasetError
+from build_utils.limits import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, UnusableFile, open_data_file
 
 # Image file types the datasets accept; compared case-insensitively.
 IMG_FORMATS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
@@ -49,6 +64,15 @@ _JPEG_EOI = b"\xff\xd9"
 # little padding after it.
 _JPEG_EOI_SEARCH_BYTES = 1024
 
+# OpenCV refuses to decode images above this many pixels unless its environment variable raises
+# it (read once, when OpenCV first decodes); our own limit can only be raised past it together.
+OPENCV_MAX_PIXELS_ENV = "OPENCV_IO_MAX_IMAGE_PIXELS"
+OPENCV_DEFAULT_MAX_PIXELS = 1 << 30
+# Pillow's names of the formats of IMG_FORMATS, tried first when reading a header.
+_COMMON_FORMATS = frozenset({"JPEG", "PNG", "BMP", "TIFF", "WEBP", "MPO"})
+# Bytes Pillow's format detection looks at (as Image.open does).
+_PIL_PREFIX_BYTES = 16
+
 # EXIF orientation tag values and what they do to the stored pixels (TIFF 6.0 / EXIF 2.3).
 EXIF_ORIENTATION_TAG = 0x0112
 _TRANSPOSING_ORIENTATIONS = (5, 6, 7, 8)
@@ -60,8 +84,13 @@ def is_image_file(path: str | os.PathLike[str]) -> bool:
 
 
 def read_file_bytes(path: str | os.PathLike[str]) -> np.ndarray:
-    """The raw bytes of a file as a ``(n,) uint8`` array (works for non-ASCII paths on Windows)."""
-    return np.fromfile(os.fspath(path), dtype=np.uint8)
+    """The raw bytes of an image file as a ``(n,) uint8`` array (works for non-ASCII paths on
+    Windows), checked as :func:`read_image_data` does.
+
+    Raises:
+        DatasetError: the file must not or cannot be read (its reason).
+    """
+    return read_image_data(path)[0]
 
 
 def file_stamp(path: str | os.PathLike[str]) -> str:
@@ -97,11 +126,122 @@ def reduce_factor(scale: float) -> int:
     return f
 
 
+def opencv_max_pixels() -> int:
+    """The pixel count above which OpenCV refuses to decode (``OPENCV_IO_MAX_IMAGE_PIXELS``)."""
+    raw = os.environ.get(OPENCV_MAX_PIXELS_ENV, "").strip()
+    try:
+        value = int(raw)
+    except ValueError:
+        return OPENCV_DEFAULT_MAX_PIXELS
+    return value if value > 0 else OPENCV_DEFAULT_MAX_PIXELS
+
+
+def pixel_problem(w: int, h: int) -> str | None:
+    """Why an image of ``w x h`` pixels must not be decoded, or None.
+
+    Over :data:`~build_utils.limits.MAX_IMAGE_PIXELS`: the limit, its name and how to raise it.
+    Within it but over OpenCV's own cap (only when the limit was raised past it): that OpenCV's
+    variable must be raised too, or OpenCV would refuse it with a message of its own.
+    """
+    pixels = int(w) * int(h)
+    if pixels > MAX_IMAGE_PIXELS.value():
+        return MAX_IMAGE_PIXELS.exceeded(pixels, f"image of {w}x{h} =")
+    cv_cap = opencv_max_pixels()
+    if pixels > cv_cap:
+        return (
+            f"image of {w}x{h} = {pixels} pixels is within {MAX_IMAGE_PIXELS.env} but over "
+            f"OpenCV's own limit of {cv_cap} pixels; set {OPENCV_MAX_PIXELS_ENV} to raise it too"
+        )
+    return None
+
+
+def header_size(f: BinaryIO) -> tuple[int, int] | None:
+    """``(w, h)`` as stored, from the header of the image file open in ``f`` (Pillow parses
+    the header only, nothing is decoded), or None when Pillow does not know the format.
+
+    Pillow's format drivers are called directly rather than through ``Image.open``: its
+    decompression-bomb check (``Image.MAX_IMAGE_PIXELS``, a global) would otherwise refuse or
+    warn at its own threshold, and ours (:data:`~build_utils.limits.MAX_IMAGE_PIXELS`) must be the
+    one in force, in both directions. A driver that still applies Pillow's check itself (GIF,
+    ICO) reports more pixels than Pillow allows: then the size is over ours too unless ours was
+    raised past Pillow's, and in that case it is unknown (None).
+
+    Raises:
+        UnusableFile: the image is known to be over the pixel limit without its exact size.
+    """
+    Image.init()  # every format driver registered (idempotent)
+    f.seek(0)
+    prefix = f.read(_PIL_PREFIX_BYTES)
+    # The formats datasets hold first: each other driver's prefix test costs a little.
+    for fmt in sorted(Image.ID, key=lambda fmt: fmt not in _COMMON_FORMATS):
+        factory, accept = Image.OPEN[fmt]
+        try:
+            if accept is not None and accept(prefix) is not True:
+                continue
+            f.seek(0)
+            im = factory(f, "")
+        except Image.DecompressionBombError:
+            pil_cap = 2 * (Image.MAX_IMAGE_PIXELS or 0)
+            if pil_cap > 0 and MAX_IMAGE_PIXELS.value() <= pil_cap:
+                reason = MAX_IMAGE_PIXELS.exceeded(pil_cap, "image of more than")
+                raise UnusableFile(reason) from None
+            return None
+        except (SyntaxError, IndexError, TypeError, KeyError, ValueError, EOFError, struct.error):
+            continue  # not this format after all (what Image.open tolerates, and a bit more)
+        except OSError:
+            # A header cut short ("Truncated File Read"): the decode that follows says what
+            # is wrong with the file in the dataset's own words; a real read error recurs there.
+            continue
+        w, h = im.size
+        return (int(w), int(h)) if w > 0 and h > 0 else None
+    return None
+
+
+def read_image_data(path: str | os.PathLike[str]) -> tuple[np.ndarray, tuple[int, int] | None]:
+    """The encoded bytes of image file ``path``, read only when that is safe, and its size.
+
+    In order, on one open file (so nothing can be swapped in between): a regular file (not a
+    FIFO, device, socket, folder, link loop) within :data:`~build_utils.limits.MAX_IMAGE_BYTES`;
+    the header's size within :data:`~build_utils.limits.MAX_IMAGE_PIXELS` (:func:`pixel_problem`);
+    then the bytes.
+
+    Returns:
+        ``(data (n,) uint8, (w, h) as stored or None when Pillow cannot parse the header)``.
+
+    Raises:
+        DatasetError: why the file must not or cannot be read (``e.message``, for a report).
+    """
+    try:
+        with open_data_file(path, MAX_IMAGE_BYTES) as f:
+            size = header_size(f)
+            if size is not None:
+                problem = pixel_problem(*size)
+                if problem is not None:
+                    raise DatasetError(problem, path)
+            f.seek(0)
+            data = f.read(MAX_IMAGE_BYTES.value() + 1)
+    except UnusableFile as e:
+        reason = str(e)
+        raise DatasetError(
+            "image file not found" if reason == "file not found" else reason, path
+        ) from e
+    except OSError as e:
+        raise DatasetError(f"cannot read image ({e.strerror or e})", path) from e
+    if len(data) > MAX_IMAGE_BYTES.value():  # grew while being read
+        raise DatasetError(MAX_IMAGE_BYTES.exceeded(len(data), "more than"), path)
+    return np.frombuffer(data, dtype=np.uint8), size
+
+
+def _decoded_problem(img: np.ndarray, header: tuple[int, int] | None) -> str | None:
+    """The pixel limit, checked after decoding an image whose header Pillow could not parse."""
+    return pixel_problem(img.shape[1], img.shape[0]) if header is None else None
+
+
 def decode_image(data: np.ndarray, reduce: int = 1) -> np.ndarray | None:
     """Decode image bytes to BGR ``(H, W, 3) uint8`` with EXIF orientation applied.
 
     Args:
-        data: ``(n,) uint8`` encoded bytes.
+        data: ``(n,) uint8`` encoded bytes, checked by :func:`read_image_data`.
         reduce: 1, 2, 4 or 8; for JPEG bytes the decoder scales the image down by this factor
             (sides rounded up), other formats are decoded in full.
 
@@ -120,20 +260,31 @@ def decode_image(data: np.ndarray, reduce: int = 1) -> np.ndarray | None:
     return img
 
 
-def read_image(path: str | os.PathLike[str], reduce: int = 1) -> np.ndarray:
-    """Read an image file as BGR ``(H, W, 3) uint8`` (see :func:`decode_image`).
+def load_image_file(path: str | os.PathLike[str], reduce: int = 1) -> np.ndarray:
+    """Read and decode image file ``path`` within the limits (:func:`read_image_data`), as BGR
+    ``(H, W, 3) uint8`` (see :func:`decode_image`); the loader's and predict's one way in.
 
     Raises:
-        DatasetError: the file is missing, empty or not a decodable image.
+        DatasetError: why the image was not read or decoded (``e.message``).
     """
-    try:
-        data = read_file_bytes(path)
-    except OSError as e:
-        raise DatasetError(f"cannot read image: {e.strerror or e}", path) from e
+    data, header = read_image_data(path)
     img = decode_image(data, reduce)
     if img is None:
         raise DatasetError("not a readable image (empty, truncated or unsupported format)", path)
+    problem = _decoded_problem(img, header)
+    if problem is not None:
+        raise DatasetError(problem, path)
     return img
+
+
+def read_image(path: str | os.PathLike[str], reduce: int = 1) -> np.ndarray:
+    """Read an image file as BGR ``(H, W, 3) uint8`` (see :func:`load_image_file`).
+
+    Raises:
+        DatasetError: the file is missing, not a regular file, over a limit, empty or not a
+            decodable image.
+    """
+    return load_image_file(path, reduce)
 
 
 def check_image(path: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, str | None]:
@@ -141,14 +292,13 @@ def check_image(path: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, s
 
     Returns:
         ``((w, h), None)`` with the upright size (EXIF orientation applied) for a good image,
-        or ``(None, reason)`` for a missing, empty, truncated or undecodable one.
+        or ``(None, reason)`` for a missing, non-regular, too large, empty, truncated or
+        undecodable one.
     """
     try:
-        data = read_file_bytes(path)
-    except FileNotFoundError:
-        return None, "image file not found"
-    except OSError as e:
-        return None, f"cannot read image ({e.strerror or e})"
+        data, header = read_image_data(path)
+    except DatasetError as e:
+        return None, e.message
     if data.size == 0:
         return None, "zero-byte image file"
     if is_jpeg(data) and jpeg_truncated(data):
@@ -164,15 +314,19 @@ def check_image(path: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, s
     h, w = img.shape[:2]
     if h < 1 or w < 1:
         return None, f"image has no pixels ({w}x{h})"
+    problem = _decoded_problem(img, header)
+    if problem is not None:
+        return None, problem
     return (int(w), int(h)), None
 
 
 def raw_image_size(path: str | os.PathLike[str]) -> tuple[int, int] | None:
-    """``(w, h)`` of the pixels as stored, ignoring EXIF orientation; ``None`` if unreadable."""
+    """``(w, h)`` of the pixels as stored, ignoring EXIF orientation; ``None`` if unreadable
+    (including not a regular file or over a limit: nothing is decoded then)."""
     try:
-        data = read_file_bytes(path)
+        data, _ = read_image_data(path)
         img = cv2.imdecode(data, cv2.IMREAD_GRAYSCALE | cv2.IMREAD_IGNORE_ORIENTATION)
-    except (OSError, cv2.error):
+    except (DatasetError, cv2.error):
         return None
     if img is None:
         return None

@@ -21,9 +21,13 @@ with its size and time kept is read again) and the class count: any change rebui
 A corrupt cache, or one whose arrays disagree with each other (:func:`cache_disagreement`), is
 rebuilt with a warning; a read-only folder only costs a warning. A per-file list of problems goes
 to ``<stem>.cache_report.txt`` beside it. Bad images are excluded and bad label lines dropped
-(rules in :func:`parse_label_text`); the caller decides what an empty result means. No pickle
-anywhere (``np.savez``, loaded with ``allow_pickle=False``). The cache holds every listed file in
-list order, so one cache serves every later order (e.g. the rect sort).
+(rules in :func:`parse_label_text`); the caller decides what an empty result means.
+Nothing that is not a regular file within its limit is opened (a FIFO, device, folder or
+link loop named like an image or label, a 40 GB sparse file, a PNG declaring more pixels
+than :data:`~build_utils.limits.MAX_IMAGE_PIXELS`): such an image is excluded with the
+reason (:func:`check_file`). No pickle anywhere (``np.savez``, loaded with
+``allow_pickle=False``). The cache holds every listed file in list order, so one cache serves
+every later order (e.g. the rect sort).
 """
 
 from __future__ import annotations
@@ -51,7 +55,14 @@ from build_utils.image_io import (
     list_images,
     map_in_threads,
 )
-from build_utils.limits import MAX_LABEL_BYTES, file_problem
+from build_utils.limits import (
+    MAX_LABEL_BYTES,
+    MAX_LIST_BYTES,
+    UnusableFile,
+    file_problem,
+    read_config_text,
+    read_data_file,
+)
 
 LOGGER = logging.getLogger(__name__)
 
@@ -90,11 +101,13 @@ def img2label_path(img_path: str) -> str:
 def _read_list_file(path: Path) -> list[str]:
     """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
     falling back to the current directory (the lineage's convention) when only that exists.
-    Blank lines and lines starting with ``#`` (comments) are skipped."""
-    try:
-        text = path.read_text(encoding="utf-8-sig")
-    except (OSError, UnicodeDecodeError) as e:
-        raise DatasetError(f"cannot read image list: {e}", path) from e
+    Blank lines and lines starting with ``#`` (comments) are skipped.
+
+    The list is configuration: a FIFO, device or folder named ``x.txt``, a list over
+    :data:`~build_utils.limits.MAX_LIST_BYTES` or one not in UTF-8 is a
+    :class:`~build_utils.errors.ConfigError` (one line). The entries are data: each is checked
+    when the labels are (:func:`check_file`), never opened here."""
+    text = read_config_text(path, MAX_LIST_BYTES, "image list")
     base = path.parent
     out, from_cwd = [], 0
     for line in text.splitlines():
@@ -137,10 +150,11 @@ def collect_image_files(
         if p.is_dir():
             files += list_images(p)
             stems.append(p.parent.name if p.name == "images" and p.parent.name else p.name)
-        elif p.is_file() and p.suffix.lower() == ".txt":
+        elif p.suffix.lower() == ".txt" and os.path.lexists(p):
             files += _read_list_file(p)
             stems.append(p.stem)
-        elif p.is_file() and is_image_file(p):
+        elif is_image_file(p) and os.path.lexists(p):
+            # Whatever it is (a FIFO, a link loop), check_file says why it is not usable.
             files.append(os.path.abspath(p))
             stems.append(p.stem)
         elif not p.exists():
@@ -294,8 +308,20 @@ def parse_label_text(
 
 
 def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
-    """Check one image and its label file (see :func:`parse_label_text`)."""
+    """Check one image and its label file (see :func:`parse_label_text`).
+
+    Nothing is opened that is not a regular file within its limit (stat first, see
+    :mod:`build_utils.limits`): an image that is a FIFO, device, socket, folder, link loop, over
+    :data:`~build_utils.limits.MAX_IMAGE_BYTES` or declaring more pixels than
+    :data:`~build_utils.limits.MAX_IMAGE_PIXELS` is excluded with that reason
+    (:func:`~build_utils.image_io.check_image`), and so is an image whose label file is such a
+    thing or over :data:`~build_utils.limits.MAX_LABEL_BYTES` (its objects are unknown). A label
+    file that does not exist means no objects."""
     empty = np.zeros((0, LABEL_FIELDS), np.float32)
+    kind = file_problem(img_path, None)
+    if kind is not None and kind != "file not found":
+        # A /dev/zero in a list is "a character device", whatever its name says.
+        return FileCheck(None, empty, "missing", kind)
     if not is_image_file(img_path):
         return FileCheck(
             None, empty, "missing", f"not an image file type (supported: {', '.join(IMG_FORMATS)})"
@@ -303,13 +329,12 @@ def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
     size, reason = check_image(img_path)
     if size is None:
         return FileCheck(None, empty, "missing", reason or "unreadable image")
-    try:
-        with open(label_path, encoding="utf-8") as f:
-            text = f.read()
-    except FileNotFoundError:
+    if file_problem(label_path, None) == "file not found":
         return FileCheck(size, empty, "missing")
-    except (OSError, UnicodeDecodeError) as e:
-        return FileCheck(None, empty, "corrupt", f"label file {label_path} is unreadable ({e})")
+    try:
+        text = read_data_file(label_path, MAX_LABEL_BYTES).decode("utf-8")
+    except (UnusableFile, UnicodeDecodeError) as e:
+        return FileCheck(None, empty, "corrupt", f"label file {label_path}: {e}")
     if not text.strip():
         return FileCheck(size, empty, "empty")
     labels, n_dup, n_bad, notes = parse_label_text(text, nc, label_path)

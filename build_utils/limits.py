@@ -23,6 +23,7 @@ import errno
 import os
 import stat
 from dataclasses import dataclass
+from typing import BinaryIO
 
 from build_utils.errors import ConfigError
 
@@ -158,10 +159,24 @@ _KINDS = (
 )
 
 
-def file_problem(path: str | os.PathLike[str], limit: Limit) -> str | None:
+def stat_problem(st: os.stat_result, limit: Limit | None) -> str | None:
+    """Why a file with status ``st`` must not be read as data (not a regular file, or over
+    ``limit`` bytes; None: no size limit, e.g. videos), or None when it may be."""
+    if not stat.S_ISREG(st.st_mode):
+        for test, reason in _KINDS:
+            if test(st.st_mode):
+                return reason
+        return "not a regular file"
+    if limit is not None and st.st_size > limit.value():
+        return limit.exceeded(st.st_size)
+    return None
+
+
+def file_problem(path: str | os.PathLike[str], limit: Limit | None) -> str | None:
     """Why ``path`` must not be read as data, or None when it is a regular file within
-    ``limit`` bytes. Follows symlinks (a link to an image is an image); a link loop, a dangling
-    link, a FIFO, device, socket or folder is named as such. Never opens the file."""
+    ``limit`` bytes (None: any size). Follows symlinks (a link to an image is an image); a link
+    loop, a dangling link, a FIFO, device, socket or folder is named as such. Never opens the
+    file."""
     try:
         st = os.stat(path)
     except OSError as e:
@@ -170,14 +185,55 @@ def file_problem(path: str | os.PathLike[str], limit: Limit) -> str | None:
         if e.errno == errno.ENOENT:
             return "dangling symbolic link" if os.path.islink(path) else "file not found"
         return f"cannot read: {e.strerror or e}"
-    if not stat.S_ISREG(st.st_mode):
-        for test, reason in _KINDS:
-            if test(st.st_mode):
-                return reason
-        return "not a regular file"
-    if st.st_size > limit.value():
-        return limit.exceeded(st.st_size)
-    return None
+    return stat_problem(st, limit)
+
+
+class UnusableFile(Exception):
+    """A data file that must not be read; ``str(e)`` is the reason (no path), for the report."""
+
+
+def open_data_file(path: str | os.PathLike[str], limit: Limit) -> BinaryIO:
+    """``path`` opened for binary reading after :func:`file_problem`; the open file is checked
+    again (``fstat``), so a file swapped for a FIFO between the two checks is refused too.
+    Opened non-blocking: opening a FIFO then returns at once instead of waiting for a writer.
+
+    Raises:
+        UnusableFile: the reason the file must not be read.
+    """
+    problem = file_problem(path, limit)
+    if problem is not None:
+        raise UnusableFile(problem)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise UnusableFile(f"cannot read: {e.strerror or e}") from e
+    try:
+        problem = stat_problem(os.fstat(fd), limit)
+        if problem is not None:
+            raise UnusableFile(problem)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def read_data_file(path: str | os.PathLike[str], limit: Limit) -> bytes:
+    """The bytes of data file ``path`` (an image, a label file), read only through
+    :func:`open_data_file`; at most ``limit + 1`` bytes are read, so a file that grows while
+    being read cannot exhaust memory either.
+
+    Raises:
+        UnusableFile: the reason the file must not be read.
+    """
+    cap = limit.value()
+    with open_data_file(path, limit) as f:
+        try:
+            data = f.read(cap + 1)
+        except OSError as e:
+            raise UnusableFile(f"cannot read: {e.strerror or e}") from e
+    if len(data) > cap:
+        raise UnusableFile(limit.exceeded(cap + 1, "more than"))
+    return data
 
 
 def check_config_file(path: str | os.PathLike[str], limit: Limit, what: str) -> int:

@@ -131,3 +131,32 @@ def test_write_eval_report(tmp_path, shapes_gt):
 
 def _det(image_id, cls, bbox, score):
     return {"image_id": image_id, "category_id": cls, "bbox": list(bbox), "score": score}
+
+
+def test_val_batch_picture_skips_an_image_that_became_a_fifo(tmp_path):
+    """The picture of the first validation images reads them like the loader does: one swapped
+    for a FIFO since the dataset was checked is left out, not waited on."""
+    import os
+    import signal
+    from types import SimpleNamespace
+
+    from tests.test_image_io import HANG_S, Hung, good_jpeg
+    from train_utils.evaluation.report import plot_val_batch
+
+    good = good_jpeg(tmp_path / "good.jpg", 96, 64)
+    fifo = tmp_path / "fifo.jpg"
+    os.mkfifo(fifo)
+    imgs = {0: {"file_name": str(fifo)}, 1: {"file_name": str(good)}}
+    coco_gt = SimpleNamespace(imgs=imgs, getImgIds=lambda: list(imgs))
+
+    def on_alarm(signum, frame):
+        raise Hung(f"blocked for {HANG_S} s")
+
+    old = signal.signal(signal.SIGALRM, on_alarm)
+    signal.alarm(HANG_S)
+    try:
+        plot_val_batch(coco_gt, {}, {}, NAMES, tmp_path)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, old)
+    assert cv2.imread(str(tmp_path / "val_batch0_labels.jpg")) is not None

@@ -31,6 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
 from build_utils.labels import parse_label_text
+from build_utils.limits import (
+    MAX_IMAGE_BYTES,
+    MAX_LABEL_BYTES,
+    UnusableFile,
+    file_problem,
+    read_data_file,
+)
 from build_utils.parse_config import load_class_names
 from train_utils.cli import HelpFormatter, run_main, setup_console_logging
 
@@ -71,19 +78,31 @@ def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
     images_dir = labels_dir.parent / "images"
     if not images_dir.is_dir():
         raise DatasetError(f"{name} images folder not found beside the labels", images_dir)
-    images = [Path(p) for p in list_images(images_dir)]
+    images, bad = [], []
+    for p in list_images(images_dir):
+        # A FIFO, link loop or 40 GB file named x.jpg is no image: reported, not listed.
+        problem = file_problem(p, MAX_IMAGE_BYTES)
+        if problem is None:
+            images.append(Path(p))
+        else:
+            bad.append(f"{p}: not listed: {problem}")
     if not images:
         raise DatasetError(f"no images in the {name} split", images_dir)
     stems = {p.relative_to(images_dir).with_suffix("") for p in images}
     n_labels = n_objects = n_neg = 0
-    bad: list[str] = []
     for img in images:
         label = labels_dir / img.relative_to(images_dir).with_suffix(".txt")
-        if not label.is_file():
+        if not os.path.lexists(label):
             n_neg += 1
             continue
         n_labels += 1
-        labels, _, _, notes = parse_label_text(label.read_text(encoding="utf-8"), nc, str(label))
+        try:
+            # A FIFO named x.txt would block read_text forever; a huge file would fill memory.
+            text = read_data_file(label, MAX_LABEL_BYTES).decode("utf-8")
+        except (UnusableFile, UnicodeDecodeError) as e:
+            bad.append(f"{label}: unreadable: {e}")
+            continue
+        labels, _, _, notes = parse_label_text(text, nc, str(label))
         n_objects += len(labels)
         bad += [n for n in notes if ": dropped: " in n]
     orphans = [
@@ -98,7 +117,7 @@ def write_list(path: Path, images: Sequence[Path]) -> None:
     """One image per line, relative to the list's folder (the loader resolves it there)."""
     base = path.parent.resolve()
     path.write_text(
-        "".join(Path(os.path.relpath(p.resolve(), base)).as_posix() + "\n" for p in images)
+        "".join(Path(os.path.relpath(os.path.realpath(p), base)).as_posix() + "\n" for p in images)
     )
 
 

@@ -58,6 +58,7 @@ from build_utils.image_io import (
     read_file_bytes,
 )
 from build_utils.limits import (
+    MAX_IMAGE_BYTES,
     MAX_LABEL_BYTES,
     MAX_LIST_BYTES,
     MAX_TEXT_BYTES,
@@ -161,7 +162,13 @@ def collect_class_names(xml_files: Sequence[Path]) -> list[str]:
 def _image_index(img_dir: Path | None) -> dict[str, Path]:
     if img_dir is None or not img_dir.is_dir():
         return {}
-    return {p.stem: p for p in sorted(img_dir.iterdir()) if is_image_file(p)}
+    # Only regular files (within the image size limit) are images: a FIFO cannot be linked
+    # across file systems or copied, nor read.
+    return {
+        p.stem: p
+        for p in sorted(img_dir.iterdir())
+        if is_image_file(p) and file_problem(p, MAX_IMAGE_BYTES) is None
+    }
 
 
 def _same_aspect(a: tuple[float, float], b: tuple[float, float]) -> bool:
@@ -203,7 +210,7 @@ def convert_file(
         else:
             try:
                 orientation = exif_orientation(read_file_bytes(image)[: 1 << 16])
-            except OSError:
+            except DatasetError:
                 orientation = 1
             img_w, img_h = oriented_size(*raw, orientation)
     if not w or not h:

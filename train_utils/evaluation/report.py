@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import cv2
 import numpy as np
 
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
+from build_utils.errors import DatasetError
+from build_utils.image_io import read_image
 from train_utils.evaluation.metrics import (
     CONFUSION_CONF,
     DetectionMetrics,
@@ -131,8 +132,13 @@ def plot_val_batch(
     images, labels, preds, titles = [], [], [], []
     for i in ids:
         file_name = coco_gt.imgs[i].get("file_name", "")
-        img = cv2.imread(str(file_name)) if file_name else None
-        if img is None:
+        if not file_name:
+            continue
+        try:
+            # Checked like every data read: a file swapped for a FIFO or a pixel bomb since the
+            # dataset was checked must not hang or fill memory for a picture.
+            img = read_image(file_name)
+        except DatasetError:
             continue
         g = gt.get(i, np.zeros((0, 5)))
         d = dets.get(i, np.zeros((0, 6)))
