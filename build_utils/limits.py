@@ -246,18 +246,13 @@ def check_config_file(path: str | os.PathLike[str], limit: Limit, what: str) -> 
 
 
 def read_limited_bytes(path: str | os.PathLike[str], limit: Limit, what: str) -> bytes:
-    """The bytes of configuration file ``path``, read only after :func:`check_config_file`;
-    reads at most ``limit + 1`` bytes so a file that grows meanwhile cannot exhaust memory."""
-    check_config_file(path, limit, what)
-    cap = limit.value()
+    """The bytes of configuration file ``path``, read the way data files are
+    (:func:`read_data_file`: regular file checked before and after a non-blocking open, at most
+    ``limit + 1`` bytes read); any reason not to read it is one :class:`ConfigError` line."""
     try:
-        with open(path, "rb") as f:
-            data = f.read(cap + 1)
-    except OSError as e:
-        raise ConfigError(f"cannot read {what}: {e.strerror or e}", path) from e
-    if len(data) > cap:
-        raise ConfigError(f"{what}: {limit.exceeded(cap + 1, 'more than')}", path)
-    return data
+        return read_data_file(path, limit)
+    except UnusableFile as e:
+        raise ConfigError(f"{what}: {e}", path) from e
 
 
 def decode_text(data: bytes, path: str | os.PathLike[str], what: str) -> str:
