@@ -67,7 +67,7 @@ class Limit:
     def describe(self, value: int | None = None) -> str:
         """``"1 GiB"`` / ``"150000000 pixels"``: a value of this limit in its unit."""
         v = self.value() if value is None else value
-        return format_bytes(v) if self.unit == "bytes" else f"{v:,} {self.unit}"
+        return format_bytes(v) if self.unit == "bytes" else f"{v} {self.unit}"
 
     def exceeded(self, actual: int, what: str = "") -> str:
         """The reason for ``actual`` over this limit: how much, the limit, its name, the fix:

@@ -23,6 +23,8 @@ USER_FILES = {
     "weights/darknet53.conv.74": "weights/README.md: download",
     "weights/yolov4.conv.137": "weights/README.md: download",
     "cfg/x.cfg": "an example path in parse_config's docstring",
+    "data/train.txt": "an example list file in labels.py's docstring (where caches live)",
+    "data/train.cache.npz": "the cache labels.py's docstring says is written beside it",
 }
 
 

@@ -229,7 +229,7 @@ def test_label_files_that_are_not_files_or_too_large_exclude_their_image(tmp_pat
     r = check_file(str(img), str(big), 1)
     assert r.size is None
     assert r.reason == (
-        f"label file {big}: 20 MiB, over the limit of 16 MiB (bytes per label file); "
+        f"label file {big}: 20 MiB, over the limit of 4 MiB (bytes per label file); "
         "set YOLO_MAX_LABEL_BYTES to raise it"
     )
     # A label file that does not exist is still an image without objects.
@@ -249,7 +249,7 @@ def test_list_files_are_configuration_one_line_each(tmp_path, monkeypatch, no_ha
         collect_image_files(fifo)
     latin = tmp_path / "latin.txt"
     latin.write_bytes("images/caf\xe9.jpg\n".encode("latin-1"))
-    with pytest.raises(ConfigError, match=r"latin\.txt: image list is not UTF-8 text"):
+    with pytest.raises(ConfigError, match=r"latin\.txt:1: image list is not UTF-8 text"):
         collect_image_files(latin)
     monkeypatch.setenv("YOLO_MAX_LIST_BYTES", "10")
     long = tmp_path / "long.txt"

@@ -83,7 +83,7 @@ def test_billion_laughs_is_refused_in_well_under_a_second():
     assert time.perf_counter() - start < 0.5
     # Refused at the alias that crosses the limit: line 5 holds 10 aliases of 11,111 nodes each.
     assert line.startswith("x.yaml:5: a YAML document of at least 1")
-    assert "over the limit of 100,000 nodes" in line
+    assert "over the limit of 100000 nodes" in line
 
 
 def test_node_count_is_exact_with_aliases_expanded(monkeypatch):
