@@ -732,6 +732,40 @@ def test_text_that_is_not_what_it_claims_is_one_line(tmp_path, console):
         assert not out.exists(), name
 
 
+def test_a_megabyte_cfg_line_gives_a_short_error_line(tmp_path, console):
+    """A cfg line of 1 MB (a value, key, section name, header, activation or text before the
+    first section) within the cfg's byte limit: one error line naming file and line that quotes
+    the piece cut in the middle (the whole line was copied into a 1 MB "one-line" error)."""
+    import train
+
+    nano = (REPO_ROOT / "cfg" / "yolov3-spp-nano.cfg").read_text()
+    big = "x" * (1 << 20)
+    first_filters = next(ln for ln in nano.splitlines() if ln.startswith("filters="))
+    edits = {
+        "value": (first_filters, f"filters={big}"),
+        "digits": (first_filters, f"filters={'9' * (1 << 20)}"),
+        "key": (first_filters, f"{first_filters}\n{big}=1"),
+        "section": ("[net]", f"[net]\n[{big}]"),
+        "header": ("[net]", f"[net]\n[{big}"),
+        "before the first section": ("[net]", f"{big}\n[net]"),
+        "activation": ("activation=leaky", f"activation={big}"),
+    }
+    data = _fake_dataset(tmp_path / "d")
+    for name, (old, new) in edits.items():
+        cfg = tmp_path / f"{name.replace(' ', '_')}.cfg"
+        cfg.write_text(nano.replace(old, new, 1))
+        argv = ["--data", str(data), "--cfg", str(cfg), "--device", "cpu"]
+        argv += ["--hyp", str(REPO_ROOT / "cfg" / "hyp.yaml"), "--output-dir", str(tmp_path / name)]
+        code = train.main(argv)
+        err = console.readouterr().err
+        assert code == 2, (name, err[-2000:])
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1, (name, err[-2000:])
+        assert lines[0].startswith(f"error: {cfg}:"), (name, lines[0][:300])
+        assert "xxxxxxxx...xxxxxxxx" in lines[0] or "99999999...99999999" in lines[0], name
+        assert len(lines[0]) < 700, (name, len(lines[0]))
+
+
 # =============================================================================================
 # Family 5: writes outside the dataset (list entries that traverse)
 # =============================================================================================
