@@ -584,6 +584,73 @@ def test_resume_from_a_garbage_optimizer_state_is_one_line(family3_run, tmp_path
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".pt"} == before
 
 
+def _f3_rewritten_zip(path: Path, obj: dict, edit, deflate: bool = False) -> Path:
+    """``torch.save(obj)`` at ``path`` with each member's bytes passed through ``edit(name,
+    data)`` (the pickle or a tensor's storage), deflated when ``deflate``."""
+    import io
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            data = edit(info.filename, src.read(info.filename))
+            kind = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+            dst.writestr(info.filename, data, compress_type=kind)
+    return path
+
+
+def test_a_checkpoint_nested_deep_or_unpacking_past_the_limit_is_one_line(tmp_path):
+    """A 1 MB checkpoint of lists nested 100,000 deep (weights_only unpickling follows it, the
+    walk of the dict after it did not: a RecursionError traceback), and a 0.1 MB zip checkpoint
+    whose deflated storage unpacks to 100 MB (over a lowered YOLO_MAX_WEIGHTS_BYTES: the limit
+    held the file's size, not what it unpacks to, so a 2 MB file filled 2 GB)."""
+    import struct
+
+    depth = 100_000
+    nested_pickle = b"\x80\x02}X\x05\x00\x00\x00extra" + b"]" * depth + b"a" * (depth - 1)
+    nested = _f3_rewritten_zip(
+        tmp_path / "nested.pt",
+        {"extra": 0},
+        lambda name, data: nested_pickle + b"s." if name.endswith("data.pkl") else data,
+    )
+    numel = 25 << 20  # float32: 100 MB unpacked
+
+    def bomb_edit(name: str, data: bytes) -> bytes:
+        if name.endswith("data.pkl"):
+            return data.replace(b"M\xe8\x03", b"J" + struct.pack("<i", numel))
+        return bytes(4 * numel) if name.endswith("/0") else data
+
+    import torch
+
+    bomb = _f3_rewritten_zip(
+        tmp_path / "bomb.pt", {"model": {"w": torch.zeros(1000)}}, bomb_edit, deflate=True
+    )
+    assert bomb.stat().st_size < 1 << 20
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 48)).save(images / "a.jpg")
+    for weights, env, parts in (
+        (nested, {}, ("not a checkpoint: its values are nested thousands of levels deep",)),
+        (
+            bomb,
+            {"YOLO_MAX_WEIGHTS_BYTES": str(64 << 20)},
+            ("unpacks to 100.0 MiB, over the limit of 64 MiB", "YOLO_MAX_WEIGHTS_BYTES"),
+        ),
+    ):
+        result = run_script(
+            "predict.py", "--weights", weights, "--source", images, "--output", tmp_path / "o",
+            "--device", "cpu", cwd=tmp_path, timeout=120, env=env,
+        )  # fmt: skip
+        assert_one_line(result, f"error: {weights}: ", *parts)
+        assert result.peak_rss_mb < BOUNDED_RSS_MB, result.peak_rss_mb
+        assert not (tmp_path / "o").exists()
+
+
 # =============================================================================================
 # Family 4: text that is not what it claims (encodings, YAML tags, odd keys, numbers)
 # =============================================================================================
