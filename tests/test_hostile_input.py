@@ -651,6 +651,33 @@ def test_a_checkpoint_nested_deep_or_unpacking_past_the_limit_is_one_line(tmp_pa
         assert not (tmp_path / "o").exists()
 
 
+def test_a_cfg_whose_routes_join_maps_of_different_sizes_is_one_line(shapes_data, tmp_path):
+    """``size=2`` with ``pad=1`` (valid values, same strides) grows a map by one pixel; the
+    route joining it with an earlier map was a torch.cat RuntimeError traceback in the first
+    forward. Now one line at the route, with the sizes at the run's input."""
+    import contextlib
+    import io
+
+    import train
+    from tests.conftest import train_argv
+
+    cfg, _ = _f3_edited_nano(tmp_path, "size=3", "size=2", 1)
+    route = next(n for n, ln in enumerate(cfg.read_text().splitlines(), 1) if ln == "layers=-1, 16")
+    out = tmp_path / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train.main(train_argv(shapes_data, out, cfg=cfg, img=128))
+    errors = [ln for ln in err.getvalue().splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err.getvalue()[-3000:]
+    assert errors[0].startswith(
+        f"error: {cfg}:{route}: [route]: layers=-1,16 joins feature maps of different sizes "
+        "(10x10 and 9x9) at an input of 128x128"
+    ), errors[0]
+    assert "Traceback" not in err.getvalue()
+    # The model is built in the trainer, once the run folder (its train.log) exists.
+    assert not list(out.glob("*.pt"))
+
+
 # =============================================================================================
 # Family 4: text that is not what it claims (encodings, YAML tags, odd keys, numbers)
 # =============================================================================================
