@@ -280,6 +280,7 @@ MAX_LAYER_STRIDE = 32  # one layer's stride (conv, maxpool, upsample) [2; upsamp
 MAX_CLASSES = 20_000  # [601, OpenImages]; ImageNet-21k-scale label sets stay below it
 MAX_ANCHORS = 64  # w,h pairs per [yolo] [16]
 MAX_NET_SIDE = 65_536  # [net] width/height [1280]; only read and kept (--img-size rules)
+MIN_BN_EPS = 1.1754943508222875e-38  # float32's smallest normal number (numpy finfo tiny)
 INPUT_CHANNELS = 3  # the data loader feeds RGB images (build_utils/datasets.py)
 C_INT = (-(2**31), 2**31 - 1)
 
@@ -674,6 +675,15 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             raise layer_error(blocks[0], f"{key}={blocks[0][key]} must be positive", key)
     if blocks[0].get("bn_eps", 1.0) <= 0:
         raise layer_error(blocks[0], f"bn_eps={blocks[0]['bn_eps']} must be positive", "bn_eps")
+    if blocks[0].get("bn_eps", 1.0) < MIN_BN_EPS:
+        # Below float32's smallest normal number it rounds to 0 (1e-320) or loses its digits:
+        # a channel of constant values is then 0/0 and the model outputs NaN, silently.
+        raise layer_error(
+            blocks[0],
+            f"bn_eps={blocks[0]['bn_eps']} is below {MIN_BN_EPS:.3g}, the smallest float32 "
+            "normal number (a constant channel would be normalised to NaN)",
+            "bn_eps",
+        )
     layers = blocks[1:]
     for i, block in enumerate(layers):
         kind = block["type"]
