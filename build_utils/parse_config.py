@@ -280,6 +280,7 @@ MAX_LAYER_STRIDE = 32  # one layer's stride (conv, maxpool, upsample) [2; upsamp
 MAX_CLASSES = 20_000  # [601, OpenImages]; ImageNet-21k-scale label sets stay below it
 MAX_ANCHORS = 64  # w,h pairs per [yolo] [16]
 MAX_NET_SIDE = 65_536  # [net] width/height [1280]; only read and kept (--img-size rules)
+MIN_BN_EPS = 1.1754943508222875e-38  # float32's smallest normal number (numpy finfo tiny)
 INPUT_CHANNELS = 3  # the data loader feeds RGB images (build_utils/datasets.py)
 C_INT = (-(2**31), 2**31 - 1)
 
@@ -386,7 +387,7 @@ def _convert(kind: str, text: str, key: str, section: str, path: str, line: int)
         value = func(text)
     except ValueError as e:
         raise ConfigError(
-            f"value {text!r} of key '{key}' in [{section}] must be {what}", path, line
+            f"value {_quoted(text)} of key '{key}' in [{section}] must be {what}", path, line
         ) from e
     if kind in (INTS, NUMS) and not value:
         raise ConfigError(f"key '{key}' in [{section}] must list at least one number", path, line)
@@ -454,7 +455,9 @@ def parse_model_cfg_text(text: str, path: str | os.PathLike[str] = "<cfg text>")
         if line.startswith("["):
             blocks.append(_section_header(line, spath, number))
         elif not blocks:
-            raise ConfigError(f"{line!r} appears before the first [section] header", path, number)
+            raise ConfigError(
+                f"{_quoted(line)} appears before the first [section] header", path, number
+            )
         else:
             _add_key_line(blocks[-1], line, spath, number)
     if not blocks:
@@ -465,12 +468,16 @@ def parse_model_cfg_text(text: str, path: str | os.PathLike[str] = "<cfg text>")
 def _section_header(line: str, path: str, number: int) -> Block:
     """A new, empty block for a ``[name]`` line."""
     if not line.endswith("]"):
-        raise ConfigError(f"malformed section header {line!r}: expected '[name]'", path, number)
+        raise ConfigError(
+            f"malformed section header {_quoted(line)}: expected '[name]'", path, number
+        )
     name = line[1:-1].strip().lower()
     section = SECTION_ALIASES.get(name)
     if section is None:
         known = ", ".join(f"[{s}]" for s in KEYS)
-        raise ConfigError(f"unknown section [{name}]; known sections: {known}", path, number)
+        raise ConfigError(
+            f"unknown section [{_quoted(name)[1:-1]}]; known sections: {known}", path, number
+        )
     return {"type": section, "_path": path, "_line": number, "_lines": {}}
 
 
@@ -481,10 +488,12 @@ def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
     section = block["type"]
     if not sep or not key:
         raise ConfigError(
-            f"expected 'key=value' or a [section] header in [{section}], got {line!r}", path, number
+            f"expected 'key=value' or a [section] header in [{section}], got {_quoted(line)}",
+            path,
+            number,
         )
     if not value:
-        raise ConfigError(f"key '{key}' in [{section}] has no value", path, number)
+        raise ConfigError(f"key {_quoted(key)} in [{section}] has no value", path, number)
     if key in block["_lines"] and section == "net":
         # Darknet's option lists return the first occurrence and report the rest as unused
         # (yolov3-openimages.cfg sets batch twice). [net] only holds training settings; a
@@ -508,7 +517,9 @@ def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
         block[key] = _neutral_value(key, value, section, path, number)
     else:
         known = ", ".join(KEYS[section])
-        raise ConfigError(f"unknown key '{key}' in [{section}]; known keys: {known}", path, number)
+        raise ConfigError(
+            f"unknown key {_quoted(key)} in [{section}]; known keys: {known}", path, number
+        )
     block["_lines"][key] = number
 
 
@@ -518,8 +529,8 @@ def _neutral_value(key: str, value: str, section: str, path: str, number: int) -
     parsed = _auto_value(value)
     if parsed != neutral:
         raise ConfigError(
-            f"key '{key}={value}' in [{section}] is a Darknet option this implementation does "
-            f"not support (only {key}={neutral} is accepted)",
+            f"key {_quoted(f'{key}={value}')} in [{section}] is a Darknet option this "
+            f"implementation does not support (only {key}={neutral} is accepted)",
             path,
             number,
         )
@@ -664,6 +675,15 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             raise layer_error(blocks[0], f"{key}={blocks[0][key]} must be positive", key)
     if blocks[0].get("bn_eps", 1.0) <= 0:
         raise layer_error(blocks[0], f"bn_eps={blocks[0]['bn_eps']} must be positive", "bn_eps")
+    if blocks[0].get("bn_eps", 1.0) < MIN_BN_EPS:
+        # Below float32's smallest normal number it rounds to 0 (1e-320) or loses its digits:
+        # a channel of constant values is then 0/0 and the model outputs NaN, silently.
+        raise layer_error(
+            blocks[0],
+            f"bn_eps={blocks[0]['bn_eps']} is below {MIN_BN_EPS:.3g}, the smallest float32 "
+            "normal number (a constant channel would be normalised to NaN)",
+            "bn_eps",
+        )
     layers = blocks[1:]
     for i, block in enumerate(layers):
         kind = block["type"]
@@ -754,7 +774,9 @@ def _check_activation(block: Block, default: str) -> None:
     act = block.get("activation", default)
     if act not in ACTIVATIONS:
         raise layer_error(
-            block, f"unknown activation '{act}'; known: {', '.join(ACTIVATIONS)}", "activation"
+            block,
+            f"unknown activation {_quoted(str(act))}; known: {', '.join(ACTIVATIONS)}",
+            "activation",
         )
 
 
@@ -882,7 +904,8 @@ def write_model_cfg(blocks: list[Block], path: str | os.PathLike[str], header: s
 
 
 def _quoted(value: str, head: int = 48, tail: int = 24) -> str:
-    """``value`` quoted for an error line, its middle cut when long (a 1 MB line stays short)."""
+    """``value`` quoted for an error line, its middle cut when long (a 1 MB line stays short:
+    every piece of a cfg, .data or names line an error quotes goes through here)."""
     if len(value) <= head + tail + 3:
         return repr(value)
     return repr(f"{value[:head]}...{value[-tail:]}")

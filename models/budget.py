@@ -32,7 +32,7 @@ from typing import Any
 
 from build_utils.errors import ConfigError
 from build_utils.limits import format_bytes
-from build_utils.parse_config import Block, maxpool_params
+from build_utils.parse_config import Block, layer_error, maxpool_params
 
 FLOAT_BYTES = 4  # float32: the estimate is for full precision (AMP needs less)
 INDEX_BYTES = 8  # max-pool indices saved for backward are int64
@@ -71,6 +71,9 @@ class ModelEstimate:
     img_hw: tuple[int, int]
     layers: list[LayerCost] = field(default_factory=list)
     path: str | None = None
+    # The first route or shortcut joining maps of different sizes at this input: the model
+    # raises it after its build has checked the strides (which names a wrong reference better).
+    size_mismatch: ConfigError | None = None
 
     @property
     def params(self) -> int:
@@ -134,10 +137,14 @@ def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimat
         elif kind == "route":
             refs = [i + r if r < 0 else r for r in mdef["layers"]]
             groups = mdef.get("groups", 1)
+            _check_same_size(est, mdef, "layers", [shapes[j][1:] for j in refs])
             c = sum(shapes[j][0] for j in refs) // max(1, groups)
             h, w = shapes[refs[0]][1], shapes[refs[0]][2]
-        elif kind == "shortcut" and mdef.get("weights_type", "none") == "per_feature":
-            params = len(mdef["from"]) + 1
+        elif kind == "shortcut":
+            refs = [i + r if r < 0 else r for r in mdef["from"]]
+            _check_same_size(est, mdef, "from", [(h, w)] + [shapes[j][1:] for j in refs])
+            if mdef.get("weights_type", "none") == "per_feature":
+                params = len(mdef["from"]) + 1
         out_bytes = c * h * w * FLOAT_BYTES
         # A [yolo] head returns views in training; in inference it decodes a copy.
         train = 0 if kind == "yolo" else out_bytes + extra_train
@@ -147,6 +154,25 @@ def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimat
             kept += out_bytes
         est.layers.append(LayerCost(i, kind, mdef.get("_line"), params, (c, h, w), train, live))
     return est
+
+
+def _check_same_size(
+    est: ModelEstimate, mdef: Block, key: str, sizes: list[tuple[int, int]]
+) -> None:
+    """The feature maps a route joins or a shortcut adds must have one size at this input: the
+    build only compares the layers' strides, and a map that an even kernel with pad=1 grew by a
+    pixel (or a stride that does not divide it) passes that and fails in forward(). The first
+    such layer is kept in ``est.size_mismatch``."""
+    if len(set(sizes)) > 1 and est.size_mismatch is None:
+        img_hw = est.img_hw
+        shown = " and ".join(sorted({f"{h}x{w}" for h, w in sizes}))
+        est.size_mismatch = layer_error(
+            mdef,
+            f"{key}={','.join(map(str, mdef[key]))} joins feature maps of different sizes "
+            f"({shown}) at an input of {img_hw[1]}x{img_hw[0]}; check the kernel sizes, pads "
+            f"and strides of the layers before it (an even size with pad=1 adds a pixel)",
+            key,
+        )
 
 
 def available_memory(device: Any = None) -> tuple[int, str]:

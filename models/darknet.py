@@ -261,6 +261,9 @@ def _init_head_bias(module_list: nn.ModuleList, conv_index: int, head: YOLOLayer
         b[:, 5:] += math.log(CLS_BIAS_PRIOR_NUM / (head.nc - CLS_BIAS_PRIOR_OFFSET))
 
 
+DEFAULT_IMG_SIZE = 416  # the side Darknet(cfg) assumes when no img_size is given
+
+
 class Darknet(nn.Module):
     """YOLO network defined by a Darknet cfg.
 
@@ -294,14 +297,15 @@ class Darknet(nn.Module):
     sigmoid class scores (1 when nc == 1), ``raw`` as in training mode.
 
     Raises:
-        ConfigError: for a cfg that cannot be built (naming file:line), or whose parameters do
-            not fit the RAM available (:func:`~models.budget.check_model_fits`).
+        ConfigError: for a cfg that cannot be built (naming file:line), whose parameters do
+            not fit the RAM available (:func:`~models.budget.check_model_fits`), or, when
+            ``img_size`` is given, whose routes or shortcuts join maps of different sizes at it.
     """
 
     def __init__(
         self,
         cfg: str | os.PathLike[str] | list[Block],
-        img_size: int | tuple[int, int] = (416, 416),
+        img_size: int | tuple[int, int] | None = None,
         bn_eps: float | None = None,
     ):
         super().__init__()
@@ -311,7 +315,10 @@ class Darknet(nn.Module):
         else:
             blocks = validate_model_cfg(copy.deepcopy(list(cfg)))
             self.cfg_path = blocks[0].get("_path")
-        self.img_size = (img_size, img_size) if isinstance(img_size, int) else tuple(img_size)
+        # None: 416, a nominal size nobody asked for (FLOPs, export); the feature map sizes are
+        # only held to a size the caller will run at.
+        size = DEFAULT_IMG_SIZE if img_size is None else img_size
+        self.img_size = (size, size) if isinstance(size, int) else tuple(size)
         self.hyperparams: Block = blocks[0]
         self.module_defs: list[Block] = blocks[1:]
         self.bn_eps = float(
@@ -321,8 +328,10 @@ class Darknet(nn.Module):
         # parameters alone exceed the RAM (filters=1000000000 in a checkpoint's cfg asks for
         # 108 GB) before allocating them. Activations are checked by the callers, which know
         # the batch, the size and the device (models/budget.py).
-        check_model_fits(blocks, self.img_size, params_only=True)
+        estimate = check_model_fits(blocks, self.img_size, params_only=True)
         self.module_list, self.routs = self._build(blocks)
+        if estimate.size_mismatch is not None and img_size is not None:
+            raise estimate.size_mismatch  # forward() at img_size would fail in torch.cat / add
         self.yolo_layers: list[int] = [
             i for i, m in enumerate(self.module_list) if isinstance(m, YOLOLayer)
         ]

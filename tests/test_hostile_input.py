@@ -584,6 +584,100 @@ def test_resume_from_a_garbage_optimizer_state_is_one_line(family3_run, tmp_path
     assert {p.name: p.read_bytes() for p in folder.iterdir() if p.suffix == ".pt"} == before
 
 
+def _f3_rewritten_zip(path: Path, obj: dict, edit, deflate: bool = False) -> Path:
+    """``torch.save(obj)`` at ``path`` with each member's bytes passed through ``edit(name,
+    data)`` (the pickle or a tensor's storage), deflated when ``deflate``."""
+    import io
+    import zipfile
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    with zipfile.ZipFile(buf) as src, zipfile.ZipFile(path, "w") as dst:
+        for info in src.infolist():
+            data = edit(info.filename, src.read(info.filename))
+            kind = zipfile.ZIP_DEFLATED if deflate else zipfile.ZIP_STORED
+            dst.writestr(info.filename, data, compress_type=kind)
+    return path
+
+
+def test_a_checkpoint_nested_deep_or_unpacking_past_the_limit_is_one_line(tmp_path):
+    """A 1 MB checkpoint of lists nested 100,000 deep (weights_only unpickling follows it, the
+    walk of the dict after it did not: a RecursionError traceback), and a 0.1 MB zip checkpoint
+    whose deflated storage unpacks to 100 MB (over a lowered YOLO_MAX_WEIGHTS_BYTES: the limit
+    held the file's size, not what it unpacks to, so a 2 MB file filled 2 GB)."""
+    import struct
+
+    depth = 100_000
+    nested_pickle = b"\x80\x02}X\x05\x00\x00\x00extra" + b"]" * depth + b"a" * (depth - 1)
+    nested = _f3_rewritten_zip(
+        tmp_path / "nested.pt",
+        {"extra": 0},
+        lambda name, data: nested_pickle + b"s." if name.endswith("data.pkl") else data,
+    )
+    numel = 25 << 20  # float32: 100 MB unpacked
+
+    def bomb_edit(name: str, data: bytes) -> bytes:
+        if name.endswith("data.pkl"):
+            return data.replace(b"M\xe8\x03", b"J" + struct.pack("<i", numel))
+        return bytes(4 * numel) if name.endswith("/0") else data
+
+    import torch
+
+    bomb = _f3_rewritten_zip(
+        tmp_path / "bomb.pt", {"model": {"w": torch.zeros(1000)}}, bomb_edit, deflate=True
+    )
+    assert bomb.stat().st_size < 1 << 20
+    from PIL import Image
+
+    images = tmp_path / "images"
+    images.mkdir()
+    Image.new("RGB", (64, 48)).save(images / "a.jpg")
+    for weights, env, parts in (
+        (nested, {}, ("not a checkpoint: its values are nested thousands of levels deep",)),
+        (
+            bomb,
+            {"YOLO_MAX_WEIGHTS_BYTES": str(64 << 20)},
+            ("unpacks to 100.0 MiB, over the limit of 64 MiB", "YOLO_MAX_WEIGHTS_BYTES"),
+        ),
+    ):
+        result = run_script(
+            "predict.py", "--weights", weights, "--source", images, "--output", tmp_path / "o",
+            "--device", "cpu", cwd=tmp_path, timeout=120, env=env,
+        )  # fmt: skip
+        assert_one_line(result, f"error: {weights}: ", *parts)
+        assert result.peak_rss_mb < BOUNDED_RSS_MB, result.peak_rss_mb
+        assert not (tmp_path / "o").exists()
+
+
+def test_a_cfg_whose_routes_join_maps_of_different_sizes_is_one_line(shapes_data, tmp_path):
+    """``size=2`` with ``pad=1`` (valid values, same strides) grows a map by one pixel; the
+    route joining it with an earlier map was a torch.cat RuntimeError traceback in the first
+    forward. Now one line at the route, with the sizes at the run's input."""
+    import contextlib
+    import io
+
+    import train
+    from tests.conftest import train_argv
+
+    cfg, _ = _f3_edited_nano(tmp_path, "size=3", "size=2", 1)
+    route = next(n for n, ln in enumerate(cfg.read_text().splitlines(), 1) if ln == "layers=-1, 16")
+    out = tmp_path / "run"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = train.main(train_argv(shapes_data, out, cfg=cfg, img=128))
+    errors = [ln for ln in err.getvalue().splitlines() if ln.startswith("error:")]
+    assert code == 2 and len(errors) == 1, err.getvalue()[-3000:]
+    assert errors[0].startswith(
+        f"error: {cfg}:{route}: [route]: layers=-1,16 joins feature maps of different sizes "
+        "(10x10 and 9x9) at an input of 128x128"
+    ), errors[0]
+    assert "Traceback" not in err.getvalue()
+    # The model is built in the trainer, once the run folder (its train.log) exists.
+    assert not list(out.glob("*.pt"))
+
+
 # =============================================================================================
 # Family 4: text that is not what it claims (encodings, YAML tags, odd keys, numbers)
 # =============================================================================================
@@ -730,6 +824,40 @@ def test_text_that_is_not_what_it_claims_is_one_line(tmp_path, console):
             assert part in lines[0], (name, part, lines[0])
         assert len(lines[0]) < 300, (name, lines[0])
         assert not out.exists(), name
+
+
+def test_a_megabyte_cfg_line_gives_a_short_error_line(tmp_path, console):
+    """A cfg line of 1 MB (a value, key, section name, header, activation or text before the
+    first section) within the cfg's byte limit: one error line naming file and line that quotes
+    the piece cut in the middle (the whole line was copied into a 1 MB "one-line" error)."""
+    import train
+
+    nano = (REPO_ROOT / "cfg" / "yolov3-spp-nano.cfg").read_text()
+    big = "x" * (1 << 20)
+    first_filters = next(ln for ln in nano.splitlines() if ln.startswith("filters="))
+    edits = {
+        "value": (first_filters, f"filters={big}"),
+        "digits": (first_filters, f"filters={'9' * (1 << 20)}"),
+        "key": (first_filters, f"{first_filters}\n{big}=1"),
+        "section": ("[net]", f"[net]\n[{big}]"),
+        "header": ("[net]", f"[net]\n[{big}"),
+        "before the first section": ("[net]", f"{big}\n[net]"),
+        "activation": ("activation=leaky", f"activation={big}"),
+    }
+    data = _fake_dataset(tmp_path / "d")
+    for name, (old, new) in edits.items():
+        cfg = tmp_path / f"{name.replace(' ', '_')}.cfg"
+        cfg.write_text(nano.replace(old, new, 1))
+        argv = ["--data", str(data), "--cfg", str(cfg), "--device", "cpu"]
+        argv += ["--hyp", str(REPO_ROOT / "cfg" / "hyp.yaml"), "--output-dir", str(tmp_path / name)]
+        code = train.main(argv)
+        err = console.readouterr().err
+        assert code == 2, (name, err[-2000:])
+        lines = [ln for ln in err.splitlines() if ln.startswith("error: ")]
+        assert len(lines) == 1, (name, err[-2000:])
+        assert lines[0].startswith(f"error: {cfg}:"), (name, lines[0][:300])
+        assert "xxxxxxxx...xxxxxxxx" in lines[0] or "99999999...99999999" in lines[0], name
+        assert len(lines[0]) < 700, (name, len(lines[0]))
 
 
 # =============================================================================================

@@ -332,6 +332,10 @@ MALFORMED = {
         NET + "bn_eps=0\n" + CONV + HEAD,
         r":4: \[net\]: bn_eps=0.0 must be positive",
     ),
+    "bn_eps_zero_in_float32": (
+        NET + "bn_eps=1e-320\n" + CONV + HEAD,
+        r":4: \[net\]: bn_eps=1e-320 is below 1.18e-38, the smallest float32 normal number",
+    ),
     # Values that pass the type check and would then explode at build or forward time.
     "filters_a_billion": (
         NET + CONV.replace("filters=16", "filters=1000000000") + HEAD,

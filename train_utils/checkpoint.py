@@ -32,6 +32,7 @@ import logging
 import math
 import re
 import shutil
+import zipfile
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from pathlib import Path, PurePath
@@ -201,6 +202,7 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
     """
     path = Path(path)
     _check_weights_file(path, "checkpoint")
+    _check_unpacked_size(path)
     if trust:
         logger.warning(
             "%s: loading with weights_only=False (--trust-checkpoint): this runs code stored in "
@@ -245,8 +247,36 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
             f"(e.g. {{'model': state_dict, ...}})",
             path,
         )
-    # numpy values (lineage checkpoints) become Python numbers and tensors.
-    return obj if trust else to_plain(obj)
+    if trust:
+        return obj
+    try:
+        # numpy values (lineage checkpoints) become Python numbers and tensors.
+        return to_plain(obj)
+    except RecursionError as e:
+        # weights_only unpickling is iterative: a small file can nest lists or dicts 100,000
+        # deep, which every recursive walk of the dict (this one first) cannot follow.
+        raise CheckpointError(
+            "not a checkpoint: its values are nested thousands of levels deep (a checkpoint "
+            "holds a dict of tensors and plain values a few levels deep)",
+            path,
+        ) from e
+
+
+def _check_unpacked_size(path: Path) -> None:
+    """Refuse a zip checkpoint whose members unpack to more than
+    :data:`~build_utils.limits.MAX_WEIGHTS_BYTES`: torch.save stores members uncompressed, but
+    the zip reader also inflates compressed ones, so a 2 MB file of deflated zeros would become
+    a 2 GB tensor in memory before anything could look at it. The central directory is read
+    only (its declared sizes; the reader checks each member against its own)."""
+    try:
+        if not zipfile.is_zipfile(path):
+            return  # a legacy pickle: its size on disk is what it holds
+        with zipfile.ZipFile(path) as z:
+            unpacked = sum(info.file_size for info in z.infolist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return  # unreadable as a zip: torch.load reports it as a corrupt file
+    if unpacked > MAX_WEIGHTS_BYTES.value():
+        raise CheckpointError(MAX_WEIGHTS_BYTES.exceeded(unpacked, "unpacks to"), path)
 
 
 def _check_weights_file(path: Path, what: str) -> None:
