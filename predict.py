@@ -316,7 +316,23 @@ def plan_outputs(sources: Sequence[str]) -> list[Output]:
             outputs.append(Output(source, unique))
     if renamed:
         logger.warning("same output names told apart: %s", ", ".join(renamed))
+    _refuse_if_nothing_readable(outputs)
     return outputs
+
+
+def _refuse_if_nothing_readable(outputs: Sequence[Output]) -> None:
+    """One line (before the model loads or the output folder exists) when no planned source is
+    a readable file: ``--source /dev/zero`` or a folder of FIFOs has nothing to predict on, as
+    YOLOv5 says for an empty source. Mixed sources keep going: each bad one is skipped."""
+    problems = []
+    for o in outputs:
+        problem = file_problem(o.source, None) if isinstance(o.source, Path) else None
+        if problem is None:
+            return
+        problems.append(f"{o.source}: {problem}")
+    if problems:
+        more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+        raise ConfigError(f"--source: nothing readable to predict on: {problems[0]}{more}")
 
 
 def _inside(path: Path, folder: Path) -> bool:

@@ -980,7 +980,9 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
             )
     names_file = Path(out["names"])
     try:
-        names_found = names_file.is_file()
+        # exists(), not is_file(): a names file that is a device or FIFO gets the reader's
+        # line ("a character device, not a regular file"), not "not found".
+        names_found = names_file.exists()
     except OSError:  # a name too long for the file system
         names_found = False
     if not names_found:

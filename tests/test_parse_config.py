@@ -703,3 +703,13 @@ def test_a_class_count_from_the_data_is_bounded_too(tmp_path):
         ConfigError, match=r"^5000000 classes is over the limit: allowed 1\.\.20000"
     ):
         rewrite_cfg_classes(blocks, 5_000_000)
+
+
+def test_a_names_file_that_is_a_device_is_named_as_such(tmp_path):
+    """``names=/dev/zero`` exists but is not a file: the line says so (not "not found")."""
+    (tmp_path / "t.txt").write_text("x.jpg\n")
+    data = tmp_path / "x.data"
+    data.write_text("classes=1\ntrain=t.txt\nvalid=t.txt\nnames=/dev/zero\n")
+    with pytest.raises(ConfigError) as info:
+        parse_data_cfg(data)
+    assert str(info.value) == "/dev/zero: class names file: a character device, not a regular file"

@@ -236,3 +236,27 @@ def test_a_source_without_images_stops(checkpoint, tmp_path, console):
     err = console.readouterr().err.strip()
     assert err.startswith(f"error: --source {empty}: no images or videos") and "\n" not in err
     assert not out.exists()
+
+
+def test_a_source_with_nothing_readable_is_one_line_before_anything_is_written(tmp_path):
+    """``--source /dev/zero`` or a folder holding only a FIFO named like an image: nothing to
+    predict on, one line (the old code drew "0 images" and made the output folder)."""
+    import os
+
+    from build_utils.errors import ConfigError
+    from predict import plan_outputs
+
+    folder = tmp_path / "fifos"
+    folder.mkdir()
+    os.mkfifo(folder / "x.jpg")
+    with pytest.raises(ConfigError) as info:
+        plan_outputs(["/dev/zero"])
+    assert str(info.value) == (
+        "--source: nothing readable to predict on: /dev/zero: "
+        "a character device, not a regular file"
+    )
+    with pytest.raises(ConfigError, match=r"fifos/x\.jpg: a FIFO \(named pipe\)"):
+        plan_outputs([str(folder)])
+    good = tmp_path / "ok.jpg"
+    good.write_bytes(b"not decoded here")
+    assert [o.source for o in plan_outputs([str(folder), str(good)])][-1] == good
