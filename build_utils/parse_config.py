@@ -978,6 +978,12 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"missing required key '{key}' (needs {', '.join(DATA_REQUIRED_KEYS)})", path
             )
+    _check_names_file(out, lines, path)
+    return out
+
+
+def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) -> None:
+    """The ``names`` file of a parsed ``.data`` exists and lists exactly ``classes`` names."""
     names_file = Path(out["names"])
     try:
         # exists(), not is_file(): a names file that is a device or FIFO gets the reader's
@@ -999,7 +1005,6 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
             path,
             lines["classes"],
         )
-    return out
 
 
 def load_class_names(path: str | os.PathLike[str]) -> list[str]:

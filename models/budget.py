@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from build_utils.errors import ConfigError
+from build_utils.image_cache import available_memory_bytes
 from build_utils.limits import format_bytes
 from build_utils.parse_config import Block, layer_error, maxpool_params
 
@@ -197,17 +198,10 @@ def available_memory(device: Any = None) -> tuple[int, str]:
 
 
 def _ram_available() -> int:
-    try:
-        with open("/proc/meminfo", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    try:  # not Linux: physical memory as the upper bound
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):
-        return 1 << 62  # unknown: no refusal
+    available = available_memory_bytes()  # MemAvailable, the same figure the RAM cache uses
+    if available is not None:
+        return available
+    return 1 << 62  # unknown: no refusal
 
 
 def check_model_fits(
