@@ -39,6 +39,21 @@ def format_bytes(n: int) -> str:
     return f"{n} B"
 
 
+def positive_env_int(name: str, unit: str) -> int | None:
+    """The positive whole number in environment variable ``name`` (``_`` allowed), or None when
+    it is unset or empty; anything else is one :class:`ConfigError` line, never ignored."""
+    raw = os.environ.get(name, "").strip()
+    if not raw:
+        return None
+    try:
+        value = int(raw.replace("_", ""))
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise ConfigError(f"{name}={raw!r} must be a positive whole number ({unit})")
+    return value
+
+
 @dataclass(frozen=True)
 class Limit:
     """One named limit. ``value()`` reads the environment each time (cheap), so a limit raised
@@ -53,16 +68,8 @@ class Limit:
     def value(self) -> int:
         """The limit in force: ``$env`` when set (a positive integer, ``_`` allowed), else the
         default. A malformed value is a configuration mistake, not a reason to run unbounded."""
-        raw = os.environ.get(self.env, "").strip()
-        if not raw:
-            return self.default
-        try:
-            value = int(raw.replace("_", ""))
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise ConfigError(f"{self.env}={raw!r} must be a positive whole number ({self.unit})")
-        return value
+        value = positive_env_int(self.env, self.unit)
+        return self.default if value is None else value
 
     def describe(self, value: int | None = None) -> str:
         """``"1 GiB"`` / ``"150000000 pixels"``: a value of this limit in its unit."""

@@ -26,13 +26,12 @@ close to it.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from typing import Any
 
 from build_utils.errors import ConfigError
 from build_utils.image_cache import available_memory_bytes
-from build_utils.limits import format_bytes
+from build_utils.limits import format_bytes, positive_env_int
 from build_utils.parse_config import Block, layer_error, maxpool_params
 
 FLOAT_BYTES = 4  # float32: the estimate is for full precision (AMP needs less)
@@ -179,15 +178,9 @@ def _check_same_size(
 def available_memory(device: Any = None) -> tuple[int, str]:
     """(bytes, what) free for a model on ``device`` (None or CPU: RAM; CUDA: the GPU's free
     memory). ``$YOLO_MEMORY_AVAILABLE`` (bytes) replaces the measurement."""
-    raw = os.environ.get(MEMORY_ENV, "").strip()
-    if raw:
-        try:
-            value = int(raw.replace("_", ""))
-        except ValueError:
-            value = 0
-        if value <= 0:
-            raise ConfigError(f"{MEMORY_ENV}={raw!r} must be a positive number of bytes")
-        return value, f"{MEMORY_ENV}"
+    value = positive_env_int(MEMORY_ENV, "bytes")
+    if value is not None:
+        return value, MEMORY_ENV
     dev_type = getattr(device, "type", None) or (str(device).split(":")[0] if device else "cpu")
     if dev_type == "cuda":
         import torch
