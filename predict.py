@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -48,6 +49,7 @@ from build_utils.parse_config import (
     parse_data_cfg,
 )
 from models.darknet import Darknet
+from models.tta import detect
 from train_utils.builders import model_from_weights
 from train_utils.checkpoint import (
     WeightsFile,
@@ -56,6 +58,7 @@ from train_utils.checkpoint import (
 from train_utils.cli import (
     DEFAULT_IMG_SIZE,
     HelpFormatter,
+    add_augment_flag,
     add_device_flags,
     add_img_size_flag,
     add_model_flag,
@@ -80,7 +83,13 @@ VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv
 STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
 OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
-BOX_THICKNESS = 2
+BOX_THICKNESS = 2  # default --line-thickness, pixels
+MAX_LINE_THICKNESS = 32767  # OpenCV's own limit (it raises beyond it)
+# --save-crop grows each box as YOLOv5's save_one_box does: sides x1.02 plus 10 px in all
+# (5 px a side), so a crop keeps the object's edge that a tight box may cut; then clipped.
+CROP_GAIN = 1.02
+CROP_PAD = 10
+CROPS_DIR = "crops"
 
 
 def get_parser() -> argparse.ArgumentParser:
@@ -134,6 +143,30 @@ def get_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--save-conf", action="store_true", help="add the confidence to --save-txt")
     p.add_argument(
+        "--save-crop",
+        action="store_true",
+        help="cut each detection's box (grown by 2%% + 10 px, clipped) from the original "
+        "picture into OUTPUT/crops/<class name>/<name>.jpg (<name>_2.jpg, ... for more)",
+    )
+    p.add_argument("--hide-labels", action="store_true", help="draw boxes without class names")
+    p.add_argument("--hide-conf", action="store_true", help="draw class names without confidence")
+    p.add_argument(
+        "--line-thickness",
+        type=int,
+        default=BOX_THICKNESS,
+        metavar="N",
+        help="box line width in pixels",
+    )
+    p.add_argument(
+        "--vid-stride",
+        type=int,
+        default=1,
+        metavar="N",
+        help="predict every N-th frame of videos, cameras and streams (frames 1, N+1, ...); "
+        "the output video has the source's frame rate / N",
+    )
+    add_augment_flag(p)
+    p.add_argument(
         "--half",
         action="store_true",
         help="fp16 weights and inputs (CUDA only; --amp is fp16 autocast)",
@@ -143,7 +176,19 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-def draw_detections(img: np.ndarray, det: torch.Tensor, names: Sequence[str]) -> np.ndarray:
+@dataclass(frozen=True)
+class DrawStyle:
+    """How boxes are drawn: ``thickness`` (pixels, ``--line-thickness``), and whether the
+    label shows the class name (``--hide-labels``) and the confidence (``--hide-conf``)."""
+
+    thickness: int = BOX_THICKNESS
+    hide_labels: bool = False
+    hide_conf: bool = False
+
+
+def draw_detections(
+    img: np.ndarray, det: torch.Tensor, names: Sequence[str], style: DrawStyle = DrawStyle()
+) -> np.ndarray:
     """Draw ``det`` ((n, 6) xyxy original pixels, conf, cls) on a copy of BGR ``img``."""
     out = img.copy()
     scale = max(0.4, min(out.shape[:2]) / 800)
@@ -151,8 +196,12 @@ def draw_detections(img: np.ndarray, det: torch.Tensor, names: Sequence[str]) ->
         c = int(cls)
         colour = class_colour(c)
         p1, p2 = (round(x1), round(y1)), (round(x2), round(y2))
-        cv2.rectangle(out, p1, p2, colour, BOX_THICKNESS, cv2.LINE_AA)
-        label = f"{names[c] if c < len(names) else c} {conf:.2f}"
+        cv2.rectangle(out, p1, p2, colour, style.thickness, cv2.LINE_AA)
+        if style.hide_labels:
+            continue
+        label = str(names[c] if c < len(names) else c)
+        if not style.hide_conf:
+            label += f" {conf:.2f}"
         (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
         top = max(p1[1], th + base)
         cv2.rectangle(out, (p1[0], top - th - base), (p1[0] + tw, top), colour, -1)
@@ -184,6 +233,7 @@ class Predictor:
         amp: torch.dtype | None,
         classes: Sequence[int] | None = None,
         half: bool = False,
+        augment: bool = False,
     ):
         if half and device.type != "cuda":
             raise ConfigError(f"--half needs a CUDA device, not {device}; on CPU use --amp (bf16)")
@@ -193,6 +243,7 @@ class Predictor:
         self.device, self.img_size, self.amp, self.half = device, img_size, amp, half
         self.conf_thres, self.iou_thres = conf_thres, iou_thres
         self.max_det, self.agnostic, self.classes = max_det, agnostic, classes
+        self.augment = augment
 
     @torch.no_grad()
     def __call__(self, img: np.ndarray) -> torch.Tensor:
@@ -202,7 +253,7 @@ class Predictor:
         dtype = torch.float16 if self.half else torch.float32
         x = to_model_input(x.unsqueeze(0), self.device, dtype=dtype)
         with autocast_context(self.device, self.amp):
-            pred = self.model(x)[0]
+            pred = detect(self.model, x, self.augment)
         det = non_max_suppression(
             pred.float(),
             self.conf_thres,
@@ -217,6 +268,102 @@ class Predictor:
                 x.shape[2:], det[:, :4], img.shape[:2], ((ratio[1], ratio[0]), pad)
             )
         return det
+
+
+def crop_bounds(
+    xyxy: Sequence[float], shape: tuple[int, ...], gain: float = CROP_GAIN, pad: float = CROP_PAD
+) -> tuple[int, int, int, int]:
+    """The pixel rows and columns ``(top, bottom, left, right)`` (end exclusive) that
+    ``--save-crop`` cuts for the box ``xyxy`` (original pixels) from a picture of ``shape``
+    ``(h, w, ...)``: the box's width and height times ``gain`` plus ``pad`` around its centre,
+    widened to whole pixels (floor, ceil) and clipped to the picture; empty when the box lies
+    outside it."""
+    x1, y1, x2, y2 = (float(v) for v in xyxy)
+    cx, cy = (x1 + x2) / 2, (y1 + y2) / 2
+    half_w, half_h = ((x2 - x1) * gain + pad) / 2, ((y2 - y1) * gain + pad) / 2
+    h, w = shape[:2]
+    left = min(max(math.floor(cx - half_w), 0), w)
+    right = min(max(math.ceil(cx + half_w), left), w)
+    top = min(max(math.floor(cy - half_h), 0), h)
+    bottom = min(max(math.ceil(cy + half_h), top), h)
+    return top, bottom, left, right
+
+
+def _folder_name(name: str) -> str:
+    """``name`` as one path component: path separators and characters file systems refuse
+    become ``_``, and a name of dots only (``..``) is not a way out of the crops folder."""
+    safe = "".join(ch if ch.isalnum() or ch in " -_.+()" else "_" for ch in name).strip()
+    return "_" + safe if not safe.strip(".") else safe
+
+
+class Saver:
+    """What predict.py writes for one picture (an image, or a video frame) beside the drawn
+    picture: ``--save-txt`` labels and ``--save-crop`` crops, never two files under one name.
+
+    Crops go to ``OUTPUT/crops/<class>/<stem>.jpg``, the picture's k-th crop of a class as
+    ``<stem>_k.jpg``; a name taken earlier in this run (``x_2`` is also a planned stem when
+    ``x.jpg`` and ``x.png`` are both sources) moves on to the next free one. Class folders are
+    class names made safe as one path component (two classes that would share one folder get
+    ``_2``).
+    """
+
+    def __init__(
+        self,
+        out_dir: Path,
+        names: Sequence[str],
+        style: DrawStyle = DrawStyle(),
+        save_txt: bool = False,
+        save_conf: bool = False,
+        save_crop: bool = False,
+    ):
+        self.out_dir, self.names, self.style = out_dir, names, style
+        self.save_conf, self.save_crop = save_conf, save_crop
+        self.txt_dir = make_output_dir(out_dir / "labels", OUTPUT_FLAG) if save_txt else None
+        self._class_folders: dict[int, str] = {}
+        self._folders_taken: set[str] = set()
+        self._crops_taken: dict[str, set[str]] = {}
+
+    def draw(self, img: np.ndarray, det: torch.Tensor) -> np.ndarray:
+        return draw_detections(img, det, self.names, self.style)
+
+    def prepare(self, stem: Path) -> None:
+        """Create the sub-folders that ``stem``'s outputs go to."""
+        if stem.parent != Path():
+            make_output_dir(self.out_dir / stem.parent, OUTPUT_FLAG)
+        if self.txt_dir is not None:
+            make_output_dir(self.txt_dir / stem.parent, OUTPUT_FLAG)
+
+    def save(self, img: np.ndarray, det: torch.Tensor, stem: Path | str) -> None:
+        """Labels and crops of ``det`` ((n, 6) xyxy in ``img``'s pixels, conf, cls) found in
+        the BGR ``img``; ``stem``: the picture's output path relative to OUTPUT, no suffix."""
+        if self.txt_dir is not None:
+            write_yolo_txt(
+                self.txt_dir / f"{stem}.txt",
+                det.numpy(),
+                img.shape[1],
+                img.shape[0],
+                self.save_conf,
+                OUTPUT_FLAG,
+            )
+        if self.save_crop:
+            for *xyxy, _, cls in det.tolist():
+                self._save_crop(img, xyxy, int(cls), Path(stem))
+
+    def _class_folder(self, c: int) -> str:
+        if c not in self._class_folders:
+            name = _folder_name(str(self.names[c] if 0 <= c < len(self.names) else c))
+            self._class_folders[c] = _unique(name, self._folders_taken)
+        return self._class_folders[c]
+
+    def _save_crop(self, img: np.ndarray, xyxy: Sequence[float], c: int, stem: Path) -> None:
+        top, bottom, left, right = crop_bounds(xyxy, img.shape)
+        if bottom <= top or right <= left:
+            return  # the box lies outside the picture: nothing to cut
+        folder = self._class_folder(c)
+        name = _unique(stem.as_posix(), self._crops_taken.setdefault(folder, set()))
+        target = self.out_dir / CROPS_DIR / folder / f"{name}.jpg"
+        make_output_dir(target.parent, OUTPUT_FLAG)
+        write_image(target, np.ascontiguousarray(img[top:bottom, left:right]), OUTPUT_FLAG)
 
 
 def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str], WeightsFile]:
@@ -425,14 +572,15 @@ def capture_name(source: str | Path) -> str:
 def predict_video(
     predictor: Predictor,
     source: str | Path,
-    out_dir: Path,
-    names: Sequence[str],
-    txt_dir: Path | None = None,
-    save_conf: bool = False,
+    saver: Saver,
     stem: Path | None = None,
+    vid_stride: int = 1,
 ) -> int:
-    """Detect in every frame of a video file, camera or stream and write ``<stem>.mp4``
-    (``stem``: the output path relative to ``out_dir``, default :func:`capture_name`).
+    """Detect in frames 1, 1 + ``vid_stride``, ... of a video file, camera or stream and write
+    them to ``<stem>.mp4`` at the source's frame rate / ``vid_stride`` (so the video lasts as
+    long as the source); ``stem``: the output path relative to OUTPUT, default
+    :func:`capture_name`. Labels and crops of a frame are named ``<stem>_<frame number>``.
+    Returns the number of frames predicted.
 
     Raises:
         ConfigError: a camera or stream cannot be opened (a video file that cannot be read is a
@@ -457,20 +605,25 @@ def predict_video(
         raise ConfigError(
             f"--source {source}: cannot open the stream; check the URL and that it is reachable"
         )
-    fps = cap.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS
+    fps = (cap.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS) / vid_stride
     name = stem if stem is not None else capture_name(source)
     writer = None
-    frames = 0
+    frames = number = 0
     try:
         while True:
+            # Skipped frames are grabbed, not decoded: a stride of N costs about 1/N.
+            if number % vid_stride and cap.grab():
+                number += 1
+                continue
             ok, frame = cap.read()
             if not ok:
                 break
+            number += 1
             det = predictor(frame)
-            drawn = draw_detections(frame, det, names)
+            drawn = saver.draw(frame, det)
             if writer is None:
                 h, w = drawn.shape[:2]
-                target = out_dir / f"{name}.mp4"
+                target = saver.out_dir / f"{name}.mp4"
                 fourcc = cv2.VideoWriter_fourcc(*"mp4v")
                 writer = cv2.VideoWriter(str(target), fourcc, fps, (w, h))
                 if not writer.isOpened():  # OpenCV reports no reason, only that it failed
@@ -481,16 +634,8 @@ def predict_video(
                     )
             writer.write(drawn)
             frames += 1
-            if txt_dir is not None:
-                write_yolo_txt(
-                    txt_dir / f"{name}_{frames}.txt",
-                    det.numpy(),
-                    frame.shape[1],
-                    frame.shape[0],
-                    save_conf,
-                    OUTPUT_FLAG,
-                )
-            print(f"{source} frame {frames}: {len(det)} detections")
+            saver.save(frame, det, f"{name}_{number}")
+            print(f"{source} frame {number}: {len(det)} detections")
     finally:
         cap.release()
         if writer is not None:
@@ -504,7 +649,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
-        check_at_least({"--max-det": args.max_det}, 1)
+        check_at_least(
+            {
+                "--max-det": args.max_det,
+                "--line-thickness": args.line_thickness,
+                "--vid-stride": args.vid_stride,
+            },
+            1,
+        )
+        if args.line_thickness > MAX_LINE_THICKNESS:
+            raise ConfigError(
+                f"--line-thickness {args.line_thickness}: at most {MAX_LINE_THICKNESS} pixels"
+            )
         # Sources first: a missing or empty one is reported before the model is loaded.
         outputs = plan_outputs(args.source)
         device = select_device(args.device)
@@ -525,18 +681,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             amp,
             args.classes,
             args.half,
+            args.augment,
         )
         out_dir = choose_output_dir(Path(args.output), args.exist_ok, args.source, outputs)
-        txt_dir = make_output_dir(out_dir / "labels", OUTPUT_FLAG) if args.save_txt else None
+        style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
+        saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop)
         n_images = 0
         for item in outputs:
             path, stem = item.source, item.stem
-            if stem.parent != Path():
-                make_output_dir(out_dir / stem.parent, OUTPUT_FLAG)
-            if txt_dir is not None:
-                make_output_dir(txt_dir / stem.parent, OUTPUT_FLAG)
+            saver.prepare(stem)
             if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
-                predict_video(predictor, path, out_dir, names, txt_dir, args.save_conf, stem)
+                predict_video(predictor, path, saver, stem, args.vid_stride)
                 continue
             if not is_image_file(path):
                 logger.warning("%s: not an image or video file; skipped", path)
@@ -555,16 +710,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
             # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
             target = out_dir / stem.parent / (stem.name + path.suffix)
-            write_image(target, draw_detections(img, det, names), OUTPUT_FLAG)
-            if txt_dir is not None:
-                write_yolo_txt(
-                    txt_dir / f"{stem}.txt",
-                    det.numpy(),
-                    img.shape[1],
-                    img.shape[0],
-                    args.save_conf,
-                    OUTPUT_FLAG,
-                )
+            write_image(target, saver.draw(img, det), OUTPUT_FLAG)
+            saver.save(img, det, stem)
             n_images += 1
         logger.info("%d images drawn in %s", n_images, out_dir)
 

@@ -51,6 +51,7 @@ from train_utils.cli import (
     DEFAULT_EVAL_IOU,
     DEFAULT_IMG_SIZE,
     HelpFormatter,
+    add_augment_flag,
     add_data_flags,
     add_device_flags,
     add_eval_flags,
@@ -115,6 +116,7 @@ def get_parser() -> argparse.ArgumentParser:
     add_eval_flags(g, None, None, None, RUN_HINT)
     g.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     switch(g, "--multi-label", True, "one detection per class above threshold for each box")
+    add_augment_flag(g)
     add_precision_flags(g, None, RUN_HINT)
     g.add_argument(
         "--task",
@@ -200,6 +202,7 @@ def evaluation_options(
         multi_label=args.multi_label,
         max_det=args.max_det,
         single_cls=bool(args.single_cls),
+        augment=args.augment,
     )
 
 
@@ -281,11 +284,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not dist.is_main:
                 return
             logger.info(
-                "%d images, conf %.3g, NMS IoU %.2f, img %d, weights %s\n%s",
+                "%d images, conf %.3g, NMS IoU %.2f, img %d%s, weights %s\n%s",
                 len(dataset),
                 args.conf_thres,
                 args.iou_thres,
                 args.img_size,
+                ", test-time augmentation" if args.augment else "",
                 args.weights,
                 format_report(stats),
             )

@@ -141,6 +141,16 @@ def add_eval_flags(
     )
 
 
+def add_augment_flag(g: ArgGroup) -> None:
+    """``--augment``: test-time augmentation (``models.tta``) of predict.py and validation.py."""
+    g.add_argument(
+        "--augment",
+        action="store_true",
+        help="test-time augmentation: also infer at scales 0.83 (flipped left-right) and 0.67, "
+        "all boxes into one NMS (about 2x the inference time)",
+    )
+
+
 AMP_HELP = (
     "mixed precision. auto: on for CUDA (bf16 where the GPU has it, else fp16), off on CPU; "
     "--amp alone: also bf16 autocast on CPU (fp32 on CPUs without native bf16 kernels); "

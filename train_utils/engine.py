@@ -24,6 +24,7 @@ from build_utils.augmentations import GRID
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import YoloError
 from models.loss import compute_loss
+from models.tta import detect
 from train_utils.distributed.comm import all_reduce_flag, gather_rows_to_main, reduce_dict
 from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.ema import ModelEMA
@@ -318,7 +319,7 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
     ):
         imgs = to_model_input(imgs, opts.device, opts.channels_last)
         with autocast_context(opts.device, opts.amp):
-            det = model(imgs)[0]
+            det = detect(model, imgs, opts.augment)
         outputs = non_max_suppression(
             det.float(),
             conf_thres=opts.conf_thres,

@@ -30,6 +30,8 @@ class EvalOptions:
         per_class: also compute per-class AP.
         single_cls: score every class as one (YOLOv5's ``--single-cls`` on a multi-class
             model): class-agnostic NMS, then every detection is class 0.
+        augment: test-time augmentation (``models.tta``: scales 1, 0.83 flipped, 0.67);
+            ``validation.py --augment`` only, never the evaluation inside training.
     """
 
     device: torch.device
@@ -43,6 +45,7 @@ class EvalOptions:
     channels_last: bool = False
     per_class: bool = False
     single_cls: bool = False
+    augment: bool = False
 
 
 def eval_options(
@@ -56,8 +59,8 @@ def eval_options(
     """The options of an evaluation of a run: the one builder for the evaluation inside training
     (``run`` = the run's config) and ``validation.py`` (``run`` = the checkpoint's run config
     with the flags given on top), so both score with the same thresholds, backend, precision
-    and memory format. ``nms`` may set ``multi_label``/``max_det``/``single_cls`` (``validation.py``
-    flags)."""
+    and memory format. ``nms`` may set ``multi_label``/``max_det``/``single_cls``/``augment``
+    (``validation.py`` flags)."""
     return EvalOptions(
         device,
         float(run["conf_thres"]),

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from build_utils.boxes import non_max_suppression
+from models.tta import detect
 from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.evaluation.options import EvalOptions
 
@@ -59,7 +60,7 @@ def measure_speed(model: nn.Module, loader: Iterable, opts: EvalOptions) -> Spee
         x = to_model_input(imgs, opts.device, opts.channels_last)
         t1 = _sync(opts.device)
         with autocast_context(opts.device, opts.amp):
-            det = model(x)[0]
+            det = detect(model, x, opts.augment)
         t2 = _sync(opts.device)
         non_max_suppression(
             det.float(),
