@@ -14,6 +14,11 @@ drawn image is saved under ``--output`` with the same name (videos, cameras and 
 ``class cx cy w h`` normalised, ``+ conf`` with ``--save-conf``; video frames as
 ``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C.
 
+YOLOv5's extras: ``--save-crop`` cuts each box from the original picture into
+``OUTPUT/crops/<class>/<name>.jpg``; ``--hide-labels``, ``--hide-conf``, ``--line-thickness``
+change the drawing; ``--vid-stride N`` predicts every N-th frame (the output video at the
+source's frame rate / N); ``--augment`` is test-time augmentation (``models/tta.py``).
+
 predict.py never writes over what it reads or what an earlier run wrote (:func:`plan_outputs`,
 :func:`choose_output_dir`): an output folder that is, lies inside or holds a source is refused;
 an image found in a source folder keeps its path inside that folder, under a sub-folder named

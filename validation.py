@@ -6,6 +6,7 @@
     python validation.py ... --save-json out/ --json-out stats.json
     python validation.py ... --save-txt --save-conf --save-dir runs/val/exp
     python validation.py ... --task speed --batch-size 1      # ms per image for each step
+    python validation.py ... --augment                       # test-time augmentation (3 passes)
     torchrun --nproc_per_node=2 validation.py ...     # each process scores a disjoint shard
 
 A checkpoint written by train.py describes its run, and every setting not given on the command
