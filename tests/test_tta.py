@@ -121,3 +121,6 @@ def test_validation_augment_scores_a_trained_model(make_shapes_data, tmp_path):
     # right boxes are found again (its plain mAP@0.5 is about 0.002).
     assert augmented != plain
     assert augmented["mAP50"] > 0
+    # --task speed times the same augmented inference.
+    argv = validation_argv(out / "model.cfg", data, out / "last.pt", img=64)
+    assert validation.main([*argv, "--task", "speed", "--augment"]) == 0
