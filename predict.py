@@ -35,7 +35,7 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -307,9 +307,10 @@ class Saver:
 
     Crops go to ``OUTPUT/crops/<class>/<stem>.jpg``, the picture's k-th crop of a class as
     ``<stem>_k.jpg``; a name taken earlier in this run (``x_2`` is also a planned stem when
-    ``x.jpg`` and ``x.png`` are both sources) moves on to the next free one. Class folders are
-    class names made safe as one path component (two classes that would share one folder get
-    ``_2``).
+    ``x.jpg`` and ``x.png`` are both sources), or one of the ``reserved`` output stems (a
+    source folder named ``crops`` puts drawn pictures under ``OUTPUT/crops/`` too), moves on to
+    the next free one. Class folders are class names made safe as one path component (two
+    classes that would share one folder get ``_2``).
     """
 
     def __init__(
@@ -320,8 +321,10 @@ class Saver:
         save_txt: bool = False,
         save_conf: bool = False,
         save_crop: bool = False,
+        reserved: Iterable[str] = (),
     ):
         self.out_dir, self.names, self.style = out_dir, names, style
+        self._reserved = {r.casefold() for r in reserved}
         self.save_conf, self.save_crop = save_conf, save_crop
         self.txt_dir = make_output_dir(out_dir / "labels", OUTPUT_FLAG) if save_txt else None
         self._class_folders: dict[int, str] = {}
@@ -365,7 +368,10 @@ class Saver:
         if bottom <= top or right <= left:
             return  # the box lies outside the picture: nothing to cut
         folder = self._class_folder(c)
-        name = _unique(stem.as_posix(), self._crops_taken.setdefault(folder, set()))
+        taken = self._crops_taken.setdefault(folder, set())
+        name = _unique(stem.as_posix(), taken)
+        while f"{CROPS_DIR}/{folder}/{name}".casefold() in self._reserved:
+            name = _unique(stem.as_posix(), taken)  # _unique took the last one: the next
         target = self.out_dir / CROPS_DIR / folder / f"{name}.jpg"
         make_output_dir(target.parent, OUTPUT_FLAG)
         write_image(target, np.ascontiguousarray(img[top:bottom, left:right]), OUTPUT_FLAG)
@@ -690,7 +696,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         out_dir = choose_output_dir(Path(args.output), args.exist_ok, args.source, outputs)
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
-        saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop)
+        planned = [o.stem.as_posix() for o in outputs]
+        saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop, planned)
         n_images = 0
         for item in outputs:
             path, stem = item.source, item.stem

@@ -112,6 +112,23 @@ def test_save_crop_cuts_the_original_picture_and_never_reuses_a_name(
     assert corner.shape == img[0:26, 0:26].shape
 
 
+def test_a_crop_never_takes_the_name_of_a_drawn_picture(checkpoint, tmp_path, monkeypatch):
+    # Two source folders: crops/circle/other/y.jpg is drawn to OUTPUT/crops/circle/other/y.jpg,
+    # which is also where other/y.jpg's first circle crop would go.
+    img = _gradient()
+    for rel in ("crops/circle/other/y.jpg", "other/y.jpg"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        cv2.imwrite(str(tmp_path / rel), img)
+    _patch_predictor(monkeypatch, DETS[:1])
+    out = tmp_path / "out"
+    sources = (str(tmp_path / "crops"), str(tmp_path / "other"))
+    assert _main(checkpoint, out, "--source", *sources, "--save-crop") == 0
+    drawn = cv2.imread(str(out / "crops" / "circle" / "other" / "y.jpg"))
+    assert drawn.shape == img.shape  # the drawn picture, not a 51 x 52 crop written over it
+    crop = cv2.imread(str(out / "crops" / "circle" / "other" / "y_2.jpg"))
+    assert crop.shape == img[15:66, 4:56].shape
+
+
 def test_class_folder_names_are_one_safe_component():
     assert predict._folder_name("traffic/light") == "traffic_light"
     assert predict._folder_name("..") == "_.."
