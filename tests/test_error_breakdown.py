@@ -213,3 +213,13 @@ def test_report_errors_logs_and_writes_json(tmp_path, caplog):
     assert saved["errors"][LOC]["dAP"] == pytest.approx(b.dap[LOC])
     assert "error breakdown (TIDE" in caplog.text and "localisation" in caplog.text
     assert not [p for p in tmp_path.iterdir() if p.name != "errors.json"]  # no temporary left
+
+
+def test_nothing_detected(tmp_path):
+    """Every label missed: fixing them leaves no class to average, which the report shows as
+    undefined (``-``, JSON null) rather than a number."""
+    b = error_breakdown({0: np.array([[1, 0, 0, 10, 10.0]]), 1: np.zeros((0, 5))}, {})
+    assert b.ap50 == 0 and b.counts[MISSED] == 1 and b.dap[BKG] == 0
+    assert np.isnan(b.dap[MISSED])
+    assert f"{MISSED:>16s}       1      -" in b.format()
+    assert json.loads(json.dumps(b.to_dict()))["errors"][MISSED]["dAP"] is None

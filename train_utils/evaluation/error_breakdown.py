@@ -20,7 +20,8 @@ classification or localisation error becomes the true positive of the label it p
 the highest-scoring one per label; the others, and those pointing at a matched label, are
 removed), a both, duplicate or background error is removed, a missed label leaves the label
 count. Two more rows follow TIDE's "special errors": all false positives scored below every
-true positive, and every missed label removed (recall made perfect without touching precision).
+true positive, and every unmatched label removed (recall made perfect without touching
+precision).
 
 This follows the authors' reference implementation (``tidecv`` 1.0.1, ``TIDERun``: matching,
 types, which error a fix goes to) with two departures in the AP. Its 101 recall points are
@@ -61,8 +62,8 @@ BG_IOU = 0.1  # t_b: below this IoU with every label a detection is on the backg
 MAX_DETS = 100  # TIDE's detections per image (over all classes), highest scores first
 ERRORS_FILE = "errors.json"
 
-# The six main types in TIDE's order, then the two special ones; values are the names the
-# report prints (TIDE's short names in brackets in the docstring above).
+# The six main types in TIDE's order (its short names: Cls, Loc, Both, Dupe, Bkg, Miss), then
+# the two special ones (FalsePos, FalseNeg); the values are the names the report prints.
 CLS = "classification"
 LOC = "localisation"
 BOTH = "both"
@@ -84,7 +85,8 @@ class ErrorBreakdown:
         counts: errors per type (``MAIN_ERRORS``; the special types count every false positive
             and every unmatched label).
         dap: AP50 points gained when the type's errors are fixed (main types never below 0,
-            as TIDE reports them).
+            as TIDE reports them); NaN where a fix leaves no class to average (e.g. missed
+            when nothing was detected), and everywhere with neither labels nor detections.
         pos_iou, bg_iou, max_dets: the settings.
     """
 
@@ -104,7 +106,9 @@ class ErrorBreakdown:
             f"{'type':>16s} {'count':>7s} {'dAP':>6s}",
         ]
         for name in (*MAIN_ERRORS, FALSE_POS, FALSE_NEG):
-            lines.append(f"{name:>16s} {self.counts[name]:7d} {self.dap[name]:6.2f}")
+            dap = self.dap[name]
+            shown = f"{dap:6.2f}" if math.isfinite(dap) else f"{'-':>6s}"
+            lines.append(f"{name:>16s} {self.counts[name]:7d} {shown}")
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -114,12 +118,18 @@ class ErrorBreakdown:
             "pos_iou": self.pos_iou,
             "bg_iou": self.bg_iou,
             "max_dets": self.max_dets,
-            "ap50": self.ap50,
+            "ap50": _finite_or_none(self.ap50),
             "errors": {
-                name: {"count": self.counts[name], "dAP": self.dap[name]}
+                name: {"count": self.counts[name], "dAP": _finite_or_none(self.dap[name])}
                 for name in (*MAIN_ERRORS, FALSE_POS, FALSE_NEG)
             },
         }
+
+
+def _finite_or_none(x: float) -> float | None:
+    """JSON has no NaN: an AP over no class at all (nothing labelled or detected, or nothing
+    left once every label is fixed away) is null."""
+    return x if math.isfinite(x) else None
 
 
 @dataclass
