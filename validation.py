@@ -1,4 +1,5 @@
-"""Evaluate weights on a dataset's validation set with pycocotools (COCO mAP).
+"""Evaluate weights on a dataset's validation set: COCO mAP (faster-coco-eval where installed,
+else pycocotools: the same numbers), per-class table, error breakdown.
 
     python validation.py --weights runs/exp/best.pt            # the run's own data and settings
     python validation.py --weights runs/exp/best.pt --data data/other.data
@@ -19,9 +20,11 @@ says so). Darknet ``.weights`` and bare state_dicts carry nothing: they need ``-
 conf 0.001, NMS IoU 0.6, multi-label, at most 300 detections per image).
 
 Beside the 12 COCO numbers it writes into ``--save-dir`` a per-class table (``per_class.csv``,
-also logged), the confusion matrix, the P/R/F1/PR curves and the first validation images with
-labels and predictions (``--no-plots`` skips the pictures), and with ``--save-txt`` one YOLO
-``.txt`` per image in ``--save-dir/labels``.
+also logged), the TIDE error breakdown (``errors.json``, also logged: how many false positives
+are classification, localisation, both, duplicate and background errors, how many labels were
+missed, and the AP50 each type costs), the confusion matrix, the P/R/F1/PR curves and the first
+validation images with labels and predictions (``--no-plots`` skips the pictures), and with
+``--save-txt`` one YOLO ``.txt`` per image in ``--save-dir/labels``.
 
 ``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
 ``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
@@ -77,6 +80,7 @@ from train_utils.distributed.process_group import cleanup, init_distributed_mode
 from train_utils.engine import evaluate
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.coco_gt import coco_dict_from_dataset, get_coco_api_from_dataset
+from train_utils.evaluation.error_breakdown import report_errors
 from train_utils.evaluation.exports import (
     gt_to_official_coco_ids,
     resolve_coco_ids,
@@ -98,7 +102,7 @@ RUN_SETTINGS = {
     "conf_thres": DEFAULT_EVAL_CONF,
     "iou_thres": DEFAULT_EVAL_IOU,
     "single_cls": False,
-    "coco_backend": "pycocotools",
+    "coco_backend": "auto",
 }
 RUN_HINT = " (default: as the checkpoint's run)"
 
@@ -130,7 +134,7 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--save-dir",
         default="runs/val",
-        help="folder for per_class.csv, the pictures and --save-txt labels",
+        help="folder for per_class.csv, errors.json, the pictures and --save-txt labels",
     )
     switch(g, "--plots", True, "draw the confusion matrix, P/R/F1/PR curves and validation images")
     g.add_argument(
@@ -285,19 +289,21 @@ def main(argv: Sequence[str] | None = None) -> int:
             if not dist.is_main:
                 return
             logger.info(
-                "%d images, conf %.3g, NMS IoU %.2f, img %d%s, weights %s\n%s",
+                "%d images, conf %.3g, NMS IoU %.2f, img %d%s, weights %s, scored by %s\n%s",
                 len(dataset),
                 args.conf_thres,
                 args.iou_thres,
                 args.img_size,
                 ", test-time augmentation" if args.augment else "",
                 args.weights,
+                opts.backend,
                 format_report(stats),
             )
             save_dir = Path(args.save_dir)
             write_eval_report(
                 save_dir, coco_gt, detections, data.names, per_class, args.plots, "--save-dir"
             )
+            report_errors(save_dir, coco_gt, detections, "--save-dir")
             if args.save_txt:
                 n = write_dataset_txt(
                     save_dir / "labels", coco_gt, detections, args.save_conf, "--save-dir"

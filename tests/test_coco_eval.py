@@ -321,30 +321,112 @@ def test_noisy_case_is_between_zero_and_one():
     assert 0.05 < stats[0] < stats[1] < 1.0
 
 
+def _scorer_case(seed: int = 1):
+    """:func:`_noisy_case` (several images and classes, no crowd) grown where scorers can part:
+    images without labels (with and without detections), two images with 150 detections (so
+    that the 100-per-image cut of mAR100/mAP acts), scores tied in groups, and a class (3) that
+    is detected but never labelled."""
+    ds, outputs = _noisy_case(seed)
+    rng = np.random.default_rng(seed + 100)
+    labels, shapes = list(ds.labels), list(ds.shapes_hw)
+    for k in range(7):
+        h, w = 480, 640
+        n_det = (0, 0, 0, 6, 9, 150, 150)[k]
+        n_lab = 5 if n_det == 150 else 0
+        xy = rng.uniform(0, 400, (n_lab, 2))
+        wh = rng.uniform(20, 200, (n_lab, 2))
+        cls = rng.integers(0, 3, n_lab)
+        labels.append(
+            np.asarray(
+                [_label(c, *a, *b, w, h) for c, a, b in zip(cls, xy, wh)], dtype=np.float32
+            ).reshape(-1, 5)
+        )
+        shapes.append((h, w))
+        x1 = rng.uniform(0, 500, (n_det, 2))
+        boxes = np.concatenate((x1, x1 + rng.uniform(5, 150, (n_det, 2))), 1)
+        if n_lab:  # the labels found, among many other boxes
+            boxes[:n_lab] = np.concatenate((xy, xy + wh), 1) + rng.normal(0, 3, (n_lab, 4))
+        score = rng.integers(1, 20, (n_det, 1)) / 20  # ties
+        det_cls = rng.integers(0, 4, (n_det, 1))
+        if n_lab:
+            det_cls[:n_lab, 0] = cls
+        outputs.append(torch.from_numpy(np.concatenate((boxes, score, det_cls), 1)))
+    return FakeDataset(labels, shapes, nc=4), outputs
+
+
 @pytest.mark.skipif(
     not faster_coco_eval_available(),
     reason="faster-coco-eval is not installed (requirements-extra.txt)",
 )
-@pytest.mark.parametrize("perfect", [False, True])
-def test_faster_coco_eval_matches_pycocotools(perfect, dataset):
-    if perfect:
+@pytest.mark.parametrize("case", ["perfect", "noisy", "scorer"])
+def test_faster_coco_eval_matches_pycocotools(case, dataset):
+    """The two libraries give the same 12 numbers and per-class APs to 1e-6: ``auto`` may pick
+    either."""
+    if case == "perfect":
         coco_gt = get_coco_api_from_dataset(dataset)
         results = detections_to_coco(*_gt_outputs(coco_gt, dx_fraction=0.1))
     else:
-        ds, outputs = _noisy_case(1)
+        ds, outputs = _noisy_case(1) if case == "noisy" else _scorer_case()
         coco_gt = get_coco_api_from_dataset(ds)
         results = detections_to_coco(outputs, list(range(len(ds))))
+        per_image = np.bincount([r["image_id"] for r in results])
+        if case == "scorer":
+            assert per_image.max() > 100 and (per_image == 0).sum() >= 3
     stats = {}
     per_class = {}
     for backend in ("pycocotools", "faster-coco-eval"):
         evaluator = CocoEvaluator(coco_gt, backend=backend)
+        assert evaluator.backend == backend
         evaluator.update(results)
         stats[backend] = evaluator.evaluate()
         per_class[backend] = evaluator.per_class_ap()
         assert "Average Precision" in evaluator.summary
-    np.testing.assert_allclose(stats["faster-coco-eval"], stats["pycocotools"], atol=1e-4)
+    assert 0.05 < stats["pycocotools"][0] < 1  # a case where a difference would show
+    np.testing.assert_allclose(stats["faster-coco-eval"], stats["pycocotools"], rtol=0, atol=1e-6)
+    assert per_class["faster-coco-eval"].keys() == per_class["pycocotools"].keys()
     for c, (ap, ap50) in per_class["pycocotools"].items():
-        np.testing.assert_allclose(per_class["faster-coco-eval"][c], (ap, ap50), atol=1e-4)
+        np.testing.assert_allclose(
+            per_class["faster-coco-eval"][c], (ap, ap50), rtol=0, atol=1e-6, equal_nan=True
+        )
+
+
+@pytest.mark.skipif(
+    not faster_coco_eval_available(),
+    reason="faster-coco-eval is not installed (requirements-extra.txt)",
+)
+def test_auto_is_every_default_and_picks_faster_coco_eval(dataset, caplog):
+    """``auto`` is the default of training, validation.py, EvalOptions and CocoEvaluator, and
+    means faster-coco-eval when it is installed; eval_options (training, validation.py, and so
+    the gathered multi-rank path, which scores with its options) says which."""
+    import validation
+    from train_utils.config import get_args_parser
+    from train_utils.evaluation.options import EvalOptions, eval_options
+
+    train_args = get_args_parser().parse_args(["--data", "x.data"])
+    assert train_args.coco_backend == "auto"
+    assert validation.RUN_SETTINGS["coco_backend"] == "auto"
+    assert EvalOptions(torch.device("cpu")).backend == "auto"
+    assert CocoEvaluator(get_coco_api_from_dataset(dataset)).backend == "faster-coco-eval"
+    caplog.set_level(logging.INFO)
+    opts = eval_options(vars(train_args), torch.device("cpu"), None, False, True)
+    assert opts.backend == "faster-coco-eval"
+    assert "COCO scoring: faster-coco-eval (--coco-backend auto: installed)" in caplog.text
+
+
+def test_auto_falls_back_to_pycocotools(dataset, monkeypatch, caplog):
+    from train_utils.evaluation import coco_eval
+    from train_utils.evaluation.options import eval_options
+
+    monkeypatch.setattr(coco_eval, "faster_coco_eval_available", lambda: False)
+    assert coco_eval.resolve_backend("auto") == "pycocotools"
+    assert CocoEvaluator(get_coco_api_from_dataset(dataset)).backend == "pycocotools"
+    caplog.set_level(logging.INFO)
+    run = {"conf_thres": 0.001, "iou_thres": 0.6, "coco_backend": "auto"}
+    assert eval_options(run, torch.device("cpu"), None, False, True).backend == "pycocotools"
+    assert "pycocotools (--coco-backend auto: faster-coco-eval is not installed)" in caplog.text
+    # Asked for by name it is an error before anything runs, not at the first evaluation.
+    with pytest.raises(ConfigError, match="requirements-extra.txt"):
+        eval_options({**run, "coco_backend": "faster-coco-eval"}, torch.device("cpu"), None, 0, 1)
 
 
 def test_missing_faster_backend_is_a_config_error(dataset, monkeypatch):

@@ -27,6 +27,7 @@ from data.make_shapes import make_dataset
 from models.darknet import Darknet
 from train_utils.checkpoint import load_checkpoint
 from train_utils.distributed.launch import free_port
+from train_utils.evaluation.coco_eval import faster_coco_eval_available
 
 pytestmark = pytest.mark.slow
 
@@ -113,6 +114,8 @@ def _assert_logged_equals_validation(data: Path, out: Path, tmp_path: Path) -> N
     single = validate_run(data, out, tmp_path, img=IMG)
     for key, value in single.items():
         assert float(rows[0][key]) == pytest.approx(value, abs=EXACT), key
+    if faster_coco_eval_available():  # the default scorer on the gathered detections too
+        assert "COCO scoring: faster-coco-eval" in (out / "train.log").read_text()
 
 
 def _run(cmd: list[str]) -> None:

@@ -16,6 +16,7 @@ from models.loss import scale_loss_gains
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import load_hyp
+from train_utils.evaluation.coco_eval import faster_coco_eval_available
 from train_utils.reporting import RESULTS_HEADER
 
 pytestmark = pytest.mark.slow
@@ -91,6 +92,11 @@ def test_training_writes_every_output_and_lowers_loss(trained):
         assert key in ckpt, key
     assert ckpt["epoch"] == 1 and ckpt["nc"] == 5 and ckpt["names"][0] == "circle"
     assert summary.epochs_run == 2
+    # The default COCO scorer: faster-coco-eval where installed, named once in the run's log.
+    assert ckpt["config"]["coco_backend"] == "auto"
+    if faster_coco_eval_available():
+        log = (out / "train.log").read_text()
+        assert log.count("COCO scoring: faster-coco-eval (--coco-backend auto: installed)") == 1
 
 
 def test_training_lowers_the_loss(make_shapes_data, repo_root, tmp_path):

@@ -22,6 +22,7 @@ import validation
 from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
 from models.darknet import Darknet
 from train_utils.checkpoint import save_checkpoint
+from train_utils.evaluation.coco_eval import faster_coco_eval_available
 from train_utils.evaluation.exports import COCO80_TO_91
 
 IMG = 128
@@ -211,3 +212,33 @@ def test_single_cls_scores_a_multi_class_model_as_one_class(shapes_data, weights
     assert got["mAP50"] > 0.001  # not 0: dropping labels or class-wise NMS both change it
     assert got["mAP50-95"] == pytest.approx(e.stats[0], abs=1e-6)
     assert got["mAP50"] == pytest.approx(e.stats[1], abs=1e-6)
+
+
+def test_error_breakdown_in_the_report(shapes_data, weights5, tmp_path, caplog):
+    """validation.py logs the TIDE table and writes errors.json, whose numbers agree with the
+    detections and labels it saves and with its own COCO mAP50."""
+    caplog.set_level(logging.INFO)
+    save, out, stats_file = tmp_path / "val", tmp_path / "json", tmp_path / "stats.json"
+    argv = _argv(shapes_data, weights5, "--save-dir", str(save), "--no-plots", "--max-det", "100")
+    argv += ["--save-json", str(out), "--json-out", str(stats_file)]
+    assert validation.main(argv) == 0
+    saved = json.loads((save / "errors.json").read_text())
+    stats = json.loads(stats_file.read_text())
+    preds = json.loads((out / "predictions.json").read_text())
+    labels = json.loads((out / "ground_truth.json").read_text())["annotations"]
+    counts = {k: v["count"] for k, v in saved["errors"].items()}
+    dap = {k: v["dAP"] for k, v in saved["errors"].items()}
+    main = ("classification", "localisation", "both", "duplicate", "background")
+    # Every detection (at most 100 per image here) is a true positive or one false-positive type.
+    true_pos = len(labels) - counts["false negatives"]
+    assert counts["false positives"] == sum(counts[k] for k in main) == len(preds) - true_pos
+    assert 0 <= counts["missed"] <= counts["false negatives"] <= len(labels)
+    # At most 100 detections per image and only labelled classes detected: COCO's AP50.
+    assert {p["category_id"] for p in preds} <= {a["category_id"] for a in labels}
+    assert 0 < saved["ap50"] == pytest.approx(100 * stats["mAP50"], abs=1e-6)
+    assert all(0 <= dap[k] <= 100 - saved["ap50"] + 1e-9 for k in (*main, "missed"))
+    log = caplog.text
+    assert "error breakdown (TIDE: IoU 0.5, background below 0.1" in log
+    assert f"{'background':>16s} {counts['background']:7d} {dap['background']:6.2f}" in log
+    if faster_coco_eval_available():  # the default scorer where installed
+        assert "scored by faster-coco-eval" in log

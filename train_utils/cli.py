@@ -36,7 +36,8 @@ EXIT_STOPPED = 75
 DEFAULT_IMG_SIZE = 512
 DEFAULT_EVAL_CONF = 0.001  # COCO evaluation keeps low-confidence boxes (they raise recall)
 DEFAULT_EVAL_IOU = 0.6
-COCO_BACKENDS = ("pycocotools", "faster-coco-eval")
+# auto: faster-coco-eval where installed, else pycocotools (the same numbers; coco_eval.py).
+COCO_BACKENDS = ("auto", "pycocotools", "faster-coco-eval")
 ArgGroup = argparse.ArgumentParser | argparse._ArgumentGroup
 
 
@@ -137,7 +138,8 @@ def add_eval_flags(
         "--coco-backend",
         default=backend,
         choices=COCO_BACKENDS,
-        help="COCO scoring library" + run_hint,
+        help="COCO scoring library; auto: faster-coco-eval where installed, else pycocotools "
+        "(the same 12 numbers)" + run_hint,
     )
 
 

@@ -317,7 +317,7 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
 def _add_evaluation(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
     g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
-    add_eval_flags(g, DEFAULT_EVAL_CONF, DEFAULT_EVAL_IOU, "pycocotools")
+    add_eval_flags(g, DEFAULT_EVAL_CONF, DEFAULT_EVAL_IOU, "auto")
     switch(
         g,
         "--savebest",

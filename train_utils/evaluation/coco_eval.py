@@ -1,7 +1,10 @@
 """COCO bbox scoring of detections against a ground-truth ``COCO`` object.
 
-The official figures come from pycocotools; ``backend='faster-coco-eval'`` (the
-``faster-coco-eval`` package, ``requirements-extra.txt``) gives the same 12 numbers faster.
+Two libraries give the same 12 numbers (equal to 1e-6, ``tests/test_coco_eval.py``): pycocotools,
+the reference, and faster-coco-eval (``requirements-extra.txt``, which ``make`` installs), its
+C++ reimplementation, several times faster on large sets. ``backend='auto'``, the default of
+every script, takes faster-coco-eval where it is installed and pycocotools elsewhere; the log
+names the one that scored.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ STAT_NAMES = [
     "mAR_medium",
     "mAR_large",
 ]
-BACKENDS = ("pycocotools", "faster-coco-eval")
+AUTO_BACKEND = "auto"  # faster-coco-eval where installed, else pycocotools
+BACKENDS = (AUTO_BACKEND, "pycocotools", "faster-coco-eval")
 
 # Decimals kept in detection files: 1/1000 pixel and 1e-5 score are far below what changes
 # a COCO number, and keep the JSON small.
@@ -110,6 +114,26 @@ def faster_coco_eval_available() -> bool:
     return True
 
 
+def resolve_backend(backend: str) -> str:
+    """The library that scores for ``--coco-backend backend``: ``auto`` is faster-coco-eval
+    when it can be imported, else pycocotools; the others are themselves.
+
+    Raises:
+        ConfigError: an unknown name, or faster-coco-eval asked for by name and not installed.
+    """
+    if backend not in BACKENDS:
+        raise ConfigError(f"unknown COCO backend {backend!r}; choose one of {BACKENDS}")
+    available = faster_coco_eval_available()
+    if backend == "faster-coco-eval" and not available:
+        raise ConfigError(
+            "COCO backend 'faster-coco-eval' is not installed; run 'pip install -r "
+            "requirements-extra.txt' or use --coco-backend auto (pycocotools when it is missing)"
+        )
+    if backend == AUTO_BACKEND:
+        return "faster-coco-eval" if available else "pycocotools"
+    return backend
+
+
 class CocoEvaluator:
     """Accumulates COCO-format detections and scores them.
 
@@ -118,19 +142,13 @@ class CocoEvaluator:
     printed, so that it can be logged), and ``per_class_ap()`` gives AP per category.
     """
 
-    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = "pycocotools"):
+    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = AUTO_BACKEND):
         if iou_type != "bbox":
             raise ValueError(f"only iou_type='bbox' is supported, not {iou_type!r}")
-        if backend not in BACKENDS:
-            raise ConfigError(f"unknown COCO backend {backend!r}; choose one of {BACKENDS}")
-        if backend == "faster-coco-eval" and not faster_coco_eval_available():
-            raise ConfigError(
-                "COCO backend 'faster-coco-eval' is not installed; "
-                "run 'pip install -r requirements-extra.txt' or use --coco-backend pycocotools"
-            )
         self.coco_gt = coco_gt
         self.iou_type = iou_type
-        self.backend = backend
+        # The library that scores (``auto`` resolved), see :func:`resolve_backend`.
+        self.backend = resolve_backend(backend)
         self.results: list[dict[str, Any]] = []
         self.summary = ""
         self.stats: np.ndarray | None = None

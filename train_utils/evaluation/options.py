@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from train_utils.evaluation.coco_eval import AUTO_BACKEND, resolve_backend
+
 logger = logging.getLogger(__name__)
 
 MAX_DET = 300
@@ -24,7 +26,9 @@ class EvalOptions:
         conf_thres, iou_thres, multi_label, max_det: NMS settings.
         amp: mixed-precision inference: a dtype, True or None/False (see
             :func:`autocast_context`).
-        backend: COCO scoring library (``pycocotools`` or ``faster-coco-eval``).
+        backend: COCO scoring library: ``auto`` (faster-coco-eval where installed, else
+            pycocotools), ``pycocotools`` or ``faster-coco-eval``; :func:`eval_options` gives
+            the library ``auto`` resolved to.
         show_progress: draw a tqdm bar (rank 0).
         channels_last: feed NHWC batches.
         per_class: also compute per-class AP.
@@ -40,7 +44,7 @@ class EvalOptions:
     multi_label: bool = True
     max_det: int = MAX_DET
     amp: bool | torch.dtype | None = None
-    backend: str = "pycocotools"
+    backend: str = "auto"
     show_progress: bool = False
     channels_last: bool = False
     per_class: bool = False
@@ -60,13 +64,26 @@ def eval_options(
     (``run`` = the run's config) and ``validation.py`` (``run`` = the checkpoint's run config
     with the flags given on top), so both score with the same thresholds, backend, precision
     and memory format. ``nms`` may set ``multi_label``/``max_det``/``single_cls``/``augment``
-    (``validation.py`` flags)."""
+    (``validation.py`` flags). The COCO backend is resolved here, once per run, and logged:
+    ``auto`` becomes the library that will score.
+
+    Raises:
+        ConfigError: ``coco_backend`` names faster-coco-eval and it is not installed (before
+            training, not at the first evaluation).
+    """
+    asked = str(run["coco_backend"])
+    backend = resolve_backend(asked)
+    if asked == AUTO_BACKEND:
+        why = "installed" if backend == "faster-coco-eval" else "faster-coco-eval is not installed"
+        logger.info("COCO scoring: %s (--coco-backend auto: %s)", backend, why)
+    else:
+        logger.info("COCO scoring: %s", backend)
     return EvalOptions(
         device,
         float(run["conf_thres"]),
         float(run["iou_thres"]),
         amp=amp,
-        backend=str(run["coco_backend"]),
+        backend=backend,
         show_progress=show_progress,
         channels_last=channels_last,
         per_class=True,
