@@ -11,6 +11,10 @@ which runs float16 convolutions since torch 2.1), so they take and return float1
 float16 weights (``compress_to_fp16``) and keeps a float32 input and output, computing in the
 precision the device chooses. The runtimes and converters are optional packages, imported only
 when their format is asked for.
+
+Each export carries its metadata (:func:`export_metadata`: class names, stride, input size) as
+YOLOv5 stores it where the format has a place: ONNX ``metadata_props``, TorchScript's
+``config.txt`` extra file, OpenVINO's ``rt_info`` under ``model_info``; values are JSON text.
 """
 
 from __future__ import annotations
@@ -18,12 +22,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import json
 import os
 import shutil
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -83,6 +89,25 @@ def _channels(model: Darknet) -> int:
     return int(model.hyperparams.get("channels", 3))
 
 
+def export_metadata(
+    model: Darknet, img_size: int | tuple[int, int], names: list[str] | None = None
+) -> dict[str, Any]:
+    """What a deployment needs beside the graph: ``names`` (the class names, else ``class0``,
+    ...), ``stride`` (the largest, pixels), ``imgsz`` ([H, W]) and the ``input``/``output``
+    names."""
+    return {
+        "names": list(names) if names else [f"class{i}" for i in range(model.nc)],
+        "stride": int(max(model.strides)),
+        "imgsz": list(hw(img_size)),
+        "input": INPUT_NAME,
+        "output": OUTPUT_NAME,
+    }
+
+
+def _meta_text(meta: Mapping[str, Any]) -> dict[str, str]:
+    return {k: json.dumps(v) for k, v in meta.items()}
+
+
 @contextlib.contextmanager
 def _tracing(model: Darknet, example: torch.Tensor) -> Iterator[DetectionsOnly]:
     """The wrapper to trace with ``example``, in eval mode (a float16 copy when ``example`` is
@@ -96,8 +121,16 @@ def _tracing(model: Darknet, example: torch.Tensor) -> Iterator[DetectionsOnly]:
     model.eval()
     half = example.dtype == torch.float16
     wrapper = DetectionsOnly(copy.deepcopy(model).half() if half else model).eval()
-    with torch.no_grad():
-        wrapper(example)
+    try:
+        with torch.no_grad():
+            wrapper(example)
+    except (RuntimeError, NotImplementedError) as e:
+        if half and "Half" in str(e):
+            raise ConfigError(
+                f"--half: torch {torch.__version__} cannot run this model in float16 on the "
+                "CPU; export without --half, or upgrade torch"
+            ) from e
+        raise
     with warnings.catch_warnings():
         # The TorchScript-based tracers are deprecated in favour of torch.export (which needs
         # extra packages for ONNX); they handle this static graph fine. Their warnings about
@@ -123,8 +156,11 @@ def export_onnx(
     img_size: int | tuple[int, int] = 416,
     opset: int = DEFAULT_OPSET,
     half: bool = False,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` in eval mode as ONNX with a dynamic batch axis; returns the path.
+    ``metadata`` (JSON-able values) goes into the graph's ``metadata_props`` when the onnx
+    package is there to write it.
 
     ``model`` is left in eval mode. Raises ConfigError for an opset below 11 or an image size
     that is not a multiple of the model's largest stride.
@@ -149,16 +185,34 @@ def export_onnx(
             output_names=[OUTPUT_NAME],
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
         )
+    data = _with_onnx_metadata(buf.getvalue(), metadata) if metadata else buf.getvalue()
     with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
-        f.write(buf.getbuffer())
+        f.write(data)
     return path
 
 
+def _with_onnx_metadata(data: bytes, metadata: Mapping[str, Any]) -> bytes:
+    try:
+        import onnx
+    except ImportError:
+        return data  # the graph runs without it; only the names and sizes are not recorded
+    proto = onnx.load_from_string(data)
+    for key, value in _meta_text(metadata).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    return proto.SerializeToString()
+
+
 def export_torchscript(
-    model: Darknet, path: str | Path, img_size: int | tuple[int, int] = 416, half: bool = False
+    model: Darknet,
+    path: str | Path,
+    img_size: int | tuple[int, int] = 416,
+    half: bool = False,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` traced (``torch.jit.trace``) on the CPU as a TorchScript file; returns
-    the path. Load it with ``torch.jit.load(path)``; no project code is needed."""
+    the path. Load it with ``torch.jit.load(path)``; no project code is needed. ``metadata``
+    is the extra file ``config.txt`` (one JSON object, as YOLOv5 writes it)."""
     h, w = _checked(model, img_size)
     path = Path(path)
     make_output_dir(path.parent, OUTPUT_FLAG)
@@ -167,7 +221,8 @@ def export_torchscript(
     with _tracing(model, example) as wrapper:
         with torch.no_grad():
             traced = torch.jit.trace(wrapper, example, check_trace=False)
-        torch.jit.save(traced, buf)
+        extra = {"config.txt": json.dumps(dict(metadata))} if metadata else {}
+        torch.jit.save(traced, buf, _extra_files=extra)
     with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
         f.write(buf.getbuffer())
     return path
@@ -184,7 +239,11 @@ def _import_openvino():
 
 
 def export_openvino(
-    model: Darknet, folder: str | Path, img_size: int | tuple[int, int] = 416, half: bool = False
+    model: Darknet,
+    folder: str | Path,
+    img_size: int | tuple[int, int] = 416,
+    half: bool = False,
+    metadata: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write ``model`` as an OpenVINO IR folder (``<folder>/<stem>.xml`` and ``.bin``, the stem
     being the folder's name less ``_openvino_model``); returns the folder.
@@ -192,7 +251,8 @@ def export_openvino(
     Converted from the PyTorch model directly (``openvino.convert_model``); ``half`` stores the
     weights in float16 (``compress_to_fp16``). The folder is written under a temporary name
     beside it and renamed into place, so that it is whole or absent; an existing one is
-    replaced only after the new one is complete.
+    replaced only after the new one is complete. ``metadata`` goes into the IR's ``rt_info``
+    under ``model_info``.
     """
     ov = _import_openvino()
     h, w = _checked(model, img_size)
@@ -207,6 +267,8 @@ def export_openvino(
         )
     converted.inputs[0].get_tensor().set_names({INPUT_NAME})
     converted.outputs[0].get_tensor().set_names({OUTPUT_NAME})
+    for key, value in _meta_text(metadata or {}).items():
+        converted.set_rt_info(value, ["model_info", key])
     tmp = temp_path(folder)
     try:
         with reported_write(folder, OUTPUT_FLAG, folder=True):
@@ -285,16 +347,17 @@ class ExportFormat:
     run: Callable[[Path, np.ndarray], np.ndarray]
 
 
-def _write_onnx(model: Darknet, path: Path, img_size, half: bool, opset: int) -> Path:
-    return export_onnx(model, path, img_size, opset, half)
+# The writers as FORMATS calls them: (model, path, img_size, half, opset, metadata).
+def _write_onnx(model: Darknet, path: Path, img_size, half, opset, metadata) -> Path:
+    return export_onnx(model, path, img_size, opset, half, metadata)
 
 
-def _write_torchscript(model: Darknet, path: Path, img_size, half: bool, opset: int) -> Path:
-    return export_torchscript(model, path, img_size, half)
+def _write_torchscript(model: Darknet, path: Path, img_size, half, opset, metadata) -> Path:
+    return export_torchscript(model, path, img_size, half, metadata)
 
 
-def _write_openvino(model: Darknet, path: Path, img_size, half: bool, opset: int) -> Path:
-    return export_openvino(model, path, img_size, half)
+def _write_openvino(model: Darknet, path: Path, img_size, half, opset, metadata) -> Path:
+    return export_openvino(model, path, img_size, half, metadata)
 
 
 # Output names as YOLOv5's export.py gives them.

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import errno
 import importlib.util
+import json
 from pathlib import Path
 
 import cv2
@@ -30,6 +31,14 @@ IMG = 64
 FP32_TOL = 1e-4
 FP16_TOL = 1e-2
 NMS_CONF, NMS_IOU = 0.25, 0.45
+# What every export records beside its graph (the test weights carry no class names).
+METADATA = {
+    "names": [f"class{i}" for i in range(80)],
+    "stride": 32,
+    "imgsz": [IMG, IMG],
+    "input": "images",
+    "output": "detections",
+}
 
 HAVE_ORT = importlib.util.find_spec("onnxruntime") is not None
 HAVE_OPENVINO = importlib.util.find_spec("openvino") is not None
@@ -96,6 +105,19 @@ def assert_same_detections(want: np.ndarray, got: np.ndarray) -> None:
         torch.testing.assert_close(b, a, rtol=FP32_TOL, atol=1e-3)
 
 
+def onnx_metadata(path: Path) -> dict:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return {k: json.loads(v) for k, v in session.get_modelmeta().custom_metadata_map.items()}
+
+
+def torchscript_metadata(path: Path) -> dict:
+    extra = {"config.txt": ""}
+    torch.jit.load(str(path), _extra_files=extra)
+    return json.loads(extra["config.txt"])
+
+
 def run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
     import onnxruntime as ort
 
@@ -114,8 +136,8 @@ def run_torchscript(path: Path, x: np.ndarray, dtype: torch.dtype) -> np.ndarray
         return module(torch.from_numpy(x).to(dtype)).numpy()
 
 
-def run_openvino(folder: Path, x: np.ndarray) -> tuple[np.ndarray, set[str]]:
-    """The output, and the element types of the IR's weight constants."""
+def run_openvino(folder: Path, x: np.ndarray) -> tuple[np.ndarray, set[str], dict]:
+    """The output, the element types of the IR's weight constants and its metadata."""
     import openvino as ov
 
     core = ov.Core()
@@ -127,8 +149,10 @@ def run_openvino(folder: Path, x: np.ndarray) -> tuple[np.ndarray, set[str]]:
         and op.get_output_size()
         and len(op.get_output_shape(0)) == 4
     }
+    info = ir.get_rt_info()["model_info"]
+    meta = {k: json.loads(ir.get_rt_info(["model_info", k]).astype(str)) for k in info}
     compiled = core.compile_model(ir, "CPU")
-    return compiled({"images": x})[compiled.output("detections")], types
+    return compiled({"images": x})[compiled.output("detections")], types, meta
 
 
 # ---- each format in its own runtime -----------------------------------------------------------
@@ -140,6 +164,8 @@ def test_onnx_and_torchscript_agree_with_pytorch(weights, tmp_path):
     argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
     assert export.main([*argv, "--include", "onnx", "torchscript"]) == 0
     assert sorted(p.name for p in out.iterdir()) == ["best.onnx", "best.torchscript"]
+    assert onnx_metadata(out / "best.onnx") == METADATA
+    assert torchscript_metadata(out / "best.torchscript") == METADATA
     x = picture()
     want = pytorch_output(x)
     for got in (
@@ -178,7 +204,8 @@ def test_openvino_agrees_with_pytorch(weights, tmp_path, half):
     assert sorted(p.name for p in folder.iterdir()) == ["best.bin", "best.xml"]
     x = picture()
     want = pytorch_output(x)
-    got, weight_types = run_openvino(folder, x)
+    got, weight_types, meta = run_openvino(folder, x)
+    assert meta == METADATA
     assert got.dtype == np.float32  # compress_to_fp16 keeps a float32 interface
     assert weight_types == ({"f16"} if half else {"f32"})
     tol = FP16_TOL if half else FP32_TOL
@@ -286,3 +313,19 @@ def test_verify_catches_a_wrong_export(tmp_path):
         other.module_list[other.yolo_layers[0] - 1].Conv2d.bias[0] += 1e-2
     moved = model_export.verify(fmt, other, path, images, half=False)
     assert not moved.ok and moved.worst > 1
+
+
+def test_half_without_cpu_float16_is_one_line(tmp_path, monkeypatch, capsys):
+    """A torch whose CPU has no float16 convolution (before 2.1) gets one line, not a trace."""
+    real = Darknet.forward
+
+    def no_cpu_half(self, x):
+        if x.dtype == torch.float16:
+            raise RuntimeError("\"slow_conv2d_cpu\" not implemented for 'Half'")
+        return real(self, x)
+
+    monkeypatch.setattr(Darknet, "forward", no_cpu_half)
+    argv = ["--cfg", str(TINY), "--img-size", str(IMG), "-o", str(tmp_path), "--no-verify"]
+    assert export.main([*argv, "--include", "torchscript", "--half"]) == 2
+    assert "cannot run this model in float16 on the CPU" in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []

@@ -38,7 +38,15 @@ from build_utils.parse_config import parse_model_cfg
 from data.make_shapes import GeneratorOptions, render_image
 from models.budget import check_model_fits
 from models.darknet import Darknet
-from models.export import DEFAULT_OPSET, FORMATS, MIN_OPSET, OUTPUT_FLAG, verify
+from models.export import (
+    DEFAULT_OPSET,
+    FORMATS,
+    MIN_OPSET,
+    NMS_CONF,
+    OUTPUT_FLAG,
+    export_metadata,
+    verify,
+)
 from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights
 from train_utils.cli import (
@@ -125,9 +133,11 @@ def sample_images(h: int, w: int, n: int = SAMPLE_IMAGES, seed: int = SAMPLE_SEE
     return torch.from_numpy(np.stack(batch)).float() / 255.0
 
 
-def _load(args: argparse.Namespace) -> tuple[Darknet, str, Path, tuple[int, int]]:
-    """The model (eval mode, CPU), the exports' stem, the weights' folder (or the current one)
-    and the input (H, W)."""
+def _load(
+    args: argparse.Namespace,
+) -> tuple[Darknet, list[str] | None, str, Path, tuple[int, int]]:
+    """The model (eval mode, CPU), its class names (None: not known), the exports' stem, the
+    weights' folder (or the current one) and the input (H, W)."""
     if args.img_size is not None:
         check_img_size(args.img_size)
     if not args.weights:
@@ -136,11 +146,13 @@ def _load(args: argparse.Namespace) -> tuple[Darknet, str, Path, tuple[int, int]
         side = args.img_size or DEFAULT_SIDE
         blocks = parse_model_cfg(args.cfg)
         check_model_fits(blocks, (side, side))  # the export traces one image
-        return Darknet(blocks, img_size=side).eval(), Path(args.cfg).stem, Path("."), (side, side)
+        model = Darknet(blocks, img_size=side).eval()
+        return model, None, Path(args.cfg).stem, Path("."), (side, side)
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
     side = args.img_size or check_img_size(weights.run.get("img_size") or DEFAULT_SIDE)
     model = model_from_weights(weights, args.cfg, None, side).eval()
-    return model, Path(args.weights).stem, Path(args.weights).parent, (side, side)
+    stem, home = Path(args.weights).stem, Path(args.weights).parent
+    return model, weights.names, stem, home, (side, side)
 
 
 def _targets(args: argparse.Namespace, formats: list[str], stem: str, home: Path) -> list[Path]:
@@ -169,28 +181,29 @@ def main(argv: list[str] | None = None) -> int:
         formats = included(args.include)
         if args.opset < MIN_OPSET:
             raise ConfigError(f"--opset {args.opset}: upsampling needs opset {MIN_OPSET} or later")
-        model, stem, home, (h, w) = _load(args)
+        model, names, stem, home, (h, w) = _load(args)
+        metadata = export_metadata(model, (h, w), names)
         targets = _targets(args, formats, stem, home)
         make_output_dir(targets[0].parent, OUTPUT_FLAG)
         images = sample_images(h, w) if args.verify else None
         failed = []
         for name, path in zip(formats, targets):
             fmt = FORMATS[name]
-            fmt.write(model, path, (h, w), args.half, args.opset)
+            fmt.write(model, path, (h, w), args.half, args.opset, metadata)
             precision = "float16" if args.half else "float32"
             LOGGER.info("wrote %s (%s, input images: batch x 3 x %d x %d)", path, precision, h, w)
             if images is None:
                 continue
             a = verify(fmt, model, path, images, args.half)
             LOGGER.info(
-                "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); "
-                "%d of %d detections after NMS found",
+                "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); %s",
                 name,
                 "matches" if a.ok else "DIFFERS FROM",
                 a.max_abs,
                 a.tolerance,
-                a.found,
-                a.detections,
+                f"{a.found} of its {a.detections} detections after NMS found"
+                if a.detections
+                else f"no detections above conf {NMS_CONF} on the sample images to compare",
             )
             if not a.ok:
                 failed.append(name)
