@@ -6,11 +6,11 @@ Every format holds the same graph: one input ``images`` (batch, 3, H, W) in [0, 
 :class:`~models.darknet.Darknet` (cx, cy, w, h in input pixels, sigmoid objectness and class
 scores) before NMS. The batch size is dynamic; H and W are fixed (the grids are baked in).
 
-fp16 (``half=True``): ONNX and TorchScript are traced from the model in float16 (on the CPU,
-which runs float16 convolutions since torch 2.1), so they take and return float16; OpenVINO stores
-float16 weights (``compress_to_fp16``) and keeps a float32 input and output, computing in the
-precision the device chooses. The runtimes and converters are optional packages, imported only
-when their format is asked for.
+fp16 (``half=True``): ONNX and TorchScript are traced from the model in float16 on the CPU (the
+pinned torch runs float16 convolutions there; an older one gets one line), so they take and
+return float16; OpenVINO stores float16 weights (``compress_to_fp16``) and keeps a float32 input
+and output, computing in the precision the device chooses. The runtimes and converters are
+optional packages, imported only when their format is asked for.
 
 Each export carries its metadata (:func:`export_metadata`: class names, stride, input size) as
 YOLOv5 stores it where the format has a place: ONNX ``metadata_props``, TorchScript's
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import io
 import json
 import os
@@ -46,6 +47,7 @@ DEFAULT_OPSET = 12
 OUTPUT_FLAG = "--output"  # the option that chose the output place, named in write errors
 INPUT_NAME, OUTPUT_NAME = "images", "detections"
 INSTALL_ONNX = "pip install -r requirements-onnx.txt"
+OPENVINO_FOLDER_SUFFIX = "_openvino_model"  # YOLOv5's: best.pt -> best_openvino_model/
 # Elementwise agreement with PyTorch float32: |got - want| <= tol + tol * |want|, on every
 # decoded value (boxes in pixels, scores in [0, 1]). float16 carries 11 significant bits
 # (relative step 1e-3) and its rounding compounds through ~100 layers.
@@ -232,9 +234,7 @@ def _import_openvino():
     try:
         import openvino
     except ImportError as e:
-        raise ConfigError(
-            "OpenVINO export needs openvino: pip install -r requirements-onnx.txt"
-        ) from e
+        raise ConfigError(f"OpenVINO needs openvino: {INSTALL_ONNX}") from e
     return openvino
 
 
@@ -304,16 +304,12 @@ def _replace_folder(new: Path, folder: Path) -> None:
 
 # ---- the formats and their runtimes ----------------------------------------------------------
 
-OPENVINO_FOLDER_SUFFIX = "_openvino_model"
-
 
 def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
     try:
         import onnxruntime as ort
     except ImportError as e:
-        raise ConfigError(
-            "checking ONNX needs onnxruntime: pip install -r requirements-onnx.txt"
-        ) from e
+        raise ConfigError(f"checking ONNX needs onnxruntime: {INSTALL_ONNX}") from e
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     dtype = np.float16 if session.get_inputs()[0].type == "tensor(float16)" else np.float32
     (got,) = session.run(None, {INPUT_NAME: x.astype(dtype)})
@@ -339,12 +335,21 @@ def _run_openvino(folder: Path, x: np.ndarray) -> np.ndarray:
 @dataclass(frozen=True)
 class ExportFormat:
     """One deployment format: the ``--include`` name, the output's name from the weights' stem,
-    how to write it and how to run what was written (on the CPU, in its own runtime)."""
+    how to write it and how to run what was written (on the CPU, in its own runtime), and the
+    packages each needs (``writer_needs``, ``runtime_needs``: import names)."""
 
     name: str
     target: Callable[[str], str]
     write: Callable[..., Path]
     run: Callable[[Path, np.ndarray], np.ndarray]
+    writer_needs: tuple[str, ...] = ()
+    runtime_needs: tuple[str, ...] = ()
+
+    def missing(self, verify: bool) -> list[str]:
+        """The packages this format needs (to write, and to run when ``verify``) that are not
+        installed."""
+        wanted = self.writer_needs + (self.runtime_needs if verify else ())
+        return [m for m in dict.fromkeys(wanted) if importlib.util.find_spec(m) is None]
 
 
 # The writers as FORMATS calls them: (model, path, img_size, half, opset, metadata).
@@ -364,7 +369,9 @@ def _write_openvino(model: Darknet, path: Path, img_size, half, opset, metadata)
 FORMATS: dict[str, ExportFormat] = {
     f.name: f
     for f in (
-        ExportFormat("onnx", lambda stem: f"{stem}.onnx", _write_onnx, _run_onnx),
+        ExportFormat(
+            "onnx", lambda stem: f"{stem}.onnx", _write_onnx, _run_onnx, ("onnx",), ("onnxruntime",)
+        ),
         ExportFormat(
             "torchscript", lambda stem: f"{stem}.torchscript", _write_torchscript, _run_torchscript
         ),
@@ -373,6 +380,8 @@ FORMATS: dict[str, ExportFormat] = {
             lambda stem: f"{stem}{OPENVINO_FOLDER_SUFFIX}",
             _write_openvino,
             _run_openvino,
+            ("openvino",),
+            ("openvino",),
         ),
     )
 }
@@ -416,8 +425,8 @@ def _found(want: torch.Tensor, got: torch.Tensor) -> int:
 
 def compare(want: np.ndarray, got: np.ndarray, tolerance: float) -> Agreement:
     """Compare decoded outputs (bs, N, 5 + nc) elementwise and after NMS."""
-    if got.shape != want.shape:
-        raise ValueError(f"output shape {got.shape} differs from PyTorch's {want.shape}")
+    if got.shape != want.shape:  # a broken export: nothing to compare value by value
+        return Agreement(float("inf"), float("inf"), tolerance, 0, 0)
     diff = np.abs(got.astype(np.float64) - want)
     worst = float((diff / (tolerance + tolerance * np.abs(want))).max())
     kept_want = non_max_suppression(torch.from_numpy(want).float(), NMS_CONF, NMS_IOU)

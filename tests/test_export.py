@@ -269,7 +269,7 @@ def test_openvino_folder_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch, 
     assert (folder / "yolov3-tiny.xml").read_text().startswith("<?xml")
 
 
-def test_bad_input_is_one_line(tmp_path, capsys):
+def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     base = ["--cfg", str(TINY), "--img-size", str(IMG), "--no-verify", "-o", str(tmp_path)]
     assert export.main([*base, "--include"]) == 2
     assert "--include needs at least one format: onnx, torchscript, openvino" in one_error_line(
@@ -277,6 +277,17 @@ def test_bad_input_is_one_line(tmp_path, capsys):
     )
     assert export.main([*base, "--include", "onnx", "tflite"]) == 2
     assert "--include 'tflite' is not a format this tool writes" in one_error_line(capsys)
+    real_find_spec = importlib.util.find_spec
+
+    def no_ort(name, *args):
+        return None if name == "onnxruntime" else real_find_spec(name, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec", no_ort)
+        assert export.main([*base, "--include", "torchscript", "onnx", "--verify"]) == 2
+    line = one_error_line(capsys)
+    assert "--include onnx needs onnxruntime: pip install -r requirements-onnx.txt" in line
+    assert line.endswith("(or --no-verify)\n") and list(tmp_path.iterdir()) == []
     assert export.main(["--img-size", str(IMG), "--include", "torchscript"]) == 2
     assert "pass --weights" in one_error_line(capsys)
     assert export.main([*base, "--img-size", "100"]) == 2

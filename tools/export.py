@@ -41,6 +41,7 @@ from models.darknet import Darknet
 from models.export import (
     DEFAULT_OPSET,
     FORMATS,
+    INSTALL_ONNX,
     MIN_OPSET,
     NMS_CONF,
     OUTPUT_FLAG,
@@ -181,6 +182,13 @@ def main(argv: list[str] | None = None) -> int:
         formats = included(args.include)
         if args.opset < MIN_OPSET:
             raise ConfigError(f"--opset {args.opset}: upsampling needs opset {MIN_OPSET} or later")
+        for name in formats:
+            missing = FORMATS[name].missing(args.verify)
+            if missing:
+                raise ConfigError(
+                    f"--include {name} needs {' and '.join(missing)}: {INSTALL_ONNX}"
+                    + ("" if FORMATS[name].missing(False) else " (or --no-verify)")
+                )
         model, names, stem, home, (h, w) = _load(args)
         metadata = export_metadata(model, (h, w), names)
         targets = _targets(args, formats, stem, home)
