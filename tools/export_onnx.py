@@ -16,106 +16,41 @@ Without ``--weights`` the model keeps its random initialisation (useful for test
 from __future__ import annotations
 
 import argparse
-import io
 import logging
 import sys
-import warnings
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 import torch
-from torch import nn
 
-from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError, YoloError
 from build_utils.parse_config import parse_model_cfg
 from models.budget import check_model_fits
 from models.darknet import Darknet
+from models.export import (
+    DEFAULT_OPSET,
+    FORMATS,
+    FP32_TOLERANCE,
+    MIN_OPSET,
+    DetectionsOnly,
+    export_onnx,
+    hw,
+)
 from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, check_img_size
 
+# The writer and the runtime are models/export.py's, shared with tools/export.py; this script
+# keeps its own command line (--img-size H W, -o FILE, --verify on a random batch).
+__all__ = ["DetectionsOnly", "export_onnx", "get_args_parser", "main", "verify_onnx"]
+
 LOGGER = logging.getLogger(__name__)
 
-# Opset 11 is the first with the Resize semantics nn.Upsample needs; 12 is widely supported.
-MIN_OPSET = 11
-DEFAULT_OPSET = 12
 DEFAULT_SIDE = 416  # export size of a cfg without a trained run
-VERIFY_TOLERANCE = 1e-4
-OUTPUT_FLAG = "--output"  # the option that chose the output file, named in write errors
+VERIFY_TOLERANCE = FP32_TOLERANCE
 VERIFY_BATCH = 2  # not the export batch (1), to exercise the dynamic batch axis
-
-
-class DetectionsOnly(nn.Module):
-    """Wraps a Darknet so that the exported graph returns only the decoded detections."""
-
-    def __init__(self, model: Darknet):
-        super().__init__()
-        self.model = model
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """(bs, 3, H, W) -> (bs, N, 5 + nc), see :class:`~models.darknet.Darknet`."""
-        return self.model(x)[0]
-
-
-def _hw(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
-    if isinstance(img_size, int):
-        return img_size, img_size
-    if len(img_size) == 1:
-        return img_size[0], img_size[0]
-    return int(img_size[0]), int(img_size[1])
-
-
-def export_onnx(
-    model: Darknet,
-    path: str | Path,
-    img_size: int | tuple[int, int] = 416,
-    opset: int = DEFAULT_OPSET,
-) -> Path:
-    """Write ``model`` in eval mode as ONNX with a dynamic batch axis; returns the path.
-
-    ``model`` is left in eval mode. Raises ConfigError for an opset below 11 or an image size
-    that is not a multiple of the model's largest stride.
-    """
-    if opset < MIN_OPSET:
-        raise ConfigError(f"--opset {opset}: upsampling needs opset {MIN_OPSET} or later")
-    h, w = _hw(img_size)
-    stride = int(max(model.strides))
-    if h % stride or w % stride:
-        raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
-    path = Path(path)
-    make_output_dir(path.parent, OUTPUT_FLAG)
-    wrapper = DetectionsOnly(model).eval()
-    x = torch.zeros(1, model.hyperparams.get("channels", 3), h, w)
-    with warnings.catch_warnings():
-        # The TorchScript-based exporter is deprecated in favour of torch.export (which needs the
-        # extra onnxscript package); it handles this static graph fine. Its tracer warns about
-        # shape-dependent Python branches, which are constant for a fixed image size.
-        warnings.simplefilter("ignore", DeprecationWarning)
-        warnings.simplefilter("ignore", torch.jit.TracerWarning)
-        # Darknet's max-pooling pads with -inf where MaxPool's symmetric padding cannot (size=2
-        # stride=1): F.pad exports as Pad with a reversed (step -1) Slice the folder skips.
-        warnings.filterwarnings("ignore", message="Constant folding", category=UserWarning)
-        # Into memory first, then atomically onto ``path``: a full disk mid-write must leave
-        # the previous export whole (the exporter would write ``path`` in place).
-        buf = io.BytesIO()
-        torch.onnx.export(
-            wrapper,
-            (x,),
-            buf,
-            dynamo=False,
-            opset_version=opset,
-            input_names=["images"],
-            output_names=["detections"],
-            dynamic_axes={"images": {0: "batch"}, "detections": {0: "batch"}},
-        )
-    # The exporter restores the wrapper's original (training) mode on exit, recursively.
-    model.eval()
-    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
-        f.write(buf.getbuffer())
-    return path
 
 
 def verify_onnx(
@@ -130,18 +65,13 @@ def verify_onnx(
         ConfigError: onnxruntime is not installed.
         AssertionError: the outputs differ by more than 1e-4 (relative and absolute).
     """
-    try:
-        import onnxruntime as ort
-    except ImportError as e:
-        raise ConfigError("--verify needs onnxruntime: pip install -r requirements-onnx.txt") from e
-    h, w = _hw(img_size)
+    h, w = hw(img_size)
     gen = torch.Generator().manual_seed(seed)
     x = torch.rand(VERIFY_BATCH, model.hyperparams.get("channels", 3), h, w, generator=gen)
     model.eval()
     with torch.no_grad():
         expected = model(x)[0].numpy()
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    (got,) = session.run(None, {"images": x.numpy()})
+    got = FORMATS["onnx"].run(Path(path), x.numpy())
     np.testing.assert_allclose(got, expected, rtol=VERIFY_TOLERANCE, atol=VERIFY_TOLERANCE)
     return float(np.abs(got - expected).max())
 
@@ -183,7 +113,7 @@ def _checked_hw(sides: list[int]) -> tuple[int, int]:
     the limit (:func:`~train_utils.cli.check_img_size`)."""
     for side in sides:
         check_img_size(side)
-    return _hw(sides)
+    return hw(sides)
 
 
 def _model_and_output(args: argparse.Namespace) -> tuple[Darknet, Path, tuple[int, int]]:

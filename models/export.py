@@ -1,0 +1,452 @@
+"""A Darknet model in the deployment formats: ONNX, TorchScript and OpenVINO, written atomically,
+loaded back in each format's own runtime and compared with PyTorch.
+
+Every format holds the same graph: one input ``images`` (batch, 3, H, W) in [0, 1] and one output
+``detections`` (batch, N, 5 + nc), the eval-mode decoded boxes of
+:class:`~models.darknet.Darknet` (cx, cy, w, h in input pixels, sigmoid objectness and class
+scores) before NMS. The batch size is dynamic; H and W are fixed (the grids are baked in).
+
+fp16 (``half=True``): ONNX and TorchScript are traced from the model in float16 on the CPU (the
+pinned torch runs float16 convolutions there; an older one gets one line), so they take and
+return float16; OpenVINO stores float16 weights (``compress_to_fp16``) and keeps a float32 input
+and output, computing in the precision the device chooses. The runtimes and converters are
+optional packages, imported only when their format is asked for.
+
+Each export carries its metadata (:func:`export_metadata`: class names, stride, input size) as
+YOLOv5 stores it where the format has a place: ONNX ``metadata_props``, TorchScript's
+``config.txt`` extra file, OpenVINO's ``rt_info`` under ``model_info``; values are JSON text.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib.util
+import io
+import json
+import os
+import shutil
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from build_utils.atomic import atomic_write, fsync_dir, make_output_dir, reported_write, temp_path
+from build_utils.boxes import box_iou, non_max_suppression
+from build_utils.errors import ConfigError
+from models.darknet import Darknet
+
+# Opset 11 is the first with the Resize semantics nn.Upsample needs; 12 is widely supported.
+MIN_OPSET = 11
+DEFAULT_OPSET = 12
+OUTPUT_FLAG = "--output"  # the option that chose the output place, named in write errors
+INPUT_NAME, OUTPUT_NAME = "images", "detections"
+INSTALL_ONNX = "pip install -r requirements-onnx.txt"
+OPENVINO_FOLDER_SUFFIX = "_openvino_model"  # YOLOv5's: best.pt -> best_openvino_model/
+# Elementwise agreement with PyTorch float32: |got - want| <= tol + tol * |want|, on every
+# decoded value (boxes in pixels, scores in [0, 1]). float16 carries 11 significant bits
+# (relative step 1e-3) and its rounding compounds through ~100 layers.
+FP32_TOLERANCE = 1e-4
+FP16_TOLERANCE = 1e-2
+# NMS-level agreement: the detections a deployment would keep, at predict.py-like settings.
+NMS_CONF, NMS_IOU = 0.25, 0.45
+SAME_BOX_IOU = 0.9  # a reference detection is found when the export has one of its class this close
+
+
+class DetectionsOnly(nn.Module):
+    """Wraps a Darknet so that the exported graph returns only the decoded detections."""
+
+    def __init__(self, model: Darknet):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """(bs, 3, H, W) -> (bs, N, 5 + nc), see :class:`~models.darknet.Darknet`."""
+        return self.model(x)[0]
+
+
+def hw(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
+    """(H, W) of a side or an (H, W) pair."""
+    if isinstance(img_size, int):
+        return img_size, img_size
+    if len(img_size) == 1:
+        return int(img_size[0]), int(img_size[0])
+    return int(img_size[0]), int(img_size[1])
+
+
+def _checked(model: Darknet, img_size: int | tuple[int, int]) -> tuple[int, int]:
+    h, w = hw(img_size)
+    stride = int(max(model.strides))
+    if h % stride or w % stride:
+        raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
+    return h, w
+
+
+def _channels(model: Darknet) -> int:
+    return int(model.hyperparams.get("channels", 3))
+
+
+def export_metadata(
+    model: Darknet, img_size: int | tuple[int, int], names: list[str] | None = None
+) -> dict[str, Any]:
+    """What a deployment needs beside the graph: ``names`` (the class names, else ``class0``,
+    ...), ``stride`` (the largest, pixels), ``imgsz`` ([H, W]) and the ``input``/``output``
+    names."""
+    return {
+        "names": list(names) if names else [f"class{i}" for i in range(model.nc)],
+        "stride": int(max(model.strides)),
+        "imgsz": list(hw(img_size)),
+        "input": INPUT_NAME,
+        "output": OUTPUT_NAME,
+    }
+
+
+def _meta_text(meta: Mapping[str, Any]) -> dict[str, str]:
+    return {k: json.dumps(v) for k, v in meta.items()}
+
+
+@contextlib.contextmanager
+def _tracing(model: Darknet, example: torch.Tensor) -> Iterator[DetectionsOnly]:
+    """The wrapper to trace with ``example``, in eval mode (a float16 copy when ``example`` is
+    float16), with the tracers' warnings about this static graph silenced; ``model`` is in eval
+    mode afterwards.
+
+    The wrapper has run ``example`` once, so that every head's grid is cached for the traced
+    size: each trace then holds it as a constant, the same in every invocation (OpenVINO checks
+    two traces against each other; a fresh model would count its grid in the first only).
+    """
+    model.eval()
+    half = example.dtype == torch.float16
+    wrapper = DetectionsOnly(copy.deepcopy(model).half() if half else model).eval()
+    try:
+        with torch.no_grad():
+            wrapper(example)
+    except (RuntimeError, NotImplementedError) as e:
+        if half and "Half" in str(e):
+            raise ConfigError(
+                f"--half: torch {torch.__version__} cannot run this model in float16 on the "
+                "CPU; export without --half, or upgrade torch"
+            ) from e
+        raise
+    with warnings.catch_warnings():
+        # The TorchScript-based tracers are deprecated in favour of torch.export (which needs
+        # extra packages for ONNX); they handle this static graph fine. Their warnings about
+        # shape-dependent Python branches concern values constant at a fixed image size.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        warnings.simplefilter("ignore", FutureWarning)
+        warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        # Darknet's max-pooling pads with -inf where MaxPool's symmetric padding cannot (size=2
+        # stride=1): F.pad exports as Pad with a reversed (step -1) Slice the folder skips.
+        warnings.filterwarnings("ignore", message="Constant folding", category=UserWarning)
+        yield wrapper
+    # The ONNX exporter restores the wrapper's original mode on exit, recursively.
+    model.eval()
+
+
+def _example(model: Darknet, h: int, w: int, half: bool) -> torch.Tensor:
+    return torch.zeros(1, _channels(model), h, w, dtype=torch.float16 if half else torch.float32)
+
+
+def export_onnx(
+    model: Darknet,
+    path: str | Path,
+    img_size: int | tuple[int, int] = 416,
+    opset: int = DEFAULT_OPSET,
+    half: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` in eval mode as ONNX with a dynamic batch axis; returns the path.
+    ``metadata`` (JSON-able values) goes into the graph's ``metadata_props`` when the onnx
+    package is there to write it.
+
+    ``model`` is left in eval mode. Raises ConfigError for an opset below 11 or an image size
+    that is not a multiple of the model's largest stride.
+    """
+    if opset < MIN_OPSET:
+        raise ConfigError(f"--opset {opset}: upsampling needs opset {MIN_OPSET} or later")
+    h, w = _checked(model, img_size)
+    path = Path(path)
+    make_output_dir(path.parent, OUTPUT_FLAG)
+    buf = io.BytesIO()
+    example = _example(model, h, w, half)
+    with _tracing(model, example) as wrapper:
+        # Into memory first, then atomically onto ``path``: a full disk mid-write must leave
+        # the previous export whole (the exporter would write ``path`` in place).
+        torch.onnx.export(
+            wrapper,
+            (example,),
+            buf,
+            dynamo=False,
+            opset_version=opset,
+            input_names=[INPUT_NAME],
+            output_names=[OUTPUT_NAME],
+            dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
+        )
+    data = _with_onnx_metadata(buf.getvalue(), metadata) if metadata else buf.getvalue()
+    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _with_onnx_metadata(data: bytes, metadata: Mapping[str, Any]) -> bytes:
+    try:
+        import onnx
+    except ImportError:
+        return data  # the graph runs without it; only the names and sizes are not recorded
+    proto = onnx.load_from_string(data)
+    for key, value in _meta_text(metadata).items():
+        entry = proto.metadata_props.add()
+        entry.key, entry.value = key, value
+    return proto.SerializeToString()
+
+
+def export_torchscript(
+    model: Darknet,
+    path: str | Path,
+    img_size: int | tuple[int, int] = 416,
+    half: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` traced (``torch.jit.trace``) on the CPU as a TorchScript file; returns
+    the path. Load it with ``torch.jit.load(path)``; no project code is needed. ``metadata``
+    is the extra file ``config.txt`` (one JSON object, as YOLOv5 writes it)."""
+    h, w = _checked(model, img_size)
+    path = Path(path)
+    make_output_dir(path.parent, OUTPUT_FLAG)
+    buf = io.BytesIO()
+    example = _example(model, h, w, half)
+    with _tracing(model, example) as wrapper:
+        with torch.no_grad():
+            traced = torch.jit.trace(wrapper, example, check_trace=False)
+        extra = {"config.txt": json.dumps(dict(metadata))} if metadata else {}
+        torch.jit.save(traced, buf, _extra_files=extra)
+    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
+        f.write(buf.getbuffer())
+    return path
+
+
+def _import_openvino():
+    try:
+        import openvino
+    except ImportError as e:
+        raise ConfigError(f"OpenVINO needs openvino: {INSTALL_ONNX}") from e
+    return openvino
+
+
+def export_openvino(
+    model: Darknet,
+    folder: str | Path,
+    img_size: int | tuple[int, int] = 416,
+    half: bool = False,
+    metadata: Mapping[str, Any] | None = None,
+) -> Path:
+    """Write ``model`` as an OpenVINO IR folder (``<folder>/<stem>.xml`` and ``.bin``, the stem
+    being the folder's name less ``_openvino_model``); returns the folder.
+
+    Converted from the PyTorch model directly (``openvino.convert_model``); ``half`` stores the
+    weights in float16 (``compress_to_fp16``). The folder is written under a temporary name
+    beside it and renamed into place, so that it is whole or absent; an existing one is
+    replaced only after the new one is complete. ``metadata`` goes into the IR's ``rt_info``
+    under ``model_info``.
+    """
+    ov = _import_openvino()
+    h, w = _checked(model, img_size)
+    folder = Path(folder)
+    make_output_dir(folder.parent, OUTPUT_FLAG)
+    example = _example(model, h, w, False)
+    with _tracing(model, example) as wrapper:
+        converted = ov.convert_model(
+            wrapper,
+            example_input=example,
+            input=[-1, _channels(model), h, w],
+        )
+    converted.inputs[0].get_tensor().set_names({INPUT_NAME})
+    converted.outputs[0].get_tensor().set_names({OUTPUT_NAME})
+    for key, value in _meta_text(metadata or {}).items():
+        converted.set_rt_info(value, ["model_info", key])
+    tmp = temp_path(folder)
+    try:
+        with reported_write(folder, OUTPUT_FLAG, folder=True):
+            ov.save_model(converted, str(tmp / f"{ir_stem(folder)}.xml"), compress_to_fp16=half)
+            _replace_folder(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def ir_stem(folder: Path) -> str:
+    """The file stem inside an OpenVINO folder: ``best_openvino_model`` holds ``best.xml``."""
+    return folder.name.removesuffix(OPENVINO_FOLDER_SUFFIX) or folder.name
+
+
+def _replace_folder(new: Path, folder: Path) -> None:
+    """Rename the finished folder ``new`` onto ``folder``; an old one is moved aside first (a
+    folder cannot be renamed onto a non-empty one) and removed once the new one is in place."""
+    old = None
+    if folder.exists():
+        old = temp_path(folder)
+        os.replace(folder, old)
+    try:
+        os.replace(new, folder)
+    except OSError:
+        if old is not None:
+            os.replace(old, folder)
+        raise
+    fsync_dir(folder.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+# ---- the formats and their runtimes ----------------------------------------------------------
+
+
+def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
+    try:
+        import onnxruntime as ort
+    except ImportError as e:
+        raise ConfigError(f"checking ONNX needs onnxruntime: {INSTALL_ONNX}") from e
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    dtype = np.float16 if session.get_inputs()[0].type == "tensor(float16)" else np.float32
+    (got,) = session.run(None, {INPUT_NAME: x.astype(dtype)})
+    return got.astype(np.float32)
+
+
+def _run_torchscript(path: Path, x: np.ndarray) -> np.ndarray:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.load's deprecation notice
+        module = torch.jit.load(str(path), map_location="cpu")
+    dtype = next(module.parameters()).dtype
+    with torch.no_grad():
+        return module(torch.from_numpy(x).to(dtype)).float().numpy()
+
+
+def _run_openvino(folder: Path, x: np.ndarray) -> np.ndarray:
+    ov = _import_openvino()
+    core = ov.Core()
+    compiled = core.compile_model(core.read_model(str(folder / f"{ir_stem(folder)}.xml")), "CPU")
+    return np.asarray(compiled(x.astype(np.float32))[compiled.output(0)], dtype=np.float32)
+
+
+@dataclass(frozen=True)
+class ExportFormat:
+    """One deployment format: the ``--include`` name, the output's name from the weights' stem,
+    how to write it and how to run what was written (on the CPU, in its own runtime), and the
+    packages each needs (``writer_needs``, ``runtime_needs``: import names)."""
+
+    name: str
+    target: Callable[[str], str]
+    write: Callable[..., Path]
+    run: Callable[[Path, np.ndarray], np.ndarray]
+    writer_needs: tuple[str, ...] = ()
+    runtime_needs: tuple[str, ...] = ()
+
+    def missing(self, verify: bool) -> list[str]:
+        """The packages this format needs (to write, and to run when ``verify``) that are not
+        installed."""
+        wanted = self.writer_needs + (self.runtime_needs if verify else ())
+        return [m for m in dict.fromkeys(wanted) if importlib.util.find_spec(m) is None]
+
+
+# The writers as FORMATS calls them: (model, path, img_size, half, opset, metadata).
+def _write_onnx(model: Darknet, path: Path, img_size, half, opset, metadata) -> Path:
+    return export_onnx(model, path, img_size, opset, half, metadata)
+
+
+def _write_torchscript(model: Darknet, path: Path, img_size, half, opset, metadata) -> Path:
+    return export_torchscript(model, path, img_size, half, metadata)
+
+
+def _write_openvino(model: Darknet, path: Path, img_size, half, opset, metadata) -> Path:
+    return export_openvino(model, path, img_size, half, metadata)
+
+
+# Output names as YOLOv5's export.py gives them.
+FORMATS: dict[str, ExportFormat] = {
+    f.name: f
+    for f in (
+        ExportFormat(
+            "onnx", lambda stem: f"{stem}.onnx", _write_onnx, _run_onnx, ("onnx",), ("onnxruntime",)
+        ),
+        ExportFormat(
+            "torchscript", lambda stem: f"{stem}.torchscript", _write_torchscript, _run_torchscript
+        ),
+        ExportFormat(
+            "openvino",
+            lambda stem: f"{stem}{OPENVINO_FOLDER_SUFFIX}",
+            _write_openvino,
+            _run_openvino,
+            ("openvino",),
+            ("openvino",),
+        ),
+    )
+}
+
+
+# ---- checking an export against PyTorch ------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Agreement:
+    """How an export's output compares with PyTorch float32 on the same images.
+
+    Attributes:
+        max_abs: the largest absolute difference of any decoded value.
+        worst: the largest ``|got - want| / (tol + tol * |want|)``; at most 1 passes.
+        tolerance: the ``tol`` used (:data:`FP32_TOLERANCE` or :data:`FP16_TOLERANCE`).
+        detections: PyTorch's detections after NMS (``NMS_CONF``, ``NMS_IOU``), all images.
+        found: how many of them the export's own NMS output has (same class, IoU >= 0.9).
+    """
+
+    max_abs: float
+    worst: float
+    tolerance: float
+    detections: int
+    found: int
+
+    @property
+    def ok(self) -> bool:
+        return self.worst <= 1.0
+
+
+def _found(want: torch.Tensor, got: torch.Tensor) -> int:
+    """How many rows of ``want`` (n, 6) xyxy, conf, class have a same-class row in ``got``
+    with IoU >= :data:`SAME_BOX_IOU`."""
+    if len(want) == 0 or len(got) == 0:
+        return 0
+    iou = box_iou(want[:, :4], got[:, :4])
+    same = want[:, 5:6] == got[:, 5].unsqueeze(0)
+    return int(((iou >= SAME_BOX_IOU) & same).any(1).sum())
+
+
+def compare(want: np.ndarray, got: np.ndarray, tolerance: float) -> Agreement:
+    """Compare decoded outputs (bs, N, 5 + nc) elementwise and after NMS."""
+    if got.shape != want.shape:  # a broken export: nothing to compare value by value
+        return Agreement(float("inf"), float("inf"), tolerance, 0, 0)
+    diff = np.abs(got.astype(np.float64) - want)
+    worst = float((diff / (tolerance + tolerance * np.abs(want))).max())
+    kept_want = non_max_suppression(torch.from_numpy(want).float(), NMS_CONF, NMS_IOU)
+    kept_got = non_max_suppression(torch.from_numpy(got).float(), NMS_CONF, NMS_IOU)
+    return Agreement(
+        max_abs=float(diff.max()),
+        worst=worst,
+        tolerance=tolerance,
+        detections=sum(len(k) for k in kept_want),
+        found=sum(_found(a, b) for a, b in zip(kept_want, kept_got)),
+    )
+
+
+def verify(
+    fmt: ExportFormat, model: Darknet, path: Path, images: torch.Tensor, half: bool
+) -> Agreement:
+    """Run the export at ``path`` in its own runtime on ``images`` (bs, 3, H, W) float32 in
+    [0, 1] and compare with ``model`` (float32, eval mode, CPU) on the same images."""
+    model.eval()
+    with torch.no_grad():
+        want = model(images)[0].double().numpy()
+    got = fmt.run(path, images.numpy())
+    return compare(want, got, FP16_TOLERANCE if half else FP32_TOLERANCE)

@@ -1,0 +1,228 @@
+"""Export a model to ONNX, TorchScript and OpenVINO, each checked against PyTorch.
+
+    python tools/export.py --weights runs/exp/best.pt                  # -> runs/exp/best.onnx
+    python tools/export.py --weights runs/exp/best.pt --include onnx torchscript openvino --half
+    python tools/export.py --cfg cfg/yolov3-spp-nano.cfg --img-size 320 --include torchscript
+
+The model is read once (``--weights`` alone for a checkpoint train.py wrote; Darknet
+``.weights`` need ``--cfg``) and written once per format, named as YOLOv5 names them, beside the
+weights unless ``--output DIR``: ``best.onnx``, ``best.torchscript`` and the folder
+``best_openvino_model/`` (``best.xml``, ``best.bin``). An existing export is never replaced
+without ``--exist-ok`` (nothing is written then); every output is written under a temporary name
+and renamed into place. Each export is then loaded in its own runtime (onnxruntime,
+``torch.jit.load``, OpenVINO on the CPU) and run on two sample images (drawn shapes,
+letterboxed) next to PyTorch float32 (``--no-verify`` skips it): every decoded value agrees
+within 1e-4 relative and absolute (1e-2 with ``--half``), and the detections after NMS are
+counted. All formats take ``images`` (batch, 3, H, W) RGB in [0, 1] and return ``detections``
+(batch, N, 5 + nc) before NMS (see models/export.py); ``--half`` makes ONNX and TorchScript
+float16 throughout and stores OpenVINO's weights in float16.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import cv2
+import numpy as np
+import torch
+
+from build_utils.atomic import make_output_dir
+from build_utils.augmentations import letterbox
+from build_utils.errors import ConfigError
+from build_utils.parse_config import parse_model_cfg
+from data.make_shapes import GeneratorOptions, render_image
+from models.budget import check_model_fits
+from models.darknet import Darknet
+from models.export import (
+    DEFAULT_OPSET,
+    FORMATS,
+    INSTALL_ONNX,
+    MIN_OPSET,
+    NMS_CONF,
+    OUTPUT_FLAG,
+    export_metadata,
+    verify,
+)
+from train_utils.builders import model_from_weights
+from train_utils.checkpoint import read_weights
+from train_utils.cli import (
+    HelpFormatter,
+    add_img_size_flag,
+    add_model_flag,
+    add_weights_flags,
+    check_img_size,
+    run_main,
+    setup_console_logging,
+    switch,
+)
+
+LOGGER = logging.getLogger(__name__)
+
+DEFAULT_SIDE = 416  # export size of a cfg without a trained run
+DEFAULT_INCLUDE = ["onnx"]
+SAMPLE_IMAGES = 2  # not the traced batch (1), to exercise the dynamic batch axis
+SAMPLE_SEED = 0
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        description="Export a model to ONNX, TorchScript and OpenVINO, each checked against "
+        "PyTorch.",
+        add_help=add_help,
+        formatter_class=HelpFormatter,
+    )
+    add_weights_flags(parser, required=False, help=".pt checkpoint (carries its cfg) or .weights")
+    add_model_flag(parser, None)
+    add_img_size_flag(
+        parser, None, f"input side in pixels (default: the checkpoint's run's, else {DEFAULT_SIDE})"
+    )
+    parser.add_argument(
+        "--include",
+        nargs="*",
+        default=DEFAULT_INCLUDE,
+        metavar="FORMAT",
+        help=f"formats to write: {', '.join(FORMATS)} (default: onnx)",
+    )
+    parser.add_argument(
+        "--half", action="store_true", help="float16 (ONNX, TorchScript; OpenVINO's weights)"
+    )
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        metavar="DIR",
+        help="folder for the exports (default: the weights' folder, else the current one)",
+    )
+    parser.add_argument("--exist-ok", action="store_true", help="replace exports of the same name")
+    parser.add_argument(
+        "--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= {MIN_OPSET}"
+    )
+    switch(parser, "--verify", True, "run each export in its runtime and compare with PyTorch")
+    return parser
+
+
+def included(names: list[str]) -> list[str]:
+    """The formats of ``--include`` (case-insensitive, commas allowed, in the given order, each
+    once); raises ConfigError for none or an unknown one."""
+    wanted = [n.lower() for name in names for n in name.split(",") if n]
+    if not wanted:
+        raise ConfigError(f"--include needs at least one format: {', '.join(FORMATS)}")
+    unknown = [n for n in wanted if n not in FORMATS]
+    if unknown:
+        raise ConfigError(
+            f"--include {unknown[0]!r} is not a format this tool writes; "
+            f"choose from {', '.join(FORMATS)}"
+        )
+    return list(dict.fromkeys(wanted))
+
+
+def sample_images(h: int, w: int, n: int = SAMPLE_IMAGES, seed: int = SAMPLE_SEED) -> torch.Tensor:
+    """``n`` images of drawn shapes on textured backgrounds, letterboxed to (H, W) as predict.py
+    feeds them: (n, 3, H, W) float32 RGB in [0, 1]. Deterministic for a seed."""
+    rng = np.random.default_rng(seed)
+    opts = GeneratorOptions(img_size_range=(min(h, w) // 2, max(h, w)))
+    batch = []
+    for _ in range(n):
+        img, _objects = render_image(rng, opts)
+        boxed = letterbox(img, (h, w))[0]
+        batch.append(cv2.cvtColor(boxed, cv2.COLOR_BGR2RGB).transpose(2, 0, 1))
+    return torch.from_numpy(np.stack(batch)).float() / 255.0
+
+
+def _load(
+    args: argparse.Namespace,
+) -> tuple[Darknet, list[str] | None, str, Path, tuple[int, int]]:
+    """The model (eval mode, CPU), its class names (None: not known), the exports' stem, the
+    weights' folder (or the current one) and the input (H, W)."""
+    if args.img_size is not None:
+        check_img_size(args.img_size)
+    if not args.weights:
+        if args.cfg is None:
+            raise ConfigError("pass --weights (a checkpoint carries its cfg) or --cfg")
+        side = args.img_size or DEFAULT_SIDE
+        blocks = parse_model_cfg(args.cfg)
+        check_model_fits(blocks, (side, side))  # the export traces one image
+        model = Darknet(blocks, img_size=side).eval()
+        return model, None, Path(args.cfg).stem, Path("."), (side, side)
+    weights = read_weights(args.weights, trust=args.trust_checkpoint)
+    side = args.img_size or check_img_size(weights.run.get("img_size") or DEFAULT_SIDE)
+    model = model_from_weights(weights, args.cfg, None, side).eval()
+    stem, home = Path(args.weights).stem, Path(args.weights).parent
+    return model, weights.names, stem, home, (side, side)
+
+
+def _targets(args: argparse.Namespace, formats: list[str], stem: str, home: Path) -> list[Path]:
+    """Where each format goes; ConfigError when one exists (without ``--exist-ok``) or is the
+    weights file itself."""
+    folder = args.output if args.output is not None else home
+    targets = [folder / FORMATS[f].target(stem) for f in formats]
+    source = Path(args.weights).resolve() if args.weights else None
+    for path in targets:
+        if source is not None and path.resolve() == source:
+            raise ConfigError(f"{path} is the weights file itself; choose another --output")
+    taken = [p for p in targets if p.exists() or p.is_symlink()]
+    if taken and not args.exist_ok:
+        raise ConfigError(
+            f"{', '.join(map(str, taken))} already exist{'s' if len(taken) == 1 else ''}; "
+            "pass --exist-ok to replace, or another --output"
+        )
+    return targets
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    setup_console_logging()
+
+    def body() -> int:
+        formats = included(args.include)
+        if args.opset < MIN_OPSET:
+            raise ConfigError(f"--opset {args.opset}: upsampling needs opset {MIN_OPSET} or later")
+        for name in formats:
+            missing = FORMATS[name].missing(args.verify)
+            if missing:
+                raise ConfigError(
+                    f"--include {name} needs {' and '.join(missing)}: {INSTALL_ONNX}"
+                    + ("" if FORMATS[name].missing(False) else " (or --no-verify)")
+                )
+        model, names, stem, home, (h, w) = _load(args)
+        metadata = export_metadata(model, (h, w), names)
+        targets = _targets(args, formats, stem, home)
+        make_output_dir(targets[0].parent, OUTPUT_FLAG)
+        images = sample_images(h, w) if args.verify else None
+        failed = []
+        for name, path in zip(formats, targets):
+            fmt = FORMATS[name]
+            fmt.write(model, path, (h, w), args.half, args.opset, metadata)
+            precision = "float16" if args.half else "float32"
+            LOGGER.info("wrote %s (%s, input images: batch x 3 x %d x %d)", path, precision, h, w)
+            if images is None:
+                continue
+            a = verify(fmt, model, path, images, args.half)
+            LOGGER.info(
+                "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); %s",
+                name,
+                "matches" if a.ok else "DIFFERS FROM",
+                a.max_abs,
+                a.tolerance,
+                f"{a.found} of its {a.detections} detections after NMS found"
+                if a.detections
+                else f"no detections above conf {NMS_CONF} on the sample images to compare",
+            )
+            if not a.ok:
+                failed.append(name)
+        if failed:
+            # A converter's fault, not the user's: exit 1 with the exports left for inspection.
+            print(f"error: {', '.join(failed)} output differs from PyTorch", file=sys.stderr)
+            return 1
+        return 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
