@@ -44,6 +44,7 @@ from train_utils.trackers import (
 
 SIDE = 64
 SLEEP_S = 0.25  # each batch of the slow loader takes this long to arrive
+NEW_COLUMNS = ("data_wait_s", "compute_s", "data_wait_share")  # not in older results.csv files
 
 
 def _val(x: float = 0.25) -> dict[str, float]:
@@ -130,8 +131,7 @@ def test_reporter_splits_the_epoch_and_warns_once(tmp_path, caplog):
 def test_resume_keeps_an_old_results_csv_and_upgrades_its_header(tmp_path):
     """A run folder written before the data-wait columns existed: its rows stay, the header
     gains the new columns (empty in the old rows), new rows fill them."""
-    old_header = [c for c in RESULTS_HEADER if c not in ("data_wait_s", "compute_s")]
-    old_header.remove("data_wait_share")
+    old_header = [c for c in RESULTS_HEADER if c not in NEW_COLUMNS]
     with (tmp_path / "results.csv").open("w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=old_header)
         w.writeheader()
@@ -371,3 +371,39 @@ def test_wandb_offline_records_params_and_metrics(make_shapes_data, tmp_path, mo
 
 def test_timing_columns_are_the_ones_results_csv_has():
     assert set(TIMING_COLUMNS) <= set(RESULTS_HEADER)
+
+
+@pytest.mark.slow
+def test_a_run_from_before_trackers_resumes_with_its_old_results_csv(
+    make_shapes_data, tmp_path, monkeypatch
+):
+    """A checkpoint whose run arguments have no ``tracker`` and a results.csv without the
+    data-wait columns, as an older version left them: ``--resume PATH`` alone continues it with
+    no tracker, keeps the old row and upgrades the header."""
+    monkeypatch.chdir(tmp_path)
+    data = make_shapes_data(n_train=4, n_val=2, img_size_range=(64, 96))
+    out = tmp_path / "runs" / "old"
+    assert train_script.main(train_argv(data, out, epochs=1, img=SIDE, nbs=4)) == 0
+    ckpt = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+    del ckpt["config"]["tracker"]
+    ckpt["config"]["epochs"] = 2
+    torch.save(ckpt, out / "last.pt")
+    (row,) = read_results(out / "results.csv")
+    old_header = [c for c in RESULTS_HEADER if c not in NEW_COLUMNS]
+    with (out / "results.csv").open("w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=old_header, extrasaction="ignore")
+        w.writeheader()
+        w.writerow(row)
+
+    assert train_script.main(["--resume", str(out / "last.pt")]) == 0
+    with (out / "results.csv").open() as f:
+        assert f.readline().strip() == ",".join(RESULTS_HEADER)
+    rows = read_results(out / "results.csv")
+    assert [r["epoch"] for r in rows] == ["0", "1"]
+    assert rows[0]["loss"] == row["loss"] and rows[0]["data_wait_s"] == ""
+    assert float(rows[1]["train_seconds"]) == pytest.approx(
+        float(rows[1]["data_wait_s"]) + float(rows[1]["compute_s"]), abs=2e-3
+    )
+    resumed = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
+    assert resumed["epoch"] == 1 and resumed["config"]["tracker"] == []
+    assert not (out / RECORD_NAME).exists() and not (out / "wandb").exists()
