@@ -9,12 +9,14 @@ import importlib.util
 import json
 import logging
 import struct
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import NANO_CFG, REPO_ROOT, read_results, run_training, train_argv
+from conftest import NANO_CFG, REPO_ROOT, read_results, run_training, script_env, train_argv
 
 import train as train_script
 from build_utils.errors import ConfigError, OutputError
@@ -422,3 +424,32 @@ def test_a_run_from_before_trackers_resumes_with_its_old_results_csv(
     resumed = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
     assert resumed["epoch"] == 1 and resumed["config"]["tracker"] == []
     assert not (out / RECORD_NAME).exists() and not (out / "wandb").exists()
+
+
+@pytest.mark.slow
+def test_under_ddp_only_rank_0_records(make_shapes_data, tmp_path):
+    """Two gloo processes with both trackers: one MLflow run with one value per epoch and
+    metric, one W&B run: the other rank records nothing."""
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+
+    data = make_shapes_data(n_train=8, n_val=2, img_size_range=(64, 96))
+    out = tmp_path / "runs" / "ddp"
+    env = {k: v for k, v in script_env().items() if not k.startswith(("MLFLOW_", "WANDB_"))}
+    env.update({f"WANDB_{d}_DIR": str(tmp_path / d) for d in ("DATA", "CACHE", "CONFIG")})
+    argv = _flags(data, out, "--tracker", "mlflow", "wandb", "--nproc-per-node", "2")
+    proc = subprocess.run(
+        [sys.executable, str(REPO_ROOT / "train_multi_GPU.py"), *argv],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (run,) = client.search_runs([client.get_experiment_by_name(data.stem).experiment_id])
+    history = client.get_metric_history(run.info.run_id, "loss")
+    assert [m.step for m in history] == [0, 1]
+    assert len(list((out / "wandb").glob("offline-run-*"))) == 1
