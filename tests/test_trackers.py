@@ -227,6 +227,9 @@ class _Failing(Tracker):
         self.calls += 1
         raise OSError(28, "No space left on device")
 
+    def finish(self, status):
+        self.status = status
+
 
 def test_a_failing_tracker_is_one_warning_and_the_run_goes_on(tmp_path, caplog):
     reporter = EpochReporter(tmp_path, 0)
@@ -243,6 +246,7 @@ def test_a_failing_tracker_is_one_warning_and_the_run_goes_on(tmp_path, caplog):
     assert len(warnings) == 1 and "No space left on device" in warnings[0]
     assert [r["epoch"] for r in read_results(tmp_path / "results.csv")] == ["0", "1", "2"]
     assert reporter.status == KILLED
+    assert flaky.status == KILLED  # its run is still ended (an MLflow run would stay RUNNING)
 
 
 def test_a_tracker_that_cannot_start_stops_before_training(tmp_path, monkeypatch):

@@ -200,6 +200,7 @@ class _WaitClock:
 
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
+        self.device = device
         self.waited = 0.0
         self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
@@ -220,7 +221,8 @@ class _WaitClock:
         if not self.cuda:
             return time.perf_counter(), None
         queued_done = torch.cuda.Event(enable_timing=True)
-        queued_done.record()
+        # On the training device's stream, whichever device is current.
+        queued_done.record(torch.cuda.current_stream(self.device))
         return 0.0, queued_done
 
     def _stop(self, t0: float, queued_done: torch.cuda.Event | None) -> None:
@@ -228,7 +230,7 @@ class _WaitClock:
             self.waited += time.perf_counter() - t0
             return
         arrived = torch.cuda.Event(enable_timing=True)
-        arrived.record()
+        arrived.record(torch.cuda.current_stream(self.device))
         self.gaps.append((queued_done, arrived))
 
     def seconds(self) -> float:

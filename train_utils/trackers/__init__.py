@@ -113,7 +113,15 @@ class GuardedTracker(Tracker):
         self._call(f"recording {path.name}", self.inner.log_weights, path)
 
     def finish(self, status: str) -> None:
-        self._call("ending the run", self.inner.finish, status)
+        if not self.failed:
+            self._call("ending the run", self.inner.finish, status)
+            return
+        # Dropped after a failure: still try to end its run (an MLflow run would stay RUNNING),
+        # quietly, as the failure was already reported.
+        try:
+            self.inner.finish(status)
+        except Exception as e:  # the same broken store, most likely
+            logger.debug("--tracker %s: ending the run failed too: %s", self.name, e)
 
 
 def check_trackers(names: Sequence[str] | None) -> list[str]:
