@@ -45,6 +45,7 @@ from train_utils.trackers import (
 
 SIDE = 64
 SLEEP_S = 0.25  # each batch of the slow loader takes this long to arrive
+STARVED_S = 2.0  # a training step of the nano model at 64 px takes a fraction of it
 NEW_COLUMNS = ("data_wait_s", "compute_s", "data_wait_share")  # not in older results.csv files
 
 
@@ -400,7 +401,8 @@ def test_a_run_from_before_trackers_resumes_with_its_old_results_csv(
 ):
     """A checkpoint whose run arguments have no ``tracker`` and a results.csv without the
     data-wait columns, as an older version left them: ``--resume PATH`` alone continues it with
-    no tracker, keeps the old row and upgrades the header."""
+    no tracker, keeps the old row and upgrades the header. Its epoch, fed by a loader that
+    sleeps, records the wait and warns with the knobs."""
     monkeypatch.chdir(tmp_path)
     data = make_shapes_data(n_train=4, n_val=2, img_size_range=(64, 96))
     out = tmp_path / "runs" / "old"
@@ -416,6 +418,14 @@ def test_a_run_from_before_trackers_resumes_with_its_old_results_csv(
         w.writeheader()
         w.writerow(row)
 
+    real_iter = trainer_module._StopPoints.__iter__
+
+    def slow_iter(self):  # the resumed epoch's loader starves the model
+        for batch in real_iter(self):
+            time.sleep(STARVED_S)
+            yield batch
+
+    monkeypatch.setattr(trainer_module._StopPoints, "__iter__", slow_iter)
     assert train_script.main(["--resume", str(out / "last.pt")]) == 0
     with (out / "results.csv").open() as f:
         assert f.readline().strip() == ",".join(RESULTS_HEADER)
@@ -425,6 +435,10 @@ def test_a_run_from_before_trackers_resumes_with_its_old_results_csv(
     assert float(rows[1]["train_seconds"]) == pytest.approx(
         float(rows[1]["data_wait_s"]) + float(rows[1]["compute_s"]), abs=2e-3
     )
+    assert float(rows[1]["data_wait_s"]) >= STARVED_S  # one batch per epoch here
+    assert float(rows[1]["data_wait_share"]) > DATA_WAIT_WARN_SHARE
+    log = (out / "train.log").read_text()
+    assert "epoch 1 waited for data" in log and "more --workers (now 0)" in log
     resumed = torch.load(out / "last.pt", map_location="cpu", weights_only=True)
     assert resumed["epoch"] == 1 and resumed["config"]["tracker"] == []
     assert not (out / RECORD_NAME).exists() and not (out / "wandb").exists()
