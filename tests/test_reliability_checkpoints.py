@@ -35,11 +35,12 @@ from data.make_shapes import make_dataset
 from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.cli import EXIT_INTERRUPTED, EXIT_STOPPED
+from train_utils.reporting import TIMING_COLUMNS
 from train_utils.trainer import STOP_POLL_BATCHES
 
 REPO = Path(__file__).resolve().parents[1]
 RUN = {"epochs": 2, "batch": 8, "img": 64, "nbs": 8}  # as test_reliability_interrupt's runs
-TIMING = {"train_seconds", "elapsed_seconds"}
+TIMING = set(TIMING_COLUMNS)
 WEIGHTS = ("model", "train_model", "ema")
 PARK_S = 10  # how long the SIGUSR1 test's process waits, parked, for the signal
 

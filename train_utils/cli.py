@@ -272,11 +272,15 @@ def check_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
     this also what :func:`take_from_run` took from a checkpoint."""
     for action in parser._actions:
         value = getattr(args, action.dest, None)
-        if action.choices is not None and value is not None and value not in action.choices:
-            flag = action.option_strings[0] if action.option_strings else action.dest
-            raise ConfigError(
-                f"{flag} {value!r} is not one of {', '.join(map(str, action.choices))}"
-            )
+        if action.choices is None or value is None:
+            continue
+        # A flag taking several values (nargs) is checked value by value.
+        for one in value if isinstance(value, list) else [value]:
+            if one not in action.choices:
+                flag = action.option_strings[0] if action.option_strings else action.dest
+                raise ConfigError(
+                    f"{flag} {one!r} is not one of {', '.join(map(str, action.choices))}"
+                )
 
 
 # ---- which flags the user typed, and a run's settings as defaults -----------------------------

@@ -51,6 +51,7 @@ from train_utils.cli import (
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
 from train_utils.distributed.process_group import launched_world_size
 from train_utils.optim import OPTIMIZER_CHOICES
+from train_utils.trackers import TRACKER_CHOICES, check_trackers
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
@@ -353,6 +354,20 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
     add_device_flags(g, None, workers_help)
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument(
+        "--tracker",
+        nargs="+",
+        action="extend",
+        default=[],
+        choices=TRACKER_CHOICES,
+        metavar="NAME",
+        help="also record the run (params, metrics per epoch, pictures, best.pt) in these "
+        f"experiment trackers, on rank 0: {', '.join(TRACKER_CHOICES)} (none: none, e.g. to "
+        "resume without the run's trackers); repeatable. MLflow: a sqlite store beside the "
+        "run folder (mlflow.db) unless MLFLOW_TRACKING_URI is set; W&B: offline unless "
+        "WANDB_MODE is set. Needs requirements-trackers.txt (default: none; results.csv and "
+        "TensorBoard are always written)",
+    )
+    g.add_argument(
         "--log-interval",
         type=int,
         default=10,
@@ -402,6 +417,8 @@ class TrainConfig:
     log_interval: int
     # The output folder is the default name (the start time), not one the user chose.
     auto_named: bool = False
+    # External experiment trackers (--tracker); runs recorded before it existed had none.
+    tracker: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""
@@ -472,6 +489,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         "hyp": hyp,
         "output_dir": output_dir,
         "auto_named": resumed is None and not args.output_dir and not args.name,
+        "tracker": check_trackers(args.tracker),
     }
     # Every other field is the flag of the same name, as validated above.
     flags = {

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterable, Mapping, Sequence
+import time
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
@@ -53,6 +54,8 @@ class EpochStats:
     loss: float
     lr: float
     images: int
+    # Seconds the device waited for the loader this epoch (mean over ranks), see _WaitClock.
+    data_wait_s: float = 0.0
 
     def as_dict(self) -> dict[str, float]:
         return {
@@ -154,14 +157,18 @@ def train_one_epoch(
     an epoch boundary never leaves gradients pending (which keeps ``--resume`` exact). Losses
     are synchronised with the host only every ``opts.log_interval`` iterations; a non-finite
     loss on any rank raises :class:`NonFiniteLossError` on every rank.
+
+    ``data_wait_s`` of the result is the time the device waited for the loader (the mean over
+    ranks, see :class:`_WaitClock`), the rest of the epoch being compute.
     """
     state.model.train()
     nb = len(loader)
     base_lrs = state.scheduler.get_last_lr()
     meter = _LossMeter(nb, epoch, opts)
+    clock = _WaitClock(opts.device)
     img_size = None
     state.optimizer.zero_grad(set_to_none=True)
-    for i, (imgs, targets, paths, _, _) in enumerate(loader):
+    for i, (imgs, targets, paths, _, _) in enumerate(clock.batches(loader)):
         if opts.multi_scale is not None and (img_size is None or i % opts.accumulate == 0):
             img_size = multi_scale_size(opts.multi_scale, opts.seed, epoch, i // opts.accumulate)
         imgs, targets = _prepare_batch(imgs, targets, img_size, opts)
@@ -175,8 +182,65 @@ def train_one_epoch(
             _optimizer_step(state)
         meter.add(losses, paths, imgs.shape, lr)
     meter.close()
-    means = reduce_dict({"m": meter.sums / max(nb, 1)})["m"].tolist()
-    return EpochStats(*means, lr=meter.lr, images=meter.images)
+    wait = torch.tensor([clock.seconds()], device=opts.device, dtype=meter.sums.dtype)
+    # One collective for both: the wait rides along with the mean losses.
+    *means, data_wait = reduce_dict({"m": torch.cat([meter.sums / max(nb, 1), wait])})["m"].tolist()
+    return EpochStats(*means, lr=meter.lr, images=meter.images, data_wait_s=data_wait)
+
+
+class _WaitClock:
+    """How long the device waited for the loader during an epoch.
+
+    On the CPU the device is the process itself: the wall time blocked in ``next(loader)``
+    (the first call includes starting the loader's workers). On CUDA, kernels run behind the
+    host, so time blocked in ``next`` may overlap work still queued on the GPU; what starves
+    the GPU is the gap between the end of the queued work and the batch's arrival. Two timing
+    events per batch measure exactly that gap on the GPU's own clock without a host sync in
+    the loop; they are read once, at the epoch's end.
+    """
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.device = device
+        self.waited = 0.0
+        self.gaps: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+
+    def batches(self, loader: Iterable) -> Iterator[Any]:
+        """``loader``'s batches, timing each wait."""
+        t0, queued_done = self._start()
+        it = iter(loader)
+        while True:
+            try:
+                batch = next(it)
+            except StopIteration:
+                return
+            self._stop(t0, queued_done)
+            yield batch
+            t0, queued_done = self._start()
+
+    def _start(self) -> tuple[float, torch.cuda.Event | None]:
+        if not self.cuda:
+            return time.perf_counter(), None
+        queued_done = torch.cuda.Event(enable_timing=True)
+        # On the training device's stream, whichever device is current.
+        queued_done.record(torch.cuda.current_stream(self.device))
+        return 0.0, queued_done
+
+    def _stop(self, t0: float, queued_done: torch.cuda.Event | None) -> None:
+        if queued_done is None:
+            self.waited += time.perf_counter() - t0
+            return
+        arrived = torch.cuda.Event(enable_timing=True)
+        arrived.record(torch.cuda.current_stream(self.device))
+        self.gaps.append((queued_done, arrived))
+
+    def seconds(self) -> float:
+        """The epoch's total wait; on CUDA this waits for the last batch's events."""
+        if self.gaps:
+            self.gaps[-1][1].synchronize()
+            self.waited += sum(a.elapsed_time(b) for a, b in self.gaps) / 1000.0
+            self.gaps.clear()
+        return self.waited
 
 
 def _no_sync(model: nn.Module) -> Any:

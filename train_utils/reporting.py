@@ -1,6 +1,16 @@
 """What a training run records, and only on rank 0: the run folder's files, one results.csv row
 and TensorBoard scalars per epoch, results.png, the epoch's log line, the evaluation report
-(per-class table, ``per_class.csv`` and pictures) and the first training batches.
+(per-class table, ``per_class.csv`` and pictures), the first training batches, and the external
+experiment trackers asked for with ``--tracker`` (:mod:`train_utils.trackers`).
+
+``results.csv`` and TensorBoard are trackers too (:class:`ResultsCsv`, :class:`TensorBoard`):
+every tracker gets the same metrics per epoch (:func:`epoch_metrics`, named as the
+``results.csv`` columns). Their write failures stop the run (an :class:`OutputError`, as the
+run folder is where the checkpoints go too); an external tracker's are one warning.
+
+Each epoch's training time is split into the time the device waited for data and the rest
+(compute); when waiting takes more than :data:`DATA_WAIT_WARN_SHARE` of an epoch, one warning
+per run names the knobs that feed the model faster.
 
 The reporter only records what the trainer hands it: the best mAP, the checkpoints and every
 decision stay in :mod:`train_utils.trainer`. The trainer calls the same methods on every rank;
@@ -20,6 +30,7 @@ from typing import Any
 from torch.utils.tensorboard import SummaryWriter
 
 from build_utils.atomic import atomic_write, reported_write
+from build_utils.errors import OutputError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.checkpoint import to_plain
 from train_utils.engine import EpochStats
@@ -27,6 +38,7 @@ from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.plots import save_figure
 from train_utils.evaluation.report import write_eval_report
 from train_utils.run_pictures import plot_first_batches
+from train_utils.trackers import FAILED, FINISHED, KILLED, Tracker, open_trackers
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +53,20 @@ RESULTS_HEADER = [
     "loss",
     "lr",
     "train_seconds",
+    "data_wait_s",  # of train_seconds, the device waited for the loader (mean over ranks)
+    "compute_s",  # train_seconds - data_wait_s
+    "data_wait_share",  # data_wait_s / train_seconds
     "elapsed_seconds",  # since the run started (earlier attempts of a resumed run included)
 ]
+# Columns that differ between two runs of the same numbers (compare rows without them).
+TIMING_COLUMNS = ("train_seconds", "data_wait_s", "compute_s", "data_wait_share", "elapsed_seconds")
+# Warn (once per run) when an epoch waits for data longer than this share of its training time:
+# the model could train faster with a faster data pipeline. Darknet warns when loading takes
+# longer than training (a share of 0.5); from 0.3 on, the knobs below already pay.
+DATA_WAIT_WARN_SHARE = 0.3
+PICTURE_SUFFIXES = (".png", ".jpg")
+# The run's small text files an external tracker keeps with its pictures.
+RUN_TEXT_FILES = ("results.csv", "per_class.csv", "args.yaml", "hyp.yaml", "model.cfg")
 
 
 def read_results(path: Path) -> list[dict[str, str]]:
@@ -60,7 +84,8 @@ def write_results(path: Path, rows: Sequence[Mapping[str, Any]]) -> None:
         OutputError: it cannot be written (the previous file stays as it was).
     """
     with reported_write(path, OUTPUT_FLAG), atomic_write(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=RESULTS_HEADER)
+        # Rows of an older results.csv lack the newer columns: they are written empty.
+        w = csv.DictWriter(f, fieldnames=RESULTS_HEADER, restval="")
         w.writeheader()
         w.writerows(rows)
 
@@ -110,23 +135,128 @@ def write_run_files(
             f.write(text)
 
 
+def epoch_metrics(
+    stats: EpochStats, val: Mapping[str, float] | None, seconds: float, elapsed: float
+) -> dict[str, float]:
+    """What every tracker records for an epoch, by ``results.csv`` column: ``val`` its COCO stats
+    (None when not evaluated: then no ``results.csv`` row), ``seconds`` its training time,
+    ``elapsed`` the run's time so far. Rounded as ``results.csv`` shows them, so that every
+    tracker holds the same numbers."""
+    wait = min(max(stats.data_wait_s, 0.0), seconds)  # another rank's mean may exceed rank 0's
+    return {
+        **(val or {}),
+        **stats.as_dict(),
+        "lr": stats.lr,
+        "train_seconds": round(seconds, 3),
+        "data_wait_s": round(wait, 3),
+        "compute_s": round(seconds - wait, 3),
+        "data_wait_share": round(wait / seconds, 4) if seconds > 0 else 0.0,
+        "elapsed_seconds": round(elapsed, 1),
+    }
+
+
+class ResultsCsv(Tracker):
+    """``results.csv`` (a row per evaluated epoch) and ``results.png``.
+
+    Args:
+        out: the run folder.
+        start_epoch: the first epoch this process runs; rows of later epochs left by an
+            interrupted attempt are dropped, as that work is redone. The file is rewritten
+            whole, so an older run's header gains the newer columns (empty in its old rows).
+    """
+
+    name = "results.csv"
+
+    def __init__(self, out: Path, start_epoch: int):
+        self.out = out
+        self.path = out / "results.csv"
+        write_results(
+            self.path, [r for r in read_results(self.path) if int(r["epoch"]) < start_epoch]
+        )
+
+    def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        if not set(STAT_NAMES) <= metrics.keys():
+            return  # not evaluated: no row
+        row = {"epoch": epoch, **{k: v for k, v in metrics.items() if k in RESULTS_HEADER}}
+        write_results(self.path, [*read_results(self.path), row])
+        plot_results(self.path, self.out / "results.png")
+
+
+class TensorBoard(Tracker):
+    """TensorBoard scalars in the run folder: ``train/`` losses and lr, ``val/`` COCO stats,
+    ``time/`` the epoch's time split."""
+
+    name = "tensorboard"
+
+    def __init__(self, out: Path):
+        self.out = out
+        with reported_write(out, OUTPUT_FLAG, folder=True):
+            self.writer = SummaryWriter(str(out))
+
+    @staticmethod
+    def tag(key: str) -> str:
+        if key in STAT_NAMES:
+            return f"val/{key}"
+        if key in TIMING_COLUMNS:
+            return f"time/{key}"
+        return f"train/{key}"
+
+    def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        for k, v in metrics.items():
+            self.writer.add_scalar(self.tag(k), v, epoch)
+        # TensorBoard writes in a thread and raises its failure at the next flush.
+        with reported_write(self.out, OUTPUT_FLAG, folder=True):
+            self.writer.flush()
+
+    def finish(self, status: str) -> None:
+        """Flush and close the file; a failure is a warning, as this runs while the run ends,
+        often with an error of its own that it must not hide."""
+        try:
+            self.writer.close()
+        except OSError as e:
+            logger.warning("could not finish the TensorBoard file in %s: %s", self.out, e)
+
+
 class EpochReporter:
     """Rank 0's record of a run in ``out``.
 
     Args:
         out: the run folder.
-        start_epoch: the first epoch this process runs; rows of later epochs left in
-            ``results.csv`` by an interrupted attempt are dropped, as that work is redone.
+        start_epoch: the first epoch this process runs (see :class:`ResultsCsv`).
+        trackers: the external trackers to record to (``--tracker``, checked).
+        params: the run's resolved arguments, which the external trackers record.
+        experiment: what groups the run in an external tracker (the dataset's name).
+        resumed: a ``--resume``: external trackers continue the run the folder records.
+        workers: the DataLoader workers per process, named when the data is too slow.
+
+    Raises:
+        OutputError: the run folder, or an external tracker, cannot be written.
     """
 
-    def __init__(self, out: Path, start_epoch: int):
+    def __init__(
+        self,
+        out: Path,
+        start_epoch: int,
+        trackers: Sequence[str] = (),
+        params: Mapping[str, Any] | None = None,
+        experiment: str = "",
+        resumed: bool = False,
+        workers: int | None = None,
+    ):
         self.out = out
         self.results = out / "results.csv"
-        write_results(
-            self.results, [r for r in read_results(self.results) if int(r["epoch"]) < start_epoch]
-        )
-        with reported_write(out, OUTPUT_FLAG, folder=True):
-            self.writer = SummaryWriter(str(out))
+        self.workers = workers
+        self.status = FAILED  # until finished() or an interruption says otherwise
+        self.warned_data_wait = False
+        self.trackers: list[Tracker] = [ResultsCsv(out, start_epoch), TensorBoard(out)]
+        try:
+            self.external = open_trackers(
+                trackers, out, params or {}, experiment, resumed, OUTPUT_FLAG
+            )
+        except OutputError:
+            self.close()
+            raise
+        self.trackers += self.external
 
     def end_epoch(
         self,
@@ -140,23 +270,29 @@ class EpochReporter:
         """Record a finished epoch of the ``total_epochs`` now planned: ``val`` its COCO stats by
         name (None when it was not evaluated), ``seconds`` its training time, ``elapsed`` the
         run's time so far."""
-        if val is not None:
-            row = {
-                "epoch": epoch,
-                **val,
-                **stats.as_dict(),
-                "lr": stats.lr,
-                "train_seconds": round(seconds, 3),
-                "elapsed_seconds": round(elapsed, 1),
-            }
-            self._append_row(epoch, row, val)
-        self._log_epoch(f"epoch {epoch}/{total_epochs - 1}", stats, val, seconds)
-        for k, v in stats.as_dict().items():
-            self.writer.add_scalar(f"train/{k}", v, epoch)
-        self.writer.add_scalar("train/lr", stats.lr, epoch)
-        # TensorBoard writes in a thread and raises its failure at the next flush.
-        with reported_write(self.out, OUTPUT_FLAG, folder=True):
-            self.writer.flush()
+        metrics = epoch_metrics(stats, val, seconds, elapsed)
+        for tracker in self.trackers:
+            tracker.log_epoch(epoch, metrics)
+        self._log_epoch(f"epoch {epoch}/{total_epochs - 1}", stats, val, seconds, metrics)
+        self._check_data_wait(epoch, metrics)
+
+    def _check_data_wait(self, epoch: int, metrics: Mapping[str, float]) -> None:
+        """One warning per run when an epoch waited for data too long, naming the knobs."""
+        share = metrics["data_wait_share"]
+        if self.warned_data_wait or share <= DATA_WAIT_WARN_SHARE:
+            return
+        self.warned_data_wait = True
+        now = "" if self.workers is None else f" (now {self.workers})"
+        logger.warning(
+            "epoch %d waited for data %.0f%% of its training time (%.1f of %.1f s): the model "
+            "could train faster with a faster data pipeline: more --workers%s, --cache-images "
+            "ram (or disk), a smaller --img-size, or mosaic: false in the --hyp file",
+            epoch,
+            100 * share,
+            metrics["data_wait_s"],
+            metrics["train_seconds"],
+            now,
+        )
 
     def watch_batches(self, loader: Any, epoch: int, names: Sequence[str]) -> Any:
         """``loader``, drawing its first batches to ``train_batch*.jpg`` in epoch 0."""
@@ -181,22 +317,22 @@ class EpochReporter:
             "evaluation pictures and per_class.csv in %s (%.1f s)", self.out, time.time() - t0
         )
 
-    def _append_row(self, epoch: int, row: Mapping[str, Any], val: Mapping[str, float]) -> None:
-        write_results(self.results, [*read_results(self.results), row])
-        plot_results(self.results, self.out / "results.png")
-        for k, v in val.items():
-            self.writer.add_scalar(f"val/{k}", v, epoch)
-
     @staticmethod
     def _log_epoch(
-        where: str, stats: EpochStats, val: Mapping[str, float] | None, s: float
+        where: str,
+        stats: EpochStats,
+        val: Mapping[str, float] | None,
+        s: float,
+        metrics: Mapping[str, float],
     ) -> None:
-        """One line for the epoch ``where`` ("epoch 3/9"), ``s`` seconds of training."""
+        """One line for the epoch ``where`` ("epoch 3/9"), ``s`` seconds of training, of which
+        ``metrics`` says how long it waited for data."""
+        wait = f"data wait {metrics['data_wait_s']:.1f} s ({100 * metrics['data_wait_share']:.0f}%)"
         if val is None:
-            logger.info("%s: loss %.4f, lr %.3g, %.1f s", where, stats.loss, stats.lr, s)
+            logger.info("%s: loss %.4f, lr %.3g, %.1f s, %s", where, stats.loss, stats.lr, s, wait)
             return
         logger.info(
-            "%s: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s | "
+            "%s: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s, %s | "
             "mAP@0.5:0.95 %.4f mAP@0.5 %.4f",
             where,
             stats.loss,
@@ -205,6 +341,7 @@ class EpochReporter:
             stats.cls_loss,
             stats.lr,
             s,
+            wait,
             val["mAP50-95"],
             val["mAP50"],
         )
@@ -222,6 +359,7 @@ class EpochReporter:
         """Ctrl-C/SIGTERM: say how to continue (or that nothing could be saved).
         ``unfinished_saved``: no epoch was completed, and last.pt holds the part-trained
         weights of ``epoch``."""
+        self.status = KILLED
         last = self.out / "last.pt"
         if not last.is_file():
             logger.warning("interrupted in epoch %d; nothing is saved in %s", epoch, self.out)
@@ -243,28 +381,49 @@ class EpochReporter:
 
     def stopped_on_request(self, why: str) -> None:
         """A stop request (SIGUSR1) ended the run between two batches; ``why`` says where."""
+        self.status = KILLED
         logger.warning("stopped: %s", why)
 
     def finished(self, seconds: float, epochs_run: int, best: float | None) -> None:
         """The run's last line: ``best`` is the best mAP@0.5:0.95 (None: never evaluated). It
-        names only the checkpoints that exist (no best.pt with --no-savebest or no evaluation)."""
-        weights = [str(p) for p in (self.out / "last.pt", self.out / "best.pt") if p.is_file()]
+        names only the checkpoints that exist (no best.pt with --no-savebest or no evaluation).
+        The external trackers get the run's pictures, text files and weights first."""
+        weights = [p for p in (self.out / "last.pt", self.out / "best.pt") if p.is_file()]
+        self.status = FINISHED
+        if self.external:
+            self._record_files(weights)
         logger.info(
             "done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s",
             epochs_run,
             seconds / 60,
             "-" if best is None else f"{best:.4f}",
             self.results,
-            ", ".join(weights) or "none",
+            ", ".join(map(str, weights)) or "none",
+        )
+
+    def _record_files(self, weights: Sequence[Path]) -> None:
+        """Hand the external trackers the run's pictures and small text files, and its best
+        weights (``last.pt`` when there is no ``best.pt``: the resume state is not sent twice)."""
+        files = sorted(p for p in self.out.iterdir() if p.suffix.lower() in PICTURE_SUFFIXES)
+        files += [self.out / n for n in RUN_TEXT_FILES if (self.out / n).is_file()]
+        files = [p for p in files if p.is_file()]
+        t0 = time.time()
+        for tracker in self.external:
+            tracker.log_files(files)
+            if weights:
+                tracker.log_weights(weights[-1])
+        logger.info(
+            "%s: %d files and %s recorded (%.1f s)",
+            ", ".join(t.name for t in self.external),
+            len(files),
+            weights[-1].name if weights else "no weights",
+            time.time() - t0,
         )
 
     def close(self) -> None:
-        """Flush and close TensorBoard's file; a failure is a warning, as this runs while the
-        run ends, often with an error of its own that it must not hide."""
-        try:
-            self.writer.close()
-        except OSError as e:
-            logger.warning("could not finish the TensorBoard file in %s: %s", self.out, e)
+        """End every tracker with the run's status (finished, interrupted or failed)."""
+        for tracker in reversed(self.trackers):
+            tracker.finish(self.status)
 
 
 class SilentReporter:
@@ -296,8 +455,11 @@ class SilentReporter:
         pass
 
 
-def make_reporter(is_main: bool, out: Path, start_epoch: int) -> EpochReporter | SilentReporter:
-    """``EpochReporter(out, start_epoch)`` on rank 0, a :class:`SilentReporter` elsewhere."""
+def make_reporter(
+    is_main: bool, out: Path, start_epoch: int, **run: Any
+) -> EpochReporter | SilentReporter:
+    """``EpochReporter(out, start_epoch, **run)`` on rank 0, a :class:`SilentReporter`
+    elsewhere: other ranks write nothing and start no tracker."""
     if is_main:
-        return EpochReporter(out, start_epoch)
+        return EpochReporter(out, start_epoch, **run)
     return SilentReporter()

@@ -46,6 +46,7 @@ from train_utils.checkpoint import (
     make_checkpoint,
     restore_training_state,
     save_checkpoint,
+    to_plain,
     training_weights,
     validate_resume_checkpoint,
     weights_kind,
@@ -232,7 +233,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
-    failure = None
+    failure, args = None, {}
     try:
         if dist.is_main:
             # The launch is recorded so that a torchrun restart finds this folder (run_folder).
@@ -242,7 +243,16 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
                 config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
             )
             plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
-        reporter = make_reporter(dist.is_main, config.output_dir, start_epoch)
+        reporter = make_reporter(
+            dist.is_main,
+            config.output_dir,
+            start_epoch,
+            trackers=config.tracker,
+            params=to_plain(args),
+            experiment=data.path.stem,
+            resumed=config.resume is not None,
+            workers=train_data.train_loader.num_workers,
+        )
     except OutputError as e:  # only rank 0 writes
         failure = e
     # Collective: every rank stops with rank 0's error when it cannot write the run's files,
@@ -254,6 +264,10 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     try:
         with signals.installed():
             _train_epochs(run, reporter, loop, signals)
+        seconds = time.time() - t_start
+        epochs_run = loop.epoch + 1 - start_epoch
+        # Before close(): the external trackers record the run's files, then end it finished.
+        reporter.finished(seconds, epochs_run, loop.best)
     except (KeyboardInterrupt, RunStopped) as e:
         unfinished_saved = not (config.output_dir / "last.pt").is_file()
         if unfinished_saved:
@@ -268,9 +282,6 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         raise
     finally:
         reporter.close()
-    seconds = time.time() - t_start
-    epochs_run = loop.epoch + 1 - start_epoch
-    reporter.finished(seconds, epochs_run, loop.best)
     return RunSummary(config.output_dir, epochs_run, loop.best, loop.last_stats, seconds)
 
 
@@ -667,6 +678,7 @@ _RESUME_QUIET_KEYS = frozenset(
         "exist_ok",
         "auto_named",
         "cfg",
+        "tracker",
     }
 )
 
