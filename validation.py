@@ -110,7 +110,11 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation")
     add_img_size_flag(g, None, "inference size, a multiple of 32" + RUN_HINT)
     g.add_argument(
-        "--batch-size", type=int, default=None, help="images per batch and process" + RUN_HINT
+        "--batch-size",
+        "--batch",
+        type=int,
+        default=None,
+        help="images per batch and process" + RUN_HINT,
     )
     add_eval_flags(g, None, None, None, RUN_HINT)
     g.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
