@@ -9,11 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HYP_YAML, NANO_CFG, run_training, train_argv
+from conftest import HYP_YAML, NANO_CFG, run_training, train_argv, validation_argv
 from torch import nn
 
+import predict
 import validation
 from build_utils.errors import ConfigError
+from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
+from models.darknet import Darknet
 from models.loss import compute_loss
 from train_utils.checkpoint import load_checkpoint, optimizer_kind, save_checkpoint
 from train_utils.config import build_config, get_args_parser, load_hyp, parse_train_args
@@ -241,3 +244,51 @@ def test_checkpoint_of_an_older_version_resumes_exactly(make_shapes_data, tmp_pa
     assert resumed.output_dir == old  # its own last.pt: continued in place
     assert not list(old.glob("epoch*.pt"))
     _same_weights(full / "last.pt", old / "last.pt")
+
+
+@pytest.fixture(scope="module")
+def nano_checkpoint(tmp_path_factory) -> Path:
+    """A 5-class nano model carrying its cfg and class names (no run: flags give the rest)."""
+    blocks = rewrite_cfg_classes(parse_model_cfg(NANO_CFG), 5)
+    torch.manual_seed(0)
+    model = Darknet(blocks, img_size=(IMG, IMG))
+    path = tmp_path_factory.mktemp("nano") / "model.pt"
+    names = ["circle", "square", "triangle", "star", "cross"]
+    save_checkpoint({"model": model.state_dict(), "epoch": -1, "names": names}, path)
+    return path
+
+
+def test_validation_and_predict_take_project_and_name(
+    shapes_data, nano_checkpoint, tmp_path, capsys
+):
+    """``--project DIR --name exp`` writes DIR/exp, then DIR/exp2 (YOLOv5's numbering);
+    ``--exist-ok`` reuses DIR/exp; with the script's own folder flag it is one line, exit 2."""
+    val = validation_argv(NANO_CFG, shapes_data, nano_checkpoint, img=IMG)
+    project = tmp_path / "runs" / "val"
+    for _ in range(2):
+        assert validation.main([*val, "--project", str(project), "--name", "exp"]) == 0
+    assert sorted(p.name for p in project.iterdir()) == ["exp", "exp2"]
+    assert (project / "exp2" / "per_class.csv").is_file()
+    assert validation.main([*val, "--project", str(project), "--exist-ok"]) == 0
+    assert sorted(p.name for p in project.iterdir()) == ["exp", "exp2"]
+
+    image = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
+    pred = ["--weights", str(nano_checkpoint), "--cfg", str(NANO_CFG), "--source", str(image)]
+    pred += ["--img-size", str(IMG), "--device", "cpu"]
+    detect = tmp_path / "runs" / "detect"
+    for _ in range(2):
+        assert predict.main([*pred, "--project", str(detect), "--name", "exp"]) == 0
+    assert (detect / "exp" / image.name).is_file() and (detect / "exp2" / image.name).is_file()
+    capsys.readouterr()
+
+    for main, argv, flag in [
+        (validation.main, [*val, "--save-dir", str(tmp_path / "v")], "--save-dir"),
+        (predict.main, [*pred, "--output", str(tmp_path / "p")], "--output"),
+    ]:
+        assert main([*argv, "--name", "x"]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [
+            f"error: {flag} is the output folder itself, --project/--name its parent and "
+            "name: give one or the other"
+        ]
+    assert not (tmp_path / "v").exists() and not (tmp_path / "p").exists()

@@ -32,6 +32,7 @@ from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
     DEFAULT_IMG_SIZE,
+    DEFAULT_RUN_NAME,
     HelpFormatter,
     add_data_flags,
     add_device_flags,
@@ -59,7 +60,6 @@ DEFAULT_CFG = "cfg/yolov3-spp.cfg"
 DEFAULT_DATA = "data/my_data.data"
 DEFAULT_HYP = "cfg/hyp.yaml"
 RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
-DEFAULT_PROJECT_NAME = "exp"  # the run name under --project when no --name is given (YOLOv5's)
 RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
 RUN_HYP_NAME = "hyp.yaml"
 
@@ -373,7 +373,7 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
         default="",
         metavar="DIR",
         help=f"the folder run folders go in (default {RUNS_DIR}); --project alone names the run "
-        f"'{DEFAULT_PROJECT_NAME}' (YOLOv5's --project runs/train --name exp)",
+        f"'{DEFAULT_RUN_NAME}' (YOLOv5's --project runs/train --name exp)",
     )
     g.add_argument(
         "--name",
@@ -569,7 +569,7 @@ def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
             )
         return Path(args.output_dir), False
     if project:
-        return Path(project) / (args.name or DEFAULT_PROJECT_NAME), False
+        return Path(project) / (args.name or DEFAULT_RUN_NAME), False
     if args.name:
         return RUNS_DIR / args.name, False
     return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
