@@ -175,9 +175,10 @@ def test_save_period_epochs():
     assert not any(keeps_epoch(e, n) for e in range(5) for n in (0, -1))
 
 
-def _resume(path: Path):
-    """``train.py --resume PATH`` alone, as typed: every other flag from the run."""
-    return run(build_config(parse_train_args(["--resume", str(path)])), DistInfo.single(CPU))
+def _resume(path: Path, *extra: str):
+    """``train.py --resume PATH`` (and ``extra``), as typed: every other flag from the run."""
+    config = build_config(parse_train_args(["--resume", str(path), *extra]))
+    return run(config, DistInfo.single(CPU))
 
 
 def _run_argv(data: Path, out: Path, *extra: str) -> list[str]:
@@ -219,6 +220,12 @@ def test_save_period_checkpoints_resume_exactly(make_shapes_data, tmp_path):
     assert resumed.output_dir == tmp_path / "full2"
     assert (full / "last.pt").read_bytes() == last_before  # the finished run is kept whole
     _same_weights(full / "last.pt", resumed.output_dir / "last.pt")
+    # --exist-ok: in the run's own folder, the previous run (epoch0.pt with it) moved aside.
+    again = _resume(full / "epoch0.pt", "--exist-ok")
+    assert again.output_dir == full
+    (moved,) = full.glob("replaced-*")
+    assert (moved / "last.pt").read_bytes() == last_before
+    _same_weights(moved / "last.pt", full / "last.pt")
 
 
 @pytest.mark.slow

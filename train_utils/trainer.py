@@ -199,16 +199,19 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     raise_if_any_rank_failed(error, "claiming the run folder")
     try:
         # A --weights inside a folder whose previous run --exist-ok moved aside moved with it.
-        # So does a checkpoint --resume goes back to (resumes_in_place) with --exist-ok.
+        # So does a checkpoint --resume goes back to (resumes_in_place) with --exist-ok; only
+        # then is rank 0's path sent (each rank reads its own --resume, see SHARED_STORAGE_HINT).
         chosen = None
         if claim is not None:
-            resume = config.resume
-            if resume not in (None, "auto"):
-                resume = relocated(resume, claim)
-            chosen = (str(claim.path), relocated(config.weights, claim), resume)
+            moved = None
+            if config.resume not in (None, "auto"):
+                moved = relocated(config.resume, claim)
+                moved = None if moved == config.resume else moved
+            chosen = (str(claim.path), relocated(config.weights, claim), moved)
         # Collective: every rank writes into the folder rank 0 chose and locked (runs/x2 when
         # runs/x holds a previous run); it exists once this returns.
-        folder, config.weights, config.resume = broadcast_object(chosen)
+        folder, config.weights, moved = broadcast_object(chosen)
+        config.resume = moved or config.resume
         config.output_dir = Path(folder)
         with _log_to_file(log_handler):
             if claim is not None:
