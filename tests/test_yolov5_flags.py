@@ -232,10 +232,17 @@ def test_save_period_checkpoints_resume_exactly(make_shapes_data, tmp_path):
 def test_checkpoint_of_an_older_version_resumes_exactly(make_shapes_data, tmp_path):
     """A checkpoint whose recorded arguments lack the new fields (and name its optimizer in the
     old lowercase spelling) resumes as that version trained: SGD, cosine, no smoothing, no
-    periodic saves; the result equals the uninterrupted run."""
+    periodic saves; the result equals the uninterrupted run. The run is started with YOLOv5's
+    spellings (--imgsz, --batch, --project/--name)."""
     data = make_shapes_data()
-    full = tmp_path / "full"
-    run_training(_run_argv(data, full, "--save-period", "1"))
+    argv = train_argv(data, tmp_path / "unused", img=None, batch=None, epochs=2, nbs=8)
+    cut = argv.index("--output-dir")
+    argv[cut : cut + 2] = ["--project", str(tmp_path / "runs" / "train"), "--name", "exp"]
+    argv += ["--imgsz", str(IMG), "--batch", "8", "--save-period", "1"]
+    full = run_training(argv).output_dir
+    assert full == tmp_path / "runs" / "train" / "exp"
+    config = build_config(parse_train_args(["--project", str(full.parent), "--resume"]))
+    assert config.output_dir == full  # bare --resume: the newest last.pt under --project
     old = tmp_path / "old"
     ckpt = load_checkpoint(full / "epoch0.pt")
     for key in NEW_FIELDS:
