@@ -575,6 +575,24 @@ def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
     return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
 
 
+def resumes_in_place(resume: str | None, output_dir: Path) -> bool:
+    """Whether ``--resume`` continues the run in ``output_dir`` rather than starting a folder of
+    its own (the trainer's claim of the run folder asks).
+
+    ``--resume`` of the folder's ``last.pt`` (or of any checkpoint in a folder without one)
+    continues in place. ``--resume`` of another checkpoint beside a ``last.pt`` (an
+    ``epoch<E>.pt`` of ``--save-period``, a copy) goes back to an earlier state: continuing in
+    place would write over the later epochs' ``last.pt``, ``best.pt`` and ``results.csv`` rows,
+    so the run writes the next numbered folder instead (``runs/x2``), the earlier run kept whole.
+    """
+    if resume is None:
+        return False
+    last = output_dir / "last.pt"
+    if resume == "auto" or not last.is_file():
+        return True
+    return Path(resume).resolve() == last.resolve()
+
+
 def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
     """The most recently written ``runs/*/last.pt`` (what bare ``--resume`` continues)."""
     found = [p for p in runs.glob("*/last.pt") if p.is_file()]
@@ -637,10 +655,15 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
         args.data = data["path"]
     if "hyp" not in given and (folder / RUN_HYP_NAME).is_file():
         args.hyp = str(folder / RUN_HYP_NAME)
+    where = (
+        f"in {folder}"
+        if resumes_in_place(str(path), folder)
+        else f"in a new folder beside {folder} (its later epochs are kept)"
+    )
     logger.info(
-        "--resume %s: continuing that run in %s with its own arguments (cfg %s, data %s)",
+        "--resume %s: continuing that run %s with its own arguments (cfg %s, data %s)",
         path,
-        folder,
+        where,
         args.cfg,
         args.data,
     )

@@ -56,6 +56,7 @@ from train_utils.config import (
     TrainConfig,
     accumulate_steps,
     multi_scale_bounds,
+    resumes_in_place,
     scaled_lr0,
 )
 from train_utils.distributed.comm import (
@@ -184,7 +185,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
         try:
             claim = claim_run_folder(
                 config.output_dir,
-                resume=resumes_in_place(config),
+                resume=resumes_in_place(config.resume, config.output_dir),
                 exist_ok=config.exist_ok,
                 auto_named=config.auto_named,
             )
@@ -220,24 +221,6 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     finally:
         if claim is not None:
             claim.release()
-
-
-def resumes_in_place(config: TrainConfig) -> bool:
-    """Whether this run continues the run in ``config.output_dir`` (``--resume``) rather than
-    starting a folder of its own.
-
-    ``--resume`` of the folder's ``last.pt`` (or of any checkpoint in a folder without one)
-    continues in place. ``--resume`` of another checkpoint beside a ``last.pt`` (an
-    ``epoch<E>.pt`` of ``--save-period``, a copy) goes back to an earlier state: continuing in
-    place would write over the later epochs' ``last.pt``, ``best.pt`` and ``results.csv`` rows,
-    so the run writes the next numbered folder instead (``runs/x2``), the earlier run kept whole.
-    """
-    if config.resume is None:
-        return False
-    last = config.output_dir / "last.pt"
-    if config.resume == "auto" or not last.is_file():
-        return True
-    return Path(config.resume).resolve() == last.resolve()
 
 
 def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
