@@ -68,11 +68,14 @@ from train_utils.cli import (
     add_img_size_flag,
     add_model_flag,
     add_precision_flags,
+    add_project_flags,
     add_weights_flags,
     check_at_least,
     check_fractions,
     check_img_size,
+    first_free_folder,
     parse_args,
+    project_folder,
     run_main,
     setup_console_logging,
     take_from_run,
@@ -87,6 +90,7 @@ logger = logging.getLogger("predict")
 VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv"}
 STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
 OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
+DEFAULT_PROJECT = "runs/predict"  # --name alone: runs/predict/NAME (--output's default folder)
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
 BOX_THICKNESS = 2  # default --line-thickness, pixels
 MAX_LINE_THICKNESS = 32767  # OpenCV's own limit (it raises beyond it)
@@ -124,10 +128,12 @@ def get_parser() -> argparse.ArgumentParser:
         help="folder for the drawn images/videos; one that already holds files becomes "
         "OUTPUT2, OUTPUT3, ... (default: %(default)s)",
     )
+    add_project_flags(p, DEFAULT_PROJECT, OUTPUT_FLAG)
     p.add_argument(
         "--exist-ok",
         action="store_true",
-        help="write into an --output folder that already holds files (same names are replaced)",
+        help="write into an --output (or --project/--name) folder that already holds files "
+        "(same names are replaced)",
     )
     add_img_size_flag(p, None, "inference size, a multiple of 32 (default: the run's)")
     p.add_argument("--conf-thres", type=float, default=0.3, help="confidence threshold")
@@ -548,13 +554,8 @@ def choose_output_dir(
         OutputError: it cannot be created (a read-only place, a full disk).
     """
     check_not_over_sources(requested, sources, outputs)
-    out, n = requested, 1
-    while True:
-        # A file where the folder should be is reported by make_output_dir, as every write is.
-        if not out.is_dir() or exist_ok or not any(out.iterdir()):
-            break
-        n += 1
-        out = requested.with_name(f"{requested.name}{n}")
+    # A file where the folder should be is reported by make_output_dir, as every write is.
+    out = first_free_folder(requested, exist_ok)
     if out != requested:
         logger.info(
             "--output %s already holds files; writing to %s (--exist-ok to write into it)",
@@ -672,6 +673,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(
                 f"--line-thickness {args.line_thickness}: at most {MAX_LINE_THICKNESS} pixels"
             )
+        requested = project_folder(args, OUTPUT_FLAG, DEFAULT_PROJECT) or Path(args.output)
         # Sources first: a missing or empty one is reported before the model is loaded.
         outputs = plan_outputs(args.source)
         device = select_device(args.device)
@@ -694,7 +696,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.half,
             args.augment,
         )
-        out_dir = choose_output_dir(Path(args.output), args.exist_ok, args.source, outputs)
+        out_dir = choose_output_dir(requested, args.exist_ok, args.source, outputs)
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
         planned = [o.stem.as_posix() for o in outputs]
         saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop, planned)

@@ -63,12 +63,15 @@ from train_utils.cli import (
     add_local_rank_flag,
     add_model_flag,
     add_precision_flags,
+    add_project_flags,
     add_weights_flags,
     check_at_least,
     check_choices,
     check_fractions,
     check_img_size,
+    first_free_folder,
     parse_args,
+    project_folder,
     run_main,
     setup_console_logging,
     switch,
@@ -94,6 +97,7 @@ from train_utils.evaluation.speed import measure_speed
 logger = logging.getLogger("validation")
 
 DEFAULT_BATCH_SIZE = 8  # for weights that do not record their run's
+DEFAULT_SAVE_DIR = "runs/val"  # also the --project of --name alone (runs/val/NAME)
 # What a run's checkpoint answers when the flag is not given, and the default otherwise.
 RUN_SETTINGS = {
     "data": None,
@@ -116,7 +120,11 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("evaluation")
     add_img_size_flag(g, None, "inference size, a multiple of 32" + RUN_HINT)
     g.add_argument(
-        "--batch-size", type=int, default=None, help="images per batch and process" + RUN_HINT
+        "--batch-size",
+        "--batch",
+        type=int,
+        default=None,
+        help="images per batch and process" + RUN_HINT,
     )
     add_eval_flags(g, None, None, None, RUN_HINT)
     g.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
@@ -133,8 +141,15 @@ def get_parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("output")
     g.add_argument(
         "--save-dir",
-        default="runs/val",
+        default=DEFAULT_SAVE_DIR,
         help="folder for per_class.csv, errors.json, the pictures and --save-txt labels",
+    )
+    add_project_flags(g, DEFAULT_SAVE_DIR, "--save-dir")
+    g.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="with --project/--name: write into DIR/NAME even when it holds files (same names "
+        "are replaced)",
     )
     switch(g, "--plots", True, "draw the confusion matrix, P/R/F1/PR curves and validation images")
     g.add_argument(
@@ -249,6 +264,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
+        requested = project_folder(args, "--save-dir", DEFAULT_SAVE_DIR)
         weights = read_weights(args.weights, trust=args.trust_checkpoint)
         resolve_settings(args, weights)
         dist = init_distributed_mode(args)
@@ -299,15 +315,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                 opts.backend,
                 format_report(stats),
             )
-            save_dir = Path(args.save_dir)
+            # --project/--name: YOLOv5's numbered folders; --save-dir: the folder as given.
+            save_dir, flag = Path(args.save_dir), "--save-dir"
+            if requested is not None:
+                save_dir, flag = first_free_folder(requested, args.exist_ok), "--project/--name"
+                logger.info("writing the report to %s", save_dir)
             write_eval_report(
-                save_dir, coco_gt, detections, data.names, per_class, args.plots, "--save-dir"
+                save_dir, coco_gt, detections, data.names, per_class, args.plots, flag
             )
-            report_errors(save_dir, coco_gt, detections, "--save-dir")
+            report_errors(save_dir, coco_gt, detections, flag)
             if args.save_txt:
-                n = write_dataset_txt(
-                    save_dir / "labels", coco_gt, detections, args.save_conf, "--save-dir"
-                )
+                labels = save_dir / "labels"
+                n = write_dataset_txt(labels, coco_gt, detections, args.save_conf, flag)
                 logger.info("wrote %d label files in %s", n, save_dir / "labels")
             if args.save_json:
                 out = make_output_dir(args.save_json, "--save-json")

@@ -8,8 +8,8 @@ units, both centred) exceeds ``iou_t``, in the grid cell that holds the target's
   ``(centre offset within the cell, wh)``, both in grid units;
 - objectness loss: BCE (``pos_weight = obj_pw``) over every cell and anchor, the target being
   ``(1 - gr) + gr * GIoU.detach().clamp(0)`` at assigned cells and 0 elsewhere;
-- class loss: BCE (``pos_weight = cls_pw``) over assignments, one-hot targets, only when
-  ``nc > 1``;
+- class loss: BCE (``pos_weight = cls_pw``) over assignments, one-hot targets (``1 - eps/2``
+  and ``eps/2`` with label smoothing ``eps``, YOLOv5's ``smooth_BCE``), only when ``nc > 1``;
 
 each head's terms summed, then multiplied by the ``giou``, ``obj`` and ``cls`` gains of the
 hyperparameters (already scaled by :func:`scale_loss_gains`). ``fl_gamma > 0`` wraps both BCEs
@@ -49,7 +49,8 @@ GAIN_REFERENCE_IMG_SIZE = 320
 # trains with gr = 1: the objectness of a positive learns to predict its box quality.
 OBJ_GIOU_RATIO = 1.0
 
-# Label smoothing of the class targets (the lineage's smooth_BCE eps): off.
+# Label smoothing of the class targets (the lineage's smooth_BCE eps): off unless
+# ``--label-smoothing`` says otherwise.
 LABEL_SMOOTHING_EPS = 0.0
 
 # exp(t_wh) is clamped so that a diverging logit gives a huge box instead of inf/NaN.
@@ -285,6 +286,7 @@ def compute_loss(
     targets: torch.Tensor,
     model: _YoloModel,
     hyp: dict[str, Any],
+    label_smoothing: float = LABEL_SMOOTHING_EPS,
 ) -> dict[str, torch.Tensor]:
     """YOLOv3 loss of one batch.
 
@@ -298,6 +300,8 @@ def compute_loss(
             ``giou``, ``obj``, ``cls`` (gains), ``obj_pw``, ``cls_pw`` (BCE positive weights),
             ``iou_t`` (anchor assignment threshold), ``fl_gamma`` (focal loss when > 0),
             optionally ``obj_balance`` (per-head objectness weights when true).
+        label_smoothing: eps in [0, 1): class BCE targets ``1 - eps/2`` for the target's class
+            and ``eps/2`` for the others (:func:`smooth_bce`); 0 keeps them one-hot.
 
     Returns:
         ``{"box_loss", "obj_loss", "cls_loss"}``: 0-dim tensors, already multiplied by their
@@ -314,7 +318,7 @@ def compute_loss(
     layer_targets = build_targets(preds, targets, model, hyp["iou_t"])
     criterion_cls = _criterion(hyp["cls_pw"], hyp["fl_gamma"], device)
     criterion_obj = _criterion(hyp["obj_pw"], hyp["fl_gamma"], device)
-    cp, cn = smooth_bce(LABEL_SMOOTHING_EPS)
+    cp, cn = smooth_bce(label_smoothing)
     nc = model.nc
     gr = OBJ_GIOU_RATIO
     heads = [model.module_list[i] for i in model.yolo_layers]

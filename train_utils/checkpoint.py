@@ -728,17 +728,27 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, path: Any
         raise CheckpointError(bad + _bad("base_lrs", base), path)
 
 
-# What an optimizer's saved groups hold besides its parameters tells its kind.
-_OPTIMIZER_KINDS = ((torch.optim.Adam, "adam", "betas"), (torch.optim.SGD, "sgd", "nesterov"))
+# What an optimizer's saved groups hold besides its parameters tells its kind. AdamW is an Adam
+# (a subclass, the same moments) whose groups say ``decoupled_weight_decay: True``; it comes
+# first so that the subclass is named. Adam and AdamW are told apart because their weight decay
+# means different things: AdamW's state continued as Adam's would change the run silently.
+_OPTIMIZER_KINDS = (
+    (torch.optim.AdamW, "adamw", "decoupled_weight_decay"),
+    (torch.optim.Adam, "adam", "betas"),
+    (torch.optim.SGD, "sgd", "nesterov"),
+)
 
 
 def optimizer_kind(optimizer: torch.optim.Optimizer | Mapping[str, Any]) -> str | None:
-    """``"sgd"``/``"adam"`` for an optimizer or its ``state_dict()`` (by the settings its groups
-    carry: Adam's ``betas``, SGD's ``nesterov``); None for anything else."""
+    """``"sgd"``/``"adam"``/``"adamw"`` for an optimizer or its ``state_dict()`` (by the
+    settings its groups carry: AdamW's ``decoupled_weight_decay`` true, Adam's ``betas``, SGD's
+    ``nesterov``); None for anything else."""
     if isinstance(optimizer, torch.optim.Optimizer):
         return next((kind for cls, kind, _ in _OPTIMIZER_KINDS if isinstance(optimizer, cls)), None)
-    groups = optimizer.get("param_groups") or [{}]
-    return next((kind for _, kind, key in _OPTIMIZER_KINDS if key in groups[0]), None)
+    group = (optimizer.get("param_groups") or [{}])[0]
+    if group.get("decoupled_weight_decay") is True:  # Adam's groups carry it too, as False
+        return "adamw"
+    return next((kind for _, kind, key in _OPTIMIZER_KINDS[1:] if key in group), None)
 
 
 def load_optimizer_state(

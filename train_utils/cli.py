@@ -19,6 +19,7 @@ import copy
 import logging
 import sys
 from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
@@ -38,6 +39,7 @@ DEFAULT_EVAL_CONF = 0.001  # COCO evaluation keeps low-confidence boxes (they ra
 DEFAULT_EVAL_IOU = 0.6
 # auto: faster-coco-eval where installed, else pycocotools (the same numbers; coco_eval.py).
 COCO_BACKENDS = ("auto", "pycocotools", "faster-coco-eval")
+DEFAULT_RUN_NAME = "exp"  # the folder name under --project when no --name is given (YOLOv5's)
 ArgGroup = argparse.ArgumentParser | argparse._ArgumentGroup
 
 
@@ -125,6 +127,51 @@ def add_img_size_flag(g: ArgGroup, default: int | None, help: str) -> None:
     g.add_argument(
         "--img-size", "--imgsz", "--img", dest="img_size", type=int, default=default, help=help
     )
+
+
+def add_project_flags(g: ArgGroup, project_default: str, folder_flag: str) -> None:
+    """YOLOv5's ``--project DIR --name NAME`` for a script whose output folder is
+    ``folder_flag`` (``--save-dir``, ``--output``): the folder ``DIR/NAME``, numbered
+    ``NAME2``, ``NAME3``, ... when it holds files (see :func:`project_folder`,
+    :func:`first_free_folder`)."""
+    g.add_argument(
+        "--project",
+        default=None,
+        metavar="DIR",
+        help=f"write into DIR/NAME instead of {folder_flag}, numbered NAME2, NAME3, ... when "
+        f"it holds files (default DIR: {project_default} when only --name is given)",
+    )
+    g.add_argument(
+        "--name",
+        default=None,
+        help=f"the folder's name under --project (default: {DEFAULT_RUN_NAME})",
+    )
+
+
+def project_folder(args: argparse.Namespace, folder_flag: str, project_default: str) -> Path | None:
+    """``DIR/NAME`` of :func:`add_project_flags` (``project_default/exp`` for the one not
+    given); None when neither was given. ``folder_flag`` typed as well is refused: it names the
+    folder itself, and two answers to one question would leave one of them ignored."""
+    if args.project is None and args.name is None:
+        return None
+    if folder_flag.lstrip("-").replace("-", "_") in getattr(args, "given", ()):
+        raise ConfigError(
+            f"{folder_flag} is the output folder itself, --project/--name its parent and name: "
+            f"give one or the other"
+        )
+    return Path(args.project or project_default) / (args.name or DEFAULT_RUN_NAME)
+
+
+def first_free_folder(requested: Path, exist_ok: bool) -> Path:
+    """``requested``, or when it already holds files and not ``exist_ok``, the first of
+    ``requested2``, ``requested3``, ... that is new or empty (YOLOv5's ``increment_path``), so
+    that an earlier run's outputs are never written over or mixed with this one's. A file where
+    the folder should be is returned as it is: the write that follows reports it."""
+    out, n = requested, 1
+    while out.is_dir() and not exist_ok and any(out.iterdir()):
+        n += 1
+        out = requested.with_name(f"{requested.name}{n}")
+    return out
 
 
 def add_eval_flags(

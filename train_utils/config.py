@@ -32,6 +32,7 @@ from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
     DEFAULT_IMG_SIZE,
+    DEFAULT_RUN_NAME,
     HelpFormatter,
     add_data_flags,
     add_device_flags,
@@ -50,7 +51,7 @@ from train_utils.cli import (
 )
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
 from train_utils.distributed.process_group import launched_world_size
-from train_utils.optim import OPTIMIZER_CHOICES
+from train_utils.optim import LR_SCHEDULES, OPTIMIZER_CHOICES
 from train_utils.trackers import TRACKER_CHOICES, check_trackers
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
@@ -59,7 +60,7 @@ DEFAULT_EPOCHS = 30
 DEFAULT_CFG = "cfg/yolov3-spp.cfg"
 DEFAULT_DATA = "data/my_data.data"
 DEFAULT_HYP = "cfg/hyp.yaml"
-RUNS_DIR = Path("runs")  # where runs go when no --output-dir is given
+RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
 RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
 RUN_HYP_NAME = "hyp.yaml"
 
@@ -271,7 +272,9 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         default=0,
         help="stop when mAP@0.5:0.95 has not improved for N epochs (0 = never)",
     )
-    g.add_argument("--batch-size", type=int, default=4, help="images per process per step")
+    g.add_argument(
+        "--batch-size", "--batch", type=int, default=4, help="images per process per step"
+    )
     add_img_size_flag(
         g, DEFAULT_IMG_SIZE, "training/test image side, a multiple of 32 (max side for --rect)"
     )
@@ -285,11 +288,48 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         choices=FREEZE_MODES,
         help="freeze the Darknet-53 backbone, or everything but the output layers",
     )
-    g.add_argument(
+    # --adam is the archive's switch for the same choice; both at once would contradict.
+    which = g.add_mutually_exclusive_group()
+    which.add_argument(
         "--optimizer",
+        type=str.lower,  # YOLOv5 spells them SGD, Adam, AdamW; runs store them lowercase
         default="sgd",
         choices=OPTIMIZER_CHOICES,
-        help="Nesterov SGD (lineage) or Adam (betas momentum, 0.999)",
+        metavar="{SGD,Adam,AdamW}",
+        help="Nesterov SGD (the lineage's), Adam or AdamW (betas: momentum, 0.999; AdamW decays "
+        "the conv weights decoupled from the gradient); case-insensitive",
+    )
+    which.add_argument(
+        "--adam",
+        dest="optimizer",
+        action="store_const",
+        const="adam",
+        help="deprecated: the same as --optimizer Adam",
+    )
+    schedule = g.add_mutually_exclusive_group()
+    schedule.add_argument(
+        "--cos-lr",
+        dest="lr_schedule",
+        action="store_const",
+        const="cosine",
+        default="cosine",
+        help="cosine learning-rate decay from lr0 to lr0 * lrf over the epochs (the default)",
+    )
+    schedule.add_argument(
+        "--linear-lr",
+        dest="lr_schedule",
+        action="store_const",
+        const="linear",
+        default="cosine",
+        help="linear decay instead, YOLOv5's (1 - epoch / epochs) * (1 - lrf) + lrf "
+        "(default: cosine)",
+    )
+    g.add_argument(
+        "--label-smoothing",
+        type=float,
+        default=0.0,
+        metavar="EPS",
+        help="class targets 1 - EPS/2 and EPS/2 instead of 1 and 0, EPS in [0, 1)",
     )
     g.add_argument(
         "--nbs",
@@ -330,22 +370,37 @@ def _add_evaluation(g: argparse._ArgumentGroup) -> None:
 
 def _add_runtime(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
+        "--project",
+        default="",
+        metavar="DIR",
+        help=f"the folder run folders go in (default {RUNS_DIR}); --project alone names the run "
+        f"'{DEFAULT_RUN_NAME}' (YOLOv5's --project runs/train --name exp)",
+    )
+    g.add_argument(
         "--name",
         default="",
-        help="run name; output goes to runs/<name>, or runs/<name>2, 3, ... when that folder "
-        "holds a previous run (never overwritten)",
+        help="run name; output goes to <project>/<name>, or <project>/<name>2, 3, ... when that "
+        "folder holds a previous run (never overwritten)",
     )
     g.add_argument(
         "--output-dir",
         default="",
-        help="output folder (default runs/<name or time>); numbered like --name when it holds "
-        "a previous run",
+        help="output folder, instead of --project/--name (default runs/<name or time>); "
+        "numbered like --name when it holds a previous run",
     )
     g.add_argument(
         "--exist-ok",
         action="store_true",
         help="write into the --name/--output-dir folder even when it holds a previous run: "
         "that run's files are first moved into <folder>/replaced-<time>/",
+    )
+    g.add_argument(
+        "--save-period",
+        type=int,
+        default=-1,
+        metavar="N",
+        help="also keep epoch<E>.pt beside last.pt after every N-th epoch (E = N-1, 2N-1, ..., "
+        "counted from 0 as in results.csv); -1 or 0: off",
     )
     workers_help = (
         "DataLoader workers per process (default: the process's share of the node's usable "
@@ -419,6 +474,11 @@ class TrainConfig:
     auto_named: bool = False
     # External experiment trackers (--tracker); runs recorded before it existed had none.
     tracker: list[str] = dataclasses.field(default_factory=list)
+    # Fields added later default to what runs of older versions did, so that a checkpoint whose
+    # recorded arguments lack them resumes exactly (take_from_run falls back to these).
+    lr_schedule: str = "cosine"  # "cosine" or "linear" (optim.LR_SCHEDULES)
+    label_smoothing: float = 0.0  # class-target smoothing eps in [0, 1)
+    save_period: int = -1  # keep epoch<E>.pt every N epochs; <= 0 off
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""
@@ -464,7 +524,9 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         1,
     )
     check_at_least({"--patience": args.patience, "--workers": args.workers}, 0)
+    check_at_least({"--save-period": args.save_period}, -1)
     check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
+    _check_training_choices(args)
     cfg = Path(args.cfg)
     if not cfg.is_file():
         raise ConfigError("model cfg not found; pass an existing .cfg to --cfg", cfg)
@@ -477,18 +539,13 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         check_config_file(args.weights, MAX_WEIGHTS_BYTES, "--weights")
     data = load_data_config(args.data, args.single_cls)
     hyp = load_hyp(args.hyp)
-    if resumed is not None:
-        output_dir = resumed
-    elif args.output_dir:
-        output_dir = Path(args.output_dir)
-    else:
-        output_dir = RUNS_DIR / (args.name or time.strftime("%Y%m%d-%H%M%S"))
+    output_dir, auto_named = run_folder_of(args) if resumed is None else (resumed, False)
     derived = {
         "cfg": cfg,
         "data": data,
         "hyp": hyp,
         "output_dir": output_dir,
-        "auto_named": resumed is None and not args.output_dir and not args.name,
+        "auto_named": auto_named,
         "tracker": check_trackers(args.tracker),
     }
     # Every other field is the flag of the same name, as validated above.
@@ -498,6 +555,60 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
         if f.name not in derived
     }
     return TrainConfig(**{**flags, **derived})
+
+
+def _check_training_choices(args: argparse.Namespace) -> None:
+    """The values of the optimizer and schedule flags, which a resumed run may also take from
+    its checkpoint (argparse checks only what was typed)."""
+    eps = args.label_smoothing
+    if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0.0 <= eps < 1.0:
+        raise ConfigError(f"--label-smoothing must be a number in [0, 1), got {eps!r}")
+    if args.lr_schedule not in LR_SCHEDULES:
+        raise ConfigError(
+            f"the LR schedule {args.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
+        )
+
+
+def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
+    """The run folder a new run is given (before :func:`run_folder.claim_run_folder` numbers
+    it) and whether that is the default name, which the user did not choose.
+
+    ``--output-dir`` is the folder itself; ``--project`` and ``--name`` are its parent and name
+    (YOLOv5's), ``--project`` alone names the run ``exp``, ``--name`` alone puts it in ``runs``;
+    neither: ``runs/<start time>``. ``--output-dir`` with ``--project`` would say the parent
+    twice: refused.
+    """
+    project = getattr(args, "project", "")
+    if args.output_dir:
+        if project:
+            raise ConfigError(
+                "--output-dir is the run folder itself, --project its parent: give one "
+                "(--project DIR --name NAME writes DIR/NAME)"
+            )
+        return Path(args.output_dir), False
+    if project:
+        return Path(project) / (args.name or DEFAULT_RUN_NAME), False
+    if args.name:
+        return RUNS_DIR / args.name, False
+    return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
+
+
+def resumes_in_place(resume: str | None, output_dir: Path) -> bool:
+    """Whether ``--resume`` continues the run in ``output_dir`` rather than starting a folder of
+    its own (the trainer's claim of the run folder asks).
+
+    ``--resume`` of the folder's ``last.pt`` (or of any checkpoint in a folder without one)
+    continues in place. ``--resume`` of another checkpoint beside a ``last.pt`` (an
+    ``epoch<E>.pt`` of ``--save-period``, a copy) goes back to an earlier state: continuing in
+    place would write over the later epochs' ``last.pt``, ``best.pt`` and ``results.csv`` rows,
+    so the run writes the next numbered folder instead (``runs/x2``), the earlier run kept whole.
+    """
+    if resume is None:
+        return False
+    last = output_dir / "last.pt"
+    if resume == "auto" or not last.is_file():
+        return True
+    return Path(resume).resolve() == last.resolve()
 
 
 def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
@@ -514,11 +625,12 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
         return None
     if args.resume == "auto":
         if args.name or args.output_dir:
-            return None  # runs/<name>/last.pt, found by the trainer
-        latest = latest_run_checkpoint()
+            return None  # <project or runs>/<name>/last.pt, found by the trainer
+        runs = Path(args.project) if getattr(args, "project", "") else RUNS_DIR
+        latest = latest_run_checkpoint(runs)
         if latest is None:
             raise ConfigError(
-                f"--resume: no {RUNS_DIR}/*/last.pt to continue; give the path of a last.pt "
+                f"--resume: no {runs}/*/last.pt to continue; give the path of a last.pt "
                 f"or the run's --name"
             )
         args.resume = str(latest)
@@ -561,10 +673,15 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
         args.data = data["path"]
     if "hyp" not in given and (folder / RUN_HYP_NAME).is_file():
         args.hyp = str(folder / RUN_HYP_NAME)
+    where = (
+        f"in {folder}"
+        if resumes_in_place(str(path), folder)
+        else f"in a new folder beside {folder} (its later epochs are kept)"
+    )
     logger.info(
-        "--resume %s: continuing that run in %s with its own arguments (cfg %s, data %s)",
+        "--resume %s: continuing that run %s with its own arguments (cfg %s, data %s)",
         path,
-        folder,
+        where,
         args.cfg,
         args.data,
     )

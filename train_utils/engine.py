@@ -104,6 +104,7 @@ class TrainOptions:
         channels_last: feed NHWC batches.
         seed: the run's seed; multi-scale sizes are drawn from (seed, epoch, step) alone, so
             every rank uses the same size at each step (see :func:`multi_scale_size`).
+        label_smoothing: ``--label-smoothing`` eps of the class targets (0: one-hot).
     """
 
     device: torch.device
@@ -116,6 +117,7 @@ class TrainOptions:
     show_progress: bool = False
     channels_last: bool = False
     seed: int = 0
+    label_smoothing: float = 0.0
 
 
 def multi_scale_size(bounds: tuple[int, int], seed: int, epoch: int, step: int) -> int:
@@ -285,7 +287,13 @@ def _forward_backward(
     with autocast_context(opts.device, opts.amp):
         preds = state.model(imgs)
     # The loss stays in fp32 whatever the forward precision.
-    loss_dict = compute_loss([p.float() for p in preds], targets, state.model_without_ddp, opts.hyp)
+    loss_dict = compute_loss(
+        [p.float() for p in preds],
+        targets,
+        state.model_without_ddp,
+        opts.hyp,
+        label_smoothing=opts.label_smoothing,
+    )
     loss = loss_dict["box_loss"] + loss_dict["obj_loss"] + loss_dict["cls_loss"]
     step_loss = loss / opts.accumulate
     if state.scaler is not None:

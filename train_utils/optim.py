@@ -11,13 +11,19 @@ from torch import nn
 
 from build_utils.errors import ConfigError
 
-OPTIMIZER_CHOICES = ("sgd", "adam")
+# --optimizer values as stored in a run's config (case-insensitive on the command line; runs
+# of older versions stored "sgd"/"adam" in these spellings, so they resume unchanged).
+OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
+# --cos-lr / --linear-lr: the per-epoch learning-rate curve (cosine: the lineage's default).
+LR_SCHEDULES = ("cosine", "linear")
 
 
 def build_optimizer(
     model: nn.Module, hyp: Mapping[str, Any], lr0: float, kind: str = "sgd", fused: bool = False
 ) -> torch.optim.Optimizer:
-    """Nesterov SGD (or Adam) with three named groups; BN weights and biases get no weight decay.
+    """Nesterov SGD, Adam or AdamW with three named groups; BN weights and biases get no weight
+    decay, conv weights ``hyp["weight_decay"]``: added to the gradient (L2) for SGD and Adam,
+    decoupled from it (``torch.optim.AdamW``, Loshchilov & Hutter) for AdamW.
 
     Every parameter is included, frozen ones too: they never get a gradient, so the optimizer
     skips them (no update, no weight decay, no state), and the optimizer's layout (its
@@ -41,12 +47,12 @@ def build_optimizer(
         {"params": biases, "weight_decay": 0.0, "name": "bias"},
     ]
     groups = [g for g in groups if g["params"]]
-    if kind == "adam":
-        return torch.optim.Adam(
-            groups, lr=lr0, betas=(hyp["momentum"], 0.999), fused=True if fused else None
-        )
+    if kind in ("adam", "adamw"):
+        # The group's weight_decay is explicit, so AdamW's own default (0.01) plays no part.
+        adam = torch.optim.AdamW if kind == "adamw" else torch.optim.Adam
+        return adam(groups, lr=lr0, betas=(hyp["momentum"], 0.999), fused=True if fused else None)
     if kind != "sgd":
-        raise ConfigError(f"unknown --optimizer {kind!r}; use {' or '.join(OPTIMIZER_CHOICES)}")
+        raise ConfigError(f"unknown --optimizer {kind!r}; use {', '.join(OPTIMIZER_CHOICES)}")
     return torch.optim.SGD(
         groups, lr=lr0, momentum=hyp["momentum"], nesterov=True, fused=True if fused else None
     )
@@ -66,12 +72,30 @@ def cosine_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int]
     return f
 
 
+def linear_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int], float]:
+    """YOLOv5's ``--linear-lr`` multiplier ``(1 - x / epochs) * (1 - lrf) + lrf``: straight from
+    1 to ``lrf`` over ``epochs`` (read at every step, as :func:`cosine_lambda`), then ``lrf``."""
+    total = epochs if callable(epochs) else (lambda: epochs)
+
+    def f(epoch: int) -> float:
+        return (1 - min(epoch, total()) / total()) * (1 - lrf) + lrf
+
+    return f
+
+
 def build_scheduler(
-    optimizer: torch.optim.Optimizer, epochs: int | Callable[[], int], lrf: float
+    optimizer: torch.optim.Optimizer,
+    epochs: int | Callable[[], int],
+    lrf: float,
+    schedule: str = "cosine",
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The lineage's per-epoch cosine schedule (warm-up is applied per iteration on top).
+    """The per-epoch schedule, cosine (the lineage's) or linear (warm-up is applied per
+    iteration on top).
 
     The multiplier is a closure, not an object, so LambdaLR's ``state_dict`` does not save it:
-    a resumed run's schedule follows its own ``--epochs``/plan.
+    a resumed run's schedule follows its own ``--epochs``/plan and its own ``lr_schedule``.
     """
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_lambda(epochs, lrf))
+    if schedule not in LR_SCHEDULES:
+        raise ConfigError(f"unknown LR schedule {schedule!r}; use {' or '.join(LR_SCHEDULES)}")
+    curve = cosine_lambda if schedule == "cosine" else linear_lambda
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, curve(epochs, lrf))

@@ -57,6 +57,7 @@ from train_utils.config import (
     TrainConfig,
     accumulate_steps,
     multi_scale_bounds,
+    resumes_in_place,
     scaled_lr0,
 )
 from train_utils.distributed.comm import (
@@ -185,7 +186,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
         try:
             claim = claim_run_folder(
                 config.output_dir,
-                resume=config.resume is not None,
+                resume=resumes_in_place(config.resume, config.output_dir),
                 exist_ok=config.exist_ok,
                 auto_named=config.auto_named,
             )
@@ -200,10 +201,19 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     raise_if_any_rank_failed(error, "claiming the run folder")
     try:
         # A --weights inside a folder whose previous run --exist-ok moved aside moved with it.
-        chosen = (str(claim.path), relocated(config.weights, claim)) if claim else None
+        # So does a checkpoint --resume goes back to (resumes_in_place) with --exist-ok; only
+        # then is rank 0's path sent (each rank reads its own --resume, see SHARED_STORAGE_HINT).
+        chosen = None
+        if claim is not None:
+            moved = None
+            if config.resume not in (None, "auto"):
+                moved = relocated(config.resume, claim)
+                moved = None if moved == config.resume else moved
+            chosen = (str(claim.path), relocated(config.weights, claim), moved)
         # Collective: every rank writes into the folder rank 0 chose and locked (runs/x2 when
         # runs/x holds a previous run); it exists once this returns.
-        folder, config.weights = broadcast_object(chosen)
+        folder, config.weights, moved = broadcast_object(chosen)
+        config.resume = moved or config.resume
         config.output_dir = Path(folder)
         with _log_to_file(log_handler):
             if claim is not None:
@@ -333,7 +343,7 @@ def _train_epochs(
         try:
             with signals.deferred():
                 reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
-                _save_on_main(run, epoch, loop, as_best=is_best and config.savebest)
+                _save_on_main(run, epoch, loop, as_best=is_best and config.savebest, periodic=True)
         except OutputError as e:  # a full disk: stop here, never train on without checkpoints
             failure = e
         plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
@@ -532,7 +542,7 @@ def _build_train_state(
         model=model,
         model_without_ddp=model,
         optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, lambda: plan.epochs, hyp["lrf"]),
+        scheduler=build_scheduler(optimizer, lambda: plan.epochs, hyp["lrf"], config.lr_schedule),
         # bf16 has fp32's range: only fp16 needs loss scaling.
         scaler=torch.amp.GradScaler("cuda") if on_cuda and amp == torch.float16 else None,
         ema=ModelEMA(model) if config.ema else None,
@@ -768,6 +778,7 @@ def _train_options(
         show_progress=dist.is_main,
         channels_last=channels_last,
         seed=config.seed,
+        label_smoothing=config.label_smoothing,
     )
 
 
@@ -813,9 +824,12 @@ def _log_start(
     )
 
 
-def _save_on_main(run: _Run, epoch: int, loop: LoopState, as_best: bool) -> None:
+def _save_on_main(
+    run: _Run, epoch: int, loop: LoopState, as_best: bool, periodic: bool = False
+) -> None:
     """Rank 0 writes the checkpoint of ``epoch`` to ``last.pt``, then the same one to ``best.pt``
-    when ``as_best``; other ranks write nothing. Not a collective: the trainer's
+    when ``as_best`` and to ``epoch<epoch>.pt`` when ``periodic`` and ``--save-period`` asks for
+    this epoch (:func:`keeps_epoch`); other ranks write nothing. Not a collective: the trainer's
     ``raise_if_any_rank_failed`` after it keeps the other ranks from running ahead.
 
     Why last.pt first: a crash between the two leaves a ``last.pt`` that names its own epoch as
@@ -832,6 +846,15 @@ def _save_on_main(run: _Run, epoch: int, loop: LoopState, as_best: bool) -> None
     save_checkpoint(ckpt, run.config.output_dir / "last.pt", OUTPUT_FLAG)
     if as_best:
         save_checkpoint(ckpt, run.config.output_dir / "best.pt", OUTPUT_FLAG)
+    if periodic and keeps_epoch(epoch, run.config.save_period):
+        # Last: a crash before it loses only this copy; last.pt and best.pt are whole.
+        save_checkpoint(ckpt, run.config.output_dir / f"epoch{epoch}.pt", OUTPUT_FLAG)
+
+
+def keeps_epoch(epoch: int, save_period: int) -> bool:
+    """Whether ``--save-period`` keeps ``epoch``'s checkpoint (0-based epochs): after every
+    ``save_period``-th epoch, i.e. epochs ``N-1, 2N-1, ...``; never when it is 0 or -1."""
+    return save_period > 0 and (epoch + 1) % save_period == 0
 
 
 def _checkpoint(
