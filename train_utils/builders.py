@@ -89,7 +89,7 @@ def model_from_weights(
 
 
 def make_eval_dataset(
-    list_path: str | Path,
+    list_path: str | Path | tuple[Path, ...],
     img_size: int,
     batch_size: int,
     nc: int,
@@ -107,7 +107,7 @@ def make_eval_dataset(
     options.update(single_cls=single_cls, rank=rank, nc=nc)
     # A RAM cache built here is one copy per process of the node.
     options.update(ram_cache_copies=processes_per_node())
-    return LoadImagesAndLabels(str(list_path), img_size, batch_size, **options)
+    return LoadImagesAndLabels(list_path, img_size, batch_size, **options)
 
 
 def make_eval_loader(
@@ -216,7 +216,7 @@ def _load_datasets(
     with torch_distributed_zero_first(dist.local_rank):
         try:
             train_set = LoadImagesAndLabels(
-                str(data.train),
+                data.train,
                 config.img_size,
                 config.batch_size,
                 augment=True,
