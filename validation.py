@@ -24,9 +24,10 @@ labels and predictions (``--no-plots`` skips the pictures), and with ``--save-tx
 
 ``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
 ``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
-numbering, so ``predictions.json`` scores directly against ``instances_val2017.json``; on other
-data they are the dataset index and the class id. ``--coco-ids``/``--no-coco-ids`` override the
-detection.
+numbering, so ``predictions.json`` scores directly against ``instances_val2017.json``; on a
+dataset converted by ``tools/coco2yolo.py`` (its data.yaml names ``coco_ids``) they are the ids
+of the source JSON, which pycocotools scores them against; on other data they are the dataset
+index and the class id. ``--coco-ids``/``--no-coco-ids`` override the detection.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -44,7 +45,12 @@ from build_utils.atomic import make_output_dir, write_text
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
-from train_utils.builders import make_eval_dataset, make_eval_loader, model_from_weights
+from train_utils.builders import (
+    eval_image_ids,
+    make_eval_dataset,
+    make_eval_loader,
+    model_from_weights,
+)
 from train_utils.checkpoint import WeightsFile, read_weights
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
@@ -69,14 +75,16 @@ from train_utils.cli import (
     switch,
     take_from_run,
 )
-from train_utils.config import load_data_config
+from train_utils.config import DataConfig, load_data_config
 from train_utils.distributed.precision import replay_precision
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
 from train_utils.engine import evaluate
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.coco_gt import coco_dict_from_dataset, get_coco_api_from_dataset
 from train_utils.evaluation.exports import (
+    COCO80_TO_91,
     gt_to_official_coco_ids,
+    read_coco_id_map,
     resolve_coco_ids,
     to_official_coco_ids,
     write_dataset_txt,
@@ -140,8 +148,9 @@ def get_parser() -> argparse.ArgumentParser:
         g,
         "--coco-ids",
         None,
-        "--save-json with official COCO image/category ids (default: when the data has 80 "
-        "classes and numeric image file names)",
+        "--save-json with COCO image/category ids: the source JSON's for a dataset of "
+        "tools/coco2yolo.py, else the official ones (default: for such a dataset, or when the "
+        "data has 80 classes and numeric image file names)",
     )
     g.add_argument(
         "--save-json",
@@ -231,6 +240,35 @@ def build_model(
     return model
 
 
+def json_ids(
+    args: argparse.Namespace, data: DataConfig, img_files: Sequence[str], gt_ids: list[int] | None
+) -> tuple[Sequence[int] | Mapping[int, int], Sequence[int], str] | None:
+    """How --save-json rewrites the evaluation's (image id, class) pairs: the image id map, the
+    category id of each class and what they are, for the log; None to keep them.
+
+    A dataset of ``tools/coco2yolo.py`` is scored with its source image ids (``gt_ids``): they
+    stay, and classes become the source category ids (except under --single-cls, which merges
+    them); --no-coco-ids turns both back into dataset index and class. Other data: official
+    COCO ids where :func:`resolve_coco_ids` finds COCO itself."""
+    if gt_ids is not None:
+        if args.coco_ids is False:
+            return {i: k for k, i in enumerate(gt_ids)}, range(data.nc), "dataset index and class"
+        same = {i: i for i in gt_ids}
+        if args.single_cls:
+            return same, range(data.nc), "the source COCO JSON's image ids and class"
+        categories, _ = read_coco_id_map(data.coco_ids)
+        if len(categories) != data.nc:
+            raise ConfigError(
+                f"the id map has {len(categories)} categories, the data {data.nc} classes",
+                data.coco_ids,
+            )
+        return same, categories, f"the ids of the COCO JSON {data.coco_ids} maps to"
+    image_ids = resolve_coco_ids(args.coco_ids, data.nc, img_files)
+    if image_ids is None:
+        return None
+    return image_ids, COCO80_TO_91, "official COCO"
+
+
 def format_report(stats: Sequence[float]) -> str:
     """The 12 COCO stats as text (the per-class table is logged by ``write_eval_report``)."""
     return "\n".join(f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats))
@@ -253,9 +291,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             dataset = make_eval_dataset(
                 data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
             )
+            gt_ids = eval_image_ids(data, dataset.img_files)
             coco_ids = None
             if args.save_json:
-                coco_ids = resolve_coco_ids(args.coco_ids, data.nc, dataset.img_files)
+                coco_ids = json_ids(args, data, dataset.img_files, gt_ids)
             loader = make_eval_loader(
                 dataset,
                 args.batch_size,
@@ -266,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             coco_gt = None
             if dist.is_main:
-                coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc)
+                coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc, image_ids=gt_ids)
             if args.task == "speed":
                 speed = measure_speed(model, loader, opts)
                 if dist.is_main:
@@ -300,17 +339,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.info("wrote %d label files in %s", n, save_dir / "labels")
             if args.save_json:
                 out = make_output_dir(args.save_json, "--save-json")
-                gt = coco_dict_from_dataset(dataset, num_classes=data.nc)
+                gt = coco_dict_from_dataset(dataset, data.nc, gt_ids)
+                id_source = "dataset index and class"
                 if coco_ids is not None:
-                    gt = gt_to_official_coco_ids(gt, coco_ids, data.names)
-                    detections = to_official_coco_ids(detections, coco_ids)
+                    image_ids, category_ids, id_source = coco_ids
+                    gt = gt_to_official_coco_ids(gt, image_ids, data.names, category_ids)
+                    detections = to_official_coco_ids(detections, image_ids, category_ids)
                 write_text(out / "ground_truth.json", json.dumps(gt), "--save-json")
                 write_text(out / "predictions.json", json.dumps(detections), "--save-json")
                 logger.info(
                     "wrote %s and %s (%s ids)",
                     out / "ground_truth.json",
                     out / "predictions.json",
-                    "official COCO" if coco_ids is not None else "dataset index and class",
+                    id_source,
                 )
             if args.json_out:
                 json_out = Path(args.json_out)
