@@ -203,3 +203,12 @@ def test_coco_json_to_yolo_trains_and_scores_with_the_source_ids(tmp_path, make_
         ev.summarize()
     assert len(ours) == 12 and max(ours) > 0
     np.testing.assert_allclose(ours, ev.stats, rtol=0, atol=1e-6)
+
+    # --no-coco-ids: dataset index and class, both, and the same numbers.
+    idx = tmp_path / "idx"
+    argv[argv.index(str(js))] = str(idx)
+    assert validation.main([*argv, "--no-coco-ids"]) == 0
+    preds = json.loads((idx / "predictions.json").read_text())
+    assert {p["image_id"] for p in preds} <= set(range(4))
+    assert {p["category_id"] for p in preds} <= {0, 1, 2}
+    assert list(json.loads(stats_file.read_text()).values()) == ours
