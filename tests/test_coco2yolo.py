@@ -74,6 +74,7 @@ def test_conversion_classes_boxes_crowd_missing_and_background(tmp_path):
             {"id": 5, "file_name": "b.png", "width": 50, "height": 50},
             {"id": 9, "file_name": "gone.jpg", "width": 10, "height": 10},
             {"id": 10, "file_name": "../c.jpg", "width": 30, "height": 30},
+            {"id": 77, "file_name": "./a.jpg", "width": 80, "height": 40},
         ],
         "annotations": [
             {"id": 1, "image_id": 42, "category_id": 11, "bbox": [10, 5, 20, 10], "iscrowd": 0},
@@ -103,6 +104,7 @@ def test_conversion_classes_boxes_crowd_missing_and_background(tmp_path):
     report = (out / "coco2yolo_train_report.txt").read_text()
     assert "image 9 (gone.jpg): skipped: " in report
     assert "image 10 (../c.jpg): skipped: the file name leaves --images" in report
+    assert "image 77 (./a.jpg): skipped: image 42 has the same file" in report
     assert "unknown category 99" in report and "1 crowd (iscrowd) annotation(s) skipped" in report
     assert "clipped" in report
     ids = json.loads((out / "coco_ids.json").read_text())
@@ -212,3 +214,30 @@ def test_coco_json_to_yolo_trains_and_scores_with_the_source_ids(tmp_path, make_
     assert {p["image_id"] for p in preds} <= set(range(4))
     assert {p["category_id"] for p in preds} <= {0, 1, 2}
     assert list(json.loads(stats_file.read_text()).values()) == ours
+
+
+def test_evaluation_scores_with_the_source_image_ids(tmp_path, make_shapes_data):
+    """A ground truth built with the source JSON's image ids keeps dataset order, reads them
+    back (the engine maps detections to them), and caches apart from the index-id one."""
+    from train_utils.builders import make_eval_dataset
+    from train_utils.evaluation.coco_gt import (
+        cache_key,
+        coco_dict_from_dataset,
+        dataset_image_ids,
+        get_coco_api_from_dataset,
+    )
+
+    data = make_shapes_data(n_train=1, n_val=3, img_size_range=(64, 64), n_classes=3)
+    dataset = make_eval_dataset(data.parent / "val" / "images", 64, 2, 3)
+    ids = [9015, 9001, 9008]
+    plain = coco_dict_from_dataset(dataset, 3)
+    mapped = coco_dict_from_dataset(dataset, 3, ids)
+    assert [im["id"] for im in mapped["images"]] == ids
+    assert [a["image_id"] for a in mapped["annotations"]] == [
+        ids[a["image_id"]] for a in plain["annotations"]
+    ]
+    assert dataset_image_ids(get_coco_api_from_dataset(dataset, None, 3, ids)) == ids
+    assert dataset_image_ids(get_coco_api_from_dataset(dataset, None, 3)) is None
+    assert cache_key(dataset, 3, ids) != cache_key(dataset, 3)
+    with pytest.raises(ValueError, match="3 distinct image ids"):
+        coco_dict_from_dataset(dataset, 3, [1, 1, 2])

@@ -337,7 +337,7 @@ def convert(
     report = Report(images=len(coco.images))
     classes = {cid: k for k, cid in enumerate(coco.category_ids)}
     img_root = out / "images" / split
-    base = images_dir.resolve()
+    taken: dict[PurePosixPath, int] = {}  # image path -> the id that took it
     if coco.unknown_images:
         report.lines.append(
             f"{coco.path}: {coco.unknown_images} annotation(s) name an image id the JSON lists "
@@ -347,11 +347,16 @@ def convert(
     for im in coco.images:
         where = f"image {im['id']} ({short_text(im['file_name'], 60)})"
         rel = _relative_image(im["file_name"])
-        src = images_dir / rel if rel is not None else None
-        if src is None or not _inside(src.resolve(), base):
+        if rel is None:
             report.lines.append(f"{where}: skipped: the file name leaves --images")
             report.skipped_images += 1
             continue
+        if rel in taken:
+            report.lines.append(f"{where}: skipped: image {taken[rel]} has the same file")
+            report.skipped_images += 1
+            continue
+        taken[rel] = im["id"]
+        src = images_dir / rel
         if not is_image_file(src):
             report.lines.append(f"{where}: skipped: not an image file name")
             report.skipped_images += 1
