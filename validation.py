@@ -79,8 +79,12 @@ from train_utils.config import DataConfig, load_data_config
 from train_utils.distributed.precision import replay_precision
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
 from train_utils.engine import evaluate
-from train_utils.evaluation.coco_eval import STAT_NAMES
-from train_utils.evaluation.coco_gt import coco_dict_from_dataset, get_coco_api_from_dataset
+from train_utils.evaluation.coco_eval import STAT_NAMES, CocoEvaluator
+from train_utils.evaluation.coco_gt import (
+    coco_dict_from_dataset,
+    get_coco_api_from_dataset,
+    ground_truth_from_file,
+)
 from train_utils.evaluation.exports import (
     COCO80_TO_91,
     gt_to_official_coco_ids,
@@ -157,6 +161,14 @@ def get_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR",
         help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; default: none)",
+    )
+    g.add_argument(
+        "--coco-gt",
+        default=None,
+        metavar="FILE",
+        help="with --save-json: also score predictions.json with pycocotools against this COCO "
+        "JSON (the file tools/coco2yolo.py converted, or COCO's own), its crowd regions "
+        "ignored as pycocotools does; the 12 stats go to DIR/source_stats.json (default: none)",
     )
     g.add_argument(
         "--json-out",
@@ -269,6 +281,32 @@ def json_ids(
     return image_ids, COCO80_TO_91, "official COCO"
 
 
+def score_against_file(
+    args: argparse.Namespace, image_ids: list[int], detections: list[dict], out: Path
+) -> None:
+    """--coco-gt: pycocotools' 12 stats of ``detections`` (the file's ids) against the images
+    ``image_ids`` of that file, crowd regions included; logged and written to
+    ``out/source_stats.json``."""
+    source = ground_truth_from_file(args.coco_gt, image_ids)
+    unknown = {d["category_id"] for d in detections} - set(source.getCatIds())
+    if unknown:
+        raise ConfigError(
+            f"lists no category {min(unknown)} of the predictions: not the JSON the data came from",
+            args.coco_gt,
+        )
+    evaluator = CocoEvaluator(source, backend=args.coco_backend)
+    evaluator.update(detections)
+    stats = evaluator.evaluate()
+    logger.info(
+        "against %s (%d images; crowd regions ignored, as pycocotools does)\n%s",
+        args.coco_gt,
+        len(image_ids),
+        format_report(stats),
+    )
+    text = json.dumps({k: float(v) for k, v in zip(STAT_NAMES, stats)}, indent=2)
+    write_text(out / "source_stats.json", text, "--save-json")
+
+
 def format_report(stats: Sequence[float]) -> str:
     """The 12 COCO stats as text (the per-class table is logged by ``write_eval_report``)."""
     return "\n".join(f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats))
@@ -295,6 +333,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             coco_ids = None
             if args.save_json:
                 coco_ids = json_ids(args, data, dataset.img_files, gt_ids)
+            if args.coco_gt and coco_ids is None:
+                raise ConfigError(
+                    "--coco-gt scores predictions with the ids of a COCO JSON: it needs "
+                    "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
+                )
             loader = make_eval_loader(
                 dataset,
                 args.batch_size,
@@ -353,6 +396,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     out / "predictions.json",
                     id_source,
                 )
+                if args.coco_gt:
+                    score_against_file(args, [im["id"] for im in gt["images"]], detections, out)
             if args.json_out:
                 json_out = Path(args.json_out)
                 make_output_dir(json_out.parent, "--json-out")

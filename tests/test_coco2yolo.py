@@ -167,7 +167,9 @@ def test_a_non_empty_out_of_other_content_is_refused(tmp_path, make_shapes_data)
 
 
 @pytest.mark.slow
-def test_coco_json_to_yolo_trains_and_scores_with_the_source_ids(tmp_path, make_shapes_data):
+def test_coco_json_to_yolo_trains_and_scores_with_the_source_ids(
+    tmp_path, make_shapes_data, capsys
+):
     """The issue's acceptance: COCO JSON -> YOLO -> train -> validation.py; pycocotools on the
     source JSON scores validation.py's predictions.json exactly as validation.py reports."""
     from pycocotools.coco import COCO
@@ -178,7 +180,8 @@ def test_coco_json_to_yolo_trains_and_scores_with_the_source_ids(tmp_path, make_
     train_json = _write_json(
         tmp_path / "instances_train.json", _coco_from_shapes(shapes, "train", 500)
     )
-    val_json = _write_json(tmp_path / "instances_val.json", _coco_from_shapes(shapes, "val", 9001))
+    val_coco = _coco_from_shapes(shapes, "val", 9001)
+    val_json = _write_json(tmp_path / "instances_val.json", val_coco)
     out = tmp_path / "yolo"
     for split, src in (("train", train_json), ("val", val_json)):
         images = shapes / split / "images"
@@ -205,6 +208,31 @@ def test_coco_json_to_yolo_trains_and_scores_with_the_source_ids(tmp_path, make_
         ev.summarize()
     assert len(ours) == 12 and max(ours) > 0
     np.testing.assert_allclose(ours, ev.stats, rtol=0, atol=1e-6)
+
+    # --coco-gt: scored against a source file with a crowd region too, as pycocotools does.
+    crowd = {**val_coco, "annotations": [*val_coco["annotations"]]}
+    first = val_coco["images"][0]
+    box = [0, 0, first["width"] / 2, first["height"] / 2]
+    crowd["annotations"].append(
+        {"id": 10_000, "image_id": first["id"], "category_id": 7, "bbox": box, "iscrowd": 1}
+    )
+    crowd["annotations"][-1]["area"] = box[2] * box[3]
+    crowd_json = _write_json(tmp_path / "crowd.json", crowd)
+    assert validation.main([*argv, "--coco-gt", str(crowd_json)]) == 0
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt = COCO(str(crowd_json))
+        ev = COCOeval(gt, gt.loadRes(str(js / "predictions.json")), "bbox")
+        ev.evaluate()
+        ev.accumulate()
+        ev.summarize()
+    source = list(json.loads((js / "source_stats.json").read_text()).values())
+    np.testing.assert_allclose(source, ev.stats, rtol=0, atol=1e-6)
+    # A file that is not the source: one line.
+    other = _write_json(tmp_path / "other.json", {**crowd, "images": crowd["images"][1:]})
+    assert validation.main([*argv, "--coco-gt", str(other)]) == 2
+    assert (
+        "other.json: lists no image 9001 (and 0 more) of the data scored" in capsys.readouterr().err
+    )
 
     # --no-coco-ids: dataset index and class, both, and the same numbers.
     idx = tmp_path / "idx"

@@ -29,7 +29,8 @@ import numpy as np
 from pycocotools.coco import COCO
 
 from build_utils.atomic import atomic_write
-from build_utils.errors import DatasetError
+from build_utils.errors import ConfigError, DatasetError
+from train_utils.evaluation.exports import read_json_file
 
 logger = logging.getLogger(__name__)
 
@@ -231,3 +232,31 @@ def _write_cache(path: Path, coco_dict: dict) -> None:
         logger.info("COCO ground truth cached to %s", path)
     except OSError as e:
         logger.warning("could not write the COCO ground-truth cache %s: %s", path, e)
+
+
+def ground_truth_from_file(path: str | os.PathLike[str], image_ids: Sequence[int]) -> COCO:
+    """The images ``image_ids`` of a COCO instances JSON and their annotations, crowd regions
+    included (pycocotools ignores detections there), as a pycocotools ``COCO``: what a run's
+    detections with that file's ids are scored against, as YOLOv5's val.py does for COCO.
+
+    Raises:
+        ConfigError: the file is no COCO JSON, or lacks one of ``image_ids``.
+    """
+    data = read_json_file(path, "COCO annotation JSON")
+    lists = isinstance(data, dict) and all(
+        isinstance(data.get(k), list) for k in ("images", "annotations", "categories")
+    )
+    if not lists:
+        raise ConfigError("expected a COCO JSON with images, annotations and categories", path)
+    wanted = set(image_ids)
+    images = [im for im in data["images"] if isinstance(im, dict) and im.get("id") in wanted]
+    missing = wanted - {im["id"] for im in images}
+    if missing:
+        raise ConfigError(
+            f"lists no image {min(missing)} (and {len(missing) - 1} more) of the data scored: "
+            "not the JSON the data came from",
+            path,
+        )
+    anns = [a for a in data["annotations"] if isinstance(a, dict) and a.get("image_id") in wanted]
+    subset = {**data, "images": images, "annotations": anns}
+    return coco_from_dict(subset)
