@@ -4,6 +4,7 @@
     python validation.py --weights runs/exp/best.pt --data data/other.data
     python validation.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --data coco.data
     python validation.py ... --save-json out/ --json-out stats.json
+    python validation.py ... --save-json out/ --coco-gt instances_val.json  # + the source JSON
     python validation.py ... --save-txt --save-conf --save-dir runs/val/exp
     python validation.py ... --task speed --batch-size 1      # ms per image for each step
     torchrun --nproc_per_node=2 validation.py ...     # each process scores a disjoint shard

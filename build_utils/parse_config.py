@@ -1068,6 +1068,16 @@ def _beside_or_cwd(value: str, base: Path) -> Path:
     return p
 
 
+def _split_source(value: str, base: Path) -> Path:
+    """A split entry resolved by :func:`_beside_or_cwd`; an entry ``../x`` found nowhere that
+    way but as ``base/x`` is that one, as ultralytics reads Roboflow's exports (a data.yaml
+    beside ``train/`` saying ``train: ../train/images``)."""
+    p = _beside_or_cwd(value, base)
+    if value.startswith("../") and not p.exists() and (base / value[3:]).exists():
+        return base / value[3:]
+    return p
+
+
 def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse an ultralytics ``data.yaml`` into the dict :func:`parse_data_cfg` returns.
 
@@ -1084,7 +1094,8 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     ``path`` is taken relative to the yaml's folder, so a dataset travels with its yaml; when it
     does not exist there but does relative to the current directory (YOLOv5's repository-root
     convention, ``path: ../datasets/coco128``), that one is used. Split entries are relative to
-    ``path`` (else, where only that exists, to the current directory). ``names`` as a mapping
+    ``path`` (else, where only that exists, to the current directory; ``../x`` found only as
+    ``path/x`` is that, as ultralytics reads Roboflow's exports). ``names`` as a mapping
     must number the classes 0..n-1 without gaps. Unknown keys are ignored with one warning.
 
     Returns:
@@ -1158,9 +1169,9 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
                 where,
             )
         if isinstance(value, list):
-            out[ours] = [str(_beside_or_cwd(text_value(key, v), base)) for v in value]
+            out[ours] = [str(_split_source(text_value(key, v), base)) for v in value]
         else:
-            out[ours] = str(_beside_or_cwd(text_value(key, value), base))
+            out[ours] = str(_split_source(text_value(key, value), base))
         lines[ours] = lines[key]
     if values.get("coco_ids") is not None:
         out["coco_ids"] = str(_beside_or_cwd(text_value("coco_ids", values["coco_ids"]), base))

@@ -72,6 +72,10 @@ def test_data_yaml_schema(tmp_path, monkeypatch, caplog):
     moved = _write(root / "cfg" / "data.yaml", "path: d\ntrain: images/train\nval: images/val\n")
     moved.write_text(moved.read_text() + "names: [a]\n")
     assert Path(load_data_config(moved).valid) == Path("d/images/val")
+    # Roboflow's export: data.yaml beside train/ saying ../train/images (ultralytics' reading).
+    robo = _write(root / "data.yaml", "train: ../images/train\nval: ../images/val\nnames: [a]\n")
+    assert load_data_config(robo).train == root / "images" / "train"
+
     (root / "cfg" / "d" / "images" / "train").mkdir(parents=True)
     beside = _write(root / "cfg" / "d" / "images" / "val" / "x.txt", "")
     assert load_data_config(moved).valid == beside.parent  # now it exists beside the yaml
