@@ -71,7 +71,7 @@ def test_conversion_classes_boxes_crowd_missing_and_background(tmp_path):
     coco = {
         "images": [
             {"id": 42, "file_name": "a.jpg", "width": 80, "height": 40},
-            {"id": 5, "file_name": "b.png", "width": 50, "height": 50},
+            {"id": 5, "file_name": "b.png", "width": 10**400, "height": 50},
             {"id": 9, "file_name": "gone.jpg", "width": 10, "height": 10},
             {"id": 10, "file_name": "../c.jpg", "width": 30, "height": 30},
             {"id": 77, "file_name": "./a.jpg", "width": 80, "height": 40},
@@ -82,6 +82,7 @@ def test_conversion_classes_boxes_crowd_missing_and_background(tmp_path):
             {"id": 3, "image_id": 42, "category_id": 7, "bbox": [0, 0, 80, 40], "iscrowd": 1},
             {"id": 4, "image_id": 42, "category_id": 99, "bbox": [0, 0, 5, 5]},
             {"id": 5, "image_id": 9, "category_id": 3, "bbox": [0, 0, 5, 5]},
+            {"id": 6, "image_id": 5, "category_id": 3, "bbox": [0, 0, 10**400, 5]},
         ],
         "categories": [{"id": 11, "name": "c"}, {"id": 3, "name": "a"}, {"id": 7, "name": "b"}],
     }
@@ -106,7 +107,8 @@ def test_conversion_classes_boxes_crowd_missing_and_background(tmp_path):
     assert "image 10 (../c.jpg): skipped: the file name leaves --images" in report
     assert "image 77 (./a.jpg): skipped: image 42 has the same file" in report
     assert "unknown category 99" in report and "1 crowd (iscrowd) annotation(s) skipped" in report
-    assert "clipped" in report
+    assert "clipped" in report and "annotation 0: bbox [0, 0, 1000000" in report
+    assert "is not 4 numbers, skipped" in report  # 10**400 has no float
     ids = json.loads((out / "coco_ids.json").read_text())
     assert ids["category_ids"] == [3, 7, 11] and ids["names"] == ["a", "b", "c"]
     assert ids["images"] == {"images/train/a.jpg": 42, "images/train/b.png": 5}

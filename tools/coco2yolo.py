@@ -101,9 +101,20 @@ def _int_id(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _number(value: Any) -> float | None:
+    """A JSON number as a finite float (an integer of 400 digits has none), else None."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
 def _positive(value: Any) -> float | None:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok and math.isfinite(value) and value > 0 else None
+    x = _number(value)
+    return x if x is not None and x > 0 else None
 
 
 def read_coco(path: Path) -> CocoFile:
@@ -181,13 +192,12 @@ def yolo_lines(
             skipped += 1
             continue
         box = a.get("bbox")
-        ok = isinstance(box, list) and len(box) == 4
-        ok = ok and all(isinstance(v, int | float) and not isinstance(v, bool) for v in box)
-        if not ok or not all(math.isfinite(v) for v in box):
+        values = [_number(v) for v in box] if isinstance(box, list) and len(box) == 4 else []
+        if not values or None in values:
             notes.append(f"{head}: bbox {short_repr(box)} is not 4 numbers, skipped")
             skipped += 1
             continue
-        x1, y1, bw, bh = (float(v) for v in box)
+        x1, y1, bw, bh = values
         x2, y2 = x1 + bw, y1 + bh
         cx1, cy1, cx2, cy2 = max(x1, 0.0), max(y1, 0.0), min(x2, w), min(y2, h)
         if cx2 <= cx1 or cy2 <= cy1:
