@@ -1,4 +1,4 @@
-"""Darknet model cfg, ``.data`` and ``.names`` parsing.
+"""Darknet model cfg, ``.data``, ultralytics ``data.yaml`` and ``.names`` parsing.
 
 A model cfg is a list of ``[section]`` blocks of ``key=value`` lines. :func:`parse_model_cfg`
 returns one dict per block, ``[net]`` first::

@@ -1,9 +1,10 @@
 """Command line, hyperparameters and dataset description, validated once into explicit objects.
 
 Each source of configuration has one owner: the CLI for the run (:func:`get_args_parser`),
-``cfg/hyp.yaml`` for hyperparameters (:func:`load_hyp`), the ``.data`` file for the dataset
-(:func:`load_data_config`) and the ``.cfg`` for the architecture (``build_utils.parse_config``).
-Every problem is raised as :class:`ConfigError` naming the file, line or flag and the fix.
+``cfg/hyp.yaml`` for hyperparameters (:func:`load_hyp`), the ``.data`` or ``data.yaml`` file for
+the dataset (:func:`load_data_config`) and the ``.cfg`` for the architecture
+(``build_utils.parse_config``). Every problem is raised as :class:`ConfigError` naming the file,
+line or flag and the fix.
 """
 
 from __future__ import annotations
