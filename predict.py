@@ -115,7 +115,7 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--data",
         default=None,
-        help=".data file whose names= gives class names (default: the checkpoint's names)",
+        help=".data or data.yaml file whose class names to use (default: the checkpoint's names)",
     )
     p.add_argument(
         "--names",
@@ -393,7 +393,7 @@ def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str], WeightsFil
     if args.names:
         names = load_class_names(args.names)
     elif args.data:
-        names = load_class_names(parse_data_cfg(args.data)["names"])
+        names = parse_data_cfg(args.data)["class_names"]
     model = model_from_weights(weights, args.cfg, len(names) if names else None, args.img_size)
     return model, names or [str(i) for i in range(model.nc)], weights
 

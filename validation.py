@@ -5,6 +5,7 @@ else pycocotools: the same numbers), per-class table, error breakdown.
     python validation.py --weights runs/exp/best.pt --data data/other.data
     python validation.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --data coco.data
     python validation.py ... --save-json out/ --json-out stats.json
+    python validation.py ... --save-json out/ --coco-gt instances_val.json  # + the source JSON
     python validation.py ... --save-txt --save-conf --save-dir runs/val/exp
     python validation.py ... --task speed --batch-size 1      # ms per image for each step
     python validation.py ... --augment                       # test-time augmentation (3 passes)
@@ -28,9 +29,10 @@ validation images with labels and predictions (``--no-plots`` skips the pictures
 
 ``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
 ``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
-numbering, so ``predictions.json`` scores directly against ``instances_val2017.json``; on other
-data they are the dataset index and the class id. ``--coco-ids``/``--no-coco-ids`` override the
-detection.
+numbering, so ``predictions.json`` scores directly against ``instances_val2017.json``; on a
+dataset converted by ``tools/coco2yolo.py`` (its data.yaml names ``coco_ids``) they are the ids
+of the source JSON, which pycocotools scores them against; on other data they are the dataset
+index and the class id. ``--coco-ids``/``--no-coco-ids`` override the detection.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import argparse
 import json
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -48,7 +50,12 @@ from build_utils.atomic import make_output_dir, write_text
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
-from train_utils.builders import make_eval_dataset, make_eval_loader, model_from_weights
+from train_utils.builders import (
+    eval_image_ids,
+    make_eval_dataset,
+    make_eval_loader,
+    model_from_weights,
+)
 from train_utils.checkpoint import WeightsFile, read_weights
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
@@ -77,15 +84,21 @@ from train_utils.cli import (
     switch,
     take_from_run,
 )
-from train_utils.config import load_data_config
+from train_utils.config import DataConfig, load_data_config
 from train_utils.distributed.precision import replay_precision
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
 from train_utils.engine import evaluate
-from train_utils.evaluation.coco_eval import STAT_NAMES
-from train_utils.evaluation.coco_gt import coco_dict_from_dataset, get_coco_api_from_dataset
+from train_utils.evaluation.coco_eval import STAT_NAMES, CocoEvaluator
+from train_utils.evaluation.coco_gt import (
+    coco_dict_from_dataset,
+    get_coco_api_from_dataset,
+    ground_truth_from_file,
+)
 from train_utils.evaluation.error_breakdown import report_errors
 from train_utils.evaluation.exports import (
+    COCO80_TO_91,
     gt_to_official_coco_ids,
+    read_coco_id_map,
     resolve_coco_ids,
     to_official_coco_ids,
     write_dataset_txt,
@@ -162,14 +175,23 @@ def get_parser() -> argparse.ArgumentParser:
         g,
         "--coco-ids",
         None,
-        "--save-json with official COCO image/category ids (default: when the data has 80 "
-        "classes and numeric image file names)",
+        "--save-json with COCO image/category ids: the source JSON's for a dataset of "
+        "tools/coco2yolo.py, else the official ones (default: for such a dataset, or when the "
+        "data has 80 classes and numeric image file names)",
     )
     g.add_argument(
         "--save-json",
         default=None,
         metavar="DIR",
         help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; default: none)",
+    )
+    g.add_argument(
+        "--coco-gt",
+        default=None,
+        metavar="FILE",
+        help="with --save-json: also score predictions.json with pycocotools against this COCO "
+        "JSON (the file tools/coco2yolo.py converted, or COCO's own), its crowd regions "
+        "ignored as pycocotools does; the 12 stats go to DIR/source_stats.json (default: none)",
     )
     g.add_argument(
         "--json-out",
@@ -254,6 +276,61 @@ def build_model(
     return model
 
 
+def json_ids(
+    args: argparse.Namespace, data: DataConfig, img_files: Sequence[str], gt_ids: list[int] | None
+) -> tuple[Sequence[int] | Mapping[int, int], Sequence[int], str] | None:
+    """How --save-json rewrites the evaluation's (image id, class) pairs: the image id map, the
+    category id of each class and what they are, for the log; None to keep them.
+
+    A dataset of ``tools/coco2yolo.py`` is scored with its source image ids (``gt_ids``): they
+    stay, and classes become the source category ids (except under --single-cls, which merges
+    them); --no-coco-ids turns both back into dataset index and class. Other data: official
+    COCO ids where :func:`resolve_coco_ids` finds COCO itself."""
+    if gt_ids is not None:
+        if args.coco_ids is False:
+            return {i: k for k, i in enumerate(gt_ids)}, range(data.nc), "dataset index and class"
+        same = {i: i for i in gt_ids}
+        if args.single_cls:
+            return same, range(data.nc), "the source COCO JSON's image ids and class"
+        categories, _ = read_coco_id_map(data.coco_ids)
+        if len(categories) != data.nc:
+            raise ConfigError(
+                f"the id map has {len(categories)} categories, the data {data.nc} classes",
+                data.coco_ids,
+            )
+        return same, categories, f"the ids of the COCO JSON {data.coco_ids} maps to"
+    image_ids = resolve_coco_ids(args.coco_ids, data.nc, img_files)
+    if image_ids is None:
+        return None
+    return image_ids, COCO80_TO_91, "official COCO"
+
+
+def score_against_file(
+    args: argparse.Namespace, image_ids: list[int], detections: list[dict], out: Path
+) -> None:
+    """--coco-gt: pycocotools' 12 stats of ``detections`` (the file's ids) against the images
+    ``image_ids`` of that file, crowd regions included; logged and written to
+    ``out/source_stats.json``."""
+    source = ground_truth_from_file(args.coco_gt, image_ids)
+    unknown = {d["category_id"] for d in detections} - set(source.getCatIds())
+    if unknown:
+        raise ConfigError(
+            f"lists no category {min(unknown)} of the predictions: not the JSON the data came from",
+            args.coco_gt,
+        )
+    evaluator = CocoEvaluator(source, backend=args.coco_backend)
+    evaluator.update(detections)
+    stats = evaluator.evaluate()
+    logger.info(
+        "against %s (%d images; crowd regions ignored, as pycocotools does)\n%s",
+        args.coco_gt,
+        len(image_ids),
+        format_report(stats),
+    )
+    text = json.dumps({k: float(v) for k, v in zip(STAT_NAMES, stats)}, indent=2)
+    write_text(out / "source_stats.json", text, "--save-json")
+
+
 def format_report(stats: Sequence[float]) -> str:
     """The 12 COCO stats as text (the per-class table is logged by ``write_eval_report``)."""
     return "\n".join(f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats))
@@ -277,9 +354,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             dataset = make_eval_dataset(
                 data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
             )
+            gt_ids = eval_image_ids(data, dataset.img_files)
             coco_ids = None
             if args.save_json:
-                coco_ids = resolve_coco_ids(args.coco_ids, data.nc, dataset.img_files)
+                coco_ids = json_ids(args, data, dataset.img_files, gt_ids)
+            if args.coco_gt and coco_ids is None:
+                raise ConfigError(
+                    "--coco-gt scores predictions with the ids of a COCO JSON: it needs "
+                    "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
+                )
             loader = make_eval_loader(
                 dataset,
                 args.batch_size,
@@ -290,7 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             coco_gt = None
             if dist.is_main:
-                coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc)
+                coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc, image_ids=gt_ids)
             if args.task == "speed":
                 speed = measure_speed(model, loader, opts)
                 if dist.is_main:
@@ -330,18 +413,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                 logger.info("wrote %d label files in %s", n, save_dir / "labels")
             if args.save_json:
                 out = make_output_dir(args.save_json, "--save-json")
-                gt = coco_dict_from_dataset(dataset, num_classes=data.nc)
+                gt = coco_dict_from_dataset(dataset, data.nc, gt_ids)
+                id_source = "dataset index and class"
                 if coco_ids is not None:
-                    gt = gt_to_official_coco_ids(gt, coco_ids, data.names)
-                    detections = to_official_coco_ids(detections, coco_ids)
+                    image_ids, category_ids, id_source = coco_ids
+                    gt = gt_to_official_coco_ids(gt, image_ids, data.names, category_ids)
+                    detections = to_official_coco_ids(detections, image_ids, category_ids)
                 write_text(out / "ground_truth.json", json.dumps(gt), "--save-json")
                 write_text(out / "predictions.json", json.dumps(detections), "--save-json")
                 logger.info(
                     "wrote %s and %s (%s ids)",
                     out / "ground_truth.json",
                     out / "predictions.json",
-                    "official COCO" if coco_ids is not None else "dataset index and class",
+                    id_source,
                 )
+                if args.coco_gt:
+                    score_against_file(args, [im["id"] for im in gt["images"]], detections, out)
             if args.json_out:
                 json_out = Path(args.json_out)
                 make_output_dir(json_out.parent, "--json-out")

@@ -131,6 +131,14 @@ MAX_WEIGHTS_BYTES = Limit(
     "bytes",
     "YOLOv7-E6E weights are 600 MB; a checkpoint adds the EMA and optimizer state (about 3x)",
 )
+MAX_ANNOTATION_BYTES = Limit(
+    "bytes per COCO annotation JSON or id map",
+    "YOLO_MAX_ANNOTATION_BYTES",
+    2 << 30,
+    "bytes",
+    "COCO's instances_train2017.json is 448 MB, LVIS v1's train file 1.1 GB (parsed, about 8x "
+    "that in memory)",
+)
 MAX_YAML_NODES = Limit(
     "YAML nodes per document, aliases expanded",
     "YOLO_MAX_YAML_NODES",
@@ -153,6 +161,7 @@ ALL_LIMITS: tuple[Limit, ...] = (
     MAX_LIST_BYTES,
     MAX_TEXT_BYTES,
     MAX_WEIGHTS_BYTES,
+    MAX_ANNOTATION_BYTES,
     MAX_YAML_NODES,
     MAX_IMG_SIZE,
 )

@@ -1,4 +1,4 @@
-"""Darknet model cfg, ``.data`` and ``.names`` parsing.
+"""Darknet model cfg, ``.data``, ultralytics ``data.yaml`` and ``.names`` parsing.
 
 A model cfg is a list of ``[section]`` blocks of ``key=value`` lines. :func:`parse_model_cfg`
 returns one dict per block, ``[net]`` first::
@@ -28,7 +28,7 @@ from typing import Any
 
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
-from build_utils.safe_yaml import short_repr
+from build_utils.safe_yaml import compose_yaml, short_repr
 
 LOGGER = logging.getLogger(__name__)
 
@@ -330,6 +330,15 @@ _SHOWN_DIGITS = 12
 # Keys holding file paths in a .data file, resolved by parse_data_cfg.
 DATA_PATH_KEYS: tuple[str, ...] = ("train", "valid", "test", "names", "backup")
 DATA_REQUIRED_KEYS: tuple[str, ...] = ("classes", "train", "valid", "names")
+
+# The ultralytics (YOLOv5/YOLOv8) dataset file: a YAML mapping, told apart by its extension.
+DATA_YAML_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
+# Its splits, each a folder of images, a .txt list or a list of those; train and val required.
+DATA_YAML_SPLITS: tuple[str, ...] = ("train", "val", "test")
+# Every key read; others (Roboflow's `roboflow:`, pose keys) are ignored with one warning.
+# `coco_ids` is ours: the file tools/coco2yolo.py writes to map classes and images back to the
+# ids of the COCO JSON they came from (validation.py --save-json).
+DATA_YAML_KEYS: tuple[str, ...] = ("path", *DATA_YAML_SPLITS, "names", "nc", "download", "coco_ids")
 
 _COMMENT_CHARS = ("#", ";")
 
@@ -919,8 +928,16 @@ def _resolve_data_path(value: str, data_dir: Path) -> str:
     return str(beside) if beside.exists() else str(p)
 
 
+def is_data_yaml(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` names an ultralytics ``data.yaml`` (by its extension) rather than a
+    Darknet ``.data`` file."""
+    return Path(path).suffix.lower() in DATA_YAML_SUFFIXES
+
+
 def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Parse a Darknet ``.data`` file (``key=value`` lines; ``#``/``;`` comments).
+    """Parse a dataset file: a Darknet ``.data`` file (``key=value`` lines; ``#``/``;``
+    comments), or an ultralytics ``data.yaml`` (``.yaml``/``.yml``, :func:`parse_data_yaml`),
+    into the same dict.
 
     Required keys: ``classes`` (positive integer), ``train``, ``valid``, ``names``; other keys
     (``backup``, ``eval``, ...) are kept as strings.
@@ -934,12 +951,15 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     The ``names`` file must exist and list exactly ``classes`` names.
 
     Returns:
-        dict with ``classes: int`` and strings for everything else.
+        dict with ``classes: int``, ``class_names: list[str]``, ``_lines`` (key -> line) and
+        strings for everything else.
 
     Raises:
         ConfigError: naming the file and line (or the missing key).
     """
     path = Path(path)
+    if is_data_yaml(path):
+        return parse_data_yaml(path)
     text = _read_text(path, ".data file")
     out: dict[str, Any] = {}
     lines: dict[str, int] = {}
@@ -947,7 +967,11 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         key, sep, value = line.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
-            raise ConfigError(f"expected 'key=value', got {_quoted(line)}", path, number)
+            hint = ""
+            if ":" in line and not line.startswith(("/", "~")):
+                # `train: images/train` is the data.yaml schema, read by its extension.
+                hint = f" (a data.yaml? name it {path.stem}.yaml)"
+            raise ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)
         if key in lines:
             raise ConfigError(
                 f"duplicate key '{key}' (first set at line {lines[key]})", path, number
@@ -978,12 +1002,14 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
             raise ConfigError(
                 f"missing required key '{key}' (needs {', '.join(DATA_REQUIRED_KEYS)})", path
             )
-    _check_names_file(out, lines, path)
+    out["class_names"] = _check_names_file(out, lines, path)
+    out["_lines"] = lines
     return out
 
 
-def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) -> None:
-    """The ``names`` file of a parsed ``.data`` exists and lists exactly ``classes`` names."""
+def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) -> list[str]:
+    """The names of the ``names`` file of a parsed ``.data``, which must exist and list exactly
+    ``classes`` names."""
     names_file = Path(out["names"])
     try:
         # exists(), not is_file(): a names file that is a device or FIFO gets the reader's
@@ -1005,6 +1031,7 @@ def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) ->
             path,
             lines["classes"],
         )
+    return names
 
 
 def load_class_names(path: str | os.PathLike[str]) -> list[str]:
@@ -1019,4 +1046,208 @@ def load_class_names(path: str | os.PathLike[str]) -> list[str]:
     names = [line.strip() for line in text.splitlines() if line.strip()]
     if not names:
         raise ConfigError("class names file lists no names", path)
+    return names
+
+
+# ---------------------------------------------------------------------------------------------
+# data.yaml (ultralytics)
+
+
+def _beside_or_cwd(value: str, base: Path) -> Path:
+    """``value`` resolved against ``base`` when it exists there (or exists nowhere: the error
+    then names the place under ``base``), else against the current directory where it exists."""
+    p = Path(value).expanduser()
+    if p.is_absolute():
+        return p
+    beside = base / p
+    try:
+        if beside.exists() or not p.exists():
+            return beside
+    except OSError:  # a name too long for the file system
+        return beside
+    return p
+
+
+def _split_source(value: str, base: Path) -> Path:
+    """A split entry resolved by :func:`_beside_or_cwd`; an entry ``../x`` found nowhere that
+    way but as ``base/x`` is that one, as ultralytics reads Roboflow's exports (a data.yaml
+    beside ``train/`` saying ``train: ../train/images``)."""
+    p = _beside_or_cwd(value, base)
+    if value.startswith("../") and not p.exists() and (base / value[3:]).exists():
+        return base / value[3:]
+    return p
+
+
+def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Parse an ultralytics ``data.yaml`` into the dict :func:`parse_data_cfg` returns.
+
+    Keys (as YOLOv5/YOLOv8 write them)::
+
+        path: ../datasets/coco128   # dataset root (optional: the yaml's folder)
+        train: images/train2017     # a folder of images, a .txt list, or a list of those
+        val: images/val2017
+        test:                       # optional
+        names: [person, bicycle]    # or {0: person, 1: bicycle}
+        nc: 2                       # optional, must agree with names
+        download: https://...       # ignored: nothing is downloaded at run time
+
+    ``path`` is taken relative to the yaml's folder, so a dataset travels with its yaml; when it
+    does not exist there but does relative to the current directory (YOLOv5's repository-root
+    convention, ``path: ../datasets/coco128``), that one is used. Split entries are relative to
+    ``path`` (else, where only that exists, to the current directory; ``../x`` found only as
+    ``path/x`` is that, as ultralytics reads Roboflow's exports). ``names`` as a mapping
+    must number the classes 0..n-1 without gaps. Unknown keys are ignored with one warning.
+
+    Returns:
+        ``classes``, ``class_names``, ``train`` and ``valid`` (and ``test`` when given): a path
+        string, or a list of them for a list of sources; ``root``; ``coco_ids`` when given;
+        ``_lines`` (key -> line, ``valid`` for ``val``); ``_format``: ``"yaml"``.
+
+    Raises:
+        ConfigError: naming ``path:line``: not a mapping, a missing split or names, a value of
+            the wrong kind, names and nc disagreeing, class ids with gaps; and every YAML problem
+            :mod:`build_utils.safe_yaml` refuses (size, aliases, tags, keys given twice).
+    """
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise ConfigError("data.yaml not found", path)
+    doc = compose_yaml(path, "data.yaml")
+    root = doc.root
+    if root is None or root.id != "mapping":
+        line = root.start_mark.line + 1 if root is not None else None
+        raise ConfigError(
+            "expected a mapping of keys (path, train, val, names, ...) to values", path, line
+        )
+    doc.value()  # the whole document built once: a key given twice is refused here
+    values: dict[str, Any] = {}
+    lines: dict[str, int] = {}
+    unknown: list[str] = []
+    for key_node, value_node in root.value:
+        key = doc.value(key_node)
+        line = key_node.start_mark.line + 1
+        if key not in DATA_YAML_KEYS:
+            unknown.append(f"{short_repr(key)} (line {line})")
+            continue
+        values[key], lines[key] = doc.value(value_node), line
+    if unknown:
+        LOGGER.warning(
+            "%s: ignored unknown key(s) %s; read: %s",
+            path,
+            ", ".join(unknown),
+            ", ".join(DATA_YAML_KEYS),
+        )
+    if values.get("download") is not None:
+        LOGGER.info(
+            "%s:%d: 'download' ignored: nothing is downloaded at run time; fetch the dataset "
+            "yourself",
+            path,
+            lines["download"],
+        )
+
+    def text_value(key: str, value: Any) -> str:
+        if isinstance(value, bool) or not isinstance(value, str | int | float) or value == "":
+            raise ConfigError(f"'{key}' must be a path, got {short_repr(value)}", path, lines[key])
+        return str(value)
+
+    folder = path.parent
+    base = folder
+    if values.get("path") is not None:
+        base = _beside_or_cwd(text_value("path", values["path"]), folder)
+    out: dict[str, Any] = {"_format": "yaml", "root": str(base)}
+    for key in DATA_YAML_SPLITS:
+        value = values.get(key)
+        ours = "valid" if key == "val" else key
+        if value is None or value == []:
+            if key == "test":
+                continue
+            where = lines.get(key)
+            why = f"'{key}' has no value" if where else f"missing required key '{key}'"
+            raise ConfigError(
+                f"{why} (needs train and val: a folder of images, a .txt list of images, or a "
+                "list of those)",
+                path,
+                where,
+            )
+        if isinstance(value, list):
+            out[ours] = [str(_split_source(text_value(key, v), base)) for v in value]
+        else:
+            out[ours] = str(_split_source(text_value(key, value), base))
+        lines[ours] = lines[key]
+    if values.get("coco_ids") is not None:
+        out["coco_ids"] = str(_beside_or_cwd(text_value("coco_ids", values["coco_ids"]), base))
+    names = _yaml_class_names(values, lines, path)
+    out["classes"] = len(names)
+    out["class_names"] = names
+    out["_lines"] = lines
+    return out
+
+
+def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path) -> list[str]:
+    """The class names of a data.yaml's ``names`` (a list, or a mapping of ids 0..n-1 to names),
+    checked against ``nc`` when it is given; without ``names``, ``nc`` class ids as names."""
+    nc = values.get("nc")
+    if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc < 1):
+        raise ConfigError(
+            f"nc={short_repr(nc)} must be a positive integer number of classes", path, lines["nc"]
+        )
+    raw = values.get("names")
+    if raw is None:
+        if nc is None:
+            raise ConfigError(
+                "missing 'names' (a list of class names, or a mapping 0: name, 1: name, ...)",
+                path,
+                lines.get("names"),
+            )
+        if nc > MAX_CLASSES:
+            raise ConfigError(
+                f"nc={_shown(nc)} is over the limit of {MAX_CLASSES}", path, lines["nc"]
+            )
+        return [str(i) for i in range(nc)]
+    line = lines["names"]
+    if isinstance(raw, dict):
+        ids = list(raw)
+        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+            bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int))
+            raise ConfigError(
+                f"names: class id {short_repr(bad)} is not an integer (write 0: name, ...)",
+                path,
+                line,
+            )
+        if sorted(ids) != list(range(len(ids))):
+            missing = sorted(set(range(len(ids))) - set(ids))
+            shown = ", ".join(str(i) for i in sorted(ids)[:8]) + (", ..." if len(ids) > 8 else "")
+            raise ConfigError(
+                f"names: class ids must be 0..{len(ids) - 1} without gaps (got {shown}; "
+                f"{missing[0]} is missing)",
+                path,
+                line,
+            )
+        items = [raw[i] for i in range(len(ids))]
+    elif isinstance(raw, list):
+        items = raw
+    else:
+        raise ConfigError(
+            f"names must be a list of class names or a mapping 0: name, ..., got {short_repr(raw)}",
+            path,
+            line,
+        )
+    if not items:
+        raise ConfigError("names lists no classes", path, line)
+    names = []
+    for k, item in enumerate(items):
+        if (
+            isinstance(item, bool)
+            or not isinstance(item, str | int | float)
+            or not str(item).strip()
+        ):
+            raise ConfigError(
+                f"names: class {k} must be a non-empty name, got {short_repr(item)}", path, line
+            )
+        names.append(str(item).strip())
+    if nc is not None and nc != len(names):
+        raise ConfigError(
+            f"nc={short_repr(nc)} but names lists {len(names)} classes; make them agree",
+            path,
+            lines["nc"],
+        )
     return names

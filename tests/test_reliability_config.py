@@ -164,7 +164,8 @@ CASES: dict[str, Case] = {
         "train",
         lambda f: ["--data", str(f["data_nopath"])],
         lambda f: [
-            f"{f['data_nopath']}: 'train' points to {f['root'] / 'nope.txt'}, which does not exist"
+            f"{f['data_nopath']}:2: 'train' points to {f['root'] / 'nope.txt'}, which does not "
+            "exist"
         ],
     ),
     "data classes vs names": Case(
@@ -175,7 +176,9 @@ CASES: dict[str, Case] = {
     "data file not found": Case(
         "train",
         lambda f: ["--data", str(f["root"] / "nope.data")],
-        lambda f: ["nope.data: dataset file not found; pass an existing .data file to --data"],
+        lambda f: [
+            "nope.data: dataset file not found; pass an existing .data or data.yaml file to --data"
+        ],
     ),
     # ---- hyp.yaml
     "hyp unknown key": Case(

@@ -133,7 +133,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
     src = p.add_mutually_exclusive_group(required=True)
-    src.add_argument("--data", type=Path, help=".data file (its train list is used)")
+    src.add_argument(
+        "--data", type=Path, help=".data or data.yaml file (its train images are used)"
+    )
     src.add_argument("--list", type=Path, help="image list or folder")
     p.add_argument(
         "--classes",

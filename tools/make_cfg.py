@@ -60,7 +60,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("cfg", type=Path, help="source model cfg")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--classes", type=int, help="number of classes (>= 1)")
-    source.add_argument("--data", type=Path, help=".data file whose 'classes' to use")
+    source.add_argument(
+        "--data", type=Path, help=".data or data.yaml file whose class count to use"
+    )
     parser.add_argument(
         "--width", type=float, help="multiply the filters of every non-head conv by this (> 0)"
     )

@@ -143,7 +143,7 @@ def training_label_sizes(config: TrainConfig) -> np.ndarray:
     """``(n, 2)`` training label sizes in pixels at ``--img-size``, those under the minimum
     dropped. Reads the label cache the training set shares (built now if missing), no images."""
     dataset = LoadImagesAndLabels(
-        str(config.data.train),
+        config.data.train,
         config.img_size,
         config.batch_size,
         single_cls=config.single_cls,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,7 +27,7 @@ from train_utils.checkpoint import (
     fit_state_dict,
     load_weights,
 )
-from train_utils.config import TrainConfig
+from train_utils.config import DataConfig, TrainConfig
 from train_utils.distributed.comm import (
     broadcast_object,
     raise_if_any_rank_failed,
@@ -35,6 +36,7 @@ from train_utils.distributed.comm import (
 from train_utils.distributed.node import processes_per_node, resolve_workers
 from train_utils.distributed.process_group import DistInfo
 from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
+from train_utils.evaluation.exports import source_image_ids
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +91,7 @@ def model_from_weights(
 
 
 def make_eval_dataset(
-    list_path: str | Path,
+    list_path: str | Path | tuple[Path, ...],
     img_size: int,
     batch_size: int,
     nc: int,
@@ -107,7 +109,7 @@ def make_eval_dataset(
     options.update(single_cls=single_cls, rank=rank, nc=nc)
     # A RAM cache built here is one copy per process of the node.
     options.update(ram_cache_copies=processes_per_node())
-    return LoadImagesAndLabels(str(list_path), img_size, batch_size, **options)
+    return LoadImagesAndLabels(list_path, img_size, batch_size, **options)
 
 
 def make_eval_loader(
@@ -168,7 +170,10 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
     coco_gt = None
     if dist.is_main:
         coco_gt = get_coco_api_from_dataset(
-            val_set, cache_dir=config.output_dir, num_classes=data.nc
+            val_set,
+            cache_dir=config.output_dir,
+            num_classes=data.nc,
+            image_ids=eval_image_ids(data, val_set.img_files),
         )
     sampler = DistributedBatchSampler(
         len(train_set),
@@ -206,6 +211,18 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
     return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))
 
 
+def eval_image_ids(data: DataConfig, img_files: Sequence[str]) -> list[int] | None:
+    """The image ids evaluation scores with: the source JSON's for a dataset converted by
+    ``tools/coco2yolo.py`` (pycocotools breaks score ties by image id order, so these make the
+    figures equal pycocotools' on that JSON), else None (the dataset indices)."""
+    if data.coco_ids is None:
+        return None
+    ids, why = source_image_ids(data.coco_ids, img_files)
+    if ids is None:
+        logger.warning("%s; scoring with dataset indices as image ids", why)
+    return ids
+
+
 def _load_datasets(
     config: TrainConfig, dist: DistInfo, hyp: dict[str, Any], build_cache: str | None
 ) -> tuple[LoadImagesAndLabels, LoadImagesAndLabels]:
@@ -216,7 +233,7 @@ def _load_datasets(
     with torch_distributed_zero_first(dist.local_rank):
         try:
             train_set = LoadImagesAndLabels(
-                str(data.train),
+                data.train,
                 config.img_size,
                 config.batch_size,
                 augment=True,

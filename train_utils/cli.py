@@ -114,7 +114,11 @@ def add_model_flag(g: ArgGroup, default: str | None) -> None:
 
 def add_data_flags(g: ArgGroup, default: str | None, single_cls_default: bool | None) -> None:
     """``--data`` and ``--single-cls``; None defaults come from the checkpoint's run."""
-    why = "dataset .data file" + ("" if default else " (default: the checkpoint's run's)")
+    why = (
+        "dataset file: a Darknet .data or an ultralytics data.yaml (.yaml/.yml; its 'path' is "
+        "taken relative to the yaml's folder, else to the current folder)"
+    )
+    why += "" if default else " (default: the checkpoint's run's)"
     g.add_argument("--data", default=default, help=why)
     single = "treat every class as one ('object')"
     if single_cls_default is None:

@@ -1,9 +1,10 @@
 """Command line, hyperparameters and dataset description, validated once into explicit objects.
 
 Each source of configuration has one owner: the CLI for the run (:func:`get_args_parser`),
-``cfg/hyp.yaml`` for hyperparameters (:func:`load_hyp`), the ``.data`` file for the dataset
-(:func:`load_data_config`) and the ``.cfg`` for the architecture (``build_utils.parse_config``).
-Every problem is raised as :class:`ConfigError` naming the file, line or flag and the fix.
+``cfg/hyp.yaml`` for hyperparameters (:func:`load_hyp`), the ``.data`` or ``data.yaml`` file for
+the dataset (:func:`load_data_config`) and the ``.cfg`` for the architecture
+(``build_utils.parse_config``). Every problem is raised as :class:`ConfigError` naming the file,
+line or flag and the fix.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import yaml
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.errors import CheckpointError, ConfigError
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
-from build_utils.parse_config import load_class_names, parse_data_cfg, parse_model_cfg
+from build_utils.parse_config import parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
 from models.darknet import FREEZE_MODES
 from train_utils.checkpoint import read_weights
@@ -166,44 +167,57 @@ def _check_hyp_value(key: str, value: Any, path: Path, line: int) -> Any:
     return float(value)
 
 
+# One source of images (a folder, a .txt list, an image) or several (a data.yaml list).
+DataSource = Path | tuple[Path, ...]
+
+
 @dataclass(frozen=True)
 class DataConfig:
-    """A validated ``.data`` file: class count and names, image lists for train and val."""
+    """A validated ``.data`` or ``data.yaml`` file: class count and names, the train and val
+    images (one source, or several from a data.yaml list), and ``coco_ids``: the file of
+    ``tools/coco2yolo.py`` mapping classes and images back to their COCO JSON's ids (None)."""
 
     path: Path
     nc: int
     names: list[str]
-    train: Path
-    valid: Path
+    train: DataSource
+    valid: DataSource
+    coco_ids: Path | None = None
+
+
+def _sources(value: str | list[str]) -> DataSource:
+    return tuple(Path(v) for v in value) if isinstance(value, list) else Path(value)
 
 
 def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
-    """Resolve a ``.data`` file, check its list files exist and the names agree with ``classes``."""
+    """Resolve a ``.data`` or ``data.yaml`` file (``build_utils.parse_config.parse_data_cfg``)
+    and check that its train and val sources exist."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError("dataset file not found; pass an existing .data file to --data", path)
+        raise ConfigError(
+            "dataset file not found; pass an existing .data or data.yaml file to --data", path
+        )
     d = parse_data_cfg(path)
+    yaml_file = d.get("_format") == "yaml"
     for key in ("train", "valid"):
-        p = Path(d[key])
-        try:
-            exists = p.exists()
-        except OSError:  # a name too long for the file system exists nowhere
-            exists = False
-        if not exists:
-            raise ConfigError(f"'{key}' points to {short_text(str(p))}, which does not exist", path)
-    nc = int(d["classes"])
-    names_path = d.get("names")
-    if names_path:
-        names = load_class_names(names_path)
-        if len(names) != nc:
-            raise ConfigError(
-                f"classes={nc} but {names_path} lists {len(names)} names; make them agree", path
-            )
-    else:
-        names = [str(i) for i in range(nc)]
+        shown = "val" if yaml_file and key == "valid" else key
+        for source in d[key] if isinstance(d[key], list) else [d[key]]:
+            try:
+                exists = Path(source).exists()
+            except OSError:  # a name too long for the file system exists nowhere
+                exists = False
+            if not exists:
+                hint = f" (dataset root 'path': {short_text(d['root'])})" if yaml_file else ""
+                raise ConfigError(
+                    f"'{shown}' points to {short_text(str(source))}, which does not exist{hint}",
+                    path,
+                    d["_lines"].get(key),
+                )
+    nc, names = int(d["classes"]), list(d["class_names"])
     if single_cls:
         nc, names = 1, ["object"]
-    return DataConfig(path, nc, names, Path(d["train"]), Path(d["valid"]))
+    coco_ids = Path(d["coco_ids"]) if d.get("coco_ids") else None
+    return DataConfig(path, nc, names, _sources(d["train"]), _sources(d["valid"]), coco_ids)
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -486,14 +500,20 @@ class TrainConfig:
         for f in dataclasses.fields(self):
             v = getattr(self, f.name)
             if isinstance(v, DataConfig):
-                v = {
-                    k: str(x) if isinstance(x, Path) else x
-                    for k, x in dataclasses.asdict(v).items()
-                }
+                v = {k: _plain_path(x) for k, x in dataclasses.asdict(v).items()}
             elif isinstance(v, Path):
                 v = str(v)
             out[f.name] = v
         return out
+
+
+def _plain_path(x: Any) -> Any:
+    """Paths as strings (a tuple of sources as a list of them), anything else as it is."""
+    if isinstance(x, Path):
+        return str(x)
+    if isinstance(x, tuple):
+        return [_plain_path(v) for v in x]
+    return x
 
 
 def parse_train_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

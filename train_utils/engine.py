@@ -35,6 +35,7 @@ from train_utils.evaluation.coco_eval import (
     detections_to_coco,
     rows_to_coco,
 )
+from train_utils.evaluation.coco_gt import dataset_image_ids
 from train_utils.evaluation.options import EvalOptions
 
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration
@@ -420,7 +421,8 @@ def evaluate(
 
     Every rank must call this (it gathers). Only rank 0, which must pass ``coco_gt``, gets the 12
     COCO stats (and per-class AP with ``opts.per_class``); others get ``(None, None, [])``. The
-    gathered detections are returned with the stats so that they can be saved.
+    gathered detections are returned with the stats so that they can be saved, with the image
+    ids of ``coco_gt`` (dataset indices unless it was built with others).
     """
     local = predict_batches(model, loader, opts)
     gathered = gather_rows_to_main(coco_to_rows(local))
@@ -429,6 +431,9 @@ def evaluate(
     if gathered is None:
         raise RuntimeError("evaluate(): coco_gt was given on a rank other than 0")
     detections = rows_to_coco(gathered)
+    image_ids = dataset_image_ids(coco_gt)
+    if image_ids is not None:  # a ground truth with its source JSON's image ids
+        detections = [{**d, "image_id": image_ids[d["image_id"]]} for d in detections]
     evaluator = CocoEvaluator(coco_gt, backend=opts.backend)
     evaluator.update(detections)
     stats = evaluator.evaluate()

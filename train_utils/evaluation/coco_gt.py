@@ -1,7 +1,11 @@
 """Ground truth of a dataset as a COCO API object, for pycocotools scoring.
 
-Image ids are dataset indices; categories are the class ids ``0 .. nc - 1`` (no mapping to the
-91 COCO ids: the detections use the same class ids). Boxes are in original-image pixels,
+Image ids are dataset indices, or the ids a caller gives per dataset index (a dataset converted
+by ``tools/coco2yolo.py`` gets its source JSON's: pycocotools breaks ties between equal scores
+by the order of the image ids, so scoring with the source ids is what makes the figures equal
+pycocotools' on the source JSON); :func:`dataset_image_ids` reads them back. Categories are the
+class ids ``0 .. nc - 1`` (no mapping to the 91 COCO ids: the detections use the same class
+ids). Boxes are in original-image pixels,
 ``[x_min, y_min, w, h]`` as COCO wants.
 
 Building the ground truth reads every label once; with ``cache_dir`` the result is kept as JSON
@@ -17,6 +21,7 @@ import io
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -24,7 +29,8 @@ import numpy as np
 from pycocotools.coco import COCO
 
 from build_utils.atomic import atomic_write
-from build_utils.errors import DatasetError
+from build_utils.errors import ConfigError, DatasetError
+from train_utils.evaluation.exports import read_json_file
 
 logger = logging.getLogger(__name__)
 
@@ -49,26 +55,37 @@ def _resolve_num_classes(dataset: Any, num_classes: int | None) -> int | None:
     return int(nc) if nc is not None else None
 
 
-def coco_dict_from_dataset(dataset: _CocoIndexable, num_classes: int | None = None) -> dict:
+def coco_dict_from_dataset(
+    dataset: _CocoIndexable,
+    num_classes: int | None = None,
+    image_ids: Sequence[int] | None = None,
+) -> dict:
     """The dataset's ground truth as a COCO-format dict (``images``, ``annotations``,
-    ``categories``).
+    ``categories``), images in dataset order.
 
     Args:
         dataset: provides ``len()``, ``img_files`` and ``coco_index(i) -> (labels, (h0, w0))``
             with ``labels (n, 5)`` = class, cx, cy, w, h normalised.
         num_classes: categories ``0 .. num_classes - 1``; default ``dataset.nc`` when present,
             else the largest class id + 1.
+        image_ids: the image id of each dataset index (distinct); default the index.
 
     Returns:
-        image ``id`` = dataset index, ``file_name`` = absolute image path, ``height``/``width``
-        of the original image; annotations with ``bbox`` = [x_min, y_min, w, h] original
-        pixels, ``area = w * h``, ``iscrowd = 0``, ``category_id`` = class id, and ids from 1
-        (pycocotools treats an annotation id of 0 as "unmatched").
+        image ``id`` = ``image_ids[index]`` or the dataset index, ``file_name`` = absolute
+        image path, ``height``/``width`` of the original image; annotations with ``bbox`` =
+        [x_min, y_min, w, h] original pixels, ``area = w * h``, ``iscrowd = 0``,
+        ``category_id`` = class id, and ids from 1 (pycocotools treats an annotation id of 0
+        as "unmatched").
 
     Raises:
         DatasetError: a label's class id is outside ``0 .. num_classes - 1``.
     """
     nc = _resolve_num_classes(dataset, num_classes)
+    if image_ids is not None and (
+        len(image_ids) != len(dataset) or len(set(image_ids)) != len(image_ids)
+    ):
+        raise ValueError(f"need {len(dataset)} distinct image ids, got {len(image_ids)}")
+    ids = list(range(len(dataset))) if image_ids is None else [int(i) for i in image_ids]
     images: list[dict] = []
     annotations: list[dict] = []
     max_class = -1
@@ -76,7 +93,7 @@ def coco_dict_from_dataset(dataset: _CocoIndexable, num_classes: int | None = No
         labels, (h0, w0) = dataset.coco_index(i)
         images.append(
             {
-                "id": i,
+                "id": ids[i],
                 "file_name": os.path.abspath(dataset.img_files[i]),
                 "height": int(h0),
                 "width": int(w0),
@@ -104,7 +121,7 @@ def coco_dict_from_dataset(dataset: _CocoIndexable, num_classes: int | None = No
         annotations.extend(
             {
                 "id": first_id + k,
-                "image_id": i,
+                "image_id": ids[i],
                 "category_id": c,
                 "bbox": box,
                 "area": area,
@@ -132,12 +149,25 @@ def coco_from_dict(dataset_dict: dict) -> COCO:
     return coco
 
 
-def cache_key(dataset: _CocoIndexable, num_classes: int | None = None) -> str:
+def dataset_image_ids(coco_gt: COCO) -> list[int] | None:
+    """The image id of each dataset index of a ground truth built here (its images are in
+    dataset order), or None when they are the indices themselves."""
+    ids = [int(im["id"]) for im in coco_gt.dataset.get("images", [])]
+    return None if ids == list(range(len(ids))) else ids
+
+
+def cache_key(
+    dataset: _CocoIndexable,
+    num_classes: int | None = None,
+    image_ids: Sequence[int] | None = None,
+) -> str:
     """sha256 hex of everything that defines the ground truth: the dataset's ``content_hash``,
-    its ordered image list, the class count and the cache layout version."""
+    its ordered image list, the class count, the image ids and the cache layout version."""
     h = hashlib.sha256()
     h.update(f"v{CACHE_VERSION}\n{dataset.content_hash}\n".encode())
     h.update(f"classes={_resolve_num_classes(dataset, num_classes)}\n".encode())
+    if image_ids is not None:
+        h.update(("ids=" + ",".join(str(int(i)) for i in image_ids) + "\n").encode())
     for f in dataset.img_files:
         h.update(os.fsencode(f))
         h.update(b"\n")
@@ -145,7 +175,10 @@ def cache_key(dataset: _CocoIndexable, num_classes: int | None = None) -> str:
 
 
 def get_coco_api_from_dataset(
-    dataset: _CocoIndexable, cache_dir: Path | None = None, num_classes: int | None = None
+    dataset: _CocoIndexable,
+    cache_dir: Path | None = None,
+    num_classes: int | None = None,
+    image_ids: Sequence[int] | None = None,
 ) -> COCO:
     """The dataset's ground truth as a pycocotools ``COCO`` (see :func:`coco_dict_from_dataset`).
 
@@ -155,16 +188,16 @@ def get_coco_api_from_dataset(
     a warning.
     """
     if cache_dir is None:
-        return coco_from_dict(coco_dict_from_dataset(dataset, num_classes))
+        return coco_from_dict(coco_dict_from_dataset(dataset, num_classes, image_ids))
 
-    key = cache_key(dataset, num_classes)
+    key = cache_key(dataset, num_classes, image_ids)
     path = Path(cache_dir) / f"{CACHE_PREFIX}{key}.json"
     cached = _read_cache(path, key)
     if cached is not None:
         logger.debug("COCO ground truth read from %s", path)
         return coco_from_dict(cached)
 
-    coco_dict = coco_dict_from_dataset(dataset, num_classes)
+    coco_dict = coco_dict_from_dataset(dataset, num_classes, image_ids)
     coco_dict["info"]["cache_key"] = key
     _write_cache(path, coco_dict)
     return coco_from_dict(coco_dict)
@@ -199,3 +232,31 @@ def _write_cache(path: Path, coco_dict: dict) -> None:
         logger.info("COCO ground truth cached to %s", path)
     except OSError as e:
         logger.warning("could not write the COCO ground-truth cache %s: %s", path, e)
+
+
+def ground_truth_from_file(path: str | os.PathLike[str], image_ids: Sequence[int]) -> COCO:
+    """The images ``image_ids`` of a COCO instances JSON and their annotations, crowd regions
+    included (pycocotools ignores detections there), as a pycocotools ``COCO``: what a run's
+    detections with that file's ids are scored against, as YOLOv5's val.py does for COCO.
+
+    Raises:
+        ConfigError: the file is no COCO JSON, or lacks one of ``image_ids``.
+    """
+    data = read_json_file(path, "COCO annotation JSON")
+    lists = isinstance(data, dict) and all(
+        isinstance(data.get(k), list) for k in ("images", "annotations", "categories")
+    )
+    if not lists:
+        raise ConfigError("expected a COCO JSON with images, annotations and categories", path)
+    wanted = set(image_ids)
+    images = [im for im in data["images"] if isinstance(im, dict) and im.get("id") in wanted]
+    missing = wanted - {im["id"] for im in images}
+    if missing:
+        raise ConfigError(
+            f"lists no image {min(missing)} (and {len(missing) - 1} more) of the data scored: "
+            "not the JSON the data came from",
+            path,
+        )
+    anns = [a for a in data["annotations"] if isinstance(a, dict) and a.get("image_id") in wanted]
+    subset = {**data, "images": images, "annotations": anns}
+    return coco_from_dict(subset)

@@ -1,15 +1,21 @@
 """Detections written for other tools: YOLO-format ``.txt`` files and COCO JSON whose ids match
-the official COCO annotation files.
+the official COCO annotation files, or the COCO JSON a dataset was converted from.
 
 Inside this repository a COCO image id is the dataset index and a category id is the class id
 ``0 .. nc - 1`` (``coco_utils.py``). The official ``instances_val2017.json`` numbers images by
 the number in their file name (``000000397133.jpg`` -> 397133) and uses 80 of 91 category ids
 (``COCO80_TO_91``); :func:`to_official_coco_ids` rewrites detections (and ground truth) to those
-ids so that pycocotools can score them against the official file directly.
+ids so that pycocotools can score them against the official file directly. A dataset made by
+``tools/coco2yolo.py`` names its ``coco_ids.json`` (class -> category id, image path -> image
+id of the source JSON) in its data.yaml; :func:`read_coco_id_map` reads it and
+:func:`source_image_ids` gives the image ids the evaluation then uses (``coco_gt.py``), and the
+same rewrites give the source JSON's category ids.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -18,6 +24,8 @@ import numpy as np
 
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError
+from build_utils.limits import MAX_ANNOTATION_BYTES, read_config_text
+from build_utils.safe_yaml import short_text
 
 # The official COCO category id of each of the 80 class indices of coco.names (ids 12, 26, 29,
 # 30, 45, 66, 68, 69, 71, 83 are unused in the detection annotations).
@@ -28,6 +36,8 @@ COCO80_TO_91 = [
     81, 82, 84, 85, 86, 87, 88, 89, 90,
 ]  # fmt: skip
 COCO_NC = 80
+# The id map tools/coco2yolo.py writes beside its data.yaml.
+COCO_IDS_FILE = "coco_ids.json"
 
 
 def yolo_txt_lines(det: np.ndarray, width: int, height: int, save_conf: bool) -> list[str]:
@@ -127,25 +137,86 @@ def resolve_coco_ids(flag: bool | None, nc: int, img_files: Sequence[str]) -> li
     return ids
 
 
+def read_json_file(path: str | os.PathLike[str], what: str) -> Any:
+    """The value of a JSON file a user hands over, read within ``MAX_ANNOTATION_BYTES`` as
+    UTF-8; anything that is no JSON is one :class:`ConfigError` line."""
+    path = Path(path)
+    if not os.path.lexists(path):
+        raise ConfigError(f"{what} not found", path)
+    text = read_config_text(path, MAX_ANNOTATION_BYTES, what)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ConfigError(f"{what} is not valid JSON: {e.msg}", path, e.lineno) from e
+    except (ValueError, RecursionError) as e:
+        # An integer past Python's 4300 digits; arrays nested thousands deep.
+        raise ConfigError(f"{what} is not usable JSON: {short_text(str(e))}", path) from e
+
+
+def read_coco_id_map(map_path: str | os.PathLike[str]) -> tuple[list[int], dict[str, int]]:
+    """The ``coco_ids.json`` of ``tools/coco2yolo.py``: the source JSON's category id of each
+    class, and the image id of each image path (relative to the map's folder).
+
+    Raises:
+        ConfigError: one line for a missing or unreadable file, or one of another layout.
+    """
+    data = read_json_file(map_path, "COCO id map")
+    try:
+        categories = [int(c) for c in data["category_ids"]]
+        by_path = {str(k): int(v) for k, v in data["images"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"not an id map of tools/coco2yolo.py ({e})", map_path) from e
+    return categories, by_path
+
+
+def source_image_ids(
+    map_path: str | os.PathLike[str], img_files: Sequence[str]
+) -> tuple[list[int] | None, str | None]:
+    """The source JSON's image id of every dataset image (by index), from the id map of
+    ``tools/coco2yolo.py``; ``(None, why)`` when an image has none (one added after the
+    conversion) or two images share one.
+
+    Raises:
+        ConfigError: the map cannot be read.
+    """
+    _, by_path = read_coco_id_map(map_path)
+    root = Path(map_path).resolve().parent
+    ids = []
+    for f in img_files:
+        key = Path(os.path.relpath(Path(f).resolve(), root)).as_posix()
+        if key not in by_path:
+            return None, f"image {short_text(key)} has no id in {map_path}"
+        ids.append(by_path[key])
+    if len(set(ids)) != len(ids):
+        return None, f"two images share an id in {map_path}"
+    return ids, None
+
+
 def to_official_coco_ids(
-    detections: Sequence[dict[str, Any]], image_ids: Sequence[int]
+    detections: Sequence[dict[str, Any]],
+    image_ids: Sequence[int] | Mapping[int, int],
+    category_ids: Sequence[int] = COCO80_TO_91,
 ) -> list[dict[str, Any]]:
-    """Detections with ``image_id`` = ``image_ids[dataset index]`` and ``category_id`` = COCO's
-    id of the class (``COCO80_TO_91``)."""
+    """Detections with ``image_id`` = ``image_ids[image_id]`` (the dataset index by default, or a
+    mapping) and ``category_id`` = ``category_ids[class]`` (COCO's official ids by default)."""
     return [
         {
             **d,
             "image_id": image_ids[d["image_id"]],
-            "category_id": COCO80_TO_91[d["category_id"]],
+            "category_id": category_ids[d["category_id"]],
         }
         for d in detections
     ]
 
 
 def gt_to_official_coco_ids(
-    gt: Mapping[str, Any], image_ids: Sequence[int], names: Sequence[str]
+    gt: Mapping[str, Any],
+    image_ids: Sequence[int] | Mapping[int, int],
+    names: Sequence[str],
+    category_ids: Sequence[int] = COCO80_TO_91,
 ) -> dict[str, Any]:
-    """A ground-truth dict of ``coco_utils.coco_dict_from_dataset`` with the official ids."""
+    """A ground-truth dict of ``coco_utils.coco_dict_from_dataset`` with the ids of
+    ``image_ids`` and ``category_ids`` (official COCO ids by default)."""
     return {
         **gt,
         "images": [{**im, "id": image_ids[im["id"]]} for im in gt["images"]],
@@ -153,14 +224,14 @@ def gt_to_official_coco_ids(
             {
                 **a,
                 "image_id": image_ids[a["image_id"]],
-                "category_id": COCO80_TO_91[a["category_id"]],
+                "category_id": category_ids[a["category_id"]],
             }
             for a in gt["annotations"]
         ],
         "categories": [
             {
                 **c,
-                "id": COCO80_TO_91[c["id"]],
+                "id": category_ids[c["id"]],
                 "name": names[c["id"]] if c["id"] < len(names) else c.get("name", str(c["id"])),
             }
             for c in gt["categories"]

@@ -1,0 +1,500 @@
+"""Convert a COCO instances JSON (and its image folder) to a YOLO dataset that trains directly.
+
+    python tools/coco2yolo.py --json annotations/instances_train.json --images train/ \\
+        --out my_coco --split train
+    python tools/coco2yolo.py --json annotations/instances_val.json --images val/ \\
+        --out my_coco --split val            # adds the val split to my_coco
+    python train.py --data my_coco/data.yaml ...
+    python validation.py --weights runs/x/best.pt --save-json out/   # ids of the COCO JSON
+
+Writes, for ``--split S``::
+
+    OUT/images/S/<file_name>   the images: hard links (copies across file systems, or --copy)
+    OUT/labels/S/<stem>.txt    one ``class cx cy w h`` line per object, normalised to [0, 1]
+    OUT/data.yaml              path, the splits converted so far, names, coco_ids
+    OUT/coco_ids.json          class -> category id and image -> image id of the source JSON
+    OUT/coco2yolo_S_report.txt what was skipped and why
+
+Classes: the JSON's category ids sorted, numbered 0..nc-1 (ids 3, 7, 11 become classes 0, 1,
+2), named by their ``name``. Boxes (``[x, y, w, h]`` in pixels) become normalised centre and
+size, clipped to the image (``width``/``height`` of the JSON, else the image's own size).
+Skipped, each with a line in the report: annotations with ``iscrowd`` set (as ultralytics'
+``convert_coco`` does: a crowd region is not one object; pycocotools ignores detections there
+instead), boxes empty after clipping, unknown image or category ids, and images named in the
+JSON that are missing, unreadable or outside ``--images``. An image without annotations gets an
+empty label file (a background image). The input is only read.
+
+``OUT`` must be empty or hold an earlier conversion of the same categories (another split is
+added); a split converted before, or any other content, needs ``--exist-ok``, which replaces the
+files of that split written by the earlier conversion and nothing else.
+
+``validation.py --save-json`` reads ``coco_ids`` from the data.yaml and writes predictions with
+the source JSON's image and category ids, so pycocotools scores them against that JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import math
+import os
+import shutil
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from build_utils.atomic import atomic_write, make_output_dir, reported_write, write_text
+from build_utils.errors import ConfigError
+from build_utils.image_io import check_image, is_image_file
+from build_utils.labels import img2label_path
+from build_utils.limits import MAX_IMAGE_BYTES, file_problem
+from build_utils.safe_yaml import dump_yaml, short_repr, short_text
+from train_utils.cli import HelpFormatter, run_main, setup_console_logging
+from train_utils.evaluation.exports import COCO_IDS_FILE, read_json_file
+
+LOGGER = logging.getLogger("coco2yolo")
+DATA_YAML = "data.yaml"
+LABEL_DECIMALS = 6
+# The data.yaml key of a split, by the start of its name (train2017 -> train).
+SPLIT_ROLES = ("train", "val", "test")
+
+
+@dataclass
+class Report:
+    """What one split's conversion did: counts and one line per problem."""
+
+    images: int = 0
+    written: int = 0
+    background: int = 0
+    objects: int = 0
+    crowd: int = 0
+    skipped_images: int = 0
+    skipped_objects: int = 0
+    lines: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        return (
+            f"{self.images} images in the JSON: {self.written} converted ({self.background} "
+            f"without objects), {self.skipped_images} skipped; {self.objects} objects written, "
+            f"{self.crowd} crowd annotations and {self.skipped_objects} other objects skipped"
+        )
+
+
+@dataclass(frozen=True)
+class CocoFile:
+    """The parts of a COCO instances JSON a detector needs, checked."""
+
+    path: Path
+    category_ids: list[int]  # sorted: class k is category category_ids[k]
+    names: list[str]
+    images: list[dict[str, Any]]  # id, file_name, width, height (None when absent)
+    annotations: dict[int, list[dict[str, Any]]]  # image id -> its annotations, in file order
+    unknown_images: int  # annotations naming an image id the JSON lists no image for
+
+
+def _int_id(value: Any) -> int | None:
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _number(value: Any) -> float | None:
+    """A JSON number as a finite float (an integer of 400 digits has none), else None."""
+    if not isinstance(value, int | float) or isinstance(value, bool):
+        return None
+    try:
+        x = float(value)
+    except OverflowError:
+        return None
+    return x if math.isfinite(x) else None
+
+
+def _positive(value: Any) -> float | None:
+    x = _number(value)
+    return x if x is not None and x > 0 else None
+
+
+def read_coco(path: Path) -> CocoFile:
+    """Read and check a COCO instances JSON.
+
+    Raises:
+        ConfigError: one line for a file that is not a usable COCO JSON: missing, over
+            ``MAX_ANNOTATION_BYTES``, not JSON, no ``images``/``annotations``/``categories``
+            lists, categories or images without integer ids, ids given twice.
+    """
+    data = read_json_file(path, "COCO annotation JSON")
+    if not isinstance(data, dict):
+        raise ConfigError("expected a COCO JSON object with images, annotations, categories", path)
+    for key in ("images", "annotations", "categories"):
+        if not isinstance(data.get(key), list):
+            raise ConfigError(f"'{key}' must be a list (is this a COCO instances file?)", path)
+    cats: dict[int, str] = {}
+    for k, c in enumerate(data["categories"]):
+        cid = _int_id(c.get("id")) if isinstance(c, dict) else None
+        if cid is None:
+            raise ConfigError(f"categories[{k}] has no integer 'id': {short_repr(c)}", path)
+        if cid in cats:
+            raise ConfigError(f"category id {cid} is given twice", path)
+        name = c.get("name")
+        named = isinstance(name, str | int) and str(name).strip()
+        cats[cid] = str(name).strip() if named else str(cid)
+    if not cats:
+        raise ConfigError("'categories' is empty: no classes to train", path)
+    images: list[dict[str, Any]] = []
+    seen: set[int] = set()
+    for k, im in enumerate(data["images"]):
+        iid = _int_id(im.get("id")) if isinstance(im, dict) else None
+        if iid is None or not isinstance(im.get("file_name"), str):
+            raise ConfigError(
+                f"images[{k}] needs an integer 'id' and a 'file_name': {short_repr(im)}", path
+            )
+        if iid in seen:
+            raise ConfigError(f"image id {iid} is given twice", path)
+        seen.add(iid)
+        images.append(
+            {
+                "id": iid,
+                "file_name": im["file_name"],
+                "width": _positive(im.get("width")),
+                "height": _positive(im.get("height")),
+            }
+        )
+    anns: dict[int, list[dict[str, Any]]] = {}
+    unknown = 0
+    for a in data["annotations"]:
+        iid = _int_id(a.get("image_id")) if isinstance(a, dict) else None
+        if iid is None or iid not in seen:
+            unknown += 1
+            continue
+        anns.setdefault(iid, []).append(a)
+    ids = sorted(cats)
+    return CocoFile(path, ids, [cats[i] for i in ids], images, anns, unknown)
+
+
+def yolo_lines(
+    anns: Sequence[dict[str, Any]], classes: dict[int, int], w: float, h: float, where: str
+) -> tuple[list[str], list[str], int, int]:
+    """Label lines of one image's annotations, the report lines, and the crowd and other
+    annotations skipped."""
+    lines, notes, crowd, skipped = [], [], 0, 0
+    d = LABEL_DECIMALS
+    for k, a in enumerate(anns):
+        head = f"{where}: annotation {k}"
+        if a.get("iscrowd"):
+            crowd += 1
+            continue
+        cls = classes.get(_int_id(a.get("category_id")))  # type: ignore[arg-type]
+        if cls is None:
+            notes.append(f"{head}: unknown category {short_repr(a.get('category_id'))}, skipped")
+            skipped += 1
+            continue
+        box = a.get("bbox")
+        values = [_number(v) for v in box] if isinstance(box, list) and len(box) == 4 else []
+        if not values or None in values:
+            notes.append(f"{head}: bbox {short_repr(box)} is not 4 numbers, skipped")
+            skipped += 1
+            continue
+        x1, y1, bw, bh = values
+        x2, y2 = x1 + bw, y1 + bh
+        cx1, cy1, cx2, cy2 = max(x1, 0.0), max(y1, 0.0), min(x2, w), min(y2, h)
+        if cx2 <= cx1 or cy2 <= cy1:
+            notes.append(
+                f"{head}: box {short_repr(box)} is empty in the {w:g}x{h:g} image, skipped"
+            )
+            skipped += 1
+            continue
+        if (cx1, cy1, cx2, cy2) != (x1, y1, x2, y2):
+            notes.append(f"{head}: box {short_repr(box)} clipped to the {w:g}x{h:g} image")
+        lines.append(
+            f"{cls} {(cx1 + cx2) / 2 / w:.{d}f} {(cy1 + cy2) / 2 / h:.{d}f} "
+            f"{(cx2 - cx1) / w:.{d}f} {(cy2 - cy1) / h:.{d}f}"
+        )
+    return lines, notes, crowd, skipped
+
+
+def _inside(path: Path, folder: Path) -> bool:
+    return path == folder or folder in path.parents
+
+
+def _relative_image(file_name: str) -> PurePosixPath | None:
+    """``file_name`` as a relative path inside the image folder, or None when it is absolute or
+    climbs out with ``..`` (it could name any file on the machine)."""
+    rel = PurePosixPath(file_name.replace("\\", "/"))
+    parts = [p for p in rel.parts if p not in ("", ".")]
+    if rel.is_absolute() or ".." in parts or not parts:
+        return None
+    return PurePosixPath(*parts)
+
+
+def place_image(src: Path, dst: Path, copy: bool) -> None:
+    """``dst`` becomes ``src``'s content: a hard link (no space, the input untouched), or a
+    copy when asked or across file systems; atomically either way."""
+    if not copy:
+        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.link")
+        try:
+            os.link(src, tmp)
+            os.replace(tmp, dst)
+            return
+        except OSError:
+            tmp.unlink(missing_ok=True)
+    with open(src, "rb") as fin, atomic_write(dst, "wb", fsync=False) as fout:
+        shutil.copyfileobj(fin, fout)
+
+
+@dataclass
+class IdMap:
+    """``coco_ids.json``: what the converted data came from (see the module docstring)."""
+
+    category_ids: list[int]
+    names: list[str]
+    splits: dict[str, str] = field(default_factory=dict)  # role -> images/<split>
+    sources: dict[str, str] = field(default_factory=dict)  # split -> source JSON
+    images: dict[str, int] = field(default_factory=dict)  # OUT-relative image path -> image id
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "category_ids": self.category_ids,
+                "names": self.names,
+                "splits": self.splits,
+                "sources": self.sources,
+                "images": self.images,
+            }
+        )
+
+
+def read_id_map(path: Path) -> IdMap:
+    data = read_json_file(path, "coco2yolo id map")
+    try:
+        return IdMap(
+            [int(i) for i in data["category_ids"]],
+            [str(n) for n in data["names"]],
+            dict(data.get("splits", {})),
+            dict(data.get("sources", {})),
+            {str(k): int(v) for k, v in data["images"].items()},
+        )
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise ConfigError(f"not an id map written by tools/coco2yolo.py ({e})", path) from e
+
+
+def split_role(split: str) -> str:
+    """The data.yaml key of a split name: train, val or test by its start (val2017 -> val)."""
+    for role in SPLIT_ROLES:
+        if split.lower().startswith(role):
+            return role
+    raise ConfigError(
+        f"--split {short_text(split)}: name it train..., val... or test... (it becomes that "
+        "key of data.yaml)"
+    )
+
+
+def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> IdMap:
+    """The id map to extend (a fresh one for a new folder), after refusing what would mix or
+    overwrite a user's files: a non-empty folder that is no conversion of these categories, or
+    a split converted before, without --exist-ok. With --exist-ok, the files the earlier
+    conversion of this split wrote are removed (nothing else is)."""
+    fresh = IdMap(coco.category_ids, coco.names)
+    try:
+        entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    except OSError as e:
+        raise ConfigError(f"--out cannot be listed ({e.strerror or e})", out) from e
+    if out.exists() and not out.is_dir():
+        raise ConfigError("--out is a file, not a folder", out)
+    if not entries:
+        return fresh
+    map_path = out / COCO_IDS_FILE
+    if not map_path.is_file():
+        if not exist_ok:
+            shown = ", ".join(entries[:3]) + (", ..." if len(entries) > 3 else "")
+            raise ConfigError(
+                f"--out is not empty ({shown}) "
+                "and holds no earlier conversion; choose another folder or pass --exist-ok",
+                out,
+            )
+        return fresh
+    old = read_id_map(map_path)
+    if old.category_ids != coco.category_ids:
+        raise ConfigError(
+            f"--out holds a conversion of other categories ({short_repr(old.category_ids)}, this "
+            f"JSON has {short_repr(coco.category_ids)}); its labels would not agree: choose "
+            "another folder",
+            out,
+        )
+    prefix = f"images/{split}/"
+    previous = [k for k in old.images if k.startswith(prefix)]
+    taken = (out / "images" / split).exists() or (out / "labels" / split).exists()
+    if (previous or taken) and not exist_ok:
+        raise ConfigError(
+            f"split '{split}' was converted into --out before; pass --exist-ok to replace it",
+            out,
+        )
+    for rel in previous:
+        image = out / rel
+        for f in (image, Path(img2label_path(str(image)))):
+            f.unlink(missing_ok=True)
+        del old.images[rel]
+    return old
+
+
+def convert(
+    coco: CocoFile, images_dir: Path, out: Path, split: str, id_map: IdMap, copy: bool
+) -> Report:
+    """Write ``out/images/<split>``, ``out/labels/<split>`` and add the split's images to
+    ``id_map``; the report of what was skipped."""
+    report = Report(images=len(coco.images))
+    classes = {cid: k for k, cid in enumerate(coco.category_ids)}
+    img_root = out / "images" / split
+    taken: dict[PurePosixPath, int] = {}  # image path -> the id that took it
+    if coco.unknown_images:
+        report.lines.append(
+            f"{coco.path}: {coco.unknown_images} annotation(s) name an image id the JSON lists "
+            "no image for, skipped"
+        )
+        report.skipped_objects += coco.unknown_images
+    for im in coco.images:
+        where = f"image {im['id']} ({short_text(im['file_name'], 60)})"
+        rel = _relative_image(im["file_name"])
+        if rel is None:
+            report.lines.append(f"{where}: skipped: the file name leaves --images")
+            report.skipped_images += 1
+            continue
+        if rel in taken:
+            report.lines.append(f"{where}: skipped: image {taken[rel]} has the same file")
+            report.skipped_images += 1
+            continue
+        taken[rel] = im["id"]
+        src = images_dir / rel
+        if not is_image_file(src):
+            report.lines.append(f"{where}: skipped: not an image file name")
+            report.skipped_images += 1
+            continue
+        problem = file_problem(src, MAX_IMAGE_BYTES)
+        size = None
+        if problem is None:
+            size, problem = check_image(src)
+        if size is None:
+            report.lines.append(f"{where}: skipped: {problem}")
+            report.skipped_images += 1
+            continue
+        w, h = im["width"] or float(size[0]), im["height"] or float(size[1])
+        if (w, h) != (float(size[0]), float(size[1])):
+            report.lines.append(
+                f"{where}: the JSON's size {w:g}x{h:g} differs from the image's upright "
+                f"{size[0]}x{size[1]}; boxes normalised by the JSON's (the frame they were "
+                "drawn in)"
+            )
+        lines, notes, crowd, skipped = yolo_lines(
+            coco.annotations.get(im["id"], []), classes, w, h, where
+        )
+        report.lines += notes
+        report.crowd += crowd
+        report.skipped_objects += skipped
+        dst = img_root / rel
+        label = Path(img2label_path(str(dst)))  # where the loader will look
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        label.parent.mkdir(parents=True, exist_ok=True)
+        place_image(src, dst, copy)
+        with atomic_write(label, "w", fsync=False) as f:
+            f.write("".join(x + "\n" for x in lines))
+        id_map.images[f"images/{split}/{rel.as_posix()}"] = im["id"]
+        report.written += 1
+        report.objects += len(lines)
+        report.background += not lines
+    if crowd_total := report.crowd:
+        report.lines.append(
+            f"{crowd_total} crowd (iscrowd) annotation(s) skipped, as ultralytics' convert_coco "
+            "does; score against the source JSON for pycocotools' treatment of crowd regions"
+        )
+    return report
+
+
+def data_yaml_text(id_map: IdMap) -> str:
+    """The data.yaml of the converted dataset (a train.py --data file)."""
+    doc: dict[str, Any] = {"path": "."}
+    for role in SPLIT_ROLES:
+        if role in id_map.splits:
+            doc[role] = id_map.splits[role]
+    doc["names"] = dict(enumerate(id_map.names))
+    doc["coco_ids"] = COCO_IDS_FILE
+    return "# written by tools/coco2yolo.py; path is this file's folder\n" + dump_yaml(doc)
+
+
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
+    )
+    p.add_argument("--json", type=Path, required=True, help="COCO instances JSON")
+    p.add_argument(
+        "--images", type=Path, required=True, help="folder the JSON's file_name entries are in"
+    )
+    p.add_argument("--out", type=Path, required=True, help="the YOLO dataset folder to write")
+    p.add_argument(
+        "--split",
+        default=None,
+        help="split name: train..., val... or test... (default: the JSON's name without "
+        "'instances_', e.g. val2017)",
+    )
+    p.add_argument(
+        "--copy", action="store_true", help="copy the images (default: hard links where possible)"
+    )
+    p.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="write into a non-empty --out / replace a split converted before",
+    )
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = get_args_parser().parse_args(argv)
+    setup_console_logging()
+
+    def body() -> int:
+        split = args.split or args.json.stem.removeprefix("instances_")
+        if not split or "/" in split or split in (".", ".."):
+            raise ConfigError(f"--split {short_text(split)}: give a plain folder name")
+        role = split_role(split)
+        if not args.images.is_dir():
+            raise ConfigError("--images: folder not found", args.images)
+        out = args.out
+        if _inside(out.resolve(), args.images.resolve()):
+            raise ConfigError(
+                "--out lies inside --images; the input is only read: choose another folder", out
+            )
+        coco = read_coco(args.json)
+        make_output_dir(out, "--out")
+        id_map = prepare_out(out, split, coco, args.exist_ok)
+        with reported_write(out, "--out", folder=True):
+            report = convert(coco, args.images, out, split, id_map, args.copy)
+        id_map.splits[role] = f"images/{split}"
+        id_map.sources[split] = str(args.json.resolve())
+        write_text(out / COCO_IDS_FILE, id_map.to_json(), "--out")
+        write_text(out / DATA_YAML, data_yaml_text(id_map), "--out")
+        report_path = out / f"coco2yolo_{split}_report.txt"
+        text = f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines)
+        write_text(report_path, text, "--out")
+        LOGGER.info(
+            "%s; %d classes; %s (report: %s)",
+            report.summary(),
+            len(coco.category_ids),
+            out / DATA_YAML,
+            report_path,
+        )
+        missing = [r for r in ("train", "val") if r not in id_map.splits]
+        if missing:
+            LOGGER.info(
+                "data.yaml has no %s split yet: convert its JSON into the same --out with "
+                "--split %s",
+                " or ".join(missing),
+                missing[0],
+            )
+        return 0
+
+    return run_main(body)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
