@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from build_utils.errors import ConfigError
 from train_utils.config import (
+    DEFAULT_CFG,
+    DEFAULT_HYP,
     HYP_SPECS,
+    REPO_ROOT,
     accumulate_steps,
     build_config,
     check_img_size,
@@ -14,6 +19,7 @@ from train_utils.config import (
     load_data_config,
     load_hyp,
     multi_scale_bounds,
+    repo_default,
     scaled_lr0,
 )
 
@@ -181,3 +187,17 @@ def test_workers_default_is_left_to_the_node(shapes_data, repo_root):
     assert build_config(get_args_parser().parse_args([*base, "--workers", "3"])).workers == 3
     with pytest.raises(ConfigError, match="--workers must be >= 0, got -1"):
         build_config(get_args_parser().parse_args([*base, "--workers", "-1"]))
+
+
+def test_default_cfg_and_hyp_are_found_from_any_working_folder(tmp_path, monkeypatch):
+    """``python ~/yolo/train.py`` run from a data folder: the default --hyp/--cfg are the shipped
+    files (YOLOv5 resolves its defaults against its root); a path the user typed is kept, and a
+    working folder's own cfg/hyp.yaml wins over the shipped one."""
+    monkeypatch.chdir(tmp_path)
+    shipped = (REPO_ROOT / DEFAULT_HYP).resolve()
+    assert Path(repo_default(DEFAULT_HYP, DEFAULT_HYP)).resolve() == shipped
+    assert Path(repo_default(DEFAULT_CFG, DEFAULT_CFG)).resolve() == REPO_ROOT / DEFAULT_CFG
+    assert repo_default("my/hyp.yaml", DEFAULT_HYP) == "my/hyp.yaml"  # typed: never redirected
+    (tmp_path / "cfg").mkdir()
+    (tmp_path / DEFAULT_HYP).write_text("lr0: 0.01\n")
+    assert repo_default(DEFAULT_HYP, DEFAULT_HYP) == DEFAULT_HYP

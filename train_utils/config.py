@@ -61,6 +61,8 @@ DEFAULT_EPOCHS = 30
 DEFAULT_CFG = "cfg/yolov3-spp.cfg"
 DEFAULT_DATA = "data/my_data.data"
 DEFAULT_HYP = "cfg/hyp.yaml"
+# The repository's root: the default --cfg/--hyp are its files, found from any working folder.
+REPO_ROOT = Path(__file__).resolve().parents[1]
 RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
 RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
 RUN_HYP_NAME = "hyp.yaml"
@@ -218,6 +220,17 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
         nc, names = 1, ["object"]
     coco_ids = Path(d["coco_ids"]) if d.get("coco_ids") else None
     return DataConfig(path, nc, names, _sources(d["train"]), _sources(d["valid"]), coco_ids)
+
+
+def repo_default(value: str, default: str) -> str:
+    """``value``, or the repository's own copy when ``value`` is the flag's default and the working
+    folder has no such file: ``python ~/yolo/train.py`` run from a data folder finds the shipped
+    ``cfg/hyp.yaml`` as YOLOv5 resolves its defaults against its root. A path the user typed is
+    never redirected."""
+    if value != default or Path(value).exists():
+        return value
+    shipped = REPO_ROOT / default
+    return str(shipped) if shipped.is_file() else value
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -547,6 +560,8 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     check_at_least({"--save-period": args.save_period}, -1)
     check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
     _check_training_choices(args)
+    args.cfg = repo_default(args.cfg, DEFAULT_CFG)
+    args.hyp = repo_default(args.hyp, DEFAULT_HYP)
     cfg = Path(args.cfg)
     if not cfg.is_file():
         raise ConfigError("model cfg not found; pass an existing .cfg to --cfg", cfg)
