@@ -9,9 +9,11 @@
     python train.py --device 0,1 ...             # DDP, one spawned process per listed GPU
 
 A GPU list spawns one DDP process per GPU on this node, as ``train_multi_GPU.py --device 0,1``
-does (nn.DataParallel is not offered). For more, several nodes or CPU processes use
-``torchrun --nproc_per_node=N train_multi_GPU.py`` or ``train_multi_GPU.py --nproc-per-node N``
-with the same flags; all run the same loop (``train_utils/trainer.py``).
+does (nn.DataParallel is not offered). Started by torchrun or srun with several processes
+(``torchrun --nproc_per_node=N train.py``, YOLOv5's command) it joins their DDP run as
+``train_multi_GPU.py`` does; for several nodes, CPU processes or the launcher's time-out flags use
+``train_multi_GPU.py`` (``--nproc-per-node N``, ``--dist-timeout``) with the same flags; all run
+the same loop (``train_utils/trainer.py``).
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ from collections.abc import Sequence
 from train_utils.cli import run_main, setup_console_logging
 from train_utils.config import build_config, parse_train_args
 from train_utils.distributed.devices import select_device
-from train_utils.distributed.launch import processes_to_spawn, spawn_training
-from train_utils.distributed.process_group import DistInfo
+from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
+from train_utils.distributed.process_group import DistInfo, launched_world_size
 from train_utils.trainer import run
 
 
@@ -33,6 +35,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
+        if launched_world_size() > 1:
+            # `torchrun --nproc_per_node N train.py` (YOLOv5's DDP command): the one DDP run of
+            # train_multi_GPU.py, not N separate runs racing for one folder.
+            train_distributed(args)
+            return
         nprocs = processes_to_spawn(None, args.device, os.environ)
         if nprocs:
             spawn_training(args, nprocs)

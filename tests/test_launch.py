@@ -172,3 +172,30 @@ def test_spawned_processes_share_the_cpus(monkeypatch) -> None:
     # The user's OMP_NUM_THREADS wins; nonsense is ignored.
     assert launch.threads_per_process(2, {"OMP_NUM_THREADS": "3"}) == 3
     assert launch.threads_per_process(2, {"OMP_NUM_THREADS": "x"}) == 4
+
+
+@pytest.mark.parametrize(
+    ("env", "joins"),
+    [
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, True),  # torchrun, 2 processes
+        ({"SLURM_PROCID": "1", "SLURM_NTASKS": "4"}, True),  # srun, 4 tasks
+        ({"RANK": "0", "WORLD_SIZE": "1"}, False),  # a launcher with one process: as alone
+        ({}, False),
+    ],
+)
+def test_train_py_under_a_launcher_joins_its_ddp_run(monkeypatch, env, joins):
+    """``torchrun --nproc_per_node 2 train.py`` (YOLOv5's DDP command) joins one DDP run, as
+    train_multi_GPU.py does, instead of starting one separate run per process (which raced for
+    one run folder: the second stopped at its run.lock)."""
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "SLURM_PROCID", "SLURM_NTASKS"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    calls = []
+    monkeypatch.setattr(train, "train_distributed", lambda args: calls.append("ddp"))
+    monkeypatch.setattr(train, "build_config", lambda args: calls.append("single") or args)
+    monkeypatch.setattr(train, "run", lambda config, dist: None)
+    monkeypatch.setattr(train, "select_device", lambda device: None)
+    monkeypatch.setattr(train.DistInfo, "single", staticmethod(lambda device: None))
+    assert train.main(["--device", "cpu"]) == 0
+    assert calls == (["ddp"] if joins else ["single"])
