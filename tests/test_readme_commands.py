@@ -10,7 +10,9 @@ paths name:
   (4 train / 4 val images of 64 px, 5 classes), built once per session;
 - ``runs/mydata/`` (``best.pt``, ``last.pt``, ``model.cfg``): one tiny run (1 epoch), trained
   once per session; ``best.pt`` and ``weights/yolov3-spp.pt`` are copies of its ``best.pt``;
+- ``mydata/data.yaml``: the same dataset as an ultralytics data.yaml;
 - ``img.jpg``, ``folder/``, ``video.mp4``, ``clip.mp4``: validation images and a 3-frame video;
+- ``instances_val.json`` with ``val/``: the validation images as a COCO instances file;
 - ``cfg/``: a copy of the repository's, since ``tools/make_cfg.py`` writes beside its input.
 
 So that each command takes seconds, ``train.py``, ``train_multi_GPU.py``, ``validation.py`` and
@@ -30,6 +32,7 @@ the house names every module, and every file or test the README and docs/ name e
 from __future__ import annotations
 
 import csv
+import json
 import os
 import re
 import shlex
@@ -266,9 +269,44 @@ def _continues_runs_mydata(work: Path) -> None:
     assert epochs == [0, 1], f"runs/mydata/results.csv has epochs {epochs}, not [0, 1]"
 
 
+def _has(*names: str) -> Callable[[Path], None]:
+    """A check that the command wrote each of ``names`` (relative to its working folder)."""
+
+    def check(work: Path) -> None:
+        missing = [n for n in names if not (work / n).exists()]
+        assert not missing, f"the command did not write {missing}"
+
+    return check
+
+
 CHECKS: list[tuple[Callable[[str], bool], Callable[[Path], None], str | None]] = [
     (lambda t: "--name mydata --resume" in t, _continues_runs_mydata, None),
     (lambda t: "--resume runs/mydata/last.pt" in t, _continues_runs_mydata, None),
+    # "Coming from YOLOv5/YOLOv8": each command writes where a YOLOv5 user looks.
+    (
+        lambda t: "train.py" in t and "--project runs/train --name exp" in t,
+        _has("runs/train/exp/best.pt", "runs/train/exp/results.csv"),
+        None,
+    ),
+    (
+        lambda t: "validation.py" in t and "--project runs/val --name exp" in t,
+        _has("runs/val/exp/per_class.csv", "runs/val/exp/errors.json"),
+        None,
+    ),
+    (
+        lambda t: "tools/export.py" in t and "openvino" in t,
+        _has(
+            "runs/mydata/best.onnx",
+            "runs/mydata/best.torchscript",
+            "runs/mydata/best_openvino_model/best.xml",
+        ),
+        None,
+    ),
+    (
+        lambda t: "tools/coco2yolo.py --json" in t,
+        _has("mycoco/data.yaml", "mycoco/labels", "mycoco/images"),
+        None,
+    ),
 ]
 
 COMMANDS = parse_commands(README.read_text(encoding="utf-8"))
@@ -301,6 +339,9 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         root, 4, 4, img_size_range=(64, 64), seed=0, obj_size_range=(12.0, 0.6), workers=1
     )
     shutil.copy(data, root / "mydata.data")
+    # The same data as YOLOv5 describes it (README "Coming from YOLOv5/YOLOv8").
+    names = (root / "shapes.names").read_text().split()
+    (root / "data.yaml").write_text(f"train: train/images\nval: val/images\nnames: {names}\n")
     return root
 
 
@@ -322,6 +363,7 @@ def _workdir(path: Path, data: Path, run: Path | None, keep_run: bool = True) ->
     for img in images:
         shutil.copy(img, path / "folder" / img.name)
     shutil.copy(images[0], path / "img.jpg")
+    _write_coco_json(path / "instances_val.json", path / "val", images)
     _write_video(path / "video.mp4", cv2.imread(str(images[0])))
     shutil.copy(path / "video.mp4", path / "clip.mp4")
     if run is not None:
@@ -331,6 +373,35 @@ def _workdir(path: Path, data: Path, run: Path | None, keep_run: bool = True) ->
         shutil.copy(run / "best.pt", path / "weights" / "yolov3-spp.pt")
         shutil.copy(run / "best.pt", path / "best.pt")
     return path
+
+
+def _write_coco_json(json_path: Path, folder: Path, images: list[Path]) -> None:
+    """``instances_val.json`` and its image folder ``val/``: the tiny validation images and their
+    YOLO labels as a COCO instances file (category ids 1.., image ids 100..)."""
+    folder.mkdir()
+    entries, annotations = [], []
+    for k, img in enumerate(images):
+        shutil.copy(img, folder / img.name)
+        h, w = cv2.imread(str(img)).shape[:2]
+        entries.append({"id": 100 + k, "file_name": img.name, "width": w, "height": h})
+        label = img.parent.parent / "labels" / f"{img.stem}.txt"
+        for row in label.read_text().split("\n"):
+            if row.strip():
+                c, cx, cy, bw, bh = (float(v) for v in row.split())
+                box = [(cx - bw / 2) * w, (cy - bh / 2) * h, bw * w, bh * h]
+                annotations.append(
+                    {
+                        "id": len(annotations) + 1,
+                        "image_id": 100 + k,
+                        "category_id": int(c) + 1,
+                        "bbox": box,
+                        "area": box[2] * box[3],
+                        "iscrowd": 0,
+                    }
+                )
+    categories = [{"id": c + 1, "name": f"class{c}"} for c in range(5)]
+    coco = {"images": entries, "annotations": annotations, "categories": categories}
+    json_path.write_text(json.dumps(coco))
 
 
 def _write_video(path: Path, frame) -> None:
