@@ -36,6 +36,7 @@ from train_utils.reporting import (
     make_reporter,
 )
 from train_utils.trackers import (
+    FINISHED,
     KILLED,
     RECORD_NAME,
     GuardedTracker,
@@ -258,6 +259,77 @@ def test_a_tracker_that_cannot_start_stops_before_training(tmp_path, monkeypatch
     with pytest.raises(OutputError, match="--tracker mlflow could not start .*--tracker none"):
         EpochReporter(tmp_path / "run", 0, trackers=["mlflow"], experiment="x")
     assert not (tmp_path / "run" / RECORD_NAME).exists()
+
+
+def test_a_tracker_error_of_several_lines_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from train_utils.trackers import mlflow_tracker
+
+    def fail(self, params, resume_id):
+        raise RuntimeError("(sqlite3.OperationalError) duplicate column name: step\n(Background)")
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(mlflow_tracker.MlflowTracker, "start", fail)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(OutputError) as raised:
+        EpochReporter(tmp_path / "run", 0, trackers=["mlflow"], experiment="x")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert (
+        "(RuntimeError: (sqlite3.OperationalError) duplicate column name: step (Background))"
+        in message
+    )
+
+
+def _start_mlflow_run(out: Path, barrier, failures) -> None:
+    """A forked child: start an MLflow run for ``out`` at the same moment as its siblings."""
+    from train_utils.trackers.mlflow_tracker import MlflowTracker
+
+    out.mkdir(parents=True)
+    barrier.wait()
+    try:
+        tracker = MlflowTracker(out, "shapes")
+        tracker.start({"name": out.name}, None)
+        tracker.finish(FINISHED)
+    except Exception as e:
+        failures.put(f"{type(e).__name__}: {e}")
+        raise
+
+
+@pytest.mark.slow
+def test_runs_started_together_share_a_new_mlflow_store(tmp_path, monkeypatch):
+    """Runs of one project started at once (a sweep) on a project with no mlflow.db yet: each
+    gets its run in the one store and the one experiment; without the store lock both created
+    MLflow's tables and one stopped with a two-line SQLAlchemy error."""
+    pytest.importorskip("mlflow")
+    import multiprocessing
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    ctx = multiprocessing.get_context("fork")  # mlflow is imported once, here
+    n = 3
+    barrier, failures = ctx.Barrier(n), ctx.Queue()
+    runs = [tmp_path / "runs" / f"exp{i}" for i in range(n)]
+    procs = [ctx.Process(target=_start_mlflow_run, args=(r, barrier, failures)) for r in runs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    errors = [failures.get() for _ in range(failures.qsize())]
+    assert [p.exitcode for p in procs] == [0] * n, errors
+    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "shapes"]
+    found = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in found) == ["exp0", "exp1", "exp2"]
+    assert {r.info.status for r in found} == {FINISHED}
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "exp0",
+        "exp1",
+        "exp2",
+        "mlflow.db",
+    ]  # the lock leaves no file behind
 
 
 # ---------------------------------------------------------------- MLflow and W&B, for real

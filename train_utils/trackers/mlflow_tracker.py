@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,27 @@ def flat_params(params: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[s
             yield name, str(value)[:MAX_PARAM_VAL_LENGTH]
 
 
+@contextmanager
+def store_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` (the one holding our own ``mlflow.db``) while
+    the store is created and the experiment looked up or made: two runs of one project started
+    together would otherwise both create MLflow's tables (one fails: "duplicate column name") or
+    both create the experiment. A lock on the folder itself leaves no file behind; where there
+    is no ``fcntl`` (Windows) runs are not serialised."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    fd = os.open(folder, os.O_RDONLY) if fcntl is not None else None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
 class MlflowTracker(Tracker):
     name = "mlflow"
 
@@ -55,11 +77,20 @@ class MlflowTracker(Tracker):
         self.out = out
         self.own_store = not os.environ.get("MLFLOW_TRACKING_URI")
         uri = default_tracking_uri(out) if self.own_store else os.environ["MLFLOW_TRACKING_URI"]
-        self.client = MlflowClient(tracking_uri=uri)
+        with self._lock():
+            self.client = MlflowClient(tracking_uri=uri)  # creates the tables of a new store
         self.experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment
         self.run_id = ""
 
+    def _lock(self) -> Any:
+        """:func:`store_lock` on our own store's folder; a store the user named is theirs."""
+        return store_lock(self.out.resolve().parent) if self.own_store else nullcontext()
+
     def _experiment_id(self) -> str:
+        with self._lock():
+            return self._find_or_create_experiment()
+
+    def _find_or_create_experiment(self) -> str:
         found = self.client.get_experiment_by_name(self.experiment)
         if found is not None:
             return found.experiment_id
