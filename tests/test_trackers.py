@@ -281,6 +281,24 @@ def test_a_tracker_error_of_several_lines_is_one_line(tmp_path, monkeypatch):
     )
 
 
+def test_resuming_a_run_missing_from_the_mlflow_store_says_so(tmp_path, monkeypatch, caplog):
+    """The store was deleted (or MLFLOW_TRACKING_URI changed) since the run recorded its MLflow
+    run: the resumed run starts a new MLflow run, with a warning naming the old one."""
+    pytest.importorskip("mlflow")
+    from train_utils.trackers.mlflow_tracker import MlflowTracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "exp").mkdir()
+    tracker = MlflowTracker(tmp_path / "exp", "shapes")
+    with caplog.at_level(logging.WARNING):
+        new_id = tracker.start({"epochs": 2}, "0123456789abcdef0123456789abcdef")
+    tracker.finish(FINISHED)
+    assert new_id and new_id != "0123456789abcdef0123456789abcdef"
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "run 0123456789abcdef0123456789abcdef" in line and "new MLflow run" in line
+    assert str(tmp_path / "mlflow.db") in line
+
+
 def _start_mlflow_run(out: Path, barrier, failures) -> None:
     """A forked child: start an MLflow run for ``out`` at the same moment as its siblings."""
     from train_utils.trackers.mlflow_tracker import MlflowTracker

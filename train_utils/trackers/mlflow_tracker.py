@@ -15,6 +15,7 @@ and the weights under ``weights/``. Imported only when the tracker is asked for.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -30,6 +31,7 @@ from train_utils.trackers import Tracker
 
 STORE_NAME = "mlflow.db"  # beside the run folder, shared by its sibling runs
 ARTIFACTS_NAME = "mlartifacts"
+logger = logging.getLogger(__name__)
 PICTURE_SUFFIXES = (".png", ".jpg")
 
 
@@ -116,6 +118,14 @@ class MlflowTracker(Tracker):
         try:
             self.client.get_run(run_id)
         except Exception:  # MlflowException: another store, or the run was deleted
+            # Said, not silent: the user looks for one run and would find two halves.
+            logger.warning(
+                "--tracker mlflow: the run %s this run folder recorded is not in the store %s "
+                "(deleted, or another MLFLOW_TRACKING_URI); recording into a new MLflow run, "
+                "which holds the epochs from here on",
+                run_id,
+                self.client.tracking_uri,
+            )
             return False
         self.run_id = run_id
         self.client.update_run(run_id, status="RUNNING")
