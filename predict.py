@@ -336,6 +336,15 @@ class Saver:
         self._class_folders: dict[int, str] = {}
         self._folders_taken: set[str] = set()
         self._crops_taken: dict[str, set[str]] = {}
+        # Output stems of this run's sources and of the video frames named so far.
+        self._stems_taken = set(self._reserved)
+
+    def frame_stem(self, video: Path | str, number: int) -> str:
+        """The name of frame ``number`` of the video whose output stem is ``video``, for its
+        labels and crops: ``<video>_<number>``, or ``<video>_<number>_2``, ... when a source of
+        this run or an earlier frame has that stem (``clip_1.jpg`` beside ``clip.mp4``), so a
+        frame's labels never replace an image's."""
+        return _unique(f"{Path(video).as_posix()}_{number}", self._stems_taken)
 
     def draw(self, img: np.ndarray, det: torch.Tensor) -> np.ndarray:
         return draw_detections(img, det, self.names, self.style)
@@ -591,7 +600,8 @@ def predict_video(
     """Detect in frames 1, 1 + ``vid_stride``, ... of a video file, camera or stream and write
     them to ``<stem>.mp4`` at the source's frame rate / ``vid_stride`` (so the video lasts as
     long as the source); ``stem``: the output path relative to OUTPUT, default
-    :func:`capture_name`. Labels and crops of a frame are named ``<stem>_<frame number>``.
+    :func:`capture_name`. Labels and crops of a frame are named ``<stem>_<frame number>``
+    (see :meth:`Saver.frame_stem`).
     Returns the number of frames predicted.
 
     Raises:
@@ -646,7 +656,7 @@ def predict_video(
                     )
             writer.write(drawn)
             frames += 1
-            saver.save(frame, det, f"{name}_{number}")
+            saver.save(frame, det, saver.frame_stem(name, number))
             print(f"{source} frame {number}: {len(det)} detections")
     finally:
         cap.release()

@@ -210,6 +210,27 @@ def test_vid_stride_predicts_every_nth_frame(checkpoint, tmp_path, monkeypatch, 
     cap.release()
 
 
+def test_a_video_frames_labels_never_replace_an_images(checkpoint, tmp_path, monkeypatch):
+    """clip.mp4's frame 1 and the image clip_1.jpg both name their labels clip_1: the image
+    keeps clip_1.txt, the frame's go to clip_1_2.txt."""
+    src = tmp_path / "src"
+    src.mkdir()
+    writer = cv2.VideoWriter(str(src / "clip.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 5, (64, 48))
+    for _ in range(2):
+        writer.write(np.full((48, 64, 3), 90, np.uint8))
+    writer.release()
+    cv2.imwrite(str(src / "clip_1.jpg"), _gradient())
+
+    def call(self, img):  # frames see circles, the image a square
+        return (DETS[:1] if img.shape[:2] == (48, 64) else DETS[2:]).clone()
+
+    monkeypatch.setattr(predict.Predictor, "__call__", call)
+    out = tmp_path / "out"
+    assert _main(checkpoint, out, "--source", str(src), "--save-txt") == 0
+    labels = {p.name: p.read_text().split()[0] for p in (out / "labels").iterdir()}
+    assert labels == {"clip_1.txt": "1", "clip_1_2.txt": "0", "clip_2.txt": "0"}
+
+
 def test_flag_values_are_checked(checkpoint, tmp_path, capsys):
     image = tmp_path / "x.png"
     cv2.imwrite(str(image), np.zeros((64, 64, 3), np.uint8))
