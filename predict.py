@@ -710,12 +710,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
         planned = [o.stem.as_posix() for o in outputs]
         saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop, planned)
-        n_images = 0
+        n_images = n_frames = 0
         for item in outputs:
             path, stem = item.source, item.stem
             saver.prepare(stem)
             if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
-                predict_video(predictor, path, saver, stem, args.vid_stride)
+                n_frames += predict_video(predictor, path, saver, stem, args.vid_stride)
                 continue
             if not is_image_file(path):
                 logger.warning("%s: not an image or video file; skipped", path)
@@ -737,7 +737,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_image(target, saver.draw(img, det), OUTPUT_FLAG)
             saver.save(img, det, stem)
             n_images += 1
-        logger.info("%d images drawn in %s", n_images, out_dir)
+        # Frames counted apart: a run of videos only is not "0 images drawn".
+        frames = f" and {n_frames} video frames" if n_frames else ""
+        logger.info("%d images%s drawn in %s", n_images, frames, out_dir)
 
     return run_main(body)
 

@@ -202,8 +202,10 @@ def test_vid_stride_predicts_every_nth_frame(checkpoint, tmp_path, monkeypatch, 
         "clip_4.txt",
         "clip_7.txt",
     ]
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert "frame 4: 0 detections" in printed and "frame 2:" not in printed
+    assert f"0 images and 3 video frames drawn in {out}" in captured.err
     cap = cv2.VideoCapture(str(out / "clip.mp4"))
     assert int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
     assert math.isclose(cap.get(cv2.CAP_PROP_FPS), fps / 3, rel_tol=0.01)
