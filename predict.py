@@ -92,6 +92,9 @@ STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
 OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
 DEFAULT_PROJECT = "runs/predict"  # --name alone: runs/predict/NAME (--output's default folder)
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
+# The frame rates OpenCV's mp4v writer opens a file at (measured: 0.002 and 65535 open, 0.001
+# and 65536 do not; some RTSP streams report their 90 kHz clock as the rate).
+MIN_VIDEO_FPS, MAX_VIDEO_FPS = 0.01, 65535.0
 BOX_THICKNESS = 2  # default --line-thickness, pixels
 MAX_LINE_THICKNESS = 32767  # OpenCV's own limit (it raises beyond it)
 # --save-crop grows each box as YOLOv5's save_one_box does: sides x1.02 plus 10 px in all
@@ -590,6 +593,28 @@ def capture_name(source: str | Path) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tail) or "stream"
 
 
+def output_fps(source_fps: float, vid_stride: int = 1) -> float:
+    """The frame rate of the output video of a source reporting ``source_fps`` (0, negative or
+    NaN: none, :data:`DEFAULT_FPS`) predicted every ``vid_stride``-th frame: the source's rate
+    / ``vid_stride``, held within what the mp4 writer opens (a warning when it is not), so a
+    large ``--vid-stride`` or an odd stream is not reported as an unwritable place."""
+    fps = source_fps if math.isfinite(source_fps) and source_fps > 0 else DEFAULT_FPS
+    wanted = fps / vid_stride
+    held = min(max(wanted, MIN_VIDEO_FPS), MAX_VIDEO_FPS)
+    if held != wanted:
+        logger.warning(
+            "the output video plays at %g frames per second, not %g (%g / --vid-stride %d): "
+            "an mp4 holds %g to %g",
+            held,
+            wanted,
+            fps,
+            vid_stride,
+            MIN_VIDEO_FPS,
+            MAX_VIDEO_FPS,
+        )
+    return held
+
+
 def predict_video(
     predictor: Predictor,
     source: str | Path,
@@ -627,7 +652,7 @@ def predict_video(
         raise ConfigError(
             f"--source {source}: cannot open the stream; check the URL and that it is reachable"
         )
-    fps = (cap.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS) / vid_stride
+    fps = output_fps(cap.get(cv2.CAP_PROP_FPS), vid_stride)
     name = stem if stem is not None else capture_name(source)
     writer = None
     frames = number = 0
