@@ -43,7 +43,7 @@ import cv2
 import numpy as np
 import torch
 
-from build_utils.atomic import make_output_dir
+from build_utils.atomic import fsync_dir, make_output_dir, reported_write, temp_path
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError, OutputError
@@ -655,7 +655,13 @@ def predict_video(
     fps = output_fps(cap.get(cv2.CAP_PROP_FPS), vid_stride)
     name = stem if stem is not None else capture_name(source)
     writer = None
+    target = saver.out_dir / f"{name}.mp4"
+    # Written under a hidden temporary name (ending .mp4: OpenCV picks the container by it) and
+    # renamed onto ``target`` at the end, so an --exist-ok run that fails midway leaves the old
+    # video whole; a Ctrl-C (a camera's usual end) keeps the frames so far.
+    tmp = temp_path(target).with_suffix(".tmp.mp4")
     frames = number = 0
+    finished = False
     try:
         while True:
             # Skipped frames are grabbed, not decoded: a stride of N costs about 1/N.
@@ -670,9 +676,8 @@ def predict_video(
             drawn = saver.draw(frame, det)
             if writer is None:
                 h, w = drawn.shape[:2]
-                target = saver.out_dir / f"{name}.mp4"
                 fourcc = cv2.VideoWriter_fourcc(*"mp4v")
-                writer = cv2.VideoWriter(str(target), fourcc, fps, (w, h))
+                writer = cv2.VideoWriter(str(tmp), fourcc, fps, (w, h))
                 if not writer.isOpened():  # OpenCV reports no reason, only that it failed
                     raise OutputError(
                         f"cannot write {target}: OpenCV cannot open it for writing; "
@@ -683,10 +688,21 @@ def predict_video(
             frames += 1
             saver.save(frame, det, saver.frame_stem(name, number))
             print(f"{source} frame {number}: {len(det)} detections")
+        finished = True
+    except KeyboardInterrupt:
+        finished = True
+        raise
     finally:
         cap.release()
         if writer is not None:
             writer.release()
+        try:
+            if finished and writer is not None and tmp.exists():
+                with reported_write(target, OUTPUT_FLAG):  # a folder named clip.mp4: one line
+                    os.replace(tmp, target)
+                fsync_dir(target.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
     return frames
 
 

@@ -234,6 +234,40 @@ def test_a_huge_vid_stride_still_writes_the_video(checkpoint, tmp_path, monkeypa
     assert predict.output_fps(float("nan"), 5) == predict.DEFAULT_FPS / 5
 
 
+def test_a_failed_video_leaves_the_old_one_whole(checkpoint, tmp_path, monkeypatch):
+    """--exist-ok over an earlier run whose clip.mp4 is there: a failure in frame 2 leaves the
+    old video as it was (it was truncated when the writer opened it) and no temporary file;
+    the finished run then replaces it."""
+    video = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 5, (64, 48))
+    for _ in range(3):
+        writer.write(np.full((48, 64, 3), 90, np.uint8))
+    writer.release()
+    out = tmp_path / "out"
+    out.mkdir()
+    old = b"an earlier run's video"
+    (out / "clip.mp4").write_bytes(old)
+    calls = []
+
+    def fail_on_frame_2(self, img):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return DETS[:0].clone()
+
+    monkeypatch.setattr(predict.Predictor, "__call__", fail_on_frame_2)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _main(checkpoint, out, "--source", str(video), "--exist-ok")
+    assert (out / "clip.mp4").read_bytes() == old
+    assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]
+    _patch_predictor(monkeypatch, DETS[:0])
+    assert _main(checkpoint, out, "--source", str(video), "--exist-ok") == 0
+    cap = cv2.VideoCapture(str(out / "clip.mp4"))
+    assert int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
+    cap.release()
+    assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]
+
+
 def test_a_video_frames_labels_never_replace_an_images(checkpoint, tmp_path, monkeypatch):
     """clip.mp4's frame 1 and the image clip_1.jpg both name their labels clip_1: the image
     keeps clip_1.txt, the frame's go to clip_1_2.txt."""
