@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import logging
+import os
 import struct
 import subprocess
 import sys
@@ -299,10 +300,12 @@ def test_resuming_a_run_missing_from_the_mlflow_store_says_so(tmp_path, monkeypa
     assert str(tmp_path / "mlflow.db") in line
 
 
-def _start_mlflow_run(out: Path, barrier, failures) -> None:
+def _start_mlflow_run(out: Path, barrier, failures, uri: str | None = None) -> None:
     """A forked child: start an MLflow run for ``out`` at the same moment as its siblings."""
     from train_utils.trackers.mlflow_tracker import MlflowTracker
 
+    if uri is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
     out.mkdir(parents=True)
     barrier.wait()
     try:
@@ -315,7 +318,8 @@ def _start_mlflow_run(out: Path, barrier, failures) -> None:
 
 
 @pytest.mark.slow
-def test_runs_started_together_share_a_new_mlflow_store(tmp_path, monkeypatch):
+@pytest.mark.parametrize("named", [False, True], ids=["own-store", "MLFLOW_TRACKING_URI-sqlite"])
+def test_runs_started_together_share_a_new_mlflow_store(tmp_path, monkeypatch, named):
     """Runs of one project started at once (a sweep) on a project with no mlflow.db yet: each
     gets its run in the one store and the one experiment; without the store lock both created
     MLflow's tables and one stopped with a two-line SQLAlchemy error."""
@@ -330,14 +334,16 @@ def test_runs_started_together_share_a_new_mlflow_store(tmp_path, monkeypatch):
     n = 3
     barrier, failures = ctx.Barrier(n), ctx.Queue()
     runs = [tmp_path / "runs" / f"exp{i}" for i in range(n)]
-    procs = [ctx.Process(target=_start_mlflow_run, args=(r, barrier, failures)) for r in runs]
+    store = tmp_path / "runs" / "mlflow.db"
+    uri = f"sqlite:///{store}" if named else None
+    procs = [ctx.Process(target=_start_mlflow_run, args=(r, barrier, failures, uri)) for r in runs]
     for p in procs:
         p.start()
     for p in procs:
         p.join(120)
     errors = [failures.get() for _ in range(failures.qsize())]
     assert [p.exitcode for p in procs] == [0] * n, errors
-    client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
     (experiment,) = [e for e in client.search_experiments() if e.name == "shapes"]
     found = client.search_runs([experiment.experiment_id])
     assert sorted(r.info.run_name for r in found) == ["exp0", "exp1", "exp2"]

@@ -85,8 +85,16 @@ class MlflowTracker(Tracker):
         self.run_id = ""
 
     def _lock(self) -> Any:
-        """:func:`store_lock` on our own store's folder; a store the user named is theirs."""
-        return store_lock(self.out.resolve().parent) if self.own_store else nullcontext()
+        """:func:`store_lock` on the folder of a sqlite store (ours, or one the user named by
+        ``sqlite:///path``); a server or another database serialises itself."""
+        if self.own_store:
+            return store_lock(self.out.resolve().parent)
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        if uri.startswith("sqlite:///"):
+            folder = Path(uri[len("sqlite:///") :]).parent
+            if folder.is_dir():  # else MLflow reports the missing folder itself
+                return store_lock(folder)
+        return nullcontext()
 
     def _experiment_id(self) -> str:
         with self._lock():
