@@ -43,7 +43,7 @@ import cv2
 import numpy as np
 import torch
 
-from build_utils.atomic import make_output_dir
+from build_utils.atomic import fsync_dir, make_output_dir, reported_write, temp_path
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError, OutputError
@@ -92,6 +92,9 @@ STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
 OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
 DEFAULT_PROJECT = "runs/predict"  # --name alone: runs/predict/NAME (--output's default folder)
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
+# The frame rates OpenCV's mp4v writer opens a file at (measured: 0.002 and 65535 open, 0.001
+# and 65536 do not; some RTSP streams report their 90 kHz clock as the rate).
+MIN_VIDEO_FPS, MAX_VIDEO_FPS = 0.01, 65535.0
 BOX_THICKNESS = 2  # default --line-thickness, pixels
 MAX_LINE_THICKNESS = 32767  # OpenCV's own limit (it raises beyond it)
 # --save-crop grows each box as YOLOv5's save_one_box does: sides x1.02 plus 10 px in all
@@ -336,6 +339,15 @@ class Saver:
         self._class_folders: dict[int, str] = {}
         self._folders_taken: set[str] = set()
         self._crops_taken: dict[str, set[str]] = {}
+        # Output stems of this run's sources and of the video frames named so far.
+        self._stems_taken = set(self._reserved)
+
+    def frame_stem(self, video: Path | str, number: int) -> str:
+        """The name of frame ``number`` of the video whose output stem is ``video``, for its
+        labels and crops: ``<video>_<number>``, or ``<video>_<number>_2``, ... when a source of
+        this run or an earlier frame has that stem (``clip_1.jpg`` beside ``clip.mp4``), so a
+        frame's labels never replace an image's."""
+        return _unique(f"{Path(video).as_posix()}_{number}", self._stems_taken)
 
     def draw(self, img: np.ndarray, det: torch.Tensor) -> np.ndarray:
         return draw_detections(img, det, self.names, self.style)
@@ -581,6 +593,28 @@ def capture_name(source: str | Path) -> str:
     return "".join(ch if ch.isalnum() or ch in "-_" else "_" for ch in tail) or "stream"
 
 
+def output_fps(source_fps: float, vid_stride: int = 1) -> float:
+    """The frame rate of the output video of a source reporting ``source_fps`` (0, negative or
+    NaN: none, :data:`DEFAULT_FPS`) predicted every ``vid_stride``-th frame: the source's rate
+    / ``vid_stride``, held within what the mp4 writer opens (a warning when it is not), so a
+    large ``--vid-stride`` or an odd stream is not reported as an unwritable place."""
+    fps = source_fps if math.isfinite(source_fps) and source_fps > 0 else DEFAULT_FPS
+    wanted = fps / vid_stride
+    held = min(max(wanted, MIN_VIDEO_FPS), MAX_VIDEO_FPS)
+    if held != wanted:
+        logger.warning(
+            "the output video plays at %g frames per second, not %g (%g / --vid-stride %d): "
+            "an mp4 holds %g to %g",
+            held,
+            wanted,
+            fps,
+            vid_stride,
+            MIN_VIDEO_FPS,
+            MAX_VIDEO_FPS,
+        )
+    return held
+
+
 def predict_video(
     predictor: Predictor,
     source: str | Path,
@@ -591,7 +625,8 @@ def predict_video(
     """Detect in frames 1, 1 + ``vid_stride``, ... of a video file, camera or stream and write
     them to ``<stem>.mp4`` at the source's frame rate / ``vid_stride`` (so the video lasts as
     long as the source); ``stem``: the output path relative to OUTPUT, default
-    :func:`capture_name`. Labels and crops of a frame are named ``<stem>_<frame number>``.
+    :func:`capture_name`. Labels and crops of a frame are named ``<stem>_<frame number>``
+    (see :meth:`Saver.frame_stem`).
     Returns the number of frames predicted.
 
     Raises:
@@ -617,10 +652,16 @@ def predict_video(
         raise ConfigError(
             f"--source {source}: cannot open the stream; check the URL and that it is reachable"
         )
-    fps = (cap.get(cv2.CAP_PROP_FPS) or DEFAULT_FPS) / vid_stride
+    fps = output_fps(cap.get(cv2.CAP_PROP_FPS), vid_stride)
     name = stem if stem is not None else capture_name(source)
     writer = None
+    target = saver.out_dir / f"{name}.mp4"
+    # Written under a hidden temporary name (ending .mp4: OpenCV picks the container by it) and
+    # renamed onto ``target`` at the end, so an --exist-ok run that fails midway leaves the old
+    # video whole; a Ctrl-C (a camera's usual end) keeps the frames so far.
+    tmp = temp_path(target).with_suffix(".tmp.mp4")
     frames = number = 0
+    finished = False
     try:
         while True:
             # Skipped frames are grabbed, not decoded: a stride of N costs about 1/N.
@@ -635,9 +676,8 @@ def predict_video(
             drawn = saver.draw(frame, det)
             if writer is None:
                 h, w = drawn.shape[:2]
-                target = saver.out_dir / f"{name}.mp4"
                 fourcc = cv2.VideoWriter_fourcc(*"mp4v")
-                writer = cv2.VideoWriter(str(target), fourcc, fps, (w, h))
+                writer = cv2.VideoWriter(str(tmp), fourcc, fps, (w, h))
                 if not writer.isOpened():  # OpenCV reports no reason, only that it failed
                     raise OutputError(
                         f"cannot write {target}: OpenCV cannot open it for writing; "
@@ -646,12 +686,23 @@ def predict_video(
                     )
             writer.write(drawn)
             frames += 1
-            saver.save(frame, det, f"{name}_{number}")
+            saver.save(frame, det, saver.frame_stem(name, number))
             print(f"{source} frame {number}: {len(det)} detections")
+        finished = True
+    except KeyboardInterrupt:
+        finished = True
+        raise
     finally:
         cap.release()
         if writer is not None:
             writer.release()
+        try:
+            if finished and writer is not None and tmp.exists():
+                with reported_write(target, OUTPUT_FLAG):  # a folder named clip.mp4: one line
+                    os.replace(tmp, target)
+                fsync_dir(target.parent)
+        finally:
+            tmp.unlink(missing_ok=True)
     return frames
 
 
@@ -700,12 +751,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
         planned = [o.stem.as_posix() for o in outputs]
         saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop, planned)
-        n_images = 0
+        n_images = n_frames = 0
         for item in outputs:
             path, stem = item.source, item.stem
             saver.prepare(stem)
             if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
-                predict_video(predictor, path, saver, stem, args.vid_stride)
+                n_frames += predict_video(predictor, path, saver, stem, args.vid_stride)
                 continue
             if not is_image_file(path):
                 logger.warning("%s: not an image or video file; skipped", path)
@@ -727,7 +778,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             write_image(target, saver.draw(img, det), OUTPUT_FLAG)
             saver.save(img, det, stem)
             n_images += 1
-        logger.info("%d images drawn in %s", n_images, out_dir)
+        # Frames counted apart: a run of videos only is not "0 images drawn".
+        frames = f" and {n_frames} video frames" if n_frames else ""
+        logger.info("%d images%s drawn in %s", n_images, frames, out_dir)
 
     return run_main(body)
 

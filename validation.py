@@ -378,7 +378,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 speed = measure_speed(model, loader, opts)
                 if dist.is_main:
                     logger.info(
-                        "%s; weights %s, img %d", speed.format(), args.weights, args.img_size
+                        "%s; weights %s, img %d%s",
+                        speed.format(),
+                        args.weights,
+                        args.img_size,
+                        # The setting beside the number: --augment runs three passes.
+                        ", test-time augmentation" if args.augment else "",
                     )
                 return
             # Images deleted or damaged since the dataset was checked are scored as blank.

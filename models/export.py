@@ -44,6 +44,20 @@ from models.darknet import Darknet
 # Opset 11 is the first with the Resize semantics nn.Upsample needs; 12 is widely supported.
 MIN_OPSET = 11
 DEFAULT_OPSET = 12
+
+
+def _max_opset() -> int:
+    """The newest opset this torch's TorchScript-based exporter (``dynamo=False``) writes: a
+    higher ``--opset`` makes ``torch.onnx.export`` raise a bare RuntimeError mid-export. torch
+    keeps the number in a private module, so an older or newer layout falls back to 17."""
+    try:
+        from torch.onnx import _constants
+    except ImportError:
+        return 17
+    return int(getattr(_constants, "ONNX_TORCHSCRIPT_EXPORTER_MAX_OPSET", 17))
+
+
+MAX_OPSET = _max_opset()
 OUTPUT_FLAG = "--output"  # the option that chose the output place, named in write errors
 INPUT_NAME, OUTPUT_NAME = "images", "detections"
 INSTALL_ONNX = "pip install -r requirements-onnx.txt"
@@ -148,6 +162,17 @@ def _tracing(model: Darknet, example: torch.Tensor) -> Iterator[DetectionsOnly]:
     model.eval()
 
 
+def check_opset(opset: int) -> None:
+    """Raises ConfigError for an ``--opset`` the exporter cannot write: below
+    :data:`MIN_OPSET` (no Resize for the upsample layers) or above :data:`MAX_OPSET`."""
+    if opset < MIN_OPSET:
+        raise ConfigError(f"--opset {opset}: upsampling needs opset {MIN_OPSET} or later")
+    if opset > MAX_OPSET:
+        raise ConfigError(
+            f"--opset {opset}: torch {torch.__version__} exports opsets {MIN_OPSET} to {MAX_OPSET}"
+        )
+
+
 def _example(model: Darknet, h: int, w: int, half: bool) -> torch.Tensor:
     return torch.zeros(1, _channels(model), h, w, dtype=torch.float16 if half else torch.float32)
 
@@ -164,11 +189,10 @@ def export_onnx(
     ``metadata`` (JSON-able values) goes into the graph's ``metadata_props`` when the onnx
     package is there to write it.
 
-    ``model`` is left in eval mode. Raises ConfigError for an opset below 11 or an image size
-    that is not a multiple of the model's largest stride.
+    ``model`` is left in eval mode. Raises ConfigError for an opset outside 11 to
+    :data:`MAX_OPSET` or an image size that is not a multiple of the model's largest stride.
     """
-    if opset < MIN_OPSET:
-        raise ConfigError(f"--opset {opset}: upsampling needs opset {MIN_OPSET} or later")
+    check_opset(opset)
     h, w = _checked(model, img_size)
     path = Path(path)
     make_output_dir(path.parent, OUTPUT_FLAG)

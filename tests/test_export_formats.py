@@ -290,6 +290,12 @@ def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
     assert line.endswith("(or --no-verify)\n") and list(tmp_path.iterdir()) == []
     assert export.main(["--img-size", str(IMG), "--include", "torchscript"]) == 2
     assert "pass --weights" in one_error_line(capsys)
+    # An opset torch cannot write: one line before any format (torchscript first) is written.
+    too_new = "99"
+    assert export.main([*base, "--include", "torchscript", "onnx", "--opset", too_new]) == 2
+    line = one_error_line(capsys)
+    assert f"--opset {too_new}: torch {torch.__version__} exports opsets 11 to" in line
+    assert list(tmp_path.iterdir()) == []
     assert export.main([*base, "--img-size", "100"]) == 2
     assert "--img-size 100 is not a positive multiple of 32" in one_error_line(capsys)
     blocker = tmp_path / "file"

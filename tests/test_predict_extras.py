@@ -5,6 +5,7 @@ drawn or not), --vid-stride (which frames are predicted, the output's frame rate
 
 from __future__ import annotations
 
+import logging
 import math
 from pathlib import Path
 
@@ -184,7 +185,8 @@ def test_drawing_flags_reach_the_saved_picture(checkpoint, tmp_path, monkeypatch
     assert not (out / "crops").exists()  # no --save-crop, no crops
 
 
-def test_vid_stride_predicts_every_nth_frame(checkpoint, tmp_path, monkeypatch, capsys):
+def test_vid_stride_predicts_every_nth_frame(checkpoint, tmp_path, monkeypatch, capsys, caplog):
+    caplog.set_level(logging.INFO)
     video = tmp_path / "clip.mp4"
     fps, n = 6.0, 7
     writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), fps, (64, 48))
@@ -204,10 +206,87 @@ def test_vid_stride_predicts_every_nth_frame(checkpoint, tmp_path, monkeypatch, 
     ]
     printed = capsys.readouterr().out
     assert "frame 4: 0 detections" in printed and "frame 2:" not in printed
+    assert f"0 images and 3 video frames drawn in {out}" in caplog.messages
     cap = cv2.VideoCapture(str(out / "clip.mp4"))
     assert int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
     assert math.isclose(cap.get(cv2.CAP_PROP_FPS), fps / 3, rel_tol=0.01)
     cap.release()
+
+
+def test_a_huge_vid_stride_still_writes_the_video(checkpoint, tmp_path, monkeypatch):
+    """30 fps / --vid-stride 100000 is below what the mp4 writer opens: the video is written at
+    its lowest rate (it was refused as "cannot write ... check the place is writable")."""
+    video = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 30.0, (64, 48))
+    for k in range(3):
+        writer.write(np.full((48, 64, 3), 60 * k, np.uint8))
+    writer.release()
+    _patch_predictor(monkeypatch, DETS[:0])
+    out = tmp_path / "out"
+    assert _main(checkpoint, out, "--source", str(video), "--vid-stride", "100000") == 0
+    cap = cv2.VideoCapture(str(out / "clip.mp4"))
+    assert int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) == 1
+    assert math.isclose(cap.get(cv2.CAP_PROP_FPS), 0.01, rel_tol=0.01)
+    cap.release()
+    assert predict.output_fps(30.0, 3) == 10.0
+    assert predict.output_fps(30.0, 100000) == predict.MIN_VIDEO_FPS
+    assert predict.output_fps(90000.0) == predict.MAX_VIDEO_FPS  # an RTSP clock as the rate
+    assert predict.output_fps(float("nan"), 5) == predict.DEFAULT_FPS / 5
+
+
+def test_a_failed_video_leaves_the_old_one_whole(checkpoint, tmp_path, monkeypatch):
+    """--exist-ok over an earlier run whose clip.mp4 is there: a failure in frame 2 leaves the
+    old video as it was (it was truncated when the writer opened it) and no temporary file;
+    the finished run then replaces it."""
+    video = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(video), cv2.VideoWriter_fourcc(*"mp4v"), 5, (64, 48))
+    for _ in range(3):
+        writer.write(np.full((48, 64, 3), 90, np.uint8))
+    writer.release()
+    out = tmp_path / "out"
+    out.mkdir()
+    old = b"an earlier run's video"
+    (out / "clip.mp4").write_bytes(old)
+    calls = []
+
+    def fail_on_frame_2(self, img):
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("out of memory")
+        return DETS[:0].clone()
+
+    monkeypatch.setattr(predict.Predictor, "__call__", fail_on_frame_2)
+    with pytest.raises(RuntimeError, match="out of memory"):
+        _main(checkpoint, out, "--source", str(video), "--exist-ok")
+    assert (out / "clip.mp4").read_bytes() == old
+    assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]
+    _patch_predictor(monkeypatch, DETS[:0])
+    assert _main(checkpoint, out, "--source", str(video), "--exist-ok") == 0
+    cap = cv2.VideoCapture(str(out / "clip.mp4"))
+    assert int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) == 3
+    cap.release()
+    assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]
+
+
+def test_a_video_frames_labels_never_replace_an_images(checkpoint, tmp_path, monkeypatch):
+    """clip.mp4's frame 1 and the image clip_1.jpg both name their labels clip_1: the image
+    keeps clip_1.txt, the frame's go to clip_1_2.txt."""
+    src = tmp_path / "src"
+    src.mkdir()
+    writer = cv2.VideoWriter(str(src / "clip.mp4"), cv2.VideoWriter_fourcc(*"mp4v"), 5, (64, 48))
+    for _ in range(2):
+        writer.write(np.full((48, 64, 3), 90, np.uint8))
+    writer.release()
+    cv2.imwrite(str(src / "clip_1.jpg"), _gradient())
+
+    def call(self, img):  # frames see circles, the image a square
+        return (DETS[:1] if img.shape[:2] == (48, 64) else DETS[2:]).clone()
+
+    monkeypatch.setattr(predict.Predictor, "__call__", call)
+    out = tmp_path / "out"
+    assert _main(checkpoint, out, "--source", str(src), "--save-txt") == 0
+    labels = {p.name: p.read_text().split()[0] for p in (out / "labels").iterdir()}
+    assert labels == {"clip_1.txt": "1", "clip_1_2.txt": "0", "clip_2.txt": "0"}
 
 
 def test_flag_values_are_checked(checkpoint, tmp_path, capsys):

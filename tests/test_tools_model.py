@@ -246,6 +246,11 @@ def test_export_onnx_errors(tmp_path, capsys):
     out = str(tmp_path / "x.onnx")
     assert export_onnx.main(["--cfg", str(TINY), "--opset", "10", "-o", out]) == 2
     assert "opset 11" in one_error_line(capsys)
+    # Above what torch's exporter writes: one line, not its RuntimeError mid-export.
+    too_new = "99"
+    assert export_onnx.main(["--cfg", str(TINY), "--opset", too_new, "-o", out]) == 2
+    assert f"--opset {too_new}: torch" in one_error_line(capsys)
+    assert not (tmp_path / "x.onnx").exists()
     assert export_onnx.main(["--cfg", str(TINY), "--img-size", "100", "-o", out]) == 2
     assert "--img-size 100 is not a positive multiple of 32" in one_error_line(capsys)
     assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "65536", "-o", out]) == 2

@@ -8,6 +8,7 @@ import csv
 import importlib.util
 import json
 import logging
+import os
 import struct
 import subprocess
 import sys
@@ -36,6 +37,7 @@ from train_utils.reporting import (
     make_reporter,
 )
 from train_utils.trackers import (
+    FINISHED,
     KILLED,
     RECORD_NAME,
     GuardedTracker,
@@ -258,6 +260,100 @@ def test_a_tracker_that_cannot_start_stops_before_training(tmp_path, monkeypatch
     with pytest.raises(OutputError, match="--tracker mlflow could not start .*--tracker none"):
         EpochReporter(tmp_path / "run", 0, trackers=["mlflow"], experiment="x")
     assert not (tmp_path / "run" / RECORD_NAME).exists()
+
+
+def test_a_tracker_error_of_several_lines_is_one_line(tmp_path, monkeypatch):
+    pytest.importorskip("mlflow")
+    from train_utils.trackers import mlflow_tracker
+
+    def fail(self, params, resume_id):
+        raise RuntimeError("(sqlite3.OperationalError) duplicate column name: step\n(Background)")
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.setattr(mlflow_tracker.MlflowTracker, "start", fail)
+    (tmp_path / "run").mkdir()
+    with pytest.raises(OutputError) as raised:
+        EpochReporter(tmp_path / "run", 0, trackers=["mlflow"], experiment="x")
+    message = str(raised.value)
+    assert "\n" not in message
+    assert (
+        "(RuntimeError: (sqlite3.OperationalError) duplicate column name: step (Background))"
+        in message
+    )
+
+
+def test_resuming_a_run_missing_from_the_mlflow_store_says_so(tmp_path, monkeypatch, caplog):
+    """The store was deleted (or MLFLOW_TRACKING_URI changed) since the run recorded its MLflow
+    run: the resumed run starts a new MLflow run, with a warning naming the old one."""
+    pytest.importorskip("mlflow")
+    from train_utils.trackers.mlflow_tracker import MlflowTracker
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    (tmp_path / "exp").mkdir()
+    tracker = MlflowTracker(tmp_path / "exp", "shapes")
+    with caplog.at_level(logging.WARNING):
+        new_id = tracker.start({"epochs": 2}, "0123456789abcdef0123456789abcdef")
+    tracker.finish(FINISHED)
+    assert new_id and new_id != "0123456789abcdef0123456789abcdef"
+    (line,) = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert "run 0123456789abcdef0123456789abcdef" in line and "new MLflow run" in line
+    assert str(tmp_path / "mlflow.db") in line
+
+
+def _start_mlflow_run(out: Path, barrier, failures, uri: str | None = None) -> None:
+    """A forked child: start an MLflow run for ``out`` at the same moment as its siblings."""
+    from train_utils.trackers.mlflow_tracker import MlflowTracker
+
+    if uri is not None:
+        os.environ["MLFLOW_TRACKING_URI"] = uri
+    out.mkdir(parents=True)
+    barrier.wait()
+    try:
+        tracker = MlflowTracker(out, "shapes")
+        tracker.start({"name": out.name}, None)
+        tracker.finish(FINISHED)
+    except Exception as e:
+        failures.put(f"{type(e).__name__}: {e}")
+        raise
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("named", [False, True], ids=["own-store", "MLFLOW_TRACKING_URI-sqlite"])
+def test_runs_started_together_share_a_new_mlflow_store(tmp_path, monkeypatch, named):
+    """Runs of one project started at once (a sweep) on a project with no mlflow.db yet: each
+    gets its run in the one store and the one experiment; without the store lock both created
+    MLflow's tables and one stopped with a two-line SQLAlchemy error."""
+    pytest.importorskip("mlflow")
+    import multiprocessing
+
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    ctx = multiprocessing.get_context("fork")  # mlflow is imported once, here
+    n = 3
+    barrier, failures = ctx.Barrier(n), ctx.Queue()
+    runs = [tmp_path / "runs" / f"exp{i}" for i in range(n)]
+    store = tmp_path / "runs" / "mlflow.db"
+    uri = f"sqlite:///{store}" if named else None
+    procs = [ctx.Process(target=_start_mlflow_run, args=(r, barrier, failures, uri)) for r in runs]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(120)
+    errors = [failures.get() for _ in range(failures.qsize())]
+    assert [p.exitcode for p in procs] == [0] * n, errors
+    client = MlflowClient(tracking_uri=f"sqlite:///{store}")
+    (experiment,) = [e for e in client.search_experiments() if e.name == "shapes"]
+    found = client.search_runs([experiment.experiment_id])
+    assert sorted(r.info.run_name for r in found) == ["exp0", "exp1", "exp2"]
+    assert {r.info.status for r in found} == {FINISHED}
+    assert sorted(p.name for p in (tmp_path / "runs").iterdir()) == [
+        "exp0",
+        "exp1",
+        "exp2",
+        "mlflow.db",
+    ]  # the lock leaves no file behind
 
 
 # ---------------------------------------------------------------- MLflow and W&B, for real

@@ -105,6 +105,11 @@ def test_task_speed(shapes_data, weights5, tmp_path, caplog):
     line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("speed:"))
     assert "ms pre-process" in line and "ms inference" in line and "ms NMS per image" in line
     assert not (tmp_path / "v").exists()  # speed only times
+    assert "augmentation" not in line
+    caplog.clear()
+    assert validation.main([*argv, "--augment"]) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("speed:"))
+    assert line.endswith(", test-time augmentation")  # the setting beside the number
 
 
 @pytest.fixture(scope="module")

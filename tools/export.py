@@ -42,9 +42,11 @@ from models.export import (
     DEFAULT_OPSET,
     FORMATS,
     INSTALL_ONNX,
+    MAX_OPSET,
     MIN_OPSET,
     NMS_CONF,
     OUTPUT_FLAG,
+    check_opset,
     export_metadata,
     verify,
 )
@@ -100,7 +102,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     parser.add_argument("--exist-ok", action="store_true", help="replace exports of the same name")
     parser.add_argument(
-        "--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, >= {MIN_OPSET}"
+        "--opset", type=int, default=DEFAULT_OPSET, help=f"ONNX opset, {MIN_OPSET} to {MAX_OPSET}"
     )
     switch(parser, "--verify", True, "run each export in its runtime and compare with PyTorch")
     return parser
@@ -180,8 +182,8 @@ def main(argv: list[str] | None = None) -> int:
 
     def body() -> int:
         formats = included(args.include)
-        if args.opset < MIN_OPSET:
-            raise ConfigError(f"--opset {args.opset}: upsampling needs opset {MIN_OPSET} or later")
+        # Before anything is written: a bad opset would fail after earlier formats were.
+        check_opset(args.opset)
         for name in formats:
             missing = FORMATS[name].missing(args.verify)
             if missing:

@@ -33,6 +33,7 @@ from models.export import (
     DEFAULT_OPSET,
     FORMATS,
     FP32_TOLERANCE,
+    MAX_OPSET,
     MIN_OPSET,
     DetectionsOnly,
     export_onnx,
@@ -101,7 +102,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         type=Path,
         help="output file (default: the weights' name with .onnx, else <cfg stem>.onnx)",
     )
-    parser.add_argument("--opset", type=int, default=DEFAULT_OPSET, help=f">= {MIN_OPSET}")
+    parser.add_argument(
+        "--opset", type=int, default=DEFAULT_OPSET, help=f"{MIN_OPSET} to {MAX_OPSET}"
+    )
     parser.add_argument(
         "--verify", action="store_true", help="compare with PyTorch using onnxruntime"
     )

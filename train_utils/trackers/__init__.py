@@ -203,9 +203,11 @@ def open_trackers(
                 tracker = getattr(importlib.import_module(module), cls)(out, experiment)
                 run_id = tracker.start(params, record.get(name))
             except Exception as e:  # any store's failure: one line before training starts
+                # One line: SQLAlchemy's messages carry the statement and a link on more lines.
+                reason = " ".join(str(e).split())
                 raise OutputError(
-                    f"--tracker {name} could not start ({type(e).__name__}: {e}); fix it, or "
-                    f"train without it with --tracker none"
+                    f"--tracker {name} could not start ({type(e).__name__}: {reason}); fix it, "
+                    f"or train without it with --tracker none"
                 ) from e
             started.append(GuardedTracker(tracker))
             if run_id is not None:

@@ -15,9 +15,11 @@ and the weights under ``weights/``. Imported only when the tracker is asked for.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +31,7 @@ from train_utils.trackers import Tracker
 
 STORE_NAME = "mlflow.db"  # beside the run folder, shared by its sibling runs
 ARTIFACTS_NAME = "mlartifacts"
+logger = logging.getLogger(__name__)
 PICTURE_SUFFIXES = (".png", ".jpg")
 
 
@@ -48,6 +51,27 @@ def flat_params(params: Mapping[str, Any], prefix: str = "") -> Iterator[tuple[s
             yield name, str(value)[:MAX_PARAM_VAL_LENGTH]
 
 
+@contextmanager
+def store_lock(folder: Path) -> Iterator[None]:
+    """Hold an exclusive ``flock`` on ``folder`` (the one holding our own ``mlflow.db``) while
+    the store is created and the experiment looked up or made: two runs of one project started
+    together would otherwise both create MLflow's tables (one fails: "duplicate column name") or
+    both create the experiment. A lock on the folder itself leaves no file behind; where there
+    is no ``fcntl`` (Windows) runs are not serialised."""
+    try:
+        import fcntl
+    except ImportError:
+        fcntl = None
+    fd = os.open(folder, os.O_RDONLY) if fcntl is not None else None
+    try:
+        if fd is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        if fd is not None:
+            os.close(fd)  # releases the lock
+
+
 class MlflowTracker(Tracker):
     name = "mlflow"
 
@@ -55,11 +79,28 @@ class MlflowTracker(Tracker):
         self.out = out
         self.own_store = not os.environ.get("MLFLOW_TRACKING_URI")
         uri = default_tracking_uri(out) if self.own_store else os.environ["MLFLOW_TRACKING_URI"]
-        self.client = MlflowClient(tracking_uri=uri)
+        with self._lock():
+            self.client = MlflowClient(tracking_uri=uri)  # creates the tables of a new store
         self.experiment = os.environ.get("MLFLOW_EXPERIMENT_NAME") or experiment
         self.run_id = ""
 
+    def _lock(self) -> Any:
+        """:func:`store_lock` on the folder of a sqlite store (ours, or one the user named by
+        ``sqlite:///path``); a server or another database serialises itself."""
+        if self.own_store:
+            return store_lock(self.out.resolve().parent)
+        uri = os.environ.get("MLFLOW_TRACKING_URI", "")
+        if uri.startswith("sqlite:///"):
+            folder = Path(uri[len("sqlite:///") :]).parent
+            if folder.is_dir():  # else MLflow reports the missing folder itself
+                return store_lock(folder)
+        return nullcontext()
+
     def _experiment_id(self) -> str:
+        with self._lock():
+            return self._find_or_create_experiment()
+
+    def _find_or_create_experiment(self) -> str:
         found = self.client.get_experiment_by_name(self.experiment)
         if found is not None:
             return found.experiment_id
@@ -85,6 +126,14 @@ class MlflowTracker(Tracker):
         try:
             self.client.get_run(run_id)
         except Exception:  # MlflowException: another store, or the run was deleted
+            # Said, not silent: the user looks for one run and would find two halves.
+            logger.warning(
+                "--tracker mlflow: the run %s this run folder recorded is not in the store %s "
+                "(deleted, or another MLFLOW_TRACKING_URI); recording into a new MLflow run, "
+                "which holds the epochs from here on",
+                run_id,
+                self.client.tracking_uri,
+            )
             return False
         self.run_id = run_id
         self.client.update_run(run_id, status="RUNNING")
