@@ -91,6 +91,17 @@ def test_project_and_name_choose_the_run_folder(shapes_data, tmp_path):
     assert folder("--output-dir", str(tmp_path / "o")) == (tmp_path / "o", False)
     out, auto = folder()
     assert out.parent == Path("runs") and auto
+    assert folder("--project", str(proj), "--name", "a/b") == (proj / "a" / "b", False)
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/../../x", ".", "/abs/run"])
+@pytest.mark.parametrize("project", [[], ["--project", "p"]])
+def test_a_name_that_leaves_the_project_is_refused(shapes_data, name, project):
+    """``--name ..`` wrote the run's files into the project's parent (the working folder, with
+    the user's own files in it); an absolute name anywhere."""
+    args = get_args_parser().parse_args([*_base(shapes_data), *project, "--name", name])
+    with pytest.raises(ConfigError, match=r"--name .* would leave --project"):
+        build_config(args)
 
 
 def test_adamw_decays_conv_weights_decoupled_and_nothing_else():
@@ -306,3 +317,9 @@ def test_validation_and_predict_take_project_and_name(
             "name: give one or the other"
         ]
     assert not (tmp_path / "v").exists() and not (tmp_path / "p").exists()
+
+    inner = tmp_path / "runs" / "inner"
+    for main, argv in [(validation.main, val), (predict.main, pred)]:
+        assert main([*argv, "--project", str(inner), "--name", "../up"]) == 2
+        assert "would leave --project" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "up").exists()

@@ -47,6 +47,7 @@ from train_utils.cli import (
     check_fractions,
     check_img_size,
     parse_args,
+    run_name_folder,
     switch,
     take_from_run,
 )
@@ -622,9 +623,9 @@ def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
             )
         return Path(args.output_dir), False
     if project:
-        return Path(project) / (args.name or DEFAULT_RUN_NAME), False
+        return run_name_folder(Path(project), args.name), False
     if args.name:
-        return RUNS_DIR / args.name, False
+        return run_name_folder(RUNS_DIR, args.name), False
     return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
 
 
