@@ -181,9 +181,12 @@ def get_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--save-json",
+        nargs="?",
+        const=True,  # bare --save-json (YOLOv5's habit): into the report folder
         default=None,
         metavar="DIR",
-        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; default: none)",
+        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; DIR left out: "
+        "the report folder, --save-dir or --project/--name; default: none)",
     )
     g.add_argument(
         "--coco-gt",
@@ -412,7 +415,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 n = write_dataset_txt(labels, coco_gt, detections, args.save_conf, flag)
                 logger.info("wrote %d label files in %s", n, save_dir / "labels")
             if args.save_json:
-                out = make_output_dir(args.save_json, "--save-json")
+                out = make_output_dir(
+                    save_dir if args.save_json is True else args.save_json, "--save-json"
+                )
                 gt = coco_dict_from_dataset(dataset, data.nc, gt_ids)
                 id_source = "dataset index and class"
                 if coco_ids is not None:
