@@ -1205,6 +1205,13 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
         return [str(i) for i in range(nc)]
     line = lines["names"]
     if isinstance(raw, dict):
+        # A yaml written from JSON quotes its keys ("0": person); ultralytics reads them as ids.
+        numbered = {
+            int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v for k, v in raw.items()
+        }
+        if len(numbered) < len(raw):
+            raise ConfigError("names: a class id is given twice (0 and '0')", path, line)
+        raw = numbered
         ids = list(raw)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int))
