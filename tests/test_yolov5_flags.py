@@ -254,6 +254,14 @@ def test_checkpoint_of_an_older_version_resumes_exactly(make_shapes_data, tmp_pa
     assert full == tmp_path / "runs" / "train" / "exp"
     config = build_config(parse_train_args(["--project", str(full.parent), "--resume"]))
     assert config.output_dir == full  # bare --resume: the newest last.pt under --project
+    # --resume with --project/--name: that run's own arguments (not the default data file),
+    # that run even when another one under --project is newer.
+    (full.parent / "newer").mkdir()
+    (full.parent / "newer" / "last.pt").write_bytes((full / "epoch0.pt").read_bytes())
+    by_name = ["--project", str(full.parent), "--name", "exp", "--resume"]
+    config = build_config(parse_train_args(by_name))
+    assert config.output_dir == full and config.resume == str(full / "last.pt")
+    assert config.data.path == data and config.img_size == IMG and config.batch_size == 8
     old = tmp_path / "old"
     ckpt = load_checkpoint(full / "epoch0.pt")
     for key in NEW_FIELDS:
