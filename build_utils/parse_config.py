@@ -968,7 +968,13 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         key, value = key.strip(), value.strip()
         if not sep or not key:
             hint = ""
-            if ":" in line and not line.startswith(("/", "~")):
+            if path.suffix.lower() == ".json":
+                # A COCO user's first try: their instances JSON as --data.
+                hint = (
+                    " (a COCO JSON? convert it with tools/coco2yolo.py --json FILE --images DIR "
+                    "--out OUT, then pass OUT/data.yaml)"
+                )
+            elif ":" in line and not line.startswith(("/", "~")):
                 # `train: images/train` is the data.yaml schema, read by its extension.
                 hint = f" (a data.yaml? name it {path.stem}.yaml)"
             raise ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)

@@ -142,6 +142,16 @@ def test_a_data_yaml_named_dot_data_gets_a_hint(tmp_path):
         parse_data_cfg(path)
 
 
+def test_a_coco_json_or_a_folder_as_data_says_what_it_is(tmp_path):
+    """A COCO user's first tries: the instances JSON (told to rename it .yaml before) and the
+    dataset folder (called 'not found')."""
+    coco = _write(tmp_path / "instances_val.json", '{"images": [], "annotations": []}\n')
+    with pytest.raises(ConfigError, match=r"instances_val\.json:1: .*a COCO JSON\? .*coco2yolo"):
+        load_data_config(coco)
+    with pytest.raises(ConfigError, match=r": is a folder, not a dataset file; pass an"):
+        load_data_config(tmp_path)
+
+
 @pytest.mark.slow
 def test_training_from_a_data_yaml_resumes_and_names_classes(
     tmp_path, make_shapes_data, monkeypatch

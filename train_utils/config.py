@@ -197,9 +197,10 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
     and check that its train and val sources exist."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            "dataset file not found; pass an existing .data or data.yaml file to --data", path
-        )
+        what = "is a folder, not a dataset file" if path.is_dir() else "dataset file not found"
+        if path.exists() and not path.is_dir():
+            what = "is not a regular file"  # a FIFO or device would block or never end
+        raise ConfigError(f"{what}; pass an existing .data or data.yaml file to --data", path)
     d = parse_data_cfg(path)
     yaml_file = d.get("_format") == "yaml"
     for key in ("train", "valid"):
