@@ -174,6 +174,23 @@ def test_bare_save_json_writes_into_the_report_folder(shapes_data, weights5, tmp
     assert not (project / "exp2" / "predictions.json").exists()
 
 
+def test_default_report_folder_is_numbered(shapes_data, weights5, tmp_path, monkeypatch):
+    """No --save-dir and no --project/--name: runs/val/exp, then exp2 (YOLOv5's); a second
+    run wrote over the first's report and mixed its --save-txt labels into the same folder."""
+    monkeypatch.chdir(tmp_path)
+    argv = _argv(shapes_data, weights5, "--no-plots", "--save-txt")
+    for _ in range(2):
+        assert validation.main(argv) == 0
+    runs = tmp_path / "runs" / "val"
+    assert sorted(p.name for p in runs.iterdir()) == ["exp", "exp2"]
+    for run in ("exp", "exp2"):
+        assert (runs / run / "per_class.csv").is_file() and (runs / run / "labels").is_dir()
+    # --save-dir is the folder as given, reused.
+    for _ in range(2):
+        assert validation.main([*argv, "--save-dir", "mine"]) == 0
+    assert (tmp_path / "mine" / "per_class.csv").is_file() and not (tmp_path / "mine2").exists()
+
+
 def test_coco_ids_refused_on_other_data(shapes_data, weights5, tmp_path, capsys):
     argv = _argv(shapes_data, weights5, "--save-json", str(tmp_path / "js"), "--coco-ids")
     assert validation.main(argv) == 2
