@@ -61,6 +61,7 @@ from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
     DEFAULT_IMG_SIZE,
+    DEFAULT_RUN_NAME,
     HelpFormatter,
     add_augment_flag,
     add_data_flags,
@@ -155,13 +156,16 @@ def get_parser() -> argparse.ArgumentParser:
     g.add_argument(
         "--save-dir",
         default=DEFAULT_SAVE_DIR,
-        help="folder for per_class.csv, errors.json, the pictures and --save-txt labels",
+        help="folder for per_class.csv, errors.json, the pictures and --save-txt labels, "
+        f"used as given (default: {DEFAULT_SAVE_DIR}/{DEFAULT_RUN_NAME}, numbered "
+        f"{DEFAULT_RUN_NAME}2, {DEFAULT_RUN_NAME}3, ... when it holds files)",
     )
     add_project_flags(g, DEFAULT_SAVE_DIR, "--save-dir")
     g.add_argument(
         "--exist-ok",
         action="store_true",
-        help="with --project/--name: write into DIR/NAME even when it holds files (same names "
+        help="with --project/--name (or no --save-dir): write into DIR/NAME even when it holds "
+        "files (same names "
         "are replaced)",
     )
     switch(g, "--plots", True, "draw the confusion matrix, P/R/F1/PR curves and validation images")
@@ -181,9 +185,12 @@ def get_parser() -> argparse.ArgumentParser:
     )
     g.add_argument(
         "--save-json",
+        nargs="?",
+        const=True,  # bare --save-json (YOLOv5's habit): into the report folder
         default=None,
         metavar="DIR",
-        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; default: none)",
+        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; DIR left out: "
+        "the report folder, --save-dir or --project/--name; default: none)",
     )
     g.add_argument(
         "--coco-gt",
@@ -342,6 +349,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         requested = project_folder(args, "--save-dir", DEFAULT_SAVE_DIR)
+        if requested is None and "save_dir" not in getattr(args, "given", ()):
+            # No folder named at all: YOLOv5's runs/val/exp, exp2, ..., so that a second
+            # validation neither writes over the first's report nor mixes its labels/ in.
+            requested = Path(DEFAULT_SAVE_DIR) / DEFAULT_RUN_NAME
         weights = read_weights(args.weights, trust=args.trust_checkpoint)
         resolve_settings(args, weights)
         dist = init_distributed_mode(args)
@@ -417,7 +428,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 n = write_dataset_txt(labels, coco_gt, detections, args.save_conf, flag)
                 logger.info("wrote %d label files in %s", n, save_dir / "labels")
             if args.save_json:
-                out = make_output_dir(args.save_json, "--save-json")
+                out = make_output_dir(
+                    save_dir if args.save_json is True else args.save_json, "--save-json"
+                )
                 gt = coco_dict_from_dataset(dataset, data.nc, gt_ids)
                 id_source = "dataset index and class"
                 if coco_ids is not None:

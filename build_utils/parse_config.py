@@ -968,7 +968,13 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         key, value = key.strip(), value.strip()
         if not sep or not key:
             hint = ""
-            if ":" in line and not line.startswith(("/", "~")):
+            if path.suffix.lower() == ".json":
+                # A COCO user's first try: their instances JSON as --data.
+                hint = (
+                    " (a COCO JSON? convert it with tools/coco2yolo.py --json FILE --images DIR "
+                    "--out OUT, then pass OUT/data.yaml)"
+                )
+            elif ":" in line and not line.startswith(("/", "~")):
                 # `train: images/train` is the data.yaml schema, read by its extension.
                 hint = f" (a data.yaml? name it {path.stem}.yaml)"
             raise ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)
@@ -1205,6 +1211,13 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
         return [str(i) for i in range(nc)]
     line = lines["names"]
     if isinstance(raw, dict):
+        # A yaml written from JSON quotes its keys ("0": person); ultralytics reads them as ids.
+        numbered = {
+            int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v for k, v in raw.items()
+        }
+        if len(numbered) < len(raw):
+            raise ConfigError("names: a class id is given twice (0 and '0')", path, line)
+        raw = numbered
         ids = list(raw)
         if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
             bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int))

@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import re
+import shutil
 import sys
 from pathlib import Path
 
@@ -166,6 +167,25 @@ def test_a_non_empty_out_of_other_content_is_refused(tmp_path, make_shapes_data)
         *argv, "--out", str(data.parent / "val" / "images" / "o"), "--split", "val"
     )
     assert code == 2 and "--out lies inside --images" in err
+
+
+def test_converting_in_place_is_refused_and_keeps_the_images(tmp_path, make_shapes_data):
+    """ultralytics' layout (OUT/images/val with the JSON beside): converting into OUT itself
+    would make the input the split's output, and a second --exist-ok run deleted it."""
+    data = make_shapes_data(n_train=2, n_val=2, img_size_range=(64, 64), n_classes=3)
+    out = tmp_path / "coco"
+    shutil.copytree(data.parent / "val" / "images", out / "images" / "val")
+    src = _write_json(tmp_path / "instances_val.json", _coco_from_shapes(data.parent, "val", 1))
+    before = sorted(p.name for p in (out / "images" / "val").iterdir())
+    argv = ["--json", str(src), "--images", str(out / "images" / "val"), "--out", str(out)]
+    for _ in range(2):
+        code, err = _convert(*argv, "--exist-ok")
+        assert code == 2 and "where this split is written" in err, err
+        assert sorted(p.name for p in (out / "images" / "val").iterdir()) == before
+    # Into another split of the same folder it is no conversion onto itself: allowed.
+    code, err = _convert(*argv, "--split", "val_yolo", "--exist-ok")
+    assert code == 0, err
+    assert sorted(p.name for p in (out / "images" / "val").iterdir()) == before
 
 
 @pytest.mark.slow

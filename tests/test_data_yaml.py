@@ -54,6 +54,11 @@ def test_data_yaml_schema(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.INFO):
         d = parse_data_cfg(Path("d/data.yaml"))
     assert d["classes"] == 3 and d["class_names"] == ["cat", "dog", "7"]
+    # Keys quoted by a yaml written from JSON are class ids too (as ultralytics reads them).
+    quoted = _write(
+        tmp_path / "q" / "data.yaml", "train: a\nval: a\nnames: {'1': dog, \"0\": cat}\n"
+    )
+    assert parse_data_cfg(quoted)["class_names"] == ["cat", "dog"]
     assert [Path(p) for p in d["train"]] == [Path("d/images/train"), Path("d/images/extra")]
     assert Path(d["valid"]) == Path("d/images/val") and "test" not in d
     messages = [r.getMessage() for r in caplog.records]
@@ -104,6 +109,8 @@ def test_a_list_of_sources_is_trained_on_whole(tmp_path, make_shapes_data):
         ("train: a\nval: a\n", r"data\.yaml: missing 'names'"),
         ("train: a\nval: a\nnames: {0: x, 2: y}\n", r":3: names: class ids must be 0\.\.1 .*1 is"),
         ("train: a\nval: a\nnames: {a: x}\n", r":3: names: class id 'a' is not an integer"),
+        ("train: a\nval: a\nnames: {0: x, '0': y}\n", r":3: names: a class id is given twice"),
+        ("train: a\nval: a\nnames: {'1': x, '2': y}\n", r":3: names: class ids must be 0\.\.1"),
         ("train: a\nval: a\nnames: [x, y]\nnc: 3\n", r":4: nc=3 but names lists 2 classes"),
         ("train: a\nval: a\nnc: 0\n", r":3: nc=0 must be a positive integer"),
         ("train: a\nval: a\nnames: x\n", r":3: names must be a list of class names or a"),
@@ -133,6 +140,16 @@ def test_a_data_yaml_named_dot_data_gets_a_hint(tmp_path):
     path = _write(tmp_path / "mine.data", "train: images/train\n")
     with pytest.raises(ConfigError, match=r"mine\.data:1: .*a data\.yaml\? name it mine\.yaml"):
         parse_data_cfg(path)
+
+
+def test_a_coco_json_or_a_folder_as_data_says_what_it_is(tmp_path):
+    """A COCO user's first tries: the instances JSON (told to rename it .yaml before) and the
+    dataset folder (called 'not found')."""
+    coco = _write(tmp_path / "instances_val.json", '{"images": [], "annotations": []}\n')
+    with pytest.raises(ConfigError, match=r"instances_val\.json:1: .*a COCO JSON\? .*coco2yolo"):
+        load_data_config(coco)
+    with pytest.raises(ConfigError, match=r": is a folder, not a dataset file; pass an"):
+        load_data_config(tmp_path)
 
 
 @pytest.mark.slow

@@ -166,6 +166,36 @@ def test_no_coco_ids_keeps_dataset_ids(coco_like, tmp_path):
     assert {p["image_id"] for p in preds} <= set(range(10))
 
 
+def test_bare_save_json_writes_into_the_report_folder(shapes_data, weights5, tmp_path):
+    """YOLOv5's bare ``--save-json`` (and before ``--json-out``): the COCO JSONs go into the
+    numbered report folder, the same predictions as ``--save-json DIR``."""
+    project = tmp_path / "runs" / "val"
+    base = _argv(shapes_data, weights5, "--no-plots", "--project", str(project))
+    assert validation.main([*base, "--save-json", "--json-out", str(tmp_path / "s.json")]) == 0
+    assert validation.main([*base, "--save-json", str(tmp_path / "js")]) == 0
+    bare = json.loads((project / "exp" / "predictions.json").read_text())
+    assert bare and bare == json.loads((tmp_path / "js" / "predictions.json").read_text())
+    assert (project / "exp" / "ground_truth.json").is_file()
+    assert not (project / "exp2" / "predictions.json").exists()
+
+
+def test_default_report_folder_is_numbered(shapes_data, weights5, tmp_path, monkeypatch):
+    """No --save-dir and no --project/--name: runs/val/exp, then exp2 (YOLOv5's); a second
+    run wrote over the first's report and mixed its --save-txt labels into the same folder."""
+    monkeypatch.chdir(tmp_path)
+    argv = _argv(shapes_data, weights5, "--no-plots", "--save-txt")
+    for _ in range(2):
+        assert validation.main(argv) == 0
+    runs = tmp_path / "runs" / "val"
+    assert sorted(p.name for p in runs.iterdir()) == ["exp", "exp2"]
+    for run in ("exp", "exp2"):
+        assert (runs / run / "per_class.csv").is_file() and (runs / run / "labels").is_dir()
+    # --save-dir is the folder as given, reused.
+    for _ in range(2):
+        assert validation.main([*argv, "--save-dir", "mine"]) == 0
+    assert (tmp_path / "mine" / "per_class.csv").is_file() and not (tmp_path / "mine2").exists()
+
+
 def test_coco_ids_refused_on_other_data(shapes_data, weights5, tmp_path, capsys):
     argv = _argv(shapes_data, weights5, "--save-json", str(tmp_path / "js"), "--coco-ids")
     assert validation.main(argv) == 2

@@ -91,6 +91,17 @@ def test_project_and_name_choose_the_run_folder(shapes_data, tmp_path):
     assert folder("--output-dir", str(tmp_path / "o")) == (tmp_path / "o", False)
     out, auto = folder()
     assert out.parent == Path("runs") and auto
+    assert folder("--project", str(proj), "--name", "a/b") == (proj / "a" / "b", False)
+
+
+@pytest.mark.parametrize("name", ["..", "../x", "a/../../x", ".", "/abs/run"])
+@pytest.mark.parametrize("project", [[], ["--project", "p"]])
+def test_a_name_that_leaves_the_project_is_refused(shapes_data, name, project):
+    """``--name ..`` wrote the run's files into the project's parent (the working folder, with
+    the user's own files in it); an absolute name anywhere."""
+    args = get_args_parser().parse_args([*_base(shapes_data), *project, "--name", name])
+    with pytest.raises(ConfigError, match=r"--name .* would leave --project"):
+        build_config(args)
 
 
 def test_adamw_decays_conv_weights_decoupled_and_nothing_else():
@@ -243,6 +254,14 @@ def test_checkpoint_of_an_older_version_resumes_exactly(make_shapes_data, tmp_pa
     assert full == tmp_path / "runs" / "train" / "exp"
     config = build_config(parse_train_args(["--project", str(full.parent), "--resume"]))
     assert config.output_dir == full  # bare --resume: the newest last.pt under --project
+    # --resume with --project/--name: that run's own arguments (not the default data file),
+    # that run even when another one under --project is newer.
+    (full.parent / "newer").mkdir()
+    (full.parent / "newer" / "last.pt").write_bytes((full / "epoch0.pt").read_bytes())
+    by_name = ["--project", str(full.parent), "--name", "exp", "--resume"]
+    config = build_config(parse_train_args(by_name))
+    assert config.output_dir == full and config.resume == str(full / "last.pt")
+    assert config.data.path == data and config.img_size == IMG and config.batch_size == 8
     old = tmp_path / "old"
     ckpt = load_checkpoint(full / "epoch0.pt")
     for key in NEW_FIELDS:
@@ -335,3 +354,8 @@ def test_a_yolov5_command_trains_and_a_second_run_gets_exp2(shapes_data, tmp_pat
     assert sorted(p.name for p in exp.parent.iterdir()) == ["exp", "exp2"]
     assert {n: (exp / n).read_bytes() for n in first} == first  # exp untouched
     assert len(read_results(exp.parent / "exp2" / "results.csv")) == 1
+    inner = tmp_path / "runs" / "inner"
+    for main, argv in [(validation.main, val), (predict.main, pred)]:
+        assert main([*argv, "--project", str(inner), "--name", "../up"]) == 2
+        assert "would leave --project" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "up").exists()

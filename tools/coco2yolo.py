@@ -464,6 +464,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise ConfigError(
                 "--out lies inside --images; the input is only read: choose another folder", out
             )
+        # ultralytics' layout invites converting in place (--images OUT/images/val2017,
+        # --out OUT): the split's images would be linked onto themselves, and the next
+        # --exist-ok run deletes the split's previous images, which would be the input itself.
+        split_dir = out / "images" / split
+        if _inside(args.images.resolve(), split_dir.resolve()):
+            raise ConfigError(
+                f"--images is (or lies inside) {split_dir}, where this split is written; "
+                "replacing the split would delete the input: choose another --out",
+                args.images,
+            )
         coco = read_coco(args.json)
         make_output_dir(out, "--out")
         id_map = prepare_out(out, split, coco, args.exist_ok)

@@ -163,7 +163,25 @@ def project_folder(args: argparse.Namespace, folder_flag: str, project_default: 
             f"{folder_flag} is the output folder itself, --project/--name its parent and name: "
             f"give one or the other"
         )
-    return Path(args.project or project_default) / (args.name or DEFAULT_RUN_NAME)
+    return run_name_folder(Path(args.project or project_default), args.name)
+
+
+def run_name_folder(parent: Path, name: str | None) -> Path:
+    """``parent/name`` for ``--project``/``--name`` (``exp`` when ``name`` is empty). A name may
+    hold sub-folders (``a/b``) but not leave ``parent``: an absolute name or one with ``..``
+    would write the run beside the user's own files, outside the folder they chose.
+
+    Raises:
+        ConfigError: ``name`` is absolute, ``.``, or climbs out with ``..``.
+    """
+    name = name or DEFAULT_RUN_NAME
+    path = Path(name)
+    if path.is_absolute() or ".." in path.parts or not path.parts:
+        raise ConfigError(
+            f"--name {name!r} would leave --project ({parent}): give a folder name inside it, "
+            "or the folder itself with --output-dir/--save-dir/--output"
+        )
+    return parent / path
 
 
 def first_free_folder(requested: Path, exist_ok: bool) -> Path:

@@ -47,6 +47,7 @@ from train_utils.cli import (
     check_fractions,
     check_img_size,
     parse_args,
+    run_name_folder,
     switch,
     take_from_run,
 )
@@ -196,9 +197,10 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
     and check that its train and val sources exist."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(
-            "dataset file not found; pass an existing .data or data.yaml file to --data", path
-        )
+        what = "is a folder, not a dataset file" if path.is_dir() else "dataset file not found"
+        if path.exists() and not path.is_dir():
+            what = "is not a regular file"  # a FIFO or device would block or never end
+        raise ConfigError(f"{what}; pass an existing .data or data.yaml file to --data", path)
     d = parse_data_cfg(path)
     yaml_file = d.get("_format") == "yaml"
     for key in ("train", "valid"):
@@ -253,9 +255,9 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--hyp", default=DEFAULT_HYP, help="hyperparameter YAML file")
     add_weights_flags(g, required=False, help="initial weights: .pt or Darknet .weights")
     resume_help = (
-        "continue a run: PATH (a last.pt) alone continues that run in its folder with its own "
-        "arguments (flags given override them); without PATH, runs/<--name>/last.pt, or the "
-        "most recent runs/*/last.pt when no --name/--output-dir is given"
+        "continue a run in its folder with its own arguments (flags given override them): "
+        "PATH (a last.pt), else <--project or runs>/<--name>/last.pt or <--output-dir>/last.pt, "
+        "else the most recent runs/*/last.pt (under --project when given)"
     )
     g.add_argument(
         "--resume", nargs="?", const="auto", default=None, metavar="PATH", help=resume_help
@@ -622,9 +624,9 @@ def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
             )
         return Path(args.output_dir), False
     if project:
-        return Path(project) / (args.name or DEFAULT_RUN_NAME), False
+        return run_name_folder(Path(project), args.name), False
     if args.name:
-        return RUNS_DIR / args.name, False
+        return run_name_folder(RUNS_DIR, args.name), False
     return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
 
 
@@ -655,20 +657,27 @@ def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
 def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
     """``--resume PATH`` (or bare ``--resume`` with no run named): take the run's own arguments
     for every flag not typed, and return the run's folder, where it continues. None when this
-    is not such a resume (no ``--resume``, or ``--resume`` with ``--name``/``--output-dir``)."""
+    is not such a resume (no ``--resume``, or ``--resume`` with ``--name``/``--output-dir`` whose
+    folder holds no ``last.pt``: the trainer reports it)."""
     if args.resume is None:
         return None
     if args.resume == "auto":
         if args.name or args.output_dir:
-            return None  # <project or runs>/<name>/last.pt, found by the trainer
-        runs = Path(args.project) if getattr(args, "project", "") else RUNS_DIR
-        latest = latest_run_checkpoint(runs)
-        if latest is None:
-            raise ConfigError(
-                f"--resume: no {runs}/*/last.pt to continue; give the path of a last.pt "
-                f"or the run's --name"
-            )
-        args.resume = str(latest)
+            # <project or runs>/<name>/last.pt: that run, with its own arguments as for a PATH
+            # (the defaults would name another dataset). None there: the trainer says so.
+            last = run_folder_of(args)[0] / "last.pt"
+            if not last.is_file():
+                return None
+            args.resume = str(last)
+        else:
+            runs = Path(args.project) if getattr(args, "project", "") else RUNS_DIR
+            latest = latest_run_checkpoint(runs)
+            if latest is None:
+                raise ConfigError(
+                    f"--resume: no {runs}/*/last.pt to continue; give the path of a last.pt "
+                    f"or the run's --name"
+                )
+            args.resume = str(latest)
     path = Path(args.resume)
     try:
         run = read_weights(path, args.trust_checkpoint).run
