@@ -325,6 +325,11 @@ def test_validation_and_predict_take_project_and_name(
             "name: give one or the other"
         ]
     assert not (tmp_path / "v").exists() and not (tmp_path / "p").exists()
+    inner = tmp_path / "runs" / "inner"
+    for main, argv in [(validation.main, val), (predict.main, pred)]:
+        assert main([*argv, "--project", str(inner), "--name", "../up"]) == 2
+        assert "would leave --project" in capsys.readouterr().err
+    assert not (tmp_path / "runs" / "up").exists()
 
 
 @pytest.mark.slow
@@ -354,8 +359,3 @@ def test_a_yolov5_command_trains_and_a_second_run_gets_exp2(shapes_data, tmp_pat
     assert sorted(p.name for p in exp.parent.iterdir()) == ["exp", "exp2"]
     assert {n: (exp / n).read_bytes() for n in first} == first  # exp untouched
     assert len(read_results(exp.parent / "exp2" / "results.csv")) == 1
-    inner = tmp_path / "runs" / "inner"
-    for main, argv in [(validation.main, val), (predict.main, pred)]:
-        assert main([*argv, "--project", str(inner), "--name", "../up"]) == 2
-        assert "would leave --project" in capsys.readouterr().err
-    assert not (tmp_path / "runs" / "up").exists()
