@@ -288,15 +288,25 @@ def make_shapes_data(tmp_path: Path):
     return _make
 
 
+def _drop_console_handlers() -> None:
+    root = logging.getLogger()
+    for h in [h for h in root.handlers if getattr(h, "_yolo_console", False)]:
+        root.removeHandler(h)
+
+
+@pytest.fixture(autouse=True)
+def _no_console_handler_outlives_its_test():
+    """A script's ``main`` adds the console handler once per process, bound to the sys.stderr of
+    that moment: in a test, pytest's capture of that test, closed when it ends. Left in place, a
+    later test's log line went to the closed stream ("Logging error ... I/O operation on closed
+    file" in its captured stderr) whenever the files happened to run in that order."""
+    yield
+    _drop_console_handlers()
+
+
 @pytest.fixture
 def console(capsys):
     """The scripts' console handler bound to this test's captured stderr, removed after."""
-
-    def drop() -> None:
-        root = logging.getLogger()
-        for h in [h for h in root.handlers if getattr(h, "_yolo_console", False)]:
-            root.removeHandler(h)
-
-    drop()
+    _drop_console_handlers()
     yield capsys
-    drop()
+    _drop_console_handlers()
