@@ -35,7 +35,6 @@ the source JSON's image and category ids, so pycocotools scores them against tha
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import math
 import os
@@ -55,7 +54,12 @@ from build_utils.labels import img2label_path
 from build_utils.limits import MAX_IMAGE_BYTES, file_problem
 from build_utils.safe_yaml import dump_yaml, short_repr, short_text
 from train_utils.cli import HelpFormatter, run_main, setup_console_logging
-from train_utils.evaluation.exports import COCO_IDS_FILE, read_json_file
+from train_utils.evaluation.exports import (
+    COCO_IDS_FILE,
+    CocoIdMap,
+    read_coco_ids,
+    read_json_file,
+)
 
 LOGGER = logging.getLogger("coco2yolo")
 DATA_YAML = "data.yaml"
@@ -244,42 +248,6 @@ def place_image(src: Path, dst: Path, copy: bool) -> None:
         shutil.copyfileobj(fin, fout)
 
 
-@dataclass
-class IdMap:
-    """``coco_ids.json``: what the converted data came from (see the module docstring)."""
-
-    category_ids: list[int]
-    names: list[str]
-    splits: dict[str, str] = field(default_factory=dict)  # role -> images/<split>
-    sources: dict[str, str] = field(default_factory=dict)  # split -> source JSON
-    images: dict[str, int] = field(default_factory=dict)  # OUT-relative image path -> image id
-
-    def to_json(self) -> str:
-        return json.dumps(
-            {
-                "category_ids": self.category_ids,
-                "names": self.names,
-                "splits": self.splits,
-                "sources": self.sources,
-                "images": self.images,
-            }
-        )
-
-
-def read_id_map(path: Path) -> IdMap:
-    data = read_json_file(path, "coco2yolo id map")
-    try:
-        return IdMap(
-            [int(i) for i in data["category_ids"]],
-            [str(n) for n in data["names"]],
-            dict(data.get("splits", {})),
-            dict(data.get("sources", {})),
-            {str(k): int(v) for k, v in data["images"].items()},
-        )
-    except (KeyError, TypeError, ValueError, AttributeError) as e:
-        raise ConfigError(f"not an id map written by tools/coco2yolo.py ({e})", path) from e
-
-
 def split_role(split: str) -> str:
     """The data.yaml key of a split name: train, val or test by its start (val2017 -> val)."""
     for role in SPLIT_ROLES:
@@ -291,12 +259,12 @@ def split_role(split: str) -> str:
     )
 
 
-def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> IdMap:
+def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> CocoIdMap:
     """The id map to extend (a fresh one for a new folder), after refusing what would mix or
     overwrite a user's files: a non-empty folder that is no conversion of these categories, or
     a split converted before, without --exist-ok. With --exist-ok, the files the earlier
     conversion of this split wrote are removed (nothing else is)."""
-    fresh = IdMap(coco.category_ids, coco.names)
+    fresh = CocoIdMap(coco.category_ids, coco.names)
     try:
         entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
     except OSError as e:
@@ -315,7 +283,7 @@ def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> IdMap:
                 out,
             )
         return fresh
-    old = read_id_map(map_path)
+    old = read_coco_ids(map_path)
     if old.category_ids != coco.category_ids:
         raise ConfigError(
             f"--out holds a conversion of other categories ({short_repr(old.category_ids)}, this "
@@ -340,7 +308,7 @@ def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> IdMap:
 
 
 def convert(
-    coco: CocoFile, images_dir: Path, out: Path, split: str, id_map: IdMap, copy: bool
+    coco: CocoFile, images_dir: Path, out: Path, split: str, id_map: CocoIdMap, copy: bool
 ) -> Report:
     """Write ``out/images/<split>``, ``out/labels/<split>`` and add the split's images to
     ``id_map``; the report of what was skipped."""
@@ -411,7 +379,7 @@ def convert(
     return report
 
 
-def data_yaml_text(id_map: IdMap) -> str:
+def data_yaml_text(id_map: CocoIdMap) -> str:
     """The data.yaml of the converted dataset (a train.py --data file)."""
     doc: dict[str, Any] = {"path": "."}
     for role in SPLIT_ROLES:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -153,20 +154,53 @@ def read_json_file(path: str | os.PathLike[str], what: str) -> Any:
         raise ConfigError(f"{what} is not usable JSON: {short_text(str(e))}", path) from e
 
 
-def read_coco_id_map(map_path: str | os.PathLike[str]) -> tuple[list[int], dict[str, int]]:
-    """The ``coco_ids.json`` of ``tools/coco2yolo.py``: the source JSON's category id of each
-    class, and the image id of each image path (relative to the map's folder).
+@dataclass
+class CocoIdMap:
+    """``coco_ids.json`` of ``tools/coco2yolo.py``: what converted data came from. The one
+    definition of that file's layout, written by the tool and read by evaluation."""
+
+    category_ids: list[int]  # the source JSON's category id of each class
+    names: list[str]
+    splits: dict[str, str] = field(default_factory=dict)  # role -> images/<split>
+    sources: dict[str, str] = field(default_factory=dict)  # split -> source JSON
+    images: dict[str, int] = field(default_factory=dict)  # map-relative image path -> image id
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {
+                "category_ids": self.category_ids,
+                "names": self.names,
+                "splits": self.splits,
+                "sources": self.sources,
+                "images": self.images,
+            }
+        )
+
+
+def read_coco_ids(map_path: str | os.PathLike[str]) -> CocoIdMap:
+    """Read a ``coco_ids.json``.
 
     Raises:
         ConfigError: one line for a missing or unreadable file, or one of another layout.
     """
     data = read_json_file(map_path, "COCO id map")
     try:
-        categories = [int(c) for c in data["category_ids"]]
-        by_path = {str(k): int(v) for k, v in data["images"].items()}
+        return CocoIdMap(
+            [int(i) for i in data["category_ids"]],
+            [str(n) for n in data["names"]],
+            dict(data.get("splits", {})),
+            dict(data.get("sources", {})),
+            {str(k): int(v) for k, v in data["images"].items()},
+        )
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise ConfigError(f"not an id map of tools/coco2yolo.py ({e})", map_path) from e
-    return categories, by_path
+
+
+def read_coco_id_map(map_path: str | os.PathLike[str]) -> tuple[list[int], dict[str, int]]:
+    """The source JSON's category id of each class, and the image id of each image path
+    (relative to the map's folder), from ``coco_ids.json`` (:func:`read_coco_ids`)."""
+    id_map = read_coco_ids(map_path)
+    return id_map.category_ids, id_map.images
 
 
 def source_image_ids(
