@@ -84,6 +84,7 @@ from train_utils.distributed.devices import select_device
 from train_utils.distributed.precision import autocast_context, replay_precision, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
 from train_utils.evaluation.plots import class_colour, write_image
+from train_utils.threads import adapt_threads
 
 logger = logging.getLogger("predict")
 
@@ -281,6 +282,7 @@ class Predictor:
             det[:, :4] = scale_coords(
                 x.shape[2:], det[:, :4], img.shape[:2], ((ratio[1], ratio[0]), pad)
             )
+        adapt_threads(self.device)
         return det
 
 

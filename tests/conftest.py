@@ -220,6 +220,11 @@ def run_pair(
 def _few_threads() -> None:
     # Tests are small; more threads than cores only adds scheduling noise on CI's 2 cores.
     torch.set_num_threads(min(2, torch.get_num_threads()))
+    # A fixed count in this process: the adaptive one (train_utils/threads.py) would follow the
+    # other pytest worker's load, and results that tests compare bit for bit depend on it.
+    from train_utils import threads
+
+    threads._controllers["cpu"] = None
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -140,3 +140,16 @@ def test_bench_memory_format_reports_the_choice(tmp_path):
     faster = row["decision_channels_last_s"] < row["decision_contiguous_s"]
     assert (row["auto"] == "channels_last") is faster
     assert row["auto_vs_contiguous"] > 0 and "auto/contig" in proc.stdout
+
+
+def test_bench_shared_cores_times_each_policy_idle_and_busy(tmp_path):
+    out = tmp_path / "shared.json"
+    _bench(
+        "bench_shared_cores.py",
+        *("--seconds", "2", "--img-size", "64", "--batch", "2", "--skip", "1"),
+        *("--variants", "fixed1", "--json", str(out)),
+    )
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["variant"], r["busy"]) for r in rows] == [("fixed1", False), ("fixed1", True)]
+    assert all(r["steps"] >= 1 and r["median_s"] > 0 for r in rows)
+    assert rows[0]["threads"] == rows[1]["threads"] == [1]  # YOLO_THREADS=1 reached the child

@@ -46,7 +46,7 @@ CUDA = torch.device("cuda")
 @pytest.mark.parametrize(
     ("mode", "device", "cuda_bf16", "expected"),
     [
-        # CPU stays as it was: off by default, bf16 with --amp.
+        # A CPU without native bf16: off by default, bf16 with --amp.
         ("auto", CPU, None, None),
         ("off", CPU, None, None),
         (False, CPU, None, None),
@@ -63,7 +63,8 @@ CUDA = torch.device("cuda")
     ],
 )
 def test_resolve_amp(mode, device, cuda_bf16, expected):
-    assert resolve_amp(mode, device, cuda_bf16) == expected
+    # A CPU without bf16 arithmetic (tests/test_cpu_bf16.py has the others).
+    assert resolve_amp(mode, device, cuda_bf16, cpu_native_bf16=False) == expected
 
 
 def test_resolve_amp_refuses_what_the_device_cannot_do():

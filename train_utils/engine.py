@@ -37,6 +37,7 @@ from train_utils.evaluation.coco_eval import (
 )
 from train_utils.evaluation.coco_gt import dataset_image_ids
 from train_utils.evaluation.options import EvalOptions
+from train_utils.threads import adapt_threads
 
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration
 
@@ -184,6 +185,7 @@ def train_one_epoch(
         if steps:
             _optimizer_step(state)
         meter.add(losses, paths, imgs.shape, lr)
+        adapt_threads(opts.device)
     meter.close()
     wait = torch.tensor([clock.seconds()], device=opts.device, dtype=meter.sums.dtype)
     # One collective for both: the wait rides along with the mean losses.
@@ -411,6 +413,7 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
                 out[:, :4] = scale_coords(imgs.shape[2:], out[:, :4], shape[0], shape[1])
             scaled.append(out)
         results.extend(detections_to_coco(scaled, [int(i) for i in indices]))
+        adapt_threads(opts.device)
     return results
 
 

@@ -1,4 +1,5 @@
-"""Which memory format a run trains in: channels_last or contiguous (NCHW).
+"""Which memory format a run trains in: channels_last or contiguous (NCHW); and on a CPU with
+native bf16, whether ``--amp auto`` trains in bf16 (:func:`choose_cpu_amp`), from the same timings.
 
 On CUDA channels_last is always right (the fast cuDNN kernels are NHWC). On a CPU it depends on
 the model: on a 2-core AVX2 CPU the nano cfg trains 1.3x faster in channels_last while YOLOv3-SPP
@@ -174,6 +175,58 @@ def choose_channels_last(
     if cache is not None:
         _write_cache(cache, key, {"contiguous_s": t_nchw, "channels_last_s": t_nhwc})
     return MemoryFormatChoice(decide(t_nchw, t_nhwc), "timed now", t_nchw, t_nhwc)
+
+
+# bf16 changes the numbers (within the seed spread: bench/README.md "bf16 on the CPU"), so the
+# default takes it only for a gain clearly above the timing noise of two short steps.
+BF16_MIN_SPEEDUP = 1.15
+
+
+@dataclass(frozen=True)
+class AmpChoice:
+    """The CPU precision ``--amp auto`` trains in, and the train-step seconds it was chosen on
+    (each precision in the format the run will use with it)."""
+
+    amp: torch.dtype | None
+    reason: str
+    fp32_s: float | None = None
+    bf16_s: float | None = None
+
+
+def step_seconds(choice: MemoryFormatChoice, forced: bool | None) -> float:
+    """The train step time of a timed ``choice`` in the format the run would use: the forced
+    one, else the faster."""
+    t_nchw, t_nhwc = choice.contiguous_s, choice.channels_last_s
+    if t_nchw is None or t_nhwc is None:
+        raise ValueError(f"the memory-format choice was not timed: {choice.reason}")
+    if forced is None:
+        return min(t_nchw, t_nhwc)
+    return t_nhwc if forced else t_nchw
+
+
+def choose_cpu_amp(
+    fp32_s: float, bf16_s: float, min_speedup: float = BF16_MIN_SPEEDUP
+) -> AmpChoice:
+    """bf16 autocast when its train step is at least ``min_speedup`` times faster than fp32's.
+
+    Even with native bf16 a small model at a small size can lose: its convolutions are too small
+    for bf16 to pay back the casts (the timings decide, per model, size, batch and CPU).
+    """
+    if fp32_s >= min_speedup * bf16_s:
+        return AmpChoice(torch.bfloat16, "bf16 timed faster", fp32_s, bf16_s)
+    return AmpChoice(None, f"bf16 not {min_speedup:.2f}x faster", fp32_s, bf16_s)
+
+
+def describe_amp(choice: AmpChoice) -> str:
+    """One log line: the CPU precision of ``--amp auto`` and the figures behind it."""
+    name = "bf16 autocast" if choice.amp is not None else "fp32"
+    if choice.fp32_s is None or choice.bf16_s is None:
+        return f"precision {name}: {choice.reason}"
+    return (
+        f"precision {name} (--amp auto on a CPU with native bf16): train step "
+        f"{choice.fp32_s * 1000:.0f} ms fp32 vs {choice.bf16_s * 1000:.0f} ms bf16, "
+        f"{choice.fp32_s / choice.bf16_s:.2f}x ({choice.reason}; --amp bf16/off force one)"
+    )
 
 
 def describe(choice: MemoryFormatChoice) -> str:

@@ -19,7 +19,7 @@ import logging
 import random
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -68,17 +68,27 @@ from train_utils.distributed.comm import (
     raise_if_any_rank_failed,
 )
 from train_utils.distributed.node import processes_per_node
-from train_utils.distributed.precision import precision_record, resolve_amp
+from train_utils.distributed.precision import (
+    dtype_from_name,
+    dtype_name,
+    precision_record,
+    resolve_amp,
+)
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
 from train_utils.engine import TrainOptions, TrainState, evaluate, train_one_epoch
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.options import EvalOptions, eval_options
 from train_utils.memory_format import (
+    AmpChoice,
+    MemoryFormatChoice,
     cache_key,
     cache_path,
     choose_channels_last,
+    choose_cpu_amp,
     describe,
+    describe_amp,
+    step_seconds,
     time_train_step,
 )
 from train_utils.optim import build_optimizer, build_scheduler
@@ -93,6 +103,7 @@ from train_utils.reporting import (
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
 from train_utils.stop_signals import StopSignals
+from train_utils.threads import adapt_threads
 
 logger = logging.getLogger(__name__)
 
@@ -228,9 +239,11 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     data = config.data
     seed_all(config.seed + dist.rank * RANK_SEED_STRIDE)
     _configure_backends(dist.device)
+    # The thread-count policy (train_utils/threads.py): YOLO_THREADS is checked now, not later.
+    adapt_threads(dist.device)
     amp = resolve_amp(config.amp, dist.device)
 
-    model, cfg_text, ckpt, channels_last = _build_model(config, dist, amp)
+    model, cfg_text, ckpt, channels_last, amp = _build_model(config, dist, amp)
     hyp = scale_loss_gains(config.hyp, data.nc, config.img_size)
     plan = _epoch_plan(config, t_start)
     state = _build_train_state(model, config, hyp, dist, amp, plan)
@@ -393,9 +406,11 @@ def _evaluate_epoch(
 
 def _build_model(
     config: TrainConfig, dist: DistInfo, amp: torch.dtype | None
-) -> tuple[Darknet, str, dict[str, Any] | None, bool]:
+) -> tuple[Darknet, str, dict[str, Any] | None, bool, torch.dtype | None]:
     """The model on its device and in its memory format, with its resolved cfg text, the
-    resume checkpoint (None when not resuming) and whether it is channels_last."""
+    resume checkpoint (None when not resuming), whether it is channels_last and the autocast
+    dtype it trains in (``amp``, unless ``--amp auto`` on a CPU with native bf16 timed fp32
+    faster)."""
     blocks = model_blocks_for(config.cfg, config.data.nc)
     error = None
     try:
@@ -413,10 +428,10 @@ def _build_model(
         _initialise_weights(model, config)
     model.freeze(config.freeze_layers)
     model.to(dist.device)
-    channels_last = _memory_format(config, model, dist, amp, cfg_text)
+    channels_last, amp = _memory_format(config, model, dist, amp, cfg_text, ckpt)
     if channels_last:
         model.to(memory_format=torch.channels_last)
-    return model, cfg_text, ckpt, channels_last
+    return model, cfg_text, ckpt, channels_last, amp
 
 
 def _check_model_memory(config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo) -> None:
@@ -440,26 +455,71 @@ def _configure_backends(device: torch.device) -> None:
 
 
 def _memory_format(
-    config: TrainConfig, model: Darknet, dist: DistInfo, amp: torch.dtype | None, cfg_text: str
-) -> bool:
-    """Whether to train in channels_last: forced by the flags, always on CUDA, and otherwise
-    the faster format for this model, size and batch, timed (or cached) on rank 0 and shared
-    (see :mod:`train_utils.memory_format`)."""
+    config: TrainConfig,
+    model: Darknet,
+    dist: DistInfo,
+    amp: torch.dtype | None,
+    cfg_text: str,
+    ckpt: dict[str, Any] | None,
+) -> tuple[bool, torch.dtype | None]:
+    """Whether to train in channels_last, and in which autocast dtype: the format is forced by
+    the flags, always channels_last on CUDA, and otherwise the faster for this model, size and
+    batch, timed (or cached) on rank 0 and shared (see :mod:`train_utils.memory_format`). Where
+    ``--amp auto`` resolved to bf16 on a CPU, fp32 is timed too and bf16 kept only when clearly
+    faster; a resumed run keeps the precision its checkpoint records."""
     choice = None
     if dist.is_main:
 
-        def measure(channels_last: bool) -> float:
-            # The probe's forward passes must not move the run's random streams.
-            with torch.random.fork_rng(devices=[]):
-                return time_train_step(
-                    model, config.img_size, config.batch_size, dist.device, channels_last, amp
-                )
+        def measure_in(dtype: torch.dtype | None) -> Callable[[bool], float]:
+            def measure(channels_last: bool) -> float:
+                # The probe's forward passes must not move the run's random streams.
+                with torch.random.fork_rng(devices=[]):
+                    return time_train_step(
+                        model, config.img_size, config.batch_size, dist.device, channels_last, dtype
+                    )
 
-        key = cache_key(cfg_text, config.img_size, config.batch_size, amp)
-        choice = choose_channels_last(config.channels_last, dist.device, key, measure, cache_path())
+            return measure
+
+        def timed(dtype: torch.dtype | None) -> MemoryFormatChoice:
+            key = cache_key(cfg_text, config.img_size, config.batch_size, dtype)
+            return choose_channels_last(None, dist.device, key, measure_in(dtype), cache_path())
+
+        timings: dict[torch.dtype | None, MemoryFormatChoice] = {}
+        if config.amp == "auto" and dist.device.type == "cpu" and amp == torch.bfloat16:
+            amp_choice = _recorded_cpu_amp(ckpt)
+            if amp_choice is None:
+                timings = {None: timed(None), torch.bfloat16: timed(torch.bfloat16)}
+                amp_choice = choose_cpu_amp(
+                    step_seconds(timings[None], config.channels_last),
+                    step_seconds(timings[torch.bfloat16], config.channels_last),
+                )
+            amp = amp_choice.amp
+            logger.info(describe_amp(amp_choice))
+        if config.channels_last is None and amp in timings:
+            choice = timings[amp]  # timed above: not twice (the cache may be unwritable)
+        else:
+            key = cache_key(cfg_text, config.img_size, config.batch_size, amp)
+            choice = choose_channels_last(
+                config.channels_last, dist.device, key, measure_in(amp), cache_path()
+            )
         logger.info(describe(choice))
-    # Collective: every rank takes rank 0's choice (only rank 0 timed the formats).
-    return bool(broadcast_object(None if choice is None else choice.channels_last))
+        choice = (choice.channels_last, dtype_name(amp))
+    # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).
+    channels_last, amp_name = broadcast_object(choice)
+    return bool(channels_last), dtype_from_name(amp_name)
+
+
+def _recorded_cpu_amp(ckpt: dict[str, Any] | None) -> AmpChoice | None:
+    """The precision a resumed run trained in, from its checkpoint's record (so that resuming
+    continues the same computation), or None when not resuming or not recorded as fp32/bf16."""
+    record = (ckpt or {}).get("precision")
+    if not isinstance(record, dict) or "amp" not in record:
+        return None
+    if record["amp"] is None:
+        return AmpChoice(None, "the resumed run trained in fp32")
+    if record["amp"] == "bfloat16":
+        return AmpChoice(torch.bfloat16, "the resumed run trained in bf16")
+    return None
 
 
 def _resume_path(config: TrainConfig) -> Path | None:

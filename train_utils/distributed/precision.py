@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import platform
 from collections.abc import Mapping
 from contextlib import nullcontext
 from typing import Any
@@ -32,6 +33,25 @@ def cpu_bf16_is_fast() -> bool:
 
 
 @functools.cache
+def cpu_has_native_bf16() -> bool:
+    """True when this CPU has bf16 arithmetic: AVX512-BF16 or AMX on x86 (Cooper Lake,
+    Sapphire Rapids and later Xeons; Zen 4 and later), bf16 instructions on Arm (oneDNN's
+    check there is the instruction's).
+
+    Stricter than :func:`cpu_bf16_is_fast`: on an AVX-512 CPU without AVX512-BF16 oneDNN
+    emulates bf16 (it runs, at about the fp32 speed), which ``--amp`` may ask for but the
+    default does not take, since it would change the numbers for no gain.
+    """
+    cpu = getattr(torch, "cpu", None)
+    x86_checks = [
+        getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    ]
+    if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+        return any(bool(check()) for check in x86_checks if check is not None)
+    return cpu_bf16_is_fast()
+
+
+@functools.cache
 def _warn_slow_cpu_bf16() -> None:
     logger.warning(
         "--amp: this CPU has no native bf16 kernels (AVX512-BF16/AMX); bf16 autocast "
@@ -40,15 +60,23 @@ def _warn_slow_cpu_bf16() -> None:
 
 
 def resolve_amp(
-    mode: str | bool, device: torch.device, cuda_bf16: bool | None = None
+    mode: str | bool,
+    device: torch.device,
+    cuda_bf16: bool | None = None,
+    cpu_native_bf16: bool | None = None,
 ) -> torch.dtype | None:
     """The autocast dtype for ``--amp mode`` on ``device``, or None for full precision.
 
     ``auto`` (the default) is on for CUDA, as users of this lineage expect on a GPU (bf16 where
-    the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise), and
-    off on CPU, where it would change the numbers (and is slow without native bf16). ``on``
-    (``--amp`` alone) is ``auto`` plus bf16 on CPU; ``fp16``/``bf16`` force a type; ``off``
-    (or False) is full precision. ``cuda_bf16`` defaults to asking this machine's GPU.
+    the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise). On a
+    CPU it is bf16 where the CPU has bf16 arithmetic (:func:`cpu_has_native_bf16`; training
+    then times both precisions and keeps bf16 only where it is faster, see
+    ``train_utils.memory_format.choose_cpu_amp``) and fp32 elsewhere, where bf16 autocast runs
+    on a generic convolution about 10x slower. bf16 autocast keeps the weights, the optimizer
+    and the loss in fp32; bench/README.md "bf16 on the CPU" has the accuracy measurements.
+    ``on`` (``--amp`` alone) is ``auto`` plus bf16 on any CPU oneDNN runs bf16 on;
+    ``fp16``/``bf16`` force a type; ``off`` (or False) is full precision. ``cuda_bf16`` and
+    ``cpu_native_bf16`` default to asking this machine.
 
     Raises:
         ConfigError: a type the device cannot autocast to.
@@ -68,7 +96,8 @@ def resolve_amp(
             return torch.bfloat16 if cuda_bf16 else torch.float16
         return torch.bfloat16 if mode == "bf16" else torch.float16
     if mode == "auto":
-        return None
+        native = cpu_has_native_bf16() if cpu_native_bf16 is None else cpu_native_bf16
+        return torch.bfloat16 if native else None
     if mode == "fp16":
         raise ConfigError("--amp fp16 needs CUDA; on the CPU use --amp bf16 (or --amp) or off")
     return torch.bfloat16
@@ -93,13 +122,20 @@ def autocast_context(device: torch.device, amp: bool | torch.dtype | None) -> An
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
+def dtype_name(amp: torch.dtype | None) -> str | None:
+    """The autocast dtype as checkpoints and messages between ranks name it (None: fp32)."""
+    return _DTYPE_NAMES.get(amp) if amp is not None else None
+
+
+def dtype_from_name(name: str | None) -> torch.dtype | None:
+    """The inverse of :func:`dtype_name`; an unknown name is full precision."""
+    return {v: k for k, v in _DTYPE_NAMES.items()}.get(name) if name else None
+
+
 def precision_record(amp: torch.dtype | None, channels_last: bool) -> dict[str, Any]:
     """How a run computes, as its checkpoints record it (plain types): the autocast dtype's
     name (None: full precision) and whether batches were channels_last."""
-    return {
-        "amp": _DTYPE_NAMES.get(amp) if amp is not None else None,
-        "channels_last": channels_last,
-    }
+    return {"amp": dtype_name(amp), "channels_last": channels_last}
 
 
 def replay_precision(
@@ -121,7 +157,7 @@ def replay_precision(
         amp, why = resolve_amp(amp_flag, device), f"--amp {amp_flag}"
     elif "amp" in record:
         name = record["amp"]
-        amp = {v: k for k, v in _DTYPE_NAMES.items()}.get(name) if name else None
+        amp = dtype_from_name(name)
         why = f"the run's {name or 'full precision'}"
         if amp is torch.float16 and device.type != "cuda":
             amp = resolve_amp(run_amp or "auto", device)
