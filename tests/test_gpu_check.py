@@ -95,6 +95,32 @@ def test_steps_are_chosen_by_name() -> None:
         select_steps(specs, ["trian"])
 
 
+def test_train_figures_hold_the_verdicts() -> None:
+    def row(label: str, img_s: float, compiled: bool = False) -> dict:
+        return {"label": label, "img_per_s": img_s, "compile": compiled, "batch": 64}
+
+    rows = [
+        row("fp32/contiguous", 500.0),
+        row("fp32/channels_last", 520.0),
+        row("bf16/contiguous", 800.0),
+        row("bf16/channels_last", 950.0),
+        row("bf16/channels_last +compile", 1140.0, compiled=True),
+    ]
+    for r in rows:
+        r.update(tflop_per_s=1.0, first_call_s=1.0)
+    f = gpu_check.train_figures(rows, "bf16", 1000.0)
+    assert [r["vs_fp32"] for r in rows] == [1.0, 1.04, 1.6, 1.9, 2.28]
+    assert (f["amp_channels_last_img_s"], f["verdict"]) == (950.0, "95% of target")
+    assert (f["amp_speedup"], f["amp_speedup_verdict"]) == (1.9, "met")
+    assert f["compile_gain"] == 1.2
+    assert f["fastest"] == {"label": "bf16/channels_last +compile", "img_per_s": 1140.0}
+    assert f["table"]["columns"][-1] == "plan: 1000 img/s, 1.8x fp32"
+    assert f["table"]["rows"][3][-1] == "95% of target; 1.90x fp32: met"
+    # No AMP on the device (the CPU): no verdict, only the ratios.
+    cpu = gpu_check.train_figures(rows[:2], None, None)
+    assert "verdict" not in cpu and cpu["fastest"]["label"] == "fp32/channels_last"
+
+
 def test_the_cuda_tests_step_runs_the_marked_files(tmp_path) -> None:
     files = {p.name for p in gpu_check.cuda_test_files()}
     assert {"test_cuda.py", "test_loss.py", "test_devices.py", "test_trackers.py"} <= files
@@ -271,7 +297,7 @@ def test_the_cuda_marker_skips_without_cuda_and_fails_when_cuda_is_required(
 def test_the_real_steps_run_on_the_cpu_at_toy_sizes(tmp_path) -> None:
     """env, the train-step bench, the data pipeline and the eval-vs-validation.py step, with
     the internal --device cpu --tiny: the code a GPU session runs, minus the sizes."""
-    argv = ["--device", "cpu", "--tiny", "--out-dir", str(tmp_path)]
+    argv = ["--device", "cpu", "--tiny", "--budget-s", "3600", "--out-dir", str(tmp_path)]
     args = get_parser().parse_args([*argv, "--steps", "env", "train", "data", "eval"])
     assert check(args) == 0
     (json_path,) = tmp_path.glob("gpu-check-*-cpu.json")
@@ -295,9 +321,8 @@ def test_the_real_steps_run_on_the_cpu_at_toy_sizes(tmp_path) -> None:
 
 @pytest.mark.slow
 def test_the_ddp_step_runs_two_gloo_processes_on_the_cpu(tmp_path) -> None:
-    args = get_parser().parse_args(
-        ["--device", "cpu", "--tiny", "--out-dir", str(tmp_path), "--steps", "ddp"]
-    )
+    argv = ["--device", "cpu", "--tiny", "--budget-s", "1800", "--out-dir", str(tmp_path)]
+    args = get_parser().parse_args([*argv, "--steps", "ddp"])
     assert check(args) == 0
     (json_path,) = tmp_path.glob("gpu-check-*-cpu.json")
     (ddp,) = json.loads(json_path.read_text())["steps"]
