@@ -6,22 +6,23 @@ Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<siz
   and usable cores, the Python packages of requirements.txt that are missing;
 - ``cuda-tests``: ``pytest -m cuda`` over the test files that mark CUDA tests, with
   ``YOLO_REQUIRE_CUDA=1`` (a CUDA test that cannot run fails instead of skipping);
+- ``eval``: a short training run on the GPU with ``--amp auto``, then ``validation.py`` on its
+  ``last.pt``: the 12 COCO stats the run logged and those validation.py reports must agree
+  within ``MAP_TOLERANCE``;
+- ``ddp``: ``torchrun --nproc_per_node 2 train_multi_GPU.py`` (NCCL, SyncBatchNorm) on generated
+  shapes data when 2 GPUs are visible, else skipped; the mAP the two ranks logged must agree
+  with ``validation.py`` of the saved weights in one process;
 - ``train-416``, ``train-608``: the YOLOv3-SPP train step (``bench_model.bench_variants``) in
   fp32, in the dtype ``--amp auto`` picks, contiguous and channels_last, and ``torch.compile``
   (its compile time apart), at the plan's batch 64 or the largest half of it that fits, each
   figure against the targets of bench/README.md "GPU plan" (met / x% of target);
 - ``data``: the mosaic training loader (``bench_data.measure``) at 416 and 640 with one worker
   per usable core: img/s, img/s per worker and per CPU core, and the workers the train step of
-  the GPU needs;
-- ``ddp``: ``torchrun --nproc_per_node 2 train_multi_GPU.py`` (NCCL, SyncBatchNorm) on generated
-  shapes data when 2 GPUs are visible, else skipped; the mAP the two ranks logged must agree
-  with ``validation.py`` of the saved weights in one process;
-- ``eval``: a short training run on the GPU with ``--amp auto``, then ``validation.py`` on its
-  ``last.pt``: the 12 COCO stats the run logged and those validation.py reports must agree
-  within ``MAP_TOLERANCE``.
+  the GPU needs.
 
-Each step runs in a child process with its own time limit (and the whole check within
-``--budget-s``), so that a step that fails, crashes the CUDA context or hangs is recorded with
+The checks come first and the measurements after, so that a short budget leaves out a
+measurement. Each step runs in a child process with its own time limit (and the whole check
+within ``--budget-s``), so that a step that fails, crashes the CUDA context or hangs is recorded with
 its status, duration, figures so far and the last lines of its output while the others still
 run. The report is one JSON and one markdown file,
 ``bench/results/gpu-check-<UTC date-time>-<gpu>.json`` and ``.md``, written atomically and never
@@ -135,7 +136,7 @@ class Settings:
         default_factory=lambda: {
             "env": 60,
             "cuda-tests": 240,
-            "train": 240,
+            "train": 200,
             "data": 150,
             "ddp": 180,
             "eval": 180,
@@ -822,19 +823,19 @@ def step_specs(settings: Settings) -> list[StepSpec]:
     """Every step, in the order they run."""
     lim = settings.limits_s
     here = "bench.gpu_check"
+    # The checks first, then the measurements: when the budget runs short (a slow compile),
+    # what is left out is a measurement. data comes after the train steps it is paired with.
     specs = [
         StepSpec("env", f"{here}:step_env", lim["env"]),
         StepSpec("cuda-tests", f"{here}:step_cuda_tests", lim["cuda-tests"], TRAINING_NEEDS),
+        StepSpec("eval", f"{here}:step_eval", lim["eval"], TRAINING_NEEDS),
+        StepSpec("ddp", f"{here}:step_ddp", lim["ddp"], TRAINING_NEEDS),
     ]
     specs += [
         StepSpec(f"train-{n}", f"{here}:step_train:{n}", lim["train"], ("cv2",))
         for n in settings.train_sizes
     ]
-    specs += [
-        StepSpec("data", f"{here}:step_data", lim["data"], ("cv2", "yaml")),
-        StepSpec("ddp", f"{here}:step_ddp", lim["ddp"], TRAINING_NEEDS),
-        StepSpec("eval", f"{here}:step_eval", lim["eval"], TRAINING_NEEDS),
-    ]
+    specs.append(StepSpec("data", f"{here}:step_data", lim["data"], ("cv2", "yaml")))
     return specs
 
 
