@@ -22,9 +22,9 @@ Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<siz
 
 The checks come first and the measurements after, so that a short budget leaves out a
 measurement. Each step runs in a child process with its own time limit (and the whole check
-within ``--budget-s``), so that a step that fails, crashes the CUDA context or hangs is recorded with
-its status, duration, figures so far and the last lines of its output while the others still
-run. The report is one JSON and one markdown file,
+within ``--budget-s``), so that a step that fails, crashes the CUDA context or hangs is
+recorded with its status, duration, figures so far and the last lines of its output while the
+others still run. The report is one JSON and one markdown file,
 ``bench/results/gpu-check-<UTC date-time>-<gpu>.json`` and ``.md``, written atomically and never
 over an existing report. Exit status: 0 when no step failed, 1 with a one-line summary of the
 failed steps, 2 with one line when no CUDA device is visible (checked before anything else).
