@@ -326,3 +326,19 @@ def test_the_ddp_step_runs_two_gloo_processes_on_the_cpu(tmp_path) -> None:
     (ddp,) = json.loads(json_path.read_text())["steps"]
     assert ddp["status"] == "passed" and ddp["figures"]["backend"] == "gloo"
     assert ddp["figures"]["agree"] and ddp["figures"]["max_abs_diff"] <= 1e-6
+
+
+@pytest.mark.slow
+def test_the_cuda_tests_step_fails_where_cuda_is_missing(tmp_path, monkeypatch) -> None:
+    """The real cuda-tests step with no visible GPU: under YOLO_REQUIRE_CUDA=1 every CUDA test
+    fails instead of skipping, so the step fails and names them."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")  # also on a GPU machine
+    argv = ["--device", "cpu", "--tiny", "--budget-s", "1800", "--out-dir", str(tmp_path)]
+    assert check(get_parser().parse_args([*argv, "--steps", "cuda-tests"])) == 1
+    (json_path,) = tmp_path.glob("gpu-check-*-cpu.json")
+    (step,) = json.loads(json_path.read_text())["steps"]
+    figures = step["figures"]
+    assert step["status"] == "failed" and figures["returncode"] == 1
+    assert figures["tests"] == figures["failed"] >= 5 and figures["passed"] == 0
+    assert "tests/test_cuda.py" in figures["files"]
+    assert step["reason"].startswith("pytest -m cuda exited 1: tests.test_")
