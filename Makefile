@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-stamp
 CV4_VENV := .venv-cv4
 CV4_STAMP := $(CV4_VENV)/.installed-stamp
 
-.PHONY: demo test lint venv clean
+.PHONY: demo test lint venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -43,6 +43,17 @@ TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaf
 
 test: lint $(CV4_STAMP)
 	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+
+# make gpu-check: what only a GPU can check and measure (bench/gpu_check.py, bench/README.md
+# "make gpu-check"), ~8 minutes on one H100; one JSON and one markdown report in bench/results/.
+# GPU_CHECK_ARGS adds to it (e.g. GPU_CHECK_ARGS='--quick' or '--steps env cuda-tests'). Without
+# network (no venv can be built) but with a python that has torch: make gpu-check PY=python3
+# runs with that python as it is (pycocotools missing: the steps that need it are skipped).
+GPU_CHECK_ARGS ?=
+
+gpu-check:
+	@if [ "$(PY)" = "$(VENV)/bin/python" ]; then $(MAKE) --no-print-directory venv; fi
+	$(PY) bench/gpu_check.py $(GPU_CHECK_ARGS)
 
 clean:
 	rm -rf runs demo_data .pytest_cache .ruff_cache

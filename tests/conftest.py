@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from cuda_marker import pytest_runtest_setup  # noqa: F401 (the cuda marker's hook)
 
 from data.make_shapes import make_dataset
 from train_utils.config import build_config, get_args_parser

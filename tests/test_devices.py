@@ -130,7 +130,7 @@ def test_select_device_on_this_machine() -> None:
             select_device("cuda:0")
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_select_device_makes_the_gpu_current() -> None:
     last = torch.cuda.device_count() - 1
     assert select_device(str(last)) == cuda(last)

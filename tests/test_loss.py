@@ -446,7 +446,7 @@ def test_duplicate_cell_last_target_sets_objectness(order, expected_tobj):
     assert loss["box_loss"].item() == pytest.approx(0.18, abs=1e-6)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_twin_matches_cpu_without_host_sync():
     preds, t, anchor_vecs = _random_case(5, 30, 4, True)
     model = fake_model(anchor_vecs, 4)

@@ -21,9 +21,10 @@ So that each command takes seconds, ``train.py``, ``train_multi_GPU.py``, ``vali
 README's ``...`` becomes the flags the README's first command of that kind spells out; a resume
 trains a second epoch. The commands run two at a time, one thread each. Commands that need a
 GPU, a camera, a cluster, the network or downloaded weights are skipped with the reason, as are
-``make demo`` and ``make test`` (the demo takes ten minutes; ``make test`` runs this file). The
-reasons are in ``SKIPS``; ``pytest -rs`` prints them. Where a command exits 0 but does not yet do
-what its README comment says, ``CHECKS`` marks it xfail with the reason.
+``make demo``, ``make test`` and ``make gpu-check`` (the demo takes ten minutes; ``make test``
+runs this file; ``make gpu-check`` needs a GPU). The reasons are in ``SKIPS``; ``pytest -rs``
+prints them. Where a command exits 0 but does not yet do what its README comment says,
+``CHECKS`` marks it xfail with the reason.
 
 The last tests keep the README's prose honest: the contents links reach headings, the map of
 the house names every module, and every file or test the README and docs/ name exists.
@@ -142,6 +143,10 @@ def _block_commands(body: list[str], first_line: int) -> list[Command]:
 SKIPS: list[tuple[Callable[[list[str]], bool], str]] = [
     (lambda w: w[:2] == ["make", "demo"], "the ten-minute demo; tests/test_demo.py runs it small"),
     (lambda w: w[:2] == ["make", "test"], "runs the whole suite, this file included"),
+    (
+        lambda w: w[:2] == ["make", "gpu-check"],
+        "needs a CUDA GPU (tests/test_gpu_check.py runs its steps on the CPU)",
+    ),
     (lambda w: w[0] in {"pip", "git"}, "network: installs or clones"),
     (lambda w: w[0] in {"srun", "sbatch"}, "needs a SLURM cluster"),
     (lambda w: any(x.startswith("--nnodes") for x in w), "needs several nodes"),

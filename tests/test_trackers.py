@@ -106,7 +106,7 @@ def test_epoch_wait_includes_the_loaders_sleep(single_thread):
     assert wait < total  # the steps themselves are compute
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_epoch_wait_on_cuda_is_the_gpus_idle_time():
     """On CUDA the wait is read from timing events: the GPU idles while the loader sleeps
     (its own work takes milliseconds), so the wait is nearly the sleep, never more than it."""
