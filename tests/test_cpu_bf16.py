@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_training, train_argv
 
-from tests.conftest import run_training, train_argv
 from train_utils import trainer
 from train_utils.distributed import precision
 from train_utils.distributed.precision import dtype_from_name, dtype_name, resolve_amp
@@ -46,6 +46,8 @@ def test_auto_is_bf16_only_on_cpus_with_bf16_arithmetic(mode, native, expected) 
     [(False, False, False), (True, False, True), (False, True, True)],
 )
 def test_native_bf16_is_avx512_bf16_or_amx_on_x86(monkeypatch, avx512_bf16, amx, expected):
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)  # tests/conftest.py caps it
+    monkeypatch.delenv("DNNL_MAX_CPU_ISA", raising=False)
     monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
@@ -56,6 +58,32 @@ def test_native_bf16_is_avx512_bf16_or_amx_on_x86(monkeypatch, avx512_bf16, amx,
         assert precision.cpu_has_native_bf16() is expected
     finally:
         precision.cpu_has_native_bf16.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("cap", "native", "any_bf16"),
+    [
+        ("AVX2", False, False),
+        ("avx512_core", False, True),  # oneDNN emulates bf16 there: --amp may, auto does not
+        ("AVX512_CORE_BF16", True, True),
+        ("AVX10_1_512_AMX", True, True),
+        ("DEFAULT", True, True),
+    ],
+)
+def test_a_onednn_isa_cap_is_honoured(monkeypatch, cap, native, any_bf16) -> None:
+    """A CPU with AMX whose oneDNN the user capped (as tests/conftest.py does)."""
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", cap)
+    monkeypatch.setattr(precision.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: True)
+    monkeypatch.setattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", lambda: True)
+    for check in (precision.cpu_has_native_bf16, precision.cpu_bf16_is_fast):
+        check.cache_clear()
+    try:
+        assert precision.cpu_has_native_bf16() is native
+        assert precision.cpu_bf16_is_fast() is any_bf16
+    finally:
+        for check in (precision.cpu_has_native_bf16, precision.cpu_bf16_is_fast):
+            check.cache_clear()
 
 
 def test_dtype_names_round_trip() -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 from collections.abc import Mapping
 from contextlib import nullcontext
@@ -20,6 +21,21 @@ logger = logging.getLogger(__name__)
 AMP_CHOICES = ("auto", "on", "fp16", "bf16", "off")
 
 
+# oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA, or its older name DNNL_MAX_CPU_ISA): values that leave
+# oneDNN no bf16 convolution at all, and values that leave it no native (non-emulated) one.
+_ISAS_WITHOUT_BF16 = {"SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2"}
+_ISAS_WITHOUT_NATIVE_BF16 = _ISAS_WITHOUT_BF16 | {"AVX512_CORE", "AVX512_CORE_VNNI"}
+
+
+def onednn_isa_cap() -> str | None:
+    """The ISA oneDNN was capped at by its environment variable, upper case; None if uncapped."""
+    for name in ("ONEDNN_MAX_CPU_ISA", "DNNL_MAX_CPU_ISA"):
+        value = os.environ.get(name, "").strip().upper()
+        if value and value not in ("ALL", "DEFAULT"):
+            return value
+    return None
+
+
 @functools.cache
 def cpu_bf16_is_fast() -> bool:
     """True when oneDNN has native bf16 kernels on this CPU (AVX512-BF16 or AMX).
@@ -28,6 +44,8 @@ def cpu_bf16_is_fast() -> bool:
     ``_slow_conv2d`` and a YOLO training step runs about 10x slower than in fp32
     (``bench/bench_model.py`` measures it), so ``--amp`` would only cost time there.
     """
+    if onednn_isa_cap() in _ISAS_WITHOUT_BF16:
+        return False
     check = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     return bool(check()) if check is not None else True
 
@@ -40,8 +58,11 @@ def cpu_has_native_bf16() -> bool:
 
     Stricter than :func:`cpu_bf16_is_fast`: on an AVX-512 CPU without AVX512-BF16 oneDNN
     emulates bf16 (it runs, at about the fp32 speed), which ``--amp`` may ask for but the
-    default does not take, since it would change the numbers for no gain.
+    default does not take, since it would change the numbers for no gain. Also False where
+    oneDNN is capped below its bf16 kernels (``ONEDNN_MAX_CPU_ISA=AVX2``, say).
     """
+    if onednn_isa_cap() in _ISAS_WITHOUT_NATIVE_BF16:
+        return False
     cpu = getattr(torch, "cpu", None)
     x86_checks = [
         getattr(cpu, n, None) for n in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
