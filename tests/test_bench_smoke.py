@@ -140,3 +140,65 @@ def test_bench_memory_format_reports_the_choice(tmp_path):
     faster = row["decision_channels_last_s"] < row["decision_contiguous_s"]
     assert (row["auto"] == "channels_last") is faster
     assert row["auto_vs_contiguous"] > 0 and "auto/contig" in proc.stdout
+
+
+def test_bench_scale_measures_scan_eval_and_ram_cache(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = _bench(
+        "bench_scale.py",
+        "--only",
+        "scan",
+        "eval",
+        "ram",
+        "--scan-sizes",
+        "12",
+        "--eval-sizes",
+        "6",
+        "--dets-per-image",
+        "5",
+        "--backends",
+        "pycocotools",
+        "--ram-sizes",
+        "64",
+        "--ram-images",
+        "3",
+        "--json",
+        str(out),
+    )
+    result = json.loads(out.read_text())
+    # A cold scan checks every file and writes the cache; the warm start reads it.
+    assert [(r["phase"], r["images"]) for r in result["scan"]] == [("cold", 12), ("warm", 12)]
+    cold, warm = result["scan"]
+    assert "build_label_cache" in cold["phases_s"] and "build_label_cache" not in warm["phases_s"]
+    assert cold["cache_bytes"] == warm["cache_bytes"] > 0
+    assert cold["objects"] == warm["objects"]
+    assert [(r["what"], r["detections"]) for r in result["eval"]] == [
+        ("metrics", 30),
+        ("pycocotools", 30),
+    ]
+    assert all(0 <= r["mAP50"] <= 1 for r in result["eval"])
+    (ram,) = result["ram"]
+    # COCO-sized images (640 x 480 and the like) cached with their long side at 64 px.
+    assert ram["hw3_bytes_per_image"] == ram["array_bytes_per_image"] <= 64 * 64 * 3
+    assert "Label scan and cache" in proc.stdout and "RAM image cache" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_scale_gathers_every_rank_to_rank_0(tmp_path):
+    out = tmp_path / "gather.json"
+    _bench(
+        "bench_scale.py",
+        "--only",
+        "gather",
+        "--eval-sizes",
+        "5",
+        "--dets-per-image",
+        "4",
+        "--json",
+        str(out),
+    )
+    rows = json.loads(out.read_text())["gather"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    # 5 images sharded 3 + 2: rank 0 gets all 20 detections, rank 1 none.
+    assert [r["local_detections"] for r in rows] == [12, 8]
+    assert [r["gathered_detections"] for r in rows] == [20, 0]
