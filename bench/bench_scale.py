@@ -3,14 +3,15 @@
 COCO users bring 118k training images and 5k validation images scored at conf 0.001 (up to 300
 detections each). This measures, with generated data, how each cost grows with the dataset:
 
-- ``scan``: ``LoadImagesAndLabels`` on a folder of ``N`` images (``--scan-sizes``, default 10k
-  and 100k): ``cold`` (no label cache: every image and label file checked, the cache and report
-  written) and ``warm`` (the cache hit of a second start). The check decodes every image
-  (grayscale, ``image_io.check_image``) and hashes every label file, so the images are one small
-  JPEG (``--scan-image-side``) hard-linked under N names and the label files hold a Poisson
-  number of boxes (``--objects``, COCO averages ~7). Phases are timed by wrapping the functions
-  of ``build_utils.labels`` that ``load_labels`` calls; the time to check one real COCO-sized
-  image (640 x 480) is measured apart (``ram`` rows) since it is a per-image constant.
+- ``scan``: ``LoadImagesAndLabels`` (rect batches, as evaluation builds it) on a folder of
+  ``N`` images (``--scan-sizes``, default 10k and 100k): ``cold`` (no label cache: every image
+  and label file checked, the cache and report written) and ``warm`` (the cache hit of a second
+  start). The check decodes every image (grayscale, ``image_io.check_image``) and hashes every
+  label file, so the images are one small JPEG (``--scan-image-side``) hard-linked under N
+  names and the label files hold a Poisson number of boxes (``--objects``, COCO averages ~7).
+  Phases are timed by wrapping the functions of ``build_utils.labels`` that ``load_labels``
+  calls; the time to check one real COCO-sized image (640 x 480) is measured apart (``ram``
+  rows): it is a per-image constant.
 - ``eval``: ``N`` images (``--eval-sizes``, default 1k and 5k) with ``--dets-per-image``
   detections each (300: jittered ground truth plus false positives scored mostly near 0.001, as
   NMS at conf 0.001 leaves them): the ground truth (``coco_gt``), ``detections_to_coco``, the
@@ -26,13 +27,15 @@ detections each). This measures, with generated data, how each cost grows with t
   cached arrays.
 
 Each measurement runs in a fresh process so that its peak memory is its own: ``peak`` is the
-process's high-water RSS (``VmHWM``) and ``peak above start`` what the measurement added to the
-process it started in (imports and generated inputs). The per-image ``growth`` column is the cost
-per image at the larger size over that at the smaller: 1.0 is linear.
+process's high-water RSS (``VmHWM``) and ``+MB`` what the measurement added to the process it
+started in (imports and generated inputs). Times are wall and CPU seconds (all threads of the
+process); the per-image ``growth`` column is the CPU time per image at a larger size over that
+at the smallest: 1.0 is linear. On a shared machine the wall time mostly says how busy the
+others were.
 
 Usage, from the repository root::
 
-    python bench/bench_scale.py --json scale.json            # ~10 min here
+    python bench/bench_scale.py --json scale.json            # ~12 CPU-minutes, 5.2 GB peak
     python bench/bench_scale.py --scan-sizes 1000 10000 --eval-sizes 200 1000   # smaller
     python bench/bench_scale.py --only eval gather           # some of the measurements
 
@@ -229,6 +232,7 @@ def measure_scan(spec: dict[str, Any]) -> dict[str, Any]:
     datasets.collect_image_files = phases.wrap("list_images", datasets.collect_image_files)
     cls = datasets.LoadImagesAndLabels
     cls._hash_content = phases.wrap("content_hash", cls._hash_content)
+    cls._sort_for_rect = phases.wrap("rect_sort", cls._sort_for_rect)
 
     images = Path(spec["images"])
     cache = labels.cache_place(images).with_name(f"{labels.cache_place(images).name}.cache.npz")
@@ -239,7 +243,9 @@ def measure_scan(spec: dict[str, Any]) -> dict[str, Any]:
     start = rss_bytes()
     reset_peak()
     t0, c0 = time.perf_counter(), time.process_time()
-    ds = cls(images, img_size=640, batch_size=16, nc=NUM_CLASSES)
+    # rect, as evaluation (and training with --rect) builds it: the batch shapes are part of
+    # the cost of a start.
+    ds = cls(images, img_size=640, batch_size=16, rect=True, nc=NUM_CLASSES)
     seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = len(ds)
     if n != spec["n"]:
@@ -254,7 +260,7 @@ def measure_scan(spec: dict[str, Any]) -> dict[str, Any]:
         "us_per_image": seconds / n * 1e6,
         "cpu_s": cpu,
         "phases_s": {**phases.seconds, "other": other},
-        "phases_cpu_s": phases.cpu,
+        "phases_cpu_s": {**phases.cpu, "other": cpu - sum(phases.cpu.values())},
         "start_rss_mb": start / MB,
         "peak_rss_mb": peak_rss_bytes() / MB,
         "peak_above_start_mb": (peak_rss_bytes() - start) / MB,
@@ -568,7 +574,8 @@ def _seconds(row: dict[str, Any]) -> float:
 
 def growth(rows: list[dict[str, Any]], key: str, per: str, group: Sequence[str]) -> None:
     """Set ``row["growth"]``: ``row[key] / row[per]`` over the same of the smallest row of its
-    group (1.0 = linear; the smallest row gets None)."""
+    group (1.0 = linear; the smallest row gets None). ``key`` is ``cpu_s``: on a shared machine
+    the wall time says how busy the others were (a niced run got 5-30% of a core here)."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(tuple(r.get(g) for g in group), []).append(r)
@@ -589,13 +596,15 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
     if results.get("scan"):
         print("\nLabel scan and cache (LoadImagesAndLabels on a folder; cold: no cache)")
         print(
-            f"{'images':>8s} {'start':>5s} {'s':>8s} {'us/img':>8s} {'growth':>7s}"
-            f" {'peak MB':>8s} {'+MB':>7s} {'cache MB':>9s} {'B/img':>6s}  phases (s)"
+            f"{'images':>8s} {'start':>5s} {'s':>8s} {'CPU s':>8s} {'CPU us/img':>10s}"
+            f" {'growth':>7s}"
+            f" {'peak MB':>8s} {'+MB':>7s} {'cache MB':>9s} {'B/img':>6s}  phases (CPU s)"
         )
         for r in results["scan"]:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items() if v >= 0.005)
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items() if v >= 0.005)
             print(
-                f"{r['images']:8d} {r['phase']:>5s} {r['seconds']:8.2f} {r['us_per_image']:8.1f}"
+                f"{r['images']:8d} {r['phase']:>5s} {r['seconds']:8.2f} {r['cpu_s']:8.2f}"
+                f" {r['cpu_s'] / r['images'] * 1e6:10.1f}"
                 f" {_fmt_growth(r['growth']):>7s} {r['peak_rss_mb']:8.0f}"
                 f" {r['peak_above_start_mb']:7.0f} {r['cache_bytes'] / MB:9.2f}"
                 f" {r['cache_bytes_per_image']:6.0f}  {phases}"
@@ -603,27 +612,31 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
     if results.get("eval"):
         print("\nEvaluation (detections per image as given; seconds of the scoring itself)")
         print(
-            f"{'images':>7s} {'what':18s} {'dets':>9s} {'s':>8s} {'ms/img':>7s} {'growth':>7s}"
-            f" {'peak MB':>8s} {'+MB':>7s}  phases (s)"
+            f"{'images':>7s} {'what':18s} {'dets':>9s} {'s':>8s} {'CPU s':>8s} {'CPU ms/img':>10s}"
+            f" {'growth':>7s}"
+            f" {'peak MB':>8s} {'+MB':>7s}  phases (CPU s)"
         )
         for r in results["eval"]:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items())
             print(
                 f"{r['images']:7d} {r['what']:18s} {r['detections']:9d} {r['seconds']:8.2f}"
-                f" {r['ms_per_image']:7.2f} {_fmt_growth(r['growth']):>7s}"
+                f" {r['cpu_s']:8.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}"
+                f" {_fmt_growth(r['growth']):>7s}"
                 f" {r['peak_rss_mb']:8.0f} {r['peak_above_start_mb']:7.0f}  {phases}"
             )
     if results.get("gather"):
         print("\nGather to rank 0 (2 gloo processes, engine.evaluate's path)")
         print(
-            f"{'images':>7s} {'rank':>4s} {'local':>8s} {'s':>7s} {'ms/img':>7s} {'growth':>7s}"
-            f" {'peak MB':>8s} {'+MB':>7s}  phases (s)"
+            f"{'images':>7s} {'rank':>4s} {'local':>8s} {'s':>7s} {'CPU s':>7s} {'CPU ms/img':>10s}"
+            f" {'growth':>7s}"
+            f" {'peak MB':>8s} {'+MB':>7s}  phases (CPU s)"
         )
         for r in results["gather"]:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_s"].items())
+            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items())
             print(
                 f"{r['images']:7d} {r['rank']:4d} {r['local_detections']:8d} {r['seconds']:7.2f}"
-                f" {r['seconds'] / r['images'] * 1e3:7.2f} {_fmt_growth(r['growth']):>7s}"
+                f" {r['cpu_s']:7.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}"
+                f" {_fmt_growth(r['growth']):>7s}"
                 f" {r['peak_rss_mb']:8.0f} {r['peak_above_start_mb']:7.0f}  {phases}"
             )
     if results.get("ram"):
@@ -696,7 +709,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                     r = best_of(args.repeat, lambda spec=spec: run_child(spec), _seconds)
                     results["scan"].append(r)
                     print(f"scan {n} {phase}: {r['seconds']:.1f} s", file=sys.stderr)
-            growth(results["scan"], "seconds", "images", ("phase",))
+            growth(results["scan"], "cpu_s", "images", ("phase",))
         for n in sorted(set(args.eval_sizes)):
             spec = {**common, "n": n, "dets_per_image": args.dets_per_image}
             if "eval" in args.only:
@@ -715,8 +728,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 )
                 results["gather"] += rows
                 print(f"gather {n}: {max(r['seconds'] for r in rows):.1f} s", file=sys.stderr)
-        growth(results["eval"], "seconds", "images", ("what",))
-        growth(results["gather"], "seconds", "images", ("rank",))
+        growth(results["eval"], "cpu_s", "images", ("what",))
+        growth(results["gather"], "cpu_s", "images", ("rank",))
         if "ram" in args.only:
             images = make_ram_dataset(work / "ram", args.ram_images)
             for size in args.ram_sizes:
