@@ -11,6 +11,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from conftest import CountingArray
 from torch.utils.data import DataLoader
 
 from build_utils import atomic as atomic_mod
@@ -421,31 +422,15 @@ def test_rect_batch_shapes_equal_the_per_batch_rule(n, batch_size):
     )
 
 
-class _CountingArray(np.ndarray):
-    """An array that counts the elements each numpy operation on it reads (ufuncs, reductions
-    and indexing), so that an algorithm's passes over its input are counted, not timed."""
-
-    read = 0
-
-    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
-        _CountingArray.read += sum(np.size(x) for x in inputs if isinstance(x, _CountingArray))
-        plain = [x.view(np.ndarray) if isinstance(x, _CountingArray) else x for x in inputs]
-        return getattr(ufunc, method)(*plain, **kwargs)
-
-    def __getitem__(self, key):
-        _CountingArray.read += np.size(key) if isinstance(key, np.ndarray) else 1
-        return self.view(np.ndarray)[key]
-
-
 def test_rect_batch_shapes_read_the_ratios_a_few_times_not_once_per_batch(monkeypatch):
     # 100k images in batches of 16 took 0.5 s (a mask over all images per batch: quadratic);
     # 4,096 images in batches of 2 would read 2,048 x 4,096 elements that way.
     n = 4096
-    aspect = np.linspace(0.5, 2.0, n).view(_CountingArray)
-    monkeypatch.setattr(_CountingArray, "read", 0)
+    aspect = np.linspace(0.5, 2.0, n).view(CountingArray)
+    monkeypatch.setattr(CountingArray, "read", 0)
     shapes = rect_batch_shapes(aspect, 2)
     assert shapes.shape == (n // 2, 2)
-    assert 0 < _CountingArray.read <= 8 * n
+    assert 0 < CountingArray.read <= 8 * n
 
 
 def test_labels_follow_their_images_in_every_order(tmp_path):
