@@ -35,7 +35,7 @@ others were.
 
 Usage, from the repository root::
 
-    python bench/bench_scale.py --json scale.json            # ~12 CPU-minutes, 5.2 GB peak
+    python bench/bench_scale.py --json scale.json            # ~7 CPU-minutes, 5.2 GB peak
     python bench/bench_scale.py --scan-sizes 1000 10000 --eval-sizes 200 1000   # smaller
     python bench/bench_scale.py --only eval gather           # some of the measurements
 
