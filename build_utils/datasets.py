@@ -207,6 +207,33 @@ def worker_init_fn(worker_id: int) -> None:
     cv2.setNumThreads(0)
 
 
+def rect_batch_shapes(aspect: np.ndarray, batch_size: int) -> np.ndarray:
+    """Letterbox shape of each rect batch as ``(h, w)`` fractions of the long side.
+
+    Args:
+        aspect: ``(N,)`` h / w of the images in dataset order (sorted ascending for rect);
+            batch ``i`` is images ``i * batch_size ... (i + 1) * batch_size - 1``.
+
+    Returns:
+        ``(ceil(N / batch_size), 2)``: ``(max h/w, 1)`` for a batch of wide images (all h < w),
+        ``(1, 1 / min h/w)`` for one of tall images, ``(1, 1)`` for a mixed one.
+
+    One pass over ``aspect`` (``reduceat`` over the batches' starts): a mask per batch costs
+    ``N / batch_size`` passes over all N images, 0.5 s at 100k images and minutes at 1M.
+    """
+    aspect = np.asanyarray(aspect, dtype=np.float64)
+    starts = np.arange(0, len(aspect), batch_size)
+    shapes = np.ones((len(starts), 2))
+    if not len(aspect):
+        return shapes
+    lo = np.minimum.reduceat(aspect, starts)
+    hi = np.maximum.reduceat(aspect, starts)
+    wide, tall = hi < 1, lo > 1
+    shapes[wide, 0] = hi[wide]
+    shapes[tall, 1] = 1 / lo[tall]
+    return shapes
+
+
 # ---------------------------------------------------------------------------------------------
 # Dataset
 
@@ -413,16 +440,7 @@ class LoadImagesAndLabels(Dataset):
         self.label_files = [self.label_files[i] for i in order]
         self.labels = [self.labels[i] for i in order]
         self.shapes = self.shapes[order]
-        ar = ar[order]
-        nb = int(self.batch[-1]) + 1
-        shapes = np.ones((nb, 2))
-        for i in range(nb):
-            ari = ar[self.batch == i]
-            lo, hi = ari.min(), ari.max()
-            if hi < 1:
-                shapes[i] = [hi, 1]
-            elif lo > 1:
-                shapes[i] = [1, 1 / lo]
+        shapes = rect_batch_shapes(ar[order], self.batch_size)
         self.batch_shapes = (
             np.ceil(shapes * self.img_size / GRID + self.pad).astype(np.int64) * GRID
         )

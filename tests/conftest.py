@@ -25,6 +25,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from cuda_marker import pytest_runtest_setup  # noqa: F401 (the cuda marker's hook)
@@ -324,3 +325,20 @@ def console(capsys):
     _drop_console_handlers()
     yield capsys
     _drop_console_handlers()
+
+
+class CountingArray(np.ndarray):
+    """An array that counts the elements numpy operations on it read (ufuncs, reductions and
+    fancy indexing) in the class attribute ``read``, so that a test can check how many passes an
+    algorithm makes over its input (not quadratic on a small input) instead of timing it."""
+
+    read = 0
+
+    def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
+        CountingArray.read += sum(np.size(x) for x in inputs if isinstance(x, CountingArray))
+        plain = [x.view(np.ndarray) if isinstance(x, CountingArray) else x for x in inputs]
+        return getattr(ufunc, method)(*plain, **kwargs)
+
+    def __getitem__(self, key):
+        CountingArray.read += np.size(key) if isinstance(key, np.ndarray) else 1
+        return self.view(np.ndarray)[key]

@@ -153,3 +153,61 @@ def test_bench_shared_cores_times_each_policy_idle_and_busy(tmp_path):
     assert [(r["variant"], r["busy"]) for r in rows] == [("fixed1", False), ("fixed1", True)]
     assert all(r["steps"] >= 1 and r["median_s"] > 0 for r in rows)
     assert rows[0]["threads"] == rows[1]["threads"] == [1]  # YOLO_THREADS=1 reached the child
+def test_bench_scale_measures_scan_and_ram_cache(tmp_path):
+    out = tmp_path / "scale.json"
+    proc = _bench(
+        "bench_scale.py",
+        "--only",
+        "scan",
+        "ram",
+        "--scan-sizes",
+        "12",
+        "--ram-sizes",
+        "64",
+        "--ram-images",
+        "3",
+        "--json",
+        str(out),
+    )
+    result = json.loads(out.read_text())
+    # A cold scan checks every file and writes the cache; the warm start reads it.
+    assert [(r["phase"], r["images"]) for r in result["scan"]] == [("cold", 12), ("warm", 12)]
+    cold, warm = result["scan"]
+    assert "build_label_cache" in cold["phases_s"] and "build_label_cache" not in warm["phases_s"]
+    assert cold["cache_bytes"] == warm["cache_bytes"] > 0
+    assert cold["objects"] == warm["objects"]
+    assert cold["cpu_s"] > 0 and cold["growth"] is None  # one size: nothing to compare
+    (ram,) = result["ram"]
+    # COCO-sized images (640 x 480 and the like) cached with their long side at 64 px.
+    assert ram["hw3_bytes_per_image"] == ram["array_bytes_per_image"] <= 64 * 64 * 3
+    assert "Label scan and cache" in proc.stdout and "RAM image cache" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_scale_scores_and_gathers_every_rank_to_rank_0(tmp_path):
+    out = tmp_path / "eval.json"
+    _bench(
+        "bench_scale.py",
+        "--only",
+        "eval",
+        "gather",
+        "--eval-sizes",
+        "5",
+        "--dets-per-image",
+        "4",
+        "--backends",
+        "pycocotools",
+        "--json",
+        str(out),
+    )
+    result = json.loads(out.read_text())
+    assert [(r["what"], r["detections"]) for r in result["eval"]] == [
+        ("metrics", 20),
+        ("pycocotools", 20),
+    ]
+    assert all(0 <= r["mAP50"] <= 1 for r in result["eval"])
+    rows = result["gather"]
+    assert [r["rank"] for r in rows] == [0, 1]
+    # 5 images sharded 3 + 2: rank 0 gets all 20 detections, rank 1 none.
+    assert [r["local_detections"] for r in rows] == [12, 8]
+    assert [r["gathered_detections"] for r in rows] == [20, 0]

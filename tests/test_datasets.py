@@ -11,12 +11,13 @@ import cv2
 import numpy as np
 import pytest
 import torch
+from conftest import CountingArray
 from torch.utils.data import DataLoader
 
 from build_utils import atomic as atomic_mod
 from build_utils import image_cache as cache_mod
 from build_utils import labels as labels_mod
-from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
+from build_utils.datasets import LoadImagesAndLabels, rect_batch_shapes, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import exif_orientation, orient_boxes, oriented_size
 
@@ -399,6 +400,37 @@ def test_rect_batches_sorted_by_aspect_ratio(tmp_path):
     np.testing.assert_array_equal(padded.batch_shapes, [[96, 160], [160, 160], [160, 128]])
     batch = LoadImagesAndLabels.collate_fn([d[4], d[5]])
     assert batch[0].shape == (2, 3, 128, 96)
+
+
+def _rect_shapes_per_batch(aspect: np.ndarray, batch_size: int) -> np.ndarray:
+    """The lineage's rule, batch by batch: the reference for rect_batch_shapes."""
+    out = []
+    for start in range(0, len(aspect), batch_size):
+        part = aspect[start : start + batch_size]
+        lo, hi = part.min(), part.max()
+        out.append([hi, 1] if hi < 1 else [1, 1 / lo] if lo > 1 else [1, 1])
+    return np.array(out, dtype=np.float64).reshape(-1, 2)
+
+
+@pytest.mark.parametrize("n, batch_size", [(1, 4), (7, 3), (64, 8), (101, 16)])
+def test_rect_batch_shapes_equal_the_per_batch_rule(n, batch_size):
+    rng = np.random.default_rng(n)
+    # Sorted h/w with wide, square and tall batches, ties at exactly 1, and a ragged last batch.
+    aspect = np.sort(np.concatenate((rng.uniform(0.3, 3.0, n - n // 4), np.ones(n // 4))))
+    np.testing.assert_array_equal(
+        rect_batch_shapes(aspect, batch_size), _rect_shapes_per_batch(aspect, batch_size)
+    )
+
+
+def test_rect_batch_shapes_read_the_ratios_a_few_times_not_once_per_batch(monkeypatch):
+    # 100k images in batches of 16 took 0.5 s (a mask over all images per batch: quadratic);
+    # 4,096 images in batches of 2 would read 2,048 x 4,096 elements that way.
+    n = 4096
+    aspect = np.linspace(0.5, 2.0, n).view(CountingArray)
+    monkeypatch.setattr(CountingArray, "read", 0)
+    shapes = rect_batch_shapes(aspect, 2)
+    assert shapes.shape == (n // 2, 2)
+    assert 0 < CountingArray.read <= 8 * n
 
 
 def test_labels_follow_their_images_in_every_order(tmp_path):

@@ -10,6 +10,7 @@ import logging
 
 import numpy as np
 import pytest
+from conftest import CountingArray
 from pycocotools.coco import COCO
 from pycocotools.cocoeval import COCOeval
 
@@ -23,6 +24,7 @@ from train_utils.evaluation.error_breakdown import (
     LOC,
     MAIN_ERRORS,
     MISSED,
+    _mean_ap,
     error_breakdown,
     report_errors,
 )
@@ -223,3 +225,17 @@ def test_nothing_detected(tmp_path):
     assert np.isnan(b.dap[MISSED])
     assert f"{MISSED:>16s}       1      -" in b.format()
     assert json.loads(json.dumps(b.to_dict()))["errors"][MISSED]["dAP"] is None
+
+
+def test_mean_ap_reads_the_detections_a_few_times_not_once_per_class(monkeypatch):
+    # COCO at conf 0.001: 1.5M detections of 80 classes, and TIDE's AP runs 9 times; a mask per
+    # class read 80 x N elements per run (1.3-1.4x the CPU per image at 5k images than at 1k).
+    n, nc = 4000, 80
+    rng = np.random.default_rng(0)
+    cls = rng.integers(0, nc, n).view(CountingArray)
+    score = rng.random(n)
+    tp = rng.random(n) < 0.3
+    monkeypatch.setattr(CountingArray, "read", 0)
+    ap = _mean_ap(cls, score, tp, {c: 10 for c in range(nc)})
+    assert 0 < ap <= 100
+    assert 0 < CountingArray.read <= 4 * n

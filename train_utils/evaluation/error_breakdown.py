@@ -254,17 +254,23 @@ def _mean_ap(
     """TIDE's mAP (points): per class, AP of the detections in the given order sorted stably by
     score, with ``n_gt[c]`` labels (AP 0 without labels); averaged over the classes that have
     labels or detections."""
+    # One stable sort by class, then by decreasing score: each class is a slice in the order its
+    # own stable score sort gives (equal scores keep the given order), read with one pass over
+    # the detections instead of a mask over all of them per class (80 x N, 9 calls at COCO).
+    order = np.lexsort((-score, cls))
+    by_class, hits_all = cls[order], tp[order]
+    present = np.unique(by_class)
+    starts = dict(zip(present.tolist(), np.searchsorted(by_class, present, "left").tolist()))
+    ends = dict(zip(present.tolist(), np.searchsorted(by_class, present, "right").tolist()))
     aps = []
-    for c in sorted(set(n_gt) | set(cls.tolist())):
-        mine = cls == c
+    for c in sorted(set(n_gt) | set(present.tolist())):
         labelled = n_gt.get(c, 0)
-        if not mine.any() and labelled == 0:
+        if c not in starts and labelled == 0:
             continue  # TIDE's empty class: neither labels nor detections
         if labelled == 0:
             aps.append(0.0)
             continue
-        order = np.argsort(-score[mine], kind="stable")
-        hits = tp[mine][order]
+        hits = hits_all[starts.get(c, 0) : ends.get(c, 0)]
         n_tp = np.cumsum(hits)
         precision = n_tp / np.arange(1, len(hits) + 1)
         aps.append(compute_ap(n_tp / labelled, precision) * 100)
