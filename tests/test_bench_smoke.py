@@ -153,6 +153,8 @@ def test_bench_shared_cores_times_each_policy_idle_and_busy(tmp_path):
     assert [(r["variant"], r["busy"]) for r in rows] == [("fixed1", False), ("fixed1", True)]
     assert all(r["steps"] >= 1 and r["median_s"] > 0 for r in rows)
     assert rows[0]["threads"] == rows[1]["threads"] == [1]  # YOLO_THREADS=1 reached the child
+
+
 def test_bench_scale_measures_scan_and_ram_cache(tmp_path):
     out = tmp_path / "scale.json"
     proc = _bench(
