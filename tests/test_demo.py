@@ -4,6 +4,7 @@ target, and a whole budgeted run on tiny data through train, validation and pred
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -63,11 +64,13 @@ def test_first_crossing_reads_the_elapsed_time(tmp_path: Path) -> None:
 def test_demo_on_given_data_runs_within_its_budget(make_shapes_data, tmp_path, capsys) -> None:
     data = make_shapes_data(n_train=20, n_val=4)  # one batch of 16 (the recipe drops the rest)
     out = tmp_path / "run"
-    assert demo.main(["--data", str(data), "--time-budget", "0.25", "--output-dir", str(out)]) == 0
+    argv = ["--data", str(data), "--time-budget", "0.25", "--output-dir", str(out), "--amp", "off"]
+    assert demo.main(argv) == 0
     printed = capsys.readouterr().out
     assert "mAP@0.5 =" in printed and "mAP@0.5 >= 0.85:" in printed
     args = (out / "args.yaml").read_text()
     assert "time_budget: 0.25" in args and "autoanchor: true" in args
+    assert re.search(r"^amp: '?off'?$", args, re.M)  # --amp reached train.py
     stats = json.loads((out / "val_stats.json").read_text())
     assert 0.0 <= stats["mAP50"] <= 1.0
     assert len(list((out / "predictions").glob("*.jpg"))) == 4

@@ -41,6 +41,7 @@ from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import HelpFormatter, run_main, setup_console_logging  # noqa: E402
 from train_utils.config import build_config, get_args_parser, load_data_config  # noqa: E402
 from train_utils.distributed.devices import select_device  # noqa: E402
+from train_utils.distributed.precision import AMP_CHOICES  # noqa: E402
 from train_utils.distributed.process_group import DistInfo  # noqa: E402
 from train_utils.reporting import read_results  # noqa: E402
 from train_utils.trainer import run  # noqa: E402
@@ -174,7 +175,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--epochs", type=int, default=None, help="train this many epochs instead of a budget"
     )
-    parser.add_argument("--amp", action="store_true", help="mixed precision (bf16 on CPU)")
+    parser.add_argument(
+        "--amp",
+        nargs="?",
+        const="on",
+        default=None,
+        choices=AMP_CHOICES,
+        help="train.py --amp (default: its auto: bf16 on a CPU with bf16 arithmetic where timed "
+        "faster, else fp32; off to compare)",
+    )
     args = parser.parse_args(argv)
     setup_console_logging()
 
@@ -195,8 +204,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             flags["--time-budget"] = str(args.time_budget)
         train_argv = [x for kv in flags.items() for x in kv] + switches
-        if args.amp:
-            train_argv.append("--amp")
+        if args.amp is not None:
+            train_argv += ["--amp", args.amp]
         logger.info("training: python train.py %s", " ".join(train_argv))
         config = build_config(get_args_parser().parse_args(train_argv))
         device = select_device(config.device)
