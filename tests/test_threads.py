@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_training, train_argv
 
 from build_utils.errors import ConfigError
 from train_utils import threads
@@ -196,3 +197,13 @@ def test_yolo_threads_fixes_the_count(monkeypatch) -> None:
     monkeypatch.setenv("YOLO_THREADS", "auto")
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     assert ThreadController.for_device(torch.device("cuda")) is None  # CPU runs only
+
+
+def test_a_bad_yolo_threads_stops_a_run_before_it_writes_anything(
+    monkeypatch, make_shapes_data, tmp_path
+) -> None:
+    data = make_shapes_data(n_train=2, n_val=1)
+    monkeypatch.setenv("YOLO_THREADS", "many")
+    with pytest.raises(ConfigError, match="YOLO_THREADS='many'"):
+        run_training(train_argv(data, tmp_path / "run", img=64, batch=2))
+    assert not (tmp_path / "run").exists()

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
 import sys
 import time
@@ -103,7 +104,7 @@ from train_utils.reporting import (
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
 from train_utils.stop_signals import StopSignals
-from train_utils.threads import adapt_threads
+from train_utils.threads import adapt_threads, fixed_thread_count
 
 logger = logging.getLogger(__name__)
 
@@ -192,6 +193,8 @@ def seed_all(seed: int) -> None:
 def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     """Train according to ``config`` on this process's share of the work (see module docstring)."""
     t_start = time.time()
+    # A bad YOLO_THREADS stops the run before it claims (and leaves behind) a run folder.
+    fixed_thread_count(os.environ)
     claim, log_handler, error = None, None, None
     if dist.is_main:
         try:
