@@ -179,8 +179,8 @@ def choose_channels_last(
 
 # bf16 may cost accuracy per epoch: emulated on the demo recipe it needed ~1.17x the epochs to
 # reach mAP@0.5 0.85 and ended 0.01-0.03 lower at equal epochs (within the seed spread on a
-# harder set; bench/README.md "bf16 on the CPU by default"). So it pays only where its step is faster by more than that, with a margin for the
-# noise of two short timed steps.
+# harder set; bench/README.md "bf16 on the CPU by default"). So it pays only where its step is
+# faster by more than that, with a margin for the noise of two short timed steps.
 BF16_MIN_SPEEDUP = 1.25
 
 
