@@ -84,7 +84,7 @@ from train_utils.distributed.devices import select_device
 from train_utils.distributed.precision import autocast_context, replay_precision, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
 from train_utils.evaluation.plots import class_colour, write_image
-from train_utils.threads import adapt_threads
+from train_utils.threads import adapt_threads, fixed_thread_count
 
 logger = logging.getLogger("predict")
 
@@ -713,6 +713,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
+        # A bad YOLO_THREADS is reported before anything is loaded (as train.py does).
+        fixed_thread_count(os.environ)
         check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
         check_at_least(
             {

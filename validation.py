@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -107,6 +108,7 @@ from train_utils.evaluation.exports import (
 from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import write_eval_report
 from train_utils.evaluation.speed import measure_speed
+from train_utils.threads import fixed_thread_count
 
 logger = logging.getLogger("validation")
 
@@ -348,6 +350,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
+        # A bad YOLO_THREADS is reported before anything is loaded (as train.py does).
+        fixed_thread_count(os.environ)
         requested = project_folder(args, "--save-dir", DEFAULT_SAVE_DIR)
         if requested is None and "save_dir" not in getattr(args, "given", ()):
             # No folder named at all: YOLOv5's runs/val/exp, exp2, ..., so that a second

@@ -207,3 +207,26 @@ def test_a_bad_yolo_threads_stops_a_run_before_it_writes_anything(
     with pytest.raises(ConfigError, match="YOLO_THREADS='many'"):
         run_training(train_argv(data, tmp_path / "run", img=64, batch=2))
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", ["validation", "predict"])
+def test_a_bad_yolo_threads_stops_validation_and_predict_before_they_load(
+    script, monkeypatch, tmp_path, capsys
+) -> None:
+    # The weights and the source do not exist: the YOLO_THREADS line must come first, and no
+    # output folder may be left behind.
+    module = __import__(script)
+    missing = str(tmp_path / "missing.pt")
+    out = tmp_path / "out"
+    if script == "validation":
+        argv = ["--weights", missing, "--data", str(tmp_path / "x.data"), "--save-dir", str(out)]
+    else:
+        argv = ["--weights", missing, "--source", str(tmp_path / "none"), "--output", str(out)]
+    monkeypatch.setenv("YOLO_THREADS", "0")
+    assert module.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: YOLO_THREADS='0': expected auto or a positive integer"]
+    assert not out.exists()
+    monkeypatch.setenv("YOLO_THREADS", "2")  # a good value: the next error is the missing file
+    assert module.main(argv) == 2
+    assert "YOLO_THREADS" not in capsys.readouterr().err
