@@ -20,14 +20,15 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 import csv
 import json
 import logging
-import subprocess
 import sys
+import time
 from collections.abc import Mapping
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import warm_python
 from cuda_marker import pytest_runtest_setup  # noqa: F401 (the cuda marker's hook)
 
 from data.make_shapes import make_dataset
@@ -145,14 +146,8 @@ def validate_run(data: Path, out: Path, tmp_path: Path, img: int = 64) -> dict[s
     stats = tmp_path / "stats.json"
     argv = validation_argv(out / "model.cfg", data, out / "last.pt", img=img)
     argv += ["--save-dir", str(tmp_path / "val"), "--json-out", str(stats)]
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "validation.py"), *argv],
-        cwd=REPO_ROOT,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    cmd = [sys.executable, str(REPO_ROOT / "validation.py"), *argv]
+    proc = warm_python.run(cmd, cwd=REPO_ROOT, env=script_env(), timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(stats.read_text())
 
@@ -205,22 +200,21 @@ def run_pair(
     """Start one process per command at once (from the repository root) and fail with their
     output if any fails."""
     procs = [
-        subprocess.Popen(
-            cmd, env=env, cwd=REPO_ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
+        warm_python.start(cmd, cwd=REPO_ROOT, env=env)
         for cmd, env in zip(commands, envs, strict=True)
     ]
-    outputs = []
+    deadline = time.monotonic() + timeout
     try:
         for p in procs:
-            outputs.append(p.communicate(timeout=timeout))
+            p.wait(max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
-    for p, (stdout, stderr) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, f"{p.args} failed:\n{stdout.decode()}\n{stderr.decode()}"
+    for p in procs:
+        stdout, stderr = p.output()
+        assert p.returncode == 0, f"{p.args} failed:\n{stdout}\n{stderr}"
 
 
 # ---------------------------------------------------------------- fixtures

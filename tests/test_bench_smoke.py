@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import warm_python
 
 REPO = Path(__file__).resolve().parents[1]
 NANO = str(REPO / "cfg" / "yolov3-spp-nano.cfg")
@@ -19,14 +20,8 @@ NANO = str(REPO / "cfg" / "yolov3-spp-nano.cfg")
 
 def _bench(script: str, *args: str, timeout: float = 300) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, str(REPO / "bench" / script), *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    argv = [sys.executable, str(REPO / "bench" / script), *args]
+    proc = warm_python.run(argv, cwd=REPO, env=env, timeout=timeout)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import (
     read_results,
     script_env,
@@ -89,10 +90,9 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
     common = validation_argv(
         out / "model.cfg", shapes_data, out / "last.pt", "--conf-thres", "0.001", batch=2
     )
-    single = subprocess.run(
+    single = _python(
+        "validation.py",
         [
-            sys.executable,
-            str(REPO / "validation.py"),
             *common,
             "--json-out",
             str(tmp_path / "single.json"),
@@ -101,11 +101,6 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
             "--save-json",
             str(tmp_path / "single"),
         ],
-        cwd=REPO,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
     )
     assert single.returncode == 0, single.stderr[-2000:]
     multi = _torchrun(
@@ -184,32 +179,16 @@ def test_killed_worker_is_restarted_and_the_run_completes(make_shapes_data, tmp_
 
 
 def test_plain_python_launch_runs_single_process_with_a_hint(shapes_data, tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "train_multi_GPU.py"),
-            *train_argv(shapes_data, tmp_path / "plain"),
-        ],
-        cwd=REPO,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    proc = _python("train_multi_GPU.py", train_argv(shapes_data, tmp_path / "plain"))
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "torchrun --nproc_per_node" in proc.stderr
     assert torch.load(tmp_path / "plain" / "last.pt", weights_only=True)["epoch"] == 0
 
 
 def _python(script: str, args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(REPO / script), *args],
-        cwd=REPO,
-        env=script_env(),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    """``python <script> args`` from the repository root (forked warm: tests/warm_python.py)."""
+    argv = [sys.executable, str(REPO / script), *args]
+    return warm_python.run(argv, cwd=REPO, env=script_env(), timeout=300)
 
 
 def test_resume_on_another_number_of_processes(make_shapes_data, tmp_path):
@@ -248,20 +227,32 @@ def test_resume_on_another_number_of_processes(make_shapes_data, tmp_path):
 # ---- clusters, emulated on this machine: two "nodes" of one process each, and SLURM --------
 
 
-def _popen(cmd: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def _popen(
+    cmd: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen | warm_python.WarmProcess:
+    """``cmd`` started from the repository root, stderr into stdout: a launcher (torchrun) as a
+    process of its own, a script forked warm (tests/warm_python.py)."""
+    env = env or script_env()
+    if cmd[1].endswith(".py"):
+        return warm_python.start(cmd, cwd=REPO, env=env, merge_stderr=True)
     return subprocess.Popen(
-        cmd,
-        cwd=REPO,
-        env=env or script_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+        cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
 
 
-def _finish(procs: list[subprocess.Popen], timeout: float = 400) -> list[str]:
+def _finish(
+    procs: list[subprocess.Popen | warm_python.WarmProcess], timeout: float = 400
+) -> list[str]:
+    deadline = time.monotonic() + timeout
+    logs = []
     try:
-        logs = [p.communicate(timeout=timeout)[0] for p in procs]
+        for p in procs:
+            left = max(0.0, deadline - time.monotonic())
+            if isinstance(p, warm_python.WarmProcess):
+                p.wait(left)
+                logs.append(p.output()[0])
+            else:
+                logs.append(p.communicate(timeout=left)[0])
     finally:
         for p in procs:
             if p.poll() is None:
@@ -420,30 +411,19 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank(make_shapes_dat
             SLURMD_NODENAME=f"node{rank}",
         )
         flags = train_argv(data, tmp_path / f"out{rank}", epochs=2, img=64)
-        procs.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    str(REPO / "train_multi_GPU.py"),
-                    *flags,
-                    "--resume",
-                    str(resume),
-                    "--dist-timeout",
-                    "120",
-                ],
-                cwd=REPO,
-                env=env,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-        )
+        argv = [sys.executable, str(REPO / "train_multi_GPU.py"), *flags]
+        argv += ["--resume", str(resume), "--dist-timeout", "120"]
+        procs.append(warm_python.start(argv, cwd=REPO, env=env))
+    deadline = time.monotonic() + 100
     try:
-        results = [p.communicate(timeout=100) for p in procs]
+        for p in procs:
+            p.wait(max(0.0, deadline - time.monotonic()))
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+                p.wait()
+    results = [p.output() for p in procs]
     errors = [
         [line for line in err.splitlines() if line.startswith("error:")] for _, err in results
     ]

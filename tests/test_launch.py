@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import read_results, script_env, train_argv, validate_run
 
 import train
@@ -126,14 +127,8 @@ def _spawn(args: list[str], timeout: float = 120) -> subprocess.CompletedProcess
     env = script_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID"):
         env.pop(key, None)
-    return subprocess.run(
-        [sys.executable, str(REPO / "train_multi_GPU.py"), "--nproc-per-node", "2", *args],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+    cmd = [sys.executable, str(REPO / "train_multi_GPU.py"), "--nproc-per-node", "2", *args]
+    return warm_python.run(cmd, cwd=REPO, env=env, timeout=timeout)
 
 
 @pytest.mark.slow

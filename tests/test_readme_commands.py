@@ -47,6 +47,7 @@ from pathlib import Path
 
 import cv2
 import pytest
+import warm_python
 
 from data.make_shapes import make_dataset
 from train_utils.distributed.launch import free_port
@@ -327,6 +328,10 @@ def _env() -> dict[str, str]:
 
 
 def _subprocess(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
+    """``argv`` run in ``cwd``; a ``python script.py`` command forked from a warm interpreter
+    (tests/warm_python.py: the same run without the seconds of importing torch)."""
+    if argv[0] == sys.executable and argv[1].endswith(".py"):
+        return warm_python.run(argv, cwd=cwd, env=_env(), timeout=TIMEOUT_S)
     return subprocess.run(
         argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
     )

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import rank_envs, run_pair, train_argv, worker_cmd
 
 from build_utils.errors import CheckpointError
@@ -55,15 +56,8 @@ def _train(tmp: Path, data: Path, out: Path, *extra: str, **rel: str) -> tuple[i
     """One training process (the hook's wrapper when ``rel`` names a point); status and output."""
     cmd = worker_cmd("interrupted_train") if rel else [sys.executable, str(REPO / "train.py")]
     env = _env(tmp, **(rel or {"point": "none", "marker": tmp / "unused"}))
-    proc = subprocess.run(
-        [*cmd, *train_argv(data, out, *extra, **RUN)],
-        cwd=tmp,
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        timeout=300,
-    )
+    argv = [*cmd, *train_argv(data, out, *extra, **RUN)]
+    proc = warm_python.run(argv, cwd=tmp, env=env, timeout=300, merge_stderr=True)
     return proc.returncode, proc.stdout
 
 
@@ -163,14 +157,8 @@ def test_sigusr1_stops_between_batches_with_status_75_and_resumes_exactly(refere
     # Parked after the first batch of epoch 0 (of 2), long enough for the signal to come; the
     # park goes on after it (the handler only asks), then the run stops before epoch 1.
     env = _env(tmp_path, point="park-mid-epoch", marker=marker, epoch=0, park_s=PARK_S)
-    with (tmp_path / "usr1.log").open("w") as f:
-        proc = subprocess.Popen(
-            [*worker_cmd("interrupted_train"), *train_argv(data, out, **RUN)],
-            cwd=tmp_path,
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-        )
+    argv = [*worker_cmd("interrupted_train"), *train_argv(data, out, **RUN)]
+    proc = warm_python.start(argv, cwd=tmp_path, env=env, merge_stderr=True)
     try:
         deadline = time.monotonic() + 240
         while not marker.exists() and proc.poll() is None and time.monotonic() < deadline:
@@ -181,7 +169,7 @@ def test_sigusr1_stops_between_batches_with_status_75_and_resumes_exactly(refere
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    log = (tmp_path / "usr1.log").read_text()
+    log = proc.output()[0]
     assert marker.exists() and code == EXIT_STOPPED, log[-3000:]
     assert "Traceback" not in log
     assert "stopped: SIGUSR1 (stop requested) in epoch 1 before batch 0/2" in log

@@ -12,7 +12,6 @@ from __future__ import annotations
 import ast
 import logging
 import os
-import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import train_argv, validation_argv
 
 import predict
@@ -456,17 +456,10 @@ def test_cfg_classes_disagreeing_with_the_data_are_rewritten_not_fatal(env, capl
 def test_entry_point_process_exits_2_with_one_line(env, tmp_path):
     """The same contract at the process level: exit status 2, stderr exactly one line."""
     out = tmp_path / "run"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "train.py"),
-            *train_argv(env["data"], out, hyp=env["hyp_unknown"]),
-        ],
-        cwd=tmp_path,
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
-        capture_output=True,
-        text=True,
-        timeout=120,
+    argv = [sys.executable, str(REPO / "train.py")]
+    argv += train_argv(env["data"], out, hyp=env["hyp_unknown"])
+    proc = warm_python.run(
+        argv, cwd=tmp_path, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=120
     )
     line = _line_of(env["hyp_unknown"], "lr_0")
     assert proc.returncode == 2 and proc.stdout == ""

@@ -17,7 +17,6 @@ import os
 import re
 import shutil
 import struct
-import subprocess
 import sys
 import time
 import tracemalloc
@@ -27,6 +26,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
+import warm_python
 from conftest import train_argv, validation_argv
 from torch import nn
 
@@ -259,7 +259,7 @@ def bad_run(tmp_path_factory):
     argv = train_argv(root / "bad.data", out, "--weights", str(weights), batch=8, nbs=8, img=64)
     cmd = [sys.executable, str(REPO / "train.py"), *argv]
     # cwd = the corpus: a shell-expanded name would create 'pwned' right here.
-    proc = subprocess.run(cmd, cwd=root, env=_env(), capture_output=True, text=True, timeout=300)
+    proc = warm_python.run(cmd, cwd=root, env=_env(), timeout=300)
     # Read now: later tests run tools that rebuild these files with other settings.
     expect["report"] = (root / "train.cache_report.txt").read_text(encoding="utf-8")
     expect["val_report"] = (root / "val.cache_report.txt").read_text(encoding="utf-8")

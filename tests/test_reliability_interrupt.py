@@ -15,12 +15,12 @@ from __future__ import annotations
 import csv
 import os
 import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
+import warm_python
 from conftest import train_argv, worker_cmd
 
 import train as train_script
@@ -60,16 +60,8 @@ class Run:
             REL_PARK_S=str(PARK_SECONDS),
         )
         cmd = worker_cmd("interrupted_train") if point else [sys.executable, str(REPO / "train.py")]
-        # Output to a file, not a pipe: nobody reads a pipe while the process runs.
-        self.log = tmp / f"{self.marker.name}.log"
-        with self.log.open("w") as log:
-            self.proc = subprocess.Popen(
-                [*cmd, *train_argv(data, out, *extra, **RUN)],
-                cwd=tmp,
-                env=env,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
+        argv = [*cmd, *train_argv(data, out, *extra, **RUN)]
+        self.proc = warm_python.start(argv, cwd=tmp, env=env, merge_stderr=True)
 
     def wait_for_marker(self, timeout: float = 240) -> None:
         deadline = time.monotonic() + timeout
@@ -77,7 +69,7 @@ class Run:
             if self.proc.poll() is not None:
                 raise AssertionError(
                     f"exited {self.proc.returncode} before the kill point:\n"
-                    f"{self.log.read_text()[-3000:]}"
+                    f"{self.proc.output()[0][-3000:]}"
                 )
             assert time.monotonic() < deadline, "the kill point was never reached"
             time.sleep(0.1)
@@ -90,7 +82,7 @@ class Run:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
-        return self.proc.returncode, self.log.read_text(encoding="utf-8")
+        return self.proc.returncode, self.proc.output()[0]
 
 
 def _assert_resumable(out: Path, epoch: int, rows: list[int]) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import LAUNCH_VARS, REPO_ROOT, read_results, run_training, script_env, train_argv
 
 import train as train_script
@@ -259,7 +260,7 @@ def test_under_ddp_a_refusal_stops_every_rank(make_shapes_data, tmp_path, sleepe
     env = {k: v for k, v in script_env().items() if k not in LAUNCH_VARS}
     cmd = [sys.executable, str(REPO / "train_multi_GPU.py"), "--nproc-per-node", "2"]
     cmd += train_argv(data, run, img=IMG)
-    proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180)
+    proc = warm_python.run(cmd, cwd=tmp_path, env=env, timeout=180)
     assert proc.returncode == 2, proc.stderr[-3000:]
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
     assert errors == [

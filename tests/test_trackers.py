@@ -10,13 +10,13 @@ import json
 import logging
 import os
 import struct
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 from conftest import NANO_CFG, REPO_ROOT, read_results, run_training, script_env, train_argv
 
 import train as train_script
@@ -553,14 +553,8 @@ def test_under_ddp_only_rank_0_records(make_shapes_data, tmp_path):
     env = {k: v for k, v in script_env().items() if not k.startswith(("MLFLOW_", "WANDB_"))}
     env.update({f"WANDB_{d}_DIR": str(tmp_path / d) for d in ("DATA", "CACHE", "CONFIG")})
     argv = _flags(data, out, "--tracker", "mlflow", "wandb", "--nproc-per-node", "2")
-    proc = subprocess.run(
-        [sys.executable, str(REPO_ROOT / "train_multi_GPU.py"), *argv],
-        cwd=REPO_ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    cmd = [sys.executable, str(REPO_ROOT / "train_multi_GPU.py"), *argv]
+    proc = warm_python.run(cmd, cwd=REPO_ROOT, env=env, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'runs' / 'mlflow.db'}")
     (run,) = client.search_runs([client.get_experiment_by_name(data.stem).experiment_id])
