@@ -21,7 +21,9 @@ torchrun that start their own interpreters) keep using :mod:`subprocess`.
 from __future__ import annotations
 
 import atexit
+import builtins
 import contextlib
+import importlib.machinery
 import io
 import multiprocessing
 import os
@@ -33,6 +35,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -205,8 +208,8 @@ def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
             script = os.path.abspath(args[0])
             # As the interpreter does: the folder of the script, symbolic links resolved.
             sys.path[:] = [os.path.dirname(os.path.realpath(script)), *python_path, *base]
-            sys.argv = list(args)
-            runpy.run_path(script, run_name="__main__")
+            sys.argv = list(args)  # argv[0] as given; __file__ absolute (Python >= 3.9)
+            _run_as_main(script)
     except SystemExit as e:
         code = _exit_status(e.code)
     except KeyboardInterrupt:
@@ -216,6 +219,19 @@ def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
         sys.excepthook(*sys.exc_info())
         code = 1
     _finish(code)
+
+
+def _run_as_main(script: str) -> None:
+    """Run ``script`` as the interpreter runs ``python script``: in a fresh ``__main__`` module
+    (runpy.run_path would also rewrite sys.argv[0])."""
+    main = types.ModuleType("__main__")
+    loader = importlib.machinery.SourceFileLoader("__main__", script)
+    main.__dict__.update(
+        __file__=script, __cached__=None, __loader__=loader, __spec__=None, __package__=None
+    )
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    exec(compile(Path(script).read_bytes(), script, "exec"), main.__dict__)
 
 
 def _line_buffered(fd: int, errors: str) -> io.TextIOWrapper:
