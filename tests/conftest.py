@@ -3,7 +3,9 @@
 two-rank gloo groups running a worker program of tests/workers/.
 
 Test modules import the helpers with ``from conftest import ...`` (pytest puts tests/ on the
-path); the fixtures need no import.
+path); the fixtures need no import. Scripts that a test runs as processes of their own start
+through ``warm_python`` (forked from an interpreter that has imported torch once: the suite's
+start-up seconds), except launchers such as torchrun and tests about start-up itself.
 """
 
 from __future__ import annotations
