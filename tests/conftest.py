@@ -224,8 +224,13 @@ def run_pair(
 
 @pytest.fixture(autouse=True, scope="session")
 def _few_threads() -> None:
-    # Tests are small; more threads than cores only adds scheduling noise on CI's 2 cores.
-    torch.set_num_threads(min(2, torch.get_num_threads()))
+    # The cores shared out among the pytest workers (PYTEST_XDIST_WORKER_COUNT, set by xdist),
+    # at most 2: with more threads than its share, a step waits for whichever thread the other
+    # workers' processes have descheduled (2.9 s instead of 0.1 s per batch; bench/README.md
+    # "Shared cores"). Tests are small: more threads only add scheduling noise.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    share = max(1, len(os.sched_getaffinity(0)) // workers)
+    torch.set_num_threads(min(2, share, torch.get_num_threads()))
     # A fixed count in this process: the adaptive one (train_utils/threads.py) would follow the
     # other pytest worker's load, and results that tests compare bit for bit depend on it.
     from train_utils import threads

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import warm_python
 import yaml
 from conftest import (
     read_results,
@@ -119,9 +120,14 @@ def _assert_logged_equals_validation(data: Path, out: Path, tmp_path: Path) -> N
 
 
 def _run(cmd: list[str]) -> None:
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300
-    )
+    """``cmd`` from the repository root: torchrun as a process of its own, a script forked warm
+    (tests/warm_python.py)."""
+    if cmd[1].endswith(".py"):
+        proc = warm_python.run(cmd, cwd=REPO, env=script_env(), timeout=300)
+    else:
+        proc = subprocess.run(
+            cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300
+        )
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 

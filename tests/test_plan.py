@@ -158,8 +158,19 @@ def _check_schedule_ended(ckpt: dict, epochs_total: int) -> None:
     assert sched["_last_lr"] == pytest.approx([lr0 * lrf] * len(sched["_last_lr"]))
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread: the budget is wall time, and with two threads on the 2-core CI
+    machine a step waits for whichever thread the other worker's processes have descheduled
+    (2.9 s instead of 0.1 s per batch: one epoch filled the whole budget)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.mark.slow
-def test_time_budget_stops_on_time_and_resumes(shapes_data, tmp_path) -> None:
+def test_time_budget_stops_on_time_and_resumes(shapes_data, tmp_path, one_thread) -> None:
     out = tmp_path / "run"
     t0 = time.time()
     summary = run_training(_budget_flags(shapes_data, out, BUDGET_MIN))
