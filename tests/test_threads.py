@@ -18,8 +18,10 @@ from conftest import run_training, train_argv
 
 from build_utils.errors import ConfigError
 from train_utils import threads
+from train_utils.distributed import launch
 from train_utils.threads import (
     CHECK_INTERVAL_S,
+    MAX_THREADS,
     PROBE_FIRST_S,
     PROBE_MAX_S,
     ThreadController,
@@ -48,6 +50,25 @@ def test_fixed_thread_count(env, expected) -> None:
 def test_a_bad_yolo_threads_is_one_clear_error(bad) -> None:
     with pytest.raises(ConfigError, match=f"YOLO_THREADS={bad!r}: expected auto or a positive"):
         fixed_thread_count({"YOLO_THREADS": bad})
+
+
+@pytest.mark.parametrize("bad", ["\u00b2", "\u0663", "\uff12"])
+def test_digits_other_than_ascii_are_one_clear_error(bad) -> None:
+    # str.isdigit() accepts them; int() refuses '²' with a ValueError (was a traceback).
+    with pytest.raises(ConfigError, match="expected auto or a positive integer"):
+        fixed_thread_count({"YOLO_THREADS": bad})
+    assert fixed_thread_count({"OMP_NUM_THREADS": bad}) is None
+    assert launch.threads_per_process(1, {"OMP_NUM_THREADS": bad}) >= 1
+
+
+@pytest.mark.parametrize("huge", [str(MAX_THREADS + 1), "100000", "9" * 30])
+def test_a_huge_thread_count_is_refused(huge) -> None:
+    # torch.set_num_threads overflowed (a traceback) or OpenMP ran out of memory starting them.
+    with pytest.raises(ConfigError, match=f"YOLO_THREADS={huge!r}: at most {MAX_THREADS}"):
+        fixed_thread_count({"YOLO_THREADS": huge})
+    assert fixed_thread_count({"OMP_NUM_THREADS": huge}) is None  # left to OpenMP
+    assert launch.threads_per_process(1, {"OMP_NUM_THREADS": huge}) <= os.cpu_count()
+    assert fixed_thread_count({"YOLO_THREADS": str(MAX_THREADS)}) == MAX_THREADS
 
 
 def test_run_queue_waits_are_read_per_thread(tmp_path: Path) -> None:

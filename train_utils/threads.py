@@ -46,6 +46,10 @@ CONTENDED_SHARE = 0.25
 FREE_CORE = 0.75
 PROBE_FIRST_S = 20.0
 PROBE_MAX_S = 300.0
+# The most threads a fixed count may ask for: above the hardware threads of the largest
+# two-socket servers (768); OpenMP would try to start every one (YOLO_THREADS=100000 ran out of
+# memory in libgomp).
+MAX_THREADS = 1024
 
 Sample = dict[int, float]  # thread id -> seconds it has waited on a run queue
 
@@ -90,18 +94,32 @@ def read_idle_cpu_seconds(stat: Path = Path("/proc/stat")) -> float | None:
 
 def fixed_thread_count(env: dict[str, str] | os._Environ) -> int | None:
     """The thread count the user fixed: ``YOLO_THREADS=N`` (``auto``, the default, adapts), else
-    ``OMP_NUM_THREADS`` (also set by torchrun), else None.
+    ``OMP_NUM_THREADS`` (also set by torchrun) when it is a count up to :data:`MAX_THREADS`,
+    else None.
 
     Raises:
-        ConfigError: ``YOLO_THREADS`` that is neither ``auto`` nor a positive integer.
+        ConfigError: ``YOLO_THREADS`` that is neither ``auto`` nor a positive integer, or above
+            :data:`MAX_THREADS`.
     """
     value = env.get(THREADS_ENV, "auto").strip()
     if value.lower() != "auto":
-        if not value.isdigit() or int(value) < 1:
+        count = thread_count(value)
+        if count is None:
             raise ConfigError(f"{THREADS_ENV}={value!r}: expected auto or a positive integer")
-        return int(value)
-    omp = env.get("OMP_NUM_THREADS", "").strip()
-    return int(omp) if omp.isdigit() and int(omp) >= 1 else None
+        if count > MAX_THREADS:
+            raise ConfigError(f"{THREADS_ENV}={value!r}: at most {MAX_THREADS} threads")
+        return count
+    count = thread_count(env.get("OMP_NUM_THREADS", ""))
+    return count if count is not None and count <= MAX_THREADS else None
+
+
+def thread_count(value: str) -> int | None:
+    """``value`` as a thread count (ASCII digits, at least 1; ``str.isdigit`` also accepts
+    ``'²'``, which ``int`` refuses), else None."""
+    value = value.strip()
+    if not (value.isascii() and value.isdigit()) or int(value) < 1:
+        return None
+    return int(value)
 
 
 class ThreadController:

@@ -48,6 +48,7 @@ from train_utils.distributed.process_group import (
     launch_hint,
 )
 from train_utils.run_folder import folder_of_launch, launch_id
+from train_utils.threads import MAX_THREADS, thread_count
 from train_utils.trainer import run
 
 logger = logging.getLogger(__name__)
@@ -131,10 +132,11 @@ def spawn_env(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 def threads_per_process(nprocs: int, env: Mapping[str, str]) -> int:
     """Intra-op threads of each of ``nprocs`` spawned processes: ``OMP_NUM_THREADS`` when the
-    user set it, else this node's usable CPUs shared among them (at least 1)."""
-    value = env.get("OMP_NUM_THREADS", "")
-    if value.isdigit() and int(value) > 0:
-        return int(value)
+    user set it (a count up to MAX_THREADS), else this node's usable CPUs shared among them (at
+    least 1)."""
+    count = thread_count(env.get("OMP_NUM_THREADS", ""))
+    if count is not None and count <= MAX_THREADS:
+        return count
     return max(1, usable_cpus() // max(1, nprocs))
 
 
