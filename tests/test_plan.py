@@ -63,6 +63,15 @@ def test_budget_estimate_by_hand() -> None:
     assert epochs_within_budget(4, -30.0, 10.0, 5.0) == 5
 
 
+def test_a_budget_of_years_is_planned_at_once() -> None:
+    # 10^7 minutes over half-second epochs: 1.2e9 totals, which a loop over them took minutes
+    # to walk after every epoch (10^9 minutes: hours).
+    t0 = time.perf_counter()
+    assert epochs_within_budget(0, 1e9 * 60, 0.5, 0.0) == 120_000_000_001
+    assert epochs_within_budget(0, 1e7 * 60, 0.5, 0.1, eval_interval=3) == 1_125_000_000
+    assert time.perf_counter() - t0 < 1.0
+
+
 def test_plan_without_budget_is_fixed() -> None:
     plan = EpochPlan(epochs=7, eval_interval=3)
     assert [e for e in range(7) if plan.evaluates(e)] == [2, 5, 6]
@@ -116,8 +125,9 @@ def test_patience_counts_epochs_since_the_best() -> None:
 
 def test_budget_and_patience_flags_are_checked(shapes_data, repo_root) -> None:
     base = ["--data", str(shapes_data), "--cfg", str(repo_root / "cfg" / "yolov3-spp-nano.cfg")]
-    with pytest.raises(ConfigError, match="--time-budget must be a positive"):
-        build_config(get_args_parser().parse_args([*base, "--time-budget", "0"]))
+    for bad in ("0", "nan", "inf", "1e308"):  # 1e308 minutes: inf seconds (was a traceback)
+        with pytest.raises(ConfigError, match="--time-budget must be a positive, finite"):
+            build_config(get_args_parser().parse_args([*base, "--time-budget", bad]))
     with pytest.raises(ConfigError, match="--patience must be >= 0"):
         build_config(get_args_parser().parse_args([*base, "--patience", "-1"]))
     config = build_config(get_args_parser().parse_args([*base, "--time-budget", "2.5"]))

@@ -543,9 +543,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     check_img_size(args.img_size)
     if args.epochs is None and args.time_budget is None:
         args.epochs = DEFAULT_EPOCHS
-    if args.time_budget is not None and not args.time_budget > 0:
+    # In seconds it must stay finite too: 1e308 minutes is inf seconds.
+    if args.time_budget is not None and not 0 < args.time_budget * 60.0 < math.inf:
         raise ConfigError(
-            f"--time-budget must be a positive number of minutes, got {args.time_budget}"
+            f"--time-budget must be a positive, finite number of minutes, got {args.time_budget}"
         )
     check_at_least(
         {

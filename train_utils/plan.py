@@ -51,14 +51,19 @@ def epochs_within_budget(
         periodic = 0 if notest else (total - 1) // eval_interval - epoch // eval_interval
         return (total - 1 - epoch) * epoch_s + (periodic + 1) * eval_s
 
+    # The cost grows with the total, so the largest total that fits is found by bisection: a
+    # budget of years over second-long epochs is billions of totals (a loop over them hung).
     best = epoch + 1
     limit = epoch + 2 + int(remaining_s / max(epoch_s, 1e-9))
     if max_epochs is not None:
         limit = min(limit, max_epochs)
-    for total in range(epoch + 2, limit + 1):
-        if cost(total) > remaining_s:
-            break
-        best = total
+    lo, hi = epoch + 2, limit  # the answer is best, or a total in lo..hi
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        if cost(mid) > remaining_s:
+            hi = mid - 1
+        else:
+            best, lo = mid, mid + 1
     return best if max_epochs is None else min(best, max_epochs)
 
 
