@@ -60,6 +60,33 @@ def test_first_crossing_reads_the_elapsed_time(tmp_path: Path) -> None:
     assert demo.first_crossing(tmp_path / "missing.csv", 0.5) is None
 
 
+@pytest.mark.parametrize(
+    ("argv", "env", "line"),
+    [
+        ([], {"YOLO_THREADS": "0"}, "YOLO_THREADS='0': expected auto"),
+        (["--epochs", "0"], {}, "--epochs must be >= 1, got 0"),
+        (["--time-budget", "-1"], {}, "--time-budget must be a positive, finite"),
+        (["--time-budget", "inf"], {}, "--time-budget must be a positive, finite"),
+    ],
+)
+def test_a_bad_flag_stops_the_demo_before_it_makes_or_reads_data(
+    argv, env, line, monkeypatch, tmp_path, capsys
+) -> None:
+    # Was: the 1,700 shapes images were generated (or --data's labels scanned and cached)
+    # before train.py's checks gave the line.
+    def not_reached(*_args):
+        raise AssertionError("data made or read before the flags were checked")
+
+    monkeypatch.setattr(demo, "ensure_demo_dataset", not_reached)
+    monkeypatch.setattr(demo, "recipe_for", not_reached)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    for data in ([], ["--data", str(tmp_path / "my.data")]):
+        assert demo.main([*data, *argv, "--output-dir", str(tmp_path / "run")]) == 2
+        assert line in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
+
+
 @pytest.mark.slow
 def test_demo_on_given_data_runs_within_its_budget(make_shapes_data, tmp_path, capsys) -> None:
     data = make_shapes_data(n_train=20, n_val=4)  # one batch of 16 (the recipe drops the rest)

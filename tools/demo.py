@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import os
 import shutil
 import sys
 import time
@@ -38,12 +39,19 @@ from build_utils.augmentations import GRID  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
-from train_utils.cli import HelpFormatter, run_main, setup_console_logging  # noqa: E402
+from train_utils.cli import (  # noqa: E402
+    HelpFormatter,
+    check_at_least,
+    check_time_budget,
+    run_main,
+    setup_console_logging,
+)
 from train_utils.config import build_config, get_args_parser, load_data_config  # noqa: E402
 from train_utils.distributed.devices import select_device  # noqa: E402
 from train_utils.distributed.precision import AMP_CHOICES  # noqa: E402
 from train_utils.distributed.process_group import DistInfo  # noqa: E402
 from train_utils.reporting import read_results  # noqa: E402
+from train_utils.threads import fixed_thread_count  # noqa: E402
 from train_utils.trainer import run  # noqa: E402
 
 logger = logging.getLogger("demo")
@@ -188,6 +196,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
+        # A bad flag or YOLO_THREADS is one line before any image is generated or read.
+        fixed_thread_count(os.environ)
+        check_at_least({"--epochs": args.epochs}, 1)
+        check_time_budget(args.time_budget)
         t0 = time.time()
         if args.data:
             data = Path(args.data)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import math
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -324,6 +325,15 @@ def check_at_least(values: Mapping[str, int | None], lo: int) -> None:
         _check_number(flag, value, int)
         if value < lo:
             raise ConfigError(f"{flag} must be >= {lo}, got {value}")
+
+
+def check_time_budget(minutes: float | None) -> None:
+    """``--time-budget`` (None: not set) is a positive number of minutes, finite in seconds too
+    (1e308 minutes is inf seconds)."""
+    if minutes is not None and not 0 < minutes * 60.0 < math.inf:
+        raise ConfigError(
+            f"--time-budget must be a positive, finite number of minutes, got {minutes}"
+        )
 
 
 def check_fractions(values: Mapping[str, float | None]) -> None:

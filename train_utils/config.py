@@ -46,6 +46,7 @@ from train_utils.cli import (
     check_choices,
     check_fractions,
     check_img_size,
+    check_time_budget,
     parse_args,
     run_name_folder,
     switch,
@@ -543,11 +544,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     check_img_size(args.img_size)
     if args.epochs is None and args.time_budget is None:
         args.epochs = DEFAULT_EPOCHS
-    # In seconds it must stay finite too: 1e308 minutes is inf seconds.
-    if args.time_budget is not None and not 0 < args.time_budget * 60.0 < math.inf:
-        raise ConfigError(
-            f"--time-budget must be a positive, finite number of minutes, got {args.time_budget}"
-        )
+    check_time_budget(args.time_budget)
     check_at_least(
         {
             "--epochs": args.epochs,
