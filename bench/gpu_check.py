@@ -67,7 +67,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from build_utils.atomic import atomic_write
+from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
 from train_utils.distributed.precision import resolve_amp
@@ -1072,12 +1072,12 @@ def markdown(report: dict[str, Any]) -> str:
 
 def write_reports(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     """The report as JSON and markdown in ``out_dir`` (atomic writes, new names)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(out_dir, "--out-dir")
     json_path, md_path = report_paths(out_dir, report["stamp"], report["machine"]["slug"])
-    with atomic_write(json_path, "w") as f:
+    with reported_write(json_path, "--out-dir"), atomic_write(json_path, "w") as f:
         json.dump(report, f, indent=2, default=str)
         f.write("\n")
-    with atomic_write(md_path, "w") as f:
+    with reported_write(md_path, "--out-dir"), atomic_write(md_path, "w") as f:
         f.write(markdown(report))
     return json_path, md_path
 
@@ -1158,10 +1158,14 @@ def check(args: argparse.Namespace, specs: Sequence[StepSpec] | None = None) -> 
     if args.tiny:
         settings = settings.tiny()
     settings = dataclasses.replace(settings, device=args.device)
+    if not 0 < args.budget_s < math.inf:  # -1 ran nothing and passed; nan ran without a limit
+        raise ConfigError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
     device = torch.device(args.device)
     if device.type == "cuda":
         require_cuda()
     specs = select_steps(specs or step_specs(settings), args.steps)
+    # A folder the report cannot go to is one line now, not a traceback after the measurements.
+    make_output_dir(args.out_dir, "--out-dir")
     started = datetime.now(UTC)
     machine = machine_summary(device)
     print(f"gpu-check on {machine['device']}: {', '.join(s.name for s in specs)}", file=sys.stderr)

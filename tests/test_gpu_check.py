@@ -24,7 +24,7 @@ from bench.gpu_check import (
     workers_needed,
     write_reports,
 )
-from build_utils.errors import ConfigError
+from build_utils.errors import ConfigError, OutputError
 
 REPO = Path(__file__).resolve().parents[1]
 STEPS = "tests.workers.gpu_check_steps"
@@ -259,6 +259,30 @@ def test_no_cuda_device_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys) ->
     err = capsys.readouterr().err
     assert err.startswith("error: make gpu-check needs an NVIDIA GPU: ") and err.count("\n") == 1
     assert "nothing was run" in err and not out.exists()
+
+
+@pytest.mark.parametrize("budget", ["-1", "0", "nan", "inf"])
+def test_a_budget_that_is_no_number_of_seconds_is_one_line(budget, tmp_path, capsys) -> None:
+    # Was: -1 skipped every step and exited 0 ("0 passed"); nan ran without a limit.
+    out = tmp_path / "reports"
+    argv = ["--device", "cpu", "--steps", "env", "--budget-s", budget, "--out-dir", str(out)]
+    assert gpu_check.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --budget-s must be a positive number of seconds, got {float(budget)}\n"
+    assert not out.exists()
+
+
+def test_an_out_dir_that_cannot_be_made_is_one_line_before_any_step(tmp_path, capsys) -> None:
+    # Was: a NotADirectoryError traceback once every step had run (the figures lost).
+    (tmp_path / "file").write_text("")
+    out = tmp_path / "file" / "reports"
+    specs = [StepSpec("hang", f"{STEPS}:hangs", 60)]
+    args = get_parser().parse_args(["--device", "cpu", "--out-dir", str(out)])
+    with pytest.raises(OutputError, match="--out-dir"):
+        check(args, specs)
+    assert "hang" not in capsys.readouterr().err
+    assert gpu_check.main(["--device", "cpu", "--steps", "env", "--out-dir", str(out)]) == 2
+    assert capsys.readouterr().err.startswith("error: cannot ")
 
 
 pytest_plugins = ["pytester"]
