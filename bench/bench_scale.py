@@ -66,6 +66,9 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from build_utils.atomic import make_output_dir, write_text  # noqa: E402 (torch-free)
+from build_utils.errors import ConfigError, YoloError  # noqa: E402
+
 NUM_CLASSES = 80
 KINDS = ("scan", "eval", "gather", "ram")
 # COCO's common image shapes (w, h): what the RAM-cache rows and the per-image check use.
@@ -686,14 +689,54 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every number is one a measurement can take, and ``--json``'s folder exists, before
+    anything is measured (a bad value was a child's traceback; an unwritable ``--json`` one at
+    the end of the run).
+
+    Raises:
+        ConfigError: a size or count below 1, ``--objects`` below 0 or no number, ``--nproc``
+            or ``--threads`` above the usable CPUs (each gather process holds torch; two
+            processes always).
+        OutputError: ``--json``'s folder cannot be made.
+    """
+    counts = {
+        "--scan-sizes": min(args.scan_sizes),
+        "--eval-sizes": min(args.eval_sizes),
+        "--ram-sizes": min(args.ram_sizes),
+        "--scan-image-side": args.scan_image_side,
+        "--dets-per-image": args.dets_per_image,
+        "--ram-images": args.ram_images,
+        "--nproc": args.nproc,
+        "--threads": args.threads,
+        "--repeat": args.repeat,
+    }
+    for flag, value in counts.items():
+        if value < 1:
+            raise ConfigError(f"{flag} must be >= 1, got {value}")
+    if not 0 <= args.objects < float("inf"):
+        raise ConfigError(f"--objects must be a number >= 0, got {args.objects}")
+    # More processes or threads than CPUs measure waiting (the default 2 processes run anywhere).
+    cpus = len(os.sched_getaffinity(0))
+    for flag, value, most in (
+        ("--nproc", args.nproc, max(cpus, 2)),
+        ("--threads", args.threads, cpus),
+    ):
+        if value > most:
+            raise ConfigError(f"{flag} {value} is more than the {most} this machine's CPUs allow")
+    if args.json is not None:
+        make_output_dir(args.json.parent, "--json")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
         return child_main(json.loads(args.child))
-    for name in ("scan_sizes", "eval_sizes", "ram_sizes"):
-        if min(getattr(args, name)) < 1:
-            print(f"error: --{name.replace('_', '-')} must be positive", file=sys.stderr)
-            return 2
+    try:
+        check_args(args)
+    except YoloError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
@@ -752,7 +795,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     print(f"\ntotal {info['total_s']:.0f} s")
     if args.json:
-        args.json.write_text(json.dumps({"info": info, **results}, indent=2) + "\n")
+        try:
+            write_text(args.json, json.dumps({"info": info, **results}, indent=2) + "\n", "--json")
+        except YoloError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

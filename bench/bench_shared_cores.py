@@ -31,6 +31,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from build_utils.atomic import make_output_dir, write_text  # noqa: E402
+from build_utils.errors import ConfigError, YoloError  # noqa: E402
+from train_utils.threads import MAX_THREADS, thread_count  # noqa: E402
+
 DEMO_CFG = REPO / "cfg" / "yolov3-spp-nano-newcoords.cfg"
 BUSY_LOOP = "while True: pass"
 
@@ -39,11 +43,13 @@ def variant_env(name: str) -> dict[str, str]:
     """The child's thread settings for a variant name: ``auto``, ``fixedN``, ``passive``."""
     if name == "auto":
         return {"YOLO_THREADS": "auto"}
-    if name.startswith("fixed") and name[5:].isdigit():
+    if name.startswith("fixed") and thread_count(name[5:]) is not None:
+        if int(name[5:]) > MAX_THREADS:
+            raise ConfigError(f"variant {name!r}: at most {MAX_THREADS} threads")
         return {"YOLO_THREADS": name[5:]}
     if name == "passive":
         return {"YOLO_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "PASSIVE"}
-    raise SystemExit(f"error: unknown variant {name!r}: auto, fixedN (e.g. fixed2) or passive")
+    raise ConfigError(f"unknown variant {name!r}: auto, fixedN (e.g. fixed2) or passive")
 
 
 def child(seconds: float, img_size: int, batch: int) -> None:
@@ -98,6 +104,32 @@ def run_variant(name: str, busy: bool, args: argparse.Namespace) -> dict[str, An
     }
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """The flags, before any child runs (a bad one was a child's traceback, or an empty
+    measurement's; an unwritable ``--json`` a traceback at the end).
+
+    Raises:
+        ConfigError: an unknown variant, ``--seconds`` not a positive number, ``--batch``
+            below 1, ``--skip`` below 0, an ``--img-size`` the model cannot take, a step that
+            cannot fit in memory.
+        OutputError: ``--json``'s folder cannot be made.
+    """
+    from models.budget import check_model_fits
+    from models.darknet import model_blocks_for
+    from train_utils.cli import check_at_least, check_img_size
+
+    for name in args.variants:
+        variant_env(name)  # every name checked before anything runs
+    if not 0 < args.seconds < float("inf"):
+        raise ConfigError(f"--seconds must be a positive number, got {args.seconds}")
+    check_at_least({"--batch": args.batch}, 1)
+    check_at_least({"--skip": args.skip}, 0)
+    check_img_size(args.img_size)
+    check_model_fits(model_blocks_for(DEMO_CFG, 5), args.img_size, args.batch, training=True)
+    if args.json is not None:
+        make_output_dir(args.json.parent, "--json")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["--child"]:
@@ -111,8 +143,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip", type=int, default=3, help="first steps left out (warm-up)")
     p.add_argument("--json", type=Path, default=None)
     args = p.parse_args(argv)
-    for name in args.variants:
-        variant_env(name)  # every name checked before anything runs
+    try:
+        check_args(args)
+    except YoloError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
     from bench.bench_model import cpu_description
 
@@ -134,7 +169,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             flush=True,
         )
     if args.json:
-        args.json.write_text(json.dumps({"info": info, "results": rows}, indent=2) + "\n")
+        try:
+            write_text(args.json, json.dumps({"info": info, "results": rows}, indent=2) + "\n")
+        except YoloError as e:
+            print(f"error: {e}", file=sys.stderr)
+            return 2
     return 0
 
 

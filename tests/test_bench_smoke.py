@@ -208,3 +208,53 @@ def test_bench_scale_scores_and_gathers_every_rank_to_rank_0(tmp_path):
     # 5 images sharded 3 + 2: rank 0 gets all 20 detections, rank 1 none.
     assert [r["local_detections"] for r in rows] == [12, 8]
     assert [r["gathered_detections"] for r in rows] == [20, 0]
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--repeat", "0"], "--repeat must be >= 1, got 0"),
+        (["--dets-per-image", "-5"], "--dets-per-image must be >= 1, got -5"),
+        (["--scan-image-side", "0"], "--scan-image-side must be >= 1, got 0"),
+        (["--ram-images", "-1"], "--ram-images must be >= 1, got -1"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--objects", "nan"], "--objects must be a number >= 0, got nan"),
+        (["--nproc", "100000"], "--nproc 100000 is more than the"),
+        (["--json", "{file}/scale.json"], "is a file where a folder should be"),
+    ],
+)
+def test_bench_scale_refuses_bad_flags_before_measuring(args, line, tmp_path, capsys):
+    # Were children's tracebacks (a negative array size, set_num_threads(0), Poisson of nan),
+    # 100000 torchrun processes, or a traceback at the end of the run for --json.
+    from bench import bench_scale
+
+    (tmp_path / "file").write_text("")
+    args = [a.format(file=tmp_path / "file") for a in args]
+    assert bench_scale.main(["--only", "eval", "--eval-sizes", "5", *args]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and line in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(
+    ("args", "line"),
+    [
+        (["--seconds", "0"], "--seconds must be a positive number, got 0.0"),
+        (["--seconds", "nan"], "--seconds must be a positive number, got nan"),
+        (["--variants", "fixed0"], "unknown variant 'fixed0'"),
+        (["--variants", "fixed99999"], "variant 'fixed99999': at most 1024 threads"),
+        (["--img-size", "100"], "--img-size 100 is not a positive multiple of 32"),
+        (["--batch", "0"], "--batch must be >= 1, got 0"),
+        (["--batch", "100000000"], "the model does not fit"),
+        (["--json", "{file}/shared.json"], "is a file where a folder should be"),
+    ],
+)
+def test_bench_shared_cores_refuses_bad_flags_before_any_child(args, line, tmp_path, capsys):
+    # Were an empty measurement's StatisticsError, a child's CalledProcessError, a batch of
+    # 10^8 allocated in the child, or a traceback at the end of the run for --json.
+    from bench import bench_shared_cores
+
+    (tmp_path / "file").write_text("")
+    args = [a.format(file=tmp_path / "file") for a in args]
+    assert bench_shared_cores.main(["--variants", "fixed1", "--img-size", "64", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and line in err[-1]
