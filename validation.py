@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 
-from build_utils.atomic import make_output_dir, write_text
+from build_utils.atomic import check_output_place, make_output_dir, write_text
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
@@ -357,6 +357,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             # No folder named at all: YOLOv5's runs/val/exp, exp2, ..., so that a second
             # validation neither writes over the first's report nor mixes its labels/ in.
             requested = Path(DEFAULT_SAVE_DIR) / DEFAULT_RUN_NAME
+        # A place that no write could use is one line now, not after the evaluation.
+        if requested is None:
+            check_output_place(args.save_dir, "--save-dir", folder=True)
+        if args.save_json not in (None, True):
+            check_output_place(args.save_json, "--save-json", folder=True)
+        if args.json_out:
+            check_output_place(args.json_out, "--json-out")
         weights = read_weights(args.weights, trust=args.trust_checkpoint)
         resolve_settings(args, weights)
         dist = init_distributed_mode(args)

@@ -146,6 +146,26 @@ def write_error(
     return OutputError(f"cannot write {path}: {why}; {fix}")
 
 
+def check_output_place(
+    path: str | os.PathLike[str], flag: str | None = None, folder: bool = False
+) -> None:
+    """Refuse now, with :func:`write_error`'s line, a place no write could use: a folder where a
+    file goes, a file where a folder (``folder``) goes or among its parents. For a check before
+    long work (an evaluation) whose results the last write would otherwise lose; what only a
+    write can tell (permissions, space) that write reports. Creates nothing.
+
+    Raises:
+        OutputError: the place cannot be written.
+    """
+    path = Path(path)
+    if folder and path.exists() and not path.is_dir():
+        raise write_error(OSError(errno.EEXIST, os.strerror(errno.EEXIST)), path, flag, folder)
+    if not folder and path.is_dir():
+        raise write_error(OSError(errno.EISDIR, os.strerror(errno.EISDIR)), path, flag)
+    if _file_in_the_way(path) is not None:
+        raise write_error(OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), path, flag, folder)
+
+
 @contextlib.contextmanager
 def reported_write(
     path: str | os.PathLike[str], flag: str | None = None, folder: bool = False

@@ -277,3 +277,26 @@ def test_error_breakdown_in_the_report(shapes_data, weights5, tmp_path, caplog):
     assert f"{'background':>16s} {counts['background']:7d} {dap['background']:6.2f}" in log
     if faster_coco_eval_available():  # the default scorer where installed
         assert "scored by faster-coco-eval" in log
+
+
+@pytest.mark.parametrize(
+    ("flag", "place", "why"),
+    [
+        ("--json-out", "out", "out is a folder, not a file"),
+        ("--json-out", "file/stats.json", "file is a file where a folder should be"),
+        ("--save-json", "file", "file is a file where a folder should be"),
+        ("--save-dir", "file", "file is a file where a folder should be"),
+    ],
+)
+def test_an_output_place_no_write_could_use_stops_before_the_evaluation(
+    flag, place, why, tmp_path, monkeypatch, capsys
+) -> None:
+    # Was: the whole evaluation ran (and wrote its report into runs/val/expN) before the write
+    # to this place failed. The weights do not exist: the place's line must come first.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "file").write_text("")
+    assert validation.main(["--weights", "missing.pt", flag, place]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: cannot write {place}: {why}; move it away or choose another {flag}"]
+    assert not (tmp_path / "runs").exists() and (tmp_path / "file").read_text() == ""
