@@ -48,7 +48,7 @@ from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError, OutputError
 from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
-from build_utils.limits import file_problem
+from build_utils.limits import check_limit_settings, file_problem
 from build_utils.parse_config import (
     load_class_names,
     parse_data_cfg,
@@ -715,6 +715,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         # A bad YOLO_THREADS is reported before anything is loaded (as train.py does).
         fixed_thread_count(os.environ)
+        check_limit_settings()
         check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
         check_at_least(
             {

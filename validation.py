@@ -50,6 +50,7 @@ import torch
 from build_utils.atomic import check_output_place, make_output_dir, write_text
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
+from build_utils.limits import check_limit_settings
 from models.darknet import Darknet
 from train_utils.builders import (
     eval_image_ids,
@@ -352,6 +353,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         # A bad YOLO_THREADS is reported before anything is loaded (as train.py does).
         fixed_thread_count(os.environ)
+        check_limit_settings()
         requested = project_folder(args, "--save-dir", DEFAULT_SAVE_DIR)
         if requested is None and "save_dir" not in getattr(args, "given", ()):
             # No folder named at all: YOLOv5's runs/val/exp, exp2, ..., so that a second

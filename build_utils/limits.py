@@ -166,6 +166,18 @@ ALL_LIMITS: tuple[Limit, ...] = (
     MAX_IMG_SIZE,
 )
 
+
+def check_limit_settings() -> None:
+    """Read every limit's environment variable now: a malformed one is one line before anything
+    is loaded or written, not at the first file it limits (mid-run, beside a run's files).
+
+    Raises:
+        ConfigError: a limit's variable that is set but no positive whole number.
+    """
+    for limit in ALL_LIMITS:
+        limit.value()
+
+
 _KINDS = (
     (stat.S_ISDIR, "a folder, not a file"),
     (stat.S_ISFIFO, "a FIFO (named pipe), not a regular file"),

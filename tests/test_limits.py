@@ -18,7 +18,7 @@ from build_utils.limits import (
     format_bytes,
     read_config_text,
 )
-from tests.conftest import REPO_ROOT
+from tests.conftest import REPO_ROOT, run_training, train_argv
 
 
 def limit_rows() -> list[str]:
@@ -121,3 +121,30 @@ def test_config_text_is_bounded_and_utf8(tmp_path: Path, monkeypatch):
     os.mkfifo(fifo)
     with pytest.raises(ConfigError, match=r"f\.cfg: model cfg: a FIFO \(named pipe\)"):
         check_config_file(fifo, MAX_TEXT_BYTES, "model cfg")
+
+
+@pytest.mark.parametrize("env", [*(limit.env for limit in ALL_LIMITS), "YOLO_MEMORY_AVAILABLE"])
+def test_a_malformed_limit_setting_stops_a_run_before_it_writes_anything(
+    env, monkeypatch, make_shapes_data, tmp_path
+) -> None:
+    # Was: YOLO_MAX_IMAGE_PIXELS=abc stopped at the first image decoded in training, with
+    # args.yaml, results.csv and train.log in the run folder; YOLO_MEMORY_AVAILABLE=abc at the
+    # model's build, with train.log (either way the next run went to run2).
+    data = make_shapes_data(n_train=2, n_val=1)
+    monkeypatch.setenv(env, "abc")
+    with pytest.raises(ConfigError, match=f"{env}='abc' must be a positive whole number"):
+        run_training(train_argv(data, tmp_path / "run", img=64, batch=2))
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("script", ["validation", "predict"])
+def test_a_malformed_limit_setting_stops_validation_and_predict_before_they_load(
+    script, monkeypatch, tmp_path, capsys
+) -> None:
+    module = __import__(script)
+    missing = str(tmp_path / "missing.pt")  # the limit's line must come first
+    monkeypatch.setenv("YOLO_MAX_IMAGE_PIXELS", "abc")
+    argv = ["--weights", missing, "--source" if script == "predict" else "--data", str(tmp_path)]
+    assert module.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: YOLO_MAX_IMAGE_PIXELS='abc' must be a positive whole number (pixels)"]

@@ -38,6 +38,7 @@ import validation  # noqa: E402
 from build_utils.augmentations import GRID  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
+from build_utils.limits import check_limit_settings  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import (  # noqa: E402
     HelpFormatter,
@@ -198,6 +199,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     def body() -> None:
         # A bad flag or YOLO_THREADS is one line before any image is generated or read.
         fixed_thread_count(os.environ)
+        check_limit_settings()
         check_at_least({"--epochs": args.epochs}, 1)
         check_time_budget(args.time_budget)
         t0 = time.time()

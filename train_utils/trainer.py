@@ -32,8 +32,9 @@ from torch import nn
 from build_utils.atomic import reported_write, write_error
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError, OutputError, RunStopped, YoloError
+from build_utils.limits import check_limit_settings, positive_env_int
 from build_utils.parse_config import format_model_cfg
-from models.budget import check_model_fits
+from models.budget import MEMORY_ENV, check_model_fits
 from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
@@ -193,8 +194,11 @@ def seed_all(seed: int) -> None:
 def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     """Train according to ``config`` on this process's share of the work (see module docstring)."""
     t_start = time.time()
-    # A bad YOLO_THREADS stops the run before it claims (and leaves behind) a run folder.
+    # A bad YOLO_THREADS, limit or YOLO_MEMORY_AVAILABLE stops the run before it claims (and
+    # leaves behind) a run folder.
     fixed_thread_count(os.environ)
+    check_limit_settings()
+    positive_env_int(MEMORY_ENV, "bytes")
     claim, log_handler, error = None, None, None
     if dist.is_main:
         try:
