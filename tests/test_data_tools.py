@@ -9,6 +9,7 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import pytest
 
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -366,6 +367,36 @@ def test_kmeans_anchors_cli_writes_a_cfg(make_shapes_data, tmp_path, capsys):
         ]
     )
     assert rc == 2 and "num=9 but 6 anchors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--out-cfg", "{data}"], "--out-cfg {data} is --data that this tool reads"),
+        (["--out-cfg", "{cfg}"], "--out-cfg {cfg} is --cfg that this tool reads"),
+        (["--out-cfg", "{list}"], "--out-cfg {list} is the image list that this tool reads"),
+        (["--out-cfg", "{data}/x.cfg"], "{data} is a file where a folder should be"),
+        (["--out-cfg", "o.cfg", "--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--out-cfg", "o.cfg", "-n", "0"], "--num must be >= 1, got 0"),
+        (["--out-cfg", "o.cfg", "--generations", "-1"], "--generations must be >= 0, got -1"),
+    ],
+)
+def test_kmeans_anchors_never_writes_over_what_it_reads(
+    flags, line, make_shapes_data, tmp_path, capsys
+):
+    # Was: --out-cfg my.data replaced the .data with a cfg (the --cfg and the image list
+    # alike), -n 0 meant the default, and --seed -1 was a numpy traceback.
+    data = make_shapes_data(n_train=4, n_val=1)
+    cfg = tmp_path / "my.cfg"
+    cfg.write_text(NANO_CFG.read_text())
+    names = {"data": data, "cfg": cfg, "list": data.parent / "train.txt"}
+    before = {p: p.read_bytes() for p in names.values()}
+    flags = [f.format(**names) for f in flags]
+    argv = ["--data", str(data), "--cfg", str(cfg), "--generations", "3", *flags]
+    assert kmeans_anchors.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and line.format(**names) in err
+    assert {p: p.read_bytes() for p in names.values()} == before
 
 
 def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):

@@ -42,6 +42,7 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
+from build_utils.atomic import check_output_place, make_output_dir, write_text
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
@@ -95,8 +96,8 @@ def write_anchors_into_cfg(src: Path, dst: Path, anchors: np.ndarray) -> int:
                 changed += 1
     if not changed:
         raise ConfigError("no [yolo] section with an anchors= line", src)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    dst.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    make_output_dir(dst.parent, "--out-cfg")
+    write_text(dst, "\n".join(lines) + "\n", "--out-cfg")
     return changed
 
 
@@ -154,6 +155,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
+def _same_file(a: Path, b: Path) -> bool:
+    return a.exists() and b.exists() and a.samefile(b)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     setup_console_logging()
@@ -166,12 +171,23 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 0 < args.iou_t < 1:
             raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
         check_img_size_limit(args.img_size)
+        check_at_least({"--num": args.num, "--classes": args.classes}, 1)
+        check_at_least({"--generations": args.generations, "--seed": args.seed}, 0)
         n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
-        check_at_least({"--classes": args.classes}, 1)
         if args.data and args.classes is not None:
             raise ConfigError("--classes goes with --list (--data has the .data's classes=)")
         data = parse_data_cfg(args.data) if args.data else None
         source = data["train"] if data else args.list
+        if args.out_cfg is not None:
+            # Never over a file this tool reads (was: --out-cfg my.data replaced the .data).
+            reads = {"--cfg": args.cfg, "--data": args.data, "the image list": source}
+            for what, read in reads.items():
+                if read is not None and _same_file(args.out_cfg, Path(read)):
+                    raise ConfigError(
+                        f"--out-cfg {args.out_cfg} is {what} that this tool reads; "
+                        "choose another file"
+                    )
+            check_output_place(args.out_cfg, "--out-cfg")
         # The label cache is keyed by the class count as well: read it with the .data's (or
         # --classes), as training does, so that the cache written here is the one training reuses.
         nc = int(data["classes"]) if data else args.classes
