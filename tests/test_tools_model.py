@@ -56,6 +56,21 @@ def test_make_cfg_from_data_and_default_name(tmp_path):
     assert [b["classes"] for b in blocks if b["type"] == "yolo"] == [2, 2]
 
 
+def test_make_cfg_never_writes_over_what_it_reads(tmp_path, capsys):
+    # Was: -o naming the source cfg (or the --data file) replaced it with the rewritten cfg.
+    cfg = tmp_path / "tiny.cfg"
+    cfg.write_text(TINY.read_text())
+    (tmp_path / "x.names").write_text("a\nb\n")
+    data = tmp_path / "x.data"
+    data.write_text("classes=2\ntrain=t.txt\nvalid=v.txt\nnames=x.names\n")
+    before = cfg.read_text(), data.read_text()
+    assert make_cfg.main([str(cfg), "--classes", "3", "-o", str(cfg)]) == 2
+    assert f"--output {cfg} is the cfg this tool reads" in capsys.readouterr().err
+    assert make_cfg.main([str(cfg), "--data", str(data), "-o", str(data)]) == 2
+    assert f"--output {data} is the --data file this tool reads" in capsys.readouterr().err
+    assert (cfg.read_text(), data.read_text()) == before
+
+
 def test_make_cfg_errors(tmp_path, capsys):
     bad = tmp_path / "bad.cfg"
     bad.write_text("[net]\n[convolutional]\nfilters=x\n")
