@@ -33,11 +33,12 @@ CPU = torch.device("cpu")
         ("auto", True, torch.bfloat16),
         ("auto", False, None),  # AVX2-only CPUs: nothing changes
         ("off", True, None),
-        ("on", False, torch.bfloat16),  # asked for: oneDNN's fallback, with its warning
+        ("on", False, torch.bfloat16),  # asked for: oneDNN's emulation (AVX-512)
         ("bf16", False, torch.bfloat16),
     ],
 )
-def test_auto_is_bf16_only_on_cpus_with_bf16_arithmetic(mode, native, expected) -> None:
+def test_auto_is_bf16_only_on_cpus_with_bf16_arithmetic(mode, native, expected, monkeypatch):
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)  # oneDNN runs bf16
     assert resolve_amp(mode, CPU, cpu_native_bf16=native) == expected
 
 
@@ -169,6 +170,17 @@ def test_flags_bypass_the_timing(native_bf16_cpu, make_shapes_data, tmp_path) ->
     run_training(train_argv(data, tmp_path / "off", "--amp", "off", img=64, batch=2))
     assert _recorded_amp(tmp_path / "off") is None
     assert {a for a, _ in steps.calls} == {None}  # only the format was timed
+
+
+def test_forced_bf16_without_bf16_kernels_trains_and_records_fp32(
+    make_shapes_data, tmp_path, monkeypatch
+) -> None:
+    """--amp bf16 where oneDNN has no bf16 kernels (an AVX2 CPU; the suite caps oneDNN there):
+    fp32 runs, so fp32 is recorded, and a bf16 CPU evaluating the checkpoint replays fp32."""
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: False)
+    data = make_shapes_data(n_train=4, n_val=2)
+    run_training(train_argv(data, tmp_path / "forced", "--amp", "bf16", img=64, batch=2))
+    assert _recorded_amp(tmp_path / "forced") is None
 
 
 def test_a_resumed_run_keeps_its_precision(

@@ -46,7 +46,7 @@ CUDA = torch.device("cuda")
 @pytest.mark.parametrize(
     ("mode", "device", "cuda_bf16", "expected"),
     [
-        # A CPU without native bf16: off by default, bf16 with --amp.
+        # A CPU without native bf16: off by default, bf16 with --amp where oneDNN runs it.
         ("auto", CPU, None, None),
         ("off", CPU, None, None),
         (False, CPU, None, None),
@@ -62,9 +62,21 @@ CUDA = torch.device("cuda")
         ("off", CUDA, True, None),
     ],
 )
-def test_resolve_amp(mode, device, cuda_bf16, expected):
-    # A CPU without bf16 arithmetic (tests/test_cpu_bf16.py has the others).
+def test_resolve_amp(mode, device, cuda_bf16, expected, monkeypatch):
+    # A CPU without bf16 arithmetic that oneDNN still runs bf16 on (AVX-512 emulation;
+    # tests/test_cpu_bf16.py has the others).
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
     assert resolve_amp(mode, device, cuda_bf16, cpu_native_bf16=False) == expected
+
+
+@pytest.mark.parametrize("mode", ["on", True, "bf16"])
+def test_asked_for_bf16_is_fp32_where_onednn_has_no_bf16_kernels(mode, monkeypatch, caplog):
+    """What autocast_context runs there (fp32), so what checkpoints record (an AVX2 CPU)."""
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: False)
+    precision._warn_slow_cpu_bf16.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=precision.__name__):
+        assert resolve_amp(mode, CPU, cpu_native_bf16=False) is None
+    assert any("no native bf16" in r.getMessage() for r in caplog.records)
 
 
 def test_resolve_amp_refuses_what_the_device_cannot_do():

@@ -24,6 +24,7 @@ import validation
 from build_utils.errors import CheckpointError
 from train_utils.checkpoint import read_weights, weights_kind
 from train_utils.cli import parse_args, take_from_run
+from train_utils.distributed import precision
 from train_utils.distributed.precision import precision_record, replay_precision
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.options import eval_options
@@ -158,10 +159,18 @@ def test_bare_resume_takes_the_latest_run(shapes_data, tmp_path, monkeypatch, ca
 )
 def test_replay_precision(record, run_amp, flag, device, want, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)  # a CPU oneDNN runs bf16 on
     amp, channels_last, why = replay_precision(record, run_amp, flag, None, device)
     assert amp == want and why
     assert channels_last == bool(record.get("channels_last", False))
     assert replay_precision(record, run_amp, flag, False, device)[1] is False
+
+
+def test_a_bf16_record_replays_in_fp32_on_a_cpu_without_bf16_kernels(monkeypatch):
+    """What autocast_context would run there anyway (fp32), now also what the report says."""
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: False)
+    amp, _, why = replay_precision({"amp": "bfloat16"}, "auto", None, None, CPU)
+    assert amp is None and why == "the run's bfloat16, in fp32: this CPU has no bf16 kernels"
 
 
 def test_precision_record_round_trips():

@@ -40,6 +40,8 @@ from train_utils.threads import (
         ({"OMP_NUM_THREADS": "4"}, 4),  # the user's (or torchrun's) count is kept
         ({"YOLO_THREADS": "2", "OMP_NUM_THREADS": "4"}, 2),
         ({"YOLO_THREADS": " AUTO ", "OMP_NUM_THREADS": "x"}, None),
+        ({"YOLO_THREADS": "", "OMP_NUM_THREADS": "4"}, 4),  # set but empty: as if unset
+        ({"YOLO_THREADS": "  "}, None),
     ],
 )
 def test_fixed_thread_count(env, expected) -> None:

@@ -224,9 +224,10 @@ def add_augment_flag(g: ArgGroup) -> None:
 
 
 AMP_HELP = (
-    "mixed precision. auto: on for CUDA (bf16 where the GPU has it, else fp16), off on CPU; "
-    "--amp alone: also bf16 autocast on CPU (fp32 on CPUs without native bf16 kernels); "
-    "fp16, bf16 or off to choose"
+    "mixed precision. auto: on for CUDA (bf16 where the GPU has it, else fp16); on a CPU bf16 "
+    "only where the CPU has bf16 arithmetic and bf16 trains clearly faster, else fp32; "
+    "--amp alone or bf16: bf16 autocast on a CPU too (fp32, with a warning, where oneDNN has no "
+    "bf16 kernels); fp16 (CUDA) or off to choose"
 )
 
 

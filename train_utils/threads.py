@@ -101,7 +101,8 @@ def fixed_thread_count(env: dict[str, str] | os._Environ) -> int | None:
         ConfigError: ``YOLO_THREADS`` that is neither ``auto`` nor a positive integer, or above
             :data:`MAX_THREADS`.
     """
-    value = env.get(THREADS_ENV, "auto").strip()
+    # Set but empty (``YOLO_THREADS= python train.py``) is unset, as OpenMP reads its variables.
+    value = env.get(THREADS_ENV, "").strip() or "auto"
     if value.lower() != "auto":
         count = thread_count(value)
         if count is None:

@@ -96,7 +96,9 @@ def resolve_amp(
     on a generic convolution about 10x slower. bf16 autocast keeps the weights, the optimizer
     and the loss in fp32; bench/README.md "bf16 on the CPU" has the accuracy measurements.
     ``on`` (``--amp`` alone) is ``auto`` plus bf16 on any CPU oneDNN runs bf16 on;
-    ``fp16``/``bf16`` force a type; ``off`` (or False) is full precision. ``cuda_bf16`` and
+    ``fp16``/``bf16`` force a type, except bf16 on a CPU without oneDNN bf16 kernels
+    (:func:`cpu_bf16_is_fast`), which is fp32 with a warning; ``off`` (or False) is full
+    precision. ``cuda_bf16`` and
     ``cpu_native_bf16`` default to asking this machine.
 
     Raises:
@@ -121,6 +123,11 @@ def resolve_amp(
         return torch.bfloat16 if native else None
     if mode == "fp16":
         raise ConfigError("--amp fp16 needs CUDA; on the CPU use --amp bf16 (or --amp) or off")
+    if not cpu_bf16_is_fast():
+        # Resolved here, not only in autocast_context, so that checkpoints record fp32, which
+        # is what ran, and an evaluation of them on a bf16 CPU replays fp32.
+        _warn_slow_cpu_bf16()
+        return None
     return torch.bfloat16
 
 
@@ -180,6 +187,9 @@ def replay_precision(
         name = record["amp"]
         amp = dtype_from_name(name)
         why = f"the run's {name or 'full precision'}"
+        if amp is torch.bfloat16 and device.type == "cpu" and not cpu_bf16_is_fast():
+            _warn_slow_cpu_bf16()
+            amp, why = None, f"{why}, in fp32: this CPU has no bf16 kernels"
         if amp is torch.float16 and device.type != "cuda":
             amp = resolve_amp(run_amp or "auto", device)
             why = f"the run's float16 needs CUDA; --amp {run_amp or 'auto'} on {device.type}"
