@@ -48,7 +48,7 @@ from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import ConfigError, DatasetError, OutputError
 from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
-from build_utils.limits import check_limit_settings, file_problem
+from build_utils.limits import file_problem
 from build_utils.parse_config import (
     load_class_names,
     parse_data_cfg,
@@ -71,6 +71,7 @@ from train_utils.cli import (
     add_project_flags,
     add_weights_flags,
     check_at_least,
+    check_environment,
     check_fractions,
     check_img_size,
     first_free_folder,
@@ -84,7 +85,7 @@ from train_utils.distributed.devices import select_device
 from train_utils.distributed.precision import autocast_context, replay_precision, to_model_input
 from train_utils.evaluation.exports import write_yolo_txt
 from train_utils.evaluation.plots import class_colour, write_image
-from train_utils.threads import adapt_threads, fixed_thread_count
+from train_utils.threads import adapt_threads
 
 logger = logging.getLogger("predict")
 
@@ -713,9 +714,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
-        # A bad YOLO_THREADS is reported before anything is loaded (as train.py does).
-        fixed_thread_count(os.environ)
-        check_limit_settings()
+        # A bad YOLO_THREADS or limit is reported before anything is loaded (as train.py does).
+        check_environment()
         check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
         check_at_least(
             {

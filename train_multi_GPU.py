@@ -26,6 +26,7 @@ from collections.abc import Sequence
 from train_utils.cli import (
     HelpFormatter,
     add_local_rank_flag,
+    check_environment,
     parse_args,
     run_main,
     setup_console_logging,
@@ -64,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
+        # Checked here too: a spawning parent would report it only after starting every rank.
+        check_environment()
         nprocs = processes_to_spawn(args.nproc_per_node, args.device, os.environ)
         if nprocs:
             spawn_training(args, nprocs, timeout_s=args.dist_timeout)

@@ -40,7 +40,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -50,7 +49,6 @@ import torch
 from build_utils.atomic import check_output_place, make_output_dir, write_text
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
-from build_utils.limits import check_limit_settings
 from models.darknet import Darknet
 from train_utils.builders import (
     eval_image_ids,
@@ -77,6 +75,7 @@ from train_utils.cli import (
     add_weights_flags,
     check_at_least,
     check_choices,
+    check_environment,
     check_fractions,
     check_img_size,
     first_free_folder,
@@ -109,7 +108,6 @@ from train_utils.evaluation.exports import (
 from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import write_eval_report
 from train_utils.evaluation.speed import measure_speed
-from train_utils.threads import fixed_thread_count
 
 logger = logging.getLogger("validation")
 
@@ -351,9 +349,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_console_logging()
 
     def body() -> None:
-        # A bad YOLO_THREADS is reported before anything is loaded (as train.py does).
-        fixed_thread_count(os.environ)
-        check_limit_settings()
+        # A bad YOLO_THREADS or limit is reported before anything is loaded (as train.py does).
+        check_environment()
         requested = project_folder(args, "--save-dir", DEFAULT_SAVE_DIR)
         if requested is None and "save_dir" not in getattr(args, "given", ()):
             # No folder named at all: YOLOv5's runs/val/exp, exp2, ..., so that a second

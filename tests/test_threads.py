@@ -253,3 +253,21 @@ def test_a_bad_yolo_threads_stops_validation_and_predict_before_they_load(
     monkeypatch.setenv("YOLO_THREADS", "2")  # a good value: the next error is the missing file
     assert module.main(argv) == 2
     assert "YOLO_THREADS" not in capsys.readouterr().err
+
+
+def test_a_bad_yolo_threads_stops_a_spawning_launcher_before_it_spawns(
+    monkeypatch, make_shapes_data, tmp_path, capsys
+) -> None:
+    import train_multi_GPU
+    from train_utils.distributed import launch
+
+    spawned = []
+    monkeypatch.setattr(launch, "spawn_training", lambda *a, **k: spawned.append(a))
+    monkeypatch.setattr(train_multi_GPU, "spawn_training", lambda *a, **k: spawned.append(a))
+    data = make_shapes_data(n_train=2, n_val=1)
+    monkeypatch.setenv("YOLO_THREADS", "lots")
+    argv = [*train_argv(data, tmp_path / "run", img=64, batch=2), "--nproc-per-node", "2"]
+    assert train_multi_GPU.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["error: YOLO_THREADS='lots': expected auto or a positive integer"]
+    assert spawned == [] and not (tmp_path / "run").exists()

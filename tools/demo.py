@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import shutil
 import sys
 import time
@@ -38,11 +37,11 @@ import validation  # noqa: E402
 from build_utils.augmentations import GRID  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
-from build_utils.limits import check_limit_settings  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import (  # noqa: E402
     HelpFormatter,
     check_at_least,
+    check_environment,
     check_time_budget,
     run_main,
     setup_console_logging,
@@ -52,7 +51,6 @@ from train_utils.distributed.devices import select_device  # noqa: E402
 from train_utils.distributed.precision import AMP_CHOICES  # noqa: E402
 from train_utils.distributed.process_group import DistInfo  # noqa: E402
 from train_utils.reporting import read_results  # noqa: E402
-from train_utils.threads import fixed_thread_count  # noqa: E402
 from train_utils.trainer import run  # noqa: E402
 
 logger = logging.getLogger("demo")
@@ -198,8 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     def body() -> None:
         # A bad flag or YOLO_THREADS is one line before any image is generated or read.
-        fixed_thread_count(os.environ)
-        check_limit_settings()
+        check_environment()
         check_at_least({"--epochs": args.epochs}, 1)
         check_time_budget(args.time_budget)
         t0 = time.time()

@@ -18,6 +18,7 @@ import argparse
 import copy
 import logging
 import math
+import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -25,8 +26,10 @@ from typing import Any
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.errors import ConfigError, RunStopped, YoloError
-from build_utils.limits import MAX_IMG_SIZE
+from build_utils.limits import MAX_IMG_SIZE, check_limit_settings, positive_env_int
+from models.budget import MEMORY_ENV
 from train_utils.distributed.precision import AMP_CHOICES
+from train_utils.threads import fixed_thread_count
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +329,19 @@ def check_at_least(values: Mapping[str, int | None], lo: int) -> None:
         _check_number(flag, value, int)
         if value < lo:
             raise ConfigError(f"{flag} must be >= {lo}, got {value}")
+
+
+def check_environment() -> None:
+    """The environment variables the scripts read (YOLO_THREADS, the YOLO_MAX_* limits,
+    YOLO_MEMORY_AVAILABLE), checked now: a malformed one is one line before anything is loaded,
+    spawned or written, not at the first image it limits, beside a run's first files.
+
+    Raises:
+        ConfigError: the first malformed variable.
+    """
+    fixed_thread_count(os.environ)
+    check_limit_settings()
+    positive_env_int(MEMORY_ENV, "bytes")
 
 
 def check_time_budget(minutes: float | None) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import random
 import sys
 import time
@@ -32,9 +31,8 @@ from torch import nn
 from build_utils.atomic import reported_write, write_error
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError, OutputError, RunStopped, YoloError
-from build_utils.limits import check_limit_settings, positive_env_int
 from build_utils.parse_config import format_model_cfg
-from models.budget import MEMORY_ENV, check_model_fits
+from models.budget import check_model_fits
 from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
@@ -53,6 +51,7 @@ from train_utils.checkpoint import (
     validate_resume_checkpoint,
     weights_kind,
 )
+from train_utils.cli import check_environment
 from train_utils.config import (
     DEFAULT_EPOCHS,
     RUN_CFG_NAME,
@@ -105,7 +104,7 @@ from train_utils.reporting import (
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
 from train_utils.stop_signals import StopSignals
-from train_utils.threads import adapt_threads, fixed_thread_count
+from train_utils.threads import adapt_threads
 
 logger = logging.getLogger(__name__)
 
@@ -196,9 +195,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
     t_start = time.time()
     # A bad YOLO_THREADS, limit or YOLO_MEMORY_AVAILABLE stops the run before it claims (and
     # leaves behind) a run folder.
-    fixed_thread_count(os.environ)
-    check_limit_settings()
-    positive_env_int(MEMORY_ENV, "bytes")
+    check_environment()
     claim, log_handler, error = None, None, None
     if dist.is_main:
         try:
