@@ -20,11 +20,11 @@ import contextlib
 import errno
 import os
 import secrets
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
-from build_utils.errors import OutputError
+from build_utils.errors import ConfigError, OutputError
 
 TEMP_SUFFIX = ".tmp"
 _MODES = ("w", "wb")
@@ -164,6 +164,24 @@ def check_output_place(
         raise write_error(OSError(errno.EISDIR, os.strerror(errno.EISDIR)), path, flag)
     if _file_in_the_way(path) is not None:
         raise write_error(OSError(errno.ENOTDIR, os.strerror(errno.ENOTDIR)), path, flag, folder)
+
+
+def check_not_an_input(
+    out: str | os.PathLike[str],
+    flag: str,
+    inputs: Mapping[str, str | os.PathLike[str] | None],
+) -> None:
+    """Refuse an output ``out`` that is one of the files a tool reads (``inputs``: how the
+    message names each, e.g. ``"the cfg"``; None: not given), so that its result never replaces
+    its own input.
+
+    Raises:
+        ConfigError: ``out`` is (a link to) one of ``inputs``.
+    """
+    out = Path(out)
+    for what, read in inputs.items():
+        if read is not None and out.exists() and Path(read).exists() and out.samefile(read):
+            raise ConfigError(f"{flag} {out} is {what} this tool reads; choose another file")
 
 
 @contextlib.contextmanager

@@ -42,7 +42,12 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
-from build_utils.atomic import check_output_place, make_output_dir, write_text
+from build_utils.atomic import (
+    check_not_an_input,
+    check_output_place,
+    make_output_dir,
+    write_text,
+)
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
@@ -155,10 +160,6 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
-def _same_file(a: Path, b: Path) -> bool:
-    return a.exists() and b.exists() and a.samefile(b)
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     args = get_args_parser().parse_args(argv)
     setup_console_logging()
@@ -180,13 +181,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         source = data["train"] if data else args.list
         if args.out_cfg is not None:
             # Never over a file this tool reads (was: --out-cfg my.data replaced the .data).
-            reads = {"--cfg": args.cfg, "--data": args.data, "the image list": source}
-            for what, read in reads.items():
-                if read is not None and _same_file(args.out_cfg, Path(read)):
-                    raise ConfigError(
-                        f"--out-cfg {args.out_cfg} is {what} that this tool reads; "
-                        "choose another file"
-                    )
+            reads = {"--cfg that": args.cfg, "--data that": args.data}
+            check_not_an_input(args.out_cfg, "--out-cfg", {**reads, "the image list that": source})
             check_output_place(args.out_cfg, "--out-cfg")
         # The label cache is keyed by the class count as well: read it with the .data's (or
         # --classes), as training does, so that the cache written here is the one training reuses.

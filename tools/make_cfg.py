@@ -30,6 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from build_utils.atomic import check_not_an_input
 from build_utils.errors import ConfigError, YoloError
 from build_utils.parse_config import (
     Block,
@@ -151,8 +152,7 @@ def make_cfg(
         what.append(f"{nc} classes")
         stem += f"-{nc}cls"
     out = output if output is not None else cfg.with_name(f"{stem}.cfg")
-    if out.exists() and out.samefile(cfg):  # never over what it reads
-        raise ConfigError(f"--output {out} is the cfg this tool reads; choose another file")
+    check_not_an_input(out, "--output", {"the cfg": cfg})
     out.parent.mkdir(parents=True, exist_ok=True)
     write_model_cfg(
         blocks, out, header=f"{cfg.name} rewritten for {', '.join(what)} by tools/make_cfg.py"
@@ -167,11 +167,8 @@ def main(argv: list[str] | None = None) -> int:
         nc = args.classes
         if args.data is not None:
             nc = parse_data_cfg(args.data)["classes"]
-            out = args.output
-            if out is not None and out.exists() and out.samefile(args.data):
-                raise ConfigError(
-                    f"--output {out} is the --data file this tool reads; choose another file"
-                )
+            if args.output is not None:
+                check_not_an_input(args.output, "--output", {"the --data file": args.data})
         out = make_cfg(args.cfg, nc, args.output, args.width, args.new_coords)
     except YoloError as e:
         print(f"error: {e}", file=sys.stderr)
