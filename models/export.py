@@ -21,11 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import importlib.util
 import io
 import json
+import math
 import os
+import re
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -70,6 +74,7 @@ FP16_TOLERANCE = 1e-2
 # NMS-level agreement: the detections a deployment would keep, at predict.py-like settings.
 NMS_CONF, NMS_IOU = 0.25, 0.45
 SAME_BOX_IOU = 0.9  # a reference detection is found when the export has one of its class this close
+PRECISION_HINT = "INFERENCE_PRECISION_HINT"  # OpenVINO's property for the compute precision
 
 
 class DetectionsOnly(nn.Module):
@@ -255,6 +260,10 @@ def export_torchscript(
 
 
 def _import_openvino():
+    # OpenVINO's converter sends usage telemetry unless its package is absent: it forks a
+    # helper process that connects to an analytics host and keeps a client id under ~/intel/.
+    # Nothing here may reach the network, so the converter gets its own no-op stand-in.
+    sys.modules.setdefault("openvino_telemetry", None)
     try:
         import openvino
     except ImportError as e:
@@ -349,18 +358,80 @@ def _run_torchscript(path: Path, x: np.ndarray) -> np.ndarray:
         return module(torch.from_numpy(x).to(dtype)).float().numpy()
 
 
-def _run_openvino(folder: Path, x: np.ndarray) -> np.ndarray:
+class RuntimeUnavailable(Exception):
+    """A format's runtime cannot run an export on this machine (a runtime's limitation, not a
+    wrong export); the message is one line."""
+
+
+def openvino_default_precision() -> str:
+    """The precision OpenVINO's CPU plugin computes in when a deployment does not choose one:
+    ``f32``, or ``bf16`` on CPUs with bf16 arithmetic (AVX512-BF16, AMX), ``f16`` on some ARM."""
     ov = _import_openvino()
-    core = ov.Core()
-    compiled = core.compile_model(core.read_model(str(folder / f"{ir_stem(folder)}.xml")), "CPU")
-    return np.asarray(compiled(x.astype(np.float32))[compiled.output(0)], dtype=np.float32)
+    return str(ov.Core().get_property("CPU", PRECISION_HINT).to_string())
+
+
+def _run_openvino_in(folder: Path, x: np.ndarray, precision: str | None) -> np.ndarray:
+    """Run the IR in ``folder`` on the CPU in ``precision`` (None: OpenVINO's default here).
+
+    Raises:
+        RuntimeUnavailable: OpenVINO cannot compile or run the model on this CPU.
+    """
+    ov = _import_openvino()
+    config = {} if precision is None else {PRECISION_HINT: precision}
+    try:
+        core = ov.Core()
+        compiled = core.compile_model(
+            core.read_model(str(folder / f"{ir_stem(folder)}.xml")), "CPU", config
+        )
+        out = compiled(x.astype(np.float32))[compiled.output(0)]
+        return np.asarray(out, dtype=np.float32)
+    except RuntimeError as e:
+        # Only the message is kept: OpenVINO's objects must not outlive the call in a traceback.
+        why = _runtime_message(str(e))
+    in_what = f" in {precision}" if precision else ""
+    raise RuntimeUnavailable(f"OpenVINO cannot run the model{in_what} on this CPU: {why}")
+
+
+def _runtime_message(text: str) -> str:
+    """The line of a C++ runtime's error that says what went wrong: OpenVINO stacks lines of
+    ``Exception from <file>:<line>:`` above it."""
+    lines = [line.strip() for line in text.splitlines() if line.strip()]
+    said = [line for line in lines if not re.fullmatch(r"Exception from \S+:\d+:?", line)]
+    return (said or lines or ["(no message)"])[0]
+
+
+def _run_openvino(folder: Path, x: np.ndarray) -> np.ndarray:
+    # Checked in f32, the precision of the IR: OpenVINO would otherwise compute in bf16 on
+    # CPUs that have it, whose rounding no float32 tolerance covers (openvino_deployment).
+    return _run_openvino_in(folder, x, "f32")
+
+
+def _openvino_deployment(folder: Path, x: np.ndarray, want: np.ndarray) -> str | None:
+    """What a deployment compiled with OpenVINO's defaults gets on this CPU, when that is not
+    the f32 the export was checked in: its detections after NMS against PyTorch's."""
+    default = openvino_default_precision()
+    if default == "f32":
+        return None
+    choose = f"for float32 compile with {{'{PRECISION_HINT}': 'f32'}} (README: Export)"
+    try:
+        got = _run_openvino_in(folder, x, None)
+    except RuntimeUnavailable as e:
+        return f"OpenVINO's default precision on this CPU is {default}, and {e}; {choose}"
+    a = compare(want, got, FP16_TOLERANCE)
+    return (
+        f"OpenVINO computes in {default} on this CPU unless told otherwise: at {default} "
+        f"{a.found} of {a.detections} PyTorch detections after NMS are found (max abs "
+        f"difference {a.max_abs:.2e}); {choose}"
+    )
 
 
 @dataclass(frozen=True)
 class ExportFormat:
     """One deployment format: the ``--include`` name, the output's name from the weights' stem,
     how to write it and how to run what was written (on the CPU, in its own runtime), and the
-    packages each needs (``writer_needs``, ``runtime_needs``: import names)."""
+    packages each needs (``writer_needs``, ``runtime_needs``: import names). ``deployment``,
+    where a runtime computes in another precision by default than the one checked, says what
+    a deployment with default settings gets (None: the same)."""
 
     name: str
     target: Callable[[str], str]
@@ -368,6 +439,7 @@ class ExportFormat:
     run: Callable[[Path, np.ndarray], np.ndarray]
     writer_needs: tuple[str, ...] = ()
     runtime_needs: tuple[str, ...] = ()
+    deployment: Callable[[Path, np.ndarray, np.ndarray], str | None] | None = None
 
     def missing(self, verify: bool) -> list[str]:
         """The packages this format needs (to write, and to run when ``verify``) that are not
@@ -406,6 +478,7 @@ FORMATS: dict[str, ExportFormat] = {
             _run_openvino,
             ("openvino",),
             ("openvino",),
+            _openvino_deployment,
         ),
     )
 }
@@ -424,6 +497,9 @@ class Agreement:
         tolerance: the ``tol`` used (:data:`FP32_TOLERANCE` or :data:`FP16_TOLERANCE`).
         detections: PyTorch's detections after NMS (``NMS_CONF``, ``NMS_IOU``), all images.
         found: how many of them the export's own NMS output has (same class, IoU >= 0.9).
+        unavailable: why the runtime could not run the export here (then nothing compared).
+        deployment: what a deployment with the runtime's default settings gets, where that
+            differs from what was checked (:attr:`ExportFormat.deployment`).
     """
 
     max_abs: float
@@ -431,10 +507,12 @@ class Agreement:
     tolerance: float
     detections: int
     found: int
+    unavailable: str | None = None
+    deployment: str | None = None
 
     @property
     def ok(self) -> bool:
-        return self.worst <= 1.0
+        return self.unavailable is None and self.worst <= 1.0
 
 
 def _found(want: torch.Tensor, got: torch.Tensor) -> int:
@@ -472,5 +550,13 @@ def verify(
     model.eval()
     with torch.no_grad():
         want = model(images)[0].double().numpy()
-    got = fmt.run(path, images.numpy())
-    return compare(want, got, FP16_TOLERANCE if half else FP32_TOLERANCE)
+    tolerance = FP16_TOLERANCE if half else FP32_TOLERANCE
+    try:
+        got = fmt.run(path, images.numpy())
+    except RuntimeUnavailable as e:
+        return Agreement(math.inf, math.inf, tolerance, 0, 0, unavailable=str(e))
+    agreement = compare(want, got, tolerance)
+    if fmt.deployment is not None:
+        note = fmt.deployment(path, images.numpy(), want)
+        agreement = dataclasses.replace(agreement, deployment=note)
+    return agreement

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import re
 from pathlib import Path
 
 import cv2
@@ -151,7 +152,10 @@ def run_openvino(folder: Path, x: np.ndarray) -> tuple[np.ndarray, set[str], dic
     }
     info = ir.get_rt_info()["model_info"]
     meta = {k: json.loads(ir.get_rt_info(["model_info", k]).astype(str)) for k in info}
-    compiled = core.compile_model(ir, "CPU")
+    # In f32, as the export checks itself: OpenVINO's default on a CPU with bf16 arithmetic is
+    # bf16, whose rounding no float32 tolerance covers.
+    compiled = core.compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
     return compiled({"images": x})[compiled.output("detections")], types, meta
 
 
@@ -212,6 +216,100 @@ def test_openvino_agrees_with_pytorch(weights, tmp_path, half):
     np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
     if not half:
         assert_same_detections(want, got)
+
+
+class RecordingOpenVINO:
+    """The openvino module as models/export.py sees it, with ``Core`` recording the settings
+    of every ``compile_model`` and optionally answering another default precision or failing
+    a compile (as OpenVINO does on a CPU it cannot run a model on)."""
+
+    def __init__(self, default: str | None = None, fail: set[str | None] = frozenset()):
+        import openvino
+
+        self.real, self.default, self.fail, self.compiled = openvino, default, fail, []
+        outer = self
+
+        class Core(openvino.Core):
+            def get_property(self, device, name):
+                if name == model_export.PRECISION_HINT and outer.default is not None:
+                    return openvino.Type(outer.default)
+                return super().get_property(device, name)
+
+            def compile_model(self, model, device, config=None):
+                precision = (config or {}).get(model_export.PRECISION_HINT)
+                outer.compiled.append(precision)
+                if precision in outer.fail:
+                    raise RuntimeError(
+                        "Exception from src/inference/src/cpp/core.cpp:112:\n"
+                        "Supported primitive descriptors list is empty for node: MaxPool\n"
+                    )
+                return super().compile_model(model, device, config or {})
+
+        self.Core = Core
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def openvino_export(weights: Path, out: Path) -> int:
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
+    return export.main([*argv, "--include", "openvino"])
+
+
+@needs_openvino
+def test_openvino_is_checked_with_the_f32_hint(weights, tmp_path, monkeypatch):
+    """The check compiles in f32, the IR's precision, whatever OpenVINO would choose for this
+    CPU; on a CPU whose default is f32 no second compile is made."""
+    fake = RecordingOpenVINO()
+    monkeypatch.setattr(model_export, "_import_openvino", lambda: fake)
+    assert openvino_export(weights, tmp_path / "ov") == 0
+    assert fake.compiled == ["f32"]
+
+
+@needs_openvino
+@pytest.mark.parametrize("default_compiles", [True, False])
+def test_a_reduced_default_precision_is_reported_with_its_detections(
+    weights, tmp_path, monkeypatch, caplog, default_compiles
+):
+    """On a CPU where OpenVINO computes in bf16 by default (AVX512-BF16, AMX) the export is
+    checked in f32 and passes, and the log says what a default deployment gets: its detections
+    against PyTorch's, or that it cannot compile there, and how to choose f32."""
+    fake = RecordingOpenVINO(default="bf16", fail=set() if default_compiles else {None})
+    monkeypatch.setattr(model_export, "_import_openvino", lambda: fake)
+    with caplog.at_level("WARNING"):
+        assert openvino_export(weights, tmp_path / "ov") == 0
+    assert fake.compiled == ["f32", None]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "tools.export"]
+    if default_compiles:
+        # This CPU has no bf16: the "bf16" compile computed in f32, so every detection matches.
+        assert re.fullmatch(
+            r"openvino: OpenVINO computes in bf16 on this CPU unless told otherwise: at bf16 "
+            r"(\d+) of \1 PyTorch detections after NMS are found \(max abs difference .*\); "
+            r"for float32 compile with \{'INFERENCE_PRECISION_HINT': 'f32'\} \(README: Export\)",
+            line,
+        ), line
+    else:
+        assert line == (
+            "openvino: OpenVINO's default precision on this CPU is bf16, and OpenVINO cannot "
+            "run the model on this CPU: Supported primitive descriptors list is empty for node: "
+            "MaxPool; "
+            "for float32 compile with {'INFERENCE_PRECISION_HINT': 'f32'} (README: Export)"
+        )
+
+
+@needs_openvino
+def test_openvino_that_cannot_run_here_is_one_line(weights, tmp_path, monkeypatch, capsys):
+    """Where OpenVINO cannot compile the model on this CPU even in f32, the export is written
+    and the check says so in one line (exit 1: the runtime's limitation, not the user's)."""
+    fake = RecordingOpenVINO(fail={"f32"})
+    monkeypatch.setattr(model_export, "_import_openvino", lambda: fake)
+    assert openvino_export(weights, tmp_path / "ov") == 1
+    assert (tmp_path / "ov" / "best_openvino_model" / "best.xml").is_file()
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        "error: openvino (OpenVINO cannot run the model in f32 on this CPU: Supported "
+        "primitive descriptors list is empty for node: MaxPool)"
+    )
 
 
 # ---- where outputs go, and what is never overwritten ----------------------------------------

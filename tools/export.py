@@ -205,6 +205,10 @@ def main(argv: list[str] | None = None) -> int:
             if images is None:
                 continue
             a = verify(fmt, model, path, images, args.half)
+            if a.unavailable is not None:
+                LOGGER.error("%s not checked: %s", name, a.unavailable)
+                failed.append(f"{name} ({a.unavailable})")
+                continue
             LOGGER.info(
                 "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); %s",
                 name,
@@ -215,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
                 if a.detections
                 else f"no detections above conf {NMS_CONF} on the sample images to compare",
             )
+            if a.deployment is not None:
+                LOGGER.warning("%s: %s", name, a.deployment)
             if not a.ok:
-                failed.append(name)
+                failed.append(f"{name} output differs from PyTorch")
         if failed:
-            # A converter's fault, not the user's: exit 1 with the exports left for inspection.
-            print(f"error: {', '.join(failed)} output differs from PyTorch", file=sys.stderr)
+            # A converter's or runtime's fault, not the user's: exit 1, the exports left for
+            # inspection (--no-verify writes them without the check).
+            print(f"error: {'; '.join(failed)}", file=sys.stderr)
             return 1
         return 0
 
