@@ -9,7 +9,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 # OpenCV 4 alone (OpenCV 5 dropped the Darknet importer): the reference of
-# tests/test_darknet_opencv.py, which make test requires (YOLO_REQUIRE_OPENCV4=1).
+# tests/models/test_darknet_opencv.py, which make test requires (YOLO_REQUIRE_OPENCV4=1).
 CV4_VENV := .venv-cv4
 CV4_STAMP := $(CV4_VENV)/.installed-stamp
 

@@ -55,7 +55,6 @@ from build_utils.parse_config import (
 )
 from models.darknet import Darknet
 from models.tta import detect
-from train_utils.builders import model_from_weights
 from train_utils.checkpoint import (
     WeightsFile,
     read_weights,
@@ -82,9 +81,10 @@ from train_utils.cli import (
     take_from_run,
 )
 from train_utils.distributed.devices import select_device
-from train_utils.distributed.precision import autocast_context, replay_precision, to_model_input
-from train_utils.evaluation.exports import write_yolo_txt
+from train_utils.evaluation.detection_files import write_yolo_txt
 from train_utils.evaluation.plots import class_colour, write_image
+from train_utils.load_model import model_from_weights
+from train_utils.precision import autocast_context, replay_precision, to_model_input
 from train_utils.threads import adapt_threads
 
 logger = logging.getLogger("predict")

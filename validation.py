@@ -50,12 +50,6 @@ from build_utils.atomic import check_output_place, make_output_dir, write_text
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
-from train_utils.builders import (
-    eval_image_ids,
-    make_eval_dataset,
-    make_eval_loader,
-    model_from_weights,
-)
 from train_utils.checkpoint import WeightsFile, read_weights
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
@@ -87,7 +81,7 @@ from train_utils.cli import (
     take_from_run,
 )
 from train_utils.config import DataConfig, load_data_config
-from train_utils.distributed.precision import replay_precision
+from train_utils.data_loaders import eval_image_ids, make_eval_dataset, make_eval_loader
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
 from train_utils.engine import evaluate
 from train_utils.evaluation.coco_eval import STAT_NAMES, CocoEvaluator
@@ -96,8 +90,7 @@ from train_utils.evaluation.coco_gt import (
     get_coco_api_from_dataset,
     ground_truth_from_file,
 )
-from train_utils.evaluation.error_breakdown import report_errors
-from train_utils.evaluation.exports import (
+from train_utils.evaluation.detection_files import (
     COCO80_TO_91,
     gt_to_official_coco_ids,
     read_coco_id_map,
@@ -105,9 +98,12 @@ from train_utils.evaluation.exports import (
     to_official_coco_ids,
     write_dataset_txt,
 )
+from train_utils.evaluation.error_breakdown import report_errors
 from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import write_eval_report
 from train_utils.evaluation.speed import measure_speed
+from train_utils.load_model import model_from_weights
+from train_utils.precision import replay_precision
 
 logger = logging.getLogger("validation")
 

@@ -54,9 +54,8 @@ from tools.demo import (
     TARGET_MAP50,
     ensure_demo_dataset,
 )
-from train_utils import trainer
+from train_utils import precision, trainer
 from train_utils.config import build_config, get_args_parser
-from train_utils.distributed import precision
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.process_group import DistInfo
 from train_utils.trainer import run

@@ -70,7 +70,7 @@ import torch
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
-from train_utils.distributed.precision import resolve_amp
+from train_utils.precision import resolve_amp
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -83,10 +83,10 @@ PCIE_FACTOR = 0.7
 # The loader sizes the data step measures are paired with the nearest train-step size.
 DATA_SIZES = (416, 640)
 # Training-time evaluation and validation.py of the same weights agree within this, absolute, on
-# each COCO stat. On the CPU they agree to 1e-6 (tests/test_ddp_exact_eval.py); on a GPU the two
-# processes may pick different cuDNN algorithms (cudnn.benchmark times them anew) and autocast
-# rounds to 8 (bf16) or 11 (fp16) bits, so a few scores move by ~1e-3 relative, which can swap
-# the order of nearly equal detections or move one across a threshold: with the eval step's
+# each COCO stat. On the CPU they agree to 1e-6 (tests/scenarios/test_ddp_exact_eval.py); on a
+# GPU the two processes may pick different cuDNN algorithms (cudnn.benchmark times them anew) and
+# autocast rounds to 8 (bf16) or 11 (fp16) bits, so a few scores move by ~1e-3 relative, which can
+# swap the order of nearly equal detections or move one across a threshold: with the eval step's
 # ~400 validation objects one such change moves an AP by ~1/400 = 0.0025 at most per class.
 # 0.01 allows a few of them and still catches a real disagreement (other weights, another
 # precision, images scored twice or not at all), which moves mAP by much more.
@@ -405,7 +405,7 @@ def _requirements() -> tuple[dict[str, str | None], list[str]]:
 def cuda_test_files(tests: Path = REPO / "tests") -> list[Path]:
     """The test files that mark CUDA tests: collecting only these keeps the step quick and
     independent of the optional packages other test files need."""
-    return sorted(p for p in tests.glob("test_*.py") if "mark.cuda" in p.read_text())
+    return sorted(p for p in tests.rglob("test_*.py") if "mark.cuda" in p.read_text())
 
 
 def pytest_command(files: Sequence[Path], junit: Path) -> list[str]:
@@ -1140,7 +1140,7 @@ def get_parser() -> argparse.ArgumentParser:
         "--out-dir", type=Path, default=RESULTS_DIR, help="where the report goes (bench/results)"
     )
     p.add_argument("--keep-work", action="store_true", help="keep the steps' work folder")
-    # Internal: the steps' real code on the CPU at toy sizes, for tests/test_gpu_check.py.
+    # Internal: the steps' real code on the CPU at toy sizes, for tests/scripts/test_gpu_check.py.
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)
     # Internal: one step in a child process.

@@ -10,7 +10,7 @@ Conventions:
 
 Geometry is exact under that convention: pixels and boxes go through the same maps, so a box
 stays on its object under letterbox, mosaic, random affine and flips (the property test in
-``tests/test_augmentations.py`` checks it).
+``tests/build_utils/test_augmentations.py`` checks it).
 
 How the mosaic is made fast (the data pipeline must keep up with one GPU): the lineage pasted
 four resized images into a ``2s x 2s`` canvas and warped the whole canvas to ``s x s``. Here the

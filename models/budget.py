@@ -10,7 +10,7 @@ milliseconds for the largest cfg), and :func:`check_model_fits` names the layer 
 estimate crosses the memory available: ``/proc/meminfo`` ``MemAvailable`` for the CPU,
 ``torch.cuda.mem_get_info`` for a CUDA device.
 
-The estimate (``tests/test_budget.py`` holds it to the real model):
+The estimate (``tests/models/test_budget.py`` holds it to the real model):
 - parameters: exact (``sum(p.numel() for p in model.parameters())``);
 - layer output shapes: exact (each layer's output in a forward pass);
 - training activations: what autograd saves for the backward pass, 1.0-1.3x the bytes it

@@ -10,7 +10,8 @@ stride, upsampling divides it and a route takes that of the layers it references
 head's stride is read from there, never assumed (YOLOv4's heads come in the order 8, 16, 32).
 
 Every layer computes what Darknet's does for the same cfg and ``.weights`` (checked against
-OpenCV's independent Darknet importer on all of ``cfg/darknet/``, tests/test_darknet_opencv.py):
+OpenCV's independent Darknet importer on all of ``cfg/darknet/``,
+tests/models/test_darknet_opencv.py):
 BatchNorm epsilon 1e-5, max-pooling padded with -inf (:class:`~models.layers.DarknetMaxPool`),
 ``new_coords`` heads, ``stopbackward``.
 """

@@ -15,7 +15,7 @@ import os
 # Every test, and every process a test starts, computes as on an AVX2-only CPU (the one the
 # suite's figures were made on), whatever CPU runs it: oneDNN's AVX-512/AMX kernels would round
 # differently, and on a CPU with bf16 arithmetic `--amp auto` could time bf16 faster and train
-# in it (train_utils/distributed/precision.py honours this cap). tests/test_cpu_bf16.py covers
+# in it (train_utils/precision.py honours this cap). tests/train_utils/test_cpu_bf16.py covers
 # the bf16 policy by stating the CPU it assumes.
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 

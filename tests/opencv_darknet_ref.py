@@ -1,6 +1,6 @@
 """Reference outputs of a Darknet cfg + .weights computed by OpenCV's Darknet importer.
 
-Run by tests/test_darknet_opencv.py under the separate ``.venv-cv4`` environment (numpy and
+Run by tests/models/test_darknet_opencv.py under the separate ``.venv-cv4`` environment (numpy and
 opencv-python-headless 4.x only: OpenCV 5 dropped ``readNetFromDarknet``), so it must not import
 anything from this repository::
 

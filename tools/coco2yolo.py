@@ -54,7 +54,7 @@ from build_utils.labels import img2label_path
 from build_utils.limits import MAX_IMAGE_BYTES, file_problem
 from build_utils.safe_yaml import dump_yaml, short_repr, short_text
 from train_utils.cli import HelpFormatter, run_main, setup_console_logging
-from train_utils.evaluation.exports import (
+from train_utils.evaluation.detection_files import (
     COCO_IDS_FILE,
     CocoIdMap,
     read_coco_ids,

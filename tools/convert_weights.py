@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_utils.atomic import make_output_dir, reported_write
 from build_utils.errors import ConfigError, YoloError
 from models.weights import save_weights
-from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights, save_weights_pt
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags
+from train_utils.load_model import model_from_weights
 
 PT_SUFFIX = ".pt"
 DARKNET_SUFFIX = ".weights"

@@ -48,8 +48,8 @@ from train_utils.cli import (  # noqa: E402
 )
 from train_utils.config import build_config, get_args_parser, load_data_config  # noqa: E402
 from train_utils.distributed.devices import select_device  # noqa: E402
-from train_utils.distributed.precision import AMP_CHOICES  # noqa: E402
 from train_utils.distributed.process_group import DistInfo  # noqa: E402
+from train_utils.precision import AMP_CHOICES  # noqa: E402
 from train_utils.reporting import read_results  # noqa: E402
 from train_utils.trainer import run  # noqa: E402
 

@@ -50,7 +50,6 @@ from models.export import (
     export_metadata,
     verify,
 )
-from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights
 from train_utils.cli import (
     HelpFormatter,
@@ -62,6 +61,7 @@ from train_utils.cli import (
     setup_console_logging,
     switch,
 )
+from train_utils.load_model import model_from_weights
 
 LOGGER = logging.getLogger(__name__)
 

@@ -39,9 +39,9 @@ from models.export import (
     export_onnx,
     hw,
 )
-from train_utils.builders import model_from_weights
 from train_utils.checkpoint import read_weights
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, check_img_size
+from train_utils.load_model import model_from_weights
 
 # The writer and the runtime are models/export.py's, shared with tools/export.py; this script
 # keeps its own command line (--img-size H W, -o FILE, --verify on a random batch).

@@ -28,7 +28,7 @@ from build_utils.augmentations import GRID  # every input side must be a multipl
 from build_utils.errors import ConfigError, RunStopped, YoloError
 from build_utils.limits import MAX_IMG_SIZE, check_limit_settings, positive_env_int
 from models.budget import MEMORY_ENV
-from train_utils.distributed.precision import AMP_CHOICES
+from train_utils.precision import AMP_CHOICES
 from train_utils.threads import fixed_thread_count
 
 logger = logging.getLogger(__name__)

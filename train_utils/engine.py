@@ -27,7 +27,6 @@ from build_utils.errors import YoloError
 from models.loss import compute_loss
 from models.tta import detect
 from train_utils.distributed.comm import all_reduce_flag, gather_rows_to_main, reduce_dict
-from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.ema import ModelEMA
 from train_utils.evaluation.coco_eval import (
     CocoEvaluator,
@@ -37,6 +36,7 @@ from train_utils.evaluation.coco_eval import (
 )
 from train_utils.evaluation.coco_gt import dataset_image_ids
 from train_utils.evaluation.options import EvalOptions
+from train_utils.precision import autocast_context, to_model_input
 from train_utils.threads import adapt_threads
 
 WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iteration

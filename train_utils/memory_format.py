@@ -1,5 +1,5 @@
-"""Which memory format a run trains in: channels_last or contiguous (NCHW); and on a CPU with
-native bf16, whether ``--amp auto`` trains in bf16 (:func:`choose_cpu_amp`), from the same timings.
+"""Which memory format a run trains in: channels_last or contiguous (NCHW), from timed train
+steps that also give :func:`train_utils.precision.choose_cpu_amp` its figures.
 
 On CUDA channels_last is always right (the fast cuDNN kernels are NHWC). On a CPU it depends on
 the model: on a 2-core AVX2 CPU the nano cfg trains 1.3x faster in channels_last while YOLOv3-SPP
@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from build_utils.atomic import atomic_write
-from train_utils.distributed.precision import autocast_context
+from train_utils.precision import autocast_context
 
 logger = logging.getLogger(__name__)
 
@@ -177,24 +177,6 @@ def choose_channels_last(
     return MemoryFormatChoice(decide(t_nchw, t_nhwc), "timed now", t_nchw, t_nhwc)
 
 
-# bf16 may cost accuracy per epoch: emulated on the demo recipe over three seeds it ended 0.01-0.05
-# mAP@0.5 lower at equal epochs, and fp32 had reached bf16's final mAP in 1/1.16-1/1.35 of the
-# epochs (within the seed spread on a harder set; bench/README.md "bf16 on the CPU by default").
-# So bf16 wins at equal time only where its step is faster by more than the worst of those.
-BF16_MIN_SPEEDUP = 1.35
-
-
-@dataclass(frozen=True)
-class AmpChoice:
-    """The CPU precision ``--amp auto`` trains in, and the train-step seconds it was chosen on
-    (each precision in the format the run will use with it)."""
-
-    amp: torch.dtype | None
-    reason: str
-    fp32_s: float | None = None
-    bf16_s: float | None = None
-
-
 def step_seconds(choice: MemoryFormatChoice, forced: bool | None) -> float:
     """The train step time of a timed ``choice`` in the format the run would use: the forced
     one, else the faster."""
@@ -204,31 +186,6 @@ def step_seconds(choice: MemoryFormatChoice, forced: bool | None) -> float:
     if forced is None:
         return min(t_nchw, t_nhwc)
     return t_nhwc if forced else t_nchw
-
-
-def choose_cpu_amp(
-    fp32_s: float, bf16_s: float, min_speedup: float = BF16_MIN_SPEEDUP
-) -> AmpChoice:
-    """bf16 autocast when its train step is at least ``min_speedup`` times faster than fp32's.
-
-    Even with native bf16 a small model at a small size can lose: its convolutions are too small
-    for bf16 to pay back the casts (the timings decide, per model, size, batch and CPU).
-    """
-    if fp32_s >= min_speedup * bf16_s:
-        return AmpChoice(torch.bfloat16, "bf16 timed faster", fp32_s, bf16_s)
-    return AmpChoice(None, f"bf16 not {min_speedup:.2f}x faster", fp32_s, bf16_s)
-
-
-def describe_amp(choice: AmpChoice) -> str:
-    """One log line: the CPU precision of ``--amp auto`` and the figures behind it."""
-    name = "bf16 autocast" if choice.amp is not None else "fp32"
-    if choice.fp32_s is None or choice.bf16_s is None:
-        return f"precision {name}: {choice.reason}"
-    return (
-        f"precision {name} (--amp auto on a CPU with native bf16): train step "
-        f"{choice.fp32_s * 1000:.0f} ms fp32 vs {choice.bf16_s * 1000:.0f} ms bf16, "
-        f"{choice.fp32_s / choice.bf16_s:.2f}x ({choice.reason}; --amp bf16/off force one)"
-    )
 
 
 def describe(choice: MemoryFormatChoice) -> str:

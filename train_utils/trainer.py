@@ -37,7 +37,6 @@ from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
 from train_utils.autoanchor import check_anchors
-from train_utils.builders import TrainData, build_train_data
 from train_utils.checkpoint import (
     check_resume_cfg,
     copy_checkpoint,
@@ -61,6 +60,7 @@ from train_utils.config import (
     resumes_in_place,
     scaled_lr0,
 )
+from train_utils.data_loaders import TrainData, build_train_data
 from train_utils.distributed.comm import (
     all_gather,
     all_reduce_flag,
@@ -69,31 +69,31 @@ from train_utils.distributed.comm import (
     raise_if_any_rank_failed,
 )
 from train_utils.distributed.node import processes_per_node
-from train_utils.distributed.precision import (
-    dtype_from_name,
-    dtype_name,
-    precision_record,
-    resolve_amp,
-)
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
 from train_utils.engine import TrainOptions, TrainState, evaluate, train_one_epoch
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.options import EvalOptions, eval_options
 from train_utils.memory_format import (
-    AmpChoice,
     MemoryFormatChoice,
     cache_key,
     cache_path,
     choose_channels_last,
-    choose_cpu_amp,
     describe,
-    describe_amp,
     step_seconds,
     time_train_step,
 )
 from train_utils.optim import build_optimizer, build_scheduler
 from train_utils.plan import EpochPlan
+from train_utils.precision import (
+    AmpChoice,
+    choose_cpu_amp,
+    describe_amp,
+    dtype_from_name,
+    dtype_name,
+    precision_record,
+    resolve_amp,
+)
 from train_utils.reporting import (
     OUTPUT_FLAG,
     EpochReporter,

@@ -1,6 +1,6 @@
 """One rank of a 2-process gloo group as a launcher started it (torchrun, SLURM variables, or the
 legacy ``--local_rank`` argument): it runs every collective of train_utils.distributed.comm and
-writes what it saw to ``OUT/rank<r>.json`` for tests/test_comm.py to check.
+writes what it saw to ``OUT/rank<r>.json`` for tests/train_utils/distributed/test_comm.py to check.
 
 Usage: python -m tests.workers.comm_worker OUT [--local_rank N | --local-rank N] [--device cpu]
 """

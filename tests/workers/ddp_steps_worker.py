@@ -2,7 +2,7 @@
 accumulation 3 three ways: with ``no_sync`` and multi-scale, all-reducing every micro-batch, and
 with ``no_sync`` again at one size. Writes ``OUT/rank<r>.json`` with the input sizes, the number
 of gradient all-reduces and the largest weight difference between the last two, for
-tests/test_ddp_steps.py. Run from the repository root (it reads cfg/).
+tests/scenarios/test_ddp_steps.py. Run from the repository root (it reads cfg/).
 
 Usage: python -m tests.workers.ddp_steps_worker OUT
 """

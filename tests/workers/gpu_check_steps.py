@@ -1,5 +1,5 @@
-"""Steps for tests/test_gpu_check.py's orchestrator tests, each run the way ``make gpu-check``
-runs its own: in a child process, ``bench/gpu_check.py --run-step
+"""Steps for tests/scripts/test_gpu_check.py's orchestrator tests, each run the way
+``make gpu-check`` runs its own: in a child process, ``bench/gpu_check.py --run-step
 tests.workers.gpu_check_steps:NAME``."""
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """``train.py`` with one hook that makes a kill point deterministic, for
-tests/test_reliability_interrupt.py: at the point it either parks the process and writes a marker
-file, so the test signals it from outside, or sends SIGKILL to itself.
+tests/scenarios/test_reliability_interrupt.py: at the point it either parks the process and
+writes a marker file, so the test signals it from outside, or sends SIGKILL to itself.
 
 The environment chooses the hook:
     REL_POINT   park-mid-epoch (after the first batch of epoch REL_EPOCH has trained, wait

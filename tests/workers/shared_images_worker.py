@@ -2,7 +2,7 @@
 cache of two image lists together with the other rank. Writes ``OUT/rank<r>.json`` with the cache
 files it created, the memory checks it made, whether every cached image equals a fresh decode,
 whether forked DataLoader workers read the same pixels, and which cache files are left, for
-tests/test_shared_images.py.
+tests/build_utils/test_shared_images.py.
 
 Usage: torchrun --nproc_per_node=2 -m tests.workers.shared_images_worker LIST1 LIST2 OUT
 """
@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 
 from build_utils import shared_images
 from build_utils.datasets import LoadImagesAndLabels
-from train_utils import builders
+from train_utils import data_loaders
 from train_utils.distributed import comm, process_group
 
 
@@ -36,11 +36,11 @@ def main(argv: list[str] | None = None) -> None:
     def check(need, images, procs=None, avail=None):
         counted.append(procs)
 
-    builders.SharedImages.create = create
-    builders.check_ram_cache_fits = check
+    data_loaders.SharedImages.create = create
+    data_loaders.check_ram_cache_fits = check
     info = process_group.init_distributed_mode(None, timeout_s=60)
     datasets = [LoadImagesAndLabels(p, 96, batch_size=4, rank=info.rank) for p in lists]
-    builders._cache_in_ram(datasets, info)
+    data_loaders._cache_in_ram(datasets, info)
     comm.barrier()
     equal = []
     for ds, p in zip(datasets, lists):

@@ -1,6 +1,7 @@
 """COCO bbox scoring of detections against a ground-truth ``COCO`` object.
 
-Two libraries give the same 12 numbers (equal to 1e-6, ``tests/test_coco_eval.py``): pycocotools,
+Two libraries give the same 12 numbers (equal to 1e-6,
+``tests/train_utils/evaluation/test_coco_eval.py``): pycocotools,
 the reference, and faster-coco-eval (``requirements-extra.txt``, which ``make`` installs), its
 C++ reimplementation, several times faster on large sets. ``backend='auto'``, the default of
 every script, takes faster-coco-eval where it is installed and pycocotools elsewhere; the log

@@ -30,7 +30,7 @@ from pycocotools.coco import COCO
 
 from build_utils.atomic import atomic_write
 from build_utils.errors import ConfigError, DatasetError
-from train_utils.evaluation.exports import read_json_file
+from train_utils.evaluation.detection_files import read_json_file
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ from torch import nn
 
 from build_utils.boxes import non_max_suppression
 from models.tta import detect
-from train_utils.distributed.precision import autocast_context, to_model_input
 from train_utils.evaluation.options import EvalOptions
+from train_utils.precision import autocast_context, to_model_input
 
 WARMUP_BATCHES = 1  # batches run before timing starts (allocations, oneDNN/cuDNN plans)
 

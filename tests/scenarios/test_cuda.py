@@ -1,0 +1,106 @@
+"""CUDA twins of paths the CPU suite covers: a training run on the GPU with ``--amp auto`` whose
+checkpoint reloads on the CPU, and the channels_last + autocast forward against fp32.
+
+Every test here is marked ``cuda`` (tests/cuda_marker.py): skipped without a CUDA device, a
+failure under ``YOLO_REQUIRE_CUDA=1``, which ``make gpu-check`` sets. Each takes seconds.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from conftest import NANO_CFG, read_results, train_argv
+
+from models.darknet import Darknet
+from train_utils.checkpoint import read_weights
+from train_utils.config import build_config, get_args_parser
+from train_utils.distributed.process_group import DistInfo
+from train_utils.load_model import model_from_weights
+from train_utils.precision import autocast_context, resolve_amp, to_model_input
+from train_utils.trainer import run
+
+pytestmark = pytest.mark.cuda
+
+CUDA = torch.device("cuda", 0)
+# Relative L2 error of each head's raw logits, autocast + channels_last against fp32 (TF32
+# off). bf16 keeps 8 significant bits, fp16 11: the nano cfg's convolutions on BatchNorm-
+# calibrated activations end at ~9e-3 (bf16) and ~1.6e-3 (fp16), measured with the CPU's autocast
+# on this test's model; fp32 channels_last alone differs by ~1e-6; a wrong layout or cast ~1.
+AUTOCAST_REL_TOLERANCE = 0.05
+# Below this the forward did not compute in the lower precision at all.
+AUTOCAST_MIN_ERROR = 1e-4
+DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+def test_a_cuda_device_computes() -> None:
+    x = torch.arange(4.0, device=CUDA)
+    assert (x * 2).sum().item() == 12.0
+
+
+def test_training_on_cuda_with_amp_auto_reloads_on_the_cpu(make_shapes_data, tmp_path) -> None:
+    """``--amp auto`` on a GPU trains under autocast (bf16 where the GPU has it, else fp16 with
+    a GradScaler), the losses stay finite, the checkpoint records the dtype, and it loads and
+    runs on the CPU."""
+    data = make_shapes_data(8, 4)
+    out = tmp_path / "run"
+    argv = train_argv(data, out, "--amp", "auto", img=64, batch=4, device="cuda")
+    run(build_config(get_args_parser().parse_args(argv)), DistInfo.single(CUDA))
+
+    expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    assert resolve_amp("auto", CUDA) is expected
+    row = read_results(out / "results.csv")[-1]
+    for key in ("box_loss", "obj_loss", "cls_loss", "mAP50"):
+        assert math.isfinite(float(row[key])), key
+    weights = read_weights(out / "last.pt")
+    assert weights.precision == {"amp": DTYPE_NAMES[expected], "channels_last": True}
+    # A GradScaler (and its state in the checkpoint) exactly when the run was fp16.
+    assert (weights.ckpt["scaler"] is not None) == (expected is torch.float16)
+    assert all(t.device.type == "cpu" for t in weights.ckpt["model"].values())
+    model = model_from_weights(weights, None, None, 64).eval()
+    with torch.no_grad():
+        det, _ = model(torch.rand(1, 3, 64, 64))
+    assert det.shape[0] == 1 and torch.isfinite(det).all()
+
+
+def calibrated_model(device: torch.device, side: int, seed: int = 0) -> Darknet:
+    """The nano model in eval mode with each BatchNorm's running statistics set to those of a
+    random batch (one training-mode pass with cumulative averaging), so that activations are
+    well-scaled at every depth, as in a trained model, rather than growing layer by layer."""
+    torch.manual_seed(seed)
+    model = Darknet(NANO_CFG, img_size=side).to(device)
+    for m in model.modules():
+        if isinstance(m, torch.nn.BatchNorm2d):
+            m.momentum = None  # cumulative: one pass sets the statistics of that pass
+    model.train()
+    with torch.no_grad():
+        model(torch.rand(4, 3, side, side, device=device))
+    return model.eval()
+
+
+def autocast_head_errors(device: torch.device, amp: torch.dtype, side: int = 128) -> list[float]:
+    """Relative L2 error of each head's raw logits: channels_last + autocast to ``amp`` (as
+    training and evaluation compute on CUDA) against contiguous fp32 without TF32."""
+    model = calibrated_model(device, side)
+    imgs = torch.randint(0, 256, (2, 3, side, side), dtype=torch.uint8)
+    tf32 = torch.backends.cudnn.allow_tf32
+    torch.backends.cudnn.allow_tf32 = False  # fp32 proper: TF32 convolutions round to 10 bits
+    try:
+        with torch.no_grad():
+            _, ref = model(to_model_input(imgs, device))
+    finally:
+        torch.backends.cudnn.allow_tf32 = tf32
+    model = model.to(memory_format=torch.channels_last)
+    with torch.no_grad(), autocast_context(device, amp):
+        _, got = model(to_model_input(imgs, device, channels_last=True))
+    return [((g.float() - r).norm() / r.norm()).item() for g, r in zip(got, ref)]
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_channels_last_autocast_forward_matches_fp32(amp: torch.dtype) -> None:
+    if amp is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        pytest.skip("this GPU has no bf16 (--amp auto uses fp16 on it)")
+    errors = autocast_head_errors(CUDA, amp)
+    assert max(errors) < AUTOCAST_REL_TOLERANCE, errors
+    assert min(errors) > AUTOCAST_MIN_ERROR, errors  # autocast did compute in bf16/fp16

@@ -1,0 +1,484 @@
+"""Dataset tools on data made by the demo generator: VOC -> YOLO, lists/.data/cfg, anchors."""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+
+from build_utils.datasets import LoadImagesAndLabels
+from build_utils.parse_config import parse_data_cfg, parse_model_cfg
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+
+import calculate_dataset
+import kmeans_anchors
+import trans_voc2yolo
+
+REPO = Path(__file__).resolve().parents[2]
+NANO_CFG = REPO / "cfg" / "yolov3-spp-nano.cfg"
+
+
+def _labels(folder: Path) -> dict[str, np.ndarray]:
+    """stem -> (n, 5) label rows of every label file in ``folder``."""
+    return {
+        p.stem: np.array(
+            [
+                [float(v) for v in line.split()]
+                for line in p.read_text().splitlines()
+                if line.strip()
+            ]
+        ).reshape(-1, 5)
+        for p in sorted(folder.glob("*.txt"))
+    }
+
+
+def _xml(name: str, size: tuple[int, int] | None, objects: list[tuple]) -> str:
+    parts = ["<annotation>", f"<filename>{name}</filename>"]
+    if size is not None:
+        parts.append(f"<size><width>{size[0]}</width><height>{size[1]}</height></size>")
+    for cls, box, difficult in objects:
+        parts.append(
+            f"<object><name>{cls}</name><difficult>{difficult}</difficult><bndbox>"
+            f"<xmin>{box[0]}</xmin><ymin>{box[1]}</ymin><xmax>{box[2]}</xmax>"
+            f"<ymax>{box[3]}</ymax></bndbox></object>"
+        )
+    return "".join(parts) + "</annotation>"
+
+
+def _jpeg_with_exif(img: np.ndarray, orientation: int) -> bytes:
+    ok, buf = cv2.imencode(".jpg", img, [cv2.IMWRITE_JPEG_QUALITY, 95])
+    assert ok
+    tiff = b"II\x2a\x00" + struct.pack("<I", 8) + struct.pack("<H", 1)
+    tiff += struct.pack("<HHIHH", 0x0112, 3, 1, orientation, 0) + struct.pack("<I", 0)
+    app1 = b"Exif\x00\x00" + tiff
+    data = buf.tobytes()
+    return data[:2] + b"\xff\xe1" + struct.pack(">H", len(app1) + 2) + app1 + data[2:]
+
+
+# ---------------------------------------------------------------------------------------------
+# VOC -> YOLO
+
+
+def test_voc_to_yolo_reproduces_the_generator_labels(make_shapes_data, tmp_path):
+    data = make_shapes_data(n_train=10, n_val=4, voc=True)
+    root = data.parent
+    out = tmp_path / "out"
+    for split in ("train", "val"):
+        rc = trans_voc2yolo.main(
+            [
+                "--xml-dir",
+                str(root / split / "Annotations"),
+                "--img-dir",
+                str(root / split / "images"),
+                "--label-dir",
+                str(out / split / "labels"),
+                "--classes",
+                str(root / "shapes.names"),
+                "--names-out",
+                str(out / "shapes.names"),
+            ]
+        )
+        assert rc == 0
+        want, got = _labels(root / split / "labels"), _labels(out / split / "labels")
+        assert want.keys() == got.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], atol=1e-6)
+    assert (out / "shapes.names").read_text() == (root / "shapes.names").read_text()
+    assert (out / "train" / "voc2yolo_report.txt").read_text().startswith("# 10 XML files")
+
+
+def test_voc_problems_are_handled_and_reported(tmp_path, capsys):
+    xml_dir, img_dir, label_dir = tmp_path / "Annotations", tmp_path / "images", tmp_path / "labels"
+    xml_dir.mkdir()
+    img_dir.mkdir()
+    img = np.zeros((50, 80, 3), np.uint8)
+    for name in ("a", "b", "c", "d", "e"):
+        cv2.imwrite(str(img_dir / f"{name}.png"), img)
+    (xml_dir / "a.xml").write_text(
+        _xml(
+            "a.png",
+            (80, 50),
+            [
+                ("dog", (10, 10, 30, 40), 0),
+                ("cat", (0, 0, 20, 20), 1),  # difficult
+                ("dog", (60, 30, 95, 60), 0),  # beyond the image: clipped to (60, 30, 80, 50)
+                ("bird", (5, 5, 9, 9), 0),  # unknown class
+                ("dog", (90, 10, 99, 20), 0),
+            ],
+        )
+    )  # entirely outside: skipped
+    (xml_dir / "b.xml").write_text(_xml("b.png", None, [("cat", (8, 5, 24, 25), 0)]))  # no size
+    (xml_dir / "c.xml").write_text("<annotation><size>")  # malformed
+    (xml_dir / "d.xml").write_text(_xml("d.png", (80, 50), []))  # no objects: a negative
+    (xml_dir / "e.xml").write_text(_xml("e.png", (160, 100), [("cat", (20, 20, 60, 60), 0)]))
+    (tmp_path / "classes.json").write_text(json.dumps({"cat": 1, "dog": 2}))  # 1-based ids
+    rc = trans_voc2yolo.main(
+        [
+            "--xml-dir",
+            str(xml_dir),
+            "--img-dir",
+            str(img_dir),
+            "--label-dir",
+            str(label_dir),
+            "--classes",
+            str(tmp_path / "classes.json"),
+        ]
+    )
+    assert rc == 0
+    labels = _labels(label_dir)
+    np.testing.assert_allclose(
+        labels["a"],
+        [[1, 20 / 80, 25 / 50, 20 / 80, 30 / 50], [1, 70 / 80, 40 / 50, 20 / 80, 20 / 50]],
+        atol=1e-6,
+    )
+    np.testing.assert_allclose(labels["b"], [[0, 16 / 80, 15 / 50, 16 / 80, 20 / 50]], atol=1e-6)
+    assert labels["d"].shape == (0, 5) and "c" not in labels
+    # e: <size> 160x100 is the 80x50 image resized: the boxes are in the XML's frame.
+    np.testing.assert_allclose(
+        labels["e"], [[0, 40 / 160, 40 / 100, 40 / 160, 40 / 100]], atol=1e-6
+    )
+    report = (tmp_path / "voc2yolo_report.txt").read_text()
+    for what in [
+        "a.xml: object 3: box (60, 30, 95, 60) clipped",
+        "unknown class 'bird'",
+        "object 5: empty box, skipped",
+        "b.xml: no <size>; used the image's 80x50",
+        "c.xml: skipped: unreadable XML",
+        "d.xml: no objects kept",
+        "e.xml: <size> 160x100 is a resized 80x50",
+    ]:
+        assert what in report, what
+    assert report.startswith(
+        "# 5 XML files: 4 label files written with 4 objects; 1 files and 3 objects skipped"
+    )
+
+    rc = trans_voc2yolo.main(
+        [
+            "--xml-dir",
+            str(xml_dir),
+            "--img-dir",
+            str(img_dir),
+            "--label-dir",
+            str(tmp_path / "l2"),
+            "--include-difficult",
+            "--one-based",
+            "--names-out",
+            str(tmp_path / "collected.names"),
+        ]
+    )
+    assert rc == 0
+    assert (tmp_path / "collected.names").read_text() == "bird\ncat\ndog\n"  # from the XML
+    a = _labels(tmp_path / "l2")["a"]
+    assert len(a) == 4  # the difficult cat and the bird are kept now
+    np.testing.assert_allclose(a[0], [2, 19.5 / 80, 24.5 / 50, 21 / 80, 31 / 50], atol=1e-6)
+
+    assert trans_voc2yolo.main(["--xml-dir", str(xml_dir)]) == 2
+    assert "error: --xml-dir needs --label-dir" in capsys.readouterr().err
+
+
+def test_voc_boxes_on_sideways_photos_agree_with_the_loader(tmp_path):
+    """A JPEG stored 90x60 with EXIF orientation 6 is shown upright (60x90) by the loader; an
+    XML written on the stored pixels (LabelImg) gets its boxes rotated."""
+    raw = np.zeros((60, 90, 3), np.uint8)
+    raw[10:30, 20:50] = (0, 0, 255)  # stored-frame box (20, 10, 50, 30)
+    root = tmp_path / "ds"
+    (root / "images").mkdir(parents=True)
+    (root / "Annotations").mkdir()
+    (root / "images" / "p.jpg").write_bytes(_jpeg_with_exif(raw, 6))
+    (root / "Annotations" / "p.xml").write_text(
+        _xml("p.jpg", (90, 60), [("o", (20, 10, 50, 30), 0)])
+    )
+    (tmp_path / "o.names").write_text("o\n")
+    assert (
+        trans_voc2yolo.main(
+            [
+                "--xml-dir",
+                str(root / "Annotations"),
+                "--img-dir",
+                str(root / "images"),
+                "--label-dir",
+                str(root / "labels"),
+                "--classes",
+                str(tmp_path / "o.names"),
+            ]
+        )
+        == 0
+    )
+    assert "rotated to the image's EXIF orientation 6" in (root / "voc2yolo_report.txt").read_text()
+    d = LoadImagesAndLabels(root / "images", 96)
+    assert d.shapes[0].tolist() == [60, 90]
+    img, labels, *_ = d[0]
+    red = ((img[0] > 150) & (img[1] < 80)).numpy()
+    ys, xs = np.nonzero(red)
+    _, _, cx, cy, w, h = labels[0].tolist()
+    H, W = img.shape[1:]
+    np.testing.assert_allclose(
+        [xs.min(), ys.min(), xs.max() + 1, ys.max() + 1],
+        [(cx - w / 2) * W, (cy - h / 2) * H, (cx + w / 2) * W, (cy + h / 2) * H],
+        atol=1.5,
+    )
+
+
+def test_voc_devkit_layout(make_shapes_data, tmp_path):
+    data = make_shapes_data(n_train=6, n_val=3, voc=True)
+    src = data.parent
+    voc = tmp_path / "VOC2012"
+    (voc / "ImageSets" / "Main").mkdir(parents=True)
+    (voc / "JPEGImages").mkdir()
+    (voc / "Annotations").mkdir()
+    for split in ("train", "val"):
+        ids = []
+        for p in sorted((src / split / "images").glob("*.jpg")):
+            (voc / "JPEGImages" / p.name).write_bytes(p.read_bytes())
+            (voc / "Annotations" / f"{p.stem}.xml").write_bytes(
+                (src / split / "Annotations" / f"{p.stem}.xml").read_bytes()
+            )
+            ids.append(p.stem)
+        (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    out = tmp_path / "yolo"
+    assert (
+        trans_voc2yolo.main(
+            ["--voc-root", str(voc), "--out", str(out), "--classes", str(src / "shapes.names")]
+        )
+        == 0
+    )
+    for split, n in (("train", 6), ("val", 3)):
+        assert len(list((out / split / "images").glob("*.jpg"))) == n
+        want, got = _labels(src / split / "labels"), _labels(out / split / "labels")
+        assert want.keys() == got.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# Lists, .data and cfg
+
+
+def test_calculate_dataset_writes_lists_data_and_cfg(make_shapes_data, tmp_path):
+    data = make_shapes_data(n_train=8, n_val=4)
+    root = data.parent
+    out = tmp_path / "out"
+    rc = calculate_dataset.main(
+        [
+            "--root",
+            str(root),
+            "--names",
+            str(root / "shapes.names"),
+            "--cfg",
+            str(NANO_CFG),
+            "--out-dir",
+            str(out),
+        ]
+    )
+    assert rc == 0
+    d = parse_data_cfg(out / "my_data.data")
+    assert d["classes"] == 5
+    assert Path(d["train"]).resolve() == (out / "my_train_data.txt").resolve()
+    lines = (out / "my_train_data.txt").read_text().split()
+    assert len(lines) == 8 and not Path(lines[0]).is_absolute()
+    train = LoadImagesAndLabels(d["train"], 64, nc=5)
+    ref = LoadImagesAndLabels(root / "train.txt", 64, nc=5)
+    assert train.img_files == ref.img_files
+    assert len(LoadImagesAndLabels(d["valid"], 64, nc=5)) == 4
+    blocks = parse_model_cfg(out / "my_yolov3-spp-nano.cfg")
+    heads = [b for b in blocks if b["type"] == "yolo"]
+    assert heads and all(b["classes"] == 5 for b in heads)
+
+
+def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
+    """``--root shapes`` from the dataset's parent folder (all paths relative), as a user types
+    it: the same lists as with the absolute root."""
+    root = make_shapes_data(n_train=4, n_val=2).parent
+    monkeypatch.chdir(root.parent)
+    rc = calculate_dataset.main(["--root", root.name, "--names", f"{root.name}/shapes.names"])
+    assert rc == 0
+    d = parse_data_cfg(root / "my_data.data")
+    train = LoadImagesAndLabels(d["train"], 64, nc=5)
+    assert train.img_files == LoadImagesAndLabels(root / "train.txt", 64, nc=5).img_files
+    assert len(LoadImagesAndLabels(d["valid"], 64, nc=5)) == 2
+
+
+def test_calculate_dataset_refuses_a_split_without_objects(make_shapes_data, tmp_path, capsys):
+    data = make_shapes_data(n_train=4, n_val=2)
+    root = data.parent
+    for p in (root / "val" / "labels").glob("*.txt"):
+        p.write_text("")
+    rc = calculate_dataset.main(
+        ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(tmp_path)]
+    )
+    assert rc == 2
+    assert "val split has no objects" in capsys.readouterr().err
+    assert calculate_dataset.main(["--names", str(root / "shapes.names")]) == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# Anchors
+
+
+def test_kmeans_anchors_cli_writes_a_cfg(make_shapes_data, tmp_path, capsys):
+    data = make_shapes_data(n_train=12, n_val=2)
+    out_cfg = tmp_path / "anchored.cfg"
+    rc = kmeans_anchors.main(
+        [
+            "--data",
+            str(data),
+            "--img-size",
+            "256",
+            "--generations",
+            "30",
+            "--cfg",
+            str(NANO_CFG),
+            "--out-cfg",
+            str(out_cfg),
+        ]
+    )
+    assert rc == 0
+    printed = capsys.readouterr().out.strip().splitlines()[-1]
+    assert printed.startswith("anchors=")
+    anchors = np.array([float(v) for v in printed.split("=")[1].replace(" ", "").split(",")])
+    anchors = anchors.reshape(-1, 2)
+    assert len(anchors) == 9 and (np.diff(anchors.prod(1)) >= 0).all()
+    heads = [b for b in parse_model_cfg(out_cfg) if b["type"] == "yolo"]
+    for b in heads:
+        np.testing.assert_allclose(np.array(b["anchors"]).reshape(-1, 2), anchors)
+    # Everything else is unchanged.
+    src_lines = NANO_CFG.read_text().splitlines()
+    out_lines = out_cfg.read_text().splitlines()
+    assert len(src_lines) == len(out_lines)
+    assert sum(a != b for a, b in zip(src_lines, out_lines)) == len(heads)
+    rc = kmeans_anchors.main(
+        [
+            "--data",
+            str(data),
+            "-n",
+            "6",
+            "--generations",
+            "5",
+            "--cfg",
+            str(NANO_CFG),
+            "--out-cfg",
+            str(tmp_path / "x.cfg"),
+        ]
+    )
+    assert rc == 2 and "num=9 but 6 anchors" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "line"),
+    [
+        (["--out-cfg", "{data}"], "--out-cfg {data} is --data that this tool reads"),
+        (["--out-cfg", "{cfg}"], "--out-cfg {cfg} is --cfg that this tool reads"),
+        (["--out-cfg", "{list}"], "--out-cfg {list} is the image list that this tool reads"),
+        (["--out-cfg", "{data}/x.cfg"], "{data} is a file where a folder should be"),
+        (["--out-cfg", "o.cfg", "--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--out-cfg", "o.cfg", "-n", "0"], "--num must be >= 1, got 0"),
+        (["--out-cfg", "o.cfg", "--generations", "-1"], "--generations must be >= 0, got -1"),
+    ],
+)
+def test_kmeans_anchors_never_writes_over_what_it_reads(
+    flags, line, make_shapes_data, tmp_path, capsys
+):
+    # Was: --out-cfg my.data replaced the .data with a cfg (the --cfg and the image list
+    # alike), -n 0 meant the default, and --seed -1 was a numpy traceback.
+    data = make_shapes_data(n_train=4, n_val=1)
+    cfg = tmp_path / "my.cfg"
+    cfg.write_text(NANO_CFG.read_text())
+    names = {"data": data, "cfg": cfg, "list": data.parent / "train.txt"}
+    before = {p: p.read_bytes() for p in names.values()}
+    flags = [f.format(**names) for f in flags]
+    argv = ["--data", str(data), "--cfg", str(cfg), "--generations", "3", *flags]
+    assert kmeans_anchors.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1 and line.format(**names) in err
+    assert {p: p.read_bytes() for p in names.values()} == before
+
+
+def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):
+    """The label cache tools/kmeans_anchors.py writes is reused as it is by training's dataset
+    (no "out of date; rebuilding", no image checked again)."""
+    import build_utils.labels as labels
+    from train_utils.config import load_data_config
+
+    data = make_shapes_data(n_train=8, n_val=2)
+    assert kmeans_anchors.main(["--data", str(data), "--img-size", "64", "--generations", "3"]) == 0
+    checked = []
+    monkeypatch.setattr(labels, "check_file", lambda *a: checked.append(a))
+    caplog.clear()
+    d = load_data_config(data)
+    train = LoadImagesAndLabels(str(d.train), 64, 4, nc=d.nc)
+    assert checked == [] and "out of date" not in caplog.text
+    assert len(train) == 8
+
+
+def test_tools_read_configuration_text_within_limits_and_skip_xml_that_is_not_a_file(
+    tmp_path, capsys
+):
+    """The tools' configuration text (class list, VOC id list, cfg) is UTF-8 within
+    YOLO_MAX_TEXT_BYTES or one line; an annotation that is not a regular file (a FIFO would
+    block the XML parser forever) is skipped with its reason in the report."""
+    import os
+
+    xml_dir, label_dir = tmp_path / "Annotations", tmp_path / "labels"
+    xml_dir.mkdir()
+    (xml_dir / "a.xml").write_text(_xml("a.png", (80, 50), [("cat", (8, 5, 24, 25), 0)]))
+    os.mkfifo(xml_dir / "b.xml")
+    (xml_dir / "c.xml").mkdir()
+    names = tmp_path / "classes.names"
+    names.write_text("cat\n")
+    argv = ["--xml-dir", str(xml_dir), "--label-dir", str(label_dir), "--classes", str(names)]
+    assert trans_voc2yolo.main(argv) == 0
+    report = (tmp_path / "voc2yolo_report.txt").read_text()
+    assert f"{xml_dir / 'b.xml'}: skipped: a FIFO (named pipe), not a regular file" in report
+    assert f"{xml_dir / 'c.xml'}: skipped: a folder, not a file" in report
+    assert sorted(p.name for p in label_dir.iterdir()) == ["a.txt"]
+    capsys.readouterr()
+
+    cases = {
+        "utf16.names": ("cat\n".encode("utf-16"), "class list is UTF-16 text; save it as UTF-8"),
+        "deep.json": (b"[" * 100_000 + b"]" * 100_000, "not a usable JSON class list"),
+        "big.json": (b"[" + b"9" * 5000 + b"]", "not a usable JSON class list: Exceeds"),
+    }
+    for name, (content, expected) in cases.items():
+        (tmp_path / name).write_bytes(content)
+        argv[-1] = str(tmp_path / name)
+        assert trans_voc2yolo.main(argv) == 2, name
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {tmp_path / name}: {expected}"), line
+        assert len(line) < 300
+
+    voc = tmp_path / "VOC"
+    (voc / "ImageSets" / "Main").mkdir(parents=True)
+    (voc / "Annotations").mkdir()
+    (voc / "ImageSets" / "Main" / "train.txt").write_bytes("a\n".encode("utf-16-le"))
+    argv = ["--voc-root", str(voc), "--out", str(tmp_path / "out"), "--classes", str(names)]
+    assert trans_voc2yolo.main([*argv, "--splits", "train"]) == 2
+    err = capsys.readouterr().err
+    assert "train.txt: image id list holds NUL bytes" in err and "save it as UTF-8" in err
+
+    bad_num = tmp_path / "num.cfg"
+    bad_num.write_text(NANO_CFG.read_text().replace("num=9", "num=nine", 1))
+    utf16_cfg = tmp_path / "utf16.cfg"
+    utf16_cfg.write_bytes(NANO_CFG.read_text().encode("utf-16"))
+    for cfg, expected in (
+        (bad_num, "[yolo] num='nine' must be a whole number"),
+        (utf16_cfg, "model cfg is UTF-16 text; save it as UTF-8"),
+    ):
+        argv = ["--list", str(tmp_path), "--cfg", str(cfg), "--out-cfg", str(tmp_path / "o.cfg")]
+        assert kmeans_anchors.main(argv) == 2
+        [line] = capsys.readouterr().err.strip().splitlines()
+        assert line.startswith(f"error: {cfg}") and expected in line, line
+
+
+def test_kmeans_anchors_img_size_is_limited(tmp_path, capsys):
+    rc = kmeans_anchors.main(["--list", str(tmp_path / "train.txt"), "--img-size", "65536"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1] == (
+        "error: --img-size 65536 is larger than the limit 8192 (pixels per side of --img-size); "
+        "set YOLO_MAX_IMG_SIZE to raise it"
+    )

@@ -1,0 +1,446 @@
+"""tools/export.py and models/export.py: each format loads in its own runtime (onnxruntime,
+torch.jit.load, OpenVINO) and agrees with PyTorch; outputs are named, placed and replaced as the
+README says; bad input is one line with exit status 2.
+
+Tolerances: float32 exports agree with PyTorch float32 within 1e-4 relative and absolute on every
+decoded value (boxes in pixels, scores) and keep the same detections after NMS; float16 within
+1e-2 relative and absolute.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import cv2
+import numpy as np
+import pytest
+import torch
+
+from build_utils.boxes import non_max_suppression
+from models import export as model_export
+from models.darknet import Darknet
+from tools import export
+from train_utils.checkpoint import save_weights_pt
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "cfg" / "yolov3-tiny.cfg"
+IMG = 64
+FP32_TOL = 1e-4
+FP16_TOL = 1e-2
+NMS_CONF, NMS_IOU = 0.25, 0.45
+# What every export records beside its graph (the test weights carry no class names).
+METADATA = {
+    "names": [f"class{i}" for i in range(80)],
+    "stride": 32,
+    "imgsz": [IMG, IMG],
+    "input": "images",
+    "output": "detections",
+}
+
+HAVE_ORT = importlib.util.find_spec("onnxruntime") is not None
+HAVE_OPENVINO = importlib.util.find_spec("openvino") is not None
+needs_ort = pytest.mark.skipif(not HAVE_ORT, reason="onnxruntime not installed (requirements-onnx)")
+needs_openvino = pytest.mark.skipif(
+    not HAVE_OPENVINO, reason="openvino not installed (pip install -r requirements-onnx.txt)"
+)
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+def detecting_model() -> Darknet:
+    """yolov3-tiny with random weights whose heads are biased to detect class 0 with some
+    confidence, so that NMS keeps boxes to compare (and no other class competes for them)."""
+    torch.manual_seed(0)
+    model = Darknet(TINY, img_size=IMG)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+        for i in model.yolo_layers:
+            head = model.module_list[i]
+            bias = model.module_list[i - 1].Conv2d.bias.view(head.na, head.no)
+            bias[:, 4] += 5.0
+            bias[:, 5:] = -6.0
+            bias[:, 5] = 2.0
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def weights(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("export") / "best.pt"
+    save_weights_pt(detecting_model(), path)
+    return path
+
+
+def picture() -> np.ndarray:
+    """(1, 3, 64, 64) float32 RGB in [0, 1]: a hand-drawn scene (gradient, shapes)."""
+    img = np.zeros((IMG, IMG, 3), np.uint8)
+    img[:] = np.linspace(40, 200, IMG, dtype=np.uint8)[None, :, None]
+    cv2.rectangle(img, (6, 8), (30, 40), (20, 200, 60), -1)
+    cv2.circle(img, (46, 44), 12, (230, 40, 40), -1)
+    cv2.line(img, (0, 63), (63, 0), (255, 255, 255), 2)
+    x = img.transpose(2, 0, 1)[None].astype(np.float32) / 255.0
+    return np.concatenate([x, x[:, :, ::-1, ::-1].copy()])  # batch 2: a second, flipped view
+
+
+def pytorch_output(x: np.ndarray) -> np.ndarray:
+    with torch.no_grad():
+        return detecting_model()(torch.from_numpy(x))[0].numpy()
+
+
+def assert_same_detections(want: np.ndarray, got: np.ndarray) -> None:
+    kept_want = non_max_suppression(torch.from_numpy(want), NMS_CONF, NMS_IOU)
+    kept_got = non_max_suppression(torch.from_numpy(got.astype(np.float32)), NMS_CONF, NMS_IOU)
+    assert sum(len(k) for k in kept_want) > 0  # the comparison has something to compare
+    for a, b in zip(kept_want, kept_got):
+        assert a.shape == b.shape
+        torch.testing.assert_close(b, a, rtol=FP32_TOL, atol=1e-3)
+
+
+def onnx_metadata(path: Path) -> dict:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    return {k: json.loads(v) for k, v in session.get_modelmeta().custom_metadata_map.items()}
+
+
+def torchscript_metadata(path: Path) -> dict:
+    extra = {"config.txt": ""}
+    torch.jit.load(str(path), _extra_files=extra)
+    return json.loads(extra["config.txt"])
+
+
+def run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as ort
+
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    (inp,) = session.get_inputs()
+    assert inp.name == "images"
+    dtype = np.float16 if inp.type == "tensor(float16)" else np.float32
+    (got,) = session.run(["detections"], {"images": x.astype(dtype)})
+    return got
+
+
+def run_torchscript(path: Path, x: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    module = torch.jit.load(str(path))
+    assert {p.dtype for p in module.parameters()} == {dtype}
+    with torch.no_grad():
+        return module(torch.from_numpy(x).to(dtype)).numpy()
+
+
+def run_openvino(folder: Path, x: np.ndarray) -> tuple[np.ndarray, set[str], dict]:
+    """The output, the element types of the IR's weight constants and its metadata."""
+    import openvino as ov
+
+    core = ov.Core()
+    ir = core.read_model(str(folder / "best.xml"), str(folder / "best.bin"))
+    types = {
+        op.get_output_element_type(0).get_type_name()
+        for op in ir.get_ops()
+        if op.get_type_name() == "Constant"
+        and op.get_output_size()
+        and len(op.get_output_shape(0)) == 4
+    }
+    info = ir.get_rt_info()["model_info"]
+    meta = {k: json.loads(ir.get_rt_info(["model_info", k]).astype(str)) for k in info}
+    # In f32, as the export checks itself: OpenVINO's default on a CPU with bf16 arithmetic is
+    # bf16, whose rounding no float32 tolerance covers.
+    compiled = core.compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+    assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+    return compiled({"images": x})[compiled.output("detections")], types, meta
+
+
+# ---- each format in its own runtime -----------------------------------------------------------
+
+
+@needs_ort
+def test_onnx_and_torchscript_agree_with_pytorch(weights, tmp_path):
+    out = tmp_path / "exports"
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
+    assert export.main([*argv, "--include", "onnx", "torchscript"]) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["best.onnx", "best.torchscript"]
+    assert onnx_metadata(out / "best.onnx") == METADATA
+    assert torchscript_metadata(out / "best.torchscript") == METADATA
+    x = picture()
+    want = pytorch_output(x)
+    for got in (
+        run_onnx(out / "best.onnx", x),
+        run_torchscript(out / "best.torchscript", x, torch.float32),
+    ):
+        assert got.dtype == np.float32 and got.shape == want.shape
+        np.testing.assert_allclose(got, want, rtol=FP32_TOL, atol=FP32_TOL)
+        assert_same_detections(want, got)
+
+
+@needs_ort
+def test_half_onnx_and_torchscript(weights, tmp_path):
+    """float16 end to end on the CPU (ONNX's grid is counted in float32: Range has no float16)."""
+    out = tmp_path / "half"
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
+    assert export.main([*argv, "--include", "onnx", "torchscript", "--half"]) == 0
+    x = picture()
+    want = pytorch_output(x)
+    onnx_out = run_onnx(out / "best.onnx", x)
+    ts_out = run_torchscript(out / "best.torchscript", x, torch.float16)
+    for got in (onnx_out, ts_out):
+        assert got.dtype == np.float16
+        np.testing.assert_allclose(got.astype(np.float32), want, rtol=FP16_TOL, atol=FP16_TOL)
+        assert not np.array_equal(got.astype(np.float32), want)  # really computed in float16
+
+
+@needs_openvino
+@pytest.mark.parametrize("half", [False, True])
+def test_openvino_agrees_with_pytorch(weights, tmp_path, half):
+    out = tmp_path / "ov"
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
+    assert export.main([*argv, "--include", "openvino", *(["--half"] if half else [])]) == 0
+    folder = out / "best_openvino_model"
+    assert sorted(p.name for p in out.iterdir()) == ["best_openvino_model"]  # no temporary left
+    assert sorted(p.name for p in folder.iterdir()) == ["best.bin", "best.xml"]
+    x = picture()
+    want = pytorch_output(x)
+    got, weight_types, meta = run_openvino(folder, x)
+    assert meta == METADATA
+    assert got.dtype == np.float32  # compress_to_fp16 keeps a float32 interface
+    assert weight_types == ({"f16"} if half else {"f32"})
+    tol = FP16_TOL if half else FP32_TOL
+    np.testing.assert_allclose(got, want, rtol=tol, atol=tol)
+    if not half:
+        assert_same_detections(want, got)
+
+
+class RecordingOpenVINO:
+    """The openvino module as models/export.py sees it, with ``Core`` recording the settings
+    of every ``compile_model`` and optionally answering another default precision or failing
+    a compile (as OpenVINO does on a CPU it cannot run a model on)."""
+
+    def __init__(self, default: str | None = None, fail: set[str | None] = frozenset()):
+        import openvino
+
+        self.real, self.default, self.fail, self.compiled = openvino, default, fail, []
+        outer = self
+
+        class Core(openvino.Core):
+            def get_property(self, device, name):
+                if name == model_export.PRECISION_HINT and outer.default is not None:
+                    return openvino.Type(outer.default)
+                return super().get_property(device, name)
+
+            def compile_model(self, model, device, config=None):
+                precision = (config or {}).get(model_export.PRECISION_HINT)
+                outer.compiled.append(precision)
+                if precision in outer.fail:
+                    raise RuntimeError(
+                        "Exception from src/inference/src/cpp/core.cpp:112:\n"
+                        "Supported primitive descriptors list is empty for node: MaxPool\n"
+                    )
+                return super().compile_model(model, device, config or {})
+
+        self.Core = Core
+
+    def __getattr__(self, name):
+        return getattr(self.real, name)
+
+
+def openvino_export(weights: Path, out: Path) -> int:
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
+    return export.main([*argv, "--include", "openvino"])
+
+
+@needs_openvino
+def test_openvino_is_checked_with_the_f32_hint(weights, tmp_path, monkeypatch):
+    """The check compiles in f32, the IR's precision, whatever OpenVINO would choose for this
+    CPU; on a CPU whose default is f32 no second compile is made."""
+    fake = RecordingOpenVINO()
+    monkeypatch.setattr(model_export, "_import_openvino", lambda: fake)
+    assert openvino_export(weights, tmp_path / "ov") == 0
+    assert fake.compiled == ["f32"]
+
+
+@needs_openvino
+@pytest.mark.parametrize("default_compiles", [True, False])
+def test_a_reduced_default_precision_is_reported_with_its_detections(
+    weights, tmp_path, monkeypatch, caplog, default_compiles
+):
+    """On a CPU where OpenVINO computes in bf16 by default (AVX512-BF16, AMX) the export is
+    checked in f32 and passes, and the log says what a default deployment gets: its detections
+    against PyTorch's, or that it cannot compile there, and how to choose f32."""
+    fake = RecordingOpenVINO(default="bf16", fail=set() if default_compiles else {None})
+    monkeypatch.setattr(model_export, "_import_openvino", lambda: fake)
+    with caplog.at_level("WARNING"):
+        assert openvino_export(weights, tmp_path / "ov") == 0
+    assert fake.compiled == ["f32", None]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "tools.export"]
+    if default_compiles:
+        # This CPU has no bf16: the "bf16" compile computed in f32, so every detection matches.
+        assert re.fullmatch(
+            r"openvino: OpenVINO computes in bf16 on this CPU unless told otherwise: at bf16 "
+            r"(\d+) of \1 PyTorch detections after NMS are found \(max abs difference .*\); "
+            r"for float32 compile with \{'INFERENCE_PRECISION_HINT': 'f32'\} \(README: Export\)",
+            line,
+        ), line
+    else:
+        assert line == (
+            "openvino: OpenVINO's default precision on this CPU is bf16, and OpenVINO cannot "
+            "run the model on this CPU: Supported primitive descriptors list is empty for node: "
+            "MaxPool; "
+            "for float32 compile with {'INFERENCE_PRECISION_HINT': 'f32'} (README: Export)"
+        )
+
+
+@needs_openvino
+def test_openvino_that_cannot_run_here_is_one_line(weights, tmp_path, monkeypatch, capsys):
+    """Where OpenVINO cannot compile the model on this CPU even in f32, the export is written
+    and the check says so in one line (exit 1: the runtime's limitation, not the user's)."""
+    fake = RecordingOpenVINO(fail={"f32"})
+    monkeypatch.setattr(model_export, "_import_openvino", lambda: fake)
+    assert openvino_export(weights, tmp_path / "ov") == 1
+    assert (tmp_path / "ov" / "best_openvino_model" / "best.xml").is_file()
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == (
+        "error: openvino (OpenVINO cannot run the model in f32 on this CPU: Supported "
+        "primitive descriptors list is empty for node: MaxPool)"
+    )
+
+
+# ---- where outputs go, and what is never overwritten ----------------------------------------
+
+
+def test_existing_exports_are_kept_without_exist_ok(weights, tmp_path, capsys):
+    """Defaults put the exports beside the weights; a second export refuses before writing
+    anything, and --exist-ok replaces what is there."""
+    src = tmp_path / "best.pt"
+    src.write_bytes(weights.read_bytes())
+    argv = ["--weights", str(src), "--cfg", str(TINY), "--img-size", str(IMG), "--no-verify"]
+    assert export.main([*argv, "--include", "torchscript"]) == 0
+    ts = tmp_path / "best.torchscript"
+    ts.write_bytes(b"mine")
+    capsys.readouterr()
+    assert export.main([*argv, "--include", "onnx", "torchscript"]) == 2
+    assert "best.torchscript already exists; pass --exist-ok" in one_error_line(capsys)
+    assert ts.read_bytes() == b"mine" and not (tmp_path / "best.onnx").exists()
+    assert export.main([*argv, "--include", "onnx,TorchScript", "--exist-ok"]) == 0
+    assert ts.read_bytes() != b"mine" and (tmp_path / "best.onnx").is_file()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "best.onnx",
+        "best.pt",
+        "best.torchscript",
+    ]
+
+
+@needs_openvino
+def test_openvino_folder_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch, capsys):
+    """--exist-ok on an OpenVINO folder: a full disk while saving leaves the old folder as it
+    was (and no temporary folder); a save that succeeds replaces it."""
+    import openvino
+
+    folder = tmp_path / "yolov3-tiny_openvino_model"
+    folder.mkdir()
+    (folder / "yolov3-tiny.xml").write_text("old")
+    argv = ["--cfg", str(TINY), "--img-size", str(IMG), "-o", str(tmp_path), "--no-verify"]
+    argv += ["--include", "openvino", "--exist-ok"]
+    real_save = openvino.save_model
+
+    def full_disk(model, path, **kwargs):
+        real_save(model, path, **kwargs)  # the files exist, then the disk fills up
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(openvino, "save_model", full_disk)
+    assert export.main(argv) == 2
+    assert "No space left on device" in one_error_line(capsys)
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert [p.name for p in folder.iterdir()] == ["yolov3-tiny.xml"]
+    assert (folder / "yolov3-tiny.xml").read_text() == "old"
+    monkeypatch.setattr(openvino, "save_model", real_save)
+    assert export.main(argv) == 0
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert sorted(p.name for p in folder.iterdir()) == ["yolov3-tiny.bin", "yolov3-tiny.xml"]
+    assert (folder / "yolov3-tiny.xml").read_text().startswith("<?xml")
+
+
+def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
+    base = ["--cfg", str(TINY), "--img-size", str(IMG), "--no-verify", "-o", str(tmp_path)]
+    assert export.main([*base, "--include"]) == 2
+    assert "--include needs at least one format: onnx, torchscript, openvino" in one_error_line(
+        capsys
+    )
+    assert export.main([*base, "--include", "onnx", "tflite"]) == 2
+    assert "--include 'tflite' is not a format this tool writes" in one_error_line(capsys)
+    real_find_spec = importlib.util.find_spec
+
+    def no_ort(name, *args):
+        return None if name == "onnxruntime" else real_find_spec(name, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(importlib.util, "find_spec", no_ort)
+        assert export.main([*base, "--include", "torchscript", "onnx", "--verify"]) == 2
+    line = one_error_line(capsys)
+    assert "--include onnx needs onnxruntime: pip install -r requirements-onnx.txt" in line
+    assert line.endswith("(or --no-verify)\n") and list(tmp_path.iterdir()) == []
+    assert export.main(["--img-size", str(IMG), "--include", "torchscript"]) == 2
+    assert "pass --weights" in one_error_line(capsys)
+    # An opset torch cannot write: one line before any format (torchscript first) is written.
+    too_new = "99"
+    assert export.main([*base, "--include", "torchscript", "onnx", "--opset", too_new]) == 2
+    line = one_error_line(capsys)
+    assert f"--opset {too_new}: torch {torch.__version__} exports opsets 11 to" in line
+    assert list(tmp_path.iterdir()) == []
+    assert export.main([*base, "--img-size", "100"]) == 2
+    assert "--img-size 100 is not a positive multiple of 32" in one_error_line(capsys)
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    bad_out = ["--cfg", str(TINY), "--img-size", str(IMG), "--include", "torchscript"]
+    assert export.main([*bad_out, "-o", str(blocker / "sub")]) == 2
+    line = one_error_line(capsys)
+    assert "--output" in line and str(blocker) in line
+    assert list(tmp_path.iterdir()) == [blocker]
+
+
+def test_weights_file_is_never_an_output(weights, tmp_path, capsys):
+    src = tmp_path / "m.torchscript"
+    src.write_bytes(weights.read_bytes())
+    argv = ["--weights", str(src), "--cfg", str(TINY), "--img-size", str(IMG)]
+    assert export.main([*argv, "--include", "torchscript", "--exist-ok"]) == 2
+    assert "is the weights file itself" in one_error_line(capsys)
+    assert src.read_bytes() == weights.read_bytes()
+
+
+def test_verify_catches_a_wrong_export(tmp_path):
+    """The tool's own check: a TorchScript file of the model passes with every detection
+    found; checked against a slightly different model it fails."""
+    model = detecting_model()
+    path = model_export.export_torchscript(model, tmp_path / "m.torchscript", IMG)
+    images = export.sample_images(IMG, IMG)
+    fmt = model_export.FORMATS["torchscript"]
+    same = model_export.verify(fmt, model, path, images, half=False)
+    assert same.ok and same.max_abs == 0.0 and same.found == same.detections > 0
+    other = detecting_model()
+    with torch.no_grad():
+        other.module_list[other.yolo_layers[0] - 1].Conv2d.bias[0] += 1e-2
+    moved = model_export.verify(fmt, other, path, images, half=False)
+    assert not moved.ok and moved.worst > 1
+
+
+def test_half_without_cpu_float16_is_one_line(tmp_path, monkeypatch, capsys):
+    """A torch whose CPU has no float16 convolution (before 2.1) gets one line, not a trace."""
+    real = Darknet.forward
+
+    def no_cpu_half(self, x):
+        if x.dtype == torch.float16:
+            raise RuntimeError("\"slow_conv2d_cpu\" not implemented for 'Half'")
+        return real(self, x)
+
+    monkeypatch.setattr(Darknet, "forward", no_cpu_half)
+    argv = ["--cfg", str(TINY), "--img-size", str(IMG), "-o", str(tmp_path), "--no-verify"]
+    assert export.main([*argv, "--include", "torchscript", "--half"]) == 2
+    assert "cannot run this model in float16 on the CPU" in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []

@@ -1,0 +1,274 @@
+"""tools/make_cfg.py, tools/convert_weights.py, tools/export_onnx.py (called through main())."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+
+from build_utils.parse_config import parse_model_cfg
+from models.darknet import Darknet
+from tools import convert_weights, export_onnx, make_cfg
+from train_utils.checkpoint import load_state_dict_file, save_weights_pt
+
+REPO = Path(__file__).resolve().parents[2]
+NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
+TINY = REPO / "cfg" / "yolov3-tiny.cfg"
+
+
+def one_error_line(capsys) -> str:
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    return err
+
+
+# --------------------------------------------------------------------------------------------
+# make_cfg
+
+
+def test_make_cfg_classes(tmp_path):
+    out = tmp_path / "nano3.cfg"
+    assert make_cfg.main([str(NANO), "--classes", "3", "-o", str(out)]) == 0
+    src, dst = parse_model_cfg(NANO), parse_model_cfg(out)
+    assert len(src) == len(dst)
+    for i, (a, b) in enumerate(zip(src, dst)):
+        if b["type"] == "yolo":
+            assert b["classes"] == 3 and dst[i - 1]["filters"] == 24
+        elif i + 1 < len(dst) and dst[i + 1]["type"] == "yolo":
+            assert a["filters"] == 255
+        else:
+            assert {k: v for k, v in a.items() if k[0] != "_"} == {
+                k: v for k, v in b.items() if k[0] != "_"
+            }
+    model = Darknet(out)
+    assert model.nc == 3
+
+
+def test_make_cfg_from_data_and_default_name(tmp_path):
+    cfg = tmp_path / "tiny.cfg"
+    cfg.write_text(TINY.read_text())
+    (tmp_path / "x.names").write_text("a\nb\n")
+    (tmp_path / "x.data").write_text("classes=2\ntrain=t.txt\nvalid=v.txt\nnames=x.names\n")
+    assert make_cfg.main([str(cfg), "--data", str(tmp_path / "x.data")]) == 0
+    blocks = parse_model_cfg(tmp_path / "tiny-2cls.cfg")
+    assert [b["classes"] for b in blocks if b["type"] == "yolo"] == [2, 2]
+
+
+def test_make_cfg_never_writes_over_what_it_reads(tmp_path, capsys):
+    # Was: -o naming the source cfg (or the --data file) replaced it with the rewritten cfg.
+    cfg = tmp_path / "tiny.cfg"
+    cfg.write_text(TINY.read_text())
+    (tmp_path / "x.names").write_text("a\nb\n")
+    data = tmp_path / "x.data"
+    data.write_text("classes=2\ntrain=t.txt\nvalid=v.txt\nnames=x.names\n")
+    before = cfg.read_text(), data.read_text()
+    assert make_cfg.main([str(cfg), "--classes", "3", "-o", str(cfg)]) == 2
+    assert f"--output {cfg} is the cfg this tool reads" in capsys.readouterr().err
+    assert make_cfg.main([str(cfg), "--data", str(data), "-o", str(data)]) == 2
+    assert f"--output {data} is the --data file this tool reads" in capsys.readouterr().err
+    assert (cfg.read_text(), data.read_text()) == before
+
+
+def test_make_cfg_errors(tmp_path, capsys):
+    bad = tmp_path / "bad.cfg"
+    bad.write_text("[net]\n[convolutional]\nfilters=x\n")
+    assert make_cfg.main([str(bad), "--classes", "3"]) == 2
+    assert f"{bad}:3: value 'x'" in one_error_line(capsys)
+    assert make_cfg.main([str(NANO), "--classes", "0", "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "positive integer" in one_error_line(capsys)
+    assert not (tmp_path / "o.cfg").exists()
+
+
+def test_make_cfg_width(tmp_path):
+    src = tmp_path / "yolov4-tiny.cfg"
+    src.write_text((REPO / "cfg" / "darknet" / "yolov4-tiny.cfg").read_text())
+    out = make_cfg.make_cfg(src, nc=3, output=tmp_path / "w.cfg", width=0.25)
+    a, b = parse_model_cfg(src), parse_model_cfg(out)
+    heads = {i - 1 for i, blk in enumerate(b) if blk["type"] == "yolo"}
+    for i, (x, y) in enumerate(zip(a, b)):
+        if i in heads:
+            assert y["filters"] == 3 * (3 + 5)
+        elif y["type"] == "convolutional":  # a quarter, rounded up to a multiple of 8
+            assert y["filters"] == 8 * -(-x["filters"] // 32)
+        elif y["type"] != "yolo":
+            assert {k: v for k, v in x.items() if k[0] != "_"} == {
+                k: v for k, v in y.items() if k[0] != "_"
+            }
+    model = Darknet(out)
+    assert model.nc == 3 and sum(p.numel() for p in model.parameters()) < 500_000
+    assert make_cfg.main([str(src), "--width", "0.5"]) == 0
+    assert Darknet(tmp_path / "yolov4-tiny-w0.5.cfg").nc == 80
+
+
+def test_make_cfg_width_errors(tmp_path, capsys):
+    assert make_cfg.main([str(TINY), "--width", "0", "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "--width must be a positive number" in one_error_line(capsys)
+    assert make_cfg.main([str(TINY), "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "nothing to do" in one_error_line(capsys)
+
+
+def _strip(blocks):
+    return [{k: v for k, v in b.items() if k[0] != "_"} for b in blocks]
+
+
+def test_make_cfg_new_coords(tmp_path):
+    """--new-coords reproduces the checked-in demo cfg from the plain nano cfg (only the three
+    heads and the convs feeding them change), keeps an existing new_coords head as it is, and
+    the model decodes as a new_coords head: a zero logit is the cell's centre and 1x the
+    anchor."""
+    assert make_cfg.main([str(NANO), "--new-coords", "-o", str(tmp_path / "n.cfg")]) == 0
+    made = parse_model_cfg(tmp_path / "n.cfg")
+    assert _strip(made) == _strip(parse_model_cfg(REPO / "cfg" / "yolov3-spp-nano-newcoords.cfg"))
+    plain = parse_model_cfg(NANO)
+    changed = [i for i, (x, y) in enumerate(zip(_strip(plain), _strip(made))) if x != y]
+    yolos = [i for i, b in enumerate(plain) if b["type"] == "yolo"]
+    assert changed == sorted(yolos + [i - 1 for i in yolos])
+    assert all(made[i - 1]["activation"] == "logistic" for i in yolos)
+    assert all((made[i]["new_coords"], made[i]["scale_x_y"]) == (1, 2.0) for i in yolos)
+    again = make_cfg.make_cfg(tmp_path / "n.cfg", new_coords=True, output=tmp_path / "m.cfg")
+    assert _strip(parse_model_cfg(again)) == _strip(made)
+
+    model = Darknet(tmp_path / "n.cfg", img_size=64).eval()
+    head = model.module_list[model.yolo_layers[-1]]
+    with torch.no_grad():
+        det = head.decode(torch.zeros(1, head.na, 2, 2, head.no))
+    centres = (torch.tensor([[0.5, 0.5], [1.5, 0.5]]) * head.stride).expand(1, head.na, 2, 2)
+    assert torch.allclose(det[0, :, 0, :, :2], centres[0])
+    assert torch.allclose(det[0, :, 1, 1, 2:4], head.anchors.float())
+
+
+def test_make_cfg_new_coords_needs_a_conv(tmp_path, capsys):
+    cfg = tmp_path / "pool.cfg"
+    text = (REPO / "cfg" / "yolov3-tiny.cfg").read_text()
+    cfg.write_text(text)
+    blocks = parse_model_cfg(cfg)
+    first = next(i for i, b in enumerate(blocks) if b["type"] == "yolo")
+    line = blocks[first]["_line"]
+    lines = text.splitlines()
+    # A [maxpool] between the head's conv and the head: nowhere to put the sigmoid.
+    lines.insert(line - 1, "[maxpool]\nsize=1\nstride=1\n")
+    cfg.write_text("\n".join(lines) + "\n")
+    assert make_cfg.main([str(cfg), "--new-coords", "-o", str(tmp_path / "o.cfg")]) == 2
+    assert "--new-coords needs a [convolutional] right before it" in one_error_line(capsys)
+    assert not (tmp_path / "o.cfg").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# convert_weights
+
+
+@pytest.fixture(scope="module")
+def tiny_pt(tmp_path_factory) -> Path:
+    torch.manual_seed(0)
+    model = Darknet(TINY)
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-1, 1)
+                m.running_var.uniform_(0.5, 2)
+    path = tmp_path_factory.mktemp("convert") / "tiny.pt"
+    save_weights_pt(model, path)
+    return path
+
+
+def test_convert_weights_both_ways(tiny_pt, tmp_path):
+    weights, back = tmp_path / "tiny.weights", tmp_path / "back.pt"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(weights)]) == 0
+    assert convert_weights.main([str(TINY), str(weights), str(back)]) == 0
+    a, b = load_state_dict_file(tiny_pt), load_state_dict_file(back)
+    assert list(a) == list(b)
+    assert all(torch.equal(a[k], b[k]) for k in a if not k.endswith("num_batches_tracked"))
+    ckpt = torch.load(back, map_location="cpu", weights_only=True)
+    assert ckpt["epoch"] == -1  # weights to start from, never a run to resume
+
+
+def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(tmp_path / "x.pt")]) == 2
+    assert "one file must end in .weights" in one_error_line(capsys)
+    assert convert_weights.main([str(NANO), str(tiny_pt), str(tmp_path / "x.weights")]) == 2
+    assert "does not match" in one_error_line(capsys)
+    short = tmp_path / "short.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(short)]) == 0
+    short.write_bytes(short.read_bytes()[:-400])
+    assert convert_weights.main([str(TINY), str(short), str(tmp_path / "y.pt")]) == 2
+    assert "truncated" in one_error_line(capsys)
+    assert not (tmp_path / "y.pt").exists()
+
+
+# --------------------------------------------------------------------------------------------
+# export_onnx
+
+HAVE_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
+needs_onnx = pytest.mark.skipif(
+    not HAVE_ONNX, reason="onnx/onnxruntime not installed (pip install -r requirements-onnx.txt)"
+)
+
+
+@needs_onnx
+def test_export_onnx_matches_pytorch_with_dynamic_batch(tmp_path):
+    import onnx
+
+    out = tmp_path / "nano.onnx"
+    assert export_onnx.main(["--cfg", str(NANO), "--img-size", "128", "160", "-o", str(out)]) == 0
+    graph = onnx.load(str(out)).graph
+    assert graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
+    assert [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim[1:]] == [3, 128, 160]
+    torch.manual_seed(0)
+    model = Darknet(NANO)
+    export_onnx.export_onnx(model, out, (128, 160))
+    assert not model.training
+    # verify_onnx runs a batch of 2 (exported with 1) and asserts 1e-4 agreement.
+    assert export_onnx.verify_onnx(model, out, (128, 160)) < 1e-3
+
+
+@needs_onnx
+def test_export_onnx_cli_verify_with_weights(tiny_pt, tmp_path):
+    out = tmp_path / "tiny.onnx"
+    argv = ["--cfg", str(TINY), "--weights", str(tiny_pt), "--img-size", "64", "-o", str(out)]
+    assert export_onnx.main([*argv, "--verify"]) == 0
+
+
+def _pad_values(graph) -> list[float]:
+    """The constant value of every Pad node of an ONNX graph."""
+    from onnx import numpy_helper
+
+    consts = {i.name: numpy_helper.to_array(i) for i in graph.initializer}
+    for node in graph.node:
+        if node.op_type == "Constant":
+            consts[node.output[0]] = numpy_helper.to_array(node.attribute[0].t)
+    return [float(consts[n.input[2]]) for n in graph.node if n.op_type == "Pad"]
+
+
+@needs_onnx
+@pytest.mark.parametrize("name", ["yolov3-tiny.cfg", "yolov7-tiny.cfg"])
+def test_export_onnx_darknet_maxpool_and_new_coords(tmp_path, name):
+    import onnx
+
+    # yolov3-tiny: the size=2 stride=1 max-pool pads with -inf (not zeros) after the image;
+    # yolov7-tiny: new_coords heads, wh = (2 * sigmoid) ** 2 * anchor.
+    torch.manual_seed(0)
+    model = Darknet(REPO / "cfg" / "darknet" / name)
+    out = tmp_path / "m.onnx"
+    export_onnx.export_onnx(model, out, 64)
+    assert export_onnx.verify_onnx(model, out, 64) < 1e-3
+    pads = _pad_values(onnx.load(str(out)).graph)
+    assert pads == ([float("-inf")] if name == "yolov3-tiny.cfg" else [])
+
+
+def test_export_onnx_errors(tmp_path, capsys):
+    out = str(tmp_path / "x.onnx")
+    assert export_onnx.main(["--cfg", str(TINY), "--opset", "10", "-o", out]) == 2
+    assert "opset 11" in one_error_line(capsys)
+    # Above what torch's exporter writes: one line, not its RuntimeError mid-export.
+    too_new = "99"
+    assert export_onnx.main(["--cfg", str(TINY), "--opset", too_new, "-o", out]) == 2
+    assert f"--opset {too_new}: torch" in one_error_line(capsys)
+    assert not (tmp_path / "x.onnx").exists()
+    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "100", "-o", out]) == 2
+    assert "--img-size 100 is not a positive multiple of 32" in one_error_line(capsys)
+    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "65536", "-o", out]) == 2
+    assert "--img-size 65536 is larger than the limit 8192" in one_error_line(capsys)
+    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "64", "64", "-o", out]) == 2
+    assert "H or H W" in one_error_line(capsys)

@@ -1,0 +1,302 @@
+"""validation.py flags: --max-det, --save-txt/--save-conf, --save-json with official COCO ids,
+--task speed, and the per-class table and pictures in --save-dir."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import io
+import json
+import logging
+import shutil
+from pathlib import Path
+
+import cv2
+import pytest
+import torch
+from conftest import NANO_CFG, validation_argv
+from pycocotools.coco import COCO
+from pycocotools.cocoeval import COCOeval
+
+import validation
+from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
+from models.darknet import Darknet
+from train_utils.checkpoint import save_checkpoint
+from train_utils.evaluation.coco_eval import faster_coco_eval_available
+from train_utils.evaluation.detection_files import COCO80_TO_91
+
+IMG = 128
+
+
+def _weights(path: Path, nc: int) -> Path:
+    """A nano model whose head biases make boxes confident (class 0 wins), as a state_dict."""
+    blocks = rewrite_cfg_classes(parse_model_cfg(NANO_CFG), nc)
+    torch.manual_seed(0)
+    model = Darknet(blocks, img_size=(128, 128))
+    with torch.no_grad():
+        for i in model.yolo_layers:
+            bias = model.module_list[i - 1].Conv2d.bias.view(3, -1)
+            bias[:, 4] = 3.0
+            bias[:, 5] = 3.0
+    save_checkpoint({"model": model.state_dict(), "epoch": -1}, path)
+    return path
+
+
+def _argv(data: Path, weights: Path, *extra: str) -> list[str]:
+    """validation.py's arguments for the nano model's ``weights`` on ``data``."""
+    return validation_argv(NANO_CFG, data, weights, *extra, img=IMG)
+
+
+@pytest.fixture(scope="module")
+def weights5(tmp_path_factory) -> Path:
+    return _weights(tmp_path_factory.mktemp("w5") / "w.pt", 5)
+
+
+def test_save_txt_conf_max_det_and_pictures(shapes_data, weights5, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    save = tmp_path / "val"
+    code = validation.main(
+        [
+            *_argv(shapes_data, weights5, "--save-dir", str(save), "--save-txt", "--save-conf"),
+            "--max-det",
+            "7",
+            "--conf-thres",
+            "0.01",
+        ]
+    )
+    assert code == 0
+    files = sorted((save / "labels").glob("*.txt"))
+    assert len(files) == 10  # one per validation image, empty when nothing was found
+    rows = [line.split() for f in files for line in f.read_text().splitlines()]
+    assert rows, "no detections written"
+    counts = [len(f.read_text().splitlines()) for f in files]
+    assert max(counts) <= 7  # --max-det
+    for r in rows:
+        assert len(r) == 6  # class cx cy w h conf
+        cls, *box, conf = r
+        assert 0 <= int(cls) < 5
+        assert all(0 <= float(v) <= 1 for v in box)
+        assert 0.01 <= float(conf) <= 1
+    with (save / "per_class.csv").open() as f:
+        table = list(csv.DictReader(f))
+    assert table[0]["name"] == "all" and int(table[0]["instances"]) > 0
+    # The same table in the log, beside the 12 COCO numbers.
+    assert "instances      P      R   AP50 AP50-95" in caplog.text and "mAP50-95" in caplog.text
+    assert "circle" in caplog.text
+    for name in ("confusion_matrix.png", "PR_curve.png", "F1_curve.png", "val_batch0_pred.jpg"):
+        img = cv2.imread(str(save / name))
+        assert img is not None and img.reshape(-1, 3).std(0).max() > 5, name
+
+
+def test_no_plots_and_no_conf(shapes_data, weights5, tmp_path):
+    save = tmp_path / "val"
+    argv = _argv(shapes_data, weights5, "--save-dir", str(save), "--save-txt", "--no-plots")
+    assert validation.main(argv) == 0
+    assert (save / "per_class.csv").is_file()
+    assert not (save / "confusion_matrix.png").exists()
+    line = next(ln for f in (save / "labels").glob("*.txt") for ln in f.read_text().splitlines())
+    assert len(line.split()) == 5
+
+
+def test_task_speed(shapes_data, weights5, tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    argv = _argv(shapes_data, weights5, "--task", "speed", "--save-dir", str(tmp_path / "v"))
+    assert validation.main(argv) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("speed:"))
+    assert "ms pre-process" in line and "ms inference" in line and "ms NMS per image" in line
+    assert not (tmp_path / "v").exists()  # speed only times
+    assert "augmentation" not in line
+    caplog.clear()
+    assert validation.main([*argv, "--augment"]) == 0
+    line = next(r.getMessage() for r in caplog.records if r.getMessage().startswith("speed:"))
+    assert line.endswith(", test-time augmentation")  # the setting beside the number
+
+
+@pytest.fixture(scope="module")
+def coco_like(shapes_data, tmp_path_factory) -> Path:
+    """The shapes validation images renamed like COCO's val2017, with an 80-class .data file."""
+    root = tmp_path_factory.mktemp("coco")
+    (root / "images" / "val2017").mkdir(parents=True)
+    (root / "labels" / "val2017").mkdir(parents=True)
+    src = shapes_data.parent / "val"
+    lines = []
+    for k, img in enumerate(sorted((src / "images").glob("*.jpg"))):
+        name = f"{397133 + 7 * k:012d}"
+        shutil.copy(img, root / "images" / "val2017" / f"{name}.jpg")
+        shutil.copy(src / "labels" / f"{img.stem}.txt", root / "labels" / "val2017" / f"{name}.txt")
+        lines.append(f"images/val2017/{name}.jpg\n")
+    (root / "val2017.txt").write_text("".join(lines))
+    (root / "coco.names").write_text("".join(f"class{c}\n" for c in range(80)))
+    data = root / "coco.data"
+    data.write_text("classes=80\ntrain=val2017.txt\nvalid=val2017.txt\nnames=coco.names\n")
+    return data
+
+
+def test_save_json_official_coco_ids(coco_like, tmp_path):
+    weights = _weights(tmp_path / "w80.pt", 80)
+    out = tmp_path / "js"
+    stats_file = tmp_path / "stats.json"
+    argv = _argv(coco_like, weights, "--save-json", str(out), "--json-out", str(stats_file))
+    assert validation.main([*argv, "--save-dir", str(tmp_path / "v"), "--no-plots"]) == 0
+    preds = json.loads((out / "predictions.json").read_text())
+    gt = json.loads((out / "ground_truth.json").read_text())
+    stems = {int(p.stem) for p in (coco_like.parent / "images" / "val2017").glob("*.jpg")}
+    assert preds and {p["image_id"] for p in preds} <= stems
+    assert {im["id"] for im in gt["images"]} == stems
+    assert {p["category_id"] for p in preds} <= set(COCO80_TO_91)
+    assert sorted(c["id"] for c in gt["categories"]) == COCO80_TO_91
+    # The official-id files score with plain pycocotools to the numbers validation.py logged.
+    with contextlib.redirect_stdout(io.StringIO()):
+        coco_gt = COCO(str(out / "ground_truth.json"))
+        e = COCOeval(coco_gt, coco_gt.loadRes(str(out / "predictions.json")), "bbox")
+        e.evaluate()
+        e.accumulate()
+        e.summarize()
+    stats = json.loads(stats_file.read_text())
+    assert e.stats[0] == pytest.approx(stats["mAP50-95"], abs=1e-4)
+    assert e.stats[1] == pytest.approx(stats["mAP50"], abs=1e-4)
+
+
+def test_no_coco_ids_keeps_dataset_ids(coco_like, tmp_path):
+    weights = _weights(tmp_path / "w80.pt", 80)
+    out = tmp_path / "js"
+    argv = _argv(coco_like, weights, "--save-json", str(out), "--no-coco-ids", "--no-plots")
+    assert validation.main([*argv, "--save-dir", str(tmp_path / "v")]) == 0
+    preds = json.loads((out / "predictions.json").read_text())
+    assert {p["image_id"] for p in preds} <= set(range(10))
+
+
+def test_bare_save_json_writes_into_the_report_folder(shapes_data, weights5, tmp_path):
+    """YOLOv5's bare ``--save-json`` (and before ``--json-out``): the COCO JSONs go into the
+    numbered report folder, the same predictions as ``--save-json DIR``."""
+    project = tmp_path / "runs" / "val"
+    base = _argv(shapes_data, weights5, "--no-plots", "--project", str(project))
+    assert validation.main([*base, "--save-json", "--json-out", str(tmp_path / "s.json")]) == 0
+    assert validation.main([*base, "--save-json", str(tmp_path / "js")]) == 0
+    bare = json.loads((project / "exp" / "predictions.json").read_text())
+    assert bare and bare == json.loads((tmp_path / "js" / "predictions.json").read_text())
+    assert (project / "exp" / "ground_truth.json").is_file()
+    assert not (project / "exp2" / "predictions.json").exists()
+
+
+def test_default_report_folder_is_numbered(shapes_data, weights5, tmp_path, monkeypatch):
+    """No --save-dir and no --project/--name: runs/val/exp, then exp2 (YOLOv5's); a second
+    run wrote over the first's report and mixed its --save-txt labels into the same folder."""
+    monkeypatch.chdir(tmp_path)
+    argv = _argv(shapes_data, weights5, "--no-plots", "--save-txt")
+    for _ in range(2):
+        assert validation.main(argv) == 0
+    runs = tmp_path / "runs" / "val"
+    assert sorted(p.name for p in runs.iterdir()) == ["exp", "exp2"]
+    for run in ("exp", "exp2"):
+        assert (runs / run / "per_class.csv").is_file() and (runs / run / "labels").is_dir()
+    # --save-dir is the folder as given, reused.
+    for _ in range(2):
+        assert validation.main([*argv, "--save-dir", "mine"]) == 0
+    assert (tmp_path / "mine" / "per_class.csv").is_file() and not (tmp_path / "mine2").exists()
+
+
+def test_coco_ids_refused_on_other_data(shapes_data, weights5, tmp_path, capsys):
+    argv = _argv(shapes_data, weights5, "--save-json", str(tmp_path / "js"), "--coco-ids")
+    assert validation.main(argv) == 2
+    assert "--coco-ids needs the 80 COCO classes" in capsys.readouterr().err
+
+
+def test_single_cls_scores_a_multi_class_model_as_one_class(shapes_data, weights5, tmp_path):
+    """--single-cls on a 5-class model (YOLOv5's behaviour): class-agnostic NMS, every
+    detection and label class 0; the mAP equals that pipeline written out here with
+    pycocotools."""
+    from build_utils.boxes import non_max_suppression, scale_coords
+    from build_utils.parse_config import parse_data_cfg
+    from train_utils.data_loaders import make_eval_dataset, make_eval_loader
+    from train_utils.evaluation.coco_eval import detections_to_coco
+    from train_utils.evaluation.coco_gt import coco_dict_from_dataset
+
+    stats_file = tmp_path / "stats.json"
+    extra = ["--single-cls", "--json-out", str(stats_file), "--save-dir", str(tmp_path / "val")]
+    code = validation.main(_argv(shapes_data, weights5, *extra))
+    assert code == 0
+    got = json.loads(stats_file.read_text())
+
+    model = Darknet(rewrite_cfg_classes(parse_model_cfg(NANO_CFG), 5), img_size=(IMG, IMG))
+    model.load_state_dict(torch.load(weights5, weights_only=True)["model"])
+    model.eval()
+    dataset = make_eval_dataset(parse_data_cfg(shapes_data)["valid"], IMG, 4, 5)
+    dets = []
+    with torch.no_grad():
+        for imgs, _, _, shapes, indices in make_eval_loader(dataset, 4, 1, 0, 0, False):
+            out = non_max_suppression(
+                model(imgs.float() / 255)[0], 0.001, 0.6, multi_label=True, agnostic=True
+            )
+            for o, shape in zip(out, shapes):
+                o[:, :4] = scale_coords(imgs.shape[2:], o[:, :4], shape[0], shape[1])
+                o[:, 5] = 0
+            dets += detections_to_coco(out, [int(i) for i in indices])
+    gt_dict = coco_dict_from_dataset(dataset, num_classes=5)
+    for a in gt_dict["annotations"]:
+        a["category_id"] = 0
+    gt_dict["categories"] = [{"id": 0, "name": "object"}]
+    gt = COCO()
+    gt.dataset = gt_dict
+    with contextlib.redirect_stdout(io.StringIO()):
+        gt.createIndex()
+        e = COCOeval(gt, gt.loadRes(dets), "bbox")
+        e.evaluate()
+        e.accumulate()
+        e.summarize()
+    assert got["mAP50"] > 0.001  # not 0: dropping labels or class-wise NMS both change it
+    assert got["mAP50-95"] == pytest.approx(e.stats[0], abs=1e-6)
+    assert got["mAP50"] == pytest.approx(e.stats[1], abs=1e-6)
+
+
+def test_error_breakdown_in_the_report(shapes_data, weights5, tmp_path, caplog):
+    """validation.py logs the TIDE table and writes errors.json, whose numbers agree with the
+    detections and labels it saves and with its own COCO mAP50."""
+    caplog.set_level(logging.INFO)
+    save, out, stats_file = tmp_path / "val", tmp_path / "json", tmp_path / "stats.json"
+    argv = _argv(shapes_data, weights5, "--save-dir", str(save), "--no-plots", "--max-det", "100")
+    argv += ["--save-json", str(out), "--json-out", str(stats_file)]
+    assert validation.main(argv) == 0
+    saved = json.loads((save / "errors.json").read_text())
+    stats = json.loads(stats_file.read_text())
+    preds = json.loads((out / "predictions.json").read_text())
+    labels = json.loads((out / "ground_truth.json").read_text())["annotations"]
+    counts = {k: v["count"] for k, v in saved["errors"].items()}
+    dap = {k: v["dAP"] for k, v in saved["errors"].items()}
+    main = ("classification", "localisation", "both", "duplicate", "background")
+    # Every detection (at most 100 per image here) is a true positive or one false-positive type.
+    true_pos = len(labels) - counts["false negatives"]
+    assert counts["false positives"] == sum(counts[k] for k in main) == len(preds) - true_pos
+    assert 0 <= counts["missed"] <= counts["false negatives"] <= len(labels)
+    # At most 100 detections per image and only labelled classes detected: COCO's AP50.
+    assert {p["category_id"] for p in preds} <= {a["category_id"] for a in labels}
+    assert 0 < saved["ap50"] == pytest.approx(100 * stats["mAP50"], abs=1e-6)
+    assert all(0 <= dap[k] <= 100 - saved["ap50"] + 1e-9 for k in (*main, "missed"))
+    log = caplog.text
+    assert "error breakdown (TIDE: IoU 0.5, background below 0.1" in log
+    assert f"{'background':>16s} {counts['background']:7d} {dap['background']:6.2f}" in log
+    if faster_coco_eval_available():  # the default scorer where installed
+        assert "scored by faster-coco-eval" in log
+
+
+@pytest.mark.parametrize(
+    ("flag", "place", "why"),
+    [
+        ("--json-out", "out", "out is a folder, not a file"),
+        ("--json-out", "file/stats.json", "file is a file where a folder should be"),
+        ("--save-json", "file", "file is a file where a folder should be"),
+        ("--save-dir", "file", "file is a file where a folder should be"),
+    ],
+)
+def test_an_output_place_no_write_could_use_stops_before_the_evaluation(
+    flag, place, why, tmp_path, monkeypatch, capsys
+) -> None:
+    # Was: the whole evaluation ran (and wrote its report into runs/val/expN) before the write
+    # to this place failed. The weights do not exist: the place's line must come first.
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").mkdir()
+    (tmp_path / "file").write_text("")
+    assert validation.main(["--weights", "missing.pt", flag, place]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"error: cannot write {place}: {why}; move it away or choose another {flag}"]
+    assert not (tmp_path / "runs").exists() and (tmp_path / "file").read_text() == ""

@@ -1,0 +1,129 @@
+"""train_utils/precision.py: autocast and the --amp resolution per device, the --amp
+flag values, and the SyncBatchNorm decision (train_utils/trainer.py)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from build_utils.errors import ConfigError
+from train_utils import precision
+from train_utils.precision import autocast_context, resolve_amp, to_model_input
+
+CPU = torch.device("cpu")
+
+
+def _forward_dtype(amp: bool) -> torch.dtype:
+    conv = torch.nn.Conv2d(3, 4, 1)
+    with autocast_context(CPU, amp):
+        return conv(torch.zeros(1, 3, 2, 2)).dtype
+
+
+def test_autocast_is_off_without_amp():
+    assert _forward_dtype(False) == torch.float32
+
+
+def test_cpu_amp_uses_bf16_where_the_cpu_has_native_bf16(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
+    assert _forward_dtype(True) == torch.bfloat16
+
+
+def test_cpu_amp_falls_back_to_fp32_with_a_warning_without_native_bf16(monkeypatch, caplog):
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: False)
+    precision._warn_slow_cpu_bf16.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=precision.__name__):
+        assert _forward_dtype(True) == torch.float32
+        assert _forward_dtype(True) == torch.float32
+    warnings = [r for r in caplog.records if "no native bf16" in r.getMessage()]
+    assert len(warnings) == 1  # once per process, not per step
+
+
+CUDA = torch.device("cuda")
+
+
+@pytest.mark.parametrize(
+    ("mode", "device", "cuda_bf16", "expected"),
+    [
+        # A CPU without native bf16: off by default, bf16 with --amp where oneDNN runs it.
+        ("auto", CPU, None, None),
+        ("off", CPU, None, None),
+        (False, CPU, None, None),
+        ("on", CPU, None, torch.bfloat16),
+        (True, CPU, None, torch.bfloat16),
+        ("bf16", CPU, None, torch.bfloat16),
+        # CUDA: on by default, bf16 where the GPU has it (no GradScaler), else fp16.
+        ("auto", CUDA, True, torch.bfloat16),
+        ("auto", CUDA, False, torch.float16),
+        ("on", CUDA, False, torch.float16),
+        ("fp16", CUDA, True, torch.float16),
+        ("bf16", CUDA, True, torch.bfloat16),
+        ("off", CUDA, True, None),
+    ],
+)
+def test_resolve_amp(mode, device, cuda_bf16, expected, monkeypatch):
+    # A CPU without bf16 arithmetic that oneDNN still runs bf16 on (AVX-512 emulation;
+    # tests/train_utils/test_cpu_bf16.py has the others).
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
+    assert resolve_amp(mode, device, cuda_bf16, cpu_native_bf16=False) == expected
+
+
+@pytest.mark.parametrize("mode", ["on", True, "bf16"])
+def test_asked_for_bf16_is_fp32_where_onednn_has_no_bf16_kernels(mode, monkeypatch, caplog):
+    """What autocast_context runs there (fp32), so what checkpoints record (an AVX2 CPU)."""
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: False)
+    precision._warn_slow_cpu_bf16.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=precision.__name__):
+        assert resolve_amp(mode, CPU, cpu_native_bf16=False) is None
+    assert any("no native bf16" in r.getMessage() for r in caplog.records)
+
+
+def test_resolve_amp_refuses_what_the_device_cannot_do():
+    with pytest.raises(ConfigError, match="--amp fp16 needs CUDA"):
+        resolve_amp("fp16", CPU)
+    with pytest.raises(ConfigError, match="no bf16 support; use --amp fp16 or off"):
+        resolve_amp("bf16", CUDA, cuda_bf16=False)
+
+
+def test_amp_flag_values():
+    from train_utils.config import get_args_parser
+
+    parser = get_args_parser()
+    assert parser.parse_args([]).amp == "auto"
+    assert parser.parse_args(["--amp"]).amp == "on"
+    assert parser.parse_args(["--amp", "fp16"]).amp == "fp16"
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--amp", "False"])
+
+
+def test_autocast_to_a_given_dtype(monkeypatch):
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
+    conv = torch.nn.Conv2d(3, 4, 1)
+    with autocast_context(CPU, torch.bfloat16):
+        assert conv(torch.zeros(1, 3, 2, 2)).dtype == torch.bfloat16
+    with autocast_context(CPU, None):
+        assert conv(torch.zeros(1, 3, 2, 2)).dtype == torch.float32
+
+
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_model_input_is_the_scaled_float_batch(channels_last):
+    imgs = torch.randint(0, 256, (2, 3, 5, 7), dtype=torch.uint8)
+    imgs[0, 0, 0, :2] = torch.tensor([0, 255], dtype=torch.uint8)
+    x = to_model_input(imgs, CPU, channels_last)
+    expected = imgs.float() / 255
+    assert x.dtype == torch.float32 and torch.equal(x, expected)
+    assert x[0, 0, 0, :2].tolist() == [0.0, 1.0]
+    assert x.is_contiguous(memory_format=torch.channels_last) == channels_last
+    half = to_model_input(imgs, CPU, dtype=torch.float16)
+    assert half.dtype == torch.float16 and torch.equal(half, imgs.half().div_(255))
+
+
+def test_sync_batchnorm_only_on_cuda_without_compile():
+    from train_utils.trainer import use_sync_batchnorm
+
+    assert use_sync_batchnorm(CUDA, False) == (True, "")
+    sync, why = use_sync_batchnorm(CUDA, True)
+    assert not sync and "pytorch#161302" in why and "--batch-size >= 8 per GPU" in why
+    sync, why = use_sync_batchnorm(CPU, False)
+    assert not sync and "CUDA modules only" in why
