@@ -46,6 +46,7 @@ import torch
 from build_utils.atomic import fsync_dir, make_output_dir, reported_write, temp_path
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
+from build_utils.checks import check_at_least, check_fractions
 from build_utils.errors import ConfigError, DatasetError, OutputError
 from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
 from build_utils.limits import file_problem
@@ -69,9 +70,7 @@ from train_utils.cli import (
     add_precision_flags,
     add_project_flags,
     add_weights_flags,
-    check_at_least,
     check_environment,
-    check_fractions,
     check_img_size,
     first_free_folder,
     parse_args,

@@ -18,36 +18,35 @@ the same loop (``train_utils/trainer.py``).
 
 from __future__ import annotations
 
+import argparse
 import os
 import sys
 from collections.abc import Sequence
 
-from train_utils.cli import run_main, setup_console_logging
-from train_utils.config import build_config, parse_train_args
+from train_utils.cli import run_script
+from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
 from train_utils.distributed.process_group import DistInfo, launched_world_size
 from train_utils.trainer import run
 
 
+def train(args: argparse.Namespace) -> None:
+    if launched_world_size() > 1:
+        # `torchrun --nproc_per_node N train.py` (YOLOv5's DDP command): the one DDP run of
+        # train_multi_GPU.py, not N separate runs racing for one folder.
+        train_distributed(args)
+        return
+    nprocs = processes_to_spawn(None, args.device, os.environ)
+    if nprocs:
+        spawn_training(args, nprocs)
+        return
+    config = build_config(args)
+    run(config, DistInfo.single(select_device(config.device)))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_train_args(argv)
-    setup_console_logging()
-
-    def body() -> None:
-        if launched_world_size() > 1:
-            # `torchrun --nproc_per_node N train.py` (YOLOv5's DDP command): the one DDP run of
-            # train_multi_GPU.py, not N separate runs racing for one folder.
-            train_distributed(args)
-            return
-        nprocs = processes_to_spawn(None, args.device, os.environ)
-        if nprocs:
-            spawn_training(args, nprocs)
-            return
-        config = build_config(args)
-        run(config, DistInfo.single(select_device(config.device)))
-
-    return run_main(body)
+    return run_script(get_args_parser(), train, argv)
 
 
 if __name__ == "__main__":

@@ -23,14 +23,7 @@ import os
 import sys
 from collections.abc import Sequence
 
-from train_utils.cli import (
-    HelpFormatter,
-    add_local_rank_flag,
-    check_environment,
-    parse_args,
-    run_main,
-    setup_console_logging,
-)
+from train_utils.cli import HelpFormatter, add_local_rank_flag, check_environment, run_script
 from train_utils.config import get_args_parser
 from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
 
@@ -60,20 +53,18 @@ def get_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def train(args: argparse.Namespace) -> None:
+    # Checked here too: a spawning parent would report it only after starting every rank.
+    check_environment()
+    nprocs = processes_to_spawn(args.nproc_per_node, args.device, os.environ)
+    if nprocs:
+        spawn_training(args, nprocs, timeout_s=args.dist_timeout)
+    else:
+        train_distributed(args, timeout_s=args.dist_timeout)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(get_parser(), argv)
-    setup_console_logging()
-
-    def body() -> None:
-        # Checked here too: a spawning parent would report it only after starting every rank.
-        check_environment()
-        nprocs = processes_to_spawn(args.nproc_per_node, args.device, os.environ)
-        if nprocs:
-            spawn_training(args, nprocs, timeout_s=args.dist_timeout)
-        else:
-            train_distributed(args, timeout_s=args.dist_timeout)
-
-    return run_main(body)
+    return run_script(get_parser(), train, argv)
 
 
 if __name__ == "__main__":

@@ -47,6 +47,7 @@ from pathlib import Path
 import torch
 
 from build_utils.atomic import check_output_place, make_output_dir, write_text
+from build_utils.checks import check_at_least, check_fractions
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
 from models.darknet import Darknet
@@ -67,10 +68,8 @@ from train_utils.cli import (
     add_precision_flags,
     add_project_flags,
     add_weights_flags,
-    check_at_least,
     check_choices,
     check_environment,
-    check_fractions,
     check_img_size,
     first_free_folder,
     parse_args,

@@ -114,9 +114,10 @@ def check_args(args: argparse.Namespace) -> None:
             cannot fit in memory.
         OutputError: ``--json``'s folder cannot be made.
     """
+    from build_utils.checks import check_at_least
     from models.budget import check_model_fits
     from models.darknet import model_blocks_for
-    from train_utils.cli import check_at_least, check_img_size
+    from train_utils.cli import check_img_size
 
     for name in args.variants:
         variant_env(name)  # every name checked before anything runs

@@ -61,6 +61,7 @@ from build_utils.augmentations import (
     resize_into,
 )
 from build_utils.boxes import xywhn2xyxy, xyxy2xywhn
+from build_utils.checks import is_int
 from build_utils.errors import ConfigError, DatasetError, YoloError
 from build_utils.image_cache import (
     cache_on_disk,
@@ -807,23 +808,19 @@ def _to_chw_rgb(img: np.ndarray) -> np.ndarray:
     return out
 
 
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
 def _check_sizes(
     img_size: Any, batch_size: Any, nc: Any, mosaic_buffer: Any, ram_cache_copies: Any
 ) -> None:
     """ConfigError naming the first bad size argument of :class:`LoadImagesAndLabels`."""
-    if not _is_int(img_size) or img_size < GRID:
+    if not is_int(img_size) or img_size < GRID:
         raise ConfigError(f"img_size must be an integer >= {GRID}, got {img_size!r}")
-    if not _is_int(batch_size) or batch_size < 1:
+    if not is_int(batch_size) or batch_size < 1:
         raise ConfigError(f"batch_size must be a positive integer, got {batch_size!r}")
-    if nc is not None and (not _is_int(nc) or nc < 1):
+    if nc is not None and (not is_int(nc) or nc < 1):
         raise ConfigError(f"nc must be a positive integer or None, got {nc!r}")
-    if mosaic_buffer is not None and (not _is_int(mosaic_buffer) or mosaic_buffer < 0):
+    if mosaic_buffer is not None and (not is_int(mosaic_buffer) or mosaic_buffer < 0):
         raise ConfigError(f"mosaic_buffer must be an integer >= 0 or None, got {mosaic_buffer!r}")
-    if not _is_int(ram_cache_copies) or ram_cache_copies < 1:
+    if not is_int(ram_cache_copies) or ram_cache_copies < 1:
         raise ConfigError(f"ram_cache_copies must be a positive integer, got {ram_cache_copies!r}")
 
 

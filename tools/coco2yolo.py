@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import math
 import os
 import shutil
 import sys
@@ -48,6 +47,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from build_utils.atomic import atomic_write, make_output_dir, reported_write, write_text
+from build_utils.checks import finite_float
 from build_utils.errors import ConfigError
 from build_utils.image_io import check_image, is_image_file
 from build_utils.labels import img2label_path
@@ -105,19 +105,8 @@ def _int_id(value: Any) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
-def _number(value: Any) -> float | None:
-    """A JSON number as a finite float (an integer of 400 digits has none), else None."""
-    if not isinstance(value, int | float) or isinstance(value, bool):
-        return None
-    try:
-        x = float(value)
-    except OverflowError:
-        return None
-    return x if math.isfinite(x) else None
-
-
 def _positive(value: Any) -> float | None:
-    x = _number(value)
+    x = finite_float(value)
     return x if x is not None and x > 0 else None
 
 
@@ -196,7 +185,7 @@ def yolo_lines(
             skipped += 1
             continue
         box = a.get("bbox")
-        values = [_number(v) for v in box] if isinstance(box, list) and len(box) == 4 else []
+        values = [finite_float(v) for v in box] if isinstance(box, list) and len(box) == 4 else []
         if not values or None in values:
             notes.append(f"{head}: bbox {short_repr(box)} is not 4 numbers, skipped")
             skipped += 1

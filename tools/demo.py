@@ -35,12 +35,12 @@ sys.path.insert(0, str(REPO))
 import predict  # noqa: E402
 import validation  # noqa: E402
 from build_utils.augmentations import GRID  # noqa: E402
+from build_utils.checks import check_at_least  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import (  # noqa: E402
     HelpFormatter,
-    check_at_least,
     check_environment,
     check_time_budget,
     run_main,

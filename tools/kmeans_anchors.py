@@ -48,6 +48,7 @@ from build_utils.atomic import (
     make_output_dir,
     write_text,
 )
+from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
@@ -55,7 +56,6 @@ from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
 from train_utils.cli import (
     HelpFormatter,
-    check_at_least,
     check_img_size_limit,
     run_main,
     setup_console_logging,

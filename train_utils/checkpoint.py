@@ -43,6 +43,7 @@ import torch
 from torch import nn
 
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
+from build_utils.checks import is_int, is_real, shown
 from build_utils.errors import CheckpointError, YoloError
 from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
 from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
@@ -483,25 +484,13 @@ def validate_resume_checkpoint(
 
 # Bounds of the numbers a resumable checkpoint carries (a checkpoint is input: it may be damaged
 # or hand-edited, and its values reach the training loop unchecked otherwise).
+def bad_value(what: str, value: Any) -> str:
+    """``what`` and its value as an error line shows it."""
+    return f"{what} {shown(value)}"
+
+
 MAX_EPOCH = 1_000_000  # ~2,000 years of 1-minute epochs
 _OPTIMIZER_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-
-def _bad(what: str, value: Any) -> str:
-    """``what`` and its value as an error line shows it: short, one line."""
-    if isinstance(value, torch.Tensor):
-        dtype = str(value.dtype).removeprefix("torch.")
-        return f"{what} (a {dtype} tensor of shape {tuple(value.shape)})"
-    shown = " ".join(repr(value).split())
-    return f"{what} {shown if len(shown) <= 40 else shown[:40] + '...'}"
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_real(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
 def check_resume_fields(
@@ -520,8 +509,10 @@ def check_resume_fields(
     """
     damaged = "the checkpoint is damaged: "
     epoch = ckpt.get("epoch")
-    if not _is_int(epoch) or not -1 <= epoch <= MAX_EPOCH:
-        raise CheckpointError(damaged + _bad("epoch", epoch) + f" must be in -1..{MAX_EPOCH}", path)
+    if not is_int(epoch) or not -1 <= epoch <= MAX_EPOCH:
+        raise CheckpointError(
+            damaged + bad_value("epoch", epoch) + f" must be in -1..{MAX_EPOCH}", path
+        )
     ints = {
         "best_epoch": (-1, MAX_EPOCH),
         "planned_epochs": (1, MAX_EPOCH),
@@ -530,15 +521,15 @@ def check_resume_fields(
     }
     for key, (lo, hi) in ints.items():
         value = ckpt.get(key)
-        if value is not None and (not _is_int(value) or not lo <= value <= hi):
-            raise CheckpointError(damaged + _bad(key, value) + f" must be in {lo}..{hi}", path)
+        if value is not None and (not is_int(value) or not lo <= value <= hi):
+            raise CheckpointError(damaged + bad_value(key, value) + f" must be in {lo}..{hi}", path)
     for key, lo in (("best_fitness", -math.inf), ("budget_spent_s", 0.0)):
         value = ckpt.get(key)
         if isinstance(value, torch.Tensor) and value.numel() == 1:  # a lineage numpy array
             value = value.item()
-        if value is not None and not (_is_real(value) and value >= lo):
+        if value is not None and not (is_real(value) and value >= lo):
             what = "a finite number" + ("" if lo == -math.inf else f" >= {lo:g}")
-            raise CheckpointError(damaged + _bad(key, value) + f" must be {what}", path)
+            raise CheckpointError(damaged + bad_value(key, value) + f" must be {what}", path)
     for key, kind in (("cfg", str), ("config", Mapping), ("scheduler", Mapping)):
         value = ckpt.get(key)
         if value is not None and not isinstance(value, kind):
@@ -560,8 +551,8 @@ def check_resume_fields(
         if not isinstance(scaler, Mapping):
             raise CheckpointError(damaged + f"'scaler' is a {type(scaler).__name__}", path)
         scale = scaler.get("scale")
-        if scale is not None and not (_is_real(scale) and scale > 0):
-            raise CheckpointError(damaged + _bad("the AMP scale", scale), path)
+        if scale is not None and not (is_real(scale) and scale > 0):
+            raise CheckpointError(damaged + bad_value("the AMP scale", scale), path)
 
 
 def check_optimizer_layout(saved: Any, path: str | Path | None = None) -> None:
@@ -587,26 +578,28 @@ def check_optimizer_layout(saved: Any, path: str | Path | None = None) -> None:
     for n, group in enumerate(groups):
         if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
             raise CheckpointError(bad + f"param group {n} has no 'params' list", path)
-        if not all(_is_int(i) for i in group["params"]):
+        if not all(is_int(i) for i in group["params"]):
             raise CheckpointError(bad + f"param group {n} lists parameters by non-integers", path)
         ids.update(group["params"])
         for key, value in group.items():
             if key == "params" or value is None or isinstance(value, (bool, str)):
                 continue
             numbers = value if isinstance(value, (list, tuple)) else [value]
-            if not all(_is_real(v) for v in numbers):
-                raise CheckpointError(bad + f"param group {n}: " + _bad(key, value), path)
-        if not (_is_real(group.get("lr", 0.0)) and group.get("lr", 0.0) >= 0):
-            raise CheckpointError(bad + f"param group {n}: " + _bad("lr", group.get("lr")), path)
+            if not all(is_real(v) for v in numbers):
+                raise CheckpointError(bad + f"param group {n}: " + bad_value(key, value), path)
+        if not (is_real(group.get("lr", 0.0)) and group.get("lr", 0.0) >= 0):
+            raise CheckpointError(
+                bad + f"param group {n}: " + bad_value("lr", group.get("lr")), path
+            )
     for pid, entry in state.items():
         if pid not in ids:
             raise CheckpointError(bad + f"state of parameter {pid!r}, which no group holds", path)
         if not isinstance(entry, Mapping):
-            raise CheckpointError(bad + f"parameter {pid}: " + _bad("state", entry), path)
+            raise CheckpointError(bad + f"parameter {pid}: " + bad_value("state", entry), path)
         for key, value in entry.items():
-            ok = (isinstance(value, torch.Tensor) and value.is_floating_point()) or _is_real(value)
+            ok = (isinstance(value, torch.Tensor) and value.is_floating_point()) or is_real(value)
             if not ok:
-                raise CheckpointError(bad + f"parameter {pid}: " + _bad(key, value), path)
+                raise CheckpointError(bad + f"parameter {pid}: " + bad_value(key, value), path)
 
 
 def _check_optimizer_fits(
@@ -626,9 +619,9 @@ def _check_optimizer_fits(
             if key == "params" or mine is None or value is None:
                 continue
             if isinstance(mine, bool) != isinstance(value, bool) or (
-                _is_real(mine) and not _is_real(value)
+                is_real(mine) and not is_real(value)
             ):
-                raise CheckpointError(bad + f"param group {n}: " + _bad(key, value), path)
+                raise CheckpointError(bad + f"param group {n}: " + bad_value(key, value), path)
     for pid, entry in saved["state"].items():
         k = position.get(pid)
         if k is None or k >= len(params):
@@ -719,13 +712,13 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, path: Any
     """The restored scheduler's epoch and base learning rates are sane numbers, one per group."""
     bad = "the checkpoint's scheduler state is damaged: "
     last = getattr(scheduler, "last_epoch", -1)
-    if not _is_int(last) or not -1 <= last <= MAX_EPOCH:
-        raise CheckpointError(bad + _bad("last_epoch", last), path)
+    if not is_int(last) or not -1 <= last <= MAX_EPOCH:
+        raise CheckpointError(bad + bad_value("last_epoch", last), path)
     base = getattr(scheduler, "base_lrs", None)
     if base is not None and (
-        len(base) != len(optimizer.param_groups) or not all(_is_real(v) and v >= 0 for v in base)
+        len(base) != len(optimizer.param_groups) or not all(is_real(v) and v >= 0 for v in base)
     ):
-        raise CheckpointError(bad + _bad("base_lrs", base), path)
+        raise CheckpointError(bad + bad_value("base_lrs", base), path)
 
 
 # What an optimizer's saved groups hold besides its parameters tells its kind. AdamW is an Adam

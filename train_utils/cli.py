@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
+from build_utils.checks import check_number, shown
 from build_utils.errors import ConfigError, RunStopped, YoloError
 from build_utils.limits import MAX_IMG_SIZE, check_limit_settings, positive_env_int
 from models.budget import MEMORY_ENV
@@ -56,6 +57,19 @@ def setup_console_logging(level: int = logging.INFO) -> None:
         handler._yolo_console = True
         root.addHandler(handler)
     root.setLevel(level)
+
+
+def run_script(
+    parser: argparse.ArgumentParser,
+    command: Callable[[argparse.Namespace], int | None],
+    argv: Sequence[str] | None = None,
+) -> int:
+    """Every script's ``main``: parse ``argv`` with ``parser`` (``args.given`` names the flags
+    typed, see :func:`parse_args`), log to the console, run ``command(args)`` and return its exit
+    status, user errors being one line and status 2 (see :func:`run_main`)."""
+    args = parse_args(parser, argv)
+    setup_console_logging()
+    return run_main(lambda: command(args))
 
 
 def run_main(body: Callable[[], int | None]) -> int:
@@ -299,36 +313,14 @@ def check_img_size(size: int, flag: str = "--img-size") -> int:
 def check_img_size_limit(size: int, flag: str = "--img-size") -> int:
     """``size`` when it is a whole number no larger than the limit (for sizes that need not be
     multiples of :data:`GRID`, such as the label scale of ``tools/kmeans_anchors.py``)."""
-    _check_number(flag, size, int)
+    check_number(flag, size, int)
     limit = MAX_IMG_SIZE.value()
     if size > limit:
         raise ConfigError(
-            f"{flag} {_shown(size)} is larger than the limit {limit} ({MAX_IMG_SIZE.name}); "
+            f"{flag} {shown(size)} is larger than the limit {limit} ({MAX_IMG_SIZE.name}); "
             f"set {MAX_IMG_SIZE.env} to raise it"
         )
     return size
-
-
-def _shown(value: int) -> str:
-    """A number as an error line shows it: a 400-digit one cut short."""
-    text = str(value)
-    return text if len(text) <= 12 else f"{text[:12]}... ({len(text)} digits)"
-
-
-def _check_number(flag: str, value: Any, kind: type) -> None:
-    # Values may come from a checkpoint's recorded run as well as from argparse.
-    if isinstance(value, bool) or not isinstance(value, (int, kind)):
-        raise ConfigError(f"{flag} must be a number, got {value!r}")
-
-
-def check_at_least(values: Mapping[str, int | None], lo: int) -> None:
-    """Each ``--flag: value`` (None: not set) is an integer of at least ``lo``."""
-    for flag, value in values.items():
-        if value is None:
-            continue
-        _check_number(flag, value, int)
-        if value < lo:
-            raise ConfigError(f"{flag} must be >= {lo}, got {value}")
 
 
 def check_environment() -> None:
@@ -351,16 +343,6 @@ def check_time_budget(minutes: float | None) -> None:
         raise ConfigError(
             f"--time-budget must be a positive, finite number of minutes, got {minutes}"
         )
-
-
-def check_fractions(values: Mapping[str, float | None]) -> None:
-    """Each ``--flag: value`` (None: not set) is a number in [0, 1]."""
-    for flag, value in values.items():
-        if value is None:
-            continue
-        _check_number(flag, value, float)
-        if not 0.0 <= value <= 1.0:
-            raise ConfigError(f"{flag} must be in [0, 1], got {value}")
 
 
 def check_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import yaml
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
+from build_utils.checks import check_at_least, check_fractions
 from build_utils.errors import CheckpointError, ConfigError
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -42,9 +43,7 @@ from train_utils.cli import (
     add_model_flag,
     add_precision_flags,
     add_weights_flags,
-    check_at_least,
     check_choices,
-    check_fractions,
     check_img_size,
     check_time_budget,
     parse_args,

@@ -1,0 +1,88 @@
+"""Small checks of the values a user hands over: command-line flags, hyp files, data files and
+checkpoint records all go through these, so that each kind of value is judged, and an error
+worded, one way (``<what> must be ..., got <value>``).
+
+A value may come from argparse, YAML, JSON or a checkpoint, so ``True`` is never a number here
+(Python counts it as 1), an integer of 400 digits is shown cut short, and a tensor by its dtype
+and shape.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection, Mapping
+from typing import Any
+
+from build_utils.errors import ConfigError
+
+SHOWN_CHARS = 40  # a value in an error line is cut to this many characters
+SHOWN_DIGITS = 12  # a long integer in an error line is cut to this many digits
+
+
+def is_int(value: Any) -> bool:
+    """An ``int`` that is not a ``bool``."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_real(value: Any) -> bool:
+    """A finite ``int`` or ``float`` that is not a ``bool`` (an int too large for a float is
+    not finite)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
+
+
+def finite_float(value: Any) -> float | None:
+    """``value`` as a finite float when it is a real number (JSON, YAML, a record), else None."""
+    return float(value) if is_real(value) else None
+
+
+def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
+    """``value`` as an error line shows it: one short line; a tensor (or array) by its dtype and
+    shape, a long integer by its first digits."""
+    if hasattr(value, "dtype") and hasattr(value, "shape") and not isinstance(value, (int, float)):
+        dtype = str(value.dtype).removeprefix("torch.")
+        return f"(a {dtype} tensor of shape {tuple(value.shape)})"
+    if is_int(value):
+        text = str(value)
+        return (
+            text if len(text) <= SHOWN_DIGITS else f"{text[:SHOWN_DIGITS]}... ({len(text)} digits)"
+        )
+    text = " ".join(repr(value).split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+def check_number(what: str, value: Any, kind: type = float) -> None:
+    """``value`` is a number (an integer when ``kind`` is ``int``): ConfigError otherwise."""
+    if isinstance(value, bool) or not isinstance(value, (int, kind)):
+        raise ConfigError(f"{what} must be a number, got {value!r}")
+
+
+def check_at_least(values: Mapping[str, int | None], lo: int) -> None:
+    """Each ``what: value`` (None: not set) is an integer of at least ``lo``."""
+    for what, value in values.items():
+        if value is None:
+            continue
+        check_number(what, value, int)
+        if value < lo:
+            raise ConfigError(f"{what} must be >= {lo}, got {value}")
+
+
+def check_fractions(values: Mapping[str, float | None]) -> None:
+    """Each ``what: value`` (None: not set) is a number in [0, 1]."""
+    for what, value in values.items():
+        if value is None:
+            continue
+        check_number(what, value, float)
+        if not 0.0 <= value <= 1.0:
+            raise ConfigError(f"{what} must be in [0, 1], got {value}")
+
+
+def check_choice(what: str, value: Any, choices: Collection[Any]) -> Any:
+    """``value`` when it is one of ``choices``: ConfigError naming them otherwise."""
+    if value not in choices:
+        raise ConfigError(f"{what} {value!r} is not one of {', '.join(map(str, choices))}")
+    return value
