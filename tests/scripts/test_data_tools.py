@@ -399,6 +399,24 @@ def test_kmeans_anchors_never_writes_over_what_it_reads(
     assert {p: p.read_bytes() for p in names.values()} == before
 
 
+def test_kmeans_anchors_keeps_an_existing_out_cfg(make_shapes_data, tmp_path, capsys):
+    """Was: --out-cfg X replaced whatever X was; now one line unless --exist-ok."""
+    data = make_shapes_data(n_train=4, n_val=1)
+    out = tmp_path / "results.csv"
+    out.write_text("epoch\n")
+    argv = ["--data", str(data), "--cfg", str(NANO_CFG), "--out-cfg", str(out)]
+    argv += ["--img-size", "64", "--generations", "3"]
+    assert kmeans_anchors.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"error: {out} already exists; pass --exist-ok to replace, or choose another --out-cfg\n"
+    )
+    assert out.read_text() == "epoch\n"
+    assert kmeans_anchors.main([*argv, "--exist-ok"]) == 0
+    assert "anchors=" in out.read_text()
+
+
 def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):
     """The label cache tools/kmeans_anchors.py writes is reused as it is by training's dataset
     (no "out of date; rebuilding", no image checked again)."""
