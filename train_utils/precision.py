@@ -203,6 +203,55 @@ def replay_precision(
     return amp, channels_last, why
 
 
+@dataclass(frozen=True)
+class InferencePrecision:
+    """How an evaluation or a prediction computes: ``weights``, the dtype of the model's
+    parameters and of its input; ``autocast``, the dtype autocast computes in (None: none);
+    ``why``, where that came from (a flag, the run's record)."""
+
+    weights: torch.dtype
+    autocast: torch.dtype | None
+    why: str
+
+    def describe(self, channels_last: bool | None = None) -> str:
+        """The log line: ``precision: bfloat16 autocast (the run's bfloat16), contiguous``."""
+        if self.weights != torch.float32:
+            what = f"{dtype_name(self.weights)} weights and inputs"
+        elif self.autocast is not None:
+            what = f"{dtype_name(self.autocast)} autocast"
+        else:
+            what = "full (float32)"
+        layout = ""
+        if channels_last is not None:
+            layout = ", channels_last" if channels_last else ", contiguous"
+        return f"precision: {what} ({self.why}){layout}"
+
+
+def inference_precision(
+    amp: torch.dtype | None, why: str, half: bool, amp_flag: str | None, device: torch.device
+) -> InferencePrecision:
+    """``--half`` and the autocast (``amp`` from :func:`replay_precision`, ``why`` its reason,
+    ``amp_flag`` the ``--amp`` typed, None when replayed) as one decision. ``--half`` makes the
+    weights and the input float16 and then no autocast runs: autocast to the run's bf16 around
+    fp16 weights hands BatchNorm bf16 input with fp16 parameters, which its kernels refuse.
+
+    Raises:
+        ConfigError: ``--half`` off CUDA, or with an ``--amp`` of another dtype.
+    """
+    if not half:
+        return InferencePrecision(torch.float32, amp, why)
+    if device.type != "cuda":
+        raise ConfigError(f"--half needs a CUDA device, not {device}; on CPU use --amp (bf16)")
+    if amp_flag is not None and amp not in (None, torch.float16):
+        raise ConfigError(
+            f"--half (float16 weights and inputs) and --amp {amp_flag} ({dtype_name(amp)} "
+            "autocast) are two precisions for one model: give one of them"
+        )
+    replayed = amp_flag is None and amp is not None and amp is not torch.float16
+    note = f"; the run's {dtype_name(amp)} autocast is not replayed" if replayed else ""
+    return InferencePrecision(torch.float16, None, f"--half{note}")
+
+
 def to_model_input(
     imgs: torch.Tensor,
     device: torch.device,
