@@ -127,3 +127,37 @@ def test_sync_batchnorm_only_on_cuda_without_compile():
     assert not sync and "pytorch#161302" in why and "--batch-size >= 8 per GPU" in why
     sync, why = use_sync_batchnorm(CPU, False)
     assert not sync and "CUDA modules only" in why
+
+
+# ---- --half and the replayed autocast: one decision (predict.py) -------------------------------
+
+CUDA = torch.device("cuda")  # a device object only: the decision needs no GPU
+BF16_RUN = "the run's bfloat16"
+
+
+def test_half_replaces_the_replayed_autocast():
+    """Was: predict.py --half made the weights fp16 while autocast replayed the run's bf16, and
+    BatchNorm got bf16 input with fp16 parameters (CUDA refuses it). Now --half means fp16
+    weights and inputs and no autocast, and says that the run's autocast is not replayed."""
+    p = precision.inference_precision(torch.bfloat16, BF16_RUN, True, None, CUDA)
+    assert (p.weights, p.autocast) == (torch.float16, None)
+    assert p.describe() == (
+        "precision: float16 weights and inputs (--half; the run's bfloat16 autocast is not "
+        "replayed)"
+    )
+    plain = precision.inference_precision(torch.bfloat16, BF16_RUN, False, None, CUDA)
+    assert (plain.weights, plain.autocast) == (torch.float32, torch.bfloat16)
+    assert plain.describe(channels_last=True) == (
+        "precision: bfloat16 autocast (the run's bfloat16), channels_last"
+    )
+    fp16 = precision.inference_precision(torch.float16, "--amp fp16", True, "fp16", CUDA)
+    assert (fp16.weights, fp16.autocast) == (torch.float16, None)
+
+
+def test_half_with_another_amp_or_off_cuda_is_one_line():
+    with pytest.raises(
+        ConfigError, match=r"--half .* and --amp bf16 \(bfloat16 autocast\) are two"
+    ):
+        precision.inference_precision(torch.bfloat16, "--amp bf16", True, "bf16", CUDA)
+    with pytest.raises(ConfigError, match="--half needs a CUDA device, not cpu"):
+        precision.inference_precision(None, "--amp auto", True, None, CPU)
