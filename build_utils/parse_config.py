@@ -966,6 +966,29 @@ def is_data_yaml(path: str | os.PathLike[str]) -> bool:
     return Path(path).suffix.lower() in DATA_YAML_SUFFIXES
 
 
+def _not_a_data_line(line: str, path: Path, number: int) -> ConfigError:
+    """The error for a ``.data`` line that is no ``key=value``, naming the file it looks like."""
+    if line.startswith("["):
+        # A model cfg ([net], [convolutional], ...) where the dataset file goes.
+        return ConfigError(
+            f"a model cfg (section {_quoted(line)}), not a dataset file: it goes to --cfg; "
+            "--data takes a .data or data.yaml file",
+            path,
+            number,
+        )
+    hint = ""
+    if path.suffix.lower() == ".json":
+        # A COCO user's first try: their instances JSON as --data.
+        hint = (
+            " (a COCO JSON? convert it with tools/coco2yolo.py --json FILE --images DIR "
+            "--out OUT, then pass OUT/data.yaml)"
+        )
+    elif ":" in line and not line.startswith(("/", "~")):
+        # `train: images/train` is the data.yaml schema, read by its extension.
+        hint = f" (a data.yaml? name it {path.stem}.yaml)"
+    return ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)
+
+
 def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a dataset file: a Darknet ``.data`` file (``key=value`` lines; ``#``/``;``
     comments), or an ultralytics ``data.yaml`` (``.yaml``/``.yml``, :func:`parse_data_yaml`),
@@ -996,28 +1019,10 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     lines: dict[str, int] = {}
     for number, line in _content_lines(text):
-        if line.startswith("["):
-            # A model cfg ([net], [convolutional], ...) where the dataset file goes.
-            raise ConfigError(
-                f"a model cfg (section {_quoted(line)}), not a dataset file: it goes to --cfg; "
-                "--data takes a .data or data.yaml file",
-                path,
-                number,
-            )
         key, sep, value = line.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
-            hint = ""
-            if path.suffix.lower() == ".json":
-                # A COCO user's first try: their instances JSON as --data.
-                hint = (
-                    " (a COCO JSON? convert it with tools/coco2yolo.py --json FILE --images DIR "
-                    "--out OUT, then pass OUT/data.yaml)"
-                )
-            elif ":" in line and not line.startswith(("/", "~")):
-                # `train: images/train` is the data.yaml schema, read by its extension.
-                hint = f" (a data.yaml? name it {path.stem}.yaml)"
-            raise ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)
+            raise _not_a_data_line(line, path, number)
         if key in lines:
             raise ConfigError(
                 f"duplicate key '{key}' (first set at line {lines[key]})", path, number
