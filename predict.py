@@ -3,6 +3,7 @@
     python predict.py --weights runs/demo/best.pt --source img.jpg
     python predict.py --weights best.pt --source folder/ clip.mp4 --output out/ --conf-thres 0.25
     python predict.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --names coco.names ...
+    python predict.py --weights best.pt --source 'folder/val_0001*.jpg'    # a quoted pattern
     python predict.py --weights best.pt --source 0                         # webcam 0
     python predict.py --weights best.pt --source rtsp://host/stream --classes 0 2 --save-txt
 
@@ -12,7 +13,10 @@ Each image's detections are printed (class, confidence, xyxy box in original pix
 drawn image is saved under ``--output`` with the same name (videos, cameras and streams as
 ``<name>.mp4``); ``--save-txt`` also writes ``--output/labels/<name>.txt`` (YOLO format:
 ``class cx cy w h`` normalised, ``+ conf`` with ``--save-conf``; video frames as
-``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C.
+``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C; every camera and
+stream is opened before anything is written, and a run that could read no image or frame at all
+is one line (exit 2) that leaves no output folder. The precision (the run's autocast, or
+``--half``'s float16 weights instead) is logged.
 
 YOLOv5's extras: ``--save-crop`` cuts each box from the original picture into
 ``OUTPUT/crops/<class>/<name>.jpg``; ``--hide-labels``, ``--hide-conf``, ``--line-thickness``
