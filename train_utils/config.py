@@ -24,12 +24,11 @@ import yaml
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.checks import check_at_least, check_fractions
-from build_utils.errors import CheckpointError, ConfigError
+from build_utils.errors import ConfigError
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
 from models.darknet import FREEZE_MODES
-from train_utils.checkpoint import read_weights
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
@@ -43,17 +42,16 @@ from train_utils.cli import (
     add_model_flag,
     add_precision_flags,
     add_weights_flags,
-    check_choices,
     check_img_size,
     check_time_budget,
     parse_args,
     run_name_folder,
     switch,
-    take_from_run,
 )
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
-from train_utils.distributed.process_group import launched_world_size
 from train_utils.optim import LR_SCHEDULES, OPTIMIZER_CHOICES
+from train_utils.resume import settings_of_resumed_run
+from train_utils.run_folder import RUNS_DIR
 from train_utils.trackers import TRACKER_CHOICES, check_trackers
 
 NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
@@ -64,9 +62,6 @@ DEFAULT_DATA = "data/my_data.data"
 DEFAULT_HYP = "cfg/hyp.yaml"
 # The repository's root: the default --cfg/--hyp are its files, found from any working folder.
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
-RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
-RUN_HYP_NAME = "hyp.yaml"
 
 logger = logging.getLogger(__name__)
 
@@ -591,6 +586,18 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{**flags, **derived})
 
 
+def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
+    """See :func:`train_utils.resume.settings_of_resumed_run`: the run's folder, its arguments
+    taken for every flag not typed."""
+    if args.resume is None:
+        return None
+    named = None
+    if args.resume == "auto" and (args.name or args.output_dir):
+        named = run_folder_of(args)[0]  # <project or runs>/<name>: that run's last.pt
+    fields = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(TrainConfig)}
+    return settings_of_resumed_run(args, get_args_parser(), fields, named)
+
+
 def _check_training_choices(args: argparse.Namespace) -> None:
     """The values of the optimizer and schedule flags, which a resumed run may also take from
     its checkpoint (argparse checks only what was typed)."""
@@ -627,122 +634,8 @@ def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
     return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
 
 
-def resumes_in_place(resume: str | None, output_dir: Path) -> bool:
-    """Whether ``--resume`` continues the run in ``output_dir`` rather than starting a folder of
-    its own (the trainer's claim of the run folder asks).
-
-    ``--resume`` of the folder's ``last.pt`` (or of any checkpoint in a folder without one)
-    continues in place. ``--resume`` of another checkpoint beside a ``last.pt`` (an
-    ``epoch<E>.pt`` of ``--save-period``, a copy) goes back to an earlier state: continuing in
-    place would write over the later epochs' ``last.pt``, ``best.pt`` and ``results.csv`` rows,
-    so the run writes the next numbered folder instead (``runs/x2``), the earlier run kept whole.
-    """
-    if resume is None:
-        return False
-    last = output_dir / "last.pt"
-    if resume == "auto" or not last.is_file():
-        return True
-    return Path(resume).resolve() == last.resolve()
-
-
-def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
-    """The most recently written ``runs/*/last.pt`` (what bare ``--resume`` continues)."""
-    found = [p for p in runs.glob("*/last.pt") if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
-    """``--resume PATH`` (or bare ``--resume`` with no run named): take the run's own arguments
-    for every flag not typed, and return the run's folder, where it continues. None when this
-    is not such a resume (no ``--resume``, or ``--resume`` with ``--name``/``--output-dir`` whose
-    folder holds no ``last.pt``: the trainer reports it)."""
-    if args.resume is None:
-        return None
-    if args.resume == "auto":
-        if args.name or args.output_dir:
-            # <project or runs>/<name>/last.pt: that run, with its own arguments as for a PATH
-            # (the defaults would name another dataset). None there: the trainer says so.
-            last = run_folder_of(args)[0] / "last.pt"
-            if not last.is_file():
-                return None
-            args.resume = str(last)
-        else:
-            runs = Path(args.project) if getattr(args, "project", "") else RUNS_DIR
-            latest = latest_run_checkpoint(runs)
-            if latest is None:
-                raise ConfigError(
-                    f"--resume: no {runs}/*/last.pt to continue; give the path of a last.pt "
-                    f"or the run's --name"
-                )
-            args.resume = str(latest)
-    path = Path(args.resume)
-    try:
-        run = read_weights(path, args.trust_checkpoint).run
-    except CheckpointError as e:
-        if launched_world_size() == 1:
-            raise ConfigError(f"--resume: {e}") from e
-        # Under DDP one rank failing alone here would leave the others waiting; the trainer
-        # reads the checkpoint again and stops every rank with this error.
-        logger.debug("--resume %s: not readable here (%s); the trainer reports it", path, e)
-        return path.parent
-    if not run:
-        logger.info("--resume %s: the checkpoint records no run arguments; using the flags", path)
-        return path.parent
-    folder = path.parent
-    own = {
-        "cfg",
-        "data",
-        "hyp",
-        "output_dir",
-        "exist_ok",
-        "resume",
-        "trust_checkpoint",
-        "auto_named",
-    }
-    fields = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in own
-    }
-    take_from_run(args, run, fields, f"--resume {path}")
-    check_choices(get_args_parser(), args)
-    given = getattr(args, "given", frozenset())
-    if "cfg" not in given:
-        # The cfg the run was started with, while it is there; else the run's own resolved copy.
-        saved = Path(str(run.get("cfg", "")))
-        args.cfg = str(saved if saved.is_file() else folder / RUN_CFG_NAME)
-    data = run.get("data")
-    if "data" not in given and isinstance(data, dict) and isinstance(data.get("path"), str):
-        args.data = data["path"]
-    if "hyp" not in given and (folder / RUN_HYP_NAME).is_file():
-        args.hyp = str(folder / RUN_HYP_NAME)
-    where = (
-        f"in {folder}"
-        if resumes_in_place(str(path), folder)
-        else f"in a new folder beside {folder} (its later epochs are kept)"
-    )
-    logger.info(
-        "--resume %s: continuing that run %s with its own arguments (cfg %s, data %s)",
-        path,
-        where,
-        args.cfg,
-        args.data,
-    )
-    return folder
-
-
-def accumulate_steps(nbs: int, batch_size: int, world_size: int, override: int | None) -> int:
-    """Batches per optimizer step so that one step sees about ``nbs`` images across all ranks."""
-    if override is not None:
-        return override
-    return max(round(nbs / (batch_size * world_size)), 1)
-
-
 def multi_scale_bounds(img_size: int) -> tuple[int, int]:
     """Smallest and largest multi-scale side, both multiples of :data:`GRID`."""
     lo = max(GRID, math.ceil(img_size * MULTI_SCALE_RANGE[0] / GRID) * GRID)
     hi = max(lo, math.floor(img_size * MULTI_SCALE_RANGE[1] / GRID) * GRID)
     return lo, hi
-
-
-def scaled_lr0(lr0: float, global_batch: int, nbs: int) -> float:
-    """The lineage scales the learning rate up linearly once the global batch exceeds ``nbs``."""
-    return lr0 * max(1.0, global_batch / nbs)

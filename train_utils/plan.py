@@ -1,5 +1,6 @@
-"""How long a run trains: ``--epochs``, or as many epochs as fit ``--time-budget``, and when
-``--patience`` ends it early.
+"""Where a run is and how long it trains: the loop's progress (:class:`LoopState`), ``--epochs``
+or as many epochs as fit ``--time-budget``, and when ``--patience`` ends it early. Both save and
+check their own part of a checkpoint (``state_dict``, ``check_state``, ``load_state_dict``).
 
 With a time budget the epoch count is estimated after every epoch from the measured time of
 training epochs and evaluations, and the cosine schedule (:func:`train_utils.optim.
@@ -15,9 +16,74 @@ after the same epoch and a reader sees every collective there.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from train_utils.checkpoint import MAX_EPOCH, bad_value, damaged, record_int, record_real
+
+logger = logging.getLogger(__name__)
+
+FITNESS_KEY = "mAP50-95"  # the COCO stat that best.pt and --patience go by
+
+
+
+@dataclass
+class LoopState:
+    """What the trainer carries from epoch to epoch (the checkpoint keeps it for ``--resume``).
+
+    Only rank 0 gets evaluation stats, so only rank 0's ``best`` moves; other ranks keep the
+    resumed values and follow rank 0's broadcast decisions.
+
+    Attributes:
+        epoch: the epoch running, or the last one run (``start_epoch - 1`` before the first).
+        best: the best :data:`FITNESS_KEY` so far, None before any evaluation.
+        best_epoch: the epoch of ``best``.
+        last_stats: the last evaluation's COCO stats by name.
+    """
+
+    epoch: int
+    best: float | None = None
+    best_epoch: int | None = None
+    last_stats: dict[str, float] | None = None
+
+    def update(self, epoch: int, val: dict[str, float] | None, is_best: bool) -> None:
+        """Take ``epoch``'s evaluation (``val`` None: not evaluated here), the new best when
+        ``is_best``."""
+        if val is None:
+            return
+        self.last_stats = val
+        if is_best:
+            self.best, self.best_epoch = val[FITNESS_KEY], epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint's ``epoch`` (the last finished), ``best_fitness`` and ``best_epoch``."""
+        return {"epoch": self.epoch, "best_fitness": self.best, "best_epoch": self.best_epoch}
+
+    @staticmethod
+    def check_state(ckpt: Mapping[str, Any], path: str | Path | None = None) -> None:
+        """The checkpoint's loop values are integers and finite numbers in range."""
+        epoch = ckpt.get("epoch")
+        if epoch is None:
+            raise damaged(bad_value("epoch", epoch) + f" must be in -1..{MAX_EPOCH}", path)
+        record_int(ckpt, "epoch", -1, MAX_EPOCH, path)
+        record_int(ckpt, "best_epoch", -1, MAX_EPOCH, path)
+        record_real(ckpt, "best_fitness", path)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Mapping[str, Any], path: str | Path | None = None) -> LoopState:
+        """The loop as a checkpoint left it (checked first)."""
+        cls.check_state(ckpt, path)
+        epoch, best = int(ckpt["epoch"]), record_real(ckpt, "best_fitness", path)
+        best_epoch = ckpt.get("best_epoch")
+        if best_epoch is None and best is not None:
+            best_epoch = epoch  # checkpoints without it: patience counts from here
+        return cls(epoch, best, best_epoch)
+
 
 # Epoch-time estimate: the median of the last few epochs, so that one slow epoch (a busy
 # machine, a cache filling) neither shortens the plan nor makes the schedule jump.
@@ -130,6 +196,28 @@ class EpochPlan:
         without ``--patience``."""
         return self.patience > 0 and best_epoch is not None and epoch - best_epoch >= self.patience
 
-    def state(self) -> dict[str, float | int]:
+    def state_dict(self) -> dict[str, float | int]:
         """What a checkpoint keeps so that a resumed run continues the same budget."""
         return {"planned_epochs": self.epochs, "budget_spent_s": round(self.spent(), 3)}
+
+    @staticmethod
+    def check_state(ckpt: Mapping[str, Any], path: str | Path | None = None) -> None:
+        """The checkpoint's plan values are an epoch count and seconds, in range."""
+        record_int(ckpt, "planned_epochs", 1, MAX_EPOCH, path)
+        record_real(ckpt, "budget_spent_s", path, lo=0.0)
+
+    def load_state_dict(self, ckpt: Mapping[str, Any], start_epoch: int) -> None:
+        """Continue a checkpoint's ``--time-budget`` from ``start_epoch``: what it had spent and
+        planned (0 s spent when it had no budget); a run that had spent it stops, and a finished
+        budgeted run given more time trains on, re-planned after each epoch (the schedule then
+        continues on the longer curve). Without a budget the plan is this run's ``--epochs``."""
+        if self.budget_s is None:
+            return
+        self.spent_before_s = float(ckpt.get("budget_spent_s") or 0.0)
+        self.epochs = int(ckpt.get("planned_epochs") or self.epochs)
+        saved_budget_min = (ckpt.get("config") or {}).get("time_budget") or 0
+        if self.spent_before_s >= self.budget_s:
+            self.epochs = start_epoch
+            logger.info("the checkpoint already spent the --time-budget; nothing to do")
+        elif start_epoch >= self.epochs and saved_budget_min * 60.0 < self.budget_s:
+            self.epochs = start_epoch + 1

@@ -38,6 +38,9 @@ from build_utils.safe_yaml import load_yaml
 
 logger = logging.getLogger(__name__)
 
+RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
+RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
+RUN_HYP_NAME = "hyp.yaml"  # the hyperparameters as the run read them
 LOCK_NAME = "run.lock"
 RUN_ARGS_NAME = "args.yaml"  # the run's resolved arguments (reporting.write_run_files)
 # The files by which a folder holds a run that must not be written over.

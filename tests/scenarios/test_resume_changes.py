@@ -12,9 +12,9 @@ from conftest import HYP_YAML, NANO_CFG, run_training, train_argv
 
 import train as train_script
 from models.darknet import Darknet
-from train_utils.checkpoint import load_checkpoint, load_optimizer_state
+from train_utils.checkpoint import load_checkpoint
 from train_utils.config import load_hyp
-from train_utils.optim import build_optimizer
+from train_utils.optim import build_optimizer, load_optimizer_state
 
 IMG = 64
 

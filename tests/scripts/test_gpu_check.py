@@ -365,4 +365,4 @@ def test_the_cuda_tests_step_fails_where_cuda_is_missing(tmp_path, monkeypatch) 
     assert step["status"] == "failed" and figures["returncode"] == 1
     assert figures["tests"] == figures["failed"] >= 5 and figures["passed"] == 0
     assert "tests/scenarios/test_cuda.py" in figures["files"]
-    assert step["reason"].startswith("pytest -m cuda exited 1: tests.test_")
+    assert step["reason"].startswith("pytest -m cuda exited 1: tests.")

@@ -18,10 +18,10 @@ from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
 from models.darknet import Darknet
 from models.loss import compute_loss
-from train_utils.checkpoint import load_checkpoint, optimizer_kind, save_checkpoint
+from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.config import build_config, get_args_parser, load_hyp, parse_train_args
 from train_utils.distributed.process_group import DistInfo
-from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda
+from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda, optimizer_kind
 from train_utils.trainer import keeps_epoch, run
 
 IMG = 64

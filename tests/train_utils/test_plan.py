@@ -19,8 +19,7 @@ from train_utils.checkpoint import load_checkpoint
 from train_utils.config import build_config, get_args_parser
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.optim import build_scheduler, cosine_lambda
-from train_utils.plan import EpochPlan, epochs_within_budget, evaluated
-from train_utils.trainer import FITNESS_KEY
+from train_utils.plan import FITNESS_KEY, EpochPlan, epochs_within_budget, evaluated
 
 
 def _brute_force(epoch, remaining, epoch_s, eval_s, interval, notest, max_epochs=None):
