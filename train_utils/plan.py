@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 FITNESS_KEY = "mAP50-95"  # the COCO stat that best.pt and --patience go by
 
 
-
 @dataclass
 class LoopState:
     """What the trainer carries from epoch to epoch (the checkpoint keeps it for ``--resume``).

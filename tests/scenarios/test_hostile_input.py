@@ -196,7 +196,6 @@ def test_pixel_bomb_and_40_gb_sparse_jpg_in_training_are_skipped(make_shapes_dat
     40 GB sparse .jpg (the old code read it whole) in the training list: both excluded with
     the limit they break, the run completes, its memory stays bounded."""
     from tests.build_utils.test_image_io import sparse_file, write_png
-
     from tests.conftest import train_argv
 
     data = make_shapes_data(n_train=4, n_val=2, img_size_range=(64, 96))

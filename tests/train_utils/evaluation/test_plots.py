@@ -141,7 +141,6 @@ def test_val_batch_picture_skips_an_image_that_became_a_fifo(tmp_path):
     from types import SimpleNamespace
 
     from tests.build_utils.test_image_io import HANG_S, Hung, good_jpeg
-
     from train_utils.evaluation.report import plot_val_batch
 
     good = good_jpeg(tmp_path / "good.jpg", 96, 64)
