@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from build_utils.checks import is_real
 from train_utils.checkpoint import MAX_EPOCH, bad_value, damaged, record_int, record_real
 
 logger = logging.getLogger(__name__)
@@ -195,28 +196,63 @@ class EpochPlan:
         without ``--patience``."""
         return self.patience > 0 and best_epoch is not None and epoch - best_epoch >= self.patience
 
-    def state_dict(self) -> dict[str, float | int]:
-        """What a checkpoint keeps so that a resumed run continues the same budget."""
-        return {"planned_epochs": self.epochs, "budget_spent_s": round(self.spent(), 3)}
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run continues the same budget: the plan, the
+        seconds spent, and the recent epoch and evaluation times the plan was made from."""
+        return {
+            "planned_epochs": self.epochs,
+            "budget_spent_s": round(self.spent(), 3),
+            "epoch_seconds": [round(t, 3) for t in self.epoch_s[-RECENT_EPOCHS:]],
+            "eval_seconds": None if self.eval_s is None else round(self.eval_s, 3),
+        }
 
     @staticmethod
     def check_state(ckpt: Mapping[str, Any], path: str | Path | None = None) -> None:
         """The checkpoint's plan values are an epoch count and seconds, in range."""
         record_int(ckpt, "planned_epochs", 1, MAX_EPOCH, path)
         record_real(ckpt, "budget_spent_s", path, lo=0.0)
+        record_real(ckpt, "eval_seconds", path, lo=0.0)
+        times = ckpt.get("epoch_seconds")
+        if times is not None and not (
+            isinstance(times, list) and all(is_real(t) and t >= 0 for t in times)
+        ):
+            raise damaged(bad_value("epoch_seconds", times) + " must be seconds", path)
 
     def load_state_dict(self, ckpt: Mapping[str, Any], start_epoch: int) -> None:
-        """Continue a checkpoint's ``--time-budget`` from ``start_epoch``: what it had spent and
-        planned (0 s spent when it had no budget); a run that had spent it stops, and a finished
-        budgeted run given more time trains on, re-planned after each epoch (the schedule then
-        continues on the longer curve). Without a budget the plan is this run's ``--epochs``."""
+        """Continue a checkpoint's ``--time-budget`` from ``start_epoch``: what it had spent,
+        planned and measured (0 s spent when it had no budget). A run that had spent its budget
+        stops. Given another budget (or more time after it finished) the run is planned anew
+        now, from the epoch times it measured, so that its first resumed epoch already follows
+        the new plan's schedule (a checkpoint without times: one more epoch, re-planned after
+        it). Without a budget the plan is this run's ``--epochs``."""
         if self.budget_s is None:
             return
         self.spent_before_s = float(ckpt.get("budget_spent_s") or 0.0)
         self.epochs = int(ckpt.get("planned_epochs") or self.epochs)
-        saved_budget_min = (ckpt.get("config") or {}).get("time_budget") or 0
+        self.epoch_s = [float(t) for t in ckpt.get("epoch_seconds") or []]
+        if ckpt.get("eval_seconds") is not None:
+            self.eval_s = float(ckpt["eval_seconds"])
+        saved_budget_s = ((ckpt.get("config") or {}).get("time_budget") or 0) * 60.0
         if self.spent_before_s >= self.budget_s:
             self.epochs = start_epoch
             logger.info("the checkpoint already spent the --time-budget; nothing to do")
-        elif start_epoch >= self.epochs and saved_budget_min * 60.0 < self.budget_s:
+        elif self.epoch_s and (saved_budget_s != self.budget_s or start_epoch >= self.epochs):
+            self.epochs = self._plan_from(start_epoch)
+        elif start_epoch >= self.epochs and saved_budget_s < self.budget_s:
             self.epochs = start_epoch + 1
+
+    def _plan_from(self, start_epoch: int) -> int:
+        """The total epochs that fit what is left of the budget, training from ``start_epoch``
+        at the measured epoch and evaluation times; at least one more epoch."""
+        epoch_s = statistics.median(self.epoch_s[-RECENT_EPOCHS:])
+        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
+        total = epochs_within_budget(
+            start_epoch - 1,
+            self.budget_s - self.spent(),
+            epoch_s,
+            eval_s,
+            self.eval_interval,
+            self.notest,
+            self.max_epochs,
+        )
+        return max(total, start_epoch + 1)

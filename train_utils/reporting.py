@@ -20,25 +20,33 @@ so the loop has no rank branches.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from build_utils.atomic import atomic_write, reported_write
+from build_utils.atomic import atomic_write, reported_write, write_error
 from build_utils.errors import OutputError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.checkpoint import to_plain
-from train_utils.engine import EpochStats
+from train_utils.engine import EpochStats, TrainOptions
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.plots import save_figure
 from train_utils.evaluation.report import write_eval_report
 from train_utils.run_pictures import plot_first_batches
 from train_utils.trackers import FAILED, FINISHED, KILLED, Tracker, open_trackers
+
+if TYPE_CHECKING:
+    from models.darknet import Darknet
+    from train_utils.config import TrainConfig
+    from train_utils.data_loaders import TrainData
+    from train_utils.distributed.process_group import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -463,3 +471,90 @@ def make_reporter(
     if is_main:
         return EpochReporter(out, start_epoch, **run)
     return SilentReporter()
+
+
+# ---- train.log and the start line ----------------------------------------------------
+
+
+class RunLogHandler(logging.FileHandler):
+    """``train.log``. A line it cannot write (a full disk) is one warning on the console, not
+    logging's traceback per line; the run goes on (its next checkpoint says whether the disk
+    is full)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        self.failed = True  # before logging: the warning comes back here and must not loop
+        e = sys.exc_info()[1]
+        why = write_error(e, self.baseFilename) if isinstance(e, OSError) else e
+        logger.warning("%s; the log goes on on the console only", why)
+
+
+def run_log_handler(path: Path) -> logging.FileHandler:
+    """A handler appending to ``path`` (rank 0's ``train.log``).
+
+    Raises:
+        OutputError: the file cannot be opened for writing.
+    """
+    with reported_write(path, OUTPUT_FLAG):
+        return RunLogHandler(path)
+
+
+@contextlib.contextmanager
+def logging_to(handler: logging.Handler | None) -> Iterator[None]:
+    """Send INFO and above to ``handler`` (None: nowhere, off rank 0), whatever the caller's
+    logging set-up, and restore the root logger afterwards."""
+    root = logging.getLogger()
+    level = root.level
+    if handler is None:
+        yield
+        return
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    if level > logging.INFO or level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(level)
+
+
+def log_run_start(
+    config: TrainConfig,
+    model: Darknet,
+    dist: DistInfo,
+    train_data: TrainData,
+    opts: TrainOptions,
+    lr0: float,
+) -> None:
+    n_params = sum(p.numel() for p in model.parameters())
+    ms = opts.multi_scale
+    logger.info(
+        "model %s: %d layers, %.2fM parameters, %d classes | data: %d train / %d val images | "
+        "device %s x %d process(es) | batch %d x %d accumulate (nominal %d), lr0 %.4g | "
+        "img %d%s | %s | output %s",
+        config.cfg,
+        len(model.module_list),
+        n_params / 1e6,
+        config.data.nc,
+        train_data.n_train,
+        train_data.n_val,
+        dist.device,
+        dist.world_size,
+        config.batch_size,
+        opts.accumulate,
+        config.nbs,
+        lr0,
+        config.img_size,
+        f" (multi-scale {ms[0]}-{ms[1]})" if ms else "",
+        f"{config.epochs} epochs"
+        if config.time_budget is None
+        else f"time budget {config.time_budget:g} min"
+        + (f" (at most {config.epochs} epochs)" if config.epochs else ""),
+        config.output_dir,
+    )

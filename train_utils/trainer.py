@@ -14,10 +14,8 @@ the loop (``# Collective:``), never inside a helper.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -28,7 +26,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from build_utils.atomic import reported_write, write_error
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
 from build_utils.parse_config import format_model_cfg
@@ -83,7 +80,10 @@ from train_utils.reporting import (
     OUTPUT_FLAG,
     EpochReporter,
     SilentReporter,
+    log_run_start,
+    logging_to,
     make_reporter,
+    run_log_handler,
     write_run_files,
 )
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
@@ -154,7 +154,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
                 exist_ok=config.exist_ok,
                 auto_named=config.auto_named,
             )
-            log_handler = _log_file_handler(claim.path / "train.log")
+            log_handler = run_log_handler(claim.path / "train.log")
         except YoloError as e:
             error = e
             if claim is not None:
@@ -179,7 +179,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
         folder, config.weights, moved = broadcast_object(chosen)
         config.resume = moved or config.resume
         config.output_dir = Path(folder)
-        with _log_to_file(log_handler):
+        with logging_to(log_handler):
             if claim is not None:
                 claim.log()
             return _train(config, dist, t_start)
@@ -216,7 +216,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             # The launch is recorded so that a torchrun restart finds this folder (run_folder).
             args = {**config.to_dict(), "launch": launch_id()}
             write_run_files(config.output_dir, args, config.hyp, cfg_text)
-            _log_start(
+            log_run_start(
                 config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
             )
             plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
@@ -585,42 +585,6 @@ def _eval_options(
     return eval_options(config.to_dict(), dist.device, amp, channels_last, dist.is_main)
 
 
-def _log_start(
-    config: TrainConfig,
-    model: Darknet,
-    dist: DistInfo,
-    train_data: TrainData,
-    opts: TrainOptions,
-    lr0: float,
-) -> None:
-    n_params = sum(p.numel() for p in model.parameters())
-    ms = opts.multi_scale
-    logger.info(
-        "model %s: %d layers, %.2fM parameters, %d classes | data: %d train / %d val images | "
-        "device %s x %d process(es) | batch %d x %d accumulate (nominal %d), lr0 %.4g | "
-        "img %d%s | %s | output %s",
-        config.cfg,
-        len(model.module_list),
-        n_params / 1e6,
-        config.data.nc,
-        train_data.n_train,
-        train_data.n_val,
-        dist.device,
-        dist.world_size,
-        config.batch_size,
-        opts.accumulate,
-        config.nbs,
-        lr0,
-        config.img_size,
-        f" (multi-scale {ms[0]}-{ms[1]})" if ms else "",
-        f"{config.epochs} epochs"
-        if config.time_budget is None
-        else f"time budget {config.time_budget:g} min"
-        + (f" (at most {config.epochs} epochs)" if config.epochs else ""),
-        config.output_dir,
-    )
-
-
 def _save_on_main(
     run: _Run, epoch: int, loop: LoopState, as_best: bool, periodic: bool = False
 ) -> None:
@@ -686,57 +650,6 @@ def _checkpoint(run: _Run, epoch: int, loop: LoopState) -> dict[str, Any]:
         "scheduler": state.scheduler.state_dict(),
         "scaler": None if state.scaler is None else state.scaler.state_dict(),
     }
-
-
-# ---- process plumbing -----------------------------------------------------------------------
-
-
-class _RunLogHandler(logging.FileHandler):
-    """``train.log``. A line it cannot write (a full disk) is one warning on the console, not
-    logging's traceback per line; the run goes on (its next checkpoint says whether the disk
-    is full)."""
-
-    failed = False
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        if self.failed:
-            return
-        self.failed = True  # before logging: the warning comes back here and must not loop
-        e = sys.exc_info()[1]
-        why = write_error(e, self.baseFilename) if isinstance(e, OSError) else e
-        logger.warning("%s; the log goes on on the console only", why)
-
-
-def _log_file_handler(path: Path) -> logging.FileHandler:
-    """A handler appending to ``path`` (rank 0's ``train.log``).
-
-    Raises:
-        OutputError: the file cannot be opened for writing.
-    """
-    with reported_write(path, OUTPUT_FLAG):
-        return _RunLogHandler(path)
-
-
-@contextlib.contextmanager
-def _log_to_file(handler: logging.Handler | None) -> Iterator[None]:
-    """Send INFO and above to ``handler`` (None: nowhere, off rank 0), whatever the caller's
-    logging set-up, and restore the root logger afterwards."""
-    root = logging.getLogger()
-    level = root.level
-    if handler is None:
-        yield
-        return
-    handler.setLevel(logging.INFO)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
-    if level > logging.INFO or level == logging.NOTSET:
-        root.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        handler.close()
-        root.setLevel(level)
 
 
 class _StopPoints:
