@@ -100,7 +100,7 @@ def img2label_path(img_path: str) -> str:
 
 def _read_list_file(path: Path) -> list[str]:
     """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
-    falling back to the current directory (the lineage's convention) when only that exists.
+    falling back to the current directory (ultralytics/yolov3's convention) when only that exists.
     Blank lines and lines starting with ``#`` (comments) are skipped.
 
     The list is configuration: a FIFO, device or folder named ``x.txt``, a list over

@@ -141,7 +141,7 @@ _NET_KEYS: dict[str, str] = {
     "adversarial_lr": FLOAT,
     "show_receptive_field": INT,
     # Not Darknet's: the BatchNorm epsilon of the model built from this cfg (models/darknet.py).
-    # Darknet normalises with 1e-5; the ultralytics lineage trained its .pt checkpoints with 1e-4
+    # Darknet normalises with 1e-5; ultralytics/yolov3 trained its .pt checkpoints with 1e-4
     # (bn_eps=0.0001 reproduces them exactly). Darknet itself ignores the key with a warning.
     "bn_eps": FLOAT,
 }
@@ -945,7 +945,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     Relative paths (``train``, ``valid``, ``test``, ``names``, ``backup``) are resolved this way:
     if the path exists relative to the folder of the ``.data`` file, that one is used (a
     self-contained dataset folder); otherwise it is taken relative to the current directory
-    (the lineage convention, ``train=data/coco/train.txt`` run from the repository root).
+    (ultralytics/yolov3 convention, ``train=data/coco/train.txt`` run from the repository root).
     Absolute paths are kept. ``~`` is expanded.
 
     The ``names`` file must exist and list exactly ``classes`` names.

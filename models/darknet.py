@@ -2,7 +2,7 @@
 
 Each cfg block becomes one entry of ``module_list`` through the ``BUILDERS`` table; module
 names inside an entry (``Conv2d``, ``BatchNorm2d``, ``activation``) follow the ultralytics
-Darknet-cfg lineage so that its ``.pt`` checkpoints load with ``strict=True``.
+Darknet-cfg era of ultralytics/yolov3 so that its ``.pt`` checkpoints load with ``strict=True``.
 
 While building, every layer's output channels and cumulative downsampling (stride, as
 ``(sy, sx)`` input pixels per output pixel) are tracked: convolutions and max-pools multiply the
@@ -54,14 +54,14 @@ from models.layers import (
 
 LOGGER = logging.getLogger(__name__)
 
-# BatchNorm running-statistics momentum of the lineage (training only).
+# BatchNorm running-statistics momentum of ultralytics/yolov3 (training only).
 BN_MOMENTUM = 0.03
 # BatchNorm epsilon. Darknet normalises with (x - mean) / sqrt(var + 1e-5) (src/blas.c
 # normalize_cpu), so that is the default: official .weights then give Darknet's numbers. The
-# ultralytics lineage trained its .pt checkpoints with 1e-4; a cfg with `bn_eps=0.0001` in [net]
+# ultralytics/yolov3 trained its .pt checkpoints with 1e-4; a cfg with `bn_eps=0.0001` in [net]
 # (or Darknet(..., bn_eps=1e-4)) reproduces those exactly.
 DARKNET_BN_EPS = 1e-5
-LINEAGE_BN_EPS = 1e-4
+ULTRALYTICS_BN_EPS = 1e-4
 # Darknet's default [net] batch: stopbackward=N counts iterations of this many images.
 DEFAULT_NET_BATCH = 1
 
@@ -274,7 +274,7 @@ class Darknet(nn.Module):
             are validated again and copied.
         img_size: (h, w) or one int; the default size for :meth:`info` and export.
         bn_eps: BatchNorm epsilon; default: the cfg's ``[net] bn_eps``, else Darknet's 1e-5
-            (:data:`LINEAGE_BN_EPS` = 1e-4 reproduces the lineage's ``.pt`` checkpoints).
+            (:data:`ULTRALYTICS_BN_EPS` = 1e-4 reproduces ultralytics/yolov3's ``.pt`` checkpoints).
 
     Attributes:
         hyperparams: the ``[net]`` block. module_defs: the other blocks.
@@ -557,7 +557,7 @@ FREEZE_MODES = ("none", "backbone", "all-but-heads")
 
 def backbone_end(model: Darknet) -> int:
     """Index of the last backbone layer: the last [shortcut] before the first head (Darknet-53
-    ends there: layer 74 of yolov3.cfg, the lineage's magic number), or, for networks without
+    ends there: layer 74 of yolov3.cfg, ultralytics/yolov3's magic number), or, for networks without
     residual blocks, the layer before the first [route]; never the convolution that feeds a
     head or anything after it (yolov3-tiny: layer 14, Darknet's ``yolov3-tiny.conv.15``)."""
     first_yolo = min(model.yolo_layers)

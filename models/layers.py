@@ -1,7 +1,7 @@
 """Layers of the cfg-built Darknet: activations, max-pooling (DarknetMaxPool), route
 (FeatureConcat), shortcut (WeightedFeatureFusion) and the YOLO head (YOLOLayer).
 
-Parameter and buffer names follow the ultralytics Darknet-cfg lineage so that its checkpoints
+Parameter and buffer names follow the Darknet-cfg era of ultralytics/yolov3 so that its checkpoints
 load with ``strict=True``: the only parameter owned by these layers is ``w`` of a weighted
 shortcut; anchors and grids are non-persistent buffers (absent from the state_dict).
 """
@@ -54,7 +54,7 @@ class DarknetMaxPool(nn.Module):
 
     Only ``padding // 2`` pixels go before the image and the remainder after it, so
     ``size=2 stride=1`` (YOLOv3-tiny) pads one pixel on the right and bottom and keeps the grid.
-    Zero padding there (the lineage's) would let 0 beat the many negative values a leaky
+    Zero padding there (ultralytics/yolov3's) would let 0 beat the many negative values a leaky
     activation leaves. Symmetric cases use ``MaxPool2d``'s own padding; the others pad with
     -inf explicitly, which exports to ONNX as a constant Pad followed by MaxPool.
 
@@ -153,8 +153,8 @@ class WeightedFeatureFusion(nn.Module):
     """Darknet ``[shortcut]``: add earlier layer outputs to the input (a residual connection).
 
     With ``weight=True`` (``weights_type=per_feature``) each of the ``n`` inputs is scaled by
-    ``sigmoid(w) * 2 / n`` first, as the lineage does (https://arxiv.org/abs/1911.09070). Inputs
-    of different channel counts are added on their common leading channels, keeping the
+    ``sigmoid(w) * 2 / n`` first, as ultralytics/yolov3 does (https://arxiv.org/abs/1911.09070).
+    Inputs of different channel counts are added on their common leading channels, keeping the
     input's channel count, as Darknet does.
 
     Args:
@@ -241,7 +241,7 @@ class YOLOLayer(nn.Module):
         self.scale_x_y = float(scale_x_y)
         self.new_coords = bool(new_coords)
         # Non-persistent: they follow .to(device) but stay out of the state_dict, whose keys must
-        # match the lineage's checkpoints exactly.
+        # match ultralytics/yolov3's checkpoints exactly.
         self.register_buffer("anchors", anchors, persistent=False)
         self.register_buffer("anchor_vec", anchors / self.stride, persistent=False)
         self.grid: torch.Tensor | None = None  # (1, 1, ny, nx, 2) cell offsets, built lazily

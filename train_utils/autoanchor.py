@@ -42,8 +42,8 @@ from train_utils.distributed.process_group import DistInfo
 
 logger = logging.getLogger(__name__)
 
-# Below this best possible recall the anchors leave too many labels without a match (the
-# lineage's check_anchors threshold).
+# Below this best possible recall the anchors leave too many labels without a match
+# (ultralytics/yolov3's check_anchors threshold).
 BPR_WARN_BELOW = 0.98
 # --autoanchor: the k-means seed (fixed: the same data gives the same anchors on every run) and
 # the genetic refinement steps (the tool's default).

@@ -17,8 +17,9 @@ A checkpoint is a dict of tensors and plain Python values, so that
 ``--resume`` needs :data:`RESUME_KEYS` (checked by :func:`validate_resume_checkpoint`) and is
 restored by :func:`restore_training_state`; ``--weights``, ``validation.py`` and ``predict.py``
 only need a state_dict, found by :func:`extract_state_dict` and loaded by :func:`load_weights`.
-Lineage checkpoints (``{'epoch', 'best_fitness', 'training_results', 'model', 'optimizer'}``)
-and bare state_dicts load the same way; :func:`save_weights_pt` writes that lineage layout.
+ultralytics/yolov3 checkpoints
+(``{'epoch', 'best_fitness', 'training_results', 'model', 'optimizer'}``) and bare state_dicts
+load the same way; :func:`save_weights_pt` writes that layout.
 """
 
 from __future__ import annotations
@@ -158,7 +159,7 @@ def _torch_write_failure(e: RuntimeError) -> OSError:
 
 
 def _numpy_safe_globals() -> list[Any]:
-    """Exactly the numpy types the lineage's checkpoints hold (``best_fitness`` as a numpy
+    """Exactly the numpy types ultralytics/yolov3's checkpoints hold (``best_fitness`` as a numpy
     scalar or 1-element array): scalars, arrays and their dtypes, under numpy 2's module names
     and numpy 1's (``numpy.core``), for ``weights_only`` loading. Nothing else is unpickled."""
     from numpy._core import multiarray
@@ -250,7 +251,7 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
     if trust:
         return obj
     try:
-        # numpy values (lineage checkpoints) become Python numbers and tensors.
+        # numpy values (ultralytics/yolov3 checkpoints) become Python numbers and tensors.
         return to_plain(obj)
     except RecursionError as e:
         # weights_only unpickling is iterative: a small file can nest lists or dicts 100,000
@@ -337,7 +338,7 @@ def record_int(
 def record_real(
     ckpt: Mapping[str, Any], key: str, path: str | Path | None, lo: float = -math.inf
 ) -> float | None:
-    """``ckpt[key]``: None or a finite number of at least ``lo`` (the lineage's numpy scalars
+    """``ckpt[key]``: None or a finite number of at least ``lo`` (ultralytics/yolov3's numpy scalars
     load as 1-element tensors)."""
     value = ckpt.get(key)
     if isinstance(value, torch.Tensor) and value.numel() == 1:
@@ -622,8 +623,9 @@ def fit_state_dict(
 
 
 def save_weights_pt(model: nn.Module, path: str | Path, flag: str | None = None) -> None:
-    """Write ``model``'s weights as a lineage ``.pt``, atomically: ``{'model': state_dict,
-    'epoch': -1, 'best_fitness': None, 'training_results': None, 'optimizer': None}``
+    """Write ``model``'s weights as an ultralytics/yolov3 ``.pt``, atomically:
+    ``{'model': state_dict, 'epoch': -1, 'best_fitness': None, 'training_results': None,
+    'optimizer': None}``
     (``epoch=-1`` marks weights to initialise from, never a run to resume)."""
     save_checkpoint(
         {

@@ -54,7 +54,7 @@ from train_utils.resume import settings_of_resumed_run
 from train_utils.run_folder import RUNS_DIR
 from train_utils.trackers import TRACKER_CHOICES, check_trackers
 
-NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
+NOMINAL_BATCH_SIZE = 64  # ultralytics/yolov3 accumulates gradients up to this many images per step
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
 DEFAULT_EPOCHS = 30
 DEFAULT_CFG = "cfg/yolov3-spp.cfg"
@@ -238,7 +238,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     _add_inputs(p.add_argument_group("model, data and weights"))
-    _add_schedule(p.add_argument_group("training"))
+    _add_length(p.add_argument_group("how long to train"))
+    _add_batches(p.add_argument_group("batches and image sizes"))
+    _add_optimization(p.add_argument_group("optimization"))
     _add_evaluation(p.add_argument_group("evaluation during training"))
     _add_runtime(p.add_argument_group("output and runtime"))
     return p
@@ -274,7 +276,7 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def _add_schedule(g: argparse._ArgumentGroup) -> None:
+def _add_length(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--epochs",
         type=int,
@@ -296,6 +298,9 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         default=0,
         help="stop when mAP@0.5:0.95 has not improved for N epochs (0 = never)",
     )
+
+
+def _add_batches(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--batch-size", "--batch", type=int, default=4, help="images per process per step"
     )
@@ -304,6 +309,21 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
     )
     switch(g, "--multi-scale", True, "train at random sides in 67%%-150%% of --img-size")
     g.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
+    g.add_argument(
+        "--nbs",
+        type=int,
+        default=NOMINAL_BATCH_SIZE,
+        help="nominal batch size: gradients accumulate up to it across steps/ranks",
+    )
+    g.add_argument(
+        "--accumulate",
+        type=int,
+        default=None,
+        help="override: optimizer step every N batches (default from --nbs)",
+    )
+
+
+def _add_optimization(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--freeze-layers",
         nargs="?",
@@ -320,8 +340,8 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         default="sgd",
         choices=OPTIMIZER_CHOICES,
         metavar="{SGD,Adam,AdamW}",
-        help="Nesterov SGD (the lineage's), Adam or AdamW (betas: momentum, 0.999; AdamW decays "
-        "the conv weights decoupled from the gradient); case-insensitive",
+        help="Nesterov SGD (ultralytics/yolov3's), Adam or AdamW (betas: momentum, 0.999; AdamW "
+        "decays the conv weights decoupled from the gradient); case-insensitive",
     )
     which.add_argument(
         "--adam",
@@ -354,18 +374,6 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         default=0.0,
         metavar="EPS",
         help="class targets 1 - EPS/2 and EPS/2 instead of 1 and 0, EPS in [0, 1)",
-    )
-    g.add_argument(
-        "--nbs",
-        type=int,
-        default=NOMINAL_BATCH_SIZE,
-        help="nominal batch size: gradients accumulate up to it across steps/ranks",
-    )
-    g.add_argument(
-        "--accumulate",
-        type=int,
-        default=None,
-        help="override: optimizer step every N batches (default from --nbs)",
     )
     switch(
         g, "--ema", True, "keep an exponential moving average of the weights for eval and saving"

@@ -1,4 +1,4 @@
-"""Exponential moving average of model weights, as the YOLOv3 lineage keeps it.
+"""Exponential moving average of model weights, as ultralytics/yolov3 keeps it.
 
 The decay ramps up with the number of updates (``decay * (1 - exp(-updates / tau))``) so that
 the average follows the fast-changing weights of early training and smooths late training.

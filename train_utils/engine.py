@@ -72,8 +72,8 @@ def warmup_lr(base: float, ni: int, warmup_iters: int, start: float | None = Non
     """Learning rate at global iteration ``ni``: linear from ``start`` (default
     ``base * WARMUP_START_FACTOR``) to the scheduled ``base`` over ``warmup_iters`` iterations.
 
-    ``start`` above ``base`` gives the lineage's bias warm-up, which falls from a high value so
-    that the objectness and class priors settle in the first steps."""
+    ``start`` above ``base`` gives ultralytics/yolov3's bias warm-up, which falls from a high value
+    so that the objectness and class priors settle in the first steps."""
     if ni >= warmup_iters:
         return base
     if start is None:

@@ -18,7 +18,7 @@ from train_utils.checkpoint import MAX_EPOCH, bad_value, state_loading
 # --optimizer values as stored in a run's config (case-insensitive on the command line; runs
 # of older versions stored "sgd"/"adam" in these spellings, so they resume unchanged).
 OPTIMIZER_CHOICES = ("sgd", "adam", "adamw")
-# --cos-lr / --linear-lr: the per-epoch learning-rate curve (cosine: the lineage's default).
+# --cos-lr / --linear-lr: the per-epoch learning-rate curve (cosine: ultralytics/yolov3's default).
 LR_SCHEDULES = ("cosine", "linear")
 
 
@@ -30,7 +30,8 @@ def accumulate_steps(nbs: int, batch_size: int, world_size: int, override: int |
 
 
 def scaled_lr0(lr0: float, global_batch: int, nbs: int) -> float:
-    """The lineage scales the learning rate up linearly once the global batch exceeds ``nbs``."""
+    """The learning rate scaled up linearly once the global batch exceeds ``nbs`` (as
+    ultralytics/yolov3 does)."""
     return lr0 * max(1.0, global_batch / nbs)
 
 
@@ -105,7 +106,7 @@ def build_scheduler(
     lrf: float,
     schedule: str = "cosine",
 ) -> torch.optim.lr_scheduler.LambdaLR:
-    """The per-epoch schedule, cosine (the lineage's) or linear (warm-up is applied per
+    """The per-epoch schedule, cosine (ultralytics/yolov3's) or linear (warm-up is applied per
     iteration on top).
 
     The multiplier is a closure, not an object, so LambdaLR's ``state_dict`` does not save it:

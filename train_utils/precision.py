@@ -89,9 +89,9 @@ def resolve_amp(
 ) -> torch.dtype | None:
     """The autocast dtype for ``--amp mode`` on ``device``, or None for full precision.
 
-    ``auto`` (the default) is on for CUDA, as users of this lineage expect on a GPU (bf16 where
-    the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise). On a
-    CPU it is bf16 where the CPU has bf16 arithmetic (:func:`cpu_has_native_bf16`; training
+    ``auto`` (the default) is on for CUDA, as users of YOLOv3 repositories expect on a GPU (bf16
+    where the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise).
+    On a CPU it is bf16 where the CPU has bf16 arithmetic (:func:`cpu_has_native_bf16`; training
     then times both precisions and keeps bf16 only where it is faster, see
     ``train_utils.memory_format.choose_cpu_amp``) and fp32 elsewhere, where bf16 autocast runs
     on a generic convolution about 10x slower. bf16 autocast keeps the weights, the optimizer

@@ -622,9 +622,9 @@ def _checkpoint(run: _Run, epoch: int, loop: LoopState) -> dict[str, Any]:
     """Epoch ``epoch``'s checkpoint: the run's record, then each part's own state (tensors and
     plain types, ``weights_only`` loadable; the file layout of :mod:`train_utils.checkpoint`).
 
-    ``model`` holds the weights to use (the EMA's when enabled), as the lineage's tools expect;
-    ``train_model`` the raw training weights that resuming continues from. ``hyp`` is what the
-    user gave, ``hyp_scaled`` the gains the loss used (scaled for classes and image size).
+    ``model`` holds the weights to use (the EMA's when enabled), as ultralytics/yolov3's tools
+    expect; ``train_model`` the raw training weights that resuming continues from. ``hyp`` is what
+    the user gave, ``hyp_scaled`` the gains the loss used (scaled for classes and image size).
     """
     config, state = run.config, run.state
     model = state.model_without_ddp

@@ -23,7 +23,7 @@ _DEVICE_HELP = "use cpu, cuda, cuda:N, N or a GPU list such as 0,1"
 def parse_device_list(spec: str) -> list[int] | None:
     """GPU indices of a comma-separated ``--device`` list (``'0,1'`` -> ``[0, 1]``).
 
-    A list is how users of this lineage ask for several GPUs on one node: one DDP process per
+    A list is how users of YOLOv3 repositories ask for several GPUs on one node: one DDP process per
     listed GPU, local rank ``i`` on the ``i``-th index. Returns None when ``spec`` is not a list
     (no comma), so the single-device forms keep their meaning.
 
