@@ -800,7 +800,7 @@ def _sample_rng(key: SampleKey) -> np.random.Generator:
 
 def _to_chw_rgb(img: np.ndarray) -> np.ndarray:
     """BGR ``(H, W, 3)`` -> contiguous RGB ``(3, H, W)``; ``cv2.split`` into the planes of the
-    result is about 3x faster than a numpy transpose copy."""
+    result is faster than a numpy transpose copy."""
     out = np.empty((3, *img.shape[:2]), np.uint8)
     planes = cv2.split(img, mv=[out[2], out[1], out[0]])
     if planes[0].ctypes.data != out[2].ctypes.data:  # OpenCV allocated new planes after all

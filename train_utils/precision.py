@@ -42,7 +42,7 @@ def cpu_bf16_is_fast() -> bool:
     """True when oneDNN has native bf16 kernels on this CPU (AVX512-BF16 or AMX).
 
     Without them (e.g. AVX2-only CPUs) a bf16 convolution falls back to ATen's generic
-    ``_slow_conv2d`` and a YOLO training step runs about 10x slower than in fp32
+    ``_slow_conv2d`` and a YOLO training step runs many times slower than in fp32
     (``bench/bench_model.py`` measures it), so ``--amp`` would only cost time there.
     """
     if onednn_isa_cap() in _ISAS_WITHOUT_BF16:
@@ -77,7 +77,7 @@ def cpu_has_native_bf16() -> bool:
 def _warn_slow_cpu_bf16() -> None:
     logger.warning(
         "--amp: this CPU has no native bf16 kernels (AVX512-BF16/AMX); bf16 autocast "
-        "would make training and evaluation about 10x slower, so they run in fp32"
+        "would make training and evaluation many times slower, so they run in fp32"
     )
 
 
@@ -93,8 +93,8 @@ def resolve_amp(
     where the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise).
     On a CPU it is bf16 where the CPU has bf16 arithmetic (:func:`cpu_has_native_bf16`; training
     then times both precisions and keeps bf16 only where it is faster, see
-    ``train_utils.memory_format.choose_cpu_amp``) and fp32 elsewhere, where bf16 autocast runs
-    on a generic convolution about 10x slower. bf16 autocast keeps the weights, the optimizer
+    :func:`choose_cpu_amp`) and fp32 elsewhere, where bf16 autocast runs on a generic
+    convolution many times slower. bf16 autocast keeps the weights, the optimizer
     and the loss in fp32; bench/README.md "bf16 on the CPU" has the accuracy measurements.
     ``on`` (``--amp`` alone) is ``auto`` plus bf16 on any CPU oneDNN runs bf16 on;
     ``fp16``/``bf16`` force a type, except bf16 on a CPU without oneDNN bf16 kernels
