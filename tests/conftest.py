@@ -70,7 +70,7 @@ LAUNCH_VARS = (
 
 def train_argv(
     data: Path,
-    out: Path,
+    out: Path | None,
     *extra: str,
     cfg: Path | str = NANO_CFG,
     hyp: Path | str | None = HYP_YAML,
@@ -88,7 +88,9 @@ def train_argv(
     128 px, no multi-scale, no DataLoader workers. A keyword set to None leaves its flag out (the
     parser's default). ``extra`` comes last, so a flag there also wins over an earlier one.
     """
-    argv = ["--data", str(data), "--cfg", str(cfg), "--output-dir", str(out)]
+    argv = ["--data", str(data), "--cfg", str(cfg)]
+    if out is not None:  # None: the run folder comes from ``extra`` (--project/--name)
+        argv += ["--output-dir", str(out)]
     flags = {
         "--hyp": hyp,
         "--epochs": epochs,

@@ -296,6 +296,9 @@ def _check_weights_file(path: Path, what: str) -> None:
 
 def _corrupt_message(e: BaseException) -> str:
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "weights_only" in detail:
+        # torch's advice to load with weights_only=False: unpickling is what must not happen.
+        detail = "its contents are not a PyTorch checkpoint's"
     return (
         f"cannot read checkpoint: the file is truncated, corrupt or not a PyTorch checkpoint "
         f"({detail})"
@@ -552,7 +555,37 @@ def weights_kind(path: str | Path) -> str:
         # Named like a PyTorch file but holding neither container: truncated or not a checkpoint;
         # load_checkpoint words the error.
         return "torch"
+    what = _not_weights(head)
+    if what is not None:
+        raise CheckpointError(
+            f"not a weights file but {what}; pass a .pt checkpoint (a run's last.pt or best.pt) "
+            f"or Darknet .weights",
+            path,
+        )
     return "darknet"
+
+
+# First bytes of the image files a path given by mistake is most likely to be.
+_IMAGE_MAGIC = {
+    b"\xff\xd8\xff": "a JPEG image",
+    b"\x89PNG": "a PNG image",
+    b"GIF8": "a GIF image",
+    b"BM": "a BMP image",
+    b"II*\x00": "a TIFF image",
+    b"MM\x00*": "a TIFF image",
+    b"RIFF": "a RIFF file (WebP image, AVI video)",
+}
+
+
+def _not_weights(head: bytes) -> str | None:
+    """What a file that cannot hold weights is, from its first bytes: an image, or text (a
+    Darknet file starts with small binary integers, whose zero bytes no text file has)."""
+    for magic, what in _IMAGE_MAGIC.items():
+        if head.startswith(magic):
+            return what
+    if head and all(32 <= b < 127 or b in b"\t\r\n" for b in head):
+        return "a text file (a cfg, YAML, .data or list?)"
+    return None
 
 
 def is_darknet_weights(path: str | Path) -> bool:

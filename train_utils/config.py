@@ -29,6 +29,7 @@ from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
 from models.darknet import FREEZE_MODES
+from train_utils.checkpoint import weights_kind
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
@@ -574,6 +575,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.weights:
         # A FIFO would block the reader, a 40 GB sparse file be read whole: stat it first.
         check_config_file(args.weights, MAX_WEIGHTS_BYTES, "--weights")
+        weights_kind(args.weights)  # an image or a text file is one line before a folder is made
     data = load_data_config(args.data, args.single_cls)
     hyp = load_hyp(args.hyp)
     output_dir, auto_named = run_folder_of(args) if resumed is None else (resumed, False)

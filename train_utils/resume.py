@@ -162,8 +162,18 @@ def settings_of_resumed_run(
     if path is None:
         return None
     args.resume = str(path)
+    if not path.is_file():
+        raise ConfigError(f"--resume: no checkpoint at {path}; give the path of a run's last.pt")
     try:
-        run = read_weights(path, args.trust_checkpoint).run
+        weights = read_weights(path, args.trust_checkpoint)
+        if weights.kind != "torch" or weights.ckpt is None:
+            raise CheckpointError(
+                "not a checkpoint but Darknet .weights (--weights starts a new run from them)",
+                path,
+            )
+        # Before a folder is claimed: a file that cannot be resumed writes nothing beside it.
+        check_training_state(weights.ckpt, path)
+        run = weights.run
     except CheckpointError as e:
         if launched_world_size() == 1:
             raise ConfigError(f"--resume: {e}") from e
@@ -283,6 +293,30 @@ def check_resumable(
             shaped model tensors (up to five listed), or any damaged recorded value (one line
             naming the field).
     """
+    check_training_state(ckpt, path)
+    use_weights = "use --weights to initialise from it instead"
+    weights = training_weights(ckpt)
+    if not is_state_dict(weights):
+        raise CheckpointError(f"'model' is not a state_dict of tensors; {use_weights}", path)
+    saved = strip_prefixes(weights)
+    mismatches = _mismatches(saved, model_state)
+    if mismatches:
+        listed = "; ".join(mismatches[:MAX_LISTED_MISMATCHES])
+        more = len(mismatches) - MAX_LISTED_MISMATCHES
+        if more > 0:
+            listed += f"; and {more} more"
+        raise CheckpointError(f"checkpoint is for another model: {listed}; {use_weights}", path)
+    _check_records(ckpt, model_state, path)
+    return saved
+
+
+def check_training_state(ckpt: Mapping[str, Any], path: str | Path | None = None) -> None:
+    """That ``ckpt`` is a training state this code can continue: the keys ``--resume`` needs, a
+    schema it knows, and an epoch of training (not weights to initialise from).
+
+    Raises:
+        CheckpointError: one line saying which, and that ``--weights`` takes such a file.
+    """
     use_weights = "use --weights to initialise from it instead"
     missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]
     if missing:
@@ -303,19 +337,6 @@ def check_resumable(
         raise CheckpointError(
             f"epoch={epoch!r}: this file holds weights, not a training state; {use_weights}", path
         )
-    weights = training_weights(ckpt)
-    if not is_state_dict(weights):
-        raise CheckpointError(f"'model' is not a state_dict of tensors; {use_weights}", path)
-    saved = strip_prefixes(weights)
-    mismatches = _mismatches(saved, model_state)
-    if mismatches:
-        listed = "; ".join(mismatches[:MAX_LISTED_MISMATCHES])
-        more = len(mismatches) - MAX_LISTED_MISMATCHES
-        if more > 0:
-            listed += f"; and {more} more"
-        raise CheckpointError(f"checkpoint is for another model: {listed}; {use_weights}", path)
-    _check_records(ckpt, model_state, path)
-    return saved
 
 
 def _mismatches(saved: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> list[str]:

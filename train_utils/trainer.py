@@ -183,6 +183,10 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
             if claim is not None:
                 claim.log()
             return _train(config, dist, t_start)
+    except Exception:
+        if claim is not None:
+            claim.set_aside_failed_start()
+        raise
     finally:
         if claim is not None:
             claim.release()
