@@ -20,6 +20,7 @@ from models.darknet import Darknet
 from models.layers import YOLOLayer
 from train_utils.evaluation.coco_eval import CocoEvaluator, detections_to_coco
 from train_utils.evaluation.coco_gt import coco_from_dict
+from train_utils.precision import cuda_has_native_bf16
 
 SIDE = 608  # the largest usual input: the coarsest bf16 rounding of a centre
 STRIDES = (8, 16, 32)
@@ -161,8 +162,7 @@ def test_map_of_the_same_raw_outputs_under_bf16_autocast_equals_float32() -> Non
 
 
 def _cuda_dtypes() -> list[torch.dtype]:
-    native_bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
-    return [torch.float16, *([torch.bfloat16] if native_bf16 else [])]
+    return [torch.float16, *([torch.bfloat16] if cuda_has_native_bf16() else [])]
 
 
 @pytest.mark.cuda
