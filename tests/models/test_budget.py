@@ -32,8 +32,8 @@ CFGS = [NANO_CFG, REPO_ROOT / "cfg" / "yolov3-tiny.cfg", REPO_ROOT / "cfg" / "yo
 
 def _saved_for_backward(model: Darknet, batch: int, amp: torch.dtype | None = None) -> int:
     """Bytes of the distinct tensors autograd keeps for the backward pass of a training forward
-    (under CPU autocast to ``amp``), the parameters excluded: the activation memory of
-    training, measured."""
+    (under autocast to ``amp`` on the model's device), the parameters excluded: the activation
+    memory of training, measured."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -41,8 +41,9 @@ def _saved_for_backward(model: Darknet, batch: int, amp: torch.dtype | None = No
         return t
 
     model.train()
-    x = torch.rand(batch, 3, SIZE, SIZE)
-    autocast = torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None)
+    device = next(model.parameters()).device
+    x = torch.rand(batch, 3, SIZE, SIZE, device=device)
+    autocast = torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         model(x)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -84,6 +85,19 @@ def test_the_estimate_under_autocast_counts_its_dtype(cfg):
     model = Darknet(blocks, img_size=SIZE)
     saved = _saved_for_backward(model, 2, torch.bfloat16) - _saved_for_backward(
         model, 1, torch.bfloat16
+    )
+    ratio = est.train_bytes_per_image() / saved
+    assert TRAIN_FACTOR[0] <= ratio <= TRAIN_FACTOR[1], ratio
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", CFGS[:2], ids=lambda p: p.stem)
+def test_the_estimate_under_cuda_autocast_counts_its_dtype(cfg):
+    blocks = parse_model_cfg(cfg)
+    est = estimate_model(blocks, (SIZE, SIZE), activation_bytes(torch.float16))
+    model = Darknet(blocks, img_size=SIZE).cuda()
+    saved = _saved_for_backward(model, 2, torch.float16) - _saved_for_backward(
+        model, 1, torch.float16
     )
     ratio = est.train_bytes_per_image() / saved
     assert TRAIN_FACTOR[0] <= ratio <= TRAIN_FACTOR[1], ratio
