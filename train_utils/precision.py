@@ -225,6 +225,28 @@ def replay_precision(
     return amp, channels_last, why
 
 
+def half_model_autocast(
+    half: bool, amp_flag: str | None, replayed: torch.dtype | None
+) -> torch.dtype | None:
+    """The autocast dtype of an inference whose model may be float16 (``predict.py --half``):
+    ``replayed`` (what :func:`replay_precision` chose) for a float32 model, none for a float16
+    one, whose weights and inputs already are the precision. Autocast to bf16 around a float16
+    model (a run trained in bf16, replayed) hands BatchNorm bf16 inputs with float16 parameters,
+    which CPU and CUDA kernels refuse.
+
+    Raises:
+        ConfigError: ``--half`` with ``--amp bf16`` or ``on`` (two precisions asked for at once).
+    """
+    if not half:
+        return replayed
+    if amp_flag not in (None, "auto", "off", "fp16"):
+        raise ConfigError(
+            f"--half runs float16 weights and inputs; --amp {amp_flag} asks for another "
+            f"autocast: give one of them"
+        )
+    return None
+
+
 def _mode_for_another_device(run_amp: str | None) -> str:
     """The run's ``--amp`` mode to resolve on a device that lacks its recorded dtype: the mode
     itself unless it forced a type (``fp16``/``bf16``, which that device refuses): ``auto``."""

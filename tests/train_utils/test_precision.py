@@ -189,3 +189,37 @@ def test_sync_batchnorm_only_on_cuda_without_compile():
     assert not sync and "pytorch#161302" in why and "--batch-size >= 8 per GPU" in why
     sync, why = use_sync_batchnorm(CPU, False)
     assert not sync and "CUDA modules only" in why
+
+
+def _half_conv_bn(device: torch.device) -> torch.nn.Module:
+    layers = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+    return layers.to(device).eval().half()
+
+
+def test_a_half_model_runs_without_the_replayed_bf16_autocast():
+    """predict.py --half on a checkpoint trained in bf16 (issue 39, item 3): autocast to bf16
+    around a float16 model gives BatchNorm bf16 inputs and float16 parameters."""
+    model, x = _half_conv_bn(CPU), torch.rand(1, 3, 8, 8, dtype=torch.float16)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="mixed dtype"), bf16:
+        model(x)
+    amp = precision.half_model_autocast(True, None, torch.bfloat16)
+    assert amp is None
+    with torch.no_grad(), autocast_context(CPU, amp):
+        assert model(x).dtype == torch.float16
+    assert precision.half_model_autocast(False, None, torch.bfloat16) is torch.bfloat16
+
+
+@pytest.mark.parametrize("flag", ["bf16", "on"])
+def test_half_with_another_autocast_is_one_line(flag):
+    with pytest.raises(ConfigError, match=f"--half runs float16 .*--amp {flag} asks for another"):
+        precision.half_model_autocast(True, flag, torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_a_half_model_runs_on_cuda_without_the_replayed_autocast():
+    cuda = torch.device("cuda")
+    model, x = _half_conv_bn(cuda), torch.rand(1, 3, 8, 8, device=cuda, dtype=torch.float16)
+    with torch.no_grad(), autocast_context(cuda, precision.half_model_autocast(True, None, None)):
+        y = model(x)
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
