@@ -270,8 +270,9 @@ class YOLOLayer(nn.Module):
         Returns:
             training: (bs, na, ny, nx, no) raw logits.
             eval: ``(det, raw)`` with ``det`` (bs, na * ny * nx, no): cx, cy, w, h in input
-            pixels, sigmoid objectness, sigmoid class scores (all 1 when ``nc == 1``), and
-            ``raw`` as in training.
+            pixels, sigmoid objectness, sigmoid class scores (all 1 when ``nc == 1``), in the
+            model's dtype (float32 under autocast, see :meth:`decode`), and ``raw`` as in
+            training.
         """
         bs, _, ny, nx = p.shape
         p = p.view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous()
@@ -284,8 +285,16 @@ class YOLOLayer(nn.Module):
         ``xy = (sigmoid(t_xy) * s - (s - 1) / 2 + grid) * stride``, ``wh = exp(t_wh) * anchors``
         (``new_coords``: ``wh = (2 * sigmoid(t_wh)) ** 2 * anchors``, Darknet's
         ``get_yolo_box``). Built without in-place writes so that it traces cleanly for ONNX
-        export."""
+        export.
+
+        Computed in float32 (float64 for a float64 model) whatever ``p`` is: under autocast
+        ``p`` is bf16 (8 significant bits) or fp16 (11), and ``(xy + grid) * stride`` in bf16
+        rounds a centre near 600 px to a multiple of 4 px. The result has the dtype of the
+        model's own tensors (its anchors): float32 under autocast, float16 for a ``.half()``
+        model (predict.py --half, fp16 export), rounded once at the end."""
         _, _, ny, nx, _ = p.shape
+        out_dtype = self.anchors.dtype
+        p = p.to(torch.promote_types(out_dtype, torch.float32))
         grid = self._grid(ny, nx, p)
         s = self.scale_x_y
         xy = torch.sigmoid(p[..., :2])
@@ -300,7 +309,7 @@ class YOLOLayer(nn.Module):
         obj = torch.sigmoid(p[..., 4:5])
         # A single-class model has no class choice to make: its score is the objectness alone.
         cls = torch.ones_like(p[..., 5:]) if self.nc == 1 else torch.sigmoid(p[..., 5:])
-        return torch.cat((xy, wh, obj, cls), -1)
+        return torch.cat((xy, wh, obj, cls), -1).to(out_dtype)
 
     def extra_repr(self) -> str:
         return (

@@ -59,6 +59,38 @@ def test_bench_model_writes_a_row_per_variant(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_model_times_the_optimizer_training_uses(monkeypatch):
+    """Fused where training fuses it (CUDA: optimizer_state.uses_fused_optimizer), as the
+    trainer builds it; faked here on the CPU, whose fused kernels exist too."""
+    import torch
+
+    from bench import bench_model
+    from models.darknet import Darknet
+
+    model = Darknet(NANO, img_size=64)
+    step = bench_model.TrainStep(model, model, "fp32", "contiguous", 64)
+    assert not any(g["fused"] for g in step.optimizer.param_groups)  # the CPU's default
+    # Was: never fused, while training on CUDA is.
+    monkeypatch.setattr(bench_model, "uses_fused_optimizer", lambda device: True)
+    step = bench_model.TrainStep(model, model, "fp32", "contiguous", 64)
+    assert all(g["fused"] for g in step.optimizer.param_groups)
+    imgs, targets = bench_model.synthetic_batch(2, 64, model.nc, seed=0)
+    assert torch.isfinite(step(imgs, targets))
+
+
+@pytest.mark.parametrize(
+    ("native", "expected"), [(True, ["fp32", "fp16", "bf16"]), (False, ["fp32", "fp16"])]
+)
+def test_bench_model_times_bf16_on_gpus_that_compute_it(monkeypatch, native, expected):
+    import torch
+
+    from bench import bench_model
+
+    monkeypatch.setattr(bench_model, "cuda_has_native_bf16", lambda: native)
+    assert bench_model.default_precisions(torch.device("cuda"), None) == expected
+    assert bench_model.default_precisions(torch.device("cpu"), True) == ["fp32", "bf16"]
+
+
 def test_bench_ddp_reports_the_ratio(tmp_path):
     out = tmp_path / "ddp.json"
     proc = _bench(
