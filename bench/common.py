@@ -47,6 +47,11 @@ def check_json(path: Path | None) -> None:
         make_output_dir(path.parent, "--json")
 
 
+def flags_of(args: argparse.Namespace, *dests: str) -> dict[str, Any]:
+    """``{"--flag-name": args.flag_name}`` for each of ``dests``: the values a check names."""
+    return {"--" + dest.replace("_", "-"): getattr(args, dest) for dest in dests}
+
+
 def check_real(flag: str, value: float, *, positive: bool = False) -> None:
     """``value`` is a finite number >= 0 (> 0 with ``positive``): ConfigError otherwise."""
     if not is_real(value) or value < 0 or (positive and value == 0):
