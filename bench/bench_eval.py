@@ -13,10 +13,10 @@ each at conf 0.001 and 0.01, single- and multi-label. Box geometry (``--geometry
 puts each box at its cell with its anchor's shape (jittered), as the network does;
 ``uniform`` draws centres uniformly in the image and sides in 10..200 px.
 
-COCO scoring (``train_utils.evaluation.coco_eval.CocoEvaluator``): ``--coco-images``
-synthetic images with ~7 objects each, ``--dets-per-image`` detections per image (jittered
-ground truth plus false positives, ``bench_scale.synthetic_detections``), scored by each
-available backend; ground-truth building is timed separately.
+COCO scoring (``train_utils.evaluation.coco_eval.CocoEvaluator``: update, evaluate, per-class
+AP): ``--coco-images`` synthetic images with ~7 objects each, ``--dets-per-image`` detections
+per image (jittered ground truth plus false positives), scored by each available backend as
+``bench_scale.measure_eval`` does; the ground truth is built and timed apart.
 
 Usage, from the repository root::
 
@@ -32,28 +32,21 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common
 from bench.bench_model import time_calls
-from bench.bench_scale import SyntheticGT, synthetic_detections
+from bench.bench_scale import measure_eval
 from build_utils.boxes import non_max_suppression
 from build_utils.checks import check_at_least
 from train_utils.cli import run_script
-from train_utils.evaluation.coco_eval import (
-    CocoEvaluator,
-    detections_to_coco,
-    faster_coco_eval_available,
-)
-from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
+from train_utils.evaluation.coco_eval import faster_coco_eval_available
 
 IMG_SIZE = 416
 NUM_CLASSES = 80
@@ -151,35 +144,27 @@ def bench_nms(images: int, repeats: int, geometry: str) -> list[dict]:
 
 
 def bench_coco(n_images: int, dets_per_image: int, backends: Sequence[str]) -> list[dict]:
-    rng = np.random.default_rng(0)
-    gt = SyntheticGT(n_images, OBJECTS_PER_IMAGE, rng)
-    t0 = time.perf_counter()
-    coco_gt = get_coco_api_from_dataset(gt)
-    gt_seconds = time.perf_counter() - t0
-    outputs = synthetic_detections(gt, dets_per_image, rng, range(n_images))
-    t0 = time.perf_counter()
-    results = detections_to_coco(outputs, list(range(n_images)))
-    convert_seconds = time.perf_counter() - t0
+    """Each backend's scoring of the same synthetic images, measured as ``bench_scale.py --only
+    eval`` does (in this process)."""
+    spec = {"n": n_images, "dets_per_image": dets_per_image, "objects": OBJECTS_PER_IMAGE}
     per_1000 = 1000 / n_images
     rows = []
     for backend in backends:
-        evaluator = CocoEvaluator(coco_gt, backend=backend)
-        t0 = time.perf_counter()
-        evaluator.update(results)
-        stats = evaluator.evaluate()
-        seconds = time.perf_counter() - t0
+        r = measure_eval({**spec, "seed": 0, "what": backend})
         rows.append(
             {
                 "backend": backend,
                 "images": n_images,
-                "detections": len(results),
-                "score_s_per_1000_images": round(seconds * per_1000, 3),
-                "gt_build_s_per_1000_images": round(gt_seconds * per_1000, 3),
-                "detections_to_coco_s_per_1000_images": round(convert_seconds * per_1000, 3),
-                "mAP50-95": round(float(stats[0]), 4),
+                "detections": r["detections"],
+                "score_s_per_1000_images": round(r["seconds"] * per_1000, 3),
+                "gt_build_s_per_1000_images": round(r["phases_s"]["ground_truth"] * per_1000, 3),
+                "detections_to_coco_s_per_1000_images": round(
+                    r["phases_s"]["detections_to_coco"] * per_1000, 3
+                ),
+                "mAP50-95": round(r["mAP50-95"], 4),
             }
         )
-        print(f"coco {backend:18s} {seconds * per_1000:8.2f} s / 1000 images", file=sys.stderr)
+        print(f"coco {backend:18s} {r['seconds'] * per_1000:8.2f} s / 1000 images", file=sys.stderr)
     return rows
 
 

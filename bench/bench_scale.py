@@ -518,6 +518,11 @@ def run_gather(spec: dict[str, Any], nproc: int) -> list[dict[str, Any]]:
     return rows
 
 
+def best_of(repeat: int, measure: Callable[[], Any], seconds: Callable[[Any], float]) -> Any:
+    """The fastest of ``repeat`` runs of ``measure`` (other processes only ever slow one down)."""
+    return min((measure() for _ in range(repeat)), key=seconds)
+
+
 def _seconds(row: dict[str, Any]) -> float:
     return row["seconds"]
 
@@ -547,7 +552,7 @@ def scan_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> lis
         print(f"scan {n}: data in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         for phase in ("cold", "warm"):
             child = {**spec, "kind": "scan", "images": str(images), "n": n, "phase": phase}
-            rows.append(common.best_of(args.repeat, lambda c=child: run_child(c), _seconds))
+            rows.append(best_of(args.repeat, lambda c=child: run_child(c), _seconds))
             print(f"scan {n} {phase}: {rows[-1]['seconds']:.1f} s", file=sys.stderr)
     growth(rows, "cpu_s", "images", ("phase",))
     return rows
@@ -560,13 +565,11 @@ def eval_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> dic
         sized = {**spec, "n": n, "dets_per_image": args.dets_per_image}
         for what in ("metrics", *args.backends) if "eval" in args.only else ():
             child = {**sized, "kind": "eval", "what": what}
-            results["eval"].append(
-                common.best_of(args.repeat, lambda c=child: run_child(c), _seconds)
-            )
+            results["eval"].append(best_of(args.repeat, lambda c=child: run_child(c), _seconds))
             print(f"eval {n} {what}: {results['eval'][-1]['seconds']:.1f} s", file=sys.stderr)
         if "gather" in args.only:
             child = {**sized, "kind": "gather", "out": str(work / f"gather{n}")}
-            rows = common.best_of(
+            rows = best_of(
                 args.repeat,
                 lambda c=child: run_gather(c, args.nproc),
                 lambda rows: max(r["seconds"] for r in rows),

@@ -1,5 +1,5 @@
 """What the benchmark scripts share: the ``--json`` flag and the checks of their flags, the
-machine a figure was measured on, the JSON report, best-of timing and child processes.
+machine a figure was measured on, the JSON report and child processes.
 
 Each script's ``main`` is ``run_script(parser, command, argv)`` (``train_utils/cli.py``): a bad
 flag is one ``error:`` line and exit status 2, before anything is measured.
@@ -13,9 +13,9 @@ import os
 import platform
 import subprocess
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from bench.bench_model import cpu_description
 from build_utils.atomic import make_output_dir, write_text
@@ -27,7 +27,6 @@ REPO = Path(__file__).resolve().parents[1]
 # with it instead of starting its own.
 LAUNCHER_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 OUTPUT_TAIL_CHARS = 4000  # of a failed child's stdout and stderr, shown in the error
-T = TypeVar("T")
 
 
 def bench_parser(doc: str) -> argparse.ArgumentParser:
@@ -79,11 +78,6 @@ def write_report(path: Path | None, report: Mapping[str, Any]) -> None:
     """
     if path is not None:
         write_text(path, json.dumps(report, indent=2) + "\n", "--json")
-
-
-def best_of(repeat: int, measure: Callable[[], T], seconds: Callable[[T], float]) -> T:
-    """The fastest of ``repeat`` runs of ``measure``: other processes only ever slow one down."""
-    return min((measure() for _ in range(repeat)), key=seconds)
 
 
 def as_argv(flags: Mapping[str, Any]) -> list[str]:
