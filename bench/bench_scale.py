@@ -65,6 +65,7 @@ from bench import common
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from train_utils.cli import run_script
+from train_utils.distributed.node import usable_cpus
 
 NUM_CLASSES = 80
 KINDS = ("scan", "eval", "gather", "ram")
@@ -177,14 +178,6 @@ def _write_jpeg(path: Path, w: int, h: int, seed: int) -> None:
     path.write_bytes(buf.tobytes())
 
 
-def _link_or_copy(source: Path, target: Path) -> None:
-    """``target`` as a hard link to ``source``; a copy where links are refused."""
-    try:
-        os.link(source, target)
-    except OSError:
-        shutil.copyfile(source, target)
-
-
 def random_labels(rng: np.random.Generator, objects: float) -> np.ndarray:
     """Poisson(``objects``) YOLO labels ``(k, 5)``: class 0..79, cx, cy, w, h normalised."""
     k = int(rng.poisson(objects))
@@ -200,39 +193,35 @@ def label_text(rng: np.random.Generator, objects: float) -> str:
     return "".join(f"{int(c)} {x:.6f} {y:.6f} {w:.6f} {h:.6f}\n" for c, x, y, w, h in rows)
 
 
-def make_scan_dataset(root: Path, n: int, objects: float, side: int, seed: int = 0) -> Path:
-    """``root/images/000000.jpg ...`` (one JPEG of ``side`` x ``3/4 side`` px, hard-linked;
-    copies where links are refused) and ``root/labels/*.txt``. Returns the images folder."""
-    images, labels = root / "images", root / "labels"
-    if (root / "done").is_file():
-        return images
+def linked_images(root: Path, n: int, shapes: Sequence[tuple[int, int]]) -> Path:
+    """``root/images/0000000.jpg ...``: ``n`` names for one generated JPEG per ``(w, h)`` of
+    ``shapes``, in turn, hard-linked (copied where links are refused). Returns the folder."""
+    images = root / "images"
     images.mkdir(parents=True, exist_ok=True)
-    labels.mkdir(parents=True, exist_ok=True)
-    source = root / "source.jpg"
-    _write_jpeg(source, side, max(1, side * 3 // 4), seed)
-    rng = np.random.default_rng(seed)
+    sources = [root / f"source{k}.jpg" for k in range(len(shapes))]
+    for k, (w, h) in enumerate(shapes):
+        _write_jpeg(sources[k], w, h, seed=k)
     for i in range(n):
         img = images / f"{i:07d}.jpg"
         if not img.exists():
-            _link_or_copy(source, img)
-        (labels / f"{i:07d}.txt").write_text(label_text(rng, objects))
-    (root / "done").write_text("")
+            try:
+                os.link(sources[i % len(sources)], img)
+            except OSError:
+                shutil.copyfile(sources[i % len(sources)], img)
     return images
 
 
-def make_ram_dataset(root: Path, n: int) -> Path:
-    """``n`` images cycling through :data:`COCO_SHAPES` (one JPEG per shape, hard-linked), no
-    labels. Returns the images folder."""
-    images = root / "images"
+def make_scan_dataset(root: Path, n: int, objects: float, side: int, seed: int = 0) -> Path:
+    """:func:`linked_images` of one JPEG of ``side`` x ``3/4 side`` px, and
+    ``root/labels/*.txt``. Returns the images folder; one made before is reused."""
     if (root / "done").is_file():
-        return images
-    images.mkdir(parents=True, exist_ok=True)
-    sources = []
-    for k, (w, h) in enumerate(COCO_SHAPES):
-        sources.append(root / f"source{k}.jpg")
-        _write_jpeg(sources[-1], w, h, k)
+        return root / "images"
+    images = linked_images(root, n, [(side, max(1, side * 3 // 4))])
+    labels = root / "labels"
+    labels.mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
     for i in range(n):
-        _link_or_copy(sources[i % len(sources)], images / f"{i:06d}.jpg")
+        (labels / f"{i:07d}.txt").write_text(label_text(rng, objects))
     (root / "done").write_text("")
     return images
 
@@ -582,8 +571,8 @@ def eval_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> dic
 
 
 def ram_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
-    """The RAM image cache's bytes per image at each ``--ram-sizes``."""
-    images = make_ram_dataset(work / "ram", args.ram_images)
+    """The RAM image cache's bytes per image at each ``--ram-sizes``, for COCO-sized JPEGs."""
+    images = linked_images(work / "ram", args.ram_images, COCO_SHAPES)
     return [
         run_child({**spec, "kind": "ram", "images": str(images), "img_size": size})
         for size in args.ram_sizes
@@ -600,6 +589,21 @@ def _cost(r: dict[str, Any]) -> str:
     return f" {growth:>7s} {r['peak_rss_mb']:8.0f} {r['peak_above_start_mb']:7.0f}  {phases}"
 
 
+def _print_scoring(title: str, rows: list, label: tuple[str, str], count: tuple[str, str]) -> None:
+    """The eval or the gather table: each row's images, ``label`` and detection ``count``
+    (header, key), its times and :func:`_cost`."""
+    print(title)
+    print(
+        f"{'images':>7s} {label[0]:18s} {count[0]:>9s} {'s':>8s} {'CPU s':>8s}"
+        f" {'CPU ms/img':>10s}" + COST_HEADER
+    )
+    for r in rows:
+        print(
+            f"{r['images']:7d} {r[label[1]]!s:18s} {r[count[1]]:9d} {r['seconds']:8.2f}"
+            f" {r['cpu_s']:8.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}" + _cost(r)
+        )
+
+
 def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
     if results["scan"]:
         print("\nLabel scan and cache (LoadImagesAndLabels on a folder; cold: no cache)")
@@ -614,27 +618,11 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
                 f" {r['cache_bytes_per_image']:6.0f}" + _cost(r)
             )
     if results["eval"]:
-        print("\nEvaluation (detections per image as given; seconds of the scoring itself)")
-        print(
-            f"{'images':>7s} {'what':18s} {'dets':>9s} {'s':>8s} {'CPU s':>8s}"
-            f" {'CPU ms/img':>10s}" + COST_HEADER
-        )
-        for r in results["eval"]:
-            print(
-                f"{r['images']:7d} {r['what']:18s} {r['detections']:9d} {r['seconds']:8.2f}"
-                f" {r['cpu_s']:8.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}" + _cost(r)
-            )
+        title = "\nEvaluation (detections per image as given; seconds of the scoring itself)"
+        _print_scoring(title, results["eval"], ("what", "what"), ("dets", "detections"))
     if results["gather"]:
-        print("\nGather to rank 0 (2 gloo processes, engine.evaluate's path)")
-        print(
-            f"{'images':>7s} {'rank':>4s} {'local':>8s} {'s':>7s} {'CPU s':>7s}"
-            f" {'CPU ms/img':>10s}" + COST_HEADER
-        )
-        for r in results["gather"]:
-            print(
-                f"{r['images']:7d} {r['rank']:4d} {r['local_detections']:8d} {r['seconds']:7.2f}"
-                f" {r['cpu_s']:7.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}" + _cost(r)
-            )
+        title = "\nGather to rank 0 (2 gloo processes, engine.evaluate's path)"
+        _print_scoring(title, results["gather"], ("rank", "rank"), ("local", "local_detections"))
     if results["ram"]:
         print("\nRAM image cache per image (COCO-sized JPEGs)")
         print(
@@ -700,7 +688,7 @@ def check_args(args: argparse.Namespace) -> None:
     check_at_least(counts, 1)
     common.check_real("--objects", args.objects)
     # More processes or threads than CPUs measure waiting (the default 2 processes run anywhere).
-    cpus = common.usable_cores()
+    cpus = usable_cpus()
     for flag, value, most in (
         ("--nproc", args.nproc, max(cpus, 2)),
         ("--threads", args.threads, cpus),

@@ -34,6 +34,7 @@ from bench import common
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from train_utils.cli import check_img_size, run_script
+from train_utils.distributed.node import usable_cpus
 from train_utils.threads import MAX_THREADS, thread_count
 
 DEMO_CFG = common.REPO / "cfg" / "yolov3-spp-nano-newcoords.cfg"
@@ -50,7 +51,7 @@ def variant_env(name: str) -> dict[str, str]:
             raise ConfigError(f"variant {name!r}: at most {MAX_THREADS} threads")
         return {"YOLO_THREADS": name[5:]}
     if name == "passive":
-        return {"YOLO_THREADS": str(common.usable_cores()), "OMP_WAIT_POLICY": "PASSIVE"}
+        return {"YOLO_THREADS": str(usable_cpus()), "OMP_WAIT_POLICY": "PASSIVE"}
     raise ConfigError(f"unknown variant {name!r}: auto, fixedN (e.g. fixed2) or passive")
 
 

@@ -21,6 +21,7 @@ from bench.bench_model import cpu_description
 from build_utils.atomic import make_output_dir, write_text
 from build_utils.checks import is_real
 from build_utils.errors import ConfigError
+from train_utils.distributed.node import usable_cpus
 
 REPO = Path(__file__).resolve().parents[1]
 # A launcher's description of its process group: a child torchrun would join the caller's group
@@ -58,16 +59,11 @@ def check_real(flag: str, value: float, *, positive: bool = False) -> None:
         raise ConfigError(f"{flag} must be {wanted}, got {value}")
 
 
-def usable_cores() -> int:
-    """The CPUs this process may run on (its affinity), which a container may limit."""
-    return len(os.sched_getaffinity(0))
-
-
 def machine_info(**settings: Any) -> dict[str, Any]:
     """The ``info`` of a report: the CPU (model, the ISA flags that decide bf16 speed, what
     oneDNN reports), usable cores and torch's version, then the run's ``settings``."""
     machine = platform.processor() or platform.machine()
-    return {**cpu_description(), "machine": machine, "cores": usable_cores(), **settings}
+    return {**cpu_description(), "machine": machine, "cores": usable_cpus(), **settings}
 
 
 def write_report(path: Path | None, report: Mapping[str, Any]) -> None:
