@@ -290,3 +290,29 @@ def test_bench_shared_cores_refuses_bad_flags_before_any_child(args, line, tmp_p
     assert bench_shared_cores.main(["--variants", "fixed1", "--img-size", "64", *args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and line in err[-1]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "line"),
+    [
+        ("bench_data", ["--workers", "-1"], "--workers must be >= 0, got -1"),
+        ("bench_data", ["--img-size", "100"], "--img-size 100 is not a positive multiple of 32"),
+        ("bench_ddp", ["--nproc", "1"], "--nproc must be >= 2, got 1"),
+        ("bench_ddp", ["--cfg", "{file}.cfg"], "model cfg not found"),
+        ("bench_ddp", ["--batch", "100000000"], "the model does not fit"),
+        ("bench_eval", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        ("bench_eval", ["--json", "{file}/eval.json"], "is a file where a folder should be"),
+        ("bench_e2e", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
+        ("bench_memory_format", ["--size", "100"], "--size 100 is not a positive multiple of 32"),
+        ("bench_memory_format", ["--threads", "0"], "--threads must be >= 1, got 0"),
+    ],
+)
+def test_bench_scripts_refuse_bad_flags_in_one_line(script, args, line, tmp_path, capsys):
+    # Were a traceback from a child process, a DataLoader or the model, or at the end of a run.
+    import importlib
+
+    main = importlib.import_module(f"bench.{script}").main
+    (tmp_path / "file").write_text("")
+    assert main([a.format(file=tmp_path / "file") for a in args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and line in err[-1]
