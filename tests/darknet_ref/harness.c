@@ -1,0 +1,169 @@
+/* A small program linked against Darknet's own objects (AlexeyAB/darknet, built for the CPU),
+ * so that tests can ask Darknet itself what it computes. Built by tests/darknet_ref/build.py.
+ *
+ *   harness yolo CFG LAYER INPUT.f32 TRUTHS.txt DELTA.f32 COST.txt
+ *       forward_yolo_layer of [yolo] layer LAYER (Darknet's index, from 0) in training mode on
+ *       INPUT (float32, batch x channels x h x w: the output of the layer below; the batch is
+ *       the file size over one image); TRUTHS lines are "image x y w h class" (normalized).
+ *       Writes l.delta (same layout) and *l.cost.
+ *   harness lr CFG N [SEED]
+ *       N lines: get_current_rate() at *net.seen = k * batch * subdivisions, k = 0..N-1
+ *       (srand(SEED) first, for policy=random).
+ *   harness update CFG IN.weights INPUT.f32 TRUTHS.txt N OUT.weights
+ *       N iterations as train_network does: subdivisions calls of train_network_datum (each on
+ *       the next mini-batch of INPUT, which holds batch = mini-batch x subdivisions images;
+ *       TRUTHS image indices count over the whole batch), then update_network. Writes the
+ *       weights after the last update.
+ *
+ * Everything Darknet prints goes to stdout/stderr; results go to the files named.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "darknet.h"
+#include "list.h"
+#include "network.h"
+#include "option_list.h"
+#include "parser.h"
+#include "yolo_layer.h"
+
+typedef struct {
+    char *type;
+    list *options;
+} section; /* as parser.c declares it */
+
+list *read_cfg(char *filename);
+void parse_net_options(list *options, network *net);
+
+static float *read_floats(const char *path, size_t *count)
+{
+    FILE *f = fopen(path, "rb");
+    if (!f) { fprintf(stderr, "cannot open %s\n", path); exit(2); }
+    fseek(f, 0, SEEK_END);
+    long bytes = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    *count = (size_t)bytes / sizeof(float);
+    float *x = (float *)malloc(bytes > 0 ? bytes : 1);
+    if (*count && fread(x, sizeof(float), *count, f) != *count) {
+        fprintf(stderr, "short read %s\n", path);
+        exit(2);
+    }
+    fclose(f);
+    return x;
+}
+
+static void write_floats(const char *path, const float *x, size_t count)
+{
+    FILE *f = fopen(path, "wb");
+    if (!f || fwrite(x, sizeof(float), count, f) != count) {
+        fprintf(stderr, "cannot write %s\n", path);
+        exit(2);
+    }
+    fclose(f);
+}
+
+/* Truths as Darknet's loader lays them out: per image `max_boxes` boxes of `truth_size` floats
+ * (x, y, w, h, class, track id), zero after the last box. */
+static float *read_truths(const char *path, int images, int max_boxes, int truth_size)
+{
+    float *truth = (float *)calloc((size_t)images * max_boxes * truth_size, sizeof(float));
+    int *count = (int *)calloc(images, sizeof(int));
+    FILE *f = fopen(path, "r");
+    if (!f) { fprintf(stderr, "cannot open %s\n", path); exit(2); }
+    int image;
+    float x, y, w, h, cls;
+    while (fscanf(f, "%d %f %f %f %f %f", &image, &x, &y, &w, &h, &cls) == 6) {
+        if (image < 0 || image >= images) { fprintf(stderr, "image %d out of range\n", image); exit(2); }
+        if (count[image] >= max_boxes) continue;
+        float *t = truth + ((size_t)image * max_boxes + count[image]) * truth_size;
+        t[0] = x; t[1] = y; t[2] = w; t[3] = h; t[4] = cls;
+        count[image]++;
+    }
+    fclose(f);
+    free(count);
+    return truth;
+}
+
+static int run_yolo(int argc, char **argv)
+{
+    if (argc != 8) { fprintf(stderr, "usage: yolo CFG LAYER INPUT TRUTHS DELTA COST\n"); return 2; }
+    int index = atoi(argv[3]);
+    size_t n;
+    float *x = read_floats(argv[4], &n);
+    /* Parse once at batch 1 to learn the layer's size, then at the file's batch. */
+    network probe = parse_network_cfg_custom(argv[2], 1, 1);
+    if (index < 0 || index >= probe.n || probe.layers[index].type != YOLO) {
+        fprintf(stderr, "layer %d is not a [yolo] layer\n", index);
+        return 2;
+    }
+    int per_image = probe.layers[index].inputs;
+    free_network(probe);
+    if (n == 0 || n % per_image) { fprintf(stderr, "input size %zu not a multiple of %d\n", n, per_image); return 2; }
+    int batch = (int)(n / per_image);
+    network net = parse_network_cfg_custom(argv[2], batch, 1);
+    layer l = net.layers[index];
+    float *truth = read_truths(argv[5], batch, l.max_boxes, l.truth_size);
+    network_state state = {0};
+    state.net = net;
+    state.index = index;
+    state.input = x;
+    state.truth = truth;
+    state.train = 1;
+    forward_yolo_layer(l, state);
+    write_floats(argv[6], l.delta, (size_t)l.batch * l.outputs);
+    FILE *f = fopen(argv[7], "w");
+    fprintf(f, "%.9g\n", *l.cost);
+    fclose(f);
+    return 0;
+}
+
+static int run_lr(int argc, char **argv)
+{
+    if (argc != 4 && argc != 5) { fprintf(stderr, "usage: lr CFG N [SEED]\n"); return 2; }
+    list *sections = read_cfg(argv[2]);
+    section *s = (section *)sections->front->val;
+    network net = make_network(sections->size - 1);
+    parse_net_options(s->options, &net);
+    int iterations = atoi(argv[3]);
+    if (argc == 5) srand(atoi(argv[4]));
+    for (int k = 0; k < iterations; ++k) {
+        *net.seen = (uint64_t)k * net.batch * net.subdivisions;
+        printf("%.9g\n", get_current_rate(net));
+    }
+    return 0;
+}
+
+static int run_update(int argc, char **argv)
+{
+    if (argc != 8) { fprintf(stderr, "usage: update CFG IN.weights INPUT TRUTHS N OUT.weights\n"); return 2; }
+    network net = parse_network_cfg_custom(argv[2], 0, 0);
+    load_weights(&net, argv[3]);
+    size_t n;
+    float *x = read_floats(argv[4], &n);
+    int images = net.batch * net.subdivisions;
+    if (n != (size_t)images * net.inputs) { fprintf(stderr, "input holds %zu floats, expected %d\n", n, images * net.inputs); return 2; }
+    layer last = net.layers[net.n - 1];
+    int truths = last.truths; /* every [yolo] layer of the test cfgs has the same max */
+    float *truth = read_truths(argv[5], images, last.max_boxes, last.truth_size);
+    int iterations = atoi(argv[6]);
+    for (int it = 0; it < iterations; ++it) {
+        for (int s = 0; s < net.subdivisions; ++s) {
+            net.current_subdivision = s;
+            train_network_datum(net, x + (size_t)s * net.batch * net.inputs, truth + (size_t)s * net.batch * truths);
+        }
+        (*net.cur_iteration) += 1;
+        update_network(net);
+    }
+    save_weights(net, argv[7]);
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc >= 2 && !strcmp(argv[1], "yolo")) return run_yolo(argc, argv);
+    if (argc >= 2 && !strcmp(argv[1], "lr")) return run_lr(argc, argv);
+    if (argc >= 2 && !strcmp(argv[1], "update")) return run_update(argc, argv);
+    fprintf(stderr, "usage: harness yolo|lr|update ...\n");
+    return 2;
+}
