@@ -1,11 +1,11 @@
 /* A small program linked against Darknet's own objects (AlexeyAB/darknet, built for the CPU),
  * so that tests can ask Darknet itself what it computes. Built by tests/darknet_ref/build.py.
  *
- *   harness yolo CFG LAYER INPUT.f32 TRUTHS.txt DELTA.f32 COST.txt
- *       forward_yolo_layer of [yolo] layer LAYER (Darknet's index, from 0) in training mode on
- *       INPUT (float32, batch x channels x h x w: the output of the layer below; the batch is
- *       the file size over one image); TRUTHS lines are "image x y w h class" (normalized).
- *       Writes l.delta (same layout) and *l.cost.
+ *   harness yolo CFG BATCH TRUTHS.txt LAYER INPUT.f32 DELTA.f32 COST.txt [LAYER ...]
+ *       forward_yolo_layer, in training mode, of each [yolo] layer LAYER (Darknet's index, from
+ *       0) of the network parsed at BATCH images, on INPUT (float32, batch x channels x h x w:
+ *       the output of the layer below); TRUTHS lines are "image x y w h class" (normalized).
+ *       Writes l.delta (same layout) and *l.cost of each.
  *   harness lr CFG N [SEED]
  *       N lines: get_current_rate() at *net.seen = k * batch * subdivisions, k = 0..N-1
  *       (srand(SEED) first, for policy=random).
@@ -87,34 +87,40 @@ static float *read_truths(const char *path, int images, int max_boxes, int truth
 
 static int run_yolo(int argc, char **argv)
 {
-    if (argc != 8) { fprintf(stderr, "usage: yolo CFG LAYER INPUT TRUTHS DELTA COST\n"); return 2; }
-    int index = atoi(argv[3]);
-    size_t n;
-    float *x = read_floats(argv[4], &n);
-    /* Parse once at batch 1 to learn the layer's size, then at the file's batch. */
-    network probe = parse_network_cfg_custom(argv[2], 1, 1);
-    if (index < 0 || index >= probe.n || probe.layers[index].type != YOLO) {
-        fprintf(stderr, "layer %d is not a [yolo] layer\n", index);
+    if (argc < 9 || (argc - 5) % 4) {
+        fprintf(stderr, "usage: yolo CFG BATCH TRUTHS LAYER INPUT DELTA COST [LAYER INPUT DELTA COST ...]\n");
         return 2;
     }
-    int per_image = probe.layers[index].inputs;
-    free_network(probe);
-    if (n == 0 || n % per_image) { fprintf(stderr, "input size %zu not a multiple of %d\n", n, per_image); return 2; }
-    int batch = (int)(n / per_image);
+    int batch = atoi(argv[3]);
     network net = parse_network_cfg_custom(argv[2], batch, 1);
-    layer l = net.layers[index];
-    float *truth = read_truths(argv[5], batch, l.max_boxes, l.truth_size);
-    network_state state = {0};
-    state.net = net;
-    state.index = index;
-    state.input = x;
-    state.truth = truth;
-    state.train = 1;
-    forward_yolo_layer(l, state);
-    write_floats(argv[6], l.delta, (size_t)l.batch * l.outputs);
-    FILE *f = fopen(argv[7], "w");
-    fprintf(f, "%.9g\n", *l.cost);
-    fclose(f);
+    for (int a = 5; a < argc; a += 4) {
+        int index = atoi(argv[a]);
+        if (index < 0 || index >= net.n || net.layers[index].type != YOLO) {
+            fprintf(stderr, "layer %d is not a [yolo] layer\n", index);
+            return 2;
+        }
+        layer l = net.layers[index];
+        size_t n;
+        float *x = read_floats(argv[a + 1], &n);
+        if (n != (size_t)l.batch * l.inputs) {
+            fprintf(stderr, "%s holds %zu floats, layer %d needs %d\n", argv[a + 1], n, index, l.batch * l.inputs);
+            return 2;
+        }
+        float *truth = read_truths(argv[4], batch, l.max_boxes, l.truth_size);
+        network_state state = {0};
+        state.net = net;
+        state.index = index;
+        state.input = x;
+        state.truth = truth;
+        state.train = 1;
+        forward_yolo_layer(l, state);
+        write_floats(argv[a + 2], l.delta, (size_t)l.batch * l.outputs);
+        FILE *f = fopen(argv[a + 3], "w");
+        fprintf(f, "%.9g\n", *l.cost);
+        fclose(f);
+        free(x);
+        free(truth);
+    }
     return 0;
 }
 
