@@ -10,10 +10,10 @@
  *       N lines: get_current_rate() at *net.seen = k * batch * subdivisions, k = 0..N-1
  *       (srand(SEED) first, for policy=random).
  *   harness update CFG IN.weights INPUT.f32 TRUTHS.txt N OUT.weights
- *       N iterations as train_network does: subdivisions calls of train_network_datum (each on
- *       the next mini-batch of INPUT, which holds batch = mini-batch x subdivisions images;
- *       TRUTHS image indices count over the whole batch), then update_network. Writes the
- *       weights after the last update.
+ *       N calls of train_network (each: subdivisions calls of train_network_datum on the
+ *       mini-batches of INPUT, which holds batch = mini-batch x subdivisions images, then
+ *       update_network and the EMA), starting from IN.weights (its seen sets the iteration);
+ *       TRUTHS image indices count over the whole batch. Writes the weights after the last.
  *
  * Everything Darknet prints goes to stdout/stderr; results go to the files named.
  */
@@ -153,14 +153,19 @@ static int run_update(int argc, char **argv)
     int truths = last.truths; /* every [yolo] layer of the test cfgs has the same max */
     float *truth = read_truths(argv[5], images, last.max_boxes, last.truth_size);
     int iterations = atoi(argv[6]);
-    for (int it = 0; it < iterations; ++it) {
-        for (int s = 0; s < net.subdivisions; ++s) {
-            net.current_subdivision = s;
-            train_network_datum(net, x + (size_t)s * net.batch * net.inputs, truth + (size_t)s * net.batch * truths);
-        }
-        (*net.cur_iteration) += 1;
-        update_network(net);
+    /* One iteration is Darknet's train_network on a batch: subdivisions passes, the update, the
+     * EMA of ema_alpha. */
+    data d = {0};
+    d.X.rows = d.y.rows = images;
+    d.X.cols = net.inputs;
+    d.y.cols = truths;
+    d.X.vals = (float **)calloc(images, sizeof(float *));
+    d.y.vals = (float **)calloc(images, sizeof(float *));
+    for (int i = 0; i < images; ++i) {
+        d.X.vals[i] = x + (size_t)i * net.inputs;
+        d.y.vals[i] = truth + (size_t)i * truths;
     }
+    for (int it = 0; it < iterations; ++it) train_network(net, d);
     save_weights(net, argv[7]);
     return 0;
 }
