@@ -59,7 +59,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         add_help=add_help,
         formatter_class=HelpFormatter,
     )
-    sub = parser.add_subparsers(dest="what", required=True, metavar="{yolo,lr}")
+    sub = parser.add_subparsers(
+        dest="what", required=True, metavar="{yolo,lr}", help="what to compute"
+    )
     yolo = sub.add_parser(
         "yolo", help="the delta of one [yolo] layer", formatter_class=HelpFormatter
     )
