@@ -577,186 +577,266 @@ def yolo_delta(
         return _yolo_delta(x.detach(), truths.detach(), spec, net_size)
 
 
-def _yolo_delta(
-    x: torch.Tensor, truths: torch.Tensor, spec: YoloLossSpec, net_size: tuple[int, int]
-) -> YoloDelta:
-    bsz, channels, h, w = x.shape
-    na, no, nc = spec.na, spec.outputs_per_anchor, spec.classes
-    if channels != na * no:
-        raise ValueError(f"input has {channels} channels, the layer needs {na} * {no}")
-    if truths.ndim != 3 or truths.shape[0] != bsz or truths.shape[2] != TRUTH_FIELDS:
-        raise ValueError(f"truths must be ({bsz}, T, {TRUTH_FIELDS}), got {tuple(truths.shape)}")
-    dev, dt = x.device, x.dtype
-    truths = truths[:, : spec.max_boxes].to(device=dev, dtype=dt)
-    used, class_id = _valid_truths(truths, spec)
-    tbox = truths[..., 0:4]
-    all_anchors = torch.tensor(spec.anchors, dtype=dt, device=dev)  # (num, 2)
-    mask = torch.tensor(spec.mask, dtype=torch.long, device=dev)
+@dataclass
+class _Layer:
+    """One layer's predictions, flattened to one row per (image, anchor, cell), and its delta
+    being written. Every delta buffer has one extra row (``dump``) that takes the writes of
+    (truth, anchor) pairs that are not assignments, so that nothing has a data-dependent shape.
+    """
+
+    spec: YoloLossSpec
+    size: tuple[int, int]  # (h, w) cells
+    net: tuple[int, int]  # (h, w) input pixels
+    out: torch.Tensor  # (cells, 5 + classes) Darknet's l.output
+    cols: torch.Tensor  # (cells,) i
+    rows: torch.Tensor  # (cells,) j
+    anchor: torch.Tensor  # (cells, 2) the prediction's anchor, pixels
+    cm: torch.Tensor | None  # (classes,) class multipliers
+    d_box: torch.Tensor  # (cells + 1, 4)
+    d_obj: torch.Tensor  # (cells + 1,)
+    d_cls: torch.Tensor  # (cells + 1, classes)
+    written: torch.Tensor  # (cells + 1,) class deltas already written (truth_thresh)
+
+    @property
+    def dump(self) -> int:
+        return self.out.shape[0]
+
+    def multipliers(self, class_id: torch.Tensor) -> torch.Tensor:
+        if self.cm is None:
+            return torch.ones(class_id.shape, dtype=self.out.dtype, device=self.out.device)
+        return self.cm[class_id]
+
+
+def _layer(x: torch.Tensor, spec: YoloLossSpec, net_size: tuple[int, int]) -> _Layer:
+    bsz, _, h, w = x.shape
+    na, no, dev, dt = spec.na, spec.outputs_per_anchor, x.device, x.dtype
+    # (B, na, h, w, no): one row per prediction.
+    out = _activate(x.view(bsz, na, no, h, w), spec).permute(0, 1, 3, 4, 2).reshape(-1, no)
+    cells = out.shape[0]
+    grid = (bsz, na, h, w)
+    rows = torch.arange(h, device=dev, dtype=dt).view(1, 1, h, 1).expand(grid).reshape(-1)
+    cols = torch.arange(w, device=dev, dtype=dt).view(1, 1, 1, w).expand(grid).reshape(-1)
+    anchors = torch.tensor(spec.anchors, dtype=dt, device=dev)[list(spec.mask)]
+    anchor = anchors.view(1, na, 1, 1, 2).expand(*grid, 2).reshape(-1, 2)
     cm = None
     if spec.classes_multipliers is not None:
         cm = torch.tensor(spec.classes_multipliers, dtype=dt, device=dev)
+    return _Layer(
+        spec=spec,
+        size=(h, w),
+        net=net_size,
+        out=out,
+        cols=cols,
+        rows=rows,
+        anchor=anchor,
+        cm=cm,
+        d_box=out.new_zeros(cells + 1, 4),
+        d_obj=out.new_zeros(cells + 1),
+        d_cls=out.new_zeros(cells + 1, spec.classes),
+        written=torch.zeros(cells + 1, dtype=torch.bool, device=dev),
+    )
 
-    # (B, na, h, w, no): one row per prediction.
-    out = _activate(x.view(bsz, na, no, h, w), spec).permute(0, 1, 3, 4, 2)
-    n_cells = bsz * na * h * w
-    rows_all = torch.arange(h, device=dev, dtype=dt).view(1, 1, h, 1).expand(bsz, na, h, w)
-    cols_all = torch.arange(w, device=dev, dtype=dt).view(1, 1, 1, w).expand(bsz, na, h, w)
-    anchor_of = all_anchors[mask].view(1, na, 1, 1, 2).expand(bsz, na, h, w, 2)
-    pred = _pred_boxes(out, anchor_of, cols_all, rows_all, (h, w), net_size, spec.new_coords)
 
-    # 1. Every prediction against every truth.
-    best_iou, best_t = _best_truth_iou(pred.reshape(bsz, -1, 4), tbox, used)
-    best_iou, best_t = best_iou.view(bsz, na, h, w), best_t.view(bsz, na, h, w)
-    out_obj, out_cls = out[..., 4], out[..., 5:]
-    class_match = (out_cls > CLASS_MATCH_PROB).any(-1)
+def _prediction_pass(
+    lay: _Layer, tbox: torch.Tensor, used: torch.Tensor, class_id: torch.Tensor
+) -> None:
+    """Step 1 of the module docstring: objectness against the best truth of each prediction
+    (``ignore_thresh``), and ``truth_thresh`` positives."""
+    spec, out, bsz = lay.spec, lay.out, tbox.shape[0]
+    pred = _pred_boxes(out, lay.anchor, lay.cols, lay.rows, lay.size, lay.net, spec.new_coords)
+    best_iou, best_t = _best_truth_iou(pred.view(bsz, -1, 4), tbox, used)
+    best_iou, best_t = best_iou.reshape(-1), best_t
+    out_obj = out[:, 4]
+    class_match = (out[:, 5:] > CLASS_MATCH_PROB).any(-1)
     best_match = torch.where(class_match, best_iou, torch.zeros_like(best_iou))
-    obj_norm = spec.obj_normalizer
-    d_obj = obj_norm * (0 - out_obj)
+    norm = spec.obj_normalizer
+    d_obj = norm * (0 - out_obj)
     ignored = best_match > spec.ignore_thresh
     if spec.objectness_smooth:
-        d_obj = torch.where(ignored, torch.maximum(d_obj, obj_norm * (best_match - out_obj)), d_obj)
+        d_obj = torch.where(ignored, torch.maximum(d_obj, norm * (best_match - out_obj)), d_obj)
     else:
         d_obj = torch.where(ignored, torch.zeros_like(d_obj), d_obj)
-    d_box = torch.zeros(n_cells + 1, 4, dtype=dt, device=dev)  # + a row for masked-out writes
-    d_cls = torch.zeros(n_cells + 1, nc, dtype=dt, device=dev)
-    flat_out = out.reshape(n_cells, no)
-    # Cells whose class deltas were already written (the first writer): truth_thresh ones.
-    written = torch.zeros(n_cells + 1, dtype=torch.bool, device=dev)
-    if spec.truth_thresh < 1:
-        tt = (best_iou > spec.truth_thresh).reshape(-1)
-        tt_t = best_t.reshape(bsz, -1)
-        tt_truth = tbox.gather(1, tt_t[..., None].expand(-1, -1, 4)).reshape(-1, 4)
-        tt_cls = class_id.gather(1, tt_t).reshape(-1)
-        cmult = cm[tt_cls] if cm is not None else torch.ones_like(tt_truth[:, 0])
-        sq = best_iou.reshape(-1) ** 2
-        obj_val = obj_norm * ((sq if spec.objectness_smooth else 1) - out_obj.reshape(-1))
-        d_obj = torch.where(tt.view_as(d_obj), obj_val.view_as(d_obj), d_obj)
-        row = _class_row(flat_out[:, 5:], tt_cls, spec, cm)
-        if spec.objectness_smooth:
-            row.scatter_(
-                1,
-                tt_cls[:, None],
-                (cmult * (sq - flat_out[:, 5:].gather(1, tt_cls[:, None])[:, 0]))[:, None],
-            )
-        d_cls[:-1] = torch.where(tt[:, None], row, d_cls[:-1])
-        bd, _, _ = _box_delta(
-            tt_truth,
-            flat_out,
-            anchor_of.reshape(-1, 2),
-            cols_all.reshape(-1),
-            rows_all.reshape(-1),
-            (h, w),
-            net_size,
-            spec.iou_normalizer * cmult,
-            spec,
-        )
-        d_box[:-1] += torch.where(tt[:, None], bd, torch.zeros_like(bd))
-        written[:-1] |= tt
+    lay.d_obj[:-1] = d_obj
+    if spec.truth_thresh >= 1:  # an IoU never exceeds 1
+        return
+    tt = best_iou > spec.truth_thresh
+    truth = tbox.gather(1, best_t[..., None].expand(-1, -1, 4)).reshape(-1, 4)
+    cls = class_id.gather(1, best_t).reshape(-1)
+    cm = lay.multipliers(cls)
+    sq = best_iou**2
+    obj = norm * ((sq if spec.objectness_smooth else 1) - out_obj)
+    lay.d_obj[:-1] = torch.where(tt, obj, lay.d_obj[:-1])
+    row = _class_row(out[:, 5:], cls, spec, lay.cm)
+    if spec.objectness_smooth:
+        own = cm * (sq - out[:, 5:].gather(1, cls[:, None])[:, 0])
+        row.scatter_(1, cls[:, None], own[:, None])
+    lay.d_cls[:-1] = torch.where(tt[:, None], row, lay.d_cls[:-1])
+    bd, _, _ = _box_delta(
+        truth,
+        out,
+        lay.anchor,
+        lay.cols,
+        lay.rows,
+        lay.size,
+        lay.net,
+        spec.iou_normalizer * cm,
+        spec,
+    )
+    lay.d_box[:-1] += torch.where(tt[:, None], bd, torch.zeros_like(bd))
+    lay.written[:-1] |= tt
 
-    # 2. Every truth: its best anchor over all anchors, and those above iou_thresh.
-    num = all_anchors.shape[0]
-    t_count = truths.shape[1]
-    net_h, net_w = net_size
+
+class _Pairs(NamedTuple):
+    """Every (image, truth, anchor of all ``num``) triple, flattened: (P,) each."""
+
+    ok: torch.Tensor  # an assignment (the truth trains that anchor in this layer)
+    cell: torch.Tensor  # the prediction's row, or the dump row
+    order: torch.Tensor  # Darknet's order of writes
+    truth: torch.Tensor  # (P, 4)
+    cls: torch.Tensor
+    anchor: torch.Tensor  # (P, 2) pixels
+    cols: torch.Tensor
+    rows: torch.Tensor
+
+
+def _assignments(
+    lay: _Layer, tbox: torch.Tensor, used: torch.Tensor, class_id: torch.Tensor
+) -> _Pairs:
+    """Step 2 of the module docstring: each truth's best anchor over all ``num`` anchors by
+    the IoU of centred boxes, and this layer's anchors above ``iou_thresh``."""
+    spec = lay.spec
+    bsz, t_count, _ = tbox.shape
+    h, w = lay.size
+    net_h, net_w = lay.net
+    dev, dt = tbox.device, tbox.dtype
+    anchors = torch.tensor(spec.anchors, dtype=dt, device=dev)  # (num, 2)
+    num = anchors.shape[0]
     shape_anchor = torch.zeros(num, 4, dtype=dt, device=dev)
-    shape_anchor[:, 2] = all_anchors[:, 0] / net_w
-    shape_anchor[:, 3] = all_anchors[:, 1] / net_h
+    shape_anchor[:, 2] = anchors[:, 0] / net_w
+    shape_anchor[:, 3] = anchors[:, 1] / net_h
     shape_truth = torch.zeros_like(tbox)
     shape_truth[..., 2:4] = tbox[..., 2:4]
-    anchor_iou = box_iou(shape_anchor[None, None], shape_truth[:, :, None])  # (B, T, num)
-    best_n = anchor_iou.argmax(-1)
-    # This layer's mask index of each anchor (the first occurrence), -1 outside the mask.
+    pair_shapes = (shape_anchor[None, None], shape_truth[:, :, None])
+    best_n = box_iou(*pair_shapes).argmax(-1)  # (B, T); the first maximum, as Darknet's '>'
+    # This layer's mask index of each anchor (its first occurrence), -1 outside the mask.
     first_index = {m: k for k, m in reversed(list(enumerate(spec.mask)))}
     local = torch.tensor([first_index.get(n, -1) for n in range(num)], device=dev)
     in_mask = local >= 0
     n_idx = torch.arange(num, device=dev)
-    is_best = n_idx == best_n[..., None]
-    assign = is_best & in_mask
+    is_best = n_idx == best_n[..., None]  # (B, T, num)
+    ok = is_best & in_mask
     if spec.iou_thresh < 1:
-        kind = _IOU_KIND[spec.iou_thresh_kind](shape_anchor[None, None], shape_truth[:, :, None])
-        assign = assign | (in_mask & ~is_best & (kind > spec.iou_thresh))
-    assign = assign & used[..., None]  # (B, T, num)
+        kind = _IOU_KIND[spec.iou_thresh_kind](*pair_shapes)
+        ok = ok | (in_mask & ~is_best & (kind > spec.iou_thresh))
+    ok = ok & used[..., None]
 
     i = (tbox[..., 0] * w).long().clamp(0, w - 1)  # C's (int) cast; the border: last cell
     j = (tbox[..., 1] * h).long().clamp(0, h - 1)
     b_idx = torch.arange(bsz, device=dev).view(bsz, 1, 1)
-    a_local = local.clamp(min=0).view(1, 1, num)
-    cell = ((b_idx * na + a_local) * h + j[..., None]) * w + i[..., None]
-    cell = torch.where(assign, cell, torch.full_like(cell, n_cells)).reshape(-1)
-    pair_ok = assign.reshape(-1)
-    # Darknet's order of writes: truth by truth, the best anchor first, then by anchor index.
-    order = torch.arange(t_count, device=dev).view(1, t_count, 1) * (num + 1) + torch.where(
-        is_best, 0, n_idx + 1
+    cell = ((b_idx * spec.na + local.clamp(min=0)) * h + j[..., None]) * w + i[..., None]
+    cell = torch.where(ok, cell, lay.dump)
+    # Truth by truth; within a truth the best anchor first, then by anchor index.
+    order = torch.arange(t_count, device=dev).view(1, t_count, 1) * (num + 1)
+    order = order + torch.where(is_best, 0, n_idx + 1)
+    triple = (bsz, t_count, num)
+    return _Pairs(
+        ok=ok.reshape(-1),
+        cell=cell.reshape(-1),
+        order=order.expand(triple).reshape(-1),
+        truth=tbox[:, :, None, :].expand(*triple, 4).reshape(-1, 4),
+        cls=class_id[:, :, None].expand(triple).reshape(-1),
+        anchor=anchors.view(1, 1, num, 2).expand(*triple, 2).reshape(-1, 2),
+        cols=i[..., None].expand(triple).reshape(-1).to(dt),
+        rows=j[..., None].expand(triple).reshape(-1).to(dt),
     )
-    order = order.expand(bsz, t_count, num).reshape(-1)
-    pair_truth = tbox[:, :, None, :].expand(bsz, t_count, num, 4).reshape(-1, 4)
-    pair_cls = class_id[:, :, None].expand(bsz, t_count, num).reshape(-1)
-    pair_anchor = all_anchors.view(1, 1, num, 2).expand(bsz, t_count, num, 2).reshape(-1, 2)
-    pair_out = torch.cat((flat_out, flat_out.new_zeros(1, no)))[cell]
-    pair_cols = i[..., None].expand(bsz, t_count, num).reshape(-1).to(dt)
-    pair_rows = j[..., None].expand(bsz, t_count, num).reshape(-1).to(dt)
-    pair_cm = cm[pair_cls] if cm is not None else torch.ones_like(pair_cols)
 
+
+def _write_assignments(lay: _Layer, pairs: _Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+    """The deltas of every assignment, as Darknet writes them one after another: box deltas
+    add up; objectness is the last writer's (``objectness_smooth``: the first's, only where
+    still 0); the first writer of a cell writes every class, later ones their own class.
+
+    Returns:
+        The sum of the assignments' IoU losses (``1 - GIoU`` for giou, else ``1 - IoU``) and
+        of their IoUs.
+    """
+    spec, ok, cell = lay.spec, pairs.ok, pairs.cell
+    out = torch.cat((lay.out, lay.out.new_zeros(1, lay.out.shape[1])))[cell]
+    cm = lay.multipliers(pairs.cls)
     bd, iou, giou = _box_delta(
-        pair_truth,
-        pair_out,
-        pair_anchor,
-        pair_cols,
-        pair_rows,
-        (h, w),
-        net_size,
-        spec.iou_normalizer * pair_cm,
+        pairs.truth,
+        out,
+        pairs.anchor,
+        pairs.cols,
+        pairs.rows,
+        lay.size,
+        lay.net,
+        spec.iou_normalizer * cm,
         spec,
     )
-    d_box.index_add_(0, cell, bd)  # pairs not assigned go to the extra row
-    count = pair_ok.sum()
+    lay.d_box.index_add_(0, cell, bd)  # pairs that are not assignments go to the dump row
     zero = torch.zeros_like(iou)
-    iou_loss_sum = torch.where(pair_ok, 1 - giou if spec.iou_loss == "giou" else 1 - iou, zero)
-    iou_loss_sum = iou_loss_sum.sum()
-    iou_sum = torch.where(pair_ok, iou, zero).sum()
+    iou_loss = torch.where(ok, 1 - giou if spec.iou_loss == "giou" else 1 - iou, zero).sum()
+    iou_sum = torch.where(ok, iou, zero).sum()
 
-    # First and last writer of each cell, by Darknet's order.
     big = torch.iinfo(torch.long).max
-    first = torch.full((n_cells + 1,), big, dtype=torch.long, device=dev)
-    first.scatter_reduce_(0, cell, torch.where(pair_ok, order, big), "amin")
-    last = torch.full((n_cells + 1,), -1, dtype=torch.long, device=dev)
-    last.scatter_reduce_(0, cell, torch.where(pair_ok, order, -1), "amax")
-    is_first = pair_ok & (order == first[cell])
-    is_last = pair_ok & (order == last[cell])
-    dump = torch.full_like(cell, n_cells)
+    first = torch.full_like(lay.written, big, dtype=torch.long)
+    first.scatter_reduce_(0, cell, torch.where(ok, pairs.order, big), "amin")
+    last = torch.full_like(lay.written, -1, dtype=torch.long)
+    last.scatter_reduce_(0, cell, torch.where(ok, pairs.order, -1), "amax")
+    is_first = ok & (pairs.order == first[cell])
+    is_last = ok & (pairs.order == last[cell])
+    dump = torch.full_like(cell, lay.dump)
 
-    # Objectness of assigned cells.
-    flat_obj = torch.cat((d_obj.reshape(-1), d_obj.new_zeros(1)))
-    pair_obj = pair_cm * obj_norm * (1 - pair_out[:, 4])
-    if spec.objectness_smooth:
-        take = is_first & (flat_obj[cell] == 0)
-    else:
-        take = is_last
-    flat_obj.index_put_((torch.where(take, cell, dump),), pair_obj)
+    obj = cm * spec.obj_normalizer * (1 - out[:, 4])
+    take = (is_first & (lay.d_obj[cell] == 0)) if spec.objectness_smooth else is_last
+    lay.d_obj.index_put_((torch.where(take, cell, dump),), obj)
 
-    # Classes: the first writer of a cell not yet written writes every class; every later
-    # writer (and every writer of an already written cell) rewrites its own class only.
-    full = is_first & ~written[cell]
-    rows = _class_row(pair_out[:, 5:], pair_cls, spec, cm)
-    d_cls.index_put_((torch.where(full, cell, dump),), rows)
-    again = pair_ok & ~full
-    value = _class_again(pair_out[:, 5:], pair_cls, spec, cm)
-    d_cls.index_put_((torch.where(again, cell, dump), pair_cls), value)
+    full = is_first & ~lay.written[cell]
+    lay.d_cls.index_put_(
+        (torch.where(full, cell, dump),), _class_row(out[:, 5:], pairs.cls, spec, lay.cm)
+    )
+    again = ok & ~full
+    value = _class_again(out[:, 5:], pairs.cls, spec, lay.cm)
+    lay.d_cls.index_put_((torch.where(again, cell, dump), pairs.cls), value)
+    return iou_loss, iou_sum
 
-    d_box, d_cls, flat_obj = d_box[:-1], d_cls[:-1], flat_obj[:-1]
-    # 3. Truths sharing an anchor: box deltas averaged over the classes trained there.
+
+def _yolo_delta(
+    x: torch.Tensor, truths: torch.Tensor, spec: YoloLossSpec, net_size: tuple[int, int]
+) -> YoloDelta:
+    bsz, channels, h, w = x.shape
+    na, no = spec.na, spec.outputs_per_anchor
+    if channels != na * no:
+        raise ValueError(f"input has {channels} channels, the layer needs {na} * {no}")
+    if truths.ndim != 3 or truths.shape[0] != bsz or truths.shape[2] != TRUTH_FIELDS:
+        raise ValueError(f"truths must be ({bsz}, T, {TRUTH_FIELDS}), got {tuple(truths.shape)}")
+    truths = truths[:, : spec.max_boxes].to(device=x.device, dtype=x.dtype)
+    used, class_id = _valid_truths(truths, spec)
+    tbox = truths[..., 0:4]
+
+    lay = _layer(x, spec, net_size)
+    _prediction_pass(lay, tbox, used, class_id)
+    pairs = _assignments(lay, tbox, used, class_id)
+    iou_loss, iou_sum = _write_assignments(lay, pairs)
+    d_box, d_obj, d_cls = lay.d_box[:-1], lay.d_obj[:-1], lay.d_cls[:-1]
+    # Step 3: box deltas of a shared anchor averaged over the classes trained there.
     if spec.iou_thresh < 1:
         positives = (d_cls > 0).sum(-1)
-        divide = (flat_obj != 0) & (positives > 0)
-        d_box = torch.where(divide[:, None], d_box / positives.clamp(min=1)[:, None].to(dt), d_box)
+        divide = (d_obj != 0) & (positives > 0)
+        d_box = torch.where(
+            divide[:, None], d_box / positives.clamp(min=1)[:, None].to(x.dtype), d_box
+        )
 
-    delta = torch.cat((d_box, flat_obj[:, None], d_cls), -1)  # (cells, no)
+    delta = torch.cat((d_box, d_obj[:, None], d_cls), -1)  # (cells, no)
     delta = delta.view(bsz, na, h, w, no).permute(0, 1, 4, 2, 3).reshape(bsz, channels, h, w)
-    total = (delta * delta).sum()
+    count = pairs.ok.sum()
     if spec.iou_loss == "mse" or not spec.show_details:
-        cost = total
+        cost = (delta * delta).sum()
     else:
         non_box = (delta.view(bsz, na, no, h, w)[:, :, 4:] ** 2).sum()
-        cost = spec.iou_normalizer * iou_loss_sum / count.clamp(min=1).to(dt) + obj_norm * non_box
+        mean_iou_loss = iou_loss / count.clamp(min=1).to(x.dtype)
+        cost = spec.iou_normalizer * mean_iou_loss + spec.obj_normalizer * non_box
     return YoloDelta(delta.contiguous(), cost, count, iou_sum)
 
 
