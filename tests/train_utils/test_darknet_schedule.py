@@ -14,6 +14,7 @@ import torch
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg, parse_model_cfg_text
 from models.darknet import Darknet
+from models.darknet_bn import use_darknet_batchnorm
 from models.darknet_loss import darknet_loss, targets_to_truths, yolo_specs
 from models.weights import load_darknet_weights, save_weights
 from tests.darknet_ref.runs import learning_rates, train_iterations
@@ -94,6 +95,7 @@ max_batches={max_batches}
 {ema}
 
 [convolutional]
+batch_normalize={bn}
 filters=8
 size=3
 stride=2
@@ -101,6 +103,7 @@ pad=1
 activation=leaky
 
 [convolutional]
+batch_normalize={bn}
 filters=8
 size=3
 stride=1
@@ -133,14 +136,22 @@ INIT_GAIN = 3.0  # larger initial weights than PyTorch's: larger deltas, weights
 
 def _train_case(harness, tmp_path, cfg_text: str, start_iteration: int):
     """(our weights, Darknet's weights, the initial weights) after UPDATES iterations of batch 4
-    in 2 subdivisions, from a random model whose .weights header says ``start_iteration``."""
+    in 2 subdivisions, from a random model whose .weights header says ``start_iteration``
+    (BatchNorm as Darknet's CPU build trains it)."""
     cfg = tmp_path / "u.cfg"
     cfg.write_text(cfg_text)
     torch.manual_seed(0)
     model = Darknet(cfg, img_size=SIZE)
     with torch.no_grad():
-        for p in model.parameters():
-            p.mul_(INIT_GAIN)
+        for name, p in model.named_parameters():
+            if "Conv2d" in name:
+                p.mul_(INIT_GAIN)
+            elif "BatchNorm2d.bias" in name:
+                p.add_(0.1)  # Darknet's CPU build never trains it: any value stays
+        for name, b in model.named_buffers():
+            if "running" in name:
+                b.uniform_(0.5, 1.5)
+    use_darknet_batchnorm(model, train_shift=False)
     blocks = parse_model_cfg(cfg)
     settings = DarknetSettings.from_block(blocks[0])
     model.seen = start_iteration * settings.update_batch
@@ -181,30 +192,40 @@ def _train_case(harness, tmp_path, cfg_text: str, start_iteration: int):
     return model.state_dict(), darknet.state_dict(), initial.state_dict()
 
 
-def test_three_updates_equal_darknets(darknet_harness, tmp_path):
+@pytest.mark.parametrize("batch_normalize", [0, 1])
+def test_three_updates_equal_darknets(darknet_harness, tmp_path, batch_normalize):
     """burn_in then a step of the rate, momentum, decay, subdivisions 2, ciou with iou_thresh,
-    leaky and mish: every weight and bias as Darknet's after three iterations."""
-    text = UPDATE_CFG.format(max_batches=10, ema="")
+    leaky and mish, with and without BatchNorm: every weight, bias, BatchNorm scale and running
+    statistic as Darknet's after three iterations (BatchNorm shifts stay: Darknet's CPU build
+    does not train them)."""
+    text = UPDATE_CFG.format(max_batches=10, ema="", bn=batch_normalize)
     ours, theirs, initial = _train_case(darknet_harness, tmp_path, text, 0)
     for name, value in theirs.items():
+        if not value.dtype.is_floating_point:
+            continue
         err = float((ours[name] - value).abs().max())
         assert err <= WEIGHT_TOL, f"{name} differs by {err:.3g}"
-        assert float((value - initial[name]).abs().max()) > 1e-3, f"{name} did not train"
+        moved = float((value - initial[name]).abs().max())
+        if "BatchNorm2d.bias" in name:
+            assert moved == 0, f"{name} trained"
+        else:
+            assert moved > 1e-3, f"{name} did not train"
 
 
 def test_ema_equals_darknets(darknet_harness, tmp_path):
     """ema_alpha: averaging starts at max_batches / 2 (iteration 1002 here) and is written into
     the weights at max_batches - 1000 (1004): the weights after iteration 1004 are the average
     of 1002..1004, not the last ones."""
-    text = UPDATE_CFG.format(max_batches=2004, ema="ema_alpha=0.5")
+    text = UPDATE_CFG.format(max_batches=2004, ema="ema_alpha=0.5", bn=1)
     ours, theirs, _ = _train_case(darknet_harness, tmp_path, text, 1001)
     for name, value in theirs.items():
-        err = float((ours[name] - value).abs().max())
-        assert err <= WEIGHT_TOL, f"{name} differs by {err:.3g}"
+        if value.dtype.is_floating_point:
+            err = float((ours[name] - value).abs().max())
+            assert err <= WEIGHT_TOL, f"{name} differs by {err:.3g}"
     (tmp_path / "plain").mkdir()
-    plain = UPDATE_CFG.format(max_batches=2004, ema="")
+    plain = UPDATE_CFG.format(max_batches=2004, ema="", bn=1)
     last, _, _ = _train_case(darknet_harness, tmp_path / "plain", plain, 1001)
-    moved = max(float((last[k] - theirs[k]).abs().max()) for k in theirs)
+    moved = max(float((last[k] - v).abs().max()) for k, v in theirs.items() if "weight" in k)
     assert moved > 1e-3, "the EMA changed nothing: the test proves nothing"
 
 
