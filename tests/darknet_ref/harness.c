@@ -14,6 +14,10 @@
  *       mini-batches of INPUT, which holds batch = mini-batch x subdivisions images, then
  *       update_network and the EMA), starting from IN.weights (its seen sets the iteration);
  *       TRUTHS image indices count over the whole batch. Writes the weights after the last.
+ *   harness loader IMAGE W H JITTER RESIZE LETTER_BOX FLIP CLASSES MAX SEED TRUTHS.f32
+ *       srand(SEED), then Darknet's load_data_detection (the build without OpenCV) of IMAGE
+ *       (its labels beside it, .txt) for a W x H network: hue 0, saturation and exposure 1, no
+ *       mixup, blur or noise. Writes the MAX x 6 truth floats it makes.
  *
  * Everything Darknet prints goes to stdout/stderr; results go to the files named.
  */
@@ -22,6 +26,7 @@
 #include <string.h>
 
 #include "darknet.h"
+#include "data.h"
 #include "list.h"
 #include "network.h"
 #include "option_list.h"
@@ -170,11 +175,27 @@ static int run_update(int argc, char **argv)
     return 0;
 }
 
+static int run_loader(int argc, char **argv)
+{
+    if (argc != 13) {
+        fprintf(stderr, "usage: loader IMAGE W H JITTER RESIZE LETTER_BOX FLIP CLASSES MAX SEED TRUTHS\n");
+        return 2;
+    }
+    char *paths[1] = {argv[2]};
+    int w = atoi(argv[3]), h = atoi(argv[4]), boxes = atoi(argv[10]);
+    srand(atoi(argv[11]));
+    data d = load_data_detection(1, paths, 1, w, h, 3, boxes, 6, atoi(argv[9]), atoi(argv[8]), 0, 0, 0,
+        atof(argv[5]), atof(argv[6]), 0, 1, 1, 1, 0, 0, atoi(argv[7]), 0, 0, 0, 0, 0);
+    write_floats(argv[12], d.y.vals[0], (size_t)boxes * 6);
+    return 0;
+}
+
 int main(int argc, char **argv)
 {
+    if (argc >= 2 && !strcmp(argv[1], "loader")) return run_loader(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "yolo")) return run_yolo(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "lr")) return run_lr(argc, argv);
     if (argc >= 2 && !strcmp(argv[1], "update")) return run_update(argc, argv);
-    fprintf(stderr, "usage: harness yolo|lr|update ...\n");
+    fprintf(stderr, "usage: harness yolo|lr|update|loader ...\n");
     return 2;
 }

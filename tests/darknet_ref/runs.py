@@ -54,9 +54,12 @@ def write_truths(path: Path, rows: Sequence[Sequence[float]]) -> Path:
     return path
 
 
-def _run(harness: Path, args: Sequence[str | Path]) -> str:
+def run_harness(harness: Path, args: Sequence[object], cwd: Path) -> str:
+    """The harness's stdout for ``args``, run in ``cwd`` (Darknet appends bad_label.list and
+    bad.list to its working folder when it meets a bad label)."""
     proc = subprocess.run(
         [str(harness), *map(str, args)],
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=HARNESS_TIMEOUT_S,
@@ -82,7 +85,7 @@ def yolo_deltas(
         stem = work / f"layer{layer}"
         np.ascontiguousarray(x, dtype="<f4").tofile(f"{stem}.in.f32")
         args += [str(layer), f"{stem}.in.f32", f"{stem}.delta.f32", f"{stem}.cost.txt"]
-    _run(harness, args)
+    run_harness(harness, args, work)
     out = {}
     for layer, x in inputs.items():
         stem = work / f"layer{layer}"
@@ -94,7 +97,7 @@ def yolo_deltas(
 def learning_rates(harness: Path, cfg: Path, iterations: int, seed: int = 1) -> np.ndarray:
     """Darknet's ``get_current_rate`` at ``seen = k * batch`` for k < ``iterations``
     (``srand(seed)`` first), as float32."""
-    text = _run(harness, ["lr", cfg, str(iterations), str(seed)])
+    text = run_harness(harness, ["lr", cfg, str(iterations), str(seed)], cfg.parent)
     return np.array([float(v) for v in text.split()], dtype=np.float32)
 
 
@@ -112,5 +115,5 @@ def train_iterations(
     x = out.with_suffix(".in.f32")
     np.ascontiguousarray(images, dtype="<f4").tofile(x)
     truths = write_truths(out.with_suffix(".truths.txt"), rows)
-    _run(harness, ["update", cfg, weights, x, truths, str(iterations), out])
+    run_harness(harness, ["update", cfg, weights, x, truths, str(iterations), out], out.parent)
     return out
