@@ -908,6 +908,35 @@ def darknet_loss(
     return loss, reported
 
 
+class DarknetLoss:
+    """Darknet's loss of a model built from ``blocks``, called once per mini-batch::
+
+        blocks = [model.hyperparams, *model.module_defs]
+        criterion = DarknetLoss(blocks, model.yolo_layers)
+        loss, reported = criterion(model(imgs), targets, imgs.shape[-2:])
+        loss.backward()
+
+    Args:
+        blocks: the parsed cfg, ``[net]`` first.
+        head_layers: the heads' layer indices in the order the model returns them
+            (``Darknet.yolo_layers``).
+    """
+
+    def __init__(self, blocks: Sequence[Block], head_layers: Sequence[int]):
+        specs = yolo_specs(blocks)
+        self.specs = [specs[k] for k in head_layers]
+        self.max_boxes = max(s.max_boxes for s in self.specs)
+
+    def __call__(
+        self, preds: Sequence[torch.Tensor], targets: torch.Tensor, img_size: Sequence[int]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``preds`` the model's training output, ``targets`` (nt, 6) image, class, cx, cy, w,
+        h as the data loader collates them, ``img_size`` (h, w) of the batch's images; returns
+        :func:`darknet_loss`'s ``(loss, reported)``."""
+        truths = targets_to_truths(targets, preds[0].shape[0], self.max_boxes)
+        return darknet_loss(preds, truths, self.specs, (int(img_size[0]), int(img_size[1])))
+
+
 def targets_to_truths(targets: torch.Tensor, batch_size: int, max_boxes: int) -> torch.Tensor:
     """The data loader's targets as Darknet's per-image truth lists.
 

@@ -17,7 +17,9 @@ import torch
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg
 from models.budget import estimate_model
+from models.darknet import Darknet
 from models.darknet_loss import (
+    DarknetLoss,
     YoloLossSpec,
     darknet_yolo_loss,
     head_input,
@@ -282,3 +284,22 @@ def test_cuda_equals_cpu():
     gpu = yolo_delta(x.cuda(), truths.cuda(), spec, (SIZE, SIZE))
     assert torch.allclose(gpu.delta.cpu(), cpu.delta, atol=1e-5)
     assert math.isclose(float(gpu.cost), float(cpu.cost), rel_tol=1e-5)
+
+
+def test_darknet_loss_of_a_model_is_the_sum_of_its_heads():
+    """DarknetLoss takes the model's training output and the loader's targets; its loss is the
+    sum of the heads' yolo_delta costs, ``reported`` their mean per image."""
+    model = Darknet(TINY, img_size=SIZE).train()
+    criterion = DarknetLoss([model.hyperparams, *model.module_defs], model.yolo_layers)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        preds = model(torch.rand(BATCH, 3, SIZE, SIZE))
+    rows = random_truths(np.random.default_rng(0), 5, 80)
+    targets = torch.tensor([[r[0], r[5], *r[1:5]] for r in rows])
+    loss, reported = criterion(preds, targets, (SIZE, SIZE))
+    costs = [
+        yolo_delta(head_input(p, s), truths_tensor(rows), s, (SIZE, SIZE)).cost
+        for p, s in zip(preds, criterion.specs)
+    ]
+    assert torch.allclose(loss, sum(costs))
+    assert torch.allclose(reported, loss / len(costs) / BATCH)
