@@ -5,7 +5,8 @@ Darknet does not differentiate a loss: each ``[yolo]`` layer writes ``l.delta`` 
 gradient it wants for its input) by hand, and reports ``*l.cost``. :func:`yolo_delta` computes
 both for one layer; :func:`darknet_yolo_loss` wraps it for autograd (forward: the cost;
 backward: ``-delta`` to the layer's input), so that ``loss.backward()`` gives the network
-Darknet's gradients. tests/models/test_darknet_loss.py checks both against the built Darknet.
+Darknet's gradients; :class:`DarknetLoss` applies it to all heads of a model from the data
+loader's targets. tests/models/test_darknet_loss.py checks both against the built Darknet.
 
 What a layer does, per image (``b``), in Darknet's order:
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -43,6 +43,9 @@ POLICIES = ("constant", "step", "steps", "exp", "poly", "random", "sigmoid", "sg
 EMA_APPLY_BEFORE_END = 1000
 RAND_MAX = 2**31 - 1  # glibc's
 SGDR_PI = 3.14159265  # the constant get_current_rate writes (not math.pi)
+
+
+f32 = np.float32
 
 
 def _f32(value: float) -> float:
@@ -97,6 +100,13 @@ class DarknetSettings:
         """Images summed into one update (``net.batch * net.subdivisions``): ``batch`` rounded
         down to a multiple of ``subdivisions``."""
         return self.mini_batch * self.subdivisions
+
+    def for_gpus(self, gpus: int) -> DarknetSettings:
+        """The settings of one of ``gpus`` processes: Darknet's ``train_detector`` multiplies
+        ``learning_rate`` by the number of GPUs (each trains ``batch`` images an iteration and
+        the weights are averaged; with DDP's averaged gradients, this rate gives the same
+        update as weights averaged every iteration)."""
+        return replace(self, learning_rate=float(f32(self.learning_rate) * f32(gpus)))
 
     @classmethod
     def from_block(cls, net: Block) -> DarknetSettings:
@@ -223,7 +233,6 @@ def current_rate(
     """
     s = settings
     lr = s.learning_rate
-    f32 = np.float32
     if batch_num < s.burn_in:
         ratio = float(f32(batch_num) / f32(s.burn_in))
         return _f32(lr * _c_pow(ratio, s.power))

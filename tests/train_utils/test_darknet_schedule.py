@@ -255,3 +255,9 @@ def test_bad_net_keys_are_refused(net, message):
     text = "[net]\nwidth=32\nheight=32\n" + net + "\n" + LAYER
     with pytest.raises(ConfigError, match=message):
         DarknetSettings.from_block(parse_model_cfg_text(text, Path("n.cfg"))[0])
+
+
+def test_for_gpus_multiplies_the_rate_as_train_detector():
+    settings = DarknetSettings.from_block(parse_model_cfg_text(NET + LAYER, Path("n.cfg"))[0])
+    assert settings.for_gpus(4).learning_rate == float(np.float32(0.00261) * np.float32(4))
+    assert settings.for_gpus(1) == settings
