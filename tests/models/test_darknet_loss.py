@@ -219,6 +219,20 @@ def test_best_anchor_in_another_layer_matches_darknet(darknet_harness, tmp_path)
     assert (alone[COARSE][2], alone[FINE][2]) == (1, 0)
 
 
+def test_truth_lists_end_at_x_zero_and_skip_other_classes(darknet_harness, tmp_path):
+    """Darknet reads an image's truths up to the first with x == 0 and skips a class the layer
+    does not have: of these five, only the first and the fourth train anything."""
+    rows = [
+        [0, *_anchor_box(1, 0.3, 0.3), 1],
+        [0, *_anchor_box(1, 0.7, 0.7), 80],  # classes are 0..79
+        [1, *_f32((0.0, 0.5, 0.2, 0.2)), 1],  # ends image 1's list
+        [0, *_anchor_box(2, 0.6, 0.2), 3],
+        [1, *_anchor_box(1, 0.6, 0.6), 2],  # after the end
+    ]
+    ours = compare(darknet_harness, tmp_path, TINY, {}, rows=rows)
+    assert ours[FINE][2] == 2 and ours[COARSE][2] == 0
+
+
 def test_gradient_is_minus_darknets_delta(darknet_harness, tmp_path):
     """loss.backward() hands -l.delta to the layer's input; for a new_coords head, our model's
     logits get it through the logistic that the model moved into the head."""
