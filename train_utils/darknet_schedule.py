@@ -38,6 +38,27 @@ from torch import nn
 from build_utils.parse_config import Block, layer_error
 
 POLICIES = ("constant", "step", "steps", "exp", "poly", "random", "sigmoid", "sgdr")
+# The [net] keys DarknetSettings honours.
+NET_KEYS_HONOURED = (
+    "batch",
+    "subdivisions",
+    "learning_rate",
+    "learning_rate_min",
+    "momentum",
+    "decay",
+    "max_batches",
+    "burn_in",
+    "power",
+    "policy",
+    "steps",
+    "scales",
+    "step",
+    "scale",
+    "gamma",
+    "sgdr_cycle",
+    "sgdr_mult",
+    "ema_alpha",
+)
 # EMA: Darknet starts averaging at max_batches / 2 and writes the average into the weights
 # this many iterations before the end (train_network_waitkey).
 EMA_APPLY_BEFORE_END = 1000

@@ -261,3 +261,13 @@ def test_for_gpus_multiplies_the_rate_as_train_detector():
     settings = DarknetSettings.from_block(parse_model_cfg_text(NET + LAYER, Path("n.cfg"))[0])
     assert settings.for_gpus(4).learning_rate == float(np.float32(0.00261) * np.float32(4))
     assert settings.for_gpus(1) == settings
+
+
+def test_honoured_keys_are_keys_parse_config_reads():
+    """The key lists a recipe warns against are spelled as the cfg spells them."""
+    from build_utils.parse_config import KEYS
+    from models.darknet_loss import YOLO_KEYS_HONOURED
+    from train_utils.darknet_schedule import NET_KEYS_HONOURED
+
+    assert set(NET_KEYS_HONOURED) <= set(KEYS["net"])
+    assert set(YOLO_KEYS_HONOURED) <= set(KEYS["yolo"])
