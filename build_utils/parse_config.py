@@ -123,8 +123,11 @@ _NET_KEYS: dict[str, str] = {
     "dynamic_minibatch": INT,
     "optimized_memory": INT,
     "workspace_size_limit_MB": INT,
-    "batches_per_cycle": INT,
-    "batches_cycle_mult": INT,
+    # policy=sgdr: the first cycle's length in iterations (default max_batches) and the factor
+    # each next cycle is longer by (default 2).
+    "sgdr_cycle": INT,
+    "sgdr_mult": INT,
+    "use_cuda_graph": INT,
     "max_chart_loss": FLOAT,
     "label_smooth_eps": FLOAT,
     "resize_step": INT,
@@ -220,6 +223,11 @@ _YOLO_KEYS: dict[str, str] = {
     **_LAYER_KEYS,
 }
 _DROPOUT_KEYS: dict[str, str] = {"probability": FLOAT, **_LAYER_KEYS}
+
+# Keys this parser once accepted under names Darknet does not read: refused with Darknet's name.
+RENAMED: dict[str, dict[str, str]] = {
+    "net": {"batches_per_cycle": "sgdr_cycle", "batches_cycle_mult": "sgdr_mult"},
+}
 
 KEYS: dict[str, dict[str, str]] = {
     "net": _NET_KEYS,
@@ -524,6 +532,13 @@ def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
         block[key] = _convert(KEYS[section][key], value, key, section, path, number)
     elif key in UNSUPPORTED.get(section, {}):
         block[key] = _neutral_value(key, value, section, path, number)
+    elif key in RENAMED.get(section, {}):
+        raise ConfigError(
+            f"key {_quoted(key)} in [{section}] is not Darknet's (Darknet ignores it): write "
+            f"{RENAMED[section][key]}={value}",
+            path,
+            number,
+        )
     else:
         known = ", ".join(KEYS[section])
         raise ConfigError(

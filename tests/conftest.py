@@ -277,6 +277,19 @@ def shared_dir() -> Path:
 
 
 @pytest.fixture(scope="session")
+def darknet_harness() -> Path:
+    """The C harness linked against Darknet's own objects (tests/darknet_ref/), built once per
+    checkout into ``.cache-darknet/`` (under a lock: xdist workers share the build); skips where
+    ``../shared/darknet`` or a C compiler is absent."""
+    from tests.darknet_ref.build import DarknetUnavailable, harness_path
+
+    try:
+        return harness_path()
+    except DarknetUnavailable as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
 def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny shapes dataset (24 train, 10 val images, 160-256 px), shared by the session.
 
