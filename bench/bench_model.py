@@ -15,7 +15,7 @@ is timed for
 - ``train``: one training step as ``train_utils.engine.train_one_epoch`` does it:
   uint8 -> float / 255, forward, ``compute_loss`` in fp32 (``cfg/hyp.yaml`` gains), backward,
   SGD (``optim.build_optimizer``: Nesterov momentum, weight decay on conv weights; fused on
-  CUDA, as training runs it: ``optimizer_state.uses_fused_optimizer``),
+  CUDA, as training runs it: ``optim.uses_fused_optimizer``),
   ``zero_grad(set_to_none=True)``, batch ``--train-batch``, on synthetic images with
   ``OBJECTS_PER_IMAGE`` random boxes each, already on the device (the data pipeline and the
   host-to-device copy are not measured; neither is the EMA update).
@@ -71,8 +71,7 @@ from models.darknet import Darknet
 from models.loss import compute_loss, scale_loss_gains
 from train_utils.cli import run_script
 from train_utils.config import load_hyp
-from train_utils.optim import build_optimizer
-from train_utils.optimizer_state import uses_fused_optimizer
+from train_utils.optim import build_optimizer, uses_fused_optimizer
 from train_utils.precision import cuda_has_native_bf16
 
 REPO = Path(__file__).resolve().parents[1]

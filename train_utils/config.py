@@ -441,6 +441,13 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
     )
     add_device_flags(g, None, workers_help)
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    switch(
+        g,
+        "--sync-bn",
+        True,
+        "SyncBatchNorm under CUDA DDP: BatchNorm statistics over every GPU's batch (costs an "
+        "all-reduce per layer; off pays when the batch per GPU is 8 or more)",
+    )
     g.add_argument(
         "--tracker",
         nargs="+",
@@ -512,6 +519,7 @@ class TrainConfig:
     lr_schedule: str = "cosine"  # "cosine" or "linear" (optim.LR_SCHEDULES)
     label_smoothing: float = 0.0  # class-target smoothing eps in [0, 1)
     save_period: int = -1  # keep epoch<E>.pt every N epochs; <= 0 off
+    sync_bn: bool = True  # SyncBatchNorm under CUDA DDP (--sync-bn / --no-sync-bn)
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""

@@ -4,7 +4,8 @@ checkpoint holds of them is checked here before it is loaded (``--resume``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,16 @@ def scaled_lr0(lr0: float, global_batch: int, nbs: int) -> float:
     """The learning rate scaled up linearly once the global batch exceeds ``nbs`` (as
     ultralytics/yolov3 does)."""
     return lr0 * max(1.0, global_batch / nbs)
+
+
+def uses_fused_optimizer(device: torch.device) -> bool:
+    """Whether training on ``device`` uses the fused optimizer implementation.
+
+    CUDA: one kernel for all parameters, and a GradScaler hands it the inf check on the device
+    instead of reading it on the host (a sync) every step. The CPU keeps torch's default
+    implementation, and with it its numbers.
+    """
+    return device.type == "cuda"
 
 
 def build_optimizer(
@@ -184,12 +195,20 @@ def load_optimizer_state(
             )
         saved = remapped
     _check_optimizer_fits(optimizer, saved, path)
+    # The saved groups carry the saved run's implementation (fused on a GPU); this run's device
+    # decides, and the state is laid out as that implementation needs it.
+    impl = [
+        {k: g.get(k) for k in ("fused", "foreach", "capturable")} for g in optimizer.param_groups
+    ]
     try:
         optimizer.load_state_dict(saved)
     except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(
             f"the optimizer state does not fit this model ({e}); {weights_hint}", path
         ) from e
+    for group, flags in zip(optimizer.param_groups, impl, strict=True):
+        group.update(flags)
+    place_state_like_params(optimizer)
 
 
 def check_optimizer_state(saved: Any, path: str | Path | None = None) -> None:
@@ -362,3 +381,87 @@ def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, path: Any
         len(base) != len(optimizer.param_groups) or not all(is_real(v) and v >= 0 for v in base)
     ):
         raise CheckpointError(bad + bad_value("base_lrs", base), path)
+
+
+# ``step`` of a fused or capturable group: a float32 tensor on the parameter's device (torch's
+# own choice in Optimizer._process_value_according_to_param_policy).
+DEVICE_STEP_DTYPE = torch.float32
+
+
+def place_state_like_params(optimizer: torch.optim.Optimizer) -> int:
+    """Give every per-element state tensor (momentum, Adam's moments) its parameter's device,
+    dtype and strides, and every ``step`` the place the group's current implementation keeps it:
+    on the parameter's device in float32 when the group is fused or capturable, on the CPU
+    otherwise. Values are unchanged; tensors already in place are kept as they are.
+
+    Call after ``load_state_dict`` and after the groups' implementation flags (``fused``,
+    ``foreach``, ``capturable``) are this run's. Returns how many tensors were moved.
+    """
+    moved = 0
+    for _, _, state, key, value, want in _state_tensors(optimizer):
+        if not _is_in_place(value, want):
+            state[key] = _place(value, want)
+            moved += 1
+    return moved
+
+
+def state_out_of_place(optimizer: torch.optim.Optimizer) -> list[str]:
+    """The state tensors :func:`place_state_like_params` would move, one line each (empty when
+    every tensor is where this implementation needs it)."""
+    return [
+        f"group {g} parameter {k} {key}: {value.device} {value.dtype} strides "
+        f"{tuple(value.stride())}; wanted {want.device} {want.dtype} strides {want.strides}"
+        for g, k, _, key, value, want in _state_tensors(optimizer)
+        if not _is_in_place(value, want)
+    ]
+
+
+@dataclass(frozen=True)
+class _Placement:
+    device: torch.device
+    dtype: torch.dtype
+    strides: tuple[int, ...] | None  # None: any layout
+    like: torch.Tensor | None  # the parameter to copy the layout of
+
+
+def _state_tensors(
+    optimizer: torch.optim.Optimizer,
+) -> Iterator[tuple[int, int, dict[str, Any], str, torch.Tensor, _Placement]]:
+    """(group index, parameter index, its state, key, tensor, where it belongs) of every state
+    tensor."""
+    for g, group in enumerate(optimizer.param_groups):
+        step_on_device = bool(group.get("fused") or group.get("capturable"))
+        for k, p in enumerate(group["params"]):
+            state = optimizer.state.get(p) or {}
+            for key, value in list(state.items()):
+                if isinstance(value, torch.Tensor):
+                    yield g, k, state, key, value, _placement(key, value, p, step_on_device)
+
+
+def _placement(key: str, value: torch.Tensor, p: torch.Tensor, step_on_device: bool) -> _Placement:
+    if key == "step":
+        if step_on_device:
+            return _Placement(p.device, DEVICE_STEP_DTYPE, None, None)
+        return _Placement(torch.device("cpu"), value.dtype, None, None)
+    if value.shape != p.shape:
+        # Not a per-element state: only its device follows the parameter.
+        return _Placement(p.device, value.dtype, None, None)
+    dtype = p.dtype if value.is_floating_point() else value.dtype
+    return _Placement(p.device, dtype, tuple(p.stride()), p)
+
+
+def _is_in_place(value: torch.Tensor, want: _Placement) -> bool:
+    return (
+        value.device == want.device
+        and value.dtype == want.dtype
+        and (want.strides is None or tuple(value.stride()) == want.strides)
+    )
+
+
+def _place(value: torch.Tensor, want: _Placement) -> torch.Tensor:
+    if want.like is None:
+        return value.to(device=want.device, dtype=want.dtype)
+    # empty_like keeps a dense parameter's strides (channels_last included); copy_ converts.
+    placed = torch.empty_like(want.like, dtype=want.dtype)
+    placed.copy_(value)
+    return placed

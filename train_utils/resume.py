@@ -414,12 +414,7 @@ def restore(
     # The model is the cfg's text (resolved for the classes, anchors from the checkpoint), not
     # its path: a cfg edited in place must not train silently on these weights.
     check_resume_cfg(ckpt.get("cfg"), cfg_text, config.cfg, path.parent / RUN_CFG_NAME, path)
-    # The saved groups carry the saved run's implementation flags (fused on a GPU); this run's
-    # device decides.
-    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in state.optimizer.param_groups]
     loop = restore_state(ckpt, state, path)
-    for group, flags in zip(state.optimizer.param_groups, impl, strict=True):
-        group.update(flags)
     if dist.is_main:
         # After the checks above: what is said to have changed is what this run then does.
         _warn_about_changes(ckpt, config, path)

@@ -24,7 +24,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
@@ -51,6 +50,7 @@ from train_utils.distributed.comm import (
     broadcast_tensors_,
     raise_if_any_rank_failed,
 )
+from train_utils.distributed.ddp import wrap_for_training
 from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
@@ -66,7 +66,13 @@ from train_utils.memory_format import (
     step_seconds,
     time_train_step,
 )
-from train_utils.optim import accumulate_steps, build_optimizer, build_scheduler, scaled_lr0
+from train_utils.optim import (
+    accumulate_steps,
+    build_optimizer,
+    build_scheduler,
+    scaled_lr0,
+    uses_fused_optimizer,
+)
 from train_utils.plan import FITNESS_KEY, EpochPlan, LoopState
 from train_utils.precision import (
     choose_cpu_amp,
@@ -208,7 +214,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     if ckpt is not None:
         loop = resume.restore(ckpt, state, config, dist, plan, cfg_text)
     start_epoch = loop.epoch + 1
-    state.model = _wrap_for_training(model, config, dist)
+    state.model = wrap_for_training(model, dist, config.compile, config.sync_bn)
 
     train_data = build_train_data(config, dist, hyp)
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
@@ -371,7 +377,7 @@ def _build_model(
     blocks = model_blocks_for(config.cfg, config.data.nc)
     error = None
     try:
-        _check_model_memory(config, blocks, dist)
+        _check_model_memory(config, blocks, dist, amp)
     except ConfigError as e:
         error = e
     # Collective: a model that cannot fit one rank's device stops every rank with the same
@@ -391,15 +397,26 @@ def _build_model(
     return model, cfg_text, ckpt, channels_last, amp
 
 
-def _check_model_memory(config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo) -> None:
+def _check_model_memory(
+    config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo, amp: torch.dtype | None
+) -> None:
     """Refuse a model whose training memory (parameters, gradients, optimizer state, EMA and the
-    activations of a batch at the largest side this run trains at) exceeds the device's, before
-    anything is allocated (models/budget.py)."""
+    activations of a batch at the largest side this run trains at, in the autocast dtype)
+    exceeds the device's, before anything is allocated (models/budget.py)."""
     side = multi_scale_bounds(config.img_size)[1] if config.multi_scale else config.img_size
     # The ranks of a node training on its CPU share its RAM; GPUs are one per rank.
-    share = processes_per_node() if dist.device.type == "cpu" else 1
+    cpu = dist.device.type == "cpu"
+    share = processes_per_node() if cpu else 1
+    # --amp auto on a CPU may still time fp32 faster (_memory_format): count fp32 there.
+    counted = None if cpu and config.amp == "auto" else amp
     estimate = check_model_fits(
-        blocks, side, batch=config.batch_size, training=True, device=dist.device, share=share
+        blocks,
+        side,
+        batch=config.batch_size,
+        training=True,
+        device=dist.device,
+        share=share,
+        amp=counted,
     )
     logger.debug("model memory: %s", describe_estimate(estimate, config.batch_size))
 
@@ -491,10 +508,8 @@ def _build_train_state(
 ) -> TrainState:
     lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
     on_cuda = dist.device.type == "cuda"
-    # Fused on CUDA: one kernel for all parameters, and GradScaler hands it the inf check on
-    # the device instead of reading it on the host (a sync) every step. CPU keeps the default
-    # implementation, and with it its numbers.
-    optimizer = build_optimizer(model, hyp, lr0, config.optimizer, fused=on_cuda)
+    fused = uses_fused_optimizer(dist.device)  # the benchmark times the same implementation
+    optimizer = build_optimizer(model, hyp, lr0, config.optimizer, fused=fused)
     return TrainState(
         model=model,
         model_without_ddp=model,
@@ -518,40 +533,6 @@ def _epoch_plan(config: TrainConfig, t_start: float) -> EpochPlan:
         max_epochs=config.epochs if budget_s is not None else None,
         started=t_start,
     )
-
-
-def use_sync_batchnorm(device: torch.device, compile_model: bool) -> tuple[bool, str]:
-    """Whether DDP training converts BatchNorm to SyncBatchNorm, and if not, why.
-
-    SyncBatchNorm supports CUDA only. Under ``torch.compile`` it graph-breaks at every layer or
-    fails to compile (pytorch#161302, #107372, #156680), while compile + DDP with plain BatchNorm
-    works: with ``--compile`` the safe combination is DDP + compile + per-GPU BatchNorm.
-    """
-    if device.type != "cuda":
-        return False, "it supports CUDA modules only (running on CPU)"
-    if compile_model:
-        return False, (
-            "--compile cannot trace SyncBatchNorm (pytorch#161302, #107372): BatchNorm "
-            "statistics stay per GPU, so keep --batch-size >= 8 per GPU, or drop --compile "
-            "for SyncBatchNorm"
-        )
-    return True, ""
-
-
-def _wrap_for_training(model: Darknet, config: TrainConfig, dist: DistInfo) -> nn.Module:
-    """DDP (with SyncBatchNorm on CUDA) under a process group, then torch.compile if asked."""
-    wrapped: nn.Module = model
-    if dist.distributed:
-        sync_bn, why_not = use_sync_batchnorm(dist.device, config.compile)
-        if sync_bn:
-            # Converts in place: the BatchNorm2d modules inside ``model`` are replaced.
-            wrapped = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        elif dist.is_main:
-            log = logger.warning if config.compile else logger.info
-            log("SyncBatchNorm skipped: %s", why_not)
-        device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        wrapped = nn.parallel.DistributedDataParallel(wrapped, device_ids=device_ids)
-    return torch.compile(wrapped) if config.compile else wrapped
 
 
 # ---- loop -----------------------------------------------------------------------------------

@@ -60,7 +60,7 @@ def test_bench_model_writes_a_row_per_variant(tmp_path):
 
 @pytest.mark.slow
 def test_bench_model_times_the_optimizer_training_uses(monkeypatch):
-    """Fused where training fuses it (CUDA: optimizer_state.uses_fused_optimizer), as the
+    """Fused where training fuses it (CUDA: optim.uses_fused_optimizer), as the
     trainer builds it; faked here on the CPU, whose fused kernels exist too."""
     import torch
 

@@ -182,7 +182,7 @@ def test_model_input_is_the_scaled_float_batch(channels_last):
 
 
 def test_sync_batchnorm_only_on_cuda_without_compile():
-    from train_utils.trainer import use_sync_batchnorm
+    from train_utils.distributed.ddp import use_sync_batchnorm
 
     assert use_sync_batchnorm(CUDA, False) == (True, "")
     sync, why = use_sync_batchnorm(CUDA, True)

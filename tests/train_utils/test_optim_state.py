@@ -1,7 +1,7 @@
-"""train_utils/optimizer_state.py: a run trained on the CPU (contiguous, default optimizer) and
-resumed where training is fused and channels_last gets every optimizer state tensor laid out
-like its parameter and ``step`` where the fused kernel wants it; the values and the next step
-are those of the run it continues.
+"""train_utils/optim.py, the optimizer state of a resumed run: a run trained on the CPU
+(contiguous, default optimizer) and resumed where training is fused and channels_last gets every
+optimizer state tensor laid out like its parameter and ``step`` where the fused kernel wants it;
+the values and the next step are those of the run it continues.
 
 The CPU's fused kernels accept mismatched strides, so the CPU tests assert the precondition the
 CUDA kernels need; the ``cuda`` twins take the step on the GPU.
@@ -17,8 +17,9 @@ import pytest
 import torch
 from torch import nn
 
-from train_utils.optim import build_optimizer
-from train_utils.optimizer_state import (
+from train_utils.optim import (
+    build_optimizer,
+    load_optimizer_state,
     place_state_like_params,
     state_out_of_place,
     uses_fused_optimizer,
@@ -159,3 +160,17 @@ def test_a_fused_cuda_run_resumes_on_the_cpu_with_its_step_on_the_cpu(kind):
     place_state_like_params(cpu_opt)
     assert_state_like_params(cpu_opt)
     train_steps(cpu_model, cpu_opt, 1)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_the_resume_path_lays_the_state_out_like_its_params(kind):
+    """optim.load_optimizer_state, what --resume calls: this run's implementation (fused) is
+    kept, not the saved groups' (not fused), and every state tensor ends where it wants it."""
+    saved = cpu_run(kind)
+    model = make_model()
+    model.load_state_dict(saved[0])
+    model.to(memory_format=torch.channels_last)
+    optimizer = build_optimizer(model, HYP, LR, kind, fused=True)
+    load_optimizer_state(optimizer, copy.deepcopy(saved[1]))
+    assert all(group["fused"] for group in optimizer.param_groups)
+    assert_state_like_params(optimizer)
