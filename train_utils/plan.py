@@ -44,12 +44,14 @@ class LoopState:
         best: the best :data:`FITNESS_KEY` so far, None before any evaluation.
         best_epoch: the epoch of ``best``.
         last_stats: the last evaluation's COCO stats by name.
+        saved_epoch: the epoch this run last wrote to ``last.pt`` (None: none yet).
     """
 
     epoch: int
     best: float | None = None
     best_epoch: int | None = None
     last_stats: dict[str, float] | None = None
+    saved_epoch: int | None = None  # the epoch last.pt holds, once this run has written it
 
     def update(self, epoch: int, val: dict[str, float] | None, is_best: bool) -> None:
         """Take ``epoch``'s evaluation (``val`` None: not evaluated here), the new best when

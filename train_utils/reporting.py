@@ -363,14 +363,25 @@ class EpochReporter:
             epoch,
         )
 
-    def interrupted(self, epoch: int, unfinished_saved: bool = False) -> None:
+    def interrupted(
+        self, epoch: int, unfinished_saved: bool = False, completed: bool = False
+    ) -> None:
         """Ctrl-C/SIGTERM: say how to continue (or that nothing could be saved).
         ``unfinished_saved``: no epoch was completed, and last.pt holds the part-trained
-        weights of ``epoch``."""
+        weights of ``epoch``; ``completed``: ``epoch`` itself was completed and saved (the
+        signal came between two epochs)."""
         self.status = KILLED
         last = self.out / "last.pt"
         if not last.is_file():
             logger.warning("interrupted in epoch %d; nothing is saved in %s", epoch, self.out)
+            return
+        if completed:
+            logger.warning(
+                "interrupted after epoch %d, which is complete and saved in %s; continue with "
+                "--resume",
+                epoch,
+                last,
+            )
             return
         if unfinished_saved:
             logger.warning(
@@ -450,7 +461,7 @@ class SilentReporter:
     def stopped_early(self, *args: Any) -> None:
         pass
 
-    def interrupted(self, epoch: int, unfinished_saved: bool = False) -> None:
+    def interrupted(self, epoch: int, *args: Any) -> None:
         logger.warning("interrupted in epoch %d", epoch)
 
     def stopped_on_request(self, *args: Any) -> None:

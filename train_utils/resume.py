@@ -124,15 +124,24 @@ def resumes_in_place(resume: str | None, output_dir: Path) -> bool:
     return Path(resume).resolve() == last.resolve()
 
 
-def _checkpoint_to_resume(args: argparse.Namespace, run_folder: Path | None) -> Path | None:
+def _checkpoint_to_resume(args: argparse.Namespace, run_folder: Path | None) -> Path:
     """The checkpoint ``--resume`` means: its path; bare ``--resume`` with a run named
-    (``run_folder``) is that run's ``last.pt`` (None when it has none: the trainer says so),
-    without one the newest ``<project or runs>/*/last.pt``."""
+    (``run_folder``) is that run's ``last.pt``, without one the newest
+    ``<project or runs>/*/last.pt``.
+
+    Raises:
+        ConfigError: there is no such checkpoint.
+    """
     if args.resume != "auto":
         return Path(args.resume)
     if run_folder is not None:
         last = run_folder / "last.pt"
-        return last if last.is_file() else None
+        if not last.is_file():
+            raise ConfigError(
+                f"--resume: no checkpoint in {run_folder} (no last.pt): that run never finished "
+                f"an epoch, or another --name/--project was meant"
+            )
+        return last
     runs = Path(args.project) if getattr(args, "project", "") else RUNS_DIR
     latest = latest_run_checkpoint(runs)
     if latest is None:
@@ -152,15 +161,12 @@ def settings_of_resumed_run(
     """``--resume PATH`` (or bare ``--resume``): take the run's own arguments for every flag in
     ``fields`` (dest -> fallback) not typed, and return the run's folder, where it continues.
 
-    ``named_folder`` is the folder ``--name``/``--output-dir`` name, if any. None when this is not
-    such a resume (no ``--resume``, or bare ``--resume`` of a named folder holding no
-    ``last.pt``: the trainer reports it).
+    ``named_folder`` is the folder ``--name``/``--output-dir`` name, if any. None without
+    ``--resume``.
     """
     if args.resume is None:
         return None
     path = _checkpoint_to_resume(args, named_folder)
-    if path is None:
-        return None
     args.resume = str(path)
     if not path.is_file():
         raise ConfigError(f"--resume: no checkpoint at {path}; give the path of a run's last.pt")

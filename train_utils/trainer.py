@@ -264,7 +264,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         if isinstance(e, RunStopped):
             reporter.stopped_on_request(str(e))
         else:
-            reporter.interrupted(loop.epoch, unfinished_saved)
+            reporter.interrupted(loop.epoch, unfinished_saved, loop.saved_epoch == loop.epoch)
         raise
     finally:
         reporter.close()
@@ -590,6 +590,7 @@ def _save_on_main(
         return
     ckpt = _checkpoint(run, epoch, loop)
     save_checkpoint(ckpt, run.config.output_dir / "last.pt", OUTPUT_FLAG)
+    loop.saved_epoch = epoch
     if as_best:
         save_checkpoint(ckpt, run.config.output_dir / "best.pt", OUTPUT_FLAG)
     if periodic and keeps_epoch(epoch, run.config.save_period):
