@@ -171,16 +171,18 @@ class ResultsCsv(Tracker):
         start_epoch: the first epoch this process runs; rows of later epochs left by an
             interrupted attempt are dropped, as that work is redone. The file is rewritten
             whole, so an older run's header gains the newer columns (empty in its old rows).
+        history: the ``results.csv`` of the run a ``--resume`` into a new folder continues
+            (an ``epoch<E>.pt`` beside a later ``last.pt``): its rows before ``start_epoch``
+            start this folder's file.
     """
 
     name = "results.csv"
 
-    def __init__(self, out: Path, start_epoch: int):
+    def __init__(self, out: Path, start_epoch: int, history: Path | None = None):
         self.out = out
         self.path = out / "results.csv"
-        write_results(
-            self.path, [r for r in read_results(self.path) if int(r["epoch"]) < start_epoch]
-        )
+        source = history if history is not None and not self.path.exists() else self.path
+        write_results(self.path, [r for r in read_results(source) if int(r["epoch"]) < start_epoch])
 
     def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
         if not set(STAT_NAMES) <= metrics.keys():
@@ -236,6 +238,7 @@ class EpochReporter:
         experiment: what groups the run in an external tracker (the dataset's name).
         resumed: a ``--resume``: external trackers continue the run the folder records.
         workers: the DataLoader workers per process, named when the data is too slow.
+        history: see :class:`ResultsCsv`.
 
     Raises:
         OutputError: the run folder, or an external tracker, cannot be written.
@@ -250,13 +253,14 @@ class EpochReporter:
         experiment: str = "",
         resumed: bool = False,
         workers: int | None = None,
+        history: Path | None = None,
     ):
         self.out = out
         self.results = out / "results.csv"
         self.workers = workers
         self.status = FAILED  # until finished() or an interruption says otherwise
         self.warned_data_wait = False
-        self.trackers: list[Tracker] = [ResultsCsv(out, start_epoch), TensorBoard(out)]
+        self.trackers: list[Tracker] = [ResultsCsv(out, start_epoch, history), TensorBoard(out)]
         try:
             self.external = open_trackers(
                 trackers, out, params or {}, experiment, resumed, OUTPUT_FLAG

@@ -569,20 +569,31 @@ def reconcile_best(ckpt: Mapping[str, Any], last: Path, best: Path, trust: bool)
     copied over it (atomically) unless it already holds that epoch. Otherwise the best epoch's
     weights exist only in ``best``; if it holds another epoch (a folder written by an older
     version, or edited by hand) that is said in one line and the next better epoch replaces it.
-    Only a ``last.pt`` of this run's folder is reconciled: ``--resume other/last.pt`` into a new
-    folder has no ``best.pt`` of its own yet.
+    A ``--resume`` into a new folder (an earlier ``epoch<E>.pt`` of another run) starts its
+    ``best.pt`` as the best of that state: the resumed file when it is its own best, else the
+    other run's ``best.pt`` or ``epoch<E>.pt`` that holds that epoch.
     """
     best_epoch, epoch = ckpt.get("best_epoch"), ckpt.get("epoch")
-    if best_epoch is None or last.resolve().parent != best.resolve().parent:
+    if best_epoch is None:
         return
-    try:
-        on_disk = load_checkpoint(best, trust=trust).get("epoch") if best.is_file() else None
-    except CheckpointError as e:
-        logger.warning("%s cannot be read (%s)", best, e)
-        on_disk = None
+    on_disk = _epoch_of(best, trust)
     if on_disk == best_epoch:
         return
     found = "missing" if on_disk is None else f"epoch {on_disk}"
+    if best_epoch != epoch and last.resolve().parent != best.resolve().parent:
+        # A new folder continuing an earlier state of another run: its best epoch's weights are
+        # that run's best.pt or epoch<E>.pt, if one of them still holds that epoch.
+        source = next(
+            (
+                p
+                for p in (last.parent / "best.pt", last.parent / f"epoch{best_epoch}.pt")
+                if _epoch_of(p, trust) == best_epoch
+            ),
+            None,
+        )
+        if source is not None:
+            _copy_best(source, best, found, best_epoch)
+            return
     if best_epoch != epoch:
         logger.warning(
             "%s is %s but %s names epoch %s as the best, whose weights are gone; best.pt will be "
@@ -594,12 +605,28 @@ def reconcile_best(ckpt: Mapping[str, Any], last: Path, best: Path, trust: bool)
             ckpt.get("best_fitness"),
         )
         return
-    # The bytes of last.pt are the checkpoint that the interrupted write of best.pt had.
+    # The bytes of last.pt are the checkpoint that the interrupted write of best.pt had (or,
+    # in a new folder, the resumed checkpoint is its run's best so far).
+    _copy_best(last, best, found, epoch)
+
+
+def _epoch_of(path: Path, trust: bool) -> int | None:
+    """The epoch a checkpoint file holds, None when it is missing or cannot be read."""
+    if not path.is_file():
+        return None
     try:
-        copy_checkpoint(last, best)
+        return load_checkpoint(path, trust=trust).get("epoch")
+    except CheckpointError as e:
+        logger.warning("%s cannot be read (%s)", path, e)
+        return None
+
+
+def _copy_best(source: Path, best: Path, found: str, epoch: int) -> None:
+    try:
+        copy_checkpoint(source, best)
     except CheckpointError as e:
         # Only rank 0 is here: raising would leave the other ranks waiting in a collective.
         # The run goes on; its own writes to this folder report a lasting problem.
         logger.warning("%s is %s and could not be rebuilt: %s", best, found, e)
         return
-    logger.info("%s was %s: rebuilt from %s (epoch %s, the best)", best, found, last, epoch)
+    logger.info("%s was %s: rebuilt from %s (epoch %s, the best)", best, found, source, epoch)

@@ -239,6 +239,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             experiment=data.path.stem,
             resumed=config.resume is not None,
             workers=train_data.train_loader.num_workers,
+            history=_history_of(config),
         )
     except OutputError as e:  # only rank 0 writes
         failure = e
@@ -269,6 +270,16 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     finally:
         reporter.close()
     return RunSummary(config.output_dir, epochs_run, loop.best, loop.last_stats, seconds)
+
+
+def _history_of(config: TrainConfig) -> Path | None:
+    """The results.csv of the run a ``--resume`` into another folder continues (None: no such
+    resume)."""
+    if config.resume in (None, "auto"):
+        return None
+    source = Path(config.resume).parent
+    same = source.resolve() == config.output_dir.resolve()
+    return None if same else source / "results.csv"
 
 
 def _train_epochs(

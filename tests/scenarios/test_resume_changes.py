@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HYP_YAML, NANO_CFG, run_training, train_argv
+from conftest import HYP_YAML, NANO_CFG, read_results, run_training, train_argv
 
 import train as train_script
 from models.darknet import Darknet
@@ -193,3 +193,18 @@ def test_a_longer_plan_trains_at_its_own_rate_from_the_first_resumed_epoch(
     assert sorted(seen) == [1, 2]
     for epoch, lr in seen.items():
         assert lr == pytest.approx(hyp["lr0"] * schedule(epoch), rel=1e-12), epoch
+
+
+@pytest.mark.slow
+def test_an_earlier_epoch_resumed_into_a_new_folder_keeps_its_history(shapes_data, tmp_path):
+    """--resume of epoch0.pt beside a later last.pt writes run2 (the later epochs kept), which
+    starts with epoch 0's results row and best.pt (was: neither)."""
+    run = tmp_path / "run"
+    run_training(_argv(shapes_data, run, "--save-period", "1", epochs=2))
+    first = read_results(run / "results.csv")
+    run_training(["--resume", str(run / "epoch0.pt"), "--epochs", "1", "--device", "cpu"])
+    new = tmp_path / "run2"
+    assert read_results(new / "results.csv") == first[:1]
+    assert load_checkpoint(new / "best.pt")["epoch"] == 0
+    assert (new / "best.pt").read_bytes() == (run / "epoch0.pt").read_bytes()
+    assert [r["epoch"] for r in read_results(run / "results.csv")] == ["0", "1"]  # kept
