@@ -553,6 +553,7 @@ class Darknet(nn.Module):
 
 
 FREEZE_MODES = ("none", "backbone", "all-but-heads")
+MAX_FREEZE_INDEX = 100_000  # a layer index in a freeze list (cfgs have hundreds of layers)
 
 
 def backbone_end(model: Darknet) -> int:
@@ -570,8 +571,36 @@ def backbone_end(model: Darknet) -> int:
     return min(routes[0] - 1, last_allowed) if routes else last_allowed
 
 
+def layer_list(mode: str) -> list[int] | None:
+    """The layer indices of a freeze ``mode`` written as a list (``"0-9"``, ``"0,1,2"``, the
+    form :func:`index_ranges` writes), else None.
+
+    Raises:
+        ConfigError: a list that is malformed or too long.
+    """
+    if not mode or not mode[0].isdigit():
+        return None
+    layers: set[int] = set()
+    for part in mode.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ConfigError(f"freeze layers {mode!r}: write layer indices as 0-9 or 0,1,2")
+        lo, hi = int(first), int(last or first)
+        if hi < lo or hi >= MAX_FREEZE_INDEX:
+            raise ConfigError(f"freeze layers {mode!r}: {part} is not a range of layer indices")
+        layers.update(range(lo, hi + 1))
+    return sorted(layers)
+
+
 def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
-    """``module_list`` indices that :meth:`Darknet.freeze` freezes for ``mode``."""
+    """``module_list`` indices that :meth:`Darknet.freeze` freezes for ``mode``: one of
+    :data:`FREEZE_MODES` or a list of layers (``"0-9"``, YOLOv5's ``--freeze 10``)."""
+    layers = layer_list(mode)
+    if layers is not None:
+        n = len(model.module_list)
+        if layers[-1] >= n:
+            raise ConfigError(f"freeze layers {mode!r}: the model has layers 0-{n - 1}")
+        return layers
     if mode == "none":
         return []
     if mode == "backbone":
@@ -581,7 +610,10 @@ def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
         # and must stay in training mode (see Darknet.freeze).
         trained = {i - 1 for i in model.yolo_layers} | set(model.yolo_layers)
         return [i for i in range(len(model.module_list)) if i not in trained]
-    raise ConfigError(f"unknown freeze mode {mode!r}; use one of {', '.join(FREEZE_MODES)}")
+    raise ConfigError(
+        f"unknown freeze mode {mode!r}; use one of {', '.join(FREEZE_MODES)} or layer indices "
+        f"such as 0-9"
+    )
 
 
 def index_ranges(indices: Iterable[int]) -> str:

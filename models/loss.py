@@ -173,6 +173,7 @@ def build_targets(
     targets: torch.Tensor,
     model: _YoloModel,
     iou_t: float,
+    anchor_t: float = ANCHOR_RATIO_MAX,
 ) -> list[LayerTargets]:
     """Assign targets to anchors and grid cells, one :class:`LayerTargets` per head.
 
@@ -182,6 +183,7 @@ def build_targets(
         targets: (nt, 6) = image index in batch, class, cx, cy, w, h normalised to [0, 1].
         model: the unwrapped model (``yolo_layers``, ``module_list[i].anchor_vec``).
         iou_t: an anchor is assigned to a target when their wh-IoU exceeds this.
+        anchor_t: ``new_coords`` heads: when their width and height ratios are within this.
 
     A target is assigned to the cell holding its centre (a centre exactly on the right or
     bottom border goes to the last cell), to every anchor passing ``iou_t``, possibly none.
@@ -201,7 +203,8 @@ def build_targets(
         t[:, 2:6:2] *= nx
         t[:, 3:6:2] *= ny
         if getattr(head, "new_coords", False):
-            out.append(_new_coords_targets(t, anchors, nx, ny, getattr(head, "scale_x_y", 1.0)))
+            scale_x_y = getattr(head, "scale_x_y", 1.0)
+            out.append(_new_coords_targets(t, anchors, nx, ny, scale_x_y, anchor_t))
             continue
 
         # All na * nt pairs, anchor-major (ultralytics/yolov3's order: it decides duplicate cells).
@@ -231,13 +234,18 @@ def build_targets(
 
 
 def _new_coords_targets(
-    t: torch.Tensor, anchors: torch.Tensor, nx: int, ny: int, scale_x_y: float
+    t: torch.Tensor,
+    anchors: torch.Tensor,
+    nx: int,
+    ny: int,
+    scale_x_y: float,
+    anchor_t: float = ANCHOR_RATIO_MAX,
 ) -> LayerTargets:
     """:func:`build_targets` for one ``new_coords`` head; ``t`` (nt, 6) already in grid units,
     ``anchors`` (na, 2) grid units."""
     nt, na = t.shape[0], anchors.shape[0]
     ratio = t[None, :, 4:6] / anchors[:, None].to(t.dtype)  # (na, nt, 2)
-    fits = torch.max(ratio, 1 / ratio).amax(2) < ANCHOR_RATIO_MAX  # (na, nt)
+    fits = torch.max(ratio, 1 / ratio).amax(2) < anchor_t  # (na, nt)
     a = torch.arange(na, device=t.device).repeat_interleave(nt)
     t = t.repeat(na, 1)  # (na * nt, 6), anchor-major as for the other heads
     gxy = t[:, 2:4]
@@ -316,7 +324,8 @@ def compute_loss(
     explicitly and the same on every device.
     """
     device = preds[0].device
-    layer_targets = build_targets(preds, targets, model, hyp["iou_t"])
+    anchor_t = hyp.get("anchor_t", ANCHOR_RATIO_MAX)
+    layer_targets = build_targets(preds, targets, model, hyp["iou_t"], anchor_t)
     criterion_cls = _criterion(hyp["cls_pw"], hyp["fl_gamma"], device)
     criterion_obj = _criterion(hyp["obj_pw"], hyp["fl_gamma"], device)
     cp, cn = smooth_bce(label_smoothing)

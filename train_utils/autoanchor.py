@@ -145,7 +145,7 @@ def training_label_sizes(config: TrainConfig) -> np.ndarray:
     dataset = LoadImagesAndLabels(
         config.data.train,
         config.img_size,
-        config.batch_size,
+        max(config.batch_size, 1),  # the label sizes do not depend on it (autobatch: -1)
         single_cls=config.single_cls,
         # Quiet (progress and summary are for rank -1/0): the training set reports the labels.
         rank=1,

@@ -28,7 +28,8 @@ from build_utils.errors import ConfigError
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
-from models.darknet import FREEZE_MODES
+from models.darknet import FREEZE_MODES, layer_list
+from train_utils.autobatch import AUTO_BATCH
 from train_utils.checkpoint import weights_kind
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
@@ -93,6 +94,9 @@ HYP_SPECS: dict[str, HypSpec] = {
     "weight_decay": HypSpec(float, 0.0, 1.0),
     "warmup_epochs": HypSpec(float, 0.0, 1e3, default=1.0),
     "warmup_bias_lr": HypSpec(float, 0.0, 1.0, default=0.0),
+    # -1: the momentum (no momentum warm-up, ultralytics/yolov3's)
+    "warmup_momentum": HypSpec(float, -1.0, 1.0, default=-1.0),
+    "anchor_t": HypSpec(float, 1.0, 100.0, default=4.0),
     # augmentation
     "hsv_h": HypSpec(float, 0.0, 1.0),
     "hsv_s": HypSpec(float, 0.0, 1.0),
@@ -107,11 +111,20 @@ HYP_SPECS: dict[str, HypSpec] = {
 }
 
 
-def load_hyp(path: str | Path) -> dict[str, Any]:
-    """Read and validate a hyperparameter YAML file.
+# YOLOv5's hyp.scratch-*.yaml keys and ours: a YOLOv5 file is taken with a line per mapped key.
+YOLOV5_HYP_NAMES = {"box": "giou"}
+# YOLOv5 keys for augmentations not offered here: accepted at 0 (off), refused otherwise.
+YOLOV5_OFF_AT_ZERO = ("perspective", "mixup", "copy_paste")
 
-    Unknown keys, missing required keys, wrong types and out-of-range values raise
-    :class:`ConfigError` naming ``path:line`` and the key. Optional keys get their defaults.
+
+def load_hyp(path: str | Path) -> dict[str, Any]:
+    """Read and validate a hyperparameter YAML file: ours (cfg/hyp.yaml), or YOLOv5's
+    ``hyp.scratch-*.yaml``, whose ``box`` is our ``giou`` and whose augmentations not offered
+    here are accepted at 0 (each said in one line).
+
+    Unknown keys (all of them, in one line), missing required keys, wrong types and
+    out-of-range values raise :class:`ConfigError` naming ``path:line`` and the key. Optional
+    keys get their defaults.
     """
     path = Path(path)
     if not os.path.lexists(path):
@@ -122,18 +135,25 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
     if root is None or not isinstance(root, yaml.MappingNode):
         raise ConfigError("expected a mapping of hyperparameter names to values", path)
     hyp: dict[str, Any] = {}
+    unknown: list[tuple[int, str]] = []
     for key_node, value_node in root.value:
         line = key_node.start_mark.line + 1
-        key = key_node.value
+        key, value = _our_hyp_name(key_node.value, doc.value(value_node), path, line)
+        if key is None:
+            continue
         if key not in HYP_SPECS:
-            raise ConfigError(
-                f"unknown hyperparameter {short_repr(key)}; known keys: {', '.join(HYP_SPECS)}",
-                path,
-                line,
-            )
+            unknown.append((line, short_repr(key)))
+            continue
         if key in hyp:
             raise ConfigError(f"hyperparameter '{key}' is given twice", path, line)
-        hyp[key] = _check_hyp_value(key, doc.value(value_node), path, line)
+        hyp[key] = _check_hyp_value(key, value, path, line)
+    if unknown:
+        listed = ", ".join(f"{key} (line {line})" for line, key in unknown)
+        raise ConfigError(
+            f"unknown hyperparameter(s) {listed}; known keys: {', '.join(HYP_SPECS)}",
+            path,
+            unknown[0][0],
+        )
     missing = [k for k, s in HYP_SPECS.items() if s.default is None and k not in hyp]
     if missing:
         raise ConfigError(
@@ -144,6 +164,35 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
     for key, spec in HYP_SPECS.items():
         hyp.setdefault(key, spec.default)
     return hyp
+
+
+def _our_hyp_name(key: Any, value: Any, path: Path, line: int) -> tuple[str | None, Any]:
+    """A hyp file's key and value as ours (a YOLOv5 name mapped, its 0/1 mosaic a switch);
+    (None, _) for a YOLOv5 augmentation that is off. Each mapping is logged once."""
+    if key in YOLOV5_HYP_NAMES:
+        ours = YOLOV5_HYP_NAMES[key]
+        logger.info(
+            "%s:%d: YOLOv5's %r is this project's %r (box loss gain; the gains here are "
+            "ultralytics/yolov3's, see cfg/hyp.yaml)",
+            path,
+            line,
+            key,
+            ours,
+        )
+        return ours, value
+    if key in YOLOV5_OFF_AT_ZERO:
+        if value != 0:
+            raise ConfigError(
+                f"'{key}' = {short_repr(value)}: YOLOv5's {key} augmentation is not offered "
+                f"here; set it to 0 or remove the line",
+                path,
+                line,
+            )
+        logger.info("%s:%d: %s: 0 (YOLOv5's, off; not offered here)", path, line, key)
+        return None, value
+    if key == "mosaic" and not isinstance(value, bool) and value in (0, 1):
+        return key, bool(value)  # YOLOv5's probability 0.0 or 1.0
+    return key, value
 
 
 def _check_hyp_value(key: str, value: Any, path: Path, line: int) -> Any:
@@ -303,7 +352,12 @@ def _add_length(g: argparse._ArgumentGroup) -> None:
 
 def _add_batches(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
-        "--batch-size", "--batch", type=int, default=4, help="images per process per step"
+        "--batch-size",
+        "--batch",
+        type=int,
+        default=4,
+        help="images per process per step; -1: the largest that fits 60%% of the GPU's memory "
+        "(YOLOv5's autobatch, measured; 16 on a CPU)",
     )
     add_img_size_flag(
         g, DEFAULT_IMG_SIZE, "training/test image side, a multiple of 32 (max side for --rect)"
@@ -330,8 +384,17 @@ def _add_optimization(g: argparse._ArgumentGroup) -> None:
         nargs="?",
         const="all-but-heads",
         default="none",
-        choices=FREEZE_MODES,
-        help="freeze the Darknet-53 backbone, or everything but the output layers",
+        metavar="MODE",
+        help=f"freeze layers: {', '.join(FREEZE_MODES)} (the Darknet-53 backbone, everything but "
+        "the output layers) or layer indices such as 0-9 (alone: all-but-heads)",
+    )
+    g.add_argument(
+        "--freeze",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="YOLOv5's form: --freeze 10 freezes layers 0-9, --freeze 0 1 2 those layers",
     )
     # --adam is the archive's switch for the same choice; both at once would contradict.
     which = g.add_mutually_exclusive_group()
@@ -389,7 +452,9 @@ def _add_optimization(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_evaluation(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
+    g.add_argument(
+        "--notest", "--noval", action="store_true", help="only evaluate after the final epoch"
+    )
     g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
     add_eval_flags(g, DEFAULT_EVAL_CONF, DEFAULT_EVAL_IOU, "auto")
     switch(
@@ -398,6 +463,20 @@ def _add_evaluation(g: argparse._ArgumentGroup) -> None:
         True,
         "keep best.pt, the checkpoint of the best mAP@0.5:0.95 so "
         "far (--no-savebest saves the time and disk of a second checkpoint)",
+    )
+    g.add_argument(
+        "--nosave",
+        dest="savebest",
+        action="store_false",
+        help="YOLOv5's: keep only the final checkpoint; here last.pt is still written after "
+        "every epoch (what --resume continues), best.pt is not (as --no-savebest)",
+    )
+    g.add_argument(
+        "--noplots",
+        dest="plots",
+        action="store_false",
+        help="draw no pictures (labels.png, train_batch*.jpg, results.png, the evaluation's); "
+        "results.csv, per_class.csv and the logs are still written",
     )
 
 
@@ -520,6 +599,7 @@ class TrainConfig:
     label_smoothing: float = 0.0  # class-target smoothing eps in [0, 1)
     save_period: int = -1  # keep epoch<E>.pt every N epochs; <= 0 off
     sync_bn: bool = True  # SyncBatchNorm under CUDA DDP (--sync-bn / --no-sync-bn)
+    plots: bool = True  # --noplots: False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""
@@ -556,10 +636,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.epochs is None and args.time_budget is None:
         args.epochs = DEFAULT_EPOCHS
     check_time_budget(args.time_budget)
+    if args.batch_size != AUTO_BATCH:  # -1: the largest that fits (train_utils/autobatch.py)
+        check_at_least({"--batch-size": args.batch_size}, 1)
     check_at_least(
         {
             "--epochs": args.epochs,
-            "--batch-size": args.batch_size,
             "--nbs": args.nbs,
             "--eval-interval": args.eval_interval,
             "--log-interval": args.log_interval,
@@ -616,9 +697,26 @@ def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
     return settings_of_resumed_run(args, get_args_parser(), fields, named)
 
 
+def _yolov5_freeze(layers: list[int]) -> str:
+    """YOLOv5's ``--freeze``: one number N freezes layers 0 to N-1 (0: none), several numbers
+    those layers; as a ``--freeze-layers`` value."""
+    if any(n < 0 for n in layers):
+        raise ConfigError(f"--freeze takes layer counts or indices >= 0, got {layers}")
+    if len(layers) == 1:
+        return "none" if layers[0] == 0 else f"0-{layers[0] - 1}"
+    return ",".join(map(str, layers))
+
+
 def _check_training_choices(args: argparse.Namespace) -> None:
     """The values of the optimizer and schedule flags, which a resumed run may also take from
     its checkpoint (argparse checks only what was typed)."""
+    if getattr(args, "freeze", None) is not None:
+        args.freeze_layers = _yolov5_freeze(args.freeze)
+    if args.freeze_layers not in FREEZE_MODES and layer_list(args.freeze_layers) is None:
+        raise ConfigError(
+            f"--freeze-layers {args.freeze_layers!r} is not one of {', '.join(FREEZE_MODES)} "
+            f"nor layer indices such as 0-9"
+        )
     eps = args.label_smoothing
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0.0 <= eps < 1.0:
         raise ConfigError(f"--label-smoothing must be a number in [0, 1), got {eps!r}")

@@ -275,11 +275,21 @@ def _prepare_batch(
 def _warm_up(
     optimizer: torch.optim.Optimizer, base_lrs: list[float], ni: int, opts: TrainOptions
 ) -> float:
-    """Set every group's learning rate for global iteration ``ni``; returns the first group's."""
+    """Set every group's learning rate for global iteration ``ni`` (and, with
+    ``warmup_momentum`` >= 0, YOLOv5's momentum ramp to ``momentum``); returns the first
+    group's rate."""
     bias_start = opts.hyp.get("warmup_bias_lr", 0.0)
+    momentum_start = opts.hyp.get("warmup_momentum", -1.0)
+    momentum = None
+    if momentum_start >= 0 and ni <= opts.warmup_iters:
+        momentum = warmup_lr(opts.hyp["momentum"], ni, opts.warmup_iters, momentum_start)
     for g, base in zip(optimizer.param_groups, base_lrs):
         start = bias_start if g.get("name") == "bias" and bias_start else None
         g["lr"] = warmup_lr(base, ni, opts.warmup_iters, start)
+        if momentum is not None and "betas" in g:
+            g["betas"] = (momentum, g["betas"][1])
+        elif momentum is not None:
+            g["momentum"] = momentum
     return optimizer.param_groups[0]["lr"]
 
 

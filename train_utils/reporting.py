@@ -178,8 +178,11 @@ class ResultsCsv(Tracker):
 
     name = "results.csv"
 
-    def __init__(self, out: Path, start_epoch: int, history: Path | None = None):
+    def __init__(
+        self, out: Path, start_epoch: int, history: Path | None = None, plots: bool = True
+    ):
         self.out = out
+        self.plots = plots
         self.path = out / "results.csv"
         source = history if history is not None and not self.path.exists() else self.path
         write_results(self.path, [r for r in read_results(source) if int(r["epoch"]) < start_epoch])
@@ -189,7 +192,8 @@ class ResultsCsv(Tracker):
             return  # not evaluated: no row
         row = {"epoch": epoch, **{k: v for k, v in metrics.items() if k in RESULTS_HEADER}}
         write_results(self.path, [*read_results(self.path), row])
-        plot_results(self.path, self.out / "results.png")
+        if self.plots:
+            plot_results(self.path, self.out / "results.png")
 
 
 class TensorBoard(Tracker):
@@ -239,6 +243,8 @@ class EpochReporter:
         resumed: a ``--resume``: external trackers continue the run the folder records.
         workers: the DataLoader workers per process, named when the data is too slow.
         history: see :class:`ResultsCsv`.
+        plots: draw pictures (the first batches, results.png, the evaluation's); False is
+            YOLOv5's ``--noplots`` (results.csv, per_class.csv and the logs are still written).
 
     Raises:
         OutputError: the run folder, or an external tracker, cannot be written.
@@ -254,13 +260,16 @@ class EpochReporter:
         resumed: bool = False,
         workers: int | None = None,
         history: Path | None = None,
+        plots: bool = True,
     ):
         self.out = out
+        self.plots = plots
         self.results = out / "results.csv"
         self.workers = workers
         self.status = FAILED  # until finished() or an interruption says otherwise
         self.warned_data_wait = False
-        self.trackers: list[Tracker] = [ResultsCsv(out, start_epoch, history), TensorBoard(out)]
+        results = ResultsCsv(out, start_epoch, history, plots)
+        self.trackers: list[Tracker] = [results, TensorBoard(out)]
         try:
             self.external = open_trackers(
                 trackers, out, params or {}, experiment, resumed, OUTPUT_FLAG
@@ -308,7 +317,7 @@ class EpochReporter:
 
     def watch_batches(self, loader: Any, epoch: int, names: Sequence[str]) -> Any:
         """``loader``, drawing its first batches to ``train_batch*.jpg`` in epoch 0."""
-        return plot_first_batches(loader, self.out, names, epoch == 0)
+        return plot_first_batches(loader, self.out, names, epoch == 0 and self.plots)
 
     def evaluated(
         self,
@@ -321,13 +330,12 @@ class EpochReporter:
         (:func:`write_eval_report`); a failure is a warning."""
         t0 = time.time()
         try:
-            write_eval_report(self.out, coco_gt, detections, names, coco_ap)
+            write_eval_report(self.out, coco_gt, detections, names, coco_ap, plots=self.plots)
         except Exception as e:  # pictures are a convenience; training goes on without them
             logger.warning("could not write the evaluation pictures in %s: %s", self.out, e)
             return
-        logger.info(
-            "evaluation pictures and per_class.csv in %s (%.1f s)", self.out, time.time() - t0
-        )
+        what = "evaluation pictures and per_class.csv" if self.plots else "per_class.csv"
+        logger.info("%s in %s (%.1f s)", what, self.out, time.time() - t0)
 
     @staticmethod
     def _log_epoch(

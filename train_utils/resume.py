@@ -498,9 +498,10 @@ def _changes(saved: Mapping[str, Any], now: Mapping[str, Any], keys: Iterable[st
     for key in sorted(keys):
         old, new = saved[key], now[key]
         if isinstance(old, dict) and isinstance(new, dict):
+            # A key the saved dict lacks is one added since (a hyperparameter with a default).
             changes += [
                 f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}"
-                for k in sorted(set(old) | set(new))
+                for k in sorted(old)
                 if old.get(k) != new.get(k)
             ]
         elif old != new:

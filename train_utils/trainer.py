@@ -34,6 +34,7 @@ from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
 from train_utils import resume
 from train_utils.autoanchor import check_anchors
+from train_utils.autobatch import AUTO_BATCH, autobatch
 from train_utils.checkpoint import (
     CHECKPOINT_VERSION,
     load_weights,
@@ -229,7 +230,8 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             log_run_start(
                 config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
             )
-            plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
+            if config.plots:
+                plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
         reporter = make_reporter(
             dist.is_main,
             config.output_dir,
@@ -240,6 +242,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             resumed=config.resume is not None,
             workers=train_data.train_loader.num_workers,
             history=_history_of(config),
+            plots=config.plots,
         )
     except OutputError as e:  # only rank 0 writes
         failure = e
@@ -402,6 +405,10 @@ def _build_model(
         _initialise_weights(model, config)
     model.freeze(config.freeze_layers)
     model.to(dist.device)
+    if config.batch_size == AUTO_BATCH:
+        batch = autobatch(model, config.img_size, dist.device, amp) if dist.is_main else None
+        # Collective: every rank trains with rank 0's batch (and records it, for --resume).
+        config.batch_size = int(broadcast_object(batch))
     channels_last, amp = _memory_format(config, model, dist, amp, cfg_text, ckpt)
     if channels_last:
         model.to(memory_format=torch.channels_last)
@@ -423,7 +430,7 @@ def _check_model_memory(
     estimate = check_model_fits(
         blocks,
         side,
-        batch=config.batch_size,
+        batch=max(config.batch_size, 1),  # autobatch (-1) fits the memory itself
         training=True,
         device=dist.device,
         share=share,
