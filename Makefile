@@ -45,7 +45,7 @@ test: lint $(CV4_STAMP)
 	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 # make gpu-check: what only a GPU can check and measure (bench/gpu_check.py, bench/README.md
-# "make gpu-check"), ~8 minutes on one H100; one JSON and one markdown report in bench/results/.
+# "make gpu-check"), within 570 s (--budget-s); one JSON and one markdown report in bench/results/.
 # GPU_CHECK_ARGS adds to it (e.g. GPU_CHECK_ARGS='--quick' or '--steps env cuda-tests'). Without
 # network (no venv can be built) but with a python that has torch: make gpu-check PY=python3
 # runs with that python as it is (pycocotools missing: the steps that need it are skipped).

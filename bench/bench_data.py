@@ -23,18 +23,13 @@ Usage, from the repository root::
     python bench/bench_data.py --json bench.json    # also write the numbers as JSON
     python bench/bench_data.py --profile            # cProfile of the mosaic pipeline, 1 process
 
-Each figure is the best of ``--repeat`` runs. Numbers depend on the CPU and on what else runs
-on it; quote them with the machine.
+Each figure is the best of ``--repeat`` runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
-import json
-import logging
-import os
-import platform
 import pstats
 import resource
 import sys
@@ -42,6 +37,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -49,13 +45,18 @@ import cv2
 import torch
 from torch.utils.data import DataLoader
 
+from bench import common
+from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
-from build_utils.errors import YoloError
+from build_utils.errors import ConfigError
 from data.make_shapes import make_dataset
+from train_utils.cli import check_img_size, run_script
 from train_utils.config import load_hyp
 
-REPO = Path(__file__).resolve().parents[1]
 FULL_AFFINE = {"degrees": 10.0, "translate": 0.1, "scale": 0.5, "shear": 2.0}
+GENERATED_SIDES = (256, 480)  # the generated images' sides, pixels
+PROFILED_SAMPLES = 256
+PROFILE_ROWS = 15
 
 
 def _loader(ds: LoadImagesAndLabels, batch_size: int, workers: int, shuffle: bool) -> DataLoader:
@@ -87,6 +88,9 @@ def measure(
     Whole epochs are run so that no prefetched batch is thrown away; the CPU figure is what
     the machine spends per image whatever else runs on it, so it is the stable one on a busy
     machine (img/s on N free cores is about N * 1000 / cpu_ms while workers are the bottleneck).
+
+    Raises:
+        ConfigError: no batch is left after the ``warmup`` ones.
     """
     timed_imgs, all_imgs, elapsed = 0, 0, 0.0
     cpu0 = _cpu_seconds()
@@ -103,7 +107,7 @@ def measure(
         del loader  # joins the workers, so their CPU time is counted
     cpu = _cpu_seconds() - cpu0
     if timed_imgs == 0:
-        raise SystemExit("the dataset is too small for --warmup batches; use more images")
+        raise ConfigError("the dataset is too small for --warmup batches; use more images")
     return timed_imgs / elapsed, cpu / all_imgs * 1e3
 
 
@@ -116,11 +120,60 @@ def profile(ds: LoadImagesAndLabels, n: int) -> None:
     for i in range(n):
         ds[i % len(ds)]
     prof.disable()
-    pstats.Stats(prof).sort_stats("tottime").print_stats(15)
+    pstats.Stats(prof).sort_stats("tottime").print_stats(PROFILE_ROWS)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def image_lists(args: argparse.Namespace, tmp: Path) -> tuple[Path, Path]:
+    """The training and validation image lists: ``--list`` / ``--val-list``, or those of a
+    generated dataset."""
+    if args.list is not None:
+        return args.list, args.val_list or args.list
+    root = args.out or tmp / "shapes"
+    if not (root / "shapes.data").is_file():
+        print(f"generating {args.n_train} + {args.n_val} images in {root} ...", file=sys.stderr)
+        make_dataset(root, args.n_train, args.n_val, img_size_range=GENERATED_SIDES)
+    return root / "train.txt", root / "val.txt"
+
+
+def pipelines(args: argparse.Namespace, tmp: Path) -> dict[str, tuple[LoadImagesAndLabels, bool]]:
+    """Each measured pipeline's dataset, and whether its loader shuffles (training does)."""
+    train_list, val_list = image_lists(args, tmp)
+    hyp = load_hyp(args.hyp)
+    train = {"augment": True, "mosaic_buffer": args.mosaic_buffer}
+    kinds = {"train-mosaic": (train_list, {**train, "hyp": hyp}, True)}
+    if args.full_affine:
+        kinds["train-mosaic-affine"] = (train_list, {**train, "hyp": {**hyp, **FULL_AFFINE}}, True)
+    kinds["val-rect"] = (val_list, {"rect": True}, False)
+    size, batch, cache = args.img_size, args.batch_size, args.cache_images
+    return {
+        name: (LoadImagesAndLabels(str(path), size, batch, cache_images=cache, **kw), shuffle)
+        for name, (path, kw, shuffle) in kinds.items()
+    }
+
+
+def measure_all(args: argparse.Namespace, tmp: Path) -> list[dict[str, Any]]:
+    """A row per pipeline and worker count: its best img/s and CPU ms per image."""
+    results = []
+    for name, (ds, shuffle) in pipelines(args, tmp).items():
+        for w in args.workers:
+            # Best of --repeat runs: on a shared machine the least disturbed run is the closest
+            # to what the pipeline itself can do.
+            runs = [
+                measure(ds, args.batch_size, w, args.epochs, args.warmup, shuffle)
+                for _ in range(args.repeat)
+            ]
+            rate, cpu_ms = max(r[0] for r in runs), min(r[1] for r in runs)
+            row = {"pipeline": name, "workers": w, "img_per_s": round(rate, 1)}
+            results.append({**row, "cpu_ms_per_img": round(cpu_ms, 2)})
+            print(
+                f"{name:22s} workers={w}  {rate:8.1f} img/s  {cpu_ms:6.2f} CPU ms/img",
+                file=sys.stderr,
+            )
+    return results
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = common.bench_parser(__doc__)
     p.add_argument(
         "--list",
         type=Path,
@@ -144,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--warmup", type=int, default=3, help="untimed batches at the start of each epoch"
     )
     p.add_argument("--workers", type=int, nargs="+", default=[0, 2])
-    p.add_argument("--hyp", type=Path, default=REPO / "cfg" / "hyp.yaml")
+    p.add_argument("--hyp", type=Path, default=common.REPO / "cfg" / "hyp.yaml")
     p.add_argument(
         "--full-affine",
         action="store_true",
@@ -163,88 +216,32 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="LoadImagesAndLabels(mosaic_buffer=...); 0 = four decodes per mosaic",
     )
     p.add_argument("--profile", action="store_true", help="cProfile the mosaic pipeline and exit")
-    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    return p
 
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            if args.list is None:
-                root = args.out or Path(tmp) / "shapes"
-                if not (root / "shapes.data").is_file():
-                    print(
-                        f"generating {args.n_train} + {args.n_val} images in {root} ...",
-                        file=sys.stderr,
-                    )
-                    make_dataset(root, args.n_train, args.n_val, img_size_range=(256, 480))
-                train_list, val_list = root / "train.txt", root / "val.txt"
-            else:
-                train_list, val_list = args.list, args.val_list or args.list
-            hyp = load_hyp(args.hyp)
-            train_kw = dict(augment=True, mosaic_buffer=args.mosaic_buffer)
-            pipelines = [("train-mosaic", train_list, dict(train_kw, hyp=hyp), True)]
-            if args.full_affine:
-                pipelines.append(
-                    (
-                        "train-mosaic-affine",
-                        train_list,
-                        dict(train_kw, hyp={**hyp, **FULL_AFFINE}),
-                        True,
-                    )
-                )
-            pipelines.append(("val-rect", val_list, dict(rect=True), False))
 
-            datasets = {
-                name: LoadImagesAndLabels(
-                    str(path), args.img_size, args.batch_size, cache_images=args.cache_images, **kw
-                )
-                for name, path, kw, _ in pipelines
-            }
-            if args.profile:
-                cv2.setNumThreads(0)
-                profile(datasets["train-mosaic"], 256)
-                return 0
-            results = []
-            for name, _, _, shuffle in pipelines:
-                for w in args.workers:
-                    # Best of --repeat runs: on a shared machine the least disturbed run is
-                    # the closest to what the pipeline itself can do.
-                    runs = [
-                        measure(
-                            datasets[name], args.batch_size, w, args.epochs, args.warmup, shuffle
-                        )
-                        for _ in range(args.repeat)
-                    ]
-                    rate, cpu_ms = max(r[0] for r in runs), min(r[1] for r in runs)
-                    results.append(
-                        {
-                            "pipeline": name,
-                            "workers": w,
-                            "img_per_s": round(rate, 1),
-                            "cpu_ms_per_img": round(cpu_ms, 2),
-                        }
-                    )
-                    print(
-                        f"{name:22s} workers={w}  {rate:8.1f} img/s  {cpu_ms:6.2f} CPU ms/img",
-                        file=sys.stderr,
-                    )
-    except YoloError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-
-    info = {
-        "img_size": args.img_size,
-        "batch_size": args.batch_size,
-        "cache_images": args.cache_images,
-        "mosaic_buffer": args.mosaic_buffer,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "opencv": cv2.__version__,
-    }
+def bench(args: argparse.Namespace) -> None:
+    check_at_least(common.flags_of(args, "n_train", "n_val", "batch_size", "epochs", "repeat"), 1)
+    check_at_least(
+        {**common.flags_of(args, "warmup", "mosaic_buffer"), "--workers": min(args.workers)}, 0
+    )
+    check_img_size(args.img_size)
+    common.check_json(args.json)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.profile:
+            cv2.setNumThreads(0)
+            profile(pipelines(args, Path(tmp))["train-mosaic"][0], PROFILED_SAMPLES)
+            return
+        results = measure_all(args, Path(tmp))
+    info = common.machine_info(
+        img_size=args.img_size,
+        batch_size=args.batch_size,
+        cache_images=args.cache_images,
+        mosaic_buffer=args.mosaic_buffer,
+        opencv=cv2.__version__,
+    )
     print(
         f"\ndata pipeline throughput, img {args.img_size}, batch {args.batch_size}, "
-        f"{os.cpu_count()} CPUs, image cache: {args.cache_images or 'none'}, mosaic buffer: "
+        f"{info['cpu_count']} CPUs, image cache: {args.cache_images or 'none'}, mosaic buffer: "
         f"{'default' if args.mosaic_buffer is None else args.mosaic_buffer}"
     )
     print(
@@ -256,9 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['pipeline']:22s} {r['workers']:7d} {r['img_per_s']:9.1f} "
             f"{r['cpu_ms_per_img']:11.2f} {1000 / r['cpu_ms_per_img']:15.1f}"
         )
-    if args.json:
-        args.json.write_text(json.dumps({"info": info, "results": results}, indent=2) + "\n")
-    return 0
+    common.write_report(args.json, {"info": info, "results": results})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -46,14 +46,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from collections.abc import Sequence
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -63,13 +61,28 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench.bench_model import FORMATS, TrainStep, cpu_description, memory_format, synthetic_batch
+from bench import common
+from bench.bench_model import FORMATS, TrainStep, memory_format, synthetic_batch
+from build_utils.checks import check_at_least
+from build_utils.parse_config import parse_model_cfg
+from models.budget import check_model_fits
 from models.darknet import Darknet
+from train_utils.cli import check_img_size, run_script
 from train_utils.distributed.comm import barrier
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
 
-REPO = Path(__file__).resolve().parents[1]
 DISTINCT_BATCHES = 4  # synthetic batches per rank, cycled through
+# A measurement's all-reduce: "step" once per optimizer step (every --accumulate micro-batches),
+# "every" at each micro-batch, "nosync" never; the worker's flags and the table's words for it.
+MODE_FLAGS = {"step": [], "every": ["--sync-every-batch"], "nosync": ["--no-sync"]}
+MODE_WORDS = {"step": "per step", "every": "per batch", "nosync": "no"}
+
+
+def all_reduces(args: argparse.Namespace, k: int) -> bool:
+    """Whether micro-batch ``k`` all-reduces its gradients (the others run in ``no_sync``)."""
+    if args.no_sync:
+        return False
+    return args.sync_every_batch or (k + 1) % args.accumulate == 0
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -87,17 +100,11 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             synthetic_batch(args.batch, args.img_size, raw.nc, seed=1000 * info.rank + k)
             for k in range(DISTINCT_BATCHES)
         ]
-        no_sync = args.no_sync and info.distributed
-        every = args.sync_every_batch
 
         def one(k: int) -> None:
-            imgs, targets = batches[k % DISTINCT_BATCHES]
-            skip = no_sync or (not every and (k + 1) % args.accumulate != 0)
-            if skip and info.distributed:
-                with model.no_sync():
-                    step(imgs, targets)
-            else:
-                step(imgs, targets)
+            sync = not info.distributed or all_reduces(args, k)
+            with nullcontext() if sync else model.no_sync():
+                step(*batches[k % DISTINCT_BATCHES])
 
         for k in range(args.warmup):
             one(k)
@@ -124,144 +131,66 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         cleanup()
 
 
-def _launch(args: argparse.Namespace, nproc: int, mode: str, out: Path) -> dict[str, Any]:
-    """Run one measurement in fresh processes; returns rank 0's result."""
-    worker_args = [
-        str(Path(__file__).resolve()),
-        "--worker",
-        "--result",
-        str(out),
-        "--cfg",
-        str(args.cfg),
-        "--img-size",
-        str(args.img_size),
-        "--batch",
-        str(args.batch),
-        "--warmup",
-        str(args.warmup),
-        "--steps",
-        str(args.steps),
-        "--format",
-        args.format,
-        "--accumulate",
-        str(args.accumulate),
-    ] + {"nosync": ["--no-sync"], "every": ["--sync-every-batch"], "step": []}[mode]
-    if nproc == 1:
-        cmd = [sys.executable, *worker_args]
-    else:
-        cmd = [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--standalone",
-            f"--nproc_per_node={nproc}",
-            *worker_args,
-        ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    # torchrun would otherwise inherit a process group description from a calling launcher.
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True)
-    if proc.returncode != 0 or not out.is_file():
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"measurement failed ({' '.join(cmd[:4])} ...): exit {proc.returncode}")
+def launch(args: argparse.Namespace, nproc: int, mode: str, out: Path) -> dict[str, Any]:
+    """Run one measurement in fresh processes, one thread each; returns rank 0's result."""
+    measured = ("cfg", "img_size", "batch", "warmup", "steps", "format", "accumulate")
+    flags = {**common.flags_of(args, *measured), "--result": out}
+    worker_argv = [str(Path(__file__).resolve()), "--worker", *common.as_argv(flags)]
+    worker_argv += MODE_FLAGS[mode]
+    cmd = [sys.executable, *worker_argv] if nproc == 1 else [*common.torchrun(nproc), *worker_argv]
+    common.run_child(cmd, common.child_env(1), f"measurement ({nproc} process(es), {mode})")
     result = json.loads(out.read_text())
     out.unlink()
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cfg", type=Path, default=REPO / "cfg" / "yolov3-spp-nano.cfg")
-    p.add_argument("--img-size", type=int, default=256)
-    p.add_argument("--batch", type=int, default=16, help="images per process per step")
-    p.add_argument(
-        "--format",
-        choices=FORMATS,
-        default="channels_last",
-        help="memory format (trainer's default)",
-    )
-    p.add_argument("--nproc", type=int, default=2, help="processes of the DDP measurement")
-    p.add_argument("--warmup", type=int, default=2, help="untimed steps per measurement")
-    p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
-    p.add_argument("--repeat", type=int, default=2, help="runs of each measurement; best counts")
-    p.add_argument("--skip-no-sync", action="store_true", help="skip the no-all-reduce bound")
-    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
-    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--no-sync", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--sync-every-batch", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument(
-        "--accumulate",
-        type=int,
-        default=1,
-        help="micro-batches per optimizer step: all-reduce once per this many steps",
-    )
-    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-
-    if args.worker:
-        result = worker(args)
-        if result["rank"] == 0 and args.result is not None:
-            args.result.write_text(json.dumps(result))
-        return 0
-
-    # mode: "step" all-reduces once per optimizer step (every --accumulate micro-batches),
-    # "every" at each micro-batch, "nosync" never.
-    kinds = [(1, "step"), (args.nproc, "step")]
-    if args.accumulate > 1:
-        kinds.append((args.nproc, "every"))
-    if not args.skip_no_sync:
-        kinds.append((args.nproc, "nosync"))
+def measure(args: argparse.Namespace, kinds: list[tuple[int, str]]) -> tuple[dict, list[float]]:
+    """``--repeat`` rounds of every measurement in turn: the best run of each, and the paired
+    ratios (each round's N-process img/s over that round's 1-process img/s)."""
     best: dict[tuple[int, str], dict[str, Any]] = {}
     paired: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
         for rep in range(args.repeat):
             for nproc, mode in kinds:
-                r = _launch(args, nproc, mode, Path(tmp) / "result.json")
+                r = launch(args, nproc, mode, Path(tmp) / "result.json")
                 print(
                     f"run {rep + 1}: {nproc} process(es) {mode}: {r['img_per_s']:.2f} img/s",
                     file=sys.stderr,
                 )
-                key = (nproc, mode)
                 if nproc == 1:
                     single_this_rep = r["img_per_s"]
                 elif mode == "step":
                     paired.append(r["img_per_s"] / single_this_rep)
-                if key not in best or r["img_per_s"] > best[key]["img_per_s"]:
-                    best[key] = r
-    single = best[(1, "step")]["img_per_s"]
-    single_cpu = best[(1, "step")]["img_per_cpu_s"]
-    reduce_label = {"step": "per step", "every": "per batch", "nosync": "no"}
-    rows = [
-        {
-            "processes": nproc,
-            "all_reduce": "-" if nproc == 1 else reduce_label[mode],
-            "accumulate": args.accumulate,
-            "batch_per_process": args.batch,
-            "img_per_s": round(best[(nproc, mode)]["img_per_s"], 3),
-            "img_per_s_per_process": round(best[(nproc, mode)]["img_per_s"] / nproc, 3),
-            "vs_1_process": round(best[(nproc, mode)]["img_per_s"] / single, 3),
-            "cpu_share": round(best[(nproc, mode)]["cpu_share"], 3),
-            "img_per_cpu_s": round(best[(nproc, mode)]["img_per_cpu_s"], 3),
-            "projected_vs_1_process": round(
-                nproc * best[(nproc, mode)]["img_per_cpu_s"] / single_cpu, 3
-            ),
-        }
-        for nproc, mode in kinds
-    ]
-    info = {
-        **cpu_description(),
-        "cfg": str(args.cfg),
-        "img_size": args.img_size,
-        "format": args.format,
-        "threads_per_process": 1,
-        "backend": "gloo",
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "repeat": args.repeat,
-        "gloo_available": dist.is_gloo_available(),
-    }
+                if (nproc, mode) not in best or r["img_per_s"] > best[nproc, mode]["img_per_s"]:
+                    best[nproc, mode] = r
+    return best, paired
+
+
+def table_rows(args: argparse.Namespace, kinds: list, best: dict) -> list[dict[str, Any]]:
+    single = best[1, "step"]
+    rows = []
+    for nproc, mode in kinds:
+        b = best[nproc, mode]
+        rows.append(
+            {
+                "processes": nproc,
+                "all_reduce": "-" if nproc == 1 else MODE_WORDS[mode],
+                "accumulate": args.accumulate,
+                "batch_per_process": args.batch,
+                "img_per_s": round(b["img_per_s"], 3),
+                "img_per_s_per_process": round(b["img_per_s"] / nproc, 3),
+                "vs_1_process": round(b["img_per_s"] / single["img_per_s"], 3),
+                "cpu_share": round(b["cpu_share"], 3),
+                "img_per_cpu_s": round(b["img_per_cpu_s"], 3),
+                "projected_vs_1_process": round(
+                    nproc * b["img_per_cpu_s"] / single["img_per_cpu_s"], 3
+                ),
+            }
+        )
+    return rows
+
+
+def print_table(args: argparse.Namespace, info: dict, rows: list, paired: list, best: dict) -> None:
     print(
         f"\nDDP scaling, {Path(args.cfg).name} at {args.img_size} px, batch {args.batch} per "
         f"process, {args.format}, 1 thread per process, gloo; {info['cpu']}, "
@@ -279,12 +208,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{r['vs_1_process']:8.2f}x {r['cpu_share']:9.0%} {r['img_per_cpu_s']:9.2f} "
             f"{r['projected_vs_1_process']:9.2f}x"
         )
-    ratio = rows[1]["vs_1_process"]
-    paired_ratio = round(statistics.median(paired), 3)
     print(
-        f"{args.nproc}-process / 1-process throughput: {ratio:.2f}x best of each, "
-        f"{paired_ratio:.2f}x median of paired runs ({', '.join(f'{x:.2f}' for x in paired)}; "
-        f"ideal {args.nproc}.00x)"
+        f"{args.nproc}-process / 1-process throughput: {rows[1]['vs_1_process']:.2f}x best of "
+        f"each, {statistics.median(paired):.2f}x median of paired runs "
+        f"({', '.join(f'{x:.2f}' for x in paired)}; ideal {args.nproc}.00x)"
     )
     print(
         "CPU share: CPU time the processes got / (wall time x processes); below 100% other work "
@@ -292,28 +219,98 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(processes x img/CPU-s / 1-process img/CPU-s): {rows[1]['projected_vs_1_process']:.2f}x"
     )
     if args.accumulate > 1:
-        step, every = best[(args.nproc, "step")], best[(args.nproc, "every")]
+        step, every = best[args.nproc, "step"], best[args.nproc, "every"]
         print(
             f"accumulate {args.accumulate}: all-reduce per optimizer step (no_sync) vs per "
             f"micro-batch: {step['img_per_s'] / every['img_per_s']:.2f}x img/s, "
             f"{step['img_per_cpu_s'] / every['img_per_cpu_s']:.2f}x img/CPU-s"
         )
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "info": info,
-                    "results": rows,
-                    "ratio": ratio,
-                    "ratio_paired_median": paired_ratio,
-                    "ratios_paired": [round(x, 3) for x in paired],
-                    "ratio_projected_free_cores": rows[1]["projected_vs_1_process"],
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    return 0
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = common.bench_parser(__doc__)
+    p.add_argument("--cfg", type=Path, default=common.REPO / "cfg" / "yolov3-spp-nano.cfg")
+    p.add_argument("--img-size", type=int, default=256)
+    p.add_argument("--batch", type=int, default=16, help="images per process per step")
+    p.add_argument(
+        "--format",
+        choices=FORMATS,
+        default="channels_last",
+        help="memory format (trainer's default)",
+    )
+    p.add_argument("--nproc", type=int, default=2, help="processes of the DDP measurement")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps per measurement")
+    p.add_argument("--steps", type=int, default=8, help="timed steps per measurement")
+    p.add_argument("--repeat", type=int, default=2, help="runs of each measurement; best counts")
+    p.add_argument("--skip-no-sync", action="store_true", help="skip the no-all-reduce bound")
+    p.add_argument(
+        "--accumulate",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step: all-reduce once per this many steps",
+    )
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--no-sync", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--sync-every-batch", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def check_args(args: argparse.Namespace) -> None:
+    """The flags, before any process starts (a bad one was every worker's traceback).
+
+    Raises:
+        ConfigError: a count below 1 (``--warmup`` below 0, ``--nproc`` below 2), an
+            ``--img-size`` the model cannot take, a bad ``--cfg``, a step that cannot fit.
+        OutputError: ``--json``'s folder cannot be made.
+    """
+    check_at_least(common.flags_of(args, "batch", "steps", "repeat", "accumulate"), 1)
+    check_at_least(common.flags_of(args, "warmup"), 0)
+    check_at_least(common.flags_of(args, "nproc"), 2)
+    check_img_size(args.img_size)
+    check_model_fits(parse_model_cfg(args.cfg), args.img_size, args.batch, training=True)
+    common.check_json(args.json)
+
+
+def bench(args: argparse.Namespace) -> None:
+    if args.worker:
+        result = worker(args)
+        if result["rank"] == 0 and args.result is not None:
+            args.result.write_text(json.dumps(result))
+        return
+    check_args(args)
+    kinds = [(1, "step"), (args.nproc, "step")]
+    if args.accumulate > 1:
+        kinds.append((args.nproc, "every"))
+    if not args.skip_no_sync:
+        kinds.append((args.nproc, "nosync"))
+    best, paired = measure(args, kinds)
+    rows = table_rows(args, kinds, best)
+    info = common.machine_info(
+        cfg=str(args.cfg),
+        img_size=args.img_size,
+        format=args.format,
+        threads_per_process=1,
+        backend="gloo",
+        steps=args.steps,
+        warmup=args.warmup,
+        repeat=args.repeat,
+        gloo_available=dist.is_gloo_available(),
+    )
+    print_table(args, info, rows, paired, best)
+    report = {
+        "info": info,
+        "results": rows,
+        "ratio": rows[1]["vs_1_process"],
+        "ratio_paired_median": round(statistics.median(paired), 3),
+        "ratios_paired": [round(x, 3) for x in paired],
+        "ratio_projected_free_cores": rows[1]["projected_vs_1_process"],
+    }
+    common.write_report(args.json, report)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """End to end: seconds per epoch and time to a target mAP of the demo recipe.
 
-Trains the demo recipe (``tools/demo.py``: ``cfg/yolov3-spp-nano.cfg``, ``cfg/hyp_demo.yaml``,
-the shapes dataset in ``demo_data/shapes``, generated if missing) through ``trainer.run`` --
+Trains the demo recipe (``tools/demo.py``: its cfg, ``cfg/hyp_demo.yaml``, the shapes dataset
+in ``demo_data/shapes``, generated if missing) through ``trainer.run`` --
 ``train.py``'s code path, data pipeline, EMA and evaluation included -- for ``--epochs`` epochs,
 evaluating after every epoch, and reports per epoch the training seconds, the evaluation
 mAP@0.5 and mAP@0.5:0.95, and the cumulative training time at which mAP@0.5 first reached
@@ -20,20 +20,17 @@ Usage, from the repository root::
 
 On a CPU without native bf16 kernels the trainer runs ``--amp`` in fp32 (it says so in a
 warning); ``--force-bf16`` makes it use bf16 autocast anyway, e.g. to compare the mAP of bf16
-training with fp32 on such a machine (slowly: 8-12x the fp32 time there, the generic
-convolution). ``--emulate-bf16`` answers the accuracy question at fp32 speed: every layer's
-output (and so the gradient flowing back into it) and every convolution's input and weight is
-rounded to bf16, the points where bf16 autocast stores values in bf16, while the arithmetic
-stays fp32 (native bf16 convolutions also accumulate in fp32). ``--seed`` and ``--threads``
+training with fp32 on such a machine (slowly: the generic convolution, see bench/README.md).
+``--emulate-bf16`` answers the accuracy question at fp32 speed: every layer's output (and so
+the gradient flowing back into it) and every convolution's input and weight is rounded to bf16,
+the points where bf16 autocast stores values in bf16, while the arithmetic stays fp32 (native
+bf16 convolutions also accumulate in fp32). ``--seed`` and ``--threads``
 make runs of several seeds side by side.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
-import json
-import logging
 import sys
 import tempfile
 import time
@@ -45,8 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from bench.bench_model import cpu_description
-from build_utils.errors import YoloError
+from bench import common
+from build_utils.checks import check_at_least
 from tools.demo import (
     DEMO_DATA_DIR,
     DEMO_TRAIN_FLAGS,
@@ -55,10 +52,12 @@ from tools.demo import (
     ensure_demo_dataset,
 )
 from train_utils import precision, trainer
+from train_utils.cli import parse_args, run_script
 from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.process_group import DistInfo
-from train_utils.trainer import run
+from train_utils.reporting import read_results
+from train_utils.trainer import RunSummary, run
 
 
 def _round_bf16(x: Any) -> Any:
@@ -106,20 +105,11 @@ def _install_bf16_emulation() -> None:
 
 def train_flags(args: argparse.Namespace, data: Path, out: Path) -> list[str]:
     """The demo recipe's train.py flags with this benchmark's overrides."""
-    flags = {
-        **DEMO_TRAIN_FLAGS,
-        "--data": str(data),
-        "--output-dir": str(out),
-        "--epochs": str(args.epochs),
-        "--eval-interval": str(args.eval_interval),
-        "--device": args.device,
-        "--seed": str(args.seed),
-    }
-    if args.workers is not None:
-        flags["--workers"] = str(args.workers)
-    if args.img_size is not None:
-        flags["--img-size"] = str(args.img_size)
-    argv = [x for kv in flags.items() for x in kv] + list(DEMO_TRAIN_SWITCHES)
+    flags = {**DEMO_TRAIN_FLAGS, "--data": data, "--output-dir": out}
+    flags.update(common.flags_of(args, "epochs", "eval_interval", "device", "seed"))
+    given = common.flags_of(args, "workers", "img_size")
+    flags.update({flag: value for flag, value in given.items() if value is not None})
+    argv = [*common.as_argv(flags), *DEMO_TRAIN_SWITCHES]
     if args.amp:
         argv.append("--amp")
     if args.channels_last is not None:
@@ -149,8 +139,8 @@ def summarise(rows: list[dict[str, str]], target: float) -> tuple[list[dict[str,
     return out, reached
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def get_parser() -> argparse.ArgumentParser:
+    p = common.bench_parser(__doc__)
     p.add_argument("--data", type=Path, default=None, help="a .data file (default: the demo's)")
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--amp", action="store_true", help="train.py --amp (bf16 autocast on CPU)")
@@ -184,43 +174,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=None,
         help="keep the run here (default: a temporary folder)",
     )
-    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    if args.force_bf16:
-        # Benchmark-only switch: the trainer's check for native bf16 kernels says yes.
-        precision.cpu_bf16_is_fast = lambda: True
-    if args.emulate_bf16:
-        _install_bf16_emulation()
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    return p
 
-    try:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = args.output_dir or Path(tmp) / "run"
-            data = args.data or ensure_demo_dataset(DEMO_DATA_DIR)
-            flags = train_flags(args, data, out)
-            print(f"python train.py {' '.join(flags)}", file=sys.stderr)
-            config = build_config(get_args_parser().parse_args(flags))
-            t0 = time.perf_counter()
-            summary = run(config, DistInfo.single(select_device(config.device)))
-            total = time.perf_counter() - t0
-            with (summary.output_dir / "results.csv").open() as f:
-                rows, reached = summarise(list(csv.DictReader(f)), args.target_map50)
-    except YoloError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
 
-    info = {
-        **cpu_description(),
-        "flags": flags,
-        "threads": torch.get_num_threads(),
-        "force_bf16": args.force_bf16,
-        "emulate_bf16": args.emulate_bf16,
-        "seed": args.seed,
-        "total_s": round(total, 1),
-        "epochs": summary.epochs_run,
-    }
+def train(args: argparse.Namespace) -> tuple[list[str], RunSummary, float, list[dict[str, str]]]:
+    """The recipe's run through ``trainer.run``: its train.py flags, its summary, its seconds
+    and its ``results.csv`` rows."""
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data or ensure_demo_dataset(DEMO_DATA_DIR)
+        flags = train_flags(args, data, args.output_dir or Path(tmp) / "run")
+        print(f"python train.py {' '.join(flags)}", file=sys.stderr)
+        config = build_config(parse_args(get_args_parser(), flags))
+        t0 = time.perf_counter()
+        summary = run(config, DistInfo.single(select_device(config.device)))
+        total = time.perf_counter() - t0
+        return flags, summary, total, read_results(summary.output_dir / "results.csv")
+
+
+def print_table(args: argparse.Namespace, info: dict, rows: list, reached: Any) -> float:
+    """The epochs' table and the time to the target; returns the seconds per epoch (training,
+    the epochs after the first)."""
     train_s = [r["train_s"] for r in rows]
     mean_epoch = sum(train_s[1:]) / len(train_s[1:]) if len(train_s) > 1 else train_s[0]
     print(
@@ -237,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     print(
         f"seconds per epoch (training, epochs after the first): {mean_epoch:.1f}; "
-        f"total with evaluation and start-up: {total:.1f} s"
+        f"total with evaluation and start-up: {info['total_s']:.1f} s"
     )
     if reached:
         print(
@@ -246,21 +219,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     else:
         print(f"mAP@0.5 did not reach {args.target_map50} in {args.epochs} epoch(s)")
-    if args.json:
-        args.json.write_text(
-            json.dumps(
-                {
-                    "info": info,
-                    "epochs": rows,
-                    "s_per_epoch": round(mean_epoch, 2),
-                    "target_map50": args.target_map50,
-                    "time_to_target": reached,
-                },
-                indent=2,
-            )
-            + "\n"
-        )
-    return 0
+    return mean_epoch
+
+
+def bench(args: argparse.Namespace) -> None:
+    check_at_least(common.flags_of(args, "epochs", "eval_interval", "threads"), 1)
+    common.check_json(args.json)
+    if args.force_bf16:
+        # Benchmark-only switch: the trainer's check for native bf16 kernels says yes.
+        precision.cpu_bf16_is_fast = lambda: True
+    if args.emulate_bf16:
+        _install_bf16_emulation()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    flags, summary, total, results = train(args)
+    rows, reached = summarise(results, args.target_map50)
+    info = common.machine_info(
+        flags=flags,
+        threads=torch.get_num_threads(),
+        force_bf16=args.force_bf16,
+        emulate_bf16=args.emulate_bf16,
+        seed=args.seed,
+        total_s=round(total, 1),
+        epochs=summary.epochs_run,
+    )
+    report = {"info": info, "epochs": rows, "target_map50": args.target_map50}
+    report["s_per_epoch"] = round(print_table(args, info, rows, reached), 2)
+    common.write_report(args.json, {**report, "time_to_target": reached})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -13,10 +13,10 @@ each at conf 0.001 and 0.01, single- and multi-label. Box geometry (``--geometry
 puts each box at its cell with its anchor's shape (jittered), as the network does;
 ``uniform`` draws centres uniformly in the image and sides in 10..200 px.
 
-COCO scoring (``train_utils.evaluation.coco_eval.CocoEvaluator``): ``--coco-images``
-synthetic images with
-~7 objects each, ``--dets-per-image`` detections per image (jittered ground truth plus false
-positives), scored by each available backend; ground-truth building is timed separately.
+COCO scoring (``train_utils.evaluation.coco_eval.CocoEvaluator``: update, evaluate, per-class
+AP): ``--coco-images`` synthetic images with ~7 objects each, ``--dets-per-image`` detections
+per image (jittered ground truth plus false positives), scored by each available backend as
+``bench_scale.measure_eval`` does; the ground truth is built and timed apart.
 
 Usage, from the repository root::
 
@@ -24,35 +24,29 @@ Usage, from the repository root::
     python bench/bench_eval.py --json bench.json    # also write the numbers as JSON
     python bench/bench_eval.py --threads 2          # torch intra-op threads (default 1)
 
-Numbers depend on the CPU and on what else runs on it; quote them with the machine. On a
-shared machine more than one torch thread makes NMS timings erratic (threads wait for each
-other's time slices), hence the default of one.
+On a shared machine more than one torch thread makes NMS timings erratic (threads wait for
+each other's time slices), hence the default of one.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import os
-import platform
 import sys
-import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import numpy as np
-import torch
-
+from bench import common
+from bench.bench_model import time_calls
+from bench.bench_scale import measure_eval
 from build_utils.boxes import non_max_suppression
-from train_utils.evaluation.coco_eval import (
-    CocoEvaluator,
-    detections_to_coco,
-    faster_coco_eval_available,
-)
-from train_utils.evaluation.coco_gt import get_coco_api_from_dataset
+from build_utils.checks import check_at_least
+from train_utils.cli import run_script
+from train_utils.evaluation.coco_eval import faster_coco_eval_available
 
 IMG_SIZE = 416
 NUM_CLASSES = 80
@@ -66,6 +60,7 @@ STRIDES = (8, 16, 32)
 IOU_THRES = 0.6
 MAX_DET = 300
 SPARSE_OBJECTS = 300
+OBJECTS_PER_IMAGE = 7.0  # COCO's mean, in the scored images
 
 
 def _geometry(g: torch.Generator, kind: str) -> torch.Tensor:
@@ -106,15 +101,31 @@ def make_predictions(n_images: int, case: str, geometry: str, seed: int = 0) -> 
     return torch.cat((boxes, scores), 2)
 
 
-def _best_of(fn: Callable[[], object], repeats: int) -> float:
-    """Fastest of ``repeats`` runs, seconds (the minimum filters out other processes)."""
-    fn()  # warm-up: allocator, lazy initialisation
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
+def nms_row(pred: torch.Tensor, case: str, conf: float, multi_label: bool, repeats: int) -> dict:
+    """The best of ``repeats`` NMS runs over the images of ``pred`` (after a warm-up)."""
+    images = pred.shape[0]
+    scores = pred[..., 5:] * pred[..., 4:5]
+    passed = (pred[..., 4:5] > conf) & (scores > conf)
+    if multi_label:
+        candidates = passed.sum().item() / images
+    else:
+        candidates = (passed.any(2) & (scores.amax(2) > conf)).sum().item() / images
+    out: list[torch.Tensor] = []
+
+    def run() -> None:
+        out[:] = non_max_suppression(
+            pred, conf, IOU_THRES, multi_label=multi_label, max_det=MAX_DET
+        )
+
+    seconds = min(time_calls(run, 1, repeats))
+    return {
+        "case": case,
+        "conf_thres": conf,
+        "multi_label": multi_label,
+        "candidates_per_image": round(candidates),
+        "kept_per_image": round(sum(o.shape[0] for o in out) / images, 1),
+        "ms_per_image": round(seconds / images * 1e3, 3),
+    }
 
 
 def bench_nms(images: int, repeats: int, geometry: str) -> list[dict]:
@@ -123,155 +134,41 @@ def bench_nms(images: int, repeats: int, geometry: str) -> list[dict]:
         pred = make_predictions(images, case, geometry)
         for conf in (0.001, 0.01):
             for multi_label in (False, True):
-                scores = pred[..., 5:] * pred[..., 4:5]
-                passed = (pred[..., 4:5] > conf) & (scores > conf)
-                if multi_label:
-                    candidates = passed.sum().item() / images
-                else:
-                    candidates = (passed.any(2) & (scores.amax(2) > conf)).sum().item() / images
-                out: list[torch.Tensor] = []
-
-                def run(pred=pred, conf=conf, multi_label=multi_label, out=out) -> None:
-                    out[:] = non_max_suppression(
-                        pred, conf, IOU_THRES, multi_label=multi_label, max_det=MAX_DET
-                    )
-
-                seconds = _best_of(run, repeats)
-                r = {
-                    "case": case,
-                    "conf_thres": conf,
-                    "multi_label": multi_label,
-                    "candidates_per_image": round(candidates),
-                    "kept_per_image": round(sum(o.shape[0] for o in out) / images, 1),
-                    "ms_per_image": round(seconds / images * 1e3, 3),
-                }
-                results.append(r)
+                results.append(nms_row(pred, case, conf, multi_label, repeats))
                 print(
                     f"nms {case:6s} conf {conf:<6g} {'multi' if multi_label else 'single':6s}"
-                    f" {r['ms_per_image']:8.2f} ms/image",
+                    f" {results[-1]['ms_per_image']:8.2f} ms/image",
                     file=sys.stderr,
                 )
     return results
 
 
-class _SyntheticGT:
-    """Stand-in for a dataset: what get_coco_api_from_dataset reads."""
-
-    def __init__(self, n_images: int, rng: np.random.Generator):
-        self.img_files = [f"/synthetic/{i:06d}.jpg" for i in range(n_images)]
-        self.content_hash = "synthetic"
-        self.nc = NUM_CLASSES
-        self.shapes_hw = [(480, 640)] * n_images
-        self.labels = []
-        for _ in range(n_images):
-            n = int(rng.poisson(7))
-            wh = rng.uniform(0.02, 0.5, (n, 2))
-            cxy = rng.uniform(wh / 2, 1 - wh / 2)
-            cls = rng.integers(0, NUM_CLASSES, (n, 1))
-            self.labels.append(np.concatenate((cls, cxy, wh), 1).astype(np.float32))
-
-    def __len__(self) -> int:
-        return len(self.img_files)
-
-    def coco_index(self, i: int) -> tuple[np.ndarray, tuple[int, int]]:
-        return self.labels[i], self.shapes_hw[i]
-
-
-def _synthetic_detections(
-    gt: _SyntheticGT, dets_per_image: int, rng: np.random.Generator
-) -> list[torch.Tensor]:
-    outputs = []
-    for labels, (h, w) in zip(gt.labels, gt.shapes_hw):
-        cls, cx, cy, bw, bh = (labels[:, k].astype(np.float64) for k in range(5))
-        xyxy = np.stack(
-            ((cx - bw / 2) * w, (cy - bh / 2) * h, (cx + bw / 2) * w, (cy + bh / 2) * h), 1
-        )
-        size = np.stack((bw * w, bh * h, bw * w, bh * h), 1)
-        tp = xyxy + rng.normal(0, 0.08, xyxy.shape) * size
-        n_fp = max(dets_per_image - len(labels), 0)
-        fp_xy = rng.uniform(0, 1, (n_fp, 2)) * [w, h]
-        fp = np.concatenate((fp_xy, fp_xy + rng.uniform(8, 200, (n_fp, 2))), 1)
-        rows = np.concatenate(
-            (
-                np.concatenate((tp, rng.uniform(0.3, 1, (len(tp), 1)), cls[:, None]), 1),
-                np.concatenate(
-                    (
-                        fp,
-                        rng.uniform(0.001, 0.5, (n_fp, 1)),
-                        rng.integers(0, NUM_CLASSES, (n_fp, 1)),
-                    ),
-                    1,
-                ),
-            )
-        )[:dets_per_image]
-        outputs.append(torch.from_numpy(rows))
-    return outputs
-
-
 def bench_coco(n_images: int, dets_per_image: int, backends: Sequence[str]) -> list[dict]:
-    rng = np.random.default_rng(0)
-    gt = _SyntheticGT(n_images, rng)
-    t0 = time.perf_counter()
-    coco_gt = get_coco_api_from_dataset(gt)
-    gt_seconds = time.perf_counter() - t0
-    outputs = _synthetic_detections(gt, dets_per_image, rng)
-    t0 = time.perf_counter()
-    results = detections_to_coco(outputs, list(range(n_images)))
-    convert_seconds = time.perf_counter() - t0
+    """Each backend's scoring of the same synthetic images, measured as ``bench_scale.py --only
+    eval`` does (in this process)."""
+    spec = {"n": n_images, "dets_per_image": dets_per_image, "objects": OBJECTS_PER_IMAGE}
     per_1000 = 1000 / n_images
     rows = []
     for backend in backends:
-        evaluator = CocoEvaluator(coco_gt, backend=backend)
-        t0 = time.perf_counter()
-        evaluator.update(results)
-        stats = evaluator.evaluate()
-        seconds = time.perf_counter() - t0
+        r = measure_eval({**spec, "seed": 0, "what": backend})
         rows.append(
             {
                 "backend": backend,
                 "images": n_images,
-                "detections": len(results),
-                "score_s_per_1000_images": round(seconds * per_1000, 3),
-                "gt_build_s_per_1000_images": round(gt_seconds * per_1000, 3),
-                "detections_to_coco_s_per_1000_images": round(convert_seconds * per_1000, 3),
-                "mAP50-95": round(float(stats[0]), 4),
+                "detections": r["detections"],
+                "score_s_per_1000_images": round(r["seconds"] * per_1000, 3),
+                "gt_build_s_per_1000_images": round(r["phases_s"]["ground_truth"] * per_1000, 3),
+                "detections_to_coco_s_per_1000_images": round(
+                    r["phases_s"]["detections_to_coco"] * per_1000, 3
+                ),
+                "mAP50-95": round(r["mAP50-95"], 4),
             }
         )
-        print(f"coco {backend:18s} {seconds * per_1000:8.2f} s / 1000 images", file=sys.stderr)
+        print(f"coco {backend:18s} {r['seconds'] * per_1000:8.2f} s / 1000 images", file=sys.stderr)
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--images", type=int, default=16, help="images per NMS measurement")
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (best is kept)")
-    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    p.add_argument("--geometry", choices=("grid", "uniform"), default="grid")
-    p.add_argument("--coco-images", type=int, default=1000)
-    p.add_argument("--dets-per-image", type=int, default=100)
-    p.add_argument("--skip-coco", action="store_true", help="time NMS only")
-    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-
-    nms = bench_nms(args.images, args.repeats, args.geometry)
-    coco: list[dict] = []
-    if not args.skip_coco:
-        backends = ["pycocotools"] + (["faster-coco-eval"] if faster_coco_eval_available() else [])
-        coco = bench_coco(args.coco_images, args.dets_per_image, backends)
-
-    info = {
-        "img_size": IMG_SIZE,
-        "num_classes": NUM_CLASSES,
-        "iou_thres": IOU_THRES,
-        "max_det": MAX_DET,
-        "geometry": args.geometry,
-        "threads": args.threads,
-        "cpu_count": os.cpu_count(),
-        "machine": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-    }
+def print_tables(args: argparse.Namespace, nms: list[dict], coco: list[dict]) -> None:
     print(
         f"\nNMS, YOLOv3-SPP {IMG_SIZE} px (10,647 boxes, {NUM_CLASSES} classes), iou {IOU_THRES}, "
         f"max_det {MAX_DET}, {args.geometry} boxes, {args.threads} torch thread(s)"
@@ -292,9 +189,44 @@ def main(argv: Sequence[str] | None = None) -> int:
                 f"{r['backend']:18s} {r['score_s_per_1000_images']:10.2f}"
                 f" {r['gt_build_s_per_1000_images']:10.2f}"
             )
-    if args.json:
-        args.json.write_text(json.dumps({"info": info, "nms": nms, "coco": coco}, indent=2) + "\n")
-    return 0
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = common.bench_parser(__doc__)
+    p.add_argument("--images", type=int, default=16, help="images per NMS measurement")
+    p.add_argument("--repeats", type=int, default=3, help="timed runs per case (best is kept)")
+    p.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    p.add_argument("--geometry", choices=("grid", "uniform"), default="grid")
+    p.add_argument("--coco-images", type=int, default=1000)
+    p.add_argument("--dets-per-image", type=int, default=100)
+    p.add_argument("--skip-coco", action="store_true", help="time NMS only")
+    return p
+
+
+def bench(args: argparse.Namespace) -> None:
+    counts = ("images", "repeats", "threads", "coco_images", "dets_per_image")
+    check_at_least(common.flags_of(args, *counts), 1)
+    common.check_json(args.json)
+    torch.set_num_threads(args.threads)
+    nms = bench_nms(args.images, args.repeats, args.geometry)
+    coco: list[dict[str, Any]] = []
+    if not args.skip_coco:
+        backends = ["pycocotools"] + (["faster-coco-eval"] if faster_coco_eval_available() else [])
+        coco = bench_coco(args.coco_images, args.dets_per_image, backends)
+    print_tables(args, nms, coco)
+    info = common.machine_info(
+        img_size=IMG_SIZE,
+        num_classes=NUM_CLASSES,
+        iou_thres=IOU_THRES,
+        max_det=MAX_DET,
+        geometry=args.geometry,
+        threads=args.threads,
+    )
+    common.write_report(args.json, {"info": info, "nms": nms, "coco": coco})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -15,32 +15,26 @@ the former always-channels_last default.
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from models.darknet import (  # noqa: E402
-    Darknet,
-    model_blocks_for,
-)
-from train_utils.memory_format import (  # noqa: E402
-    choose_channels_last,
-    cpu_model,
-    time_train_step,
-)
+from bench import common
+from build_utils.checks import check_at_least
+from models.darknet import Darknet, model_blocks_for
+from train_utils.cli import check_img_size, run_script
+from train_utils.memory_format import choose_channels_last, time_train_step
 
 # name -> (cfg, image side, batch): each model at a size and batch people train it with on a CPU.
 MODELS = {
-    "yolov3-spp": (REPO / "cfg" / "yolov3-spp.cfg", 320, 4),
-    "yolov3-tiny": (REPO / "cfg" / "darknet" / "yolov3-tiny.cfg", 416, 8),
-    "yolov4-tiny": (REPO / "cfg" / "darknet" / "yolov4-tiny.cfg", 416, 8),
-    "nano": (REPO / "cfg" / "yolov3-spp-nano.cfg", 160, 16),
+    "yolov3-spp": (common.REPO / "cfg" / "yolov3-spp.cfg", 320, 4),
+    "yolov3-tiny": (common.REPO / "cfg" / "darknet" / "yolov3-tiny.cfg", 416, 8),
+    "yolov4-tiny": (common.REPO / "cfg" / "darknet" / "yolov4-tiny.cfg", 416, 8),
+    "nano": (common.REPO / "cfg" / "yolov3-spp-nano.cfg", 160, 16),
 }
 CLASSES = 80
 
@@ -71,25 +65,30 @@ def bench_one(name: str, cfg: Path, size: int, batch: int, repeat: int) -> dict:
     }
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    parser.add_argument("--repeat", type=int, default=3, help="check timings per format")
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
-    parser.add_argument("--size", type=int, default=None, help="override every model's size")
-    parser.add_argument("--batch", type=int, default=None, help="override every model's batch")
-    parser.add_argument("--json", type=Path, default=None, help="write the rows here")
-    args = parser.parse_args()
-    logging.basicConfig(level=logging.WARNING)
+def get_parser() -> argparse.ArgumentParser:
+    p = common.bench_parser(__doc__)
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    p.add_argument("--repeat", type=int, default=3, help="check timings per format")
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: all)")
+    p.add_argument("--size", type=int, default=None, help="override every model's size")
+    p.add_argument("--batch", type=int, default=None, help="override every model's batch")
+    return p
+
+
+def bench(args: argparse.Namespace) -> None:
+    check_at_least({"--repeat": args.repeat, "--threads": args.threads, "--batch": args.batch}, 1)
+    if args.size is not None:
+        check_img_size(args.size, "--size")
+    common.check_json(args.json)
     if args.threads:
         torch.set_num_threads(args.threads)
-    print(f"{cpu_model()}, {torch.get_num_threads()} threads, torch {torch.__version__}")
-    header = (
+    info = common.machine_info(threads=torch.get_num_threads())
+    print(f"{info['cpu']}, {info['threads']} threads, torch {info['torch']}")
+    print(
         f"{'model':12} {'size':>4} {'batch':>5} | {'contig ms':>9} {'NHWC ms':>8} -> "
         f"{'auto':13} | {'check contig':>12} {'check NHWC':>10} {'auto/contig':>11} "
         f"{'auto/NHWC':>9}"
     )
-    print(header)
     rows = []
     for name in args.models:
         cfg, size, batch = MODELS[name]
@@ -104,10 +103,11 @@ def main() -> int:
             f"{r['auto_vs_channels_last']:>8.2f}x",
             flush=True,
         )
-    if args.json:
-        info = {"cpu": cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__}
-        args.json.write_text(json.dumps({"info": info, "results": rows}, indent=1))
-    return 0
+    common.write_report(args.json, {"info": info, "results": rows})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,8 @@ is timed for
   batch ``--eval-batch``;
 - ``train``: one training step as ``train_utils.engine.train_one_epoch`` does it:
   uint8 -> float / 255, forward, ``compute_loss`` in fp32 (``cfg/hyp.yaml`` gains), backward,
-  SGD (``trainer.build_optimizer``: Nesterov momentum, weight decay on conv weights),
+  SGD (``optim.build_optimizer``: Nesterov momentum, weight decay on conv weights; fused on
+  CUDA, as training runs it: ``optim.uses_fused_optimizer``),
   ``zero_grad(set_to_none=True)``, batch ``--train-batch``, on synthetic images with
   ``OBJECTS_PER_IMAGE`` random boxes each, already on the device (the data pipeline and the
   host-to-device copy are not measured; neither is the EMA update).
@@ -68,8 +69,10 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from models.darknet import Darknet
 from models.loss import compute_loss, scale_loss_gains
+from train_utils.cli import run_script
 from train_utils.config import load_hyp
-from train_utils.optim import build_optimizer
+from train_utils.optim import build_optimizer, uses_fused_optimizer
+from train_utils.precision import cuda_has_native_bf16
 
 REPO = Path(__file__).resolve().parents[1]
 OBJECTS_PER_IMAGE = 8
@@ -178,7 +181,10 @@ class TrainStep:
         self.device = next(model_without_ddp.parameters()).device
         hyp = hyp if hyp is not None else load_hyp(REPO / "cfg" / "hyp.yaml")
         self.hyp = scale_loss_gains(hyp, model_without_ddp.nc, img_size)
-        self.optimizer = build_optimizer(model_without_ddp, self.hyp, LR)
+        # The optimizer training uses on this device (fused on CUDA).
+        self.optimizer = build_optimizer(
+            model_without_ddp, self.hyp, LR, fused=uses_fused_optimizer(self.device)
+        )
         self.optimizer.zero_grad(set_to_none=True)
         use_scaler = precision == "fp16" and self.device.type == "cuda"
         self.scaler = torch.amp.GradScaler("cuda") if use_scaler else None
@@ -349,7 +355,7 @@ def _label(r: dict[str, Any]) -> str:
     return f"{r['precision']}/{r['format']}{' +compile' if r['compile'] else ''}"
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cfg", type=Path, default=REPO / "cfg" / "yolov3-spp.cfg")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
@@ -360,7 +366,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         nargs="+",
         choices=tuple(DTYPES),
         default=None,
-        help="default: fp32 fp16 bf16 on CUDA; fp32 bf16 on a CPU with native bf16, else fp32",
+        help="default: fp32 fp16 on CUDA, and bf16 on GPUs that compute it (sm80+); fp32 bf16 "
+        "on a CPU with native bf16, else fp32",
     )
     p.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
     p.add_argument("--compile", action="store_true", help="also time torch.compile (fp32)")
@@ -372,38 +379,40 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--skip-ceiling", action="store_true", help="do not measure the conv ceiling")
     p.add_argument("--profile", action="store_true", help="top operators of each variant")
     p.add_argument("--json", type=Path, default=None, help="also write results to this file")
-    args = p.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    torch.set_num_threads(args.threads)
-    args.device = torch.device(args.device)
-    if args.device.type == "cuda":
-        torch.backends.cudnn.benchmark = True  # fixed sizes, as the trainer sets it
-    info = {**machine_description(args.device), "cfg": str(args.cfg), "threads": args.threads}
-    if args.precisions is None:
-        if args.device.type == "cuda":
-            args.precisions = ["fp32", "fp16", "bf16"]
-        elif info["mkldnn_bf16"] is False:
-            args.precisions = ["fp32"]
-            print(
-                "this CPU has no native bf16 kernels: bf16 is skipped (it is 5-30x slower than "
-                "fp32 here); --precisions fp32 bf16 times it anyway",
-                file=sys.stderr,
-            )
-        else:
-            args.precisions = ["fp32", "bf16"]
-    if "fp32" not in args.precisions:
-        args.precisions.insert(0, "fp32")  # the baseline of every ratio
+    return p
 
+
+def default_precisions(device: torch.device, cpu_mkldnn_bf16: bool | None) -> list[str]:
+    """The precisions timed when ``--precisions`` is not given: those training may use here."""
+    if device.type == "cuda":
+        return ["fp32", "fp16", *(["bf16"] if cuda_has_native_bf16() else [])]
+    if cpu_mkldnn_bf16 is False:
+        print(
+            "this CPU has no native bf16 kernels: bf16 is skipped (it is 5-30x slower than "
+            "fp32 here); --precisions fp32 bf16 times it anyway",
+            file=sys.stderr,
+        )
+        return ["fp32"]
+    return ["fp32", "bf16"]
+
+
+def measure_ceilings(args: argparse.Namespace) -> dict[str, float]:
+    """GFLOP/s of the convolution ceiling per precision/format (empty with --skip-ceiling)."""
     ceiling: dict[str, float] = {}
-    if not args.skip_ceiling:
-        for precision in args.precisions:
-            for fmt in args.formats:
-                key = f"{precision}/{fmt}"
-                ceiling[key] = round(conv_ceiling(precision, fmt, args.device), 1)
-                print(f"ceiling {key}: {ceiling[key]:.1f} GFLOP/s", file=sys.stderr)
+    if args.skip_ceiling:
+        return ceiling
+    for precision in args.precisions:
+        for fmt in args.formats:
+            key = f"{precision}/{fmt}"
+            ceiling[key] = round(conv_ceiling(precision, fmt, args.device), 1)
+            print(f"ceiling {key}: {ceiling[key]:.1f} GFLOP/s", file=sys.stderr)
+    return ceiling
 
-    flops_model = Darknet(args.cfg)
-    n_params = sum(p.numel() for p in flops_model.parameters())
+
+def measure_rows(
+    args: argparse.Namespace, flops_model: Darknet, ceiling: dict[str, float]
+) -> list[dict[str, Any]]:
+    """Every mode, size and variant, each row with its FLOP rate and ratio to fp32/contiguous."""
     rows: list[dict[str, Any]] = []
     for size in args.sizes:
         flops = {mode: count_flops(flops_model, size, mode == "train") for mode in args.modes}
@@ -428,7 +437,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"{mode:5s} {size:4d} {_label(r):28s} {r['img_per_s']:8.2f} img/s",
                     file=sys.stderr,
                 )
+    return rows
 
+
+def print_report(
+    args: argparse.Namespace,
+    info: dict[str, Any],
+    ceiling: dict[str, float],
+    rows: list[dict[str, Any]],
+    n_params: int,
+) -> None:
+    """The machine, the ceiling and one line per row (and the top operators with --profile)."""
     where = info.get("gpu", f"{info['cpu']}, {info['cpu_count']} CPUs")
     print(
         f"\n{Path(args.cfg).name}: {n_params:,} parameters; {where}, {args.threads} torch "
@@ -458,6 +477,25 @@ def main(argv: Sequence[str] | None = None) -> int:
                     f"  {op['op']:44s} {op['calls']:6d} calls {op['self_ms']:10.1f} ms "
                     f"{op['share']:6.1%}"
                 )
+
+
+def bench(args: argparse.Namespace) -> int:
+    """The whole benchmark: ceilings, every variant, the report and the JSON."""
+    # Library INFO lines (model building) would interleave with the table.
+    logging.getLogger().setLevel(logging.WARNING)
+    torch.set_num_threads(args.threads)
+    args.device = torch.device(args.device)
+    if args.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed sizes, as the trainer sets it
+    info = {**machine_description(args.device), "cfg": str(args.cfg), "threads": args.threads}
+    if args.precisions is None:
+        args.precisions = default_precisions(args.device, info["mkldnn_bf16"])
+    if "fp32" not in args.precisions:
+        args.precisions.insert(0, "fp32")  # the baseline of every ratio
+    ceiling = measure_ceilings(args)
+    flops_model = Darknet(args.cfg)
+    rows = measure_rows(args, flops_model, ceiling)
+    print_report(args, info, ceiling, rows, sum(p.numel() for p in flops_model.parameters()))
     if args.json:
         info["device"] = str(args.device)
         args.json.write_text(
@@ -465,6 +503,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             + "\n"
         )
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -35,11 +35,9 @@ others were.
 
 Usage, from the repository root::
 
-    python bench/bench_scale.py --json scale.json            # ~7 CPU-minutes, 5.2 GB peak
+    python bench/bench_scale.py --json scale.json            # the sizes of bench/README.md
     python bench/bench_scale.py --scan-sizes 1000 10000 --eval-sizes 200 1000   # smaller
     python bench/bench_scale.py --only eval gather           # some of the measurements
-
-Numbers depend on the CPU, the file system and what else runs; quote them with the machine.
 """
 
 from __future__ import annotations
@@ -49,11 +47,9 @@ import contextlib
 import json
 import logging
 import os
-import platform
 import re
 import resource
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -63,16 +59,19 @@ from typing import Any
 
 import numpy as np
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import make_output_dir, write_text  # noqa: E402 (torch-free)
-from build_utils.errors import ConfigError, YoloError  # noqa: E402
+from bench import common
+from build_utils.checks import check_at_least
+from build_utils.errors import ConfigError
+from train_utils.cli import run_script
+from train_utils.distributed.node import usable_cpus
 
 NUM_CLASSES = 80
 KINDS = ("scan", "eval", "gather", "ram")
 # COCO's common image shapes (w, h): what the RAM-cache rows and the per-image check use.
 COCO_SHAPES = ((640, 480), (480, 640), (640, 427))
+LABEL_SIDES = (0.02, 0.6)  # generated boxes' sides, fractions of the image
 CHILD_TIMEOUT_S = 1800
 MB = 2**20
 
@@ -113,6 +112,17 @@ def reset_peak() -> None:
         Path("/proc/self/clear_refs").write_text("5")
 
 
+def memory_fields(start: int) -> dict[str, float]:
+    """A row's memory: RSS when the measurement started (``start`` bytes), the peak, and what
+    the measurement added, in MB."""
+    peak = peak_rss_bytes()
+    return {
+        "start_rss_mb": start / MB,
+        "peak_rss_mb": peak / MB,
+        "peak_above_start_mb": (peak - start) / MB,
+    }
+
+
 class Phases:
     """Wall and CPU seconds (this process, all its threads) per named phase of a measurement.
 
@@ -139,6 +149,16 @@ class Phases:
     def run(self, name: str, fn: Callable[[], Any]) -> Any:
         return self.wrap(name, fn)()
 
+    def fields(self, leave_out: Sequence[str] = ()) -> dict[str, Any]:
+        """A row's times: ``seconds`` and ``cpu_s`` of the phases but ``leave_out``, and each
+        phase's."""
+        return {
+            "seconds": sum(v for k, v in self.seconds.items() if k not in leave_out),
+            "cpu_s": sum(v for k, v in self.cpu.items() if k not in leave_out),
+            "phases_s": self.seconds,
+            "phases_cpu_s": self.cpu,
+        }
+
 
 # ---------------------------------------------------------------------------------------------
 # Generated data (the parent process; nothing heavy imported)
@@ -158,119 +178,52 @@ def _write_jpeg(path: Path, w: int, h: int, seed: int) -> None:
     path.write_bytes(buf.tobytes())
 
 
-def label_text(rng: np.random.Generator, objects: float) -> str:
-    """A YOLO label file: Poisson(``objects``) boxes, classes 0..79, 6 decimals."""
-    n = int(rng.poisson(objects))
-    wh = rng.uniform(0.02, 0.6, (n, 2))
+def random_labels(rng: np.random.Generator, objects: float) -> np.ndarray:
+    """Poisson(``objects``) YOLO labels ``(k, 5)``: class 0..79, cx, cy, w, h normalised."""
+    k = int(rng.poisson(objects))
+    wh = rng.uniform(*LABEL_SIDES, (k, 2))
     cxy = rng.uniform(wh / 2, 1 - wh / 2)
-    cls = rng.integers(0, NUM_CLASSES, n)
-    return "".join(
-        f"{c} {x:.6f} {y:.6f} {w:.6f} {h:.6f}\n"
-        for c, (x, y), (w, h) in zip(cls.tolist(), cxy.tolist(), wh.tolist())
-    )
+    cls = rng.integers(0, NUM_CLASSES, (k, 1))
+    return np.concatenate((cls, cxy, wh), 1)
 
 
-def make_scan_dataset(root: Path, n: int, objects: float, side: int, seed: int = 0) -> Path:
-    """``root/images/000000.jpg ...`` (one JPEG of ``side`` x ``3/4 side`` px, hard-linked;
-    copies where links are refused) and ``root/labels/*.txt``. Returns the images folder."""
-    images, labels = root / "images", root / "labels"
-    if (root / "done").is_file():
-        return images
+def label_text(rng: np.random.Generator, objects: float) -> str:
+    """A YOLO label file of :func:`random_labels`, 6 decimals."""
+    rows = random_labels(rng, objects).tolist()
+    return "".join(f"{int(c)} {x:.6f} {y:.6f} {w:.6f} {h:.6f}\n" for c, x, y, w, h in rows)
+
+
+def linked_images(root: Path, n: int, shapes: Sequence[tuple[int, int]]) -> Path:
+    """``root/images/0000000.jpg ...``: ``n`` names for one generated JPEG per ``(w, h)`` of
+    ``shapes``, in turn, hard-linked (copied where links are refused). Returns the folder."""
+    images = root / "images"
     images.mkdir(parents=True, exist_ok=True)
-    labels.mkdir(parents=True, exist_ok=True)
-    source = root / "source.jpg"
-    _write_jpeg(source, side, max(1, side * 3 // 4), seed)
-    rng = np.random.default_rng(seed)
+    sources = [root / f"source{k}.jpg" for k in range(len(shapes))]
+    for k, (w, h) in enumerate(shapes):
+        _write_jpeg(sources[k], w, h, seed=k)
     for i in range(n):
         img = images / f"{i:07d}.jpg"
         if not img.exists():
             try:
-                os.link(source, img)
+                os.link(sources[i % len(sources)], img)
             except OSError:
-                shutil.copyfile(source, img)
+                shutil.copyfile(sources[i % len(sources)], img)
+    return images
+
+
+def make_scan_dataset(root: Path, n: int, objects: float, side: int, seed: int = 0) -> Path:
+    """:func:`linked_images` of one JPEG of ``side`` x ``3/4 side`` px, and
+    ``root/labels/*.txt``. Returns the images folder; one made before is reused."""
+    if (root / "done").is_file():
+        return root / "images"
+    images = linked_images(root, n, [(side, max(1, side * 3 // 4))])
+    labels = root / "labels"
+    labels.mkdir(exist_ok=True)
+    rng = np.random.default_rng(seed)
+    for i in range(n):
         (labels / f"{i:07d}.txt").write_text(label_text(rng, objects))
     (root / "done").write_text("")
     return images
-
-
-def make_ram_dataset(root: Path, n: int) -> Path:
-    """``n`` images cycling through :data:`COCO_SHAPES` (one JPEG per shape, hard-linked), no
-    labels. Returns the images folder."""
-    images = root / "images"
-    if (root / "done").is_file():
-        return images
-    images.mkdir(parents=True, exist_ok=True)
-    sources = []
-    for k, (w, h) in enumerate(COCO_SHAPES):
-        sources.append(root / f"source{k}.jpg")
-        _write_jpeg(sources[-1], w, h, k)
-    for i in range(n):
-        img = images / f"{i:06d}.jpg"
-        try:
-            os.link(sources[i % len(sources)], img)
-        except OSError:
-            shutil.copyfile(sources[i % len(sources)], img)
-    (root / "done").write_text("")
-    return images
-
-
-# ---------------------------------------------------------------------------------------------
-# Measurements (each in its own process)
-
-
-def measure_scan(spec: dict[str, Any]) -> dict[str, Any]:
-    """Build ``LoadImagesAndLabels`` on ``spec["images"]``: ``cold`` or ``warm`` cache."""
-    from build_utils import datasets, labels
-
-    phases = Phases()
-    # load_labels looks these up in its module at call time, so the wrappers see every call.
-    for name in (
-        "label_cache_key",
-        "load_label_cache",
-        "build_label_cache",
-        "save_label_cache",
-        "write_report",
-    ):
-        setattr(labels, name, phases.wrap(name, getattr(labels, name)))
-    datasets.collect_image_files = phases.wrap("list_images", datasets.collect_image_files)
-    cls = datasets.LoadImagesAndLabels
-    cls._hash_content = phases.wrap("content_hash", cls._hash_content)
-    cls._sort_for_rect = phases.wrap("rect_sort", cls._sort_for_rect)
-
-    images = Path(spec["images"])
-    cache = labels.cache_place(images).with_name(f"{labels.cache_place(images).name}.cache.npz")
-    if spec["phase"] == "cold":
-        cache.unlink(missing_ok=True)
-    elif not cache.is_file():
-        raise RuntimeError(f"warm start without a label cache at {cache}")
-    start = rss_bytes()
-    reset_peak()
-    t0, c0 = time.perf_counter(), time.process_time()
-    # rect, as evaluation (and training with --rect) builds it: the batch shapes are part of
-    # the cost of a start.
-    ds = cls(images, img_size=640, batch_size=16, rect=True, nc=NUM_CLASSES)
-    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
-    n = len(ds)
-    if n != spec["n"]:
-        raise RuntimeError(f"{n} usable images, expected {spec['n']}")
-    other = seconds - sum(phases.seconds.values())
-    return {
-        "kind": "scan",
-        "phase": spec["phase"],
-        "images": n,
-        "objects": int(sum(len(lb) for lb in ds.labels)),
-        "seconds": seconds,
-        "us_per_image": seconds / n * 1e6,
-        "cpu_s": cpu,
-        "phases_s": {**phases.seconds, "other": other},
-        "phases_cpu_s": {**phases.cpu, "other": cpu - sum(phases.cpu.values())},
-        "start_rss_mb": start / MB,
-        "peak_rss_mb": peak_rss_bytes() / MB,
-        "peak_above_start_mb": (peak_rss_bytes() - start) / MB,
-        "cache_bytes": cache.stat().st_size,
-        "cache_bytes_per_image": cache.stat().st_size / n,
-        "report_bytes": ds.report_path.stat().st_size if ds.report_path.is_file() else 0,
-    }
 
 
 class SyntheticGT:
@@ -282,13 +235,7 @@ class SyntheticGT:
         self.content_hash = f"synthetic-{n_images}"
         self.nc = NUM_CLASSES
         self.shapes_hw = [COCO_SHAPES[i % len(COCO_SHAPES)][::-1] for i in range(n_images)]
-        self.labels = []
-        for _ in range(n_images):
-            k = int(rng.poisson(objects))
-            wh = rng.uniform(0.02, 0.6, (k, 2))
-            cxy = rng.uniform(wh / 2, 1 - wh / 2)
-            cls = rng.integers(0, NUM_CLASSES, (k, 1))
-            self.labels.append(np.concatenate((cls, cxy, wh), 1).astype(np.float32))
+        self.labels = [random_labels(rng, objects).astype(np.float32) for _ in range(n_images)]
 
     def __len__(self) -> int:
         return len(self.img_files)
@@ -344,6 +291,56 @@ def _eval_inputs(spec: dict[str, Any], images: Sequence[int] | None = None) -> t
     return gt, synthetic_detections(gt, spec["dets_per_image"], rng, list(chosen))
 
 
+# ---------------------------------------------------------------------------------------------
+# Measurements (each in its own process)
+
+
+def measure_scan(spec: dict[str, Any]) -> dict[str, Any]:
+    """Build ``LoadImagesAndLabels`` on ``spec["images"]``: ``cold`` or ``warm`` cache."""
+    from build_utils import datasets, labels
+
+    phases = Phases()
+    # load_labels looks these up in its module at call time, so the wrappers see every call.
+    for name in ("label_cache_key", "load_label_cache", "build_label_cache", "save_label_cache"):
+        setattr(labels, name, phases.wrap(name, getattr(labels, name)))
+    labels.write_report = phases.wrap("write_report", labels.write_report)
+    datasets.collect_image_files = phases.wrap("list_images", datasets.collect_image_files)
+    cls = datasets.LoadImagesAndLabels
+    cls._hash_content = phases.wrap("content_hash", cls._hash_content)
+    cls._sort_for_rect = phases.wrap("rect_sort", cls._sort_for_rect)
+
+    images = Path(spec["images"])
+    cache = labels.cache_place(images).with_name(f"{labels.cache_place(images).name}.cache.npz")
+    if spec["phase"] == "cold":
+        cache.unlink(missing_ok=True)
+    elif not cache.is_file():
+        raise RuntimeError(f"warm start without a label cache at {cache}")
+    start = rss_bytes()
+    reset_peak()
+    t0, c0 = time.perf_counter(), time.process_time()
+    # rect, as evaluation (and training with --rect) builds it: the batch shapes are part of
+    # the cost of a start.
+    ds = cls(images, img_size=640, batch_size=16, rect=True, nc=NUM_CLASSES)
+    seconds, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n = len(ds)
+    if n != spec["n"]:
+        raise RuntimeError(f"{n} usable images, expected {spec['n']}")
+    phases.seconds["other"] = seconds - sum(phases.seconds.values())
+    phases.cpu["other"] = cpu - sum(phases.cpu.values())
+    return {
+        "kind": "scan",
+        "phase": spec["phase"],
+        "images": n,
+        "objects": int(sum(len(lb) for lb in ds.labels)),
+        **phases.fields(),
+        "us_per_image": seconds / n * 1e6,
+        **memory_fields(start),
+        "cache_bytes": cache.stat().st_size,
+        "cache_bytes_per_image": cache.stat().st_size / n,
+        "report_bytes": ds.report_path.stat().st_size if ds.report_path.is_file() else 0,
+    }
+
+
 def measure_eval(spec: dict[str, Any]) -> dict[str, Any]:
     """One of ``metrics``, ``pycocotools``, ``faster-coco-eval`` on ``spec["n"]`` images."""
     from train_utils.evaluation.coco_eval import CocoEvaluator, detections_to_coco
@@ -359,7 +356,6 @@ def measure_eval(spec: dict[str, Any]) -> dict[str, Any]:
     coco_gt = phases.run("ground_truth", lambda: get_coco_api_from_dataset(gt))
     dets = phases.wrap("detections_to_coco", detections_to_coco)(outputs, list(range(n)))
     del outputs  # as engine.evaluate, which keeps the dicts only
-    result: dict[str, Any] = {}
     if spec["what"] == "metrics":
         by_gt = phases.run("gt_by_image", lambda: gt_by_image(coco_gt))
         by_img = phases.run("dets_by_image", lambda: dets_by_image(dets))
@@ -374,26 +370,16 @@ def measure_eval(spec: dict[str, Any]) -> dict[str, Any]:
         stats = phases.run("score", evaluator.evaluate)
         phases.run("per_class_ap", evaluator.per_class_ap)
         result = {"mAP50-95": float(stats[0]), "mAP50": float(stats[1])}
-    main = {
-        "metrics": ("gt_by_image", "dets_by_image", "evaluate_detections", "error_breakdown"),
-        "pycocotools": ("update", "score", "per_class_ap"),
-        "faster-coco-eval": ("update", "score", "per_class_ap"),
-    }[spec["what"]]
-    seconds = sum(phases.seconds[k] for k in main)
-    cpu = sum(phases.cpu[k] for k in main)
+    # The scoring's own time: the inputs (listed apart) are the same for every scorer.
+    times = phases.fields(leave_out=("ground_truth", "detections_to_coco"))
     return {
         "kind": "eval",
         "what": spec["what"],
         "images": n,
         "detections": len(dets),
-        "seconds": seconds,
-        "ms_per_image": seconds / n * 1e3,
-        "cpu_s": cpu,
-        "phases_s": phases.seconds,
-        "phases_cpu_s": phases.cpu,
-        "start_rss_mb": start / MB,
-        "peak_rss_mb": peak_rss_bytes() / MB,
-        "peak_above_start_mb": (peak_rss_bytes() - start) / MB,
+        **times,
+        "ms_per_image": times["seconds"] / n * 1e3,
+        **memory_fields(start),
         **result,
     }
 
@@ -422,19 +408,13 @@ def gather_worker(spec: dict[str, Any]) -> None:
         gathered = phases.run("gather_rows_to_main", lambda: gather_rows_to_main(rows))
         n_gathered = 0
         if gathered is not None:
-            back = phases.run("rows_to_coco", lambda: rows_to_coco(gathered))
-            n_gathered = len(back)
+            n_gathered = len(phases.run("rows_to_coco", lambda: rows_to_coco(gathered)))
         row = {
             "rank": rank,
             "local_detections": len(local),
             "gathered_detections": n_gathered,
-            "phases_s": phases.seconds,
-            "phases_cpu_s": phases.cpu,
-            "seconds": sum(phases.seconds.values()),
-            "cpu_s": sum(phases.cpu.values()),
-            "start_rss_mb": start / MB,
-            "peak_rss_mb": peak_rss_bytes() / MB,
-            "peak_above_start_mb": (peak_rss_bytes() - start) / MB,
+            **phases.fields(),
+            **memory_fields(start),
         }
         Path(f"{spec['out']}.rank{rank}.json").write_text(json.dumps(row))
     finally:
@@ -481,7 +461,7 @@ def measure_ram(spec: dict[str, Any]) -> dict[str, Any]:
         "fill_ms_per_image": fill_s / n * 1e3,
         "check_ms_per_image": check_ms,
         "check_image_size": f"{w0}x{h0}",
-        "peak_above_start_mb": (peak_rss_bytes() - start) / MB,
+        **memory_fields(start),
     }
 
 
@@ -490,85 +470,46 @@ CHILD_MEASURES: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
     "eval": measure_eval,
     "ram": measure_ram,
 }
+RESULT_PREFIX = "RESULT "  # the line of a child's stdout that holds its row
 
 
-def child_main(spec: dict[str, Any]) -> int:
-    logging.basicConfig(level=logging.ERROR, format="%(levelname)s %(name)s: %(message)s")
+def child_main(spec: dict[str, Any]) -> None:
     import torch
 
+    logging.getLogger().setLevel(logging.ERROR)  # the measured code's own lines would count
     torch.set_num_threads(spec["threads"])
     if spec["kind"] == "gather":
         gather_worker(spec)
-        return 0
-    result = CHILD_MEASURES[spec["kind"]](spec)
-    print("RESULT " + json.dumps(result))
-    return 0
+    else:
+        print(RESULT_PREFIX + json.dumps(CHILD_MEASURES[spec["kind"]](spec)))
 
 
 # ---------------------------------------------------------------------------------------------
 # The parent: generate data, run each measurement in a fresh process, print the tables
 
 
-def _child_env(threads: int) -> dict[str, str]:
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    # torchrun would otherwise inherit a process group description from a calling launcher.
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    return env
-
-
 def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=_child_env(spec["threads"]),
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-    )
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(
-            f"measurement {spec['kind']} failed (exit {proc.returncode}):\n"
-            + proc.stdout[-2000:]
-            + proc.stderr[-4000:]
-        )
-    return json.loads(lines[-1].removeprefix("RESULT "))
-
-
-def best_of(repeat: int, measure: Callable[[], Any], seconds: Callable[[Any], float]) -> Any:
-    """The fastest of ``repeat`` runs of ``measure`` (other processes only ever slow one down)."""
-    runs = [measure() for _ in range(max(repeat, 1))]
-    best = min(runs, key=seconds)
-    return best
+    env = common.child_env(spec["threads"])
+    out = common.run_child(cmd, env, f"measurement {spec['kind']}", CHILD_TIMEOUT_S)
+    lines = [ln for ln in out.splitlines() if ln.startswith(RESULT_PREFIX)]
+    if not lines:
+        raise RuntimeError(f"measurement {spec['kind']} wrote no result:\n{out[-2000:]}")
+    return json.loads(lines[-1].removeprefix(RESULT_PREFIX))
 
 
 def run_gather(spec: dict[str, Any], nproc: int) -> list[dict[str, Any]]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={nproc}",
-        str(Path(__file__).resolve()),
-        "--child",
-        json.dumps(spec),
-    ]
-    proc = subprocess.run(
-        cmd,
-        cwd=REPO,
-        env=_child_env(spec["threads"]),
-        capture_output=True,
-        text=True,
-        timeout=CHILD_TIMEOUT_S,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"gather (torchrun) failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}")
+    cmd = [*common.torchrun(nproc), str(Path(__file__).resolve()), "--child", json.dumps(spec)]
+    common.run_child(cmd, common.child_env(spec["threads"]), "gather (torchrun)", CHILD_TIMEOUT_S)
     rows = [json.loads(Path(f"{spec['out']}.rank{r}.json").read_text()) for r in range(nproc)]
     for r in rows:
         r.update(kind="gather", images=spec["n"])
     return rows
+
+
+def best_of(repeat: int, measure: Callable[[], Any], seconds: Callable[[Any], float]) -> Any:
+    """The fastest of ``repeat`` runs of ``measure`` (other processes only ever slow one down)."""
+    return min((measure() for _ in range(repeat)), key=seconds)
 
 
 def _seconds(row: dict[str, Any]) -> float:
@@ -578,7 +519,7 @@ def _seconds(row: dict[str, Any]) -> float:
 def growth(rows: list[dict[str, Any]], key: str, per: str, group: Sequence[str]) -> None:
     """Set ``row["growth"]``: ``row[key] / row[per]`` over the same of the smallest row of its
     group (1.0 = linear; the smallest row gets None). ``key`` is ``cpu_s``: on a shared machine
-    the wall time says how busy the others were (a niced run got 5-30% of a core here)."""
+    the wall time says how busy the others were."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for r in rows:
         groups.setdefault(tuple(r.get(g) for g in group), []).append(r)
@@ -591,58 +532,98 @@ def growth(rows: list[dict[str, Any]], key: str, per: str, group: Sequence[str])
                 r["growth"] = (r[key] / r[per]) / (base[key] / base[per])
 
 
-def _fmt_growth(g: float | None) -> str:
-    return "-" if g is None else f"{g:.2f}x"
+def scan_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """Cold and warm starts of ``LoadImagesAndLabels`` at each ``--scan-sizes``."""
+    rows = []
+    for n in sorted(set(args.scan_sizes)):
+        t0 = time.perf_counter()
+        images = make_scan_dataset(work / f"scan{n}", n, args.objects, args.scan_image_side)
+        print(f"scan {n}: data in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
+        for phase in ("cold", "warm"):
+            child = {**spec, "kind": "scan", "images": str(images), "n": n, "phase": phase}
+            rows.append(best_of(args.repeat, lambda c=child: run_child(c), _seconds))
+            print(f"scan {n} {phase}: {rows[-1]['seconds']:.1f} s", file=sys.stderr)
+    growth(rows, "cpu_s", "images", ("phase",))
+    return rows
+
+
+def eval_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> dict[str, list]:
+    """Scoring (``eval``) and the gather to rank 0 (``gather``) at each ``--eval-sizes``."""
+    results: dict[str, list[dict[str, Any]]] = {"eval": [], "gather": []}
+    for n in sorted(set(args.eval_sizes)):
+        sized = {**spec, "n": n, "dets_per_image": args.dets_per_image}
+        for what in ("metrics", *args.backends) if "eval" in args.only else ():
+            child = {**sized, "kind": "eval", "what": what}
+            results["eval"].append(best_of(args.repeat, lambda c=child: run_child(c), _seconds))
+            print(f"eval {n} {what}: {results['eval'][-1]['seconds']:.1f} s", file=sys.stderr)
+        if "gather" in args.only:
+            child = {**sized, "kind": "gather", "out": str(work / f"gather{n}")}
+            rows = best_of(
+                args.repeat,
+                lambda c=child: run_gather(c, args.nproc),
+                lambda rows: max(r["seconds"] for r in rows),
+            )
+            results["gather"] += rows
+            print(f"gather {n}: {max(r['seconds'] for r in rows):.1f} s", file=sys.stderr)
+    growth(results["eval"], "cpu_s", "images", ("what",))
+    growth(results["gather"], "cpu_s", "images", ("rank",))
+    return results
+
+
+def ram_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> list[dict[str, Any]]:
+    """The RAM image cache's bytes per image at each ``--ram-sizes``, for COCO-sized JPEGs."""
+    images = linked_images(work / "ram", args.ram_images, COCO_SHAPES)
+    return [
+        run_child({**spec, "kind": "ram", "images": str(images), "img_size": size})
+        for size in args.ram_sizes
+    ]
+
+
+# The columns every scan, eval and gather row ends with.
+COST_HEADER = f" {'growth':>7s} {'peak MB':>8s} {'+MB':>7s}  phases (CPU s)"
+
+
+def _cost(r: dict[str, Any]) -> str:
+    growth = "-" if r["growth"] is None else f"{r['growth']:.2f}x"
+    phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items())
+    return f" {growth:>7s} {r['peak_rss_mb']:8.0f} {r['peak_above_start_mb']:7.0f}  {phases}"
+
+
+def _print_scoring(title: str, rows: list, label: tuple[str, str], count: tuple[str, str]) -> None:
+    """The eval or the gather table: each row's images, ``label`` and detection ``count``
+    (header, key), its times and :func:`_cost`."""
+    print(title)
+    print(
+        f"{'images':>7s} {label[0]:18s} {count[0]:>9s} {'s':>8s} {'CPU s':>8s}"
+        f" {'CPU ms/img':>10s}" + COST_HEADER
+    )
+    for r in rows:
+        print(
+            f"{r['images']:7d} {r[label[1]]!s:18s} {r[count[1]]:9d} {r['seconds']:8.2f}"
+            f" {r['cpu_s']:8.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}" + _cost(r)
+        )
 
 
 def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
-    if results.get("scan"):
+    if results["scan"]:
         print("\nLabel scan and cache (LoadImagesAndLabels on a folder; cold: no cache)")
         print(
             f"{'images':>8s} {'start':>5s} {'s':>8s} {'CPU s':>8s} {'CPU us/img':>10s}"
-            f" {'growth':>7s}"
-            f" {'peak MB':>8s} {'+MB':>7s} {'cache MB':>9s} {'B/img':>6s}  phases (CPU s)"
+            f" {'cache MB':>9s} {'B/img':>6s}" + COST_HEADER
         )
         for r in results["scan"]:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items() if v >= 0.005)
             print(
                 f"{r['images']:8d} {r['phase']:>5s} {r['seconds']:8.2f} {r['cpu_s']:8.2f}"
-                f" {r['cpu_s'] / r['images'] * 1e6:10.1f}"
-                f" {_fmt_growth(r['growth']):>7s} {r['peak_rss_mb']:8.0f}"
-                f" {r['peak_above_start_mb']:7.0f} {r['cache_bytes'] / MB:9.2f}"
-                f" {r['cache_bytes_per_image']:6.0f}  {phases}"
+                f" {r['cpu_s'] / r['images'] * 1e6:10.1f} {r['cache_bytes'] / MB:9.2f}"
+                f" {r['cache_bytes_per_image']:6.0f}" + _cost(r)
             )
-    if results.get("eval"):
-        print("\nEvaluation (detections per image as given; seconds of the scoring itself)")
-        print(
-            f"{'images':>7s} {'what':18s} {'dets':>9s} {'s':>8s} {'CPU s':>8s} {'CPU ms/img':>10s}"
-            f" {'growth':>7s}"
-            f" {'peak MB':>8s} {'+MB':>7s}  phases (CPU s)"
-        )
-        for r in results["eval"]:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items())
-            print(
-                f"{r['images']:7d} {r['what']:18s} {r['detections']:9d} {r['seconds']:8.2f}"
-                f" {r['cpu_s']:8.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}"
-                f" {_fmt_growth(r['growth']):>7s}"
-                f" {r['peak_rss_mb']:8.0f} {r['peak_above_start_mb']:7.0f}  {phases}"
-            )
-    if results.get("gather"):
-        print("\nGather to rank 0 (2 gloo processes, engine.evaluate's path)")
-        print(
-            f"{'images':>7s} {'rank':>4s} {'local':>8s} {'s':>7s} {'CPU s':>7s} {'CPU ms/img':>10s}"
-            f" {'growth':>7s}"
-            f" {'peak MB':>8s} {'+MB':>7s}  phases (CPU s)"
-        )
-        for r in results["gather"]:
-            phases = ", ".join(f"{k} {v:.2f}" for k, v in r["phases_cpu_s"].items())
-            print(
-                f"{r['images']:7d} {r['rank']:4d} {r['local_detections']:8d} {r['seconds']:7.2f}"
-                f" {r['cpu_s']:7.2f} {r['cpu_s'] / r['images'] * 1e3:10.2f}"
-                f" {_fmt_growth(r['growth']):>7s}"
-                f" {r['peak_rss_mb']:8.0f} {r['peak_above_start_mb']:7.0f}  {phases}"
-            )
-    if results.get("ram"):
+    if results["eval"]:
+        title = "\nEvaluation (detections per image as given; seconds of the scoring itself)"
+        _print_scoring(title, results["eval"], ("what", "what"), ("dets", "detections"))
+    if results["gather"]:
+        title = "\nGather to rank 0 (2 gloo processes, engine.evaluate's path)"
+        _print_scoring(title, results["gather"], ("rank", "rank"), ("local", "local_detections"))
+    if results["ram"]:
         print("\nRAM image cache per image (COCO-sized JPEGs)")
         print(
             f"{'size':>5s} {'images':>6s} {'h*w*3 B':>9s} {'arrays B':>9s} {'RSS B':>9s}"
@@ -657,36 +638,29 @@ def print_tables(results: dict[str, list[dict[str, Any]]]) -> None:
             )
 
 
-def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def get_parser() -> argparse.ArgumentParser:
+    p = common.bench_parser(__doc__)
     p.add_argument("--only", nargs="+", choices=KINDS, default=list(KINDS))
     p.add_argument("--scan-sizes", type=int, nargs="+", default=[10_000, 100_000])
     p.add_argument("--scan-image-side", type=int, default=64, help="width of the scanned JPEG")
     p.add_argument("--objects", type=float, default=7.0, help="mean boxes per image")
     p.add_argument("--eval-sizes", type=int, nargs="+", default=[1000, 5000])
     p.add_argument("--dets-per-image", type=int, default=300)
-    p.add_argument(
-        "--backends",
-        nargs="+",
-        default=["pycocotools", "faster-coco-eval"],
-        choices=("pycocotools", "faster-coco-eval"),
-    )
+    backends = ("pycocotools", "faster-coco-eval")
+    p.add_argument("--backends", nargs="+", default=list(backends), choices=backends)
     p.add_argument("--ram-sizes", type=int, nargs="+", default=[416, 640])
     p.add_argument("--ram-images", type=int, default=300, help="images in the RAM-cache rows")
     p.add_argument("--nproc", type=int, default=2, help="gloo processes of the gather")
     p.add_argument("--threads", type=int, default=1, help="torch threads per process")
-    p.add_argument(
-        "--repeat", type=int, default=1, help="runs per measurement; the fastest is kept"
-    )
+    p.add_argument("--repeat", type=int, default=1, help="runs per measurement; the fastest counts")
     p.add_argument(
         "--workdir",
         type=Path,
         default=None,
         help="keep the generated data here (default: a temporary folder, removed)",
     )
-    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    return p
 
 
 def check_args(args: argparse.Namespace) -> None:
@@ -711,96 +685,49 @@ def check_args(args: argparse.Namespace) -> None:
         "--threads": args.threads,
         "--repeat": args.repeat,
     }
-    for flag, value in counts.items():
-        if value < 1:
-            raise ConfigError(f"{flag} must be >= 1, got {value}")
-    if not 0 <= args.objects < float("inf"):
-        raise ConfigError(f"--objects must be a number >= 0, got {args.objects}")
+    check_at_least(counts, 1)
+    common.check_real("--objects", args.objects)
     # More processes or threads than CPUs measure waiting (the default 2 processes run anywhere).
-    cpus = len(os.sched_getaffinity(0))
+    cpus = usable_cpus()
     for flag, value, most in (
         ("--nproc", args.nproc, max(cpus, 2)),
         ("--threads", args.threads, cpus),
     ):
         if value > most:
             raise ConfigError(f"{flag} {value} is more than the {most} this machine's CPUs allow")
-    if args.json is not None:
-        make_output_dir(args.json.parent, "--json")
+    common.check_json(args.json)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def bench(args: argparse.Namespace) -> None:
     if args.child is not None:
-        return child_main(json.loads(args.child))
-    try:
-        check_args(args)
-    except YoloError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+        child_main(json.loads(args.child))
+        return
+    check_args(args)
     results: dict[str, list[dict[str, Any]]] = {k: [] for k in KINDS}
     t_start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_scale_") as tmp:
         work = args.workdir or Path(tmp)
-        common = {"threads": args.threads, "objects": args.objects, "seed": 0}
+        spec = {"threads": args.threads, "objects": args.objects, "seed": 0}
         if "scan" in args.only:
-            for n in sorted(set(args.scan_sizes)):
-                t0 = time.perf_counter()
-                images = make_scan_dataset(work / f"scan{n}", n, args.objects, args.scan_image_side)
-                print(f"scan {n}: data in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
-                for phase in ("cold", "warm"):
-                    spec = {**common, "kind": "scan", "images": str(images), "n": n, "phase": phase}
-                    r = best_of(args.repeat, lambda spec=spec: run_child(spec), _seconds)
-                    results["scan"].append(r)
-                    print(f"scan {n} {phase}: {r['seconds']:.1f} s", file=sys.stderr)
-            growth(results["scan"], "cpu_s", "images", ("phase",))
-        for n in sorted(set(args.eval_sizes)):
-            spec = {**common, "n": n, "dets_per_image": args.dets_per_image}
-            if "eval" in args.only:
-                for what in ("metrics", *args.backends):
-                    child = {**spec, "kind": "eval", "what": what}
-                    r = best_of(args.repeat, lambda child=child: run_child(child), _seconds)
-                    results["eval"].append(r)
-                    print(f"eval {n} {what}: {r['seconds']:.1f} s", file=sys.stderr)
-            if "gather" in args.only:
-                out = work / f"gather{n}"
-                child = {**spec, "kind": "gather", "out": str(out)}
-                rows = best_of(
-                    args.repeat,
-                    lambda child=child: run_gather(child, args.nproc),
-                    lambda rows: max(r["seconds"] for r in rows),
-                )
-                results["gather"] += rows
-                print(f"gather {n}: {max(r['seconds'] for r in rows):.1f} s", file=sys.stderr)
-        growth(results["eval"], "cpu_s", "images", ("what",))
-        growth(results["gather"], "cpu_s", "images", ("rank",))
+            results["scan"] = scan_rows(args, work, spec)
+        results.update(eval_rows(args, work, spec))
         if "ram" in args.only:
-            images = make_ram_dataset(work / "ram", args.ram_images)
-            for size in args.ram_sizes:
-                results["ram"].append(
-                    run_child({**common, "kind": "ram", "images": str(images), "img_size": size})
-                )
+            results["ram"] = ram_rows(args, work, spec)
     print_tables(results)
-    import torch  # only now: the parent's own peak would otherwise count in its children's
-
-    info = {
-        "machine": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "threads": args.threads,
-        "repeat": args.repeat,
-        "torch": torch.__version__,
-        "objects_per_image": args.objects,
-        "dets_per_image": args.dets_per_image,
-        "scan_image_side": args.scan_image_side,
-        "total_s": time.perf_counter() - t_start,
-    }
+    info = common.machine_info(
+        threads=args.threads,
+        repeat=args.repeat,
+        objects_per_image=args.objects,
+        dets_per_image=args.dets_per_image,
+        scan_image_side=args.scan_image_side,
+        total_s=time.perf_counter() - t_start,
+    )
     print(f"\ntotal {info['total_s']:.0f} s")
-    if args.json:
-        try:
-            write_text(args.json, json.dumps({"info": info, **results}, indent=2) + "\n", "--json")
-        except YoloError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    return 0
+    common.write_report(args.json, {"info": info, **results})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -28,14 +28,17 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import make_output_dir, write_text  # noqa: E402
-from build_utils.errors import ConfigError, YoloError  # noqa: E402
-from train_utils.threads import MAX_THREADS, thread_count  # noqa: E402
+from bench import common
+from build_utils.checks import check_at_least
+from build_utils.errors import ConfigError
+from train_utils.cli import check_img_size, run_script
+from train_utils.distributed.node import usable_cpus
+from train_utils.threads import MAX_THREADS, thread_count
 
-DEMO_CFG = REPO / "cfg" / "yolov3-spp-nano-newcoords.cfg"
+DEMO_CFG = common.REPO / "cfg" / "yolov3-spp-nano-newcoords.cfg"
+DEMO_CLASSES = 5
 BUSY_LOOP = "while True: pass"
 
 
@@ -48,12 +51,12 @@ def variant_env(name: str) -> dict[str, str]:
             raise ConfigError(f"variant {name!r}: at most {MAX_THREADS} threads")
         return {"YOLO_THREADS": name[5:]}
     if name == "passive":
-        return {"YOLO_THREADS": str(len(os.sched_getaffinity(0))), "OMP_WAIT_POLICY": "PASSIVE"}
+        return {"YOLO_THREADS": str(usable_cpus()), "OMP_WAIT_POLICY": "PASSIVE"}
     raise ConfigError(f"unknown variant {name!r}: auto, fixedN (e.g. fixed2) or passive")
 
 
-def child(seconds: float, img_size: int, batch: int) -> None:
-    """Train steps for ``seconds``; prints one JSON line per step (seconds, threads)."""
+def child(args: argparse.Namespace) -> None:
+    """Train steps for ``--seconds``; prints one JSON line per step (seconds, threads)."""
     import torch
 
     from bench.bench_model import TrainStep, synthetic_batch
@@ -61,13 +64,13 @@ def child(seconds: float, img_size: int, batch: int) -> None:
     from train_utils.config import load_hyp
     from train_utils.threads import adapt_threads
 
-    device = torch.device("cpu")
+    device, size = torch.device("cpu"), args.img_size
     adapt_threads(device)  # applies YOLO_THREADS, as a training run does at its start
-    model = Darknet(model_blocks_for(DEMO_CFG, 5), img_size=(img_size, img_size))
-    hyp = load_hyp(REPO / "cfg" / "hyp_demo.yaml")
-    train_step = TrainStep(model, model, "fp32", "contiguous", img_size, hyp=hyp)
-    imgs, targets = synthetic_batch(batch, img_size, 5, seed=0)
-    end = time.perf_counter() + seconds
+    model = Darknet(model_blocks_for(DEMO_CFG, DEMO_CLASSES), img_size=(size, size))
+    hyp = load_hyp(common.REPO / "cfg" / "hyp_demo.yaml")
+    train_step = TrainStep(model, model, "fp32", "contiguous", size, hyp=hyp)
+    imgs, targets = synthetic_batch(args.batch, size, DEMO_CLASSES, seed=0)
+    end = time.perf_counter() + args.seconds
     while time.perf_counter() < end:
         t0 = time.perf_counter()
         train_step(imgs, targets)
@@ -85,9 +88,9 @@ def run_variant(name: str, busy: bool, args: argparse.Namespace) -> dict[str, An
         # start_new_session: another session, as another user's job is (autogroups).
         neighbour = subprocess.Popen([sys.executable, "-c", BUSY_LOOP], start_new_session=True)
     try:
-        cmd = [sys.executable, __file__, "--child", str(args.seconds), str(args.img_size),
-               str(args.batch)]  # fmt: skip
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, check=True).stdout
+        flags = {"--seconds": args.seconds, "--img-size": args.img_size, "--batch": args.batch}
+        cmd = [sys.executable, __file__, "--child", *common.as_argv(flags)]
+        out = common.run_child(cmd, env, f"variant {name}")
     finally:
         if neighbour is not None:
             neighbour.kill()
@@ -114,45 +117,37 @@ def check_args(args: argparse.Namespace) -> None:
             cannot fit in memory.
         OutputError: ``--json``'s folder cannot be made.
     """
-    from build_utils.checks import check_at_least
     from models.budget import check_model_fits
     from models.darknet import model_blocks_for
-    from train_utils.cli import check_img_size
 
     for name in args.variants:
         variant_env(name)  # every name checked before anything runs
-    if not 0 < args.seconds < float("inf"):
-        raise ConfigError(f"--seconds must be a positive number, got {args.seconds}")
+    common.check_real("--seconds", args.seconds, positive=True)
     check_at_least({"--batch": args.batch}, 1)
     check_at_least({"--skip": args.skip}, 0)
     check_img_size(args.img_size)
-    check_model_fits(model_blocks_for(DEMO_CFG, 5), args.img_size, args.batch, training=True)
-    if args.json is not None:
-        make_output_dir(args.json.parent, "--json")
+    blocks = model_blocks_for(DEMO_CFG, DEMO_CLASSES)
+    check_model_fits(blocks, args.img_size, args.batch, training=True)
+    common.check_json(args.json)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["--child"]:
-        child(float(argv[1]), int(argv[2]), int(argv[3]))
-        return 0
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def get_parser() -> argparse.ArgumentParser:
+    p = common.bench_parser(__doc__)
     p.add_argument("--variants", nargs="+", default=["auto", "fixed2", "fixed1", "passive"])
     p.add_argument("--seconds", type=float, default=30.0, help="per run (default 30)")
     p.add_argument("--img-size", type=int, default=128)
     p.add_argument("--batch", type=int, default=16)
     p.add_argument("--skip", type=int, default=3, help="first steps left out (warm-up)")
-    p.add_argument("--json", type=Path, default=None)
-    args = p.parse_args(argv)
-    try:
-        check_args(args)
-    except YoloError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    return p
 
-    from bench.bench_model import cpu_description
 
-    info = {**cpu_description(), "cores": len(os.sched_getaffinity(0)), "seconds": args.seconds}
+def bench(args: argparse.Namespace) -> None:
+    if args.child:
+        child(args)
+        return
+    check_args(args)
+    info = common.machine_info(seconds=args.seconds)
     print(f"{info['cpu']}, {info['cores']} usable cores; demo train step {args.img_size} px, "
           f"batch {args.batch}; {args.seconds:.0f} s per run")  # fmt: skip
     print(f"{'variant':10s} {'idle s/step':>11s} {'busy s/step':>11s} {'busy/idle':>9s} "
@@ -169,13 +164,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{idle['threads']} / {busy['threads']}",
             flush=True,
         )
-    if args.json:
-        try:
-            write_text(args.json, json.dumps({"info": info, "results": rows}, indent=2) + "\n")
-        except YoloError as e:
-            print(f"error: {e}", file=sys.stderr)
-            return 2
-    return 0
+    common.write_report(args.json, {"info": info, "results": rows})
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), bench, argv)
 
 
 if __name__ == "__main__":

@@ -8,10 +8,13 @@ Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<siz
   ``YOLO_REQUIRE_CUDA=1`` (a CUDA test that cannot run fails instead of skipping);
 - ``eval``: a short training run on the GPU with ``--amp auto``, then ``validation.py`` on its
   ``last.pt``: the 12 COCO stats the run logged and those validation.py reports must agree
-  within ``MAP_TOLERANCE``;
-- ``ddp``: ``torchrun --nproc_per_node 2 train_multi_GPU.py`` (NCCL, SyncBatchNorm) on generated
-  shapes data when 2 GPUs are visible, else skipped; the mAP the two ranks logged must agree
-  with ``validation.py`` of the saved weights in one process;
+  within ``MAP_TOLERANCE``; validation.py with ``--amp off`` must agree with the autocast one
+  within ``MAP_TOLERANCE`` too, and the boxes ``last.pt`` decodes under autocast at 608 px must
+  be those of the same raw outputs decoded in float32 (``DECODE_TOLERANCE_PX``);
+- ``ddp``: ``torchrun train_multi_GPU.py`` (NCCL, the DDP wrapper, SyncBatchNorm, barriers and
+  the gathered evaluation) on generated shapes data, with 2 processes when 2 GPUs are visible and
+  1 on a single GPU; the mAP the ranks logged must agree with ``validation.py`` of the saved
+  weights in one process;
 - ``train-416``, ``train-608``: the YOLOv3-SPP train step (``bench_model.bench_variants``) in
   fp32, in the dtype ``--amp auto`` picks, contiguous and channels_last, and ``torch.compile``
   (its compile time apart), at the plan's batch 64 or the largest half of it that fits, each
@@ -21,18 +24,20 @@ Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<siz
   the GPU needs.
 
 The checks come first and the measurements after, so that a short budget leaves out a
-measurement. Each step runs in a child process with its own time limit (and the whole check
-within ``--budget-s``), so that a step that fails, crashes the CUDA context or hangs is
-recorded with its status, duration, figures so far and the last lines of its output while the
-others still run. The report is one JSON and one markdown file,
-``bench/results/gpu-check-<UTC date-time>-<gpu>.json`` and ``.md``, written atomically and never
-over an existing report. Exit status: 0 when no step failed, 1 with a one-line summary of the
-failed steps, 2 with one line when no CUDA device is visible (checked before anything else).
+measurement. Each step runs in a child process with its own time limit, so that a step that
+fails, crashes the CUDA context or hangs is recorded with its status, duration, figures so far
+and the last lines of its output while the others still run. The limits add up within the
+default ``--budget-s`` (``plan_fits``); with a smaller budget a step gets what is left, and one
+stopped there is reported as cut by the budget (``skipped``), not as failed. The report is one
+JSON and one markdown file, ``bench/results/gpu-check-<UTC date-time>-<gpu>.json`` and ``.md``,
+written atomically and never over an existing report. Exit status: 0 when no step failed, 1
+with a one-line summary of the failed steps, 2 with one line when no CUDA device is visible
+(checked before anything else).
 
 Usage, from the repository root::
 
-    make gpu-check                                  # the whole check, ~8 min on one H100
-    make gpu-check GPU_CHECK_ARGS='--quick'         # 416 only, no compile: ~4 min
+    make gpu-check                                  # the whole check, at most --budget-s
+    make gpu-check GPU_CHECK_ARGS='--quick'         # 416 only, no compile
     make gpu-check PY=python3                       # a python with torch, no venv (no network)
     python bench/gpu_check.py --steps env cuda-tests eval
 """
@@ -70,7 +75,7 @@ import torch
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
-from train_utils.precision import resolve_amp
+from train_utils.precision import autocast_context, cuda_has_native_bf16, resolve_amp
 
 REPO = Path(__file__).resolve().parents[1]
 RESULTS_DIR = REPO / "bench" / "results"
@@ -91,8 +96,19 @@ DATA_SIZES = (416, 640)
 # 0.01 allows a few of them and still catches a real disagreement (other weights, another
 # precision, images scored twice or not at all), which moves mAP by much more.
 MAP_TOLERANCE = 0.01
+# Decoded box centres of the same raw outputs, autocast against float32, at DECODE_SIDE px: the
+# head decodes in float32 (float32 rounding alone is ~1e-4 px); bf16 decoding was up to 2 px off.
+DECODE_TOLERANCE_PX = 0.05
+DECODE_SIDE = 608
 # A step is not started with less time than this left in the budget.
 MIN_STEP_S = 15
+# The whole check within a 10-minute lease; the steps' limits add up to at most this less
+# ORCHESTRATION_S (starting the children, the machine summary, the report).
+DEFAULT_BUDGET_S = 570.0
+ORCHESTRATION_S = 20.0
+# Processes of the ddp step: two where two GPUs are visible (one on a single GPU, which still
+# exercises NCCL, the DDP wrapper, barriers and gathers), two gloo processes on the CPU.
+DDP_PROCESSES = 2
 # Lines of a failed step's output kept in the report.
 TAIL_LINES = 25
 STATUSES = ("passed", "failed", "skipped")
@@ -132,14 +148,17 @@ class Settings:
     run_workers: int = 4
     ddp_epochs: int = 2
     ddp_batch: int = 8
+    # Seconds per step (each train-<size> gets "train"): with both train sizes they add up to
+    # DEFAULT_BUDGET_S - ORCHESTRATION_S (tests/scripts/test_gpu_check.py checks it). The train
+    # steps are the measurements a short budget cuts: torch.compile comes last in them.
     limits_s: dict[str, int] = dataclasses.field(
         default_factory=lambda: {
-            "env": 60,
-            "cuda-tests": 240,
-            "train": 200,
-            "data": 150,
-            "ddp": 180,
-            "eval": 180,
+            "env": 20,
+            "cuda-tests": 150,
+            "eval": 110,
+            "ddp": 90,
+            "train": 65,
+            "data": 50,
         }
     )
 
@@ -353,7 +372,9 @@ def step_env(ctx: StepContext) -> None:
                     "multiprocessors": p.multi_processor_count,
                 }
             )
-        figures["bf16"] = torch.cuda.is_bf16_supported()
+        # Native bf16 (sm80+) decides --amp auto; emulated bf16 (T4, V100) does not count.
+        figures["bf16"] = cuda_has_native_bf16()
+        figures["bf16_emulated"] = torch.cuda.is_bf16_supported(including_emulation=True)
         figures["driver"] = _driver_version()
     amp = resolve_amp("auto", device)
     figures["amp_auto"] = AMP_NAMES.get(amp, "off") if amp is not None else "off"
@@ -706,10 +727,10 @@ def compare_stats(
     }
 
 
-def _validate(ctx: StepContext, data: Path, out: Path, name: str) -> dict[str, float]:
-    """validation.py (its own process) on ``out``/last.pt; the stats it writes."""
+def _validate(ctx: StepContext, data: Path, out: Path, name: str, *flags: str) -> dict[str, float]:
+    """validation.py (its own process) on ``out``/last.pt with ``flags``; the stats it writes."""
     stats = ctx.work / f"{name}-stats.json"
-    cmd = [sys.executable, REPO / "validation.py", "--weights", out / "last.pt"]
+    cmd = [sys.executable, REPO / "validation.py", "--weights", out / "last.pt", *flags]
     cmd += ["--data", data, "--device", ctx.settings.device]
     cmd += ["--workers", str(ctx.settings.run_workers)]
     cmd += ["--save-dir", ctx.work / f"{name}-val", "--json-out", stats]
@@ -717,6 +738,9 @@ def _validate(ctx: StepContext, data: Path, out: Path, name: str) -> dict[str, f
     if proc.returncode != 0:
         raise StepFailed(f"validation.py exited {proc.returncode}: {_last_line(proc.stderr)}")
     return json.loads(stats.read_text())
+
+
+MAP_KEYS = ("mAP50", "mAP50-95")
 
 
 def _agreement(
@@ -728,10 +752,9 @@ def _agreement(
     with (out / "results.csv").open() as f:
         row = list(csv.DictReader(f))[-1]
     cmp = compare_stats(row, validated)
-    keys = ("mAP50", "mAP50-95")
     ctx.record(
-        logged={k: float(row[k]) for k in keys if row.get(k)},
-        validated={k: validated[k] for k in keys if k in validated},
+        logged={k: float(row[k]) for k in MAP_KEYS if row.get(k)},
+        validated={k: validated[k] for k in MAP_KEYS if k in validated},
         **cmp,
         table=table(
             ["stat", "training logged", "validation.py", "|diff|"],
@@ -751,7 +774,8 @@ def _agreement(
 
 
 def step_eval(ctx: StepContext) -> None:
-    """A short training run under --amp auto, then validation.py of its last.pt."""
+    """A short training run under --amp auto, then validation.py of its last.pt: as the run
+    replays it (autocast), and in float32; and the boxes last.pt decodes under autocast."""
     from train_utils.checkpoint import read_weights
 
     s = ctx.settings
@@ -771,19 +795,83 @@ def step_eval(ctx: StepContext) -> None:
     expected = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(amp)
     if precision.get("amp") != expected:
         raise StepFailed(f"last.pt records amp {precision.get('amp')}, --amp auto is {expected}")
-    _agreement(ctx, out, _validate(ctx, data, out, "eval"), "training-time evaluation")
+    validated = _validate(ctx, data, out, "eval")
+    _agreement(ctx, out, validated, "training-time evaluation")
+    fp32 = _validate(ctx, data, out, "eval-fp32", "--amp", "off")
+    worst = decode_difference(out / "last.pt", ctx.device, amp)
+    ctx.record(**amp_figures(validated, fp32, worst, AMP_NAMES.get(amp, "off")))
+    problems = amp_problems(validated, fp32, worst)
+    if problems:
+        raise StepFailed("; ".join(problems))
+
+
+def amp_figures(
+    autocast: dict[str, float], fp32: dict[str, float], decode_px: float, amp_name: str
+) -> dict[str, Any]:
+    """The autocast evaluation against float32's: mAP of each, the centre difference of the
+    decoded boxes, and a table for the report."""
+    rows = [[k, round(autocast[k], 6), round(fp32[k], 6), round(abs(autocast[k] - fp32[k]), 6)]
+            for k in MAP_KEYS]  # fmt: skip
+    rows.append([f"box centres at {DECODE_SIDE} px (max px)", "-", "-", round(decode_px, 6)])
+    return {
+        "amp_vs_fp32": {k: {"autocast": autocast[k], "fp32": fp32[k]} for k in MAP_KEYS},
+        "decode_centre_diff_px": decode_px,
+        "amp_table": table(["stat", f"validation.py ({amp_name})", "--amp off", "|diff|"], rows),
+    }
+
+
+def amp_problems(autocast: dict[str, float], fp32: dict[str, float], decode_px: float) -> list:
+    """What the autocast evaluation gets wrong against float32's, one phrase each."""
+    problems = [
+        f"validation.py under autocast and with --amp off differ by "
+        f"{abs(autocast[k] - fp32[k]):.4f} on {k} (tolerance {MAP_TOLERANCE})"
+        for k in MAP_KEYS
+        if abs(autocast[k] - fp32[k]) > MAP_TOLERANCE
+    ]
+    if not decode_px <= DECODE_TOLERANCE_PX:
+        problems.append(
+            f"box centres decoded under autocast differ from float32's by {decode_px:.3f} px at "
+            f"{DECODE_SIDE} px (tolerance {DECODE_TOLERANCE_PX}): the head decodes in the "
+            f"autocast dtype"
+        )
+    return problems
+
+
+def decode_difference(weights: Path, device: torch.device, amp: torch.dtype | None) -> float:
+    """Largest difference, in pixels, between the box centres ``weights`` decodes under autocast
+    to ``amp`` at ``DECODE_SIDE`` px and those of the same raw outputs decoded in float32."""
+    from train_utils.checkpoint import read_weights
+    from train_utils.load_model import model_from_weights
+
+    model = model_from_weights(read_weights(weights), None, None, DECODE_SIDE)
+    model = model.to(device).eval()
+    x = torch.rand(1, 3, DECODE_SIDE, DECODE_SIDE, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        with autocast_context(device, amp):
+            det, raw = model(x.to(device))
+        heads = [model.module_list[i] for i in model.yolo_layers]
+        want = torch.cat([h.decode(r.float()).flatten(1, 3) for h, r in zip(heads, raw)], 1)
+    return float((det[..., :2].float() - want[..., :2]).abs().max())
+
+
+def ddp_processes(device: torch.device, gpus: int) -> int:
+    """Processes of the ddp step: ``DDP_PROCESSES``, or as many GPUs as there are (at least 1:
+    one process still initialises NCCL, wraps the model in DDP and gathers)."""
+    if device.type != "cuda":
+        return DDP_PROCESSES
+    return max(1, min(DDP_PROCESSES, gpus))
 
 
 def step_ddp(ctx: StepContext) -> None:
-    """Two processes under torchrun (NCCL + SyncBatchNorm on CUDA, gloo on the CPU path)."""
+    """torchrun processes (NCCL + SyncBatchNorm on CUDA, gloo on the CPU path); one on a single
+    GPU, since a 1-process group still runs NCCL, the DDP wrapper, barriers and gathers."""
     from train_utils.distributed.launch import free_port
 
     s, device = ctx.settings, ctx.device
-    if device.type == "cuda" and torch.cuda.device_count() < 2:
-        raise StepSkipped(f"{torch.cuda.device_count()} GPU visible: the NCCL DDP run needs 2")
+    nproc = ddp_processes(device, torch.cuda.device_count() if device.type == "cuda" else 0)
     data = _make_shapes(ctx.work / "shapes", s.run_train_images, s.run_val_images, (160, 256))
     out = ctx.work / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
     cmd += [f"--master_port={free_port()}", REPO / "train_multi_GPU.py"]
     cmd += _train_flags(s, data, out, s.ddp_epochs, s.ddp_batch)
     cmd += ["--workers", str(min(2, s.run_workers))]
@@ -795,14 +883,16 @@ def step_ddp(ctx: StepContext) -> None:
     log = (out / "train.log").read_text()
     backend = "nccl" if device.type == "cuda" else "gloo"
     sync_bn = "SyncBatchNorm skipped" not in log + proc.stderr
-    ctx.record(backend=backend, sync_batchnorm=sync_bn)
-    if "x 2 process(es)" not in log:
-        raise StepFailed("train.log does not show 2 processes")
+    ctx.record(backend=backend, processes=nproc, sync_batchnorm=sync_bn)
+    if f"backend {backend}" not in log + proc.stderr:
+        raise StepFailed(f"no {backend} process group was initialised (train.log, torchrun)")
+    if f"x {nproc} process(es)" not in log:
+        raise StepFailed(f"train.log does not show {nproc} process(es)")
     if device.type == "cuda" and not sync_bn:
         raise StepFailed("SyncBatchNorm was skipped on CUDA")
     # The ranks evaluated disjoint shards and rank 0 scored them together: the mAP it logged
-    # equals one process's validation.py only if both ranks agreed on the weights and data.
-    _agreement(ctx, out, _validate(ctx, data, out, "ddp"), "2-process evaluation")
+    # equals one process's validation.py only if the ranks agreed on the weights and data.
+    _agreement(ctx, out, _validate(ctx, data, out, "ddp"), f"{nproc}-process evaluation")
 
 
 # ---------------------------------------------------------------------------- orchestration
@@ -837,6 +927,12 @@ def step_specs(settings: Settings) -> list[StepSpec]:
     ]
     specs.append(StepSpec("data", f"{here}:step_data", lim["data"], ("cv2", "yaml")))
     return specs
+
+
+def plan_fits(specs: Sequence[StepSpec], budget_s: float) -> bool:
+    """Whether every step of ``specs`` can run to its own limit within ``budget_s``, with
+    ``ORCHESTRATION_S`` for starting the children and writing the report."""
+    return sum(spec.limit_s for spec in specs) + ORCHESTRATION_S <= budget_s
 
 
 def select_steps(specs: Sequence[StepSpec], names: Sequence[str] | None) -> list[StepSpec]:
@@ -881,8 +977,11 @@ def run_step(
     work: Path,
     earlier: dict[str, dict[str, Any]],
     limit_s: float,
+    cut: str | None = None,
 ) -> dict[str, Any]:
-    """Run one step in a child process within ``limit_s``; its result record."""
+    """Run one step in a child process within ``limit_s``; its result record. ``cut``: why
+    ``limit_s`` is below the step's own limit (the budget), which a time-out then reports as a
+    cut (skipped) instead of a failure."""
     base = {"name": spec.name, "status": "skipped", "reason": None, "duration_s": 0.0}
     base.update({"figures": {}, "error_tail": None, "limit_s": round(limit_s)})
     missing = missing_modules(spec.needs)
@@ -926,7 +1025,9 @@ def run_step(
             body = {}
     base["figures"] = body.get("figures", {})
     tail = _tail(log)
-    if timed_out:
+    if timed_out and cut is not None:
+        base.update(status="skipped", reason=f"cut after {limit_s:.0f} s: {cut}", error_tail=tail)
+    elif timed_out:
         base.update(status="failed", reason=f"timed out after {limit_s:.0f} s", error_tail=tail)
     elif proc.returncode != 0:
         base.update(
@@ -965,7 +1066,13 @@ def run_steps(
                 limit_s=0,
             )
         else:
-            r = run_step(spec, settings, work, earlier, min(spec.limit_s, left))
+            cut = None
+            if left < spec.limit_s:
+                cut = (
+                    f"the check's --budget-s {budget_s:.0f} ran out before the step's own "
+                    f"{spec.limit_s:.0f} s (figures so far kept)"
+                )
+            r = run_step(spec, settings, work, earlier, min(spec.limit_s, left), cut)
         earlier[spec.name] = r["figures"]
         results.append(r)
         why = f" ({r['reason']})" if r["reason"] else ""
@@ -1025,6 +1132,10 @@ def summary_line(results: Sequence[dict[str, Any]]) -> str:
     return line
 
 
+# The figures a step shows as tables in the markdown report, in this order.
+TABLE_KEYS = ("table", "amp_table")
+
+
 def _cell(v: Any) -> str:
     return str(v).replace("|", "\\|").replace("\n", " ")
 
@@ -1051,9 +1162,11 @@ def markdown(report: dict[str, Any]) -> str:
             f"{_cell(r['reason'] or '')} |"
         )
     for r in report["steps"]:
-        t = r["figures"].get("table")
-        if t:
-            lines += ["", f"## {r['name']}", ""]
+        tables = [r["figures"][k] for k in TABLE_KEYS if r["figures"].get(k)]
+        if tables:
+            lines += ["", f"## {r['name']}"]
+        for t in tables:
+            lines.append("")
             lines.append("| " + " | ".join(map(_cell, t["columns"])) + " |")
             lines.append("|" + "---|" * len(t["columns"]))
             lines += ["| " + " | ".join(map(_cell, row)) + " |" for row in t["rows"]]
@@ -1132,9 +1245,10 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--budget-s",
         type=float,
-        default=570.0,
-        help="seconds for the whole check; a step starts only with time left (default: 570, "
-        "within a 10-minute lease)",
+        default=DEFAULT_BUDGET_S,
+        help=f"seconds for the whole check; a step starts only with time left, and one the "
+        f"budget stops is reported as cut (default: {DEFAULT_BUDGET_S:.0f}, within a 10-minute "
+        f"lease; the steps' own limits fit it)",
     )
     p.add_argument(
         "--out-dir", type=Path, default=RESULTS_DIR, help="where the report goes (bench/results)"
@@ -1169,6 +1283,13 @@ def check(args: argparse.Namespace, specs: Sequence[StepSpec] | None = None) -> 
     started = datetime.now(UTC)
     machine = machine_summary(device)
     print(f"gpu-check on {machine['device']}: {', '.join(s.name for s in specs)}", file=sys.stderr)
+    if not plan_fits(specs, args.budget_s):
+        planned = sum(spec.limit_s for spec in specs) + ORCHESTRATION_S
+        print(
+            f"gpu-check: the steps' limits need up to {planned:.0f} s, --budget-s is "
+            f"{args.budget_s:.0f}: the last steps may be cut",
+            file=sys.stderr,
+        )
     work = Path(tempfile.mkdtemp(prefix="gpu-check-"))
     t0 = time.perf_counter()
     try:
@@ -1195,15 +1316,19 @@ def check(args: argparse.Namespace, specs: Sequence[StepSpec] | None = None) -> 
     return report["exit_status"]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    from train_utils.cli import run_main
-
-    args = get_parser().parse_args(argv)
+def command(args: argparse.Namespace) -> int:
+    """The check, or (internal ``--run-step``) one step in its child process."""
     if args.run_step:
         # As bench.gpu_check, not __main__: the steps raise that module's StepSkipped/StepFailed.
         this = importlib.import_module("bench.gpu_check")
         return this.child_main(args.run_step, args.context, args.result)
-    return run_main(lambda: check(args))
+    return check(args)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from train_utils.cli import run_script
+
+    return run_script(get_parser(), command, argv)
 
 
 if __name__ == "__main__":

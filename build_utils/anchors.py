@@ -23,7 +23,7 @@ import numpy as np
 
 from build_utils.errors import DatasetError
 
-MIN_LABEL_PX = 2.0  # labels smaller than this at img_size are ignored (lineage: 2 px)
+MIN_LABEL_PX = 2.0  # labels smaller than this at img_size are ignored (ultralytics/yolov3: 2 px)
 KMEANS_ITERS = 300
 MUTATION_PROB, MUTATION_SIGMA = 0.9, 0.1  # genetic step (ultralytics' values)
 MUTATION_RANGE = (0.3, 3.0)  # one mutation scales an anchor by at most this

@@ -12,11 +12,11 @@ Geometry is exact under that convention: pixels and boxes go through the same ma
 stays on its object under letterbox, mosaic, random affine and flips (the property test in
 ``tests/build_utils/test_augmentations.py`` checks it).
 
-How the mosaic is made fast (the data pipeline must keep up with one GPU): the lineage pasted
+How the mosaic is made fast (the data pipeline must keep up with one GPU): ultralytics/yolov3 pasted
 four resized images into a ``2s x 2s`` canvas and warped the whole canvas to ``s x s``. Here the
 tiles are resized straight into the part of the *output* they cover whenever the random affine
-is axis-aligned (no rotation, no shear: the lineage's default hyperparameters), so every output
-pixel is written once by one ``cv2.resize`` of a crop and no canvas or warp is needed. With
+is axis-aligned (no rotation, no shear: ultralytics/yolov3's default hyperparameters), so every
+output pixel is written once by one ``cv2.resize`` of a crop and no canvas or warp is needed. With
 rotation or shear, only the part of the canvas that the output can see is built, then warped
 once.
 """
@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import cv2
 import numpy as np
 
-PAD_VALUE = 114  # grey of the letterbox padding and of empty mosaic areas (lineage value)
+PAD_VALUE = 114  # grey of the letterbox padding and of empty mosaic areas (ultralytics/yolov3)
 PAD_COLOR = (PAD_VALUE, PAD_VALUE, PAD_VALUE)
 # The network's largest stride: input sides, letterbox shapes (auto) and rect batch shapes are
 # multiples of it. The one definition in the project; import it from here.
@@ -38,7 +38,7 @@ GRID = 32
 
 # A box that an augmentation leaves smaller than this many pixels on a side, with less than this
 # fraction of its area still visible, or thinner than this aspect ratio is dropped: such slivers
-# are no longer recognisable objects (YOLOv5's thresholds; the lineage used 4 px / 0.2 / 10).
+# are no longer recognisable objects (YOLOv5's thresholds; ultralytics/yolov3 used 4 px / 0.2 / 10).
 BOX_MIN_SIDE_PX = 2.0
 BOX_MIN_AREA_RATIO = 0.1
 BOX_MAX_ASPECT = 20.0
@@ -129,7 +129,7 @@ def letterbox_geometry(
     dw, dh = W - w, H - h
     if auto and not scale_fill:
         dw, dh = dw % stride, dh % stride
-    # Same split as the lineage: the odd pixel of padding goes right/bottom.
+    # Same split as ultralytics/yolov3: the odd pixel of padding goes right/bottom.
     left, top = round(dw / 2 - 0.1), round(dh / 2 - 0.1)
     return LetterboxGeometry((w / w0, h / h0), (w, h), (left, top), (h + dh, w + dw))
 
@@ -200,7 +200,7 @@ def random_affine_matrix(
 
     The canvas point ``center`` goes to the middle of the output ``(W, H) = out_size`` after
     rotation and scaling about it, shear, then a random translation (x by a fraction of W, y of
-    H; the lineage swapped the two). Always draws the same number of random values.
+    H; ultralytics/yolov3 swapped the two). Always draws the same number of random values.
     """
     W, H = out_size
     a = rng.uniform(-params.degrees, params.degrees)
@@ -667,7 +667,7 @@ def hsv_lut(
     """Random hue, saturation and value gains as a ``(256, 1, 3) uint8`` lookup table on HSV
     pixels, or None when all gains are 0 (three random numbers are drawn either way).
 
-    Each channel is multiplied by a factor drawn from ``[1 - gain, 1 + gain]`` (the lineage's
+    Each channel is multiplied by a factor drawn from ``[1 - gain, 1 + gain]`` (ultralytics/yolov3's
     definition: hue is scaled and wraps around OpenCV's 0..179 range; saturation and value are
     clipped to 255).
     """

@@ -4,7 +4,7 @@
 Formats used throughout the project:
 
 - ``xyxy``: (x1, y1, x2, y2) corners.
-- ``cxcywh`` (the YOLO label format, also called ``xywh`` in the lineage): centre and size.
+- ``cxcywh`` (the YOLO label format, also called ``xywh`` in ultralytics/yolov3): centre and size.
 - ``...n`` suffix: normalised to [0, 1] by the image width and height; otherwise absolute pixels.
 
 The conversions and ``clip_coords``/``scale_coords`` accept ``(N, 4)`` arrays (``np.ndarray`` or
@@ -74,7 +74,7 @@ def xyxy2xywhn(x: ArrayT, w: float, h: float) -> ArrayT:
 # --------------------------------------------------------------------------------------------
 
 # Boxes narrower or shorter than MIN_WH pixels, or wider or taller than MAX_WH pixels, are
-# dropped before NMS (the lineage's min_wh/max_wh): the former are noise, the latter are
+# dropped before NMS (ultralytics/yolov3's min_wh/max_wh): the former are noise, the latter are
 # diverged predictions that would otherwise suppress everything around them.
 MIN_WH = 2.0
 MAX_WH = 4096.0
@@ -108,7 +108,7 @@ def wh_iou(wh1: torch.Tensor, wh2: torch.Tensor) -> torch.Tensor:
 def clip_coords(boxes: ArrayT, shape_hw: tuple[int, int] | tuple[float, float]) -> ArrayT:
     """Clip (N, 4) xyxy pixel boxes to an image of ``shape_hw = (height, width)``.
 
-    Returns a new array of the input's type; the input is not modified (unlike the lineage,
+    Returns a new array of the input's type; the input is not modified (unlike ultralytics/yolov3,
     which clipped in place).
     """
     h, w = shape_hw[0], shape_hw[1]
@@ -137,7 +137,7 @@ def scale_coords(
         img0_shape: (h0, w0) of the original image.
         ratio_pad: ``((gain_h, gain_w), (padw, padh))`` as recorded by the dataset in
             ``shapes[1]``. Each axis uses its own gain: letterbox rounds the resized sides to
-            whole pixels, so the two differ slightly (the lineage used ``gain_h`` for both,
+            whole pixels, so the two differ slightly (ultralytics/yolov3 used ``gain_h`` for both,
             up to ~1 px off at the far edge). When ``None`` it is recomputed assuming a
             centred letterbox: ``gain = min(h1 / h0, w1 / w0)``.
 
@@ -179,7 +179,7 @@ def non_max_suppression(
             candidate of the same class (of any class when ``agnostic``) is greater than this.
         multi_label: every class of a box whose confidence passes ``conf_thres`` is a candidate
             (better mAP); otherwise only the box's best class is (and the box is dropped when
-            that class is excluded by ``classes``, as in the lineage). Ignored when nc == 1.
+            that class is excluded by ``classes``, as in ultralytics/yolov3). Ignored when nc == 1.
         classes: keep only these class ids; ``None`` keeps all.
         agnostic: suppress across classes.
         max_det: at most this many detections per image, highest confidence first.

@@ -266,7 +266,7 @@ class LoadImagesAndLabels(Dataset):
             from the whole dataset, so a mosaic costs one JPEG decode instead of four (YOLOv8
             does the same; with shuffling the buffer is a random sample of the dataset). None
             picks ``8 * batch_size`` within [64, 1000] (at most 512 MB per process); 0 turns it
-            off (the lineage: every mosaic decodes four images). Unused with the RAM cache;
+            off (ultralytics/yolov3: every mosaic decodes four images). Unused with the RAM cache;
             with the disk cache it saves re-reading ``.npy`` files. Batches of
             :class:`~build_utils.samplers.SampleKey` (the training loader) use their own images
             instead (at least :data:`MOSAIC_POOL_MIN` of them): what a worker decoded for other
@@ -800,7 +800,7 @@ def _sample_rng(key: SampleKey) -> np.random.Generator:
 
 def _to_chw_rgb(img: np.ndarray) -> np.ndarray:
     """BGR ``(H, W, 3)`` -> contiguous RGB ``(3, H, W)``; ``cv2.split`` into the planes of the
-    result is about 3x faster than a numpy transpose copy."""
+    result is faster than a numpy transpose copy."""
     out = np.empty((3, *img.shape[:2]), np.uint8)
     planes = cv2.split(img, mv=[out[2], out[1], out[0]])
     if planes[0].ctypes.data != out[2].ctypes.data:  # OpenCV allocated new planes after all

@@ -123,8 +123,11 @@ _NET_KEYS: dict[str, str] = {
     "dynamic_minibatch": INT,
     "optimized_memory": INT,
     "workspace_size_limit_MB": INT,
-    "batches_per_cycle": INT,
-    "batches_cycle_mult": INT,
+    # policy=sgdr: the first cycle's length in iterations (default max_batches) and the factor
+    # each next cycle is longer by (default 2).
+    "sgdr_cycle": INT,
+    "sgdr_mult": INT,
+    "use_cuda_graph": INT,
     "max_chart_loss": FLOAT,
     "label_smooth_eps": FLOAT,
     "resize_step": INT,
@@ -141,7 +144,7 @@ _NET_KEYS: dict[str, str] = {
     "adversarial_lr": FLOAT,
     "show_receptive_field": INT,
     # Not Darknet's: the BatchNorm epsilon of the model built from this cfg (models/darknet.py).
-    # Darknet normalises with 1e-5; the ultralytics lineage trained its .pt checkpoints with 1e-4
+    # Darknet normalises with 1e-5; ultralytics/yolov3 trained its .pt checkpoints with 1e-4
     # (bn_eps=0.0001 reproduces them exactly). Darknet itself ignores the key with a warning.
     "bn_eps": FLOAT,
 }
@@ -220,6 +223,11 @@ _YOLO_KEYS: dict[str, str] = {
     **_LAYER_KEYS,
 }
 _DROPOUT_KEYS: dict[str, str] = {"probability": FLOAT, **_LAYER_KEYS}
+
+# Keys this parser once accepted under names Darknet does not read: refused with Darknet's name.
+RENAMED: dict[str, dict[str, str]] = {
+    "net": {"batches_per_cycle": "sgdr_cycle", "batches_cycle_mult": "sgdr_mult"},
+}
 
 KEYS: dict[str, dict[str, str]] = {
     "net": _NET_KEYS,
@@ -524,6 +532,13 @@ def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
         block[key] = _convert(KEYS[section][key], value, key, section, path, number)
     elif key in UNSUPPORTED.get(section, {}):
         block[key] = _neutral_value(key, value, section, path, number)
+    elif key in RENAMED.get(section, {}):
+        raise ConfigError(
+            f"key {_quoted(key)} in [{section}] is not Darknet's (Darknet ignores it): write "
+            f"{RENAMED[section][key]}={value}",
+            path,
+            number,
+        )
     else:
         known = ", ".join(KEYS[section])
         raise ConfigError(
@@ -1000,7 +1015,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     Relative paths (``train``, ``valid``, ``test``, ``names``, ``backup``) are resolved this way:
     if the path exists relative to the folder of the ``.data`` file, that one is used (a
     self-contained dataset folder); otherwise it is taken relative to the current directory
-    (the lineage convention, ``train=data/coco/train.txt`` run from the repository root).
+    (ultralytics/yolov3 convention, ``train=data/coco/train.txt`` run from the repository root).
     Absolute paths are kept. ``~`` is expanded.
 
     The ``names`` file must exist and list exactly ``classes`` names.

@@ -10,16 +10,17 @@ milliseconds for the largest cfg), and :func:`check_model_fits` names the layer 
 estimate crosses the memory available: ``/proc/meminfo`` ``MemAvailable`` for the CPU,
 ``torch.cuda.mem_get_info`` for a CUDA device.
 
-The estimate (``tests/models/test_budget.py`` holds it to the real model):
+It is an estimate, held to the real model by ``tests/models/test_budget.py`` (the factors
+measured are in bench/README.md "Memory estimate"):
 - parameters: exact (``sum(p.numel() for p in model.parameters())``);
 - layer output shapes: exact (each layer's output in a forward pass);
-- training activations: what autograd saves for the backward pass, 1.0-1.3x the bytes it
-  actually saves and 0.9-1.1x the peak memory a forward pass adds (nano, yolov3-tiny,
-  yolov3-spp at 512 px on CPU); it counts a convolution's output and its activation's apart,
-  which in-place activations share;
+- training activations: what autograd saves for the backward pass; it counts a convolution's
+  output and its activation's apart, which in-place activations share, so it errs high;
 - inference activations: the largest set of tensors alive at once (the outputs later layers
-  read, one layer's input, outputs and the convolution backend's copy of its input), 0.6-1.3x the
-  measured peak.
+  read, one layer's input, outputs and the convolution backend's copy of its input);
+- under autocast (``amp``) activations take the autocast dtype's bytes (2 for bf16 and fp16:
+  convolutions output it and BatchNorm and the activations keep it), and training adds the
+  low-precision copy of every weight that autocast caches for the step.
 A model is refused only when the estimate exceeds all the memory available, never for coming
 close to it.
 """
@@ -29,12 +30,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from build_utils.errors import ConfigError
 from build_utils.image_cache import available_memory_bytes
 from build_utils.limits import format_bytes, positive_env_int
 from build_utils.parse_config import Block, layer_error, maxpool_params
 
-FLOAT_BYTES = 4  # float32: the estimate is for full precision (AMP needs less)
+FLOAT_BYTES = 4  # float32: parameters, their copies, and activations without autocast
 INDEX_BYTES = 8  # max-pool indices saved for backward are int64
 # Per parameter while training: the weight, its gradient, two optimizer states (Adam's moments;
 # SGD momentum needs one) and the EMA copy.
@@ -90,9 +93,17 @@ def _out_side(n: int, k: int, pad: int, stride: int) -> int:
     return max(0, (n + 2 * pad - k) // stride + 1)
 
 
-def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimate:
+def activation_bytes(amp: torch.dtype | None) -> int:
+    """Bytes per activation element: the autocast dtype's (None: float32)."""
+    return FLOAT_BYTES if amp is None else amp.itemsize
+
+
+def estimate_model(
+    blocks: list[Block], img_hw: tuple[int, int], act_bytes: int = FLOAT_BYTES
+) -> ModelEstimate:
     """Shapes, parameters and activation bytes of every layer of ``blocks`` (``[net]`` first,
-    validated) for one image of ``img_hw`` = (h, w) pixels. Allocates nothing."""
+    validated) for one image of ``img_hw`` = (h, w) pixels, activations of ``act_bytes`` bytes
+    per element (:func:`activation_bytes`). Allocates nothing."""
     net, layers = blocks[0], blocks[1:]
     est = ModelEstimate((int(img_hw[0]), int(img_hw[1])), path=net.get("_path"))
     c, h, w = int(net.get("channels", 3)), est.img_hw[0], est.img_hw[1]
@@ -118,17 +129,17 @@ def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimat
             params = filters * (c // max(1, groups)) * k * k + (2 * filters if bn else filters)
             c, h, w = filters, _out_side(h, k, pad, sy), _out_side(w, k, pad, sx)
             if k > 1:  # a convolution backend's reordered (padded, blocked) copy of its input
-                workspace = c * h * w * FLOAT_BYTES
+                workspace = c * h * w * act_bytes
             act = mdef.get("activation", "logistic")
             copies = 1 + bn + (act in _ACTIVATIONS_SAVING_INPUT)
-            extra_train = (copies - 1) * c * h * w * FLOAT_BYTES
+            extra_train = (copies - 1) * c * h * w * act_bytes
         elif kind == "maxpool":
             size, sy, sx, padding = maxpool_params(mdef)
             before = padding // 2
             oh = max(0, (h + padding - size) // sy + 1)
             ow = max(0, (w + padding - size) // sx + 1)
             if padding % 2 or before > size // 2:  # asymmetric: a padded copy of the input
-                extra_train += c * (h + padding) * (w + padding) * FLOAT_BYTES
+                extra_train += c * (h + padding) * (w + padding) * act_bytes
             h, w = oh, ow
             extra_train += c * h * w * INDEX_BYTES
         elif kind == "upsample":
@@ -145,10 +156,10 @@ def estimate_model(blocks: list[Block], img_hw: tuple[int, int]) -> ModelEstimat
             _check_same_size(est, mdef, "from", [(h, w)] + [shapes[j][1:] for j in refs])
             if mdef.get("weights_type", "none") == "per_feature":
                 params = len(mdef["from"]) + 1
-        out_bytes = c * h * w * FLOAT_BYTES
+        out_bytes = c * h * w * act_bytes
         # A [yolo] head returns views in training; in inference it decodes a copy.
         train = 0 if kind == "yolo" else out_bytes + extra_train
-        live = kept + in_elems * FLOAT_BYTES + 2 * out_bytes + workspace
+        live = kept + in_elems * act_bytes + 2 * out_bytes + workspace
         shapes.append((c, h, w))
         if i in referenced:
             kept += out_bytes
@@ -205,6 +216,7 @@ def check_model_fits(
     device: Any = None,
     params_only: bool = False,
     share: int = 1,
+    amp: torch.dtype | None = None,
 ) -> ModelEstimate:
     """Refuse, in one line, a model that cannot fit the memory of ``device``.
 
@@ -213,7 +225,8 @@ def check_model_fits(
     when training; the largest live set in inference). ``params_only`` counts the parameters
     alone (building the model on the CPU, before the size and batch are known). ``share``
     processes use the same memory alike (the DDP ranks of a node training on its CPU): each
-    gets its part.
+    gets its part. ``amp``: the autocast dtype the model runs under (None: float32), which sets
+    the bytes of every activation (see the module docstring).
 
     Returns:
         The estimate, when it fits.
@@ -224,11 +237,14 @@ def check_model_fits(
             shrinks to nothing at this input size.
     """
     hw = (img_hw, img_hw) if isinstance(img_hw, int) else (int(img_hw[0]), int(img_hw[1]))
-    est = estimate_model(blocks, hw)
+    est = estimate_model(blocks, hw, activation_bytes(amp))
     avail, what = available_memory(device)
     if share > 1:
         avail, what = avail // share, f"{what}, shared by {share} processes"
-    copies = TRAIN_COPIES_PER_PARAM if training else 1
+    param_bytes = FLOAT_BYTES * (TRAIN_COPIES_PER_PARAM if training else 1)
+    if training and amp is not None and not params_only:
+        # Autocast casts each weight once per step and keeps the copy for the backward pass.
+        param_bytes += activation_bytes(amp)
     total, live_peak = 0, 0
     mode = "training" if training else "inference"
     for cost in est.layers:
@@ -239,7 +255,7 @@ def check_model_fits(
                 f"the feature map is {cost.shape[1]}x{cost.shape[2]} at an input of "
                 f"{hw[0]}x{hw[1]}: the input is too small for this network's downsampling",
             )
-        total += cost.params * FLOAT_BYTES * copies
+        total += cost.params * param_bytes
         if params_only:
             needed = total
         elif training:
@@ -252,16 +268,20 @@ def check_model_fits(
             scope = (
                 f"{est.params:,} parameters in all"
                 if params_only
-                else f"{mode}, batch {batch}, {hw[0]}x{hw[1]} px"
+                else f"{mode}, batch {batch}, {hw[0]}x{hw[1]} px{_amp_note(amp)}"
             )
             raise _layer_error(
                 blocks,
                 cost,
                 f"the model does not fit: about {format_bytes(needed)} needed up to this layer "
                 f"({scope}), {format_bytes(avail)} {what}; use a smaller model, image size or "
-                f"batch (set {MEMORY_ENV} to override the measurement)",
+                f"batch (the need is an estimate: set {MEMORY_ENV} to override the measurement)",
             )
     return est
+
+
+def _amp_note(amp: torch.dtype | None) -> str:
+    return "" if amp is None else f", {str(amp).removeprefix('torch.')} autocast"
 
 
 def _layer_error(blocks: list[Block], cost: LayerCost, message: str) -> ConfigError:
@@ -285,6 +305,7 @@ def describe(est: ModelEstimate, batch: int = 1) -> str:
 __all__ = [
     "LayerCost",
     "ModelEstimate",
+    "activation_bytes",
     "available_memory",
     "check_model_fits",
     "describe",

@@ -2,7 +2,7 @@
 
 Each cfg block becomes one entry of ``module_list`` through the ``BUILDERS`` table; module
 names inside an entry (``Conv2d``, ``BatchNorm2d``, ``activation``) follow the ultralytics
-Darknet-cfg lineage so that its ``.pt`` checkpoints load with ``strict=True``.
+Darknet-cfg era of ultralytics/yolov3 so that its ``.pt`` checkpoints load with ``strict=True``.
 
 While building, every layer's output channels and cumulative downsampling (stride, as
 ``(sy, sx)`` input pixels per output pixel) are tracked: convolutions and max-pools multiply the
@@ -54,14 +54,14 @@ from models.layers import (
 
 LOGGER = logging.getLogger(__name__)
 
-# BatchNorm running-statistics momentum of the lineage (training only).
+# BatchNorm running-statistics momentum of ultralytics/yolov3 (training only).
 BN_MOMENTUM = 0.03
 # BatchNorm epsilon. Darknet normalises with (x - mean) / sqrt(var + 1e-5) (src/blas.c
 # normalize_cpu), so that is the default: official .weights then give Darknet's numbers. The
-# ultralytics lineage trained its .pt checkpoints with 1e-4; a cfg with `bn_eps=0.0001` in [net]
+# ultralytics/yolov3 trained its .pt checkpoints with 1e-4; a cfg with `bn_eps=0.0001` in [net]
 # (or Darknet(..., bn_eps=1e-4)) reproduces those exactly.
 DARKNET_BN_EPS = 1e-5
-LINEAGE_BN_EPS = 1e-4
+ULTRALYTICS_BN_EPS = 1e-4
 # Darknet's default [net] batch: stopbackward=N counts iterations of this many images.
 DEFAULT_NET_BATCH = 1
 
@@ -274,7 +274,7 @@ class Darknet(nn.Module):
             are validated again and copied.
         img_size: (h, w) or one int; the default size for :meth:`info` and export.
         bn_eps: BatchNorm epsilon; default: the cfg's ``[net] bn_eps``, else Darknet's 1e-5
-            (:data:`LINEAGE_BN_EPS` = 1e-4 reproduces the lineage's ``.pt`` checkpoints).
+            (:data:`ULTRALYTICS_BN_EPS` = 1e-4 reproduces ultralytics/yolov3's ``.pt`` checkpoints).
 
     Attributes:
         hyperparams: the ``[net]`` block. module_defs: the other blocks.
@@ -553,11 +553,12 @@ class Darknet(nn.Module):
 
 
 FREEZE_MODES = ("none", "backbone", "all-but-heads")
+MAX_FREEZE_INDEX = 100_000  # a layer index in a freeze list (cfgs have hundreds of layers)
 
 
 def backbone_end(model: Darknet) -> int:
     """Index of the last backbone layer: the last [shortcut] before the first head (Darknet-53
-    ends there: layer 74 of yolov3.cfg, the lineage's magic number), or, for networks without
+    ends there: layer 74 of yolov3.cfg, ultralytics/yolov3's magic number), or, for networks without
     residual blocks, the layer before the first [route]; never the convolution that feeds a
     head or anything after it (yolov3-tiny: layer 14, Darknet's ``yolov3-tiny.conv.15``)."""
     first_yolo = min(model.yolo_layers)
@@ -570,8 +571,36 @@ def backbone_end(model: Darknet) -> int:
     return min(routes[0] - 1, last_allowed) if routes else last_allowed
 
 
+def layer_list(mode: str) -> list[int] | None:
+    """The layer indices of a freeze ``mode`` written as a list (``"0-9"``, ``"0,1,2"``, the
+    form :func:`index_ranges` writes), else None.
+
+    Raises:
+        ConfigError: a list that is malformed or too long.
+    """
+    if not mode or not mode[0].isdigit():
+        return None
+    layers: set[int] = set()
+    for part in mode.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()):
+            raise ConfigError(f"freeze layers {mode!r}: write layer indices as 0-9 or 0,1,2")
+        lo, hi = int(first), int(last or first)
+        if hi < lo or hi >= MAX_FREEZE_INDEX:
+            raise ConfigError(f"freeze layers {mode!r}: {part} is not a range of layer indices")
+        layers.update(range(lo, hi + 1))
+    return sorted(layers)
+
+
 def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
-    """``module_list`` indices that :meth:`Darknet.freeze` freezes for ``mode``."""
+    """``module_list`` indices that :meth:`Darknet.freeze` freezes for ``mode``: one of
+    :data:`FREEZE_MODES` or a list of layers (``"0-9"``, YOLOv5's ``--freeze 10``)."""
+    layers = layer_list(mode)
+    if layers is not None:
+        n = len(model.module_list)
+        if layers[-1] >= n:
+            raise ConfigError(f"freeze layers {mode!r}: the model has layers 0-{n - 1}")
+        return layers
     if mode == "none":
         return []
     if mode == "backbone":
@@ -581,7 +610,10 @@ def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
         # and must stay in training mode (see Darknet.freeze).
         trained = {i - 1 for i in model.yolo_layers} | set(model.yolo_layers)
         return [i for i in range(len(model.module_list)) if i not in trained]
-    raise ConfigError(f"unknown freeze mode {mode!r}; use one of {', '.join(FREEZE_MODES)}")
+    raise ConfigError(
+        f"unknown freeze mode {mode!r}; use one of {', '.join(FREEZE_MODES)} or layer indices "
+        f"such as 0-9"
+    )
 
 
 def index_ranges(indices: Iterable[int]) -> str:

@@ -1,7 +1,7 @@
 """Layers of the cfg-built Darknet: activations, max-pooling (DarknetMaxPool), route
 (FeatureConcat), shortcut (WeightedFeatureFusion) and the YOLO head (YOLOLayer).
 
-Parameter and buffer names follow the ultralytics Darknet-cfg lineage so that its checkpoints
+Parameter and buffer names follow the Darknet-cfg era of ultralytics/yolov3 so that its checkpoints
 load with ``strict=True``: the only parameter owned by these layers is ``w`` of a weighted
 shortcut; anchors and grids are non-persistent buffers (absent from the state_dict).
 """
@@ -54,7 +54,7 @@ class DarknetMaxPool(nn.Module):
 
     Only ``padding // 2`` pixels go before the image and the remainder after it, so
     ``size=2 stride=1`` (YOLOv3-tiny) pads one pixel on the right and bottom and keeps the grid.
-    Zero padding there (the lineage's) would let 0 beat the many negative values a leaky
+    Zero padding there (ultralytics/yolov3's) would let 0 beat the many negative values a leaky
     activation leaves. Symmetric cases use ``MaxPool2d``'s own padding; the others pad with
     -inf explicitly, which exports to ONNX as a constant Pad followed by MaxPool.
 
@@ -153,8 +153,8 @@ class WeightedFeatureFusion(nn.Module):
     """Darknet ``[shortcut]``: add earlier layer outputs to the input (a residual connection).
 
     With ``weight=True`` (``weights_type=per_feature``) each of the ``n`` inputs is scaled by
-    ``sigmoid(w) * 2 / n`` first, as the lineage does (https://arxiv.org/abs/1911.09070). Inputs
-    of different channel counts are added on their common leading channels, keeping the
+    ``sigmoid(w) * 2 / n`` first, as ultralytics/yolov3 does (https://arxiv.org/abs/1911.09070).
+    Inputs of different channel counts are added on their common leading channels, keeping the
     input's channel count, as Darknet does.
 
     Args:
@@ -241,7 +241,7 @@ class YOLOLayer(nn.Module):
         self.scale_x_y = float(scale_x_y)
         self.new_coords = bool(new_coords)
         # Non-persistent: they follow .to(device) but stay out of the state_dict, whose keys must
-        # match the lineage's checkpoints exactly.
+        # match ultralytics/yolov3's checkpoints exactly.
         self.register_buffer("anchors", anchors, persistent=False)
         self.register_buffer("anchor_vec", anchors / self.stride, persistent=False)
         self.grid: torch.Tensor | None = None  # (1, 1, ny, nx, 2) cell offsets, built lazily
@@ -270,8 +270,9 @@ class YOLOLayer(nn.Module):
         Returns:
             training: (bs, na, ny, nx, no) raw logits.
             eval: ``(det, raw)`` with ``det`` (bs, na * ny * nx, no): cx, cy, w, h in input
-            pixels, sigmoid objectness, sigmoid class scores (all 1 when ``nc == 1``), and
-            ``raw`` as in training.
+            pixels, sigmoid objectness, sigmoid class scores (all 1 when ``nc == 1``), in the
+            model's dtype (float32 under autocast, see :meth:`decode`), and ``raw`` as in
+            training.
         """
         bs, _, ny, nx = p.shape
         p = p.view(bs, self.na, self.no, ny, nx).permute(0, 1, 3, 4, 2).contiguous()
@@ -284,8 +285,16 @@ class YOLOLayer(nn.Module):
         ``xy = (sigmoid(t_xy) * s - (s - 1) / 2 + grid) * stride``, ``wh = exp(t_wh) * anchors``
         (``new_coords``: ``wh = (2 * sigmoid(t_wh)) ** 2 * anchors``, Darknet's
         ``get_yolo_box``). Built without in-place writes so that it traces cleanly for ONNX
-        export."""
+        export.
+
+        Computed in float32 (float64 for a float64 model) whatever ``p`` is: under autocast
+        ``p`` is bf16 (8 significant bits) or fp16 (11), and ``(xy + grid) * stride`` in bf16
+        rounds a centre near 600 px to a multiple of 4 px. The result has the dtype of the
+        model's own tensors (its anchors): float32 under autocast, float16 for a ``.half()``
+        model (predict.py --half, fp16 export), rounded once at the end."""
         _, _, ny, nx, _ = p.shape
+        out_dtype = self.anchors.dtype
+        p = p.to(torch.promote_types(out_dtype, torch.float32))
         grid = self._grid(ny, nx, p)
         s = self.scale_x_y
         xy = torch.sigmoid(p[..., :2])
@@ -300,7 +309,7 @@ class YOLOLayer(nn.Module):
         obj = torch.sigmoid(p[..., 4:5])
         # A single-class model has no class choice to make: its score is the objectness alone.
         cls = torch.ones_like(p[..., 5:]) if self.nc == 1 else torch.sigmoid(p[..., 5:])
-        return torch.cat((xy, wh, obj, cls), -1)
+        return torch.cat((xy, wh, obj, cls), -1).to(out_dtype)
 
     def extra_repr(self) -> str:
         return (

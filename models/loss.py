@@ -1,4 +1,4 @@
-"""YOLOv3 training loss (the ultralytics Darknet-cfg era / yolov3_spp lineage).
+"""YOLOv3 training loss (the the Darknet-cfg era of ultralytics/yolov3 and the yolov3_spp tutorial).
 
 Per head, each target is assigned to every anchor whose shape IoU with it (``wh_iou`` in grid
 units, both centred) exceeds ``iou_t``, in the grid cell that holds the target's centre. Then:
@@ -13,7 +13,7 @@ units, both centred) exceeds ``iou_t``, in the grid cell that holds the target's
 
 each head's terms summed, then multiplied by the ``giou``, ``obj`` and ``cls`` gains of the
 hyperparameters (already scaled by :func:`scale_loss_gains`). ``fl_gamma > 0`` wraps both BCEs
-in a focal loss. ``obj_balance`` (off in the lineage) weighs each head's objectness term as
+in a focal loss. ``obj_balance`` (off in ultralytics/yolov3) weighs each head's objectness term as
 YOLOv5 does (:func:`objectness_balance`): the finest head most.
 
 Heads with Darknet's ``new_coords=1`` (Scaled-YOLOv4, YOLOv7) decode
@@ -45,11 +45,12 @@ from build_utils.boxes import wh_iou
 GAIN_REFERENCE_NUM_CLASSES = 80
 GAIN_REFERENCE_IMG_SIZE = 320
 
-# Objectness target at an assigned cell: (1 - gr) + gr * GIoU (gr = "giou ratio"). The lineage
-# trains with gr = 1: the objectness of a positive learns to predict its box quality.
+# Objectness target at an assigned cell: (1 - gr) + gr * GIoU (gr = "giou ratio").
+# ultralytics/yolov3 trains with gr = 1: the objectness of a positive learns to predict its box
+# quality.
 OBJ_GIOU_RATIO = 1.0
 
-# Label smoothing of the class targets (the lineage's smooth_BCE eps): off unless
+# Label smoothing of the class targets (ultralytics/yolov3's smooth_BCE eps): off unless
 # ``--label-smoothing`` says otherwise.
 LABEL_SMOOTHING_EPS = 0.0
 
@@ -116,8 +117,8 @@ def scale_loss_gains(hyp: dict[str, Any], nc: int, img_size: int) -> dict[str, A
     """A new hyp dict with the class and objectness gains scaled to the dataset and input size.
 
     ``cls *= nc / 80`` (the per-class BCE is averaged over more or fewer classes) and
-    ``obj *= img_size / 320`` (the objectness BCE is averaged over more or fewer cells), as the
-    lineage's training script does. The input dict is not modified.
+    ``obj *= img_size / 320`` (the objectness BCE is averaged over more or fewer cells), as
+    ultralytics/yolov3's training script does. The input dict is not modified.
     """
     scaled = dict(hyp)
     scaled["cls"] = hyp["cls"] * nc / GAIN_REFERENCE_NUM_CLASSES
@@ -172,6 +173,7 @@ def build_targets(
     targets: torch.Tensor,
     model: _YoloModel,
     iou_t: float,
+    anchor_t: float = ANCHOR_RATIO_MAX,
 ) -> list[LayerTargets]:
     """Assign targets to anchors and grid cells, one :class:`LayerTargets` per head.
 
@@ -181,6 +183,7 @@ def build_targets(
         targets: (nt, 6) = image index in batch, class, cx, cy, w, h normalised to [0, 1].
         model: the unwrapped model (``yolo_layers``, ``module_list[i].anchor_vec``).
         iou_t: an anchor is assigned to a target when their wh-IoU exceeds this.
+        anchor_t: ``new_coords`` heads: when their width and height ratios are within this.
 
     A target is assigned to the cell holding its centre (a centre exactly on the right or
     bottom border goes to the last cell), to every anchor passing ``iou_t``, possibly none.
@@ -200,10 +203,11 @@ def build_targets(
         t[:, 2:6:2] *= nx
         t[:, 3:6:2] *= ny
         if getattr(head, "new_coords", False):
-            out.append(_new_coords_targets(t, anchors, nx, ny, getattr(head, "scale_x_y", 1.0)))
+            scale_x_y = getattr(head, "scale_x_y", 1.0)
+            out.append(_new_coords_targets(t, anchors, nx, ny, scale_x_y, anchor_t))
             continue
 
-        # All na * nt pairs, anchor-major (the lineage's order, which decides duplicate cells).
+        # All na * nt pairs, anchor-major (ultralytics/yolov3's order: it decides duplicate cells).
         valid = (wh_iou(anchors.to(t.dtype), t[:, 4:6]) > iou_t).reshape(-1)
         a = torch.arange(na, device=targets.device).repeat_interleave(nt)
         t = t.repeat(na, 1)
@@ -214,7 +218,7 @@ def build_targets(
         gwh = t[:, 4:6]
         gi = gxy[:, 0].long().clamp(0, nx - 1)
         gj = gxy[:, 1].long().clamp(0, ny - 1)
-        # The lineage clamps the cell in place before taking the offset, so a centre at the
+        # ultralytics/yolov3 clamps the cell in place before taking the offset, so a centre at the
         # border gets offset 1.0 in the last cell; same here.
         offset = gxy - torch.stack((gi, gj), 1).to(gxy.dtype)
         out.append(
@@ -230,13 +234,18 @@ def build_targets(
 
 
 def _new_coords_targets(
-    t: torch.Tensor, anchors: torch.Tensor, nx: int, ny: int, scale_x_y: float
+    t: torch.Tensor,
+    anchors: torch.Tensor,
+    nx: int,
+    ny: int,
+    scale_x_y: float,
+    anchor_t: float = ANCHOR_RATIO_MAX,
 ) -> LayerTargets:
     """:func:`build_targets` for one ``new_coords`` head; ``t`` (nt, 6) already in grid units,
     ``anchors`` (na, 2) grid units."""
     nt, na = t.shape[0], anchors.shape[0]
     ratio = t[None, :, 4:6] / anchors[:, None].to(t.dtype)  # (na, nt, 2)
-    fits = torch.max(ratio, 1 / ratio).amax(2) < ANCHOR_RATIO_MAX  # (na, nt)
+    fits = torch.max(ratio, 1 / ratio).amax(2) < anchor_t  # (na, nt)
     a = torch.arange(na, device=t.device).repeat_interleave(nt)
     t = t.repeat(na, 1)  # (na * nt, 6), anchor-major as for the other heads
     gxy = t[:, 2:4]
@@ -309,13 +318,14 @@ def compute_loss(
 
     Duplicates: several targets of one image may land on the same (anchor, cell). They all
     count in the box and class losses; the objectness target there is the GIoU of the last
-    of them in ``targets`` order (anchor-major), exactly as the lineage's
-    ``tobj[b, a, gj, gi] = ...`` does on CPU. The lineage left the winner unspecified on CUDA,
-    where index assignment with duplicates is non-deterministic; here it is resolved
+    of them in ``targets`` order (anchor-major), exactly as ultralytics/yolov3's
+    ``tobj[b, a, gj, gi] = ...`` does on CPU. ultralytics/yolov3 left the winner unspecified on
+    CUDA, where index assignment with duplicates is non-deterministic; here it is resolved
     explicitly and the same on every device.
     """
     device = preds[0].device
-    layer_targets = build_targets(preds, targets, model, hyp["iou_t"])
+    anchor_t = hyp.get("anchor_t", ANCHOR_RATIO_MAX)
+    layer_targets = build_targets(preds, targets, model, hyp["iou_t"], anchor_t)
     criterion_cls = _criterion(hyp["cls_pw"], hyp["fl_gamma"], device)
     criterion_obj = _criterion(hyp["obj_pw"], hyp["fl_gamma"], device)
     cp, cn = smooth_bce(label_smoothing)

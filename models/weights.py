@@ -5,7 +5,7 @@ Darknet ``.weights`` layout (little-endian): a header of int32 ``major, minor, r
 1000, int32 otherwise), then float32 values layer by layer in cfg order: for each
 ``[convolutional]`` either BatchNorm ``bias, weight, running_mean, running_var`` (``filters``
 values each) or the conv ``bias``, then the conv weights ``(filters, in / groups, k, k)``; for
-each weighted ``[shortcut]`` its fusion weights (kept in this repository's, i.e. the lineage's,
+each weighted ``[shortcut]`` its fusion weights (kept in ultralytics/yolov3's
 sigmoid parameterisation). Nothing marks where a layer ends, so a file for another cfg can only
 be detected by its size: the whole file must be consumed exactly.
 

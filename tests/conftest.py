@@ -70,7 +70,7 @@ LAUNCH_VARS = (
 
 def train_argv(
     data: Path,
-    out: Path,
+    out: Path | None,
     *extra: str,
     cfg: Path | str = NANO_CFG,
     hyp: Path | str | None = HYP_YAML,
@@ -88,7 +88,9 @@ def train_argv(
     128 px, no multi-scale, no DataLoader workers. A keyword set to None leaves its flag out (the
     parser's default). ``extra`` comes last, so a flag there also wins over an earlier one.
     """
-    argv = ["--data", str(data), "--cfg", str(cfg), "--output-dir", str(out)]
+    argv = ["--data", str(data), "--cfg", str(cfg)]
+    if out is not None:  # None: the run folder comes from ``extra`` (--project/--name)
+        argv += ["--output-dir", str(out)]
     flags = {
         "--hyp": hyp,
         "--epochs": epochs,
@@ -272,6 +274,19 @@ def shared_dir() -> Path:
     if not SHARED_DIR.is_dir():
         pytest.skip(f"{SHARED_DIR} is absent (it only exists beside the development checkout)")
     return SHARED_DIR
+
+
+@pytest.fixture(scope="session")
+def darknet_harness() -> Path:
+    """The C harness linked against Darknet's own objects (tests/darknet_ref/), built once per
+    checkout into ``.cache-darknet/`` (under a lock: xdist workers share the build); skips where
+    ``../shared/darknet`` or a C compiler is absent."""
+    from tests.darknet_ref.build import DarknetUnavailable, harness_path
+
+    try:
+        return harness_path()
+    except DarknetUnavailable as e:
+        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="session")

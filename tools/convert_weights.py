@@ -2,15 +2,15 @@
 
     python tools/convert_weights.py --weights runs/exp/best.pt          # -> runs/exp/best.weights
     python tools/convert_weights.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg
-    python tools/convert_weights.py cfg/yolov3-spp.cfg yolov3-spp.weights yolov3-spp.pt   # lineage
+    python tools/convert_weights.py cfg/yolov3-spp.cfg yolov3-spp.weights yolov3-spp.pt  # old form
     python tools/convert_weights.py best.pt best.weights          # the checkpoint carries its cfg
 
 The direction follows what the source is (recognised by its content): a PyTorch checkpoint
 becomes a Darknet ``.weights`` file and a Darknet file a ``.pt``; the output defaults to the
 source's name with the other suffix, never overwrites the source, and replaces an existing file
 only with ``--exist-ok``. A checkpoint written by
-train.py carries its cfg; Darknet files and bare state_dicts need ``--cfg`` (or the lineage's
-first positional argument). A ``.pt`` source may be a lineage checkpoint
+train.py carries its cfg; Darknet files and bare state_dicts need ``--cfg`` (or ultralytics/yolov3's
+first positional argument). A ``.pt`` source may be an ultralytics/yolov3 checkpoint
 (``{'model': state_dict, ...}``) or a bare state_dict; it must match the cfg exactly. The
 ``.pt`` written is ``{'model': state_dict, 'epoch': -1, ...}``: weights to start from, not a
 run to resume. BatchNorm ``num_batches_tracked`` counters are not part of the Darknet format and
@@ -49,7 +49,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         nargs="*",
         type=Path,
         metavar="[CFG] SRC DST",
-        help="the lineage's positional form: cfg (optional for a checkpoint), source, output",
+        help="ultralytics/yolov3's positional form: cfg (optional for a checkpoint), source, "
+        "output",
     )
     add_weights_flags(parser, required=False, help="source: .pt checkpoint or Darknet .weights")
     add_model_flag(parser, None)

@@ -42,8 +42,8 @@ from train_utils.distributed.process_group import DistInfo
 
 logger = logging.getLogger(__name__)
 
-# Below this best possible recall the anchors leave too many labels without a match (the
-# lineage's check_anchors threshold).
+# Below this best possible recall the anchors leave too many labels without a match
+# (ultralytics/yolov3's check_anchors threshold).
 BPR_WARN_BELOW = 0.98
 # --autoanchor: the k-means seed (fixed: the same data gives the same anchors on every run) and
 # the genetic refinement steps (the tool's default).
@@ -145,7 +145,7 @@ def training_label_sizes(config: TrainConfig) -> np.ndarray:
     dataset = LoadImagesAndLabels(
         config.data.train,
         config.img_size,
-        config.batch_size,
+        max(config.batch_size, 1),  # the label sizes do not depend on it (autobatch: -1)
         single_cls=config.single_cls,
         # Quiet (progress and summary are for rank -1/0): the training set reports the labels.
         rank=1,

@@ -17,8 +17,9 @@ A checkpoint is a dict of tensors and plain Python values, so that
 ``--resume`` needs :data:`RESUME_KEYS` (checked by :func:`validate_resume_checkpoint`) and is
 restored by :func:`restore_training_state`; ``--weights``, ``validation.py`` and ``predict.py``
 only need a state_dict, found by :func:`extract_state_dict` and loaded by :func:`load_weights`.
-Lineage checkpoints (``{'epoch', 'best_fitness', 'training_results', 'model', 'optimizer'}``)
-and bare state_dicts load the same way; :func:`save_weights_pt` writes that lineage layout.
+ultralytics/yolov3 checkpoints
+(``{'epoch', 'best_fitness', 'training_results', 'model', 'optimizer'}``) and bare state_dicts
+load the same way; :func:`save_weights_pt` writes that layout.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ from torch import nn
 
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.checks import is_int, is_real, shown
-from build_utils.errors import CheckpointError, YoloError
+from build_utils.errors import CheckpointError
 from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
-from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from models.weights import load_darknet_weights
 
 logger = logging.getLogger(__name__)
@@ -77,7 +77,7 @@ def to_plain(obj: Any) -> Any:
     scalars Python numbers, ``PurePath`` ``str``, ``argparse.Namespace`` and dataclass instances
     dicts, enums their value. Tensors and other values are returned as they are.
     """
-    if isinstance(obj, torch.Tensor) or _is_state_dict(obj):
+    if isinstance(obj, torch.Tensor) or is_state_dict(obj):
         return obj  # a state_dict keeps its ``_metadata`` (module versions)
     if isinstance(obj, np.ndarray):
         if obj.dtype == object:
@@ -159,7 +159,7 @@ def _torch_write_failure(e: RuntimeError) -> OSError:
 
 
 def _numpy_safe_globals() -> list[Any]:
-    """Exactly the numpy types the lineage's checkpoints hold (``best_fitness`` as a numpy
+    """Exactly the numpy types ultralytics/yolov3's checkpoints hold (``best_fitness`` as a numpy
     scalar or 1-element array): scalars, arrays and their dtypes, under numpy 2's module names
     and numpy 1's (``numpy.core``), for ``weights_only`` loading. Nothing else is unpickled."""
     from numpy._core import multiarray
@@ -251,7 +251,7 @@ def load_checkpoint(path: str | Path, trust: bool = False) -> dict[str, Any]:
     if trust:
         return obj
     try:
-        # numpy values (lineage checkpoints) become Python numbers and tensors.
+        # numpy values (ultralytics/yolov3 checkpoints) become Python numbers and tensors.
         return to_plain(obj)
     except RecursionError as e:
         # weights_only unpickling is iterative: a small file can nest lists or dicts 100,000
@@ -296,6 +296,9 @@ def _check_weights_file(path: Path, what: str) -> None:
 
 def _corrupt_message(e: BaseException) -> str:
     detail = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+    if "weights_only" in detail:
+        # torch's advice to load with weights_only=False: unpickling is what must not happen.
+        detail = "its contents are not a PyTorch checkpoint's"
     return (
         f"cannot read checkpoint: the file is truncated, corrupt or not a PyTorch checkpoint "
         f"({detail})"
@@ -309,48 +312,62 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return model
 
 
-def _state_dict_of(obj: Any) -> Any:
-    if obj is None:
-        return None
-    if isinstance(obj, nn.Module):
-        return unwrap_model(obj).state_dict()
-    if hasattr(obj, "state_dict"):
-        return obj.state_dict()
-    return obj
+# ---- the values a training checkpoint records, checked by the part that owns each --------------
+
+MAX_EPOCH = 1_000_000  # ~2,000 years of 1-minute epochs
 
 
-def make_checkpoint(
-    *,
-    model: nn.Module | Mapping[str, torch.Tensor],
-    epoch: int,
-    optimizer: Any = None,
-    scheduler: Any = None,
-    scaler: Any = None,
-    ema: nn.Module | Mapping[str, torch.Tensor] | None = None,
-    ema_updates: int = 0,
-    best_fitness: float | None = None,
-    config: Any = None,
-    **extra: Any,
-) -> dict[str, Any]:
-    """Assemble a checkpoint dict in the current schema (see module docstring).
+def bad_value(what: str, value: Any) -> str:
+    """``what`` and its value as an error line shows it."""
+    return f"{what} {shown(value)}"
 
-    Objects with ``state_dict()`` are replaced by their state (modules unwrapped from DDP
-    first); ``config`` and ``extra`` go through :func:`to_plain`.
-    """
-    ckpt: dict[str, Any] = {
-        "version": CHECKPOINT_VERSION,
-        "epoch": int(epoch),
-        "model": _state_dict_of(model),
-        "optimizer": _state_dict_of(optimizer),
-        "scheduler": _state_dict_of(scheduler),
-        "scaler": _state_dict_of(scaler),
-        "ema": _state_dict_of(ema),
-        "ema_updates": int(ema_updates),
-        "best_fitness": None if best_fitness is None else float(best_fitness),
-        "config": to_plain(config),
-    }
-    ckpt.update(to_plain(extra))
-    return ckpt
+
+def damaged(what: str, path: str | Path | None) -> CheckpointError:
+    """The error for a checkpoint value that cannot be what it says (a damaged or hand-edited
+    file: a checkpoint is input too)."""
+    return CheckpointError("the checkpoint is damaged: " + what, path)
+
+
+def record_int(
+    ckpt: Mapping[str, Any], key: str, lo: int, hi: int, path: str | Path | None
+) -> int | None:
+    """``ckpt[key]``: None (not recorded) or an integer in ``lo..hi``."""
+    value = ckpt.get(key)
+    if value is not None and (not is_int(value) or not lo <= value <= hi):
+        raise damaged(bad_value(key, value) + f" must be in {lo}..{hi}", path)
+    return value
+
+
+def record_real(
+    ckpt: Mapping[str, Any], key: str, path: str | Path | None, lo: float = -math.inf
+) -> float | None:
+    """``ckpt[key]``: None or a finite number of at least ``lo`` (ultralytics/yolov3's numpy scalars
+    load as 1-element tensors)."""
+    value = ckpt.get(key)
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if value is not None and not (is_real(value) and value >= lo):
+        what = "a finite number" + ("" if lo == -math.inf else f" >= {lo:g}")
+        raise damaged(bad_value(key, value) + f" must be {what}", path)
+    return value
+
+
+def record_of_kind(ckpt: Mapping[str, Any], key: str, kind: type, path: str | Path | None) -> Any:
+    """``ckpt[key]``: None or an instance of ``kind``."""
+    value = ckpt.get(key)
+    if value is not None and not isinstance(value, kind):
+        raise damaged(f"'{key}' is a {type(value).__name__}, not a {kind.__name__}", path)
+    return value
+
+
+@contextlib.contextmanager
+def state_loading(what: str, path: str | Path | None) -> Iterator[None]:
+    """A state that a ``load_state_dict`` cannot take becomes one :class:`CheckpointError`."""
+    try:
+        yield
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as e:
+        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"the checkpoint's {what} state is damaged ({detail})", path) from e
 
 
 def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -368,7 +385,7 @@ def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def _is_state_dict(obj: Any) -> bool:
+def is_state_dict(obj: Any) -> bool:
     return (
         isinstance(obj, Mapping)
         and len(obj) > 0
@@ -377,7 +394,7 @@ def _is_state_dict(obj: Any) -> bool:
 
 
 def _find_state_dict(obj: Any, depth: int) -> Mapping[str, torch.Tensor] | None:
-    if _is_state_dict(obj):
+    if is_state_dict(obj):
         return obj
     if not isinstance(obj, Mapping) or depth >= _MAX_NESTING:
         return None
@@ -415,445 +432,6 @@ def extract_state_dict(obj: Any, path: str | Path | None = None) -> dict[str, to
             path,
         )
     return strip_prefixes(found)
-
-
-def _shape(t: torch.Tensor) -> str:
-    return "(" + ", ".join(str(s) for s in t.shape) + ")"
-
-
-def validate_resume_checkpoint(
-    ckpt: Mapping[str, Any],
-    model_state_dict: Mapping[str, torch.Tensor],
-    path: str | Path | None = None,
-) -> dict[str, torch.Tensor]:
-    """Check that ``ckpt`` can resume training of the model whose state is ``model_state_dict``.
-
-    Args:
-        ckpt: a loaded checkpoint.
-        model_state_dict: ``model.state_dict()`` of the freshly built (unwrapped) model.
-        path: the checkpoint file, for error messages.
-
-    Returns:
-        The checkpoint's model state_dict with wrapper prefixes stripped, ready for
-        ``model.load_state_dict``.
-
-    Raises:
-        CheckpointError: required keys missing, a pre-training file (``epoch < 0``), a newer
-            schema version, or any missing, unexpected or differently shaped model tensor (up
-            to five are listed).
-    """
-    use_weights = "use --weights to initialise from it instead"
-    missing_keys = [k for k in RESUME_KEYS if ckpt.get(k) is None]
-    if missing_keys:
-        names = ", ".join(repr(k) for k in missing_keys)
-        raise CheckpointError(
-            f"not a resumable training checkpoint: missing {names}; {use_weights}", path
-        )
-    version = ckpt.get("version", CHECKPOINT_VERSION)
-    if not isinstance(version, int) or version > CHECKPOINT_VERSION:
-        raise CheckpointError(
-            f"checkpoint schema version {version!r} is newer than this code supports "
-            f"({CHECKPOINT_VERSION}); update the code",
-            path,
-        )
-    epoch = ckpt["epoch"]
-    if not isinstance(epoch, int) or isinstance(epoch, bool) or epoch < 0:
-        raise CheckpointError(
-            f"epoch={epoch!r}: this file holds weights, not a training state; {use_weights}", path
-        )
-    if not _is_state_dict(ckpt["model"]):
-        raise CheckpointError(f"'model' is not a state_dict of tensors; {use_weights}", path)
-
-    saved = strip_prefixes(ckpt["model"])
-    mismatches: list[str] = []
-    for key, tensor in model_state_dict.items():
-        if key not in saved:
-            mismatches.append(f"{key} missing from checkpoint")
-        elif saved[key].shape != tensor.shape:
-            mismatches.append(f"{key}: checkpoint {_shape(saved[key])} vs model {_shape(tensor)}")
-    mismatches += [f"{key} not in model" for key in saved if key not in model_state_dict]
-    if mismatches:
-        listed = "; ".join(mismatches[:_MAX_LISTED_MISMATCHES])
-        more = len(mismatches) - _MAX_LISTED_MISMATCHES
-        if more > 0:
-            listed += f"; and {more} more"
-        raise CheckpointError(f"checkpoint is for another model: {listed}; {use_weights}", path)
-    check_resume_fields(ckpt, model_state_dict, path)
-    return saved
-
-
-# Bounds of the numbers a resumable checkpoint carries (a checkpoint is input: it may be damaged
-# or hand-edited, and its values reach the training loop unchecked otherwise).
-def bad_value(what: str, value: Any) -> str:
-    """``what`` and its value as an error line shows it."""
-    return f"{what} {shown(value)}"
-
-
-MAX_EPOCH = 1_000_000  # ~2,000 years of 1-minute epochs
-_OPTIMIZER_TENSORS = ("momentum_buffer", "exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-
-def check_resume_fields(
-    ckpt: Mapping[str, Any],
-    model_state_dict: Mapping[str, torch.Tensor],
-    path: str | Path | None = None,
-) -> None:
-    """The values ``--resume`` reads besides the model weights, each of its type and range:
-    ``epoch``, ``best_fitness``, ``best_epoch``, ``planned_epochs``, ``budget_spent_s``,
-    ``world_size``, ``ema_updates``, the ``cfg`` text, the ``config`` dict, the EMA weights
-    (the model's names and shapes), the optimizer state's layout (see
-    :func:`check_optimizer_layout`), the scheduler's and the scaler's.
-
-    Raises:
-        CheckpointError: one line naming the field, its (shortened) value and what it must be.
-    """
-    damaged = "the checkpoint is damaged: "
-    epoch = ckpt.get("epoch")
-    if not is_int(epoch) or not -1 <= epoch <= MAX_EPOCH:
-        raise CheckpointError(
-            damaged + bad_value("epoch", epoch) + f" must be in -1..{MAX_EPOCH}", path
-        )
-    ints = {
-        "best_epoch": (-1, MAX_EPOCH),
-        "planned_epochs": (1, MAX_EPOCH),
-        "world_size": (1, 1 << 20),
-        "ema_updates": (0, 1 << 62),
-    }
-    for key, (lo, hi) in ints.items():
-        value = ckpt.get(key)
-        if value is not None and (not is_int(value) or not lo <= value <= hi):
-            raise CheckpointError(damaged + bad_value(key, value) + f" must be in {lo}..{hi}", path)
-    for key, lo in (("best_fitness", -math.inf), ("budget_spent_s", 0.0)):
-        value = ckpt.get(key)
-        if isinstance(value, torch.Tensor) and value.numel() == 1:  # a lineage numpy array
-            value = value.item()
-        if value is not None and not (is_real(value) and value >= lo):
-            what = "a finite number" + ("" if lo == -math.inf else f" >= {lo:g}")
-            raise CheckpointError(damaged + bad_value(key, value) + f" must be {what}", path)
-    for key, kind in (("cfg", str), ("config", Mapping), ("scheduler", Mapping)):
-        value = ckpt.get(key)
-        if value is not None and not isinstance(value, kind):
-            raise CheckpointError(
-                damaged + f"'{key}' is a {type(value).__name__}, not a {kind.__name__}", path
-            )
-    ema = ckpt.get("ema")
-    if ema is not None:
-        if not _is_state_dict(ema):
-            raise CheckpointError(damaged + "'ema' is not a state_dict of tensors", path)
-        ema = strip_prefixes(ema)
-        wrong = [k for k, t in model_state_dict.items() if k not in ema or ema[k].shape != t.shape]
-        if wrong or len(ema) != len(model_state_dict):
-            name = wrong[0] if wrong else "its keys"
-            raise CheckpointError(damaged + f"the EMA weights do not fit the model ({name})", path)
-    check_optimizer_layout(ckpt.get("optimizer"), path)
-    scaler = ckpt.get("scaler")
-    if scaler:
-        if not isinstance(scaler, Mapping):
-            raise CheckpointError(damaged + f"'scaler' is a {type(scaler).__name__}", path)
-        scale = scaler.get("scale")
-        if scale is not None and not (is_real(scale) and scale > 0):
-            raise CheckpointError(damaged + bad_value("the AMP scale", scale), path)
-
-
-def check_optimizer_layout(saved: Any, path: str | Path | None = None) -> None:
-    """An optimizer ``state_dict`` as ``torch.optim`` writes it: ``state`` (parameter id ->
-    dict of tensors and numbers) and ``param_groups`` (dicts with a ``params`` list of ids and
-    finite hyperparameters, ``lr >= 0``); every id of ``state`` in some group.
-
-    Raises:
-        CheckpointError: one line on the first thing that is not so.
-    """
-    bad = "the checkpoint's optimizer state is damaged: "
-    if not isinstance(saved, Mapping):
-        raise CheckpointError(bad + f"a {type(saved).__name__}, not a dict", path)
-    for key in ("state", "param_groups"):
-        if key not in saved:
-            raise CheckpointError(bad + f"no '{key}'", path)
-    groups, state = saved["param_groups"], saved["state"]
-    if not isinstance(groups, (list, tuple)) or not groups:
-        raise CheckpointError(bad + "'param_groups' is not a list of groups", path)
-    if not isinstance(state, Mapping):
-        raise CheckpointError(bad + f"'state' is a {type(state).__name__}, not a dict", path)
-    ids: set[int] = set()
-    for n, group in enumerate(groups):
-        if not isinstance(group, Mapping) or not isinstance(group.get("params"), (list, tuple)):
-            raise CheckpointError(bad + f"param group {n} has no 'params' list", path)
-        if not all(is_int(i) for i in group["params"]):
-            raise CheckpointError(bad + f"param group {n} lists parameters by non-integers", path)
-        ids.update(group["params"])
-        for key, value in group.items():
-            if key == "params" or value is None or isinstance(value, (bool, str)):
-                continue
-            numbers = value if isinstance(value, (list, tuple)) else [value]
-            if not all(is_real(v) for v in numbers):
-                raise CheckpointError(bad + f"param group {n}: " + bad_value(key, value), path)
-        if not (is_real(group.get("lr", 0.0)) and group.get("lr", 0.0) >= 0):
-            raise CheckpointError(
-                bad + f"param group {n}: " + bad_value("lr", group.get("lr")), path
-            )
-    for pid, entry in state.items():
-        if pid not in ids:
-            raise CheckpointError(bad + f"state of parameter {pid!r}, which no group holds", path)
-        if not isinstance(entry, Mapping):
-            raise CheckpointError(bad + f"parameter {pid}: " + bad_value("state", entry), path)
-        for key, value in entry.items():
-            ok = (isinstance(value, torch.Tensor) and value.is_floating_point()) or is_real(value)
-            if not ok:
-                raise CheckpointError(bad + f"parameter {pid}: " + bad_value(key, value), path)
-
-
-def _check_optimizer_fits(
-    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], path: str | Path | None
-) -> None:
-    """Each saved state tensor has the shape of the parameter it belongs to (in this run's
-    optimizer, by position) and finite values."""
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    order = [i for g in saved["param_groups"] for i in g["params"]]
-    position = {pid: k for k, pid in enumerate(order)}
-    bad = "the checkpoint's optimizer state does not fit this model: "
-    # A setting this run's optimizer holds as a number must be one there too (and a switch a
-    # switch): "momentum: 'fast'" would fail only at the first step.
-    for n, (own, old) in enumerate(zip(optimizer.param_groups, saved["param_groups"])):
-        for key, value in old.items():
-            mine = own.get(key)
-            if key == "params" or mine is None or value is None:
-                continue
-            if isinstance(mine, bool) != isinstance(value, bool) or (
-                is_real(mine) and not is_real(value)
-            ):
-                raise CheckpointError(bad + f"param group {n}: " + bad_value(key, value), path)
-    for pid, entry in saved["state"].items():
-        k = position.get(pid)
-        if k is None or k >= len(params):
-            raise CheckpointError(bad + f"state of parameter {pid}, which it lacks", path)
-        shape = tuple(params[k].shape)
-        for key, value in entry.items():
-            if not isinstance(value, torch.Tensor) or key == "step":
-                continue
-            if key in _OPTIMIZER_TENSORS and tuple(value.shape) != shape:
-                raise CheckpointError(
-                    bad + f"parameter {pid} {key} {tuple(value.shape)} vs the parameter's {shape}",
-                    path,
-                )
-            if not torch.isfinite(value).all():
-                raise CheckpointError(bad + f"parameter {pid} {key} holds NaN or inf", path)
-
-
-def training_weights(ckpt: Mapping[str, Any], path: str | Path | None = None) -> Mapping[str, Any]:
-    """The checkpoint as :func:`validate_resume_checkpoint` should see it when resuming.
-
-    Resuming continues from the raw training weights (``train_model``), not their EMA
-    (``model``). A checkpoint saved on Ctrl-C before epoch 0 finished carries ``epoch=-1`` with
-    a training state: it resumes by running epoch 0 again.
-    """
-    if ckpt.get("train_model") is None:
-        return ckpt
-    state = {**ckpt, "model": ckpt["train_model"]}
-    if ckpt.get("epoch") == -1:
-        state["epoch"] = 0
-    return state
-
-
-def restore_training_state(
-    ckpt: Mapping[str, Any],
-    model: nn.Module,
-    optimizer: torch.optim.Optimizer,
-    scheduler: Any,
-    scaler: Any = None,
-    ema: Any = None,
-    path: str | Path | None = None,
-) -> tuple[int, float | None]:
-    """Put a resumable checkpoint's state back into freshly built training objects.
-
-    Args:
-        ckpt: a loaded checkpoint written by the training loop.
-        model: the unwrapped model (already frozen and on its device).
-        optimizer, scheduler, scaler: built for this run; ``scaler`` may be None.
-        ema: a ``ModelEMA`` or None. Without an EMA in the checkpoint it restarts from the
-            restored weights.
-        path: the checkpoint file, for messages.
-
-    Returns:
-        ``(start_epoch, best_fitness)``: the first epoch to run and the best mAP so far.
-
-    Raises:
-        CheckpointError: see :func:`validate_resume_checkpoint` and :func:`load_optimizer_state`.
-    """
-    state = training_weights(ckpt, path)
-    model.load_state_dict(validate_resume_checkpoint(state, model.state_dict(), path))
-    load_optimizer_state(optimizer, ckpt["optimizer"], path)
-    with _damaged("scheduler", path):
-        scheduler.load_state_dict(ckpt["scheduler"])
-        _check_scheduler(scheduler, optimizer, path)
-    if scaler is not None and ckpt.get("scaler"):
-        with _damaged("AMP scaler", path):
-            scaler.load_state_dict(ckpt["scaler"])
-    if ema is not None:
-        if ckpt.get("ema") is not None:
-            with _damaged("EMA", path):
-                ema.ema.load_state_dict(strip_prefixes(ckpt["ema"]))
-            ema.updates = int(ckpt.get("ema_updates", 0))
-        else:
-            ema.ema.load_state_dict(model.state_dict())
-    return int(ckpt["epoch"]) + 1, ckpt.get("best_fitness")
-
-
-@contextlib.contextmanager
-def _damaged(what: str, path: str | Path | None) -> Iterator[None]:
-    """A state that ``load_state_dict`` cannot take becomes one :class:`CheckpointError`."""
-    try:
-        yield
-    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError, IndexError) as e:
-        detail = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"the checkpoint's {what} state is damaged ({detail})", path) from e
-
-
-def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, path: Any) -> None:
-    """The restored scheduler's epoch and base learning rates are sane numbers, one per group."""
-    bad = "the checkpoint's scheduler state is damaged: "
-    last = getattr(scheduler, "last_epoch", -1)
-    if not is_int(last) or not -1 <= last <= MAX_EPOCH:
-        raise CheckpointError(bad + bad_value("last_epoch", last), path)
-    base = getattr(scheduler, "base_lrs", None)
-    if base is not None and (
-        len(base) != len(optimizer.param_groups) or not all(is_real(v) and v >= 0 for v in base)
-    ):
-        raise CheckpointError(bad + bad_value("base_lrs", base), path)
-
-
-# What an optimizer's saved groups hold besides its parameters tells its kind. AdamW is an Adam
-# (a subclass, the same moments) whose groups say ``decoupled_weight_decay: True``; it comes
-# first so that the subclass is named. Adam and AdamW are told apart because their weight decay
-# means different things: AdamW's state continued as Adam's would change the run silently.
-_OPTIMIZER_KINDS = (
-    (torch.optim.AdamW, "adamw", "decoupled_weight_decay"),
-    (torch.optim.Adam, "adam", "betas"),
-    (torch.optim.SGD, "sgd", "nesterov"),
-)
-
-
-def optimizer_kind(optimizer: torch.optim.Optimizer | Mapping[str, Any]) -> str | None:
-    """``"sgd"``/``"adam"``/``"adamw"`` for an optimizer or its ``state_dict()`` (by the
-    settings its groups carry: AdamW's ``decoupled_weight_decay`` true, Adam's ``betas``, SGD's
-    ``nesterov``); None for anything else."""
-    if isinstance(optimizer, torch.optim.Optimizer):
-        return next((kind for cls, kind, _ in _OPTIMIZER_KINDS if isinstance(optimizer, cls)), None)
-    group = (optimizer.get("param_groups") or [{}])[0]
-    if group.get("decoupled_weight_decay") is True:  # Adam's groups carry it too, as False
-        return "adamw"
-    return next((kind for _, kind, key in _OPTIMIZER_KINDS[1:] if key in group), None)
-
-
-def load_optimizer_state(
-    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any], path: str | Path | None = None
-) -> None:
-    """Load a checkpoint's optimizer state into this run's ``optimizer``, or say in one line why
-    it cannot continue it.
-
-    The optimizer holds every parameter of the model, frozen or not (``optim.build_optimizer``),
-    so its state fits whatever ``--freeze-layers`` the resumed run uses. Checkpoints of older
-    versions held only the trainable parameters: their state is put back at the positions of
-    this run's trainable parameters when the counts agree (the same freeze as then).
-
-    Raises:
-        CheckpointError: the state is another kind of optimizer's (SGD momentum cannot become
-            Adam moments), or it does not fit this model's parameters.
-    """
-    weights_hint = f"or start a new run from these weights with --weights {path or 'last.pt'}"
-    check_optimizer_layout(saved, path)
-    saved_kind, kind = optimizer_kind(saved), optimizer_kind(optimizer)
-    if saved_kind is not None and kind is not None and saved_kind != kind:
-        raise CheckpointError(
-            f"the checkpoint holds {saved_kind} optimizer state, which --optimizer {kind} cannot "
-            f"continue: resume with --optimizer {saved_kind}, {weights_hint}",
-            path,
-        )
-    sizes = [len(g["params"]) for g in optimizer.param_groups]
-    saved_groups = saved.get("param_groups") or []
-    if [len(g["params"]) for g in saved_groups] != sizes:
-        remapped = _state_of_trainable_only(optimizer, saved)
-        if remapped is None:
-            raise CheckpointError(
-                f"the optimizer state holds {sum(len(g['params']) for g in saved_groups)} "
-                f"parameters, this model's optimizer {sum(sizes)} (a checkpoint of an older "
-                f"version saved with another --freeze-layers): resume with the checkpoint's "
-                f"--freeze-layers, {weights_hint}",
-                path,
-            )
-        saved = remapped
-    _check_optimizer_fits(optimizer, saved, path)
-    try:
-        optimizer.load_state_dict(saved)
-    except (ValueError, KeyError, TypeError) as e:
-        raise CheckpointError(
-            f"the optimizer state does not fit this model ({e}); {weights_hint}", path
-        ) from e
-
-
-def _state_of_trainable_only(
-    optimizer: torch.optim.Optimizer, saved: Mapping[str, Any]
-) -> dict[str, Any] | None:
-    """An older checkpoint's optimizer state (trainable parameters only) laid out for
-    ``optimizer`` (every parameter): saved parameter k of a group goes to the group's k-th
-    parameter with ``requires_grad``. None when the groups or their counts disagree."""
-    saved_groups = saved.get("param_groups") or []
-    if len(saved_groups) != len(optimizer.param_groups):
-        return None
-    saved_state = saved.get("state") or {}
-    state: dict[int, Any] = {}
-    groups: list[dict[str, Any]] = []
-    offset = 0
-    for own, old in zip(optimizer.param_groups, saved_groups, strict=True):
-        if own.get("name") != old.get("name"):
-            return None
-        trainable = [offset + j for j, p in enumerate(own["params"]) if p.requires_grad]
-        if len(trainable) != len(old["params"]):
-            return None
-        for old_id, new_id in zip(old["params"], trainable, strict=True):
-            if old_id in saved_state:
-                state[new_id] = saved_state[old_id]
-        groups.append({**old, "params": list(range(offset, offset + len(own["params"])))})
-        offset += len(own["params"])
-    return {"state": state, "param_groups": groups}
-
-
-def check_resume_cfg(
-    saved_text: str | None,
-    cfg_text: str,
-    cfg: str | Path,
-    own_cfg: str | Path,
-    path: str | Path | None = None,
-) -> None:
-    """Refuse to resume a model whose resolved cfg text differs from the checkpoint's.
-
-    The text is compared, not the path: a cfg edited in place (an activation changed, same
-    tensor shapes) would otherwise train another network on the checkpoint's weights, while a
-    copy of the same cfg elsewhere is the same model. Checkpoints without a cfg pass.
-    ``own_cfg`` is the run folder's copy of the checkpoint's cfg, offered as the fix.
-
-    Raises:
-        CheckpointError: naming the first differing line (its block and layer index).
-    """
-    if not saved_text or saved_text == cfg_text:
-        return
-    with contextlib.suppress(YoloError):
-        # Written by another version, perhaps formatted otherwise: compare what it means.
-        saved_text = format_model_cfg(parse_model_cfg_text(saved_text, "checkpoint"))
-    if saved_text == cfg_text:
-        return
-    old, new = saved_text.splitlines(), cfg_text.splitlines()
-    i = next((k for k, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
-    headers = [line for line in new[: i + 1] if line.startswith("[")]
-    layer = sum(1 for h in headers if h != "[net]") - 1
-    where = f"{headers[-1]} layer {layer}" if headers and layer >= 0 else "[net]"
-    was = old[i] if i < len(old) else "(end of cfg)"
-    now = new[i] if i < len(new) else "(end of cfg)"
-    raise CheckpointError(
-        f"--cfg {cfg} is another model than the checkpoint's: at {where}, {was!r} in the "
-        f"checkpoint, {now!r} in the cfg; resume with the run's own cfg (--cfg {own_cfg}), "
-        f"or start a new run from these weights with --weights {path or 'last.pt'}",
-        path,
-    )
 
 
 def load_state_dict_flexible(model: nn.Module, state_dict: Mapping[str, Any]) -> list[str]:
@@ -977,7 +555,37 @@ def weights_kind(path: str | Path) -> str:
         # Named like a PyTorch file but holding neither container: truncated or not a checkpoint;
         # load_checkpoint words the error.
         return "torch"
+    what = _not_weights(head)
+    if what is not None:
+        raise CheckpointError(
+            f"not a weights file but {what}; pass a .pt checkpoint (a run's last.pt or best.pt) "
+            f"or Darknet .weights",
+            path,
+        )
     return "darknet"
+
+
+# First bytes of the image files a path given by mistake is most likely to be.
+_IMAGE_MAGIC = {
+    b"\xff\xd8\xff": "a JPEG image",
+    b"\x89PNG": "a PNG image",
+    b"GIF8": "a GIF image",
+    b"BM": "a BMP image",
+    b"II*\x00": "a TIFF image",
+    b"MM\x00*": "a TIFF image",
+    b"RIFF": "a RIFF file (WebP image, AVI video)",
+}
+
+
+def _not_weights(head: bytes) -> str | None:
+    """What a file that cannot hold weights is, from its first bytes: an image, or text (a
+    Darknet file starts with small binary integers, whose zero bytes no text file has)."""
+    for magic, what in _IMAGE_MAGIC.items():
+        if head.startswith(magic):
+            return what
+    if head and all(32 <= b < 127 or b in b"\t\r\n" for b in head):
+        return "a text file (a cfg, YAML, .data or list?)"
+    return None
 
 
 def is_darknet_weights(path: str | Path) -> bool:
@@ -1048,8 +656,9 @@ def fit_state_dict(
 
 
 def save_weights_pt(model: nn.Module, path: str | Path, flag: str | None = None) -> None:
-    """Write ``model``'s weights as a lineage ``.pt``, atomically: ``{'model': state_dict,
-    'epoch': -1, 'best_fitness': None, 'training_results': None, 'optimizer': None}``
+    """Write ``model``'s weights as an ultralytics/yolov3 ``.pt``, atomically:
+    ``{'model': state_dict, 'epoch': -1, 'best_fitness': None, 'training_results': None,
+    'optimizer': None}``
     (``epoch=-1`` marks weights to initialise from, never a run to resume)."""
     save_checkpoint(
         {

@@ -24,12 +24,13 @@ import yaml
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.checks import check_at_least, check_fractions
-from build_utils.errors import CheckpointError, ConfigError
+from build_utils.errors import ConfigError
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
-from models.darknet import FREEZE_MODES
-from train_utils.checkpoint import read_weights
+from models.darknet import FREEZE_MODES, layer_list
+from train_utils.autobatch import AUTO_BATCH
+from train_utils.checkpoint import weights_kind
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
@@ -43,20 +44,19 @@ from train_utils.cli import (
     add_model_flag,
     add_precision_flags,
     add_weights_flags,
-    check_choices,
     check_img_size,
     check_time_budget,
     parse_args,
     run_name_folder,
     switch,
-    take_from_run,
 )
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
-from train_utils.distributed.process_group import launched_world_size
 from train_utils.optim import LR_SCHEDULES, OPTIMIZER_CHOICES
+from train_utils.resume import settings_of_resumed_run
+from train_utils.run_folder import RUNS_DIR
 from train_utils.trackers import TRACKER_CHOICES, check_trackers
 
-NOMINAL_BATCH_SIZE = 64  # the lineage accumulates gradients up to this many images per step
+NOMINAL_BATCH_SIZE = 64  # ultralytics/yolov3 accumulates gradients up to this many images per step
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
 DEFAULT_EPOCHS = 30
 DEFAULT_CFG = "cfg/yolov3-spp.cfg"
@@ -64,9 +64,6 @@ DEFAULT_DATA = "data/my_data.data"
 DEFAULT_HYP = "cfg/hyp.yaml"
 # The repository's root: the default --cfg/--hyp are its files, found from any working folder.
 REPO_ROOT = Path(__file__).resolve().parents[1]
-RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
-RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
-RUN_HYP_NAME = "hyp.yaml"
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +94,9 @@ HYP_SPECS: dict[str, HypSpec] = {
     "weight_decay": HypSpec(float, 0.0, 1.0),
     "warmup_epochs": HypSpec(float, 0.0, 1e3, default=1.0),
     "warmup_bias_lr": HypSpec(float, 0.0, 1.0, default=0.0),
+    # -1: the momentum (no momentum warm-up, ultralytics/yolov3's)
+    "warmup_momentum": HypSpec(float, -1.0, 1.0, default=-1.0),
+    "anchor_t": HypSpec(float, 1.0, 100.0, default=4.0),
     # augmentation
     "hsv_h": HypSpec(float, 0.0, 1.0),
     "hsv_s": HypSpec(float, 0.0, 1.0),
@@ -111,11 +111,20 @@ HYP_SPECS: dict[str, HypSpec] = {
 }
 
 
-def load_hyp(path: str | Path) -> dict[str, Any]:
-    """Read and validate a hyperparameter YAML file.
+# YOLOv5's hyp.scratch-*.yaml keys and ours: a YOLOv5 file is taken with a line per mapped key.
+YOLOV5_HYP_NAMES = {"box": "giou"}
+# YOLOv5 keys for augmentations not offered here: accepted at 0 (off), refused otherwise.
+YOLOV5_OFF_AT_ZERO = ("perspective", "mixup", "copy_paste")
 
-    Unknown keys, missing required keys, wrong types and out-of-range values raise
-    :class:`ConfigError` naming ``path:line`` and the key. Optional keys get their defaults.
+
+def load_hyp(path: str | Path) -> dict[str, Any]:
+    """Read and validate a hyperparameter YAML file: ours (cfg/hyp.yaml), or YOLOv5's
+    ``hyp.scratch-*.yaml``, whose ``box`` is our ``giou`` and whose augmentations not offered
+    here are accepted at 0 (each said in one line).
+
+    Unknown keys (all of them, in one line), missing required keys, wrong types and
+    out-of-range values raise :class:`ConfigError` naming ``path:line`` and the key. Optional
+    keys get their defaults.
     """
     path = Path(path)
     if not os.path.lexists(path):
@@ -126,18 +135,25 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
     if root is None or not isinstance(root, yaml.MappingNode):
         raise ConfigError("expected a mapping of hyperparameter names to values", path)
     hyp: dict[str, Any] = {}
+    unknown: list[tuple[int, str]] = []
     for key_node, value_node in root.value:
         line = key_node.start_mark.line + 1
-        key = key_node.value
+        key, value = _our_hyp_name(key_node.value, doc.value(value_node), path, line)
+        if key is None:
+            continue
         if key not in HYP_SPECS:
-            raise ConfigError(
-                f"unknown hyperparameter {short_repr(key)}; known keys: {', '.join(HYP_SPECS)}",
-                path,
-                line,
-            )
+            unknown.append((line, short_repr(key)))
+            continue
         if key in hyp:
             raise ConfigError(f"hyperparameter '{key}' is given twice", path, line)
-        hyp[key] = _check_hyp_value(key, doc.value(value_node), path, line)
+        hyp[key] = _check_hyp_value(key, value, path, line)
+    if unknown:
+        listed = ", ".join(f"{key} (line {line})" for line, key in unknown)
+        raise ConfigError(
+            f"unknown hyperparameter(s) {listed}; known keys: {', '.join(HYP_SPECS)}",
+            path,
+            unknown[0][0],
+        )
     missing = [k for k, s in HYP_SPECS.items() if s.default is None and k not in hyp]
     if missing:
         raise ConfigError(
@@ -148,6 +164,35 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
     for key, spec in HYP_SPECS.items():
         hyp.setdefault(key, spec.default)
     return hyp
+
+
+def _our_hyp_name(key: Any, value: Any, path: Path, line: int) -> tuple[str | None, Any]:
+    """A hyp file's key and value as ours (a YOLOv5 name mapped, its 0/1 mosaic a switch);
+    (None, _) for a YOLOv5 augmentation that is off. Each mapping is logged once."""
+    if key in YOLOV5_HYP_NAMES:
+        ours = YOLOV5_HYP_NAMES[key]
+        logger.info(
+            "%s:%d: YOLOv5's %r is this project's %r (box loss gain; the gains here are "
+            "ultralytics/yolov3's, see cfg/hyp.yaml)",
+            path,
+            line,
+            key,
+            ours,
+        )
+        return ours, value
+    if key in YOLOV5_OFF_AT_ZERO:
+        if value != 0:
+            raise ConfigError(
+                f"'{key}' = {short_repr(value)}: YOLOv5's {key} augmentation is not offered "
+                f"here; set it to 0 or remove the line",
+                path,
+                line,
+            )
+        logger.info("%s:%d: %s: 0 (YOLOv5's, off; not offered here)", path, line, key)
+        return None, value
+    if key == "mosaic" and not isinstance(value, bool) and value in (0, 1):
+        return key, bool(value)  # YOLOv5's probability 0.0 or 1.0
+    return key, value
 
 
 def _check_hyp_value(key: str, value: Any, path: Path, line: int) -> Any:
@@ -243,7 +288,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     _add_inputs(p.add_argument_group("model, data and weights"))
-    _add_schedule(p.add_argument_group("training"))
+    _add_length(p.add_argument_group("how long to train"))
+    _add_batches(p.add_argument_group("batches and image sizes"))
+    _add_optimization(p.add_argument_group("optimization"))
     _add_evaluation(p.add_argument_group("evaluation during training"))
     _add_runtime(p.add_argument_group("output and runtime"))
     return p
@@ -279,7 +326,7 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
     )
 
 
-def _add_schedule(g: argparse._ArgumentGroup) -> None:
+def _add_length(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--epochs",
         type=int,
@@ -301,8 +348,16 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         default=0,
         help="stop when mAP@0.5:0.95 has not improved for N epochs (0 = never)",
     )
+
+
+def _add_batches(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
-        "--batch-size", "--batch", type=int, default=4, help="images per process per step"
+        "--batch-size",
+        "--batch",
+        type=int,
+        default=4,
+        help="images per process per step; -1: the largest that fits 60%% of the GPU's memory "
+        "(YOLOv5's autobatch, measured; 16 on a CPU)",
     )
     add_img_size_flag(
         g, DEFAULT_IMG_SIZE, "training/test image side, a multiple of 32 (max side for --rect)"
@@ -310,12 +365,36 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
     switch(g, "--multi-scale", True, "train at random sides in 67%%-150%% of --img-size")
     g.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
     g.add_argument(
+        "--nbs",
+        type=int,
+        default=NOMINAL_BATCH_SIZE,
+        help="nominal batch size: gradients accumulate up to it across steps/ranks",
+    )
+    g.add_argument(
+        "--accumulate",
+        type=int,
+        default=None,
+        help="override: optimizer step every N batches (default from --nbs)",
+    )
+
+
+def _add_optimization(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
         "--freeze-layers",
         nargs="?",
         const="all-but-heads",
         default="none",
-        choices=FREEZE_MODES,
-        help="freeze the Darknet-53 backbone, or everything but the output layers",
+        metavar="MODE",
+        help=f"freeze layers: {', '.join(FREEZE_MODES)} (the Darknet-53 backbone, everything but "
+        "the output layers) or layer indices such as 0-9 (alone: all-but-heads)",
+    )
+    g.add_argument(
+        "--freeze",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help="YOLOv5's form: --freeze 10 freezes layers 0-9, --freeze 0 1 2 those layers",
     )
     # --adam is the archive's switch for the same choice; both at once would contradict.
     which = g.add_mutually_exclusive_group()
@@ -325,8 +404,8 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         default="sgd",
         choices=OPTIMIZER_CHOICES,
         metavar="{SGD,Adam,AdamW}",
-        help="Nesterov SGD (the lineage's), Adam or AdamW (betas: momentum, 0.999; AdamW decays "
-        "the conv weights decoupled from the gradient); case-insensitive",
+        help="Nesterov SGD (ultralytics/yolov3's), Adam or AdamW (betas: momentum, 0.999; AdamW "
+        "decays the conv weights decoupled from the gradient); case-insensitive",
     )
     which.add_argument(
         "--adam",
@@ -360,18 +439,6 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
         metavar="EPS",
         help="class targets 1 - EPS/2 and EPS/2 instead of 1 and 0, EPS in [0, 1)",
     )
-    g.add_argument(
-        "--nbs",
-        type=int,
-        default=NOMINAL_BATCH_SIZE,
-        help="nominal batch size: gradients accumulate up to it across steps/ranks",
-    )
-    g.add_argument(
-        "--accumulate",
-        type=int,
-        default=None,
-        help="override: optimizer step every N batches (default from --nbs)",
-    )
     switch(
         g, "--ema", True, "keep an exponential moving average of the weights for eval and saving"
     )
@@ -385,7 +452,9 @@ def _add_schedule(g: argparse._ArgumentGroup) -> None:
 
 
 def _add_evaluation(g: argparse._ArgumentGroup) -> None:
-    g.add_argument("--notest", action="store_true", help="only evaluate after the final epoch")
+    g.add_argument(
+        "--notest", "--noval", action="store_true", help="only evaluate after the final epoch"
+    )
     g.add_argument("--eval-interval", type=int, default=1, help="evaluate every N epochs")
     add_eval_flags(g, DEFAULT_EVAL_CONF, DEFAULT_EVAL_IOU, "auto")
     switch(
@@ -394,6 +463,20 @@ def _add_evaluation(g: argparse._ArgumentGroup) -> None:
         True,
         "keep best.pt, the checkpoint of the best mAP@0.5:0.95 so "
         "far (--no-savebest saves the time and disk of a second checkpoint)",
+    )
+    g.add_argument(
+        "--nosave",
+        dest="savebest",
+        action="store_false",
+        help="YOLOv5's: keep only the final checkpoint; here last.pt is still written after "
+        "every epoch (what --resume continues), best.pt is not (as --no-savebest)",
+    )
+    g.add_argument(
+        "--noplots",
+        dest="plots",
+        action="store_false",
+        help="draw no pictures (labels.png, train_batch*.jpg, results.png, the evaluation's); "
+        "results.csv, per_class.csv and the logs are still written",
     )
 
 
@@ -437,6 +520,13 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
     )
     add_device_flags(g, None, workers_help)
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
+    switch(
+        g,
+        "--sync-bn",
+        True,
+        "SyncBatchNorm under CUDA DDP: BatchNorm statistics over every GPU's batch (costs an "
+        "all-reduce per layer; off pays when the batch per GPU is 8 or more)",
+    )
     g.add_argument(
         "--tracker",
         nargs="+",
@@ -508,6 +598,8 @@ class TrainConfig:
     lr_schedule: str = "cosine"  # "cosine" or "linear" (optim.LR_SCHEDULES)
     label_smoothing: float = 0.0  # class-target smoothing eps in [0, 1)
     save_period: int = -1  # keep epoch<E>.pt every N epochs; <= 0 off
+    sync_bn: bool = True  # SyncBatchNorm under CUDA DDP (--sync-bn / --no-sync-bn)
+    plots: bool = True  # --noplots: False
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""
@@ -544,10 +636,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.epochs is None and args.time_budget is None:
         args.epochs = DEFAULT_EPOCHS
     check_time_budget(args.time_budget)
+    if args.batch_size != AUTO_BATCH:  # -1: the largest that fits (train_utils/autobatch.py)
+        check_at_least({"--batch-size": args.batch_size}, 1)
     check_at_least(
         {
             "--epochs": args.epochs,
-            "--batch-size": args.batch_size,
             "--nbs": args.nbs,
             "--eval-interval": args.eval_interval,
             "--log-interval": args.log_interval,
@@ -571,6 +664,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if args.weights:
         # A FIFO would block the reader, a 40 GB sparse file be read whole: stat it first.
         check_config_file(args.weights, MAX_WEIGHTS_BYTES, "--weights")
+        weights_kind(args.weights)  # an image or a text file is one line before a folder is made
     data = load_data_config(args.data, args.single_cls)
     hyp = load_hyp(args.hyp)
     output_dir, auto_named = run_folder_of(args) if resumed is None else (resumed, False)
@@ -591,9 +685,38 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(**{**flags, **derived})
 
 
+def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
+    """See :func:`train_utils.resume.settings_of_resumed_run`: the run's folder, its arguments
+    taken for every flag not typed."""
+    if args.resume is None:
+        return None
+    named = None
+    if args.resume == "auto" and (args.name or args.output_dir):
+        named = run_folder_of(args)[0]  # <project or runs>/<name>: that run's last.pt
+    fields = {f.name: getattr(args, f.name, None) for f in dataclasses.fields(TrainConfig)}
+    return settings_of_resumed_run(args, get_args_parser(), fields, named)
+
+
+def _yolov5_freeze(layers: list[int]) -> str:
+    """YOLOv5's ``--freeze``: one number N freezes layers 0 to N-1 (0: none), several numbers
+    those layers; as a ``--freeze-layers`` value."""
+    if any(n < 0 for n in layers):
+        raise ConfigError(f"--freeze takes layer counts or indices >= 0, got {layers}")
+    if len(layers) == 1:
+        return "none" if layers[0] == 0 else f"0-{layers[0] - 1}"
+    return ",".join(map(str, layers))
+
+
 def _check_training_choices(args: argparse.Namespace) -> None:
     """The values of the optimizer and schedule flags, which a resumed run may also take from
     its checkpoint (argparse checks only what was typed)."""
+    if getattr(args, "freeze", None) is not None:
+        args.freeze_layers = _yolov5_freeze(args.freeze)
+    if args.freeze_layers not in FREEZE_MODES and layer_list(args.freeze_layers) is None:
+        raise ConfigError(
+            f"--freeze-layers {args.freeze_layers!r} is not one of {', '.join(FREEZE_MODES)} "
+            f"nor layer indices such as 0-9"
+        )
     eps = args.label_smoothing
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0.0 <= eps < 1.0:
         raise ConfigError(f"--label-smoothing must be a number in [0, 1), got {eps!r}")
@@ -627,122 +750,8 @@ def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
     return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
 
 
-def resumes_in_place(resume: str | None, output_dir: Path) -> bool:
-    """Whether ``--resume`` continues the run in ``output_dir`` rather than starting a folder of
-    its own (the trainer's claim of the run folder asks).
-
-    ``--resume`` of the folder's ``last.pt`` (or of any checkpoint in a folder without one)
-    continues in place. ``--resume`` of another checkpoint beside a ``last.pt`` (an
-    ``epoch<E>.pt`` of ``--save-period``, a copy) goes back to an earlier state: continuing in
-    place would write over the later epochs' ``last.pt``, ``best.pt`` and ``results.csv`` rows,
-    so the run writes the next numbered folder instead (``runs/x2``), the earlier run kept whole.
-    """
-    if resume is None:
-        return False
-    last = output_dir / "last.pt"
-    if resume == "auto" or not last.is_file():
-        return True
-    return Path(resume).resolve() == last.resolve()
-
-
-def latest_run_checkpoint(runs: Path = RUNS_DIR) -> Path | None:
-    """The most recently written ``runs/*/last.pt`` (what bare ``--resume`` continues)."""
-    found = [p for p in runs.glob("*/last.pt") if p.is_file()]
-    return max(found, key=lambda p: p.stat().st_mtime) if found else None
-
-
-def _settings_of_resumed_run(args: argparse.Namespace) -> Path | None:
-    """``--resume PATH`` (or bare ``--resume`` with no run named): take the run's own arguments
-    for every flag not typed, and return the run's folder, where it continues. None when this
-    is not such a resume (no ``--resume``, or ``--resume`` with ``--name``/``--output-dir`` whose
-    folder holds no ``last.pt``: the trainer reports it)."""
-    if args.resume is None:
-        return None
-    if args.resume == "auto":
-        if args.name or args.output_dir:
-            # <project or runs>/<name>/last.pt: that run, with its own arguments as for a PATH
-            # (the defaults would name another dataset). None there: the trainer says so.
-            last = run_folder_of(args)[0] / "last.pt"
-            if not last.is_file():
-                return None
-            args.resume = str(last)
-        else:
-            runs = Path(args.project) if getattr(args, "project", "") else RUNS_DIR
-            latest = latest_run_checkpoint(runs)
-            if latest is None:
-                raise ConfigError(
-                    f"--resume: no {runs}/*/last.pt to continue; give the path of a last.pt "
-                    f"or the run's --name"
-                )
-            args.resume = str(latest)
-    path = Path(args.resume)
-    try:
-        run = read_weights(path, args.trust_checkpoint).run
-    except CheckpointError as e:
-        if launched_world_size() == 1:
-            raise ConfigError(f"--resume: {e}") from e
-        # Under DDP one rank failing alone here would leave the others waiting; the trainer
-        # reads the checkpoint again and stops every rank with this error.
-        logger.debug("--resume %s: not readable here (%s); the trainer reports it", path, e)
-        return path.parent
-    if not run:
-        logger.info("--resume %s: the checkpoint records no run arguments; using the flags", path)
-        return path.parent
-    folder = path.parent
-    own = {
-        "cfg",
-        "data",
-        "hyp",
-        "output_dir",
-        "exist_ok",
-        "resume",
-        "trust_checkpoint",
-        "auto_named",
-    }
-    fields = {
-        f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig) if f.name not in own
-    }
-    take_from_run(args, run, fields, f"--resume {path}")
-    check_choices(get_args_parser(), args)
-    given = getattr(args, "given", frozenset())
-    if "cfg" not in given:
-        # The cfg the run was started with, while it is there; else the run's own resolved copy.
-        saved = Path(str(run.get("cfg", "")))
-        args.cfg = str(saved if saved.is_file() else folder / RUN_CFG_NAME)
-    data = run.get("data")
-    if "data" not in given and isinstance(data, dict) and isinstance(data.get("path"), str):
-        args.data = data["path"]
-    if "hyp" not in given and (folder / RUN_HYP_NAME).is_file():
-        args.hyp = str(folder / RUN_HYP_NAME)
-    where = (
-        f"in {folder}"
-        if resumes_in_place(str(path), folder)
-        else f"in a new folder beside {folder} (its later epochs are kept)"
-    )
-    logger.info(
-        "--resume %s: continuing that run %s with its own arguments (cfg %s, data %s)",
-        path,
-        where,
-        args.cfg,
-        args.data,
-    )
-    return folder
-
-
-def accumulate_steps(nbs: int, batch_size: int, world_size: int, override: int | None) -> int:
-    """Batches per optimizer step so that one step sees about ``nbs`` images across all ranks."""
-    if override is not None:
-        return override
-    return max(round(nbs / (batch_size * world_size)), 1)
-
-
 def multi_scale_bounds(img_size: int) -> tuple[int, int]:
     """Smallest and largest multi-scale side, both multiples of :data:`GRID`."""
     lo = max(GRID, math.ceil(img_size * MULTI_SCALE_RANGE[0] / GRID) * GRID)
     hi = max(lo, math.floor(img_size * MULTI_SCALE_RANGE[1] / GRID) * GRID)
     return lo, hi
-
-
-def scaled_lr0(lr0: float, global_batch: int, nbs: int) -> float:
-    """The lineage scales the learning rate up linearly once the global batch exceeds ``nbs``."""
-    return lr0 * max(1.0, global_batch / nbs)

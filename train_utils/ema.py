@@ -1,4 +1,4 @@
-"""Exponential moving average of model weights, as the YOLOv3 lineage keeps it.
+"""Exponential moving average of model weights, as ultralytics/yolov3 keeps it.
 
 The decay ramps up with the number of updates (``decay * (1 - exp(-updates / tau))``) so that
 the average follows the fast-changing weights of early training and smooths late training.
@@ -9,13 +9,19 @@ has no ramped decay and renames every key, which would break checkpoint compatib
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from copy import deepcopy
+from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
+from train_utils.checkpoint import damaged, is_state_dict, record_int, state_loading, strip_prefixes
+
 EMA_DECAY = 0.9999
 EMA_TAU = 2000.0
+MAX_UPDATES = 1 << 62
 
 
 class ModelEMA:
@@ -49,3 +55,37 @@ class ModelEMA:
         for k, v in self.ema.state_dict().items():
             if not v.dtype.is_floating_point:
                 v.copy_(msd[k])
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the average: ``ema`` (its weights) and ``ema_updates``."""
+        return {"ema": self.ema.state_dict(), "ema_updates": self.updates}
+
+    @staticmethod
+    def check_state(
+        ckpt: Mapping[str, Any], model_state: Mapping[str, torch.Tensor], path: str | Path | None
+    ) -> None:
+        """A checkpoint's EMA (None: the run kept none) has the model's names and shapes."""
+        record_int(ckpt, "ema_updates", 0, MAX_UPDATES, path)
+        ema = ckpt.get("ema")
+        if ema is None:
+            return
+        if not is_state_dict(ema):
+            raise damaged("'ema' is not a state_dict of tensors", path)
+        ema = strip_prefixes(ema)
+        wrong = [k for k, t in model_state.items() if k not in ema or ema[k].shape != t.shape]
+        if wrong or len(ema) != len(model_state):
+            name = wrong[0] if wrong else "its keys"
+            raise damaged(f"the EMA weights do not fit the model ({name})", path)
+
+    def load_state_dict(
+        self, ckpt: Mapping[str, Any], model: nn.Module, path: str | Path | None = None
+    ) -> None:
+        """Continue a checkpoint's average; without one (a run trained without an EMA) the
+        average restarts from ``model``'s (restored) weights."""
+        self.check_state(ckpt, model.state_dict(), path)
+        if ckpt.get("ema") is None:
+            self.ema.load_state_dict(model.state_dict())
+            return
+        with state_loading("EMA", path):
+            self.ema.load_state_dict(strip_prefixes(ckpt["ema"]))
+        self.updates = int(ckpt.get("ema_updates") or 0)

@@ -72,8 +72,8 @@ def warmup_lr(base: float, ni: int, warmup_iters: int, start: float | None = Non
     """Learning rate at global iteration ``ni``: linear from ``start`` (default
     ``base * WARMUP_START_FACTOR``) to the scheduled ``base`` over ``warmup_iters`` iterations.
 
-    ``start`` above ``base`` gives the lineage's bias warm-up, which falls from a high value so
-    that the objectness and class priors settle in the first steps."""
+    ``start`` above ``base`` gives ultralytics/yolov3's bias warm-up, which falls from a high value
+    so that the objectness and class priors settle in the first steps."""
     if ni >= warmup_iters:
         return base
     if start is None:
@@ -275,11 +275,21 @@ def _prepare_batch(
 def _warm_up(
     optimizer: torch.optim.Optimizer, base_lrs: list[float], ni: int, opts: TrainOptions
 ) -> float:
-    """Set every group's learning rate for global iteration ``ni``; returns the first group's."""
+    """Set every group's learning rate for global iteration ``ni`` (and, with
+    ``warmup_momentum`` >= 0, YOLOv5's momentum ramp to ``momentum``); returns the first
+    group's rate."""
     bias_start = opts.hyp.get("warmup_bias_lr", 0.0)
+    momentum_start = opts.hyp.get("warmup_momentum", -1.0)
+    momentum = None
+    if momentum_start >= 0 and ni <= opts.warmup_iters:
+        momentum = warmup_lr(opts.hyp["momentum"], ni, opts.warmup_iters, momentum_start)
     for g, base in zip(optimizer.param_groups, base_lrs):
         start = bias_start if g.get("name") == "bias" and bias_start else None
         g["lr"] = warmup_lr(base, ni, opts.warmup_iters, start)
+        if momentum is not None and "betas" in g:
+            g["betas"] = (momentum, g["betas"][1])
+        elif momentum is not None:
+            g["momentum"] = momentum
     return optimizer.param_groups[0]["lr"]
 
 

@@ -2,8 +2,8 @@
 steps that also give :func:`train_utils.precision.choose_cpu_amp` its figures.
 
 On CUDA channels_last is always right (the fast cuDNN kernels are NHWC). On a CPU it depends on
-the model: on a 2-core AVX2 CPU the nano cfg trains 1.3x faster in channels_last while YOLOv3-SPP
-trains ~0.93x (bench/README.md), so one rule loses somewhere. ``--channels-last`` and
+the model: a small cfg can train faster in channels_last while YOLOv3-SPP trains slower
+(bench/README.md "channels_last"), so one rule loses somewhere. ``--channels-last`` and
 ``--no-channels-last`` force a format; otherwise :func:`choose_channels_last` times a few real
 train steps (forward, loss-like reduction, backward) of each format on this model, image size
 and batch, and keeps the faster. The decision is cached (JSON, keyed by cfg text, size, batch,

@@ -1,5 +1,6 @@
-"""How long a run trains: ``--epochs``, or as many epochs as fit ``--time-budget``, and when
-``--patience`` ends it early.
+"""Where a run is and how long it trains: the loop's progress (:class:`LoopState`), ``--epochs``
+or as many epochs as fit ``--time-budget``, and when ``--patience`` ends it early. Both save and
+check their own part of a checkpoint (``state_dict``, ``check_state``, ``load_state_dict``).
 
 With a time budget the epoch count is estimated after every epoch from the measured time of
 training epochs and evaluations, and the cosine schedule (:func:`train_utils.optim.
@@ -15,9 +16,76 @@ after the same epoch and a reader sees every collective there.
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from build_utils.checks import is_real
+from train_utils.checkpoint import MAX_EPOCH, bad_value, damaged, record_int, record_real
+
+logger = logging.getLogger(__name__)
+
+FITNESS_KEY = "mAP50-95"  # the COCO stat that best.pt and --patience go by
+
+
+@dataclass
+class LoopState:
+    """What the trainer carries from epoch to epoch (the checkpoint keeps it for ``--resume``).
+
+    Only rank 0 gets evaluation stats, so only rank 0's ``best`` moves; other ranks keep the
+    resumed values and follow rank 0's broadcast decisions.
+
+    Attributes:
+        epoch: the epoch running, or the last one run (``start_epoch - 1`` before the first).
+        best: the best :data:`FITNESS_KEY` so far, None before any evaluation.
+        best_epoch: the epoch of ``best``.
+        last_stats: the last evaluation's COCO stats by name.
+        saved_epoch: the epoch this run last wrote to ``last.pt`` (None: none yet).
+    """
+
+    epoch: int
+    best: float | None = None
+    best_epoch: int | None = None
+    last_stats: dict[str, float] | None = None
+    saved_epoch: int | None = None  # the epoch last.pt holds, once this run has written it
+
+    def update(self, epoch: int, val: dict[str, float] | None, is_best: bool) -> None:
+        """Take ``epoch``'s evaluation (``val`` None: not evaluated here), the new best when
+        ``is_best``."""
+        if val is None:
+            return
+        self.last_stats = val
+        if is_best:
+            self.best, self.best_epoch = val[FITNESS_KEY], epoch
+
+    def state_dict(self) -> dict[str, Any]:
+        """A checkpoint's ``epoch`` (the last finished), ``best_fitness`` and ``best_epoch``."""
+        return {"epoch": self.epoch, "best_fitness": self.best, "best_epoch": self.best_epoch}
+
+    @staticmethod
+    def check_state(ckpt: Mapping[str, Any], path: str | Path | None = None) -> None:
+        """The checkpoint's loop values are integers and finite numbers in range."""
+        epoch = ckpt.get("epoch")
+        if epoch is None:
+            raise damaged(bad_value("epoch", epoch) + f" must be in -1..{MAX_EPOCH}", path)
+        record_int(ckpt, "epoch", -1, MAX_EPOCH, path)
+        record_int(ckpt, "best_epoch", -1, MAX_EPOCH, path)
+        record_real(ckpt, "best_fitness", path)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: Mapping[str, Any], path: str | Path | None = None) -> LoopState:
+        """The loop as a checkpoint left it (checked first)."""
+        cls.check_state(ckpt, path)
+        epoch, best = int(ckpt["epoch"]), record_real(ckpt, "best_fitness", path)
+        best_epoch = ckpt.get("best_epoch")
+        if best_epoch is None and best is not None:
+            best_epoch = epoch  # checkpoints without it: patience counts from here
+        return cls(epoch, best, best_epoch)
+
 
 # Epoch-time estimate: the median of the last few epochs, so that one slow epoch (a busy
 # machine, a cache filling) neither shortens the plan nor makes the schedule jump.
@@ -130,6 +198,63 @@ class EpochPlan:
         without ``--patience``."""
         return self.patience > 0 and best_epoch is not None and epoch - best_epoch >= self.patience
 
-    def state(self) -> dict[str, float | int]:
-        """What a checkpoint keeps so that a resumed run continues the same budget."""
-        return {"planned_epochs": self.epochs, "budget_spent_s": round(self.spent(), 3)}
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps so that a resumed run continues the same budget: the plan, the
+        seconds spent, and the recent epoch and evaluation times the plan was made from."""
+        return {
+            "planned_epochs": self.epochs,
+            "budget_spent_s": round(self.spent(), 3),
+            "epoch_seconds": [round(t, 3) for t in self.epoch_s[-RECENT_EPOCHS:]],
+            "eval_seconds": None if self.eval_s is None else round(self.eval_s, 3),
+        }
+
+    @staticmethod
+    def check_state(ckpt: Mapping[str, Any], path: str | Path | None = None) -> None:
+        """The checkpoint's plan values are an epoch count and seconds, in range."""
+        record_int(ckpt, "planned_epochs", 1, MAX_EPOCH, path)
+        record_real(ckpt, "budget_spent_s", path, lo=0.0)
+        record_real(ckpt, "eval_seconds", path, lo=0.0)
+        times = ckpt.get("epoch_seconds")
+        if times is not None and not (
+            isinstance(times, list) and all(is_real(t) and t >= 0 for t in times)
+        ):
+            raise damaged(bad_value("epoch_seconds", times) + " must be seconds", path)
+
+    def load_state_dict(self, ckpt: Mapping[str, Any], start_epoch: int) -> None:
+        """Continue a checkpoint's ``--time-budget`` from ``start_epoch``: what it had spent,
+        planned and measured (0 s spent when it had no budget). A run that had spent its budget
+        stops. Given another budget (or more time after it finished) the run is planned anew
+        now, from the epoch times it measured, so that its first resumed epoch already follows
+        the new plan's schedule (a checkpoint without times: one more epoch, re-planned after
+        it). Without a budget the plan is this run's ``--epochs``."""
+        if self.budget_s is None:
+            return
+        self.spent_before_s = float(ckpt.get("budget_spent_s") or 0.0)
+        self.epochs = int(ckpt.get("planned_epochs") or self.epochs)
+        self.epoch_s = [float(t) for t in ckpt.get("epoch_seconds") or []]
+        if ckpt.get("eval_seconds") is not None:
+            self.eval_s = float(ckpt["eval_seconds"])
+        saved_budget_s = ((ckpt.get("config") or {}).get("time_budget") or 0) * 60.0
+        if self.spent_before_s >= self.budget_s:
+            self.epochs = start_epoch
+            logger.info("the checkpoint already spent the --time-budget; nothing to do")
+        elif self.epoch_s and (saved_budget_s != self.budget_s or start_epoch >= self.epochs):
+            self.epochs = self._plan_from(start_epoch)
+        elif start_epoch >= self.epochs and saved_budget_s < self.budget_s:
+            self.epochs = start_epoch + 1
+
+    def _plan_from(self, start_epoch: int) -> int:
+        """The total epochs that fit what is left of the budget, training from ``start_epoch``
+        at the measured epoch and evaluation times; at least one more epoch."""
+        epoch_s = statistics.median(self.epoch_s[-RECENT_EPOCHS:])
+        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
+        total = epochs_within_budget(
+            start_epoch - 1,
+            self.budget_s - self.spent(),
+            epoch_s,
+            eval_s,
+            self.eval_interval,
+            self.notest,
+            self.max_epochs,
+        )
+        return max(total, start_epoch + 1)

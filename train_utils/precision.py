@@ -42,7 +42,7 @@ def cpu_bf16_is_fast() -> bool:
     """True when oneDNN has native bf16 kernels on this CPU (AVX512-BF16 or AMX).
 
     Without them (e.g. AVX2-only CPUs) a bf16 convolution falls back to ATen's generic
-    ``_slow_conv2d`` and a YOLO training step runs about 10x slower than in fp32
+    ``_slow_conv2d`` and a YOLO training step runs many times slower than in fp32
     (``bench/bench_model.py`` measures it), so ``--amp`` would only cost time there.
     """
     if onednn_isa_cap() in _ISAS_WITHOUT_BF16:
@@ -73,11 +73,23 @@ def cpu_has_native_bf16() -> bool:
     return cpu_bf16_is_fast()
 
 
+def cuda_has_native_bf16() -> bool:
+    """True when the current CUDA device computes bf16 natively: compute capability 8.0 or
+    later (Ampere, Hopper, ...), or ROCm.
+
+    ``torch.cuda.is_bf16_supported()`` alone also says True on a T4 or V100, where a bf16 tensor
+    can be made (it counts emulation) but cuDNN has no bf16 convolution; fp16 with a GradScaler
+    is the mixed precision of those GPUs. The device is the current one, which
+    :func:`~train_utils.distributed.devices.select_device` set.
+    """
+    return bool(torch.cuda.is_bf16_supported(including_emulation=False))
+
+
 @functools.cache
 def _warn_slow_cpu_bf16() -> None:
     logger.warning(
         "--amp: this CPU has no native bf16 kernels (AVX512-BF16/AMX); bf16 autocast "
-        "would make training and evaluation about 10x slower, so they run in fp32"
+        "would make training and evaluation many times slower, so they run in fp32"
     )
 
 
@@ -89,12 +101,13 @@ def resolve_amp(
 ) -> torch.dtype | None:
     """The autocast dtype for ``--amp mode`` on ``device``, or None for full precision.
 
-    ``auto`` (the default) is on for CUDA, as users of this lineage expect on a GPU (bf16 where
-    the GPU supports it: no GradScaler and no overflow; fp16 with a GradScaler otherwise). On a
-    CPU it is bf16 where the CPU has bf16 arithmetic (:func:`cpu_has_native_bf16`; training
+    ``auto`` (the default) is on for CUDA, as users of YOLOv3 repositories expect on a GPU (bf16
+    where the GPU computes it natively, :func:`cuda_has_native_bf16`: no GradScaler and no
+    overflow; fp16 with a GradScaler otherwise, e.g. on a T4 or V100).
+    On a CPU it is bf16 where the CPU has bf16 arithmetic (:func:`cpu_has_native_bf16`; training
     then times both precisions and keeps bf16 only where it is faster, see
-    ``train_utils.memory_format.choose_cpu_amp``) and fp32 elsewhere, where bf16 autocast runs
-    on a generic convolution about 10x slower. bf16 autocast keeps the weights, the optimizer
+    :func:`choose_cpu_amp`) and fp32 elsewhere, where bf16 autocast runs on a generic
+    convolution many times slower. bf16 autocast keeps the weights, the optimizer
     and the loss in fp32; bench/README.md "bf16 on the CPU" has the accuracy measurements.
     ``on`` (``--amp`` alone) is ``auto`` plus bf16 on any CPU oneDNN runs bf16 on;
     ``fp16``/``bf16`` force a type, except bf16 on a CPU without oneDNN bf16 kernels
@@ -113,9 +126,12 @@ def resolve_amp(
         return None
     if device.type == "cuda":
         if cuda_bf16 is None:
-            cuda_bf16 = torch.cuda.is_bf16_supported()
+            cuda_bf16 = cuda_has_native_bf16()
         if mode == "bf16" and not cuda_bf16:
-            raise ConfigError("--amp bf16: this GPU has no bf16 support; use --amp fp16 or off")
+            raise ConfigError(
+                "--amp bf16: this GPU has no native bf16 support (it needs compute capability "
+                "8.0, Ampere, or later); use --amp fp16 or off"
+            )
         if mode in ("auto", "on"):
             return torch.bfloat16 if cuda_bf16 else torch.float16
         return torch.bfloat16 if mode == "bf16" else torch.float16
@@ -177,8 +193,9 @@ def replay_precision(
     """The autocast dtype and memory format an evaluation of a run's checkpoint uses, and why.
 
     Flags win. Otherwise the run's own: the dtype its checkpoints record (so that the mAP the
-    run logged is reproduced), unless this device cannot autocast to it (fp16 on a CPU), when
-    the run's ``--amp`` mode is resolved for this device instead; a checkpoint that records no
+    run logged is reproduced), unless this device cannot autocast to it (fp16 on a CPU, bf16 on
+    a GPU older than Ampere), when the run's ``--amp`` mode is resolved for this device instead
+    (``auto`` for a mode that forced the type this device lacks); a checkpoint that records no
     dtype (written before it was recorded) resolves the run's ``--amp`` mode (``run_amp``,
     default ``auto``) on this device.
     """
@@ -192,8 +209,13 @@ def replay_precision(
             _warn_slow_cpu_bf16()
             amp, why = None, f"{why}, in fp32: this CPU has no bf16 kernels"
         if amp is torch.float16 and device.type != "cuda":
-            amp = resolve_amp(run_amp or "auto", device)
-            why = f"the run's float16 needs CUDA; --amp {run_amp or 'auto'} on {device.type}"
+            mode = _mode_for_another_device(run_amp)
+            amp = resolve_amp(mode, device)
+            why = f"the run's float16 needs CUDA; --amp {mode} on {device.type}"
+        if amp is torch.bfloat16 and device.type == "cuda" and not cuda_has_native_bf16():
+            mode = _mode_for_another_device(run_amp)
+            amp = resolve_amp(mode, device)
+            why = f"the run's bfloat16 needs an Ampere or later GPU; --amp {mode} here"
     else:
         amp, why = resolve_amp(run_amp or "auto", device), f"--amp {run_amp or 'auto'}"
     if channels_last_flag is not None:
@@ -201,6 +223,34 @@ def replay_precision(
     else:
         channels_last = bool(record.get("channels_last", False))
     return amp, channels_last, why
+
+
+def half_model_autocast(
+    half: bool, amp_flag: str | None, replayed: torch.dtype | None
+) -> torch.dtype | None:
+    """The autocast dtype of an inference whose model may be float16 (``predict.py --half``):
+    ``replayed`` (what :func:`replay_precision` chose) for a float32 model, none for a float16
+    one, whose weights and inputs already are the precision. Autocast to bf16 around a float16
+    model (a run trained in bf16, replayed) hands BatchNorm bf16 inputs with float16 parameters,
+    which CPU and CUDA kernels refuse.
+
+    Raises:
+        ConfigError: ``--half`` with ``--amp bf16`` or ``on`` (two precisions asked for at once).
+    """
+    if not half:
+        return replayed
+    if amp_flag not in (None, "auto", "off", "fp16"):
+        raise ConfigError(
+            f"--half runs float16 weights and inputs; --amp {amp_flag} asks for another "
+            f"autocast: give one of them"
+        )
+    return None
+
+
+def _mode_for_another_device(run_amp: str | None) -> str:
+    """The run's ``--amp`` mode to resolve on a device that lacks its recorded dtype: the mode
+    itself unless it forced a type (``fp16``/``bf16``, which that device refuses): ``auto``."""
+    return run_amp if run_amp in ("auto", "on", "off") else "auto"
 
 
 @dataclass(frozen=True)
@@ -230,23 +280,18 @@ class InferencePrecision:
 def inference_precision(
     amp: torch.dtype | None, why: str, half: bool, amp_flag: str | None, device: torch.device
 ) -> InferencePrecision:
-    """``--half`` and the autocast (``amp`` from :func:`replay_precision`, ``why`` its reason,
-    ``amp_flag`` the ``--amp`` typed, None when replayed) as one decision. ``--half`` makes the
-    weights and the input float16 and then no autocast runs: autocast to the run's bf16 around
-    fp16 weights hands BatchNorm bf16 input with fp16 parameters, which its kernels refuse.
+    """What ``predict.py`` computes in: the autocast ``amp`` that :func:`replay_precision`
+    chose (``why``: its reason) for a float32 model, or with ``--half`` float16 weights and
+    inputs and no autocast (:func:`half_model_autocast`, ``amp_flag``: the ``--amp`` typed).
 
     Raises:
         ConfigError: ``--half`` off CUDA, or with an ``--amp`` of another dtype.
     """
-    if not half:
-        return InferencePrecision(torch.float32, amp, why)
-    if device.type != "cuda":
+    if half and device.type != "cuda":
         raise ConfigError(f"--half needs a CUDA device, not {device}; on CPU use --amp (bf16)")
-    if amp_flag is not None and amp not in (None, torch.float16):
-        raise ConfigError(
-            f"--half (float16 weights and inputs) and --amp {amp_flag} ({dtype_name(amp)} "
-            "autocast) are two precisions for one model: give one of them"
-        )
+    autocast = half_model_autocast(half, amp_flag, amp)
+    if not half:
+        return InferencePrecision(torch.float32, autocast, why)
     replayed = amp_flag is None and amp is not None and amp is not torch.float16
     note = f"; the run's {dtype_name(amp)} autocast is not replayed" if replayed else ""
     return InferencePrecision(torch.float16, None, f"--half{note}")

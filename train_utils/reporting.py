@@ -20,25 +20,33 @@ so the loop has no rank branches.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import logging
+import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from build_utils.atomic import atomic_write, reported_write
+from build_utils.atomic import atomic_write, reported_write, write_error
 from build_utils.errors import OutputError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.checkpoint import to_plain
-from train_utils.engine import EpochStats
+from train_utils.engine import EpochStats, TrainOptions
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.plots import save_figure
 from train_utils.evaluation.report import write_eval_report
 from train_utils.run_pictures import plot_first_batches
 from train_utils.trackers import FAILED, FINISHED, KILLED, Tracker, open_trackers
+
+if TYPE_CHECKING:
+    from models.darknet import Darknet
+    from train_utils.config import TrainConfig
+    from train_utils.data_loaders import TrainData
+    from train_utils.distributed.process_group import DistInfo
 
 logger = logging.getLogger(__name__)
 
@@ -163,23 +171,29 @@ class ResultsCsv(Tracker):
         start_epoch: the first epoch this process runs; rows of later epochs left by an
             interrupted attempt are dropped, as that work is redone. The file is rewritten
             whole, so an older run's header gains the newer columns (empty in its old rows).
+        history: the ``results.csv`` of the run a ``--resume`` into a new folder continues
+            (an ``epoch<E>.pt`` beside a later ``last.pt``): its rows before ``start_epoch``
+            start this folder's file.
     """
 
     name = "results.csv"
 
-    def __init__(self, out: Path, start_epoch: int):
+    def __init__(
+        self, out: Path, start_epoch: int, history: Path | None = None, plots: bool = True
+    ):
         self.out = out
+        self.plots = plots
         self.path = out / "results.csv"
-        write_results(
-            self.path, [r for r in read_results(self.path) if int(r["epoch"]) < start_epoch]
-        )
+        source = history if history is not None and not self.path.exists() else self.path
+        write_results(self.path, [r for r in read_results(source) if int(r["epoch"]) < start_epoch])
 
     def log_epoch(self, epoch: int, metrics: Mapping[str, float]) -> None:
         if not set(STAT_NAMES) <= metrics.keys():
             return  # not evaluated: no row
         row = {"epoch": epoch, **{k: v for k, v in metrics.items() if k in RESULTS_HEADER}}
         write_results(self.path, [*read_results(self.path), row])
-        plot_results(self.path, self.out / "results.png")
+        if self.plots:
+            plot_results(self.path, self.out / "results.png")
 
 
 class TensorBoard(Tracker):
@@ -228,6 +242,9 @@ class EpochReporter:
         experiment: what groups the run in an external tracker (the dataset's name).
         resumed: a ``--resume``: external trackers continue the run the folder records.
         workers: the DataLoader workers per process, named when the data is too slow.
+        history: see :class:`ResultsCsv`.
+        plots: draw pictures (the first batches, results.png, the evaluation's); False is
+            YOLOv5's ``--noplots`` (results.csv, per_class.csv and the logs are still written).
 
     Raises:
         OutputError: the run folder, or an external tracker, cannot be written.
@@ -242,13 +259,17 @@ class EpochReporter:
         experiment: str = "",
         resumed: bool = False,
         workers: int | None = None,
+        history: Path | None = None,
+        plots: bool = True,
     ):
         self.out = out
+        self.plots = plots
         self.results = out / "results.csv"
         self.workers = workers
         self.status = FAILED  # until finished() or an interruption says otherwise
         self.warned_data_wait = False
-        self.trackers: list[Tracker] = [ResultsCsv(out, start_epoch), TensorBoard(out)]
+        results = ResultsCsv(out, start_epoch, history, plots)
+        self.trackers: list[Tracker] = [results, TensorBoard(out)]
         try:
             self.external = open_trackers(
                 trackers, out, params or {}, experiment, resumed, OUTPUT_FLAG
@@ -296,7 +317,7 @@ class EpochReporter:
 
     def watch_batches(self, loader: Any, epoch: int, names: Sequence[str]) -> Any:
         """``loader``, drawing its first batches to ``train_batch*.jpg`` in epoch 0."""
-        return plot_first_batches(loader, self.out, names, epoch == 0)
+        return plot_first_batches(loader, self.out, names, epoch == 0 and self.plots)
 
     def evaluated(
         self,
@@ -309,13 +330,12 @@ class EpochReporter:
         (:func:`write_eval_report`); a failure is a warning."""
         t0 = time.time()
         try:
-            write_eval_report(self.out, coco_gt, detections, names, coco_ap)
+            write_eval_report(self.out, coco_gt, detections, names, coco_ap, plots=self.plots)
         except Exception as e:  # pictures are a convenience; training goes on without them
             logger.warning("could not write the evaluation pictures in %s: %s", self.out, e)
             return
-        logger.info(
-            "evaluation pictures and per_class.csv in %s (%.1f s)", self.out, time.time() - t0
-        )
+        what = "evaluation pictures and per_class.csv" if self.plots else "per_class.csv"
+        logger.info("%s in %s (%.1f s)", what, self.out, time.time() - t0)
 
     @staticmethod
     def _log_epoch(
@@ -355,14 +375,25 @@ class EpochReporter:
             epoch,
         )
 
-    def interrupted(self, epoch: int, unfinished_saved: bool = False) -> None:
+    def interrupted(
+        self, epoch: int, unfinished_saved: bool = False, completed: bool = False
+    ) -> None:
         """Ctrl-C/SIGTERM: say how to continue (or that nothing could be saved).
         ``unfinished_saved``: no epoch was completed, and last.pt holds the part-trained
-        weights of ``epoch``."""
+        weights of ``epoch``; ``completed``: ``epoch`` itself was completed and saved (the
+        signal came between two epochs)."""
         self.status = KILLED
         last = self.out / "last.pt"
         if not last.is_file():
             logger.warning("interrupted in epoch %d; nothing is saved in %s", epoch, self.out)
+            return
+        if completed:
+            logger.warning(
+                "interrupted after epoch %d, which is complete and saved in %s; continue with "
+                "--resume",
+                epoch,
+                last,
+            )
             return
         if unfinished_saved:
             logger.warning(
@@ -442,7 +473,7 @@ class SilentReporter:
     def stopped_early(self, *args: Any) -> None:
         pass
 
-    def interrupted(self, epoch: int, unfinished_saved: bool = False) -> None:
+    def interrupted(self, epoch: int, *args: Any) -> None:
         logger.warning("interrupted in epoch %d", epoch)
 
     def stopped_on_request(self, *args: Any) -> None:
@@ -463,3 +494,90 @@ def make_reporter(
     if is_main:
         return EpochReporter(out, start_epoch, **run)
     return SilentReporter()
+
+
+# ---- train.log and the start line ----------------------------------------------------
+
+
+class RunLogHandler(logging.FileHandler):
+    """``train.log``. A line it cannot write (a full disk) is one warning on the console, not
+    logging's traceback per line; the run goes on (its next checkpoint says whether the disk
+    is full)."""
+
+    failed = False
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        if self.failed:
+            return
+        self.failed = True  # before logging: the warning comes back here and must not loop
+        e = sys.exc_info()[1]
+        why = write_error(e, self.baseFilename) if isinstance(e, OSError) else e
+        logger.warning("%s; the log goes on on the console only", why)
+
+
+def run_log_handler(path: Path) -> logging.FileHandler:
+    """A handler appending to ``path`` (rank 0's ``train.log``).
+
+    Raises:
+        OutputError: the file cannot be opened for writing.
+    """
+    with reported_write(path, OUTPUT_FLAG):
+        return RunLogHandler(path)
+
+
+@contextlib.contextmanager
+def logging_to(handler: logging.Handler | None) -> Iterator[None]:
+    """Send INFO and above to ``handler`` (None: nowhere, off rank 0), whatever the caller's
+    logging set-up, and restore the root logger afterwards."""
+    root = logging.getLogger()
+    level = root.level
+    if handler is None:
+        yield
+        return
+    handler.setLevel(logging.INFO)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root.addHandler(handler)
+    if level > logging.INFO or level == logging.NOTSET:
+        root.setLevel(logging.INFO)
+    try:
+        yield
+    finally:
+        root.removeHandler(handler)
+        handler.close()
+        root.setLevel(level)
+
+
+def log_run_start(
+    config: TrainConfig,
+    model: Darknet,
+    dist: DistInfo,
+    train_data: TrainData,
+    opts: TrainOptions,
+    lr0: float,
+) -> None:
+    n_params = sum(p.numel() for p in model.parameters())
+    ms = opts.multi_scale
+    logger.info(
+        "model %s: %d layers, %.2fM parameters, %d classes | data: %d train / %d val images | "
+        "device %s x %d process(es) | batch %d x %d accumulate (nominal %d), lr0 %.4g | "
+        "img %d%s | %s | output %s",
+        config.cfg,
+        len(model.module_list),
+        n_params / 1e6,
+        config.data.nc,
+        train_data.n_train,
+        train_data.n_val,
+        dist.device,
+        dist.world_size,
+        config.batch_size,
+        opts.accumulate,
+        config.nbs,
+        lr0,
+        config.img_size,
+        f" (multi-scale {ms[0]}-{ms[1]})" if ms else "",
+        f"{config.epochs} epochs"
+        if config.time_budget is None
+        else f"time budget {config.time_budget:g} min"
+        + (f" (at most {config.epochs} epochs)" if config.epochs else ""),
+        config.output_dir,
+    )

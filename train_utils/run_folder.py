@@ -38,11 +38,16 @@ from build_utils.safe_yaml import load_yaml
 
 logger = logging.getLogger(__name__)
 
+RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
+RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
+RUN_HYP_NAME = "hyp.yaml"  # the hyperparameters as the run read them
 LOCK_NAME = "run.lock"
 RUN_ARGS_NAME = "args.yaml"  # the run's resolved arguments (reporting.write_run_files)
 # The files by which a folder holds a run that must not be written over.
 RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log")
 REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
+FAILED_PREFIX = "failed-"  # a start that failed before its first checkpoint: <run>/failed-<time>/
+MOVED_PREFIXES = (REPLACED_PREFIX, FAILED_PREFIX)
 HEARTBEAT_S = 60.0  # how often a live run refreshes its lock's modification time
 # Another host's lock not refreshed for this long belongs to a run that is gone (ten missed
 # heartbeats: a slow shared file system may delay a few, a live run never misses ten).
@@ -208,6 +213,8 @@ class RunFolder:
     path: Path
     notes: list[str] = field(default_factory=list)
     moved_to: Path | None = None  # where --exist-ok moved the previous run
+    # What the folder held when it was claimed: never moved by set_aside_failed_start.
+    found: frozenset[str] = frozenset()
     _stop: threading.Event = field(default_factory=threading.Event, repr=False)
     _thread: threading.Thread | None = field(default=None, repr=False)
 
@@ -228,6 +235,33 @@ class RunFolder:
             # A missed beat only makes the lock look older to other hosts.
             with contextlib.suppress(OSError):
                 os.utime(self.lock)
+
+    def set_aside_failed_start(self) -> None:
+        """After a start that failed before its first checkpoint (an empty dataset, a model that
+        does not fit): move what it wrote (train.log, args.yaml, ...) into ``failed-<time>/``,
+        so that the folder holds no run, the next run of the same name writes it and nothing
+        offers it to ``--resume``. Only what this start wrote moves (never what the folder held
+        when it was claimed); a folder with a ``last.pt`` is a run: left as it is."""
+        if (self.path / "last.pt").exists() or not holds_run(self.path):
+            return
+        written = [
+            e
+            for e in self.path.iterdir()
+            if e.name not in self.found | {LOCK_NAME} and not e.name.startswith(MOVED_PREFIXES)
+        ]
+        if not written:
+            return
+        try:
+            moved = _move_into(self.path, FAILED_PREFIX, written)
+        except OSError as e:
+            logger.warning("%s: could not move the failed start's files aside: %s", self.path, e)
+            return
+        logger.warning(
+            "the run failed before its first checkpoint; its files are in %s, and %s is free for "
+            "the next run",
+            moved,
+            self.path,
+        )
 
     def release(self) -> None:
         """Remove the lock (only if it is still this process's)."""
@@ -325,18 +359,24 @@ def _remove_torn_writes(folder: Path, notes: list[str]) -> None:
 
 
 def _move_previous_run(folder: Path) -> Path:
-    """Move everything in ``folder`` but the lock and earlier replaced runs into
+    """Move everything in ``folder`` but the lock and earlier moved runs into
     ``folder/replaced-<time>/``; that folder."""
+    entries = [
+        e for e in folder.iterdir() if e.name != LOCK_NAME and not e.name.startswith(MOVED_PREFIXES)
+    ]
+    return _move_into(folder, REPLACED_PREFIX, entries)
+
+
+def _move_into(folder: Path, prefix: str, entries: list[Path]) -> Path:
+    """Move ``entries`` of ``folder`` into a new ``folder/<prefix><time>/``; that folder."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    target = folder / f"{REPLACED_PREFIX}{stamp}"
+    target = folder / f"{prefix}{stamp}"
     n = 2
     while target.exists():
-        target = folder / f"{REPLACED_PREFIX}{stamp}-{n}"
+        target = folder / f"{prefix}{stamp}-{n}"
         n += 1
     target.mkdir()
-    for entry in sorted(folder.iterdir()):
-        if entry.name == LOCK_NAME or entry == target or entry.name.startswith(REPLACED_PREFIX):
-            continue
+    for entry in sorted(entries):
         os.rename(entry, target / entry.name)
     return target
 
@@ -390,6 +430,7 @@ def claim_run_folder(
         folder = _choose_folder(base, resume, exist_ok, auto_named, notes)
         try:
             folder.mkdir(parents=True, exist_ok=True)
+            found = frozenset(e.name for e in folder.iterdir())
             _acquire(folder, notes)
             break
         except FolderInUse:
@@ -402,7 +443,7 @@ def claim_run_folder(
         _remove_torn_writes(folder, notes)
     except OSError as e:
         raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
-    claim = RunFolder(folder, notes)
+    claim = RunFolder(folder, notes, found=found)
     try:
         if exist_ok and not resume and holds_run(folder):
             claim.moved_to = _move_previous_run(folder)

@@ -3,10 +3,10 @@
 PyTorch's CPU kernels run OpenMP parallel regions that end in a barrier, and OpenMP threads
 spin while they wait there. When another process takes one of the cores, the thread that shares
 that core runs only part of the time, every region waits for it, and the spinning siblings
-burn the time it needed: on a 2-core machine a 2-thread training step went from 0.19 s to 6 s
-(32x) beside one busy single-threaded process, while the same step on one thread took 0.32 s
-(bench/README.md "Shared cores"). Fewer threads or a passive wait policy avoid the collapse but
-cost 30-40% on an idle machine, so neither is a good fixed default.
+burn the time it needed: a training step beside one busy process can take tens of times longer
+than on the same cores idle (bench/README.md "Shared cores" has the figures, CPU named). Fewer
+threads or a passive wait policy avoid the collapse but cost much on an idle machine, so neither
+is a good fixed default.
 
 :class:`ThreadController` measures instead of guessing: every :data:`CHECK_INTERVAL_S` it reads
 how long each of this process's threads waited on a run queue (``/proc/self/task/*/schedstat``:
@@ -39,8 +39,8 @@ logger = logging.getLogger(__name__)
 
 THREADS_ENV = "YOLO_THREADS"
 CHECK_INTERVAL_S = 2.0
-# Run-queue wait per second of one thread above which that thread shares its core: measured
-# 0.02-0.07 per thread on idle cores, ~0.5 beside a busy process (bench/README.md).
+# Run-queue wait per second of one thread above which that thread shares its core: far above
+# what idle cores give and far below a core shared with a busy process (bench/README.md).
 CONTENDED_SHARE = 0.25
 # Idle time of this process's CPUs per second (in cores) that counts as a free core.
 FREE_CORE = 0.75

@@ -14,10 +14,8 @@ the loop (``# Collective:``), never inside a helper.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import random
-import sys
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -26,48 +24,34 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch import nn
 
-from build_utils.atomic import reported_write, write_error
 from build_utils.datasets import UnreadableImages, log_unreadable
-from build_utils.errors import CheckpointError, ConfigError, OutputError, RunStopped, YoloError
+from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
 from build_utils.parse_config import format_model_cfg
 from models.budget import check_model_fits
 from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
+from train_utils import resume
 from train_utils.autoanchor import check_anchors
+from train_utils.autobatch import AUTO_BATCH, autobatch
 from train_utils.checkpoint import (
-    check_resume_cfg,
-    copy_checkpoint,
-    load_checkpoint,
+    CHECKPOINT_VERSION,
     load_weights,
-    make_checkpoint,
-    restore_training_state,
     save_checkpoint,
     to_plain,
-    training_weights,
-    validate_resume_checkpoint,
     weights_kind,
 )
 from train_utils.cli import check_environment
-from train_utils.config import (
-    DEFAULT_EPOCHS,
-    RUN_CFG_NAME,
-    TrainConfig,
-    accumulate_steps,
-    multi_scale_bounds,
-    resumes_in_place,
-    scaled_lr0,
-)
+from train_utils.config import DEFAULT_EPOCHS, TrainConfig, multi_scale_bounds
 from train_utils.data_loaders import TrainData, build_train_data
 from train_utils.distributed.comm import (
-    all_gather,
     all_reduce_flag,
     broadcast_object,
     broadcast_tensors_,
     raise_if_any_rank_failed,
 )
+from train_utils.distributed.ddp import wrap_for_training
 from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
@@ -83,10 +67,15 @@ from train_utils.memory_format import (
     step_seconds,
     time_train_step,
 )
-from train_utils.optim import build_optimizer, build_scheduler
-from train_utils.plan import EpochPlan
+from train_utils.optim import (
+    accumulate_steps,
+    build_optimizer,
+    build_scheduler,
+    scaled_lr0,
+    uses_fused_optimizer,
+)
+from train_utils.plan import FITNESS_KEY, EpochPlan, LoopState
 from train_utils.precision import (
-    AmpChoice,
     choose_cpu_amp,
     describe_amp,
     dtype_from_name,
@@ -98,7 +87,10 @@ from train_utils.reporting import (
     OUTPUT_FLAG,
     EpochReporter,
     SilentReporter,
+    log_run_start,
+    logging_to,
     make_reporter,
+    run_log_handler,
     write_run_files,
 )
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
@@ -112,17 +104,10 @@ logger = logging.getLogger(__name__)
 EPOCH_SEED_STRIDE = 1000
 RANK_SEED_STRIDE = 1_000_003
 
-FITNESS_KEY = "mAP50-95"  # the COCO stat (STAT_NAMES) that best.pt and --patience go by
-
 # Under DDP a stop request (SIGUSR1) is agreed by a collective every this many batches (one
 # process checks every batch): a tiny all-reduce, but also a host sync that CUDA would rather
 # skip. A scheduler's warning (``--signal=USR1@120``) leaves minutes, far more than 10 batches.
 STOP_POLL_BATCHES = 10
-
-SHARED_STORAGE_HINT = (
-    "resuming on several nodes needs the output folder on storage every node shares "
-    "(or a copy of last.pt at the same path on each node)"
-)
 
 
 @dataclass
@@ -132,35 +117,6 @@ class RunSummary:
     best_map: float | None
     last_stats: dict[str, float] | None
     seconds: float
-
-
-@dataclass
-class LoopState:
-    """What the trainer carries from epoch to epoch (the checkpoint keeps it for ``--resume``).
-
-    Only rank 0 gets evaluation stats, so only rank 0's ``best`` moves; other ranks keep the
-    resumed values and follow rank 0's broadcast decisions.
-
-    Attributes:
-        epoch: the epoch running, or the last one run (``start_epoch - 1`` before the first).
-        best: the best :data:`FITNESS_KEY` so far, None before any evaluation.
-        best_epoch: the epoch of ``best``.
-        last_stats: the last evaluation's COCO stats by name (:data:`STAT_NAMES`).
-    """
-
-    epoch: int
-    best: float | None = None
-    best_epoch: int | None = None
-    last_stats: dict[str, float] | None = None
-
-    def update(self, epoch: int, val: dict[str, float] | None, is_best: bool) -> None:
-        """Take ``epoch``'s evaluation (``val`` None: not evaluated here), the new best when
-        ``is_best`` (decided by :func:`is_better`)."""
-        if val is None:
-            return
-        self.last_stats = val
-        if is_best:
-            self.best, self.best_epoch = val[FITNESS_KEY], epoch
 
 
 def is_better(fitness: float, best: float | None) -> bool:
@@ -201,11 +157,11 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
         try:
             claim = claim_run_folder(
                 config.output_dir,
-                resume=resumes_in_place(config.resume, config.output_dir),
+                resume=resume.resumes_in_place(config.resume, config.output_dir),
                 exist_ok=config.exist_ok,
                 auto_named=config.auto_named,
             )
-            log_handler = _log_file_handler(claim.path / "train.log")
+            log_handler = run_log_handler(claim.path / "train.log")
         except YoloError as e:
             error = e
             if claim is not None:
@@ -230,10 +186,14 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
         folder, config.weights, moved = broadcast_object(chosen)
         config.resume = moved or config.resume
         config.output_dir = Path(folder)
-        with _log_to_file(log_handler):
+        with logging_to(log_handler):
             if claim is not None:
                 claim.log()
             return _train(config, dist, t_start)
+    except Exception:
+        if claim is not None:
+            claim.set_aside_failed_start()
+        raise
     finally:
         if claim is not None:
             claim.release()
@@ -251,10 +211,11 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     hyp = scale_loss_gains(config.hyp, data.nc, config.img_size)
     plan = _epoch_plan(config, t_start)
     state = _build_train_state(model, config, hyp, dist, amp, plan)
-    start_epoch, best, best_epoch = 0, None, None
+    loop = LoopState(-1)
     if ckpt is not None:
-        start_epoch, best, best_epoch = _restore(ckpt, config, state, dist, plan, cfg_text)
-    state.model = _wrap_for_training(model, config, dist)
+        loop = resume.restore(ckpt, state, config, dist, plan, cfg_text)
+    start_epoch = loop.epoch + 1
+    state.model = wrap_for_training(model, dist, config.compile, config.sync_bn)
 
     train_data = build_train_data(config, dist, hyp)
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
@@ -266,10 +227,11 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             # The launch is recorded so that a torchrun restart finds this folder (run_folder).
             args = {**config.to_dict(), "launch": launch_id()}
             write_run_files(config.output_dir, args, config.hyp, cfg_text)
-            _log_start(
+            log_run_start(
                 config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
             )
-            plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
+            if config.plots:
+                plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
         reporter = make_reporter(
             dist.is_main,
             config.output_dir,
@@ -279,6 +241,8 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             experiment=data.path.stem,
             resumed=config.resume is not None,
             workers=train_data.train_loader.num_workers,
+            history=_history_of(config),
+            plots=config.plots,
         )
     except OutputError as e:  # only rank 0 writes
         failure = e
@@ -286,7 +250,6 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     # instead of waiting for it in the first step's gradient all-reduce.
     raise_if_any_rank_failed(failure, "writing the run folder")
     run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
-    loop = LoopState(start_epoch - 1, best, best_epoch)
     signals = StopSignals()
     try:
         with signals.installed():
@@ -305,11 +268,21 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
         if isinstance(e, RunStopped):
             reporter.stopped_on_request(str(e))
         else:
-            reporter.interrupted(loop.epoch, unfinished_saved)
+            reporter.interrupted(loop.epoch, unfinished_saved, loop.saved_epoch == loop.epoch)
         raise
     finally:
         reporter.close()
     return RunSummary(config.output_dir, epochs_run, loop.best, loop.last_stats, seconds)
+
+
+def _history_of(config: TrainConfig) -> Path | None:
+    """The results.csv of the run a ``--resume`` into another folder continues (None: no such
+    resume)."""
+    if config.resume in (None, "auto"):
+        return None
+    source = Path(config.resume).parent
+    same = source.resolve() == config.output_dir.resolve()
+    return None if same else source / "results.csv"
 
 
 def _train_epochs(
@@ -418,7 +391,7 @@ def _build_model(
     blocks = model_blocks_for(config.cfg, config.data.nc)
     error = None
     try:
-        _check_model_memory(config, blocks, dist)
+        _check_model_memory(config, blocks, dist, amp)
     except ConfigError as e:
         error = e
     # Collective: a model that cannot fit one rank's device stops every rank with the same
@@ -427,26 +400,41 @@ def _build_model(
     blocks = check_anchors(blocks, config, dist)
     cfg_text = format_model_cfg(blocks)
     model = Darknet(blocks, img_size=(config.img_size, config.img_size))
-    ckpt = _load_resume_checkpoint(config, model, dist)
+    ckpt = resume.load(config, model, dist)
     if ckpt is None and config.weights:
         _initialise_weights(model, config)
     model.freeze(config.freeze_layers)
     model.to(dist.device)
+    if config.batch_size == AUTO_BATCH:
+        batch = autobatch(model, config.img_size, dist.device, amp) if dist.is_main else None
+        # Collective: every rank trains with rank 0's batch (and records it, for --resume).
+        config.batch_size = int(broadcast_object(batch))
     channels_last, amp = _memory_format(config, model, dist, amp, cfg_text, ckpt)
     if channels_last:
         model.to(memory_format=torch.channels_last)
     return model, cfg_text, ckpt, channels_last, amp
 
 
-def _check_model_memory(config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo) -> None:
+def _check_model_memory(
+    config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo, amp: torch.dtype | None
+) -> None:
     """Refuse a model whose training memory (parameters, gradients, optimizer state, EMA and the
-    activations of a batch at the largest side this run trains at) exceeds the device's, before
-    anything is allocated (models/budget.py)."""
+    activations of a batch at the largest side this run trains at, in the autocast dtype)
+    exceeds the device's, before anything is allocated (models/budget.py)."""
     side = multi_scale_bounds(config.img_size)[1] if config.multi_scale else config.img_size
     # The ranks of a node training on its CPU share its RAM; GPUs are one per rank.
-    share = processes_per_node() if dist.device.type == "cpu" else 1
+    cpu = dist.device.type == "cpu"
+    share = processes_per_node() if cpu else 1
+    # --amp auto on a CPU may still time fp32 faster (_memory_format): count fp32 there.
+    counted = None if cpu and config.amp == "auto" else amp
     estimate = check_model_fits(
-        blocks, side, batch=config.batch_size, training=True, device=dist.device, share=share
+        blocks,
+        side,
+        batch=max(config.batch_size, 1),  # autobatch (-1) fits the memory itself
+        training=True,
+        device=dist.device,
+        share=share,
+        amp=counted,
     )
     logger.debug("model memory: %s", describe_estimate(estimate, config.batch_size))
 
@@ -490,7 +478,7 @@ def _memory_format(
 
         timings: dict[torch.dtype | None, MemoryFormatChoice] = {}
         if config.amp == "auto" and dist.device.type == "cpu" and amp == torch.bfloat16:
-            amp_choice = _recorded_cpu_amp(ckpt)
+            amp_choice = resume.recorded_cpu_amp(ckpt)
             if amp_choice is None:
                 timings = {None: timed(None), torch.bfloat16: timed(torch.bfloat16)}
                 amp_choice = choose_cpu_amp(
@@ -511,66 +499,6 @@ def _memory_format(
     # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).
     channels_last, amp_name = broadcast_object(choice)
     return bool(channels_last), dtype_from_name(amp_name)
-
-
-def _recorded_cpu_amp(ckpt: dict[str, Any] | None) -> AmpChoice | None:
-    """The precision a resumed run trained in, from its checkpoint's record (so that resuming
-    continues the same computation), or None when not resuming or not recorded as fp32/bf16."""
-    record = (ckpt or {}).get("precision")
-    if not isinstance(record, dict) or "amp" not in record:
-        return None
-    if record["amp"] is None:
-        return AmpChoice(None, "the resumed run trained in fp32")
-    if record["amp"] == "bfloat16":
-        return AmpChoice(torch.bfloat16, "the resumed run trained in bf16")
-    return None
-
-
-def _resume_path(config: TrainConfig) -> Path | None:
-    if config.resume is None:
-        return None
-    path = config.output_dir / "last.pt" if config.resume == "auto" else Path(config.resume)
-    if not path.is_file():
-        raise ConfigError(
-            f"--resume: no checkpoint at {path}; train without --resume first or "
-            f"give the path of a last.pt"
-        )
-    return path
-
-
-def _load_resume_checkpoint(
-    config: TrainConfig, model: Darknet, dist: DistInfo
-) -> dict[str, Any] | None:
-    """The checkpoint ``--resume`` names, checked against ``model`` before anything is built.
-
-    Every rank reads it (each needs the weights), but they succeed or fail together: a rank that
-    cannot read it (a node without the shared output folder) stops every rank with the same
-    error instead of leaving them to hang, and all ranks must find the same epoch.
-    """
-    if config.resume is None:
-        return None
-    ckpt, error = None, None
-    try:
-        path = _resume_path(config)
-        assert path is not None
-        ckpt = load_checkpoint(path, trust=config.trust_checkpoint)
-        validate_resume_checkpoint(training_weights(ckpt), model.state_dict(), path)
-        ckpt["_path"] = path
-    except YoloError as e:
-        error = e
-    if error is not None and dist.distributed:
-        error = type(error)(f"{error}; {SHARED_STORAGE_HINT}")
-    # Collective: every rank raises the first failing rank's error, or none does.
-    raise_if_any_rank_failed(error, "--resume")
-    assert ckpt is not None
-    # Collective: every rank sees every rank's epoch, to refuse differing checkpoints.
-    epochs = all_gather(int(ckpt.get("epoch", -1)))
-    if len(set(epochs)) > 1:
-        raise CheckpointError(
-            f"ranks read different checkpoints (epochs {epochs} by rank); {SHARED_STORAGE_HINT}",
-            ckpt["_path"],
-        )
-    return ckpt
 
 
 def _initialise_weights(model: Darknet, config: TrainConfig) -> None:
@@ -598,10 +526,8 @@ def _build_train_state(
 ) -> TrainState:
     lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
     on_cuda = dist.device.type == "cuda"
-    # Fused on CUDA: one kernel for all parameters, and GradScaler hands it the inf check on
-    # the device instead of reading it on the host (a sync) every step. CPU keeps the default
-    # implementation, and with it its numbers.
-    optimizer = build_optimizer(model, hyp, lr0, config.optimizer, fused=on_cuda)
+    fused = uses_fused_optimizer(dist.device)  # the benchmark times the same implementation
+    optimizer = build_optimizer(model, hyp, lr0, config.optimizer, fused=fused)
     return TrainState(
         model=model,
         model_without_ddp=model,
@@ -625,196 +551,6 @@ def _epoch_plan(config: TrainConfig, t_start: float) -> EpochPlan:
         max_epochs=config.epochs if budget_s is not None else None,
         started=t_start,
     )
-
-
-def _restore(
-    ckpt: dict[str, Any],
-    config: TrainConfig,
-    state: TrainState,
-    dist: DistInfo,
-    plan: EpochPlan,
-    cfg_text: str,
-) -> tuple[int, Any, int | None]:
-    """Continue the checkpoint's run: what may change (sizes, freeze, ...) is said in one
-    warning, what cannot (another model, another optimizer's state) is a ``CheckpointError``.
-    Every rank holds the same checkpoint and flags, so all raise alike (no collective needed)."""
-    path = ckpt.pop("_path")
-    # The model is the cfg's text (resolved for the classes, anchors from the checkpoint), not
-    # its path: a cfg edited in place must not train silently on these weights.
-    check_resume_cfg(ckpt.get("cfg"), cfg_text, config.cfg, path.parent / RUN_CFG_NAME, path)
-    # The saved groups carry the saved run's implementation flags (fused on a GPU); this run's
-    # device decides.
-    impl = [{k: g.get(k) for k in ("fused", "foreach")} for g in state.optimizer.param_groups]
-    start_epoch, best = restore_training_state(
-        ckpt,
-        state.model_without_ddp,
-        state.optimizer,
-        state.scheduler,
-        state.scaler,
-        state.ema,
-        path,
-    )
-    for group, flags in zip(state.optimizer.param_groups, impl, strict=True):
-        group.update(flags)
-    if dist.is_main:
-        # After the checks above: what is said to have changed is what this run then does.
-        _warn_about_changes(ckpt, config, path)
-        if config.savebest:
-            _reconcile_best(ckpt, path, config.output_dir / "best.pt", config.trust_checkpoint)
-    _rescale_lr_for_this_run(ckpt, config, state, dist)
-    logger.info(
-        "resuming from %s: epoch %d done, best mAP@0.5:0.95 %s",
-        path,
-        start_epoch - 1,
-        "-" if best is None else f"{best:.4f}",
-    )
-    if plan.budget_s is not None:
-        # The budget continues where the checkpoint left it (0 s spent when it had none).
-        plan.spent_before_s = float(ckpt.get("budget_spent_s") or 0.0)
-        plan.epochs = int(ckpt.get("planned_epochs") or plan.epochs)
-        saved_budget = (ckpt.get("config") or {}).get("time_budget")
-        if plan.spent_before_s >= plan.budget_s:
-            plan.epochs = start_epoch
-            logger.info("the checkpoint already spent the --time-budget; nothing to do")
-        elif start_epoch >= plan.epochs and (saved_budget or 0) < config.time_budget:
-            # A finished budgeted run given more time: train on, re-planned after each epoch
-            # (the cosine schedule restarts from the middle of the longer curve).
-            plan.epochs = start_epoch + 1
-    if start_epoch >= plan.epochs:
-        logger.info("the checkpoint already finished all %d epochs; nothing to do", plan.epochs)
-    best_epoch = ckpt.get("best_epoch")
-    if best_epoch is None and best is not None:
-        best_epoch = start_epoch - 1  # checkpoints without it: patience counts from here
-    return start_epoch, best, best_epoch
-
-
-def _rescale_lr_for_this_run(
-    ckpt: dict[str, Any], config: TrainConfig, state: TrainState, dist: DistInfo
-) -> None:
-    """Give the restored optimizer and scheduler the learning rate of *this* run's global batch.
-
-    The restored state carries the saved run's base learning rate, which was scaled for its
-    global batch (batch x processes); resumed on another number of processes (or another
-    ``--batch-size``/``--nbs``) that would silently be the wrong one. Accumulation is always
-    derived afresh (:func:`_train_options`). Nothing changes when the global batch is the same,
-    which keeps resuming exact.
-    """
-    lr0 = scaled_lr0(config.hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
-    scheduler = state.scheduler
-    if all(base == lr0 for base in scheduler.base_lrs):
-        return
-    saved = scheduler.base_lrs[0]
-    scheduler.base_lrs = [lr0] * len(scheduler.base_lrs)
-    factors = [f(scheduler.last_epoch) for f in scheduler.lr_lambdas]
-    for group, factor in zip(state.optimizer.param_groups, factors, strict=True):
-        group["initial_lr"] = lr0
-        group["lr"] = lr0 * factor
-    scheduler._last_lr = [g["lr"] for g in state.optimizer.param_groups]
-    saved_config = ckpt.get("config") or {}
-    if dist.is_main:
-        logger.warning(
-            "resuming with global batch %d x %d process(es) (the checkpoint's: %s x %s): "
-            "lr0 %.4g -> %.4g, accumulate %d -> %d",
-            config.batch_size,
-            dist.world_size,
-            saved_config.get("batch_size", "?"),
-            ckpt.get("world_size", "?"),
-            saved,
-            lr0,
-            _saved_accumulate(ckpt),
-            accumulate_steps(config.nbs, config.batch_size, dist.world_size, config.accumulate),
-        )
-
-
-def _saved_accumulate(ckpt: dict[str, Any]) -> int:
-    saved = ckpt.get("config") or {}
-    try:
-        return accumulate_steps(
-            int(saved["nbs"]),
-            int(saved["batch_size"]),
-            int(ckpt.get("world_size", 1)),
-            saved.get("accumulate"),
-        )
-    except (KeyError, TypeError, ValueError):
-        return -1
-
-
-# Settings that may differ on resume without a word: where and how fast it runs, not what.
-# The cfg's path is one: the model is compared by its text (checkpoint.check_resume_cfg).
-_RESUME_QUIET_KEYS = frozenset(
-    {
-        "resume",
-        "device",
-        "workers",
-        "trust_checkpoint",
-        "log_interval",
-        "output_dir",
-        "exist_ok",
-        "auto_named",
-        "cfg",
-        "tracker",
-    }
-)
-
-
-def _warn_about_changes(ckpt: dict[str, Any], config: TrainConfig, path: Path) -> None:
-    """Say which settings of the resumed run differ from the checkpoint's (another model, by
-    shapes or by cfg text, and another optimizer's state are refused earlier, in
-    :func:`_restore`; the cfg's path alone is no change)."""
-    saved = dict(ckpt.get("config") or {})
-    saved["hyp"] = ckpt.get("hyp", saved.get("hyp"))
-    now = config.to_dict()
-    changes = []
-    for key in sorted(set(saved) | set(now)):
-        if key in _RESUME_QUIET_KEYS or key not in saved or key not in now:
-            continue
-        old, new = saved[key], now[key]
-        if isinstance(old, dict) and isinstance(new, dict):
-            changes += [
-                f"{key}.{k}: {old.get(k)!r} -> {new.get(k)!r}"
-                for k in sorted(set(old) | set(new))
-                if old.get(k) != new.get(k)
-            ]
-        elif old != new:
-            changes.append(f"{key}: {old!r} -> {new!r}")
-    if changes:
-        logger.warning(
-            "--resume %s: this run differs from the checkpoint's: %s", path, "; ".join(changes)
-        )
-
-
-def use_sync_batchnorm(device: torch.device, compile_model: bool) -> tuple[bool, str]:
-    """Whether DDP training converts BatchNorm to SyncBatchNorm, and if not, why.
-
-    SyncBatchNorm supports CUDA only. Under ``torch.compile`` it graph-breaks at every layer or
-    fails to compile (pytorch#161302, #107372, #156680), while compile + DDP with plain BatchNorm
-    works: with ``--compile`` the safe combination is DDP + compile + per-GPU BatchNorm.
-    """
-    if device.type != "cuda":
-        return False, "it supports CUDA modules only (running on CPU)"
-    if compile_model:
-        return False, (
-            "--compile cannot trace SyncBatchNorm (pytorch#161302, #107372): BatchNorm "
-            "statistics stay per GPU, so keep --batch-size >= 8 per GPU, or drop --compile "
-            "for SyncBatchNorm"
-        )
-    return True, ""
-
-
-def _wrap_for_training(model: Darknet, config: TrainConfig, dist: DistInfo) -> nn.Module:
-    """DDP (with SyncBatchNorm on CUDA) under a process group, then torch.compile if asked."""
-    wrapped: nn.Module = model
-    if dist.distributed:
-        sync_bn, why_not = use_sync_batchnorm(dist.device, config.compile)
-        if sync_bn:
-            # Converts in place: the BatchNorm2d modules inside ``model`` are replaced.
-            wrapped = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-        elif dist.is_main:
-            log = logger.warning if config.compile else logger.info
-            log("SyncBatchNorm skipped: %s", why_not)
-        device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        wrapped = nn.parallel.DistributedDataParallel(wrapped, device_ids=device_ids)
-    return torch.compile(wrapped) if config.compile else wrapped
 
 
 # ---- loop -----------------------------------------------------------------------------------
@@ -852,42 +588,6 @@ def _eval_options(
     return eval_options(config.to_dict(), dist.device, amp, channels_last, dist.is_main)
 
 
-def _log_start(
-    config: TrainConfig,
-    model: Darknet,
-    dist: DistInfo,
-    train_data: TrainData,
-    opts: TrainOptions,
-    lr0: float,
-) -> None:
-    n_params = sum(p.numel() for p in model.parameters())
-    ms = opts.multi_scale
-    logger.info(
-        "model %s: %d layers, %.2fM parameters, %d classes | data: %d train / %d val images | "
-        "device %s x %d process(es) | batch %d x %d accumulate (nominal %d), lr0 %.4g | "
-        "img %d%s | %s | output %s",
-        config.cfg,
-        len(model.module_list),
-        n_params / 1e6,
-        config.data.nc,
-        train_data.n_train,
-        train_data.n_val,
-        dist.device,
-        dist.world_size,
-        config.batch_size,
-        opts.accumulate,
-        config.nbs,
-        lr0,
-        config.img_size,
-        f" (multi-scale {ms[0]}-{ms[1]})" if ms else "",
-        f"{config.epochs} epochs"
-        if config.time_budget is None
-        else f"time budget {config.time_budget:g} min"
-        + (f" (at most {config.epochs} epochs)" if config.epochs else ""),
-        config.output_dir,
-    )
-
-
 def _save_on_main(
     run: _Run, epoch: int, loop: LoopState, as_best: bool, periodic: bool = False
 ) -> None:
@@ -906,8 +606,9 @@ def _save_on_main(
     """
     if not run.dist.is_main:
         return
-    ckpt = _checkpoint(run, epoch, loop.best, loop.best_epoch)
+    ckpt = _checkpoint(run, epoch, loop)
     save_checkpoint(ckpt, run.config.output_dir / "last.pt", OUTPUT_FLAG)
+    loop.saved_epoch = epoch
     if as_best:
         save_checkpoint(ckpt, run.config.output_dir / "best.pt", OUTPUT_FLAG)
     if periodic and keeps_epoch(epoch, run.config.save_period):
@@ -921,134 +622,38 @@ def keeps_epoch(epoch: int, save_period: int) -> bool:
     return save_period > 0 and (epoch + 1) % save_period == 0
 
 
-def _checkpoint(
-    run: _Run, epoch: int, best: float | None, best_epoch: int | None
-) -> dict[str, Any]:
-    """Everything needed to resume, as tensors and plain types (``weights_only`` loadable).
+def _checkpoint(run: _Run, epoch: int, loop: LoopState) -> dict[str, Any]:
+    """Epoch ``epoch``'s checkpoint: the run's record, then each part's own state (tensors and
+    plain types, ``weights_only`` loadable; the file layout of :mod:`train_utils.checkpoint`).
 
-    ``model`` holds the weights to use (the EMA when enabled), as the lineage's tools expect;
-    ``train_model`` holds the raw training weights that resuming continues from. ``hyp`` is what
+    ``model`` holds the weights to use (the EMA's when enabled), as ultralytics/yolov3's tools
+    expect; ``train_model`` the raw training weights that resuming continues from. ``hyp`` is what
     the user gave, ``hyp_scaled`` the gains the loss used (scaled for classes and image size).
     """
     config, state = run.config, run.state
-    ema, model = state.ema, state.model_without_ddp
-    return make_checkpoint(
-        model=ema.ema if ema is not None else model,
-        epoch=epoch,
-        optimizer=state.optimizer,
-        scheduler=state.scheduler,
-        scaler=state.scaler,
-        ema=ema.ema if ema is not None else None,
-        ema_updates=ema.updates if ema is not None else 0,
-        best_fitness=best,
-        best_epoch=best_epoch,
-        config=config.to_dict(),
-        train_model=model.state_dict(),
-        hyp=config.hyp,
-        hyp_scaled=run.hyp,
-        names=list(config.data.names),
-        nc=config.data.nc,
-        cfg=run.cfg_text,
-        world_size=run.dist.world_size,
+    model = state.model_without_ddp
+    ema = state.ema
+    return {
+        "version": CHECKPOINT_VERSION,
+        "config": config.to_dict(),
+        "hyp": config.hyp,
+        "hyp_scaled": run.hyp,
+        "names": list(config.data.names),
+        "nc": config.data.nc,
+        "cfg": run.cfg_text,
+        "world_size": run.dist.world_size,
         # How this run computes, so that validation.py evaluates as it does.
-        precision=precision_record(run.eval_opts.amp, run.eval_opts.channels_last),
-        **run.plan.state(),
-    )
-
-
-def _reconcile_best(ckpt: dict[str, Any], last: Path, best: Path, trust: bool) -> None:
-    """Make ``best`` the epoch the resumed checkpoint ``ckpt`` (read from ``last``) names as its
-    best, when a crash (SIGKILL, power loss) came between writing ``last.pt`` and ``best.pt``.
-
-    When ``ckpt`` is itself the best epoch, ``best`` must hold the same checkpoint: ``last`` is
-    copied over it (atomically) unless it already holds that epoch. Otherwise the best epoch's
-    weights exist only in ``best``; if it holds another epoch (a folder written by an older
-    version, or edited by hand) that is said in one line and the next better epoch replaces it.
-    Only a ``last.pt`` of this run's folder is reconciled: ``--resume other/last.pt`` into a new
-    folder has no ``best.pt`` of its own yet.
-    """
-    best_epoch, epoch = ckpt.get("best_epoch"), ckpt.get("epoch")
-    if best_epoch is None or last.resolve().parent != best.resolve().parent:
-        return
-    try:
-        on_disk = load_checkpoint(best, trust=trust).get("epoch") if best.is_file() else None
-    except CheckpointError as e:
-        logger.warning("%s cannot be read (%s)", best, e)
-        on_disk = None
-    if on_disk == best_epoch:
-        return
-    found = "missing" if on_disk is None else f"epoch {on_disk}"
-    if best_epoch != epoch:
-        logger.warning(
-            "%s is %s but %s names epoch %s as the best, whose weights are gone; best.pt will be "
-            "the next epoch better than mAP@0.5:0.95 %s",
-            best,
-            found,
-            last,
-            best_epoch,
-            ckpt.get("best_fitness"),
-        )
-        return
-    # The bytes of last.pt are the checkpoint that the interrupted write of best.pt had.
-    try:
-        copy_checkpoint(last, best)
-    except CheckpointError as e:
-        # Only rank 0 is here: raising would leave the other ranks waiting in a collective.
-        # The run goes on; its own writes to this folder report a lasting problem.
-        logger.warning("%s is %s and could not be rebuilt: %s", best, found, e)
-        return
-    logger.info("%s was %s: rebuilt from %s (epoch %s, the best)", best, found, last, epoch)
-
-
-# ---- process plumbing -----------------------------------------------------------------------
-
-
-class _RunLogHandler(logging.FileHandler):
-    """``train.log``. A line it cannot write (a full disk) is one warning on the console, not
-    logging's traceback per line; the run goes on (its next checkpoint says whether the disk
-    is full)."""
-
-    failed = False
-
-    def handleError(self, record: logging.LogRecord) -> None:
-        if self.failed:
-            return
-        self.failed = True  # before logging: the warning comes back here and must not loop
-        e = sys.exc_info()[1]
-        why = write_error(e, self.baseFilename) if isinstance(e, OSError) else e
-        logger.warning("%s; the log goes on on the console only", why)
-
-
-def _log_file_handler(path: Path) -> logging.FileHandler:
-    """A handler appending to ``path`` (rank 0's ``train.log``).
-
-    Raises:
-        OutputError: the file cannot be opened for writing.
-    """
-    with reported_write(path, OUTPUT_FLAG):
-        return _RunLogHandler(path)
-
-
-@contextlib.contextmanager
-def _log_to_file(handler: logging.Handler | None) -> Iterator[None]:
-    """Send INFO and above to ``handler`` (None: nowhere, off rank 0), whatever the caller's
-    logging set-up, and restore the root logger afterwards."""
-    root = logging.getLogger()
-    level = root.level
-    if handler is None:
-        yield
-        return
-    handler.setLevel(logging.INFO)
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.addHandler(handler)
-    if level > logging.INFO or level == logging.NOTSET:
-        root.setLevel(logging.INFO)
-    try:
-        yield
-    finally:
-        root.removeHandler(handler)
-        handler.close()
-        root.setLevel(level)
+        "precision": precision_record(run.eval_opts.amp, run.eval_opts.channels_last),
+        "model": (ema.ema if ema is not None else model).state_dict(),
+        "train_model": model.state_dict(),
+        **loop.state_dict(),
+        "epoch": epoch,
+        **run.plan.state_dict(),
+        **(ema.state_dict() if ema is not None else {"ema": None, "ema_updates": 0}),
+        "optimizer": state.optimizer.state_dict(),
+        "scheduler": state.scheduler.state_dict(),
+        "scaler": None if state.scaler is None else state.scaler.state_dict(),
+    }
 
 
 class _StopPoints:

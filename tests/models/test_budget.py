@@ -12,7 +12,13 @@ import torch
 
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg, parse_model_cfg_text
-from models.budget import MEMORY_ENV, available_memory, check_model_fits, estimate_model
+from models.budget import (
+    MEMORY_ENV,
+    activation_bytes,
+    available_memory,
+    check_model_fits,
+    estimate_model,
+)
 from models.darknet import Darknet
 from tests.conftest import NANO_CFG, REPO_ROOT
 
@@ -24,9 +30,10 @@ TRAIN_FACTOR = (1.0, 1.5)
 CFGS = [NANO_CFG, REPO_ROOT / "cfg" / "yolov3-tiny.cfg", REPO_ROOT / "cfg" / "yolov3-spp.cfg"]
 
 
-def _saved_for_backward(model: Darknet, batch: int) -> int:
-    """Bytes of the distinct tensors autograd keeps for the backward pass of a training forward,
-    the parameters excluded: the activation memory of training, measured."""
+def _saved_for_backward(model: Darknet, batch: int, amp: torch.dtype | None = None) -> int:
+    """Bytes of the distinct tensors autograd keeps for the backward pass of a training forward
+    (under autocast to ``amp`` on the model's device), the parameters excluded: the activation
+    memory of training, measured."""
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -34,8 +41,10 @@ def _saved_for_backward(model: Darknet, batch: int) -> int:
         return t
 
     model.train()
-    x = torch.rand(batch, 3, SIZE, SIZE)
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    device = next(model.parameters()).device
+    x = torch.rand(batch, 3, SIZE, SIZE, device=device)
+    autocast = torch.autocast(device.type, dtype=amp or torch.bfloat16, enabled=amp is not None)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), autocast:
         model(x)
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     return sum(n for ptr, n in storages.items() if ptr not in params)
@@ -63,6 +72,50 @@ def test_estimate_matches_the_real_model(cfg):
             assert shapes[cost.index] == cost.shape, (cost.index, cost.kind)
     ratio = est.train_bytes_per_image() / saved
     assert TRAIN_FACTOR[0] <= ratio <= TRAIN_FACTOR[1], ratio
+
+
+@pytest.mark.parametrize("cfg", CFGS[:2], ids=lambda p: p.stem)
+def test_the_estimate_under_autocast_counts_its_dtype(cfg):
+    """bf16 autocast (torch's CPU autocast, which runs on any CPU): activations take 2 bytes.
+    Per image: what a batch of 2 saves beyond a batch of 1, so that autocast's low-precision
+    weight copies (saved once per step, counted with the parameters) cancel."""
+    # Was: counted at 4 bytes, twice the need, so fits between 1x and 2x were refused.
+    blocks = parse_model_cfg(cfg)
+    est = estimate_model(blocks, (SIZE, SIZE), activation_bytes(torch.bfloat16))
+    model = Darknet(blocks, img_size=SIZE)
+    saved = _saved_for_backward(model, 2, torch.bfloat16) - _saved_for_backward(
+        model, 1, torch.bfloat16
+    )
+    ratio = est.train_bytes_per_image() / saved
+    assert TRAIN_FACTOR[0] <= ratio <= TRAIN_FACTOR[1], ratio
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("cfg", CFGS[:2], ids=lambda p: p.stem)
+def test_the_estimate_under_cuda_autocast_counts_its_dtype(cfg):
+    blocks = parse_model_cfg(cfg)
+    est = estimate_model(blocks, (SIZE, SIZE), activation_bytes(torch.float16))
+    model = Darknet(blocks, img_size=SIZE).cuda()
+    saved = _saved_for_backward(model, 2, torch.float16) - _saved_for_backward(
+        model, 1, torch.float16
+    )
+    ratio = est.train_bytes_per_image() / saved
+    assert TRAIN_FACTOR[0] <= ratio <= TRAIN_FACTOR[1], ratio
+
+
+def test_a_model_that_fits_only_under_autocast_is_accepted_under_autocast(monkeypatch):
+    blocks = parse_model_cfg(NANO_CFG)
+    half = estimate_model(blocks, (640, 640), activation_bytes(torch.float16))
+    # Parameters, their training copies and autocast's 2-byte copy, and 16 images' activations.
+    need = half.params * (4 * 5 + 2) + 16 * half.train_bytes_per_image()
+    monkeypatch.setenv(MEMORY_ENV, str(need))
+    for amp in (torch.float16, torch.bfloat16):
+        check_model_fits(blocks, 640, batch=16, training=True, amp=amp)
+    with pytest.raises(ConfigError, match=r"training, batch 16, 640x640 px\), .*an estimate"):
+        check_model_fits(blocks, 640, batch=16, training=True)  # float32 needs more
+    monkeypatch.setenv(MEMORY_ENV, str(need - 1))
+    with pytest.raises(ConfigError, match=r"640x640 px, bfloat16 autocast\), "):
+        check_model_fits(blocks, 640, batch=16, training=True, amp=torch.bfloat16)
 
 
 def test_the_check_costs_milliseconds(monkeypatch):

@@ -16,7 +16,7 @@ from torch import nn
 
 from build_utils.errors import ConfigError
 from build_utils.parse_config import ACTIVATIONS, parse_model_cfg, rewrite_cfg_classes
-from models.darknet import DARKNET_BN_EPS, LINEAGE_BN_EPS, Darknet
+from models.darknet import DARKNET_BN_EPS, ULTRALYTICS_BN_EPS, Darknet
 from models.layers import (
     ACTIVATION_FACTORIES,
     DarknetMaxPool,
@@ -626,7 +626,8 @@ def test_batchnorm_epsilon_is_darknets_unless_the_cfg_says_otherwise(tmp_path):
     bns = [m for m in model.modules() if isinstance(m, nn.BatchNorm2d)]
     assert model.bn_eps == DARKNET_BN_EPS == 1e-5 and all(bn.eps == 1e-5 for bn in bns)
     lineage = Darknet(cfg_blocks(tmp_path, text.replace("batch=4", "batch=4\nbn_eps=0.0001")))
-    assert all(m.eps == LINEAGE_BN_EPS for m in lineage.modules() if isinstance(m, nn.BatchNorm2d))
+    bns = [m for m in lineage.modules() if isinstance(m, nn.BatchNorm2d)]
+    assert all(m.eps == ULTRALYTICS_BN_EPS for m in bns)
     assert Darknet(cfg_blocks(tmp_path, text), bn_eps=1e-3).module_list[0].BatchNorm2d.eps == 1e-3
 
 

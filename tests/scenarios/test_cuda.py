@@ -18,7 +18,12 @@ from train_utils.checkpoint import read_weights
 from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.process_group import DistInfo
 from train_utils.load_model import model_from_weights
-from train_utils.precision import autocast_context, resolve_amp, to_model_input
+from train_utils.precision import (
+    autocast_context,
+    cuda_has_native_bf16,
+    resolve_amp,
+    to_model_input,
+)
 from train_utils.trainer import run
 
 pytestmark = pytest.mark.cuda
@@ -48,7 +53,7 @@ def test_training_on_cuda_with_amp_auto_reloads_on_the_cpu(make_shapes_data, tmp
     argv = train_argv(data, out, "--amp", "auto", img=64, batch=4, device="cuda")
     run(build_config(get_args_parser().parse_args(argv)), DistInfo.single(CUDA))
 
-    expected = torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    expected = torch.bfloat16 if cuda_has_native_bf16() else torch.float16
     assert resolve_amp("auto", CUDA) is expected
     row = read_results(out / "results.csv")[-1]
     for key in ("box_loss", "obj_loss", "cls_loss", "mAP50"):
@@ -99,7 +104,7 @@ def autocast_head_errors(device: torch.device, amp: torch.dtype, side: int = 128
 
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_channels_last_autocast_forward_matches_fp32(amp: torch.dtype) -> None:
-    if amp is torch.bfloat16 and not torch.cuda.is_bf16_supported():
+    if amp is torch.bfloat16 and not cuda_has_native_bf16():
         pytest.skip("this GPU has no bf16 (--amp auto uses fp16 on it)")
     errors = autocast_head_errors(CUDA, amp)
     assert max(errors) < AUTOCAST_REL_TOLERANCE, errors

@@ -195,8 +195,7 @@ def test_pixel_bomb_and_40_gb_sparse_jpg_in_training_are_skipped(make_shapes_dat
     """A valid 76 KB PNG declaring 25000x25000 pixels (the old code decoded it: GBs) and a
     40 GB sparse .jpg (the old code read it whole) in the training list: both excluded with
     the limit they break, the run completes, its memory stays bounded."""
-    from tests.test_image_io import sparse_file, write_png
-
+    from tests.build_utils.test_image_io import sparse_file, write_png
     from tests.conftest import train_argv
 
     data = make_shapes_data(n_train=4, n_val=2, img_size_range=(64, 96))
@@ -226,7 +225,7 @@ def test_pixel_bomb_and_40_gb_sparse_jpg_in_training_are_skipped(make_shapes_dat
 
 
 def test_pixel_bomb_and_40_gb_sparse_jpg_are_skipped_by_predict(tmp_path):
-    from tests.test_image_io import good_jpeg, sparse_file, write_png
+    from tests.build_utils.test_image_io import good_jpeg, sparse_file, write_png
 
     weights = _nano_checkpoint(tmp_path / "ckpt")
     src = tmp_path / "src"
@@ -406,7 +405,7 @@ def test_files_that_are_not_files_are_skipped_by_predict(tmp_path):
     """A source folder holding a FIFO x.jpg, a FIFO clip.mp4, a socket and a link loop, and a
     FIFO given by name: each skipped with its reason (the old code passed over the folder's
     silently and refused the named FIFO as missing), the real image drawn."""
-    from tests.test_image_io import bind_socket, good_jpeg
+    from tests.build_utils.test_image_io import bind_socket, good_jpeg
 
     weights = _nano_checkpoint(tmp_path / "ckpt")
     src = tmp_path / "src"

@@ -33,7 +33,7 @@ from conftest import rank_envs, run_pair, train_argv, worker_cmd
 
 from build_utils.errors import CheckpointError
 from data.make_shapes import make_dataset
-from train_utils import trainer
+from train_utils import resume
 from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.cli import EXIT_INTERRUPTED, EXIT_STOPPED
 from train_utils.reporting import TIMING_COLUMNS
@@ -209,15 +209,15 @@ def test_resume_rebuilds_a_best_pt_that_a_crash_left_missing_or_stale(tmp_path, 
     last, best = tmp_path / "last.pt", tmp_path / "best.pt"
     _ckpt(last, 3, 3)
     ckpt = load_checkpoint(last)
-    trainer._reconcile_best(ckpt, last, best, trust=False)  # missing
+    resume.reconcile_best(ckpt, last, best, trust=False)  # missing
     assert best.read_bytes() == last.read_bytes()
     _ckpt(best, 1, 1)  # stale
-    trainer._reconcile_best(ckpt, last, best, trust=False)
+    resume.reconcile_best(ckpt, last, best, trust=False)
     assert best.read_bytes() == last.read_bytes()
     assert "best.pt was epoch 1: rebuilt from" in caplog.text
     _ckpt(best, 3, 3)  # agrees: not rewritten
     mtime = best.stat().st_mtime_ns
-    trainer._reconcile_best(ckpt, last, best, trust=False)
+    resume.reconcile_best(ckpt, last, best, trust=False)
     assert best.stat().st_mtime_ns == mtime
 
 
@@ -228,7 +228,7 @@ def test_resume_says_when_best_pt_cannot_be_rebuilt(tmp_path, caplog):
     _ckpt(last, 3, 2)
     _ckpt(best, 1, 1)
     before = best.read_bytes()
-    trainer._reconcile_best(load_checkpoint(last), last, best, trust=False)
+    resume.reconcile_best(load_checkpoint(last), last, best, trust=False)
     assert best.read_bytes() == before
     assert "is epoch 1 but" in caplog.text and "names epoch 2 as the best" in caplog.text
 
@@ -288,6 +288,6 @@ def test_a_best_pt_that_cannot_be_rebuilt_is_a_warning(tmp_path, caplog, monkeyp
     def fail(*args):
         raise CheckpointError("cannot copy: Read-only file system", best)
 
-    monkeypatch.setattr(trainer, "copy_checkpoint", fail)
-    trainer._reconcile_best(load_checkpoint(last), last, best, trust=False)
+    monkeypatch.setattr(resume, "copy_checkpoint", fail)
+    resume.reconcile_best(load_checkpoint(last), last, best, trust=False)
     assert not best.exists() and "could not be rebuilt" in caplog.text

@@ -303,8 +303,17 @@ CASES: dict[str, Case] = {
     "resume with nothing to resume": Case(
         "train",
         lambda f: ["--resume"],
-        lambda f: ["--resume: no checkpoint at ", "train without --resume first"],
-        early=False,
+        lambda f: ["--resume: no checkpoint in ", "(no last.pt)"],
+    ),
+    "weights that are an image": Case(
+        "train",
+        lambda f: ["--weights", str(next((f["data"].parent / "train").rglob("*.jpg")))],
+        lambda f: ["not a weights file but a JPEG image", "pass a .pt checkpoint"],
+    ),
+    "resume of a data file": Case(
+        "train",
+        lambda f: ["--resume", str(f["data"])],
+        lambda f: [f"--resume: {f['data']}: not a weights file but a text file"],
     ),
     # ---- validation.py
     "validation truncated .pt": Case(
@@ -545,3 +554,55 @@ def test_trust_checkpoint_is_explicit_and_warns(env, caplog, tmp_path):
     assert "weights_only=False (--trust-checkpoint): this runs code stored in the file" in (
         caplog.text
     )
+
+
+def test_resume_of_something_else_writes_nothing_beside_it(env, console, tmp_path):
+    """--resume of a data file or an image: one line naming it, nothing written in the data's
+    folder (was: "records no run arguments", then train.log beside the data), and never
+    PyTorch's advice to load with weights_only=False."""
+    data_dir = env["data"].parent
+    image = next((data_dir / "train").rglob("*.jpg"))
+    before = sorted(p.relative_to(data_dir) for p in data_dir.rglob("*"))
+    for thing in (env["data"], image, data_dir / "shapes.names"):
+        assert train_script.main(["--resume", str(thing), "--device", "cpu"]) == 2
+        err = console.readouterr().err
+        assert err.startswith(f"error: --resume: {thing}: not a weights file but "), err
+        assert "weights_only" not in err and err.count("\n") == 1, err
+    assert sorted(p.relative_to(data_dir) for p in data_dir.rglob("*")) == before
+
+
+@pytest.mark.slow
+def test_a_failed_start_frees_the_run_name(env, console, tmp_path):
+    """A start that fails after claiming its folder (here: an empty image list) moves what it
+    wrote into failed-<time>/; the fixed rerun with the same --name writes that folder (was:
+    e52, with a note that --resume continues e5, where there was nothing to resume)."""
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    names = env["data"].parent / "shapes.names"
+    bad = tmp_path / "bad.data"
+    bad.write_text(f"classes={NC}\ntrain={empty}\nvalid={empty}\nnames={names}\n")
+    project = tmp_path / "runs"
+    argv = ["--project", str(project), "--name", "e5"]
+    assert train_script.main(train_argv(bad, None, *argv, epochs=1)) == 2
+    console.readouterr()
+    (failed,) = (project / "e5").glob("failed-*")
+    assert (failed / "train.log").is_file() and not (project / "e5" / "train.log").exists()
+    assert train_script.main(train_argv(env["data"], None, *argv, epochs=1, img=64)) == 0
+    err = console.readouterr().err
+    assert sorted(p.name for p in project.iterdir()) == ["e5"], err
+    assert (project / "e5" / "last.pt").is_file() and "--resume continues" not in err
+
+
+def test_resume_of_a_named_run_without_a_checkpoint_says_so(env, console, tmp_path):
+    """--project P --name X --resume where P/X holds no last.pt: that, in one line (was: the
+    default data/my_data.data reported missing)."""
+    run = tmp_path / "runs" / "x"
+    run.mkdir(parents=True)
+    argv = ["--resume", "--project", str(tmp_path / "runs"), "--name", "x", "--device", "cpu"]
+    assert train_script.main(argv) == 2
+    err = console.readouterr().err
+    assert (
+        err == f"error: --resume: no checkpoint in {run} (no last.pt): that run never finished "
+        "an epoch, or another --name/--project was meant\n"
+    )
+    assert sorted(run.iterdir()) == []

@@ -26,6 +26,7 @@ from conftest import train_argv, worker_cmd
 import train as train_script
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
+from train_utils.plan import EpochPlan
 
 REPO = Path(__file__).resolve().parents[2]
 EPOCHS = 2
@@ -189,3 +190,29 @@ def test_ctrl_c_in_the_first_epoch_leaves_a_resumable_checkpoint(
     assert train_script.main([*argv, "--resume"]) == 0
     assert load_checkpoint(out / "last.pt")["epoch"] == 0
     assert _epochs_in_results(out) == [0]
+
+
+@pytest.mark.slow
+def test_ctrl_c_between_two_epochs_says_the_epoch_is_complete(
+    make_shapes_data, tmp_path, monkeypatch, console
+):
+    """A SIGINT after epoch 0 was saved and before epoch 1 began: the message says epoch 0 is
+    complete and saved (was: "interrupted in epoch 0", as if it had to be trained again)."""
+    data = make_shapes_data(n_train=8, n_val=2, img_size_range=(96, 128))
+    out = tmp_path / "run"
+
+    def ctrl_c_after_the_epoch(self, *args, **kwargs):
+        os.kill(os.getpid(), signal.SIGINT)  # a real SIGINT, once epoch 0's files are written
+        time.sleep(5)
+        raise AssertionError("SIGINT was not delivered")
+
+    monkeypatch.setattr(EpochPlan, "after_epoch", ctrl_c_after_the_epoch)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert train_script.main([*train_argv(data, out, **RUN), "--epochs", "2"]) == 130
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    err = console.readouterr().err
+    assert f"interrupted after epoch 0, which is complete and saved in {out / 'last.pt'}" in err
+    assert "interrupted in epoch" not in err
+    assert load_checkpoint(out / "last.pt")["epoch"] == 0 and _epochs_in_results(out) == [0]

@@ -8,13 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import HYP_YAML, NANO_CFG, run_training, train_argv
+from conftest import HYP_YAML, NANO_CFG, read_results, run_training, train_argv
 
 import train as train_script
 from models.darknet import Darknet
-from train_utils.checkpoint import load_checkpoint, load_optimizer_state
+from train_utils import trainer as trainer_module
+from train_utils.checkpoint import load_checkpoint
 from train_utils.config import load_hyp
-from train_utils.optim import build_optimizer
+from train_utils.optim import build_optimizer, cosine_lambda, load_optimizer_state
 
 IMG = 64
 
@@ -169,3 +170,41 @@ def test_optimizer_state_of_an_older_frozen_checkpoint_is_placed_by_parameter():
                 assert torch.equal(new.state[p]["momentum_buffer"], old.state[p]["momentum_buffer"])
             else:
                 assert p not in new.state
+
+
+@pytest.mark.slow
+def test_a_longer_plan_trains_at_its_own_rate_from_the_first_resumed_epoch(
+    shapes_data, one_epoch, tmp_path, monkeypatch
+):
+    """A finished 1-epoch run resumed with --epochs 3 trains epoch 1 at the 3-epoch cosine
+    schedule's rate, not at the end of the 1-epoch schedule (was: lr0 * lrf, then a jump)."""
+    run = _copy_run(one_epoch, tmp_path)
+    seen: dict[int, float] = {}
+    real = trainer_module.train_one_epoch
+
+    def record(state, loader, epoch, opts):
+        seen[epoch] = state.scheduler.get_last_lr()[0]
+        return real(state, loader, epoch, opts)
+
+    monkeypatch.setattr(trainer_module, "train_one_epoch", record)
+    run_training(_argv(shapes_data, run, "--resume", str(run / "last.pt"), epochs=3))
+    hyp = load_hyp(HYP_YAML)
+    schedule = cosine_lambda(3, hyp["lrf"])
+    assert sorted(seen) == [1, 2]
+    for epoch, lr in seen.items():
+        assert lr == pytest.approx(hyp["lr0"] * schedule(epoch), rel=1e-12), epoch
+
+
+@pytest.mark.slow
+def test_an_earlier_epoch_resumed_into_a_new_folder_keeps_its_history(shapes_data, tmp_path):
+    """--resume of epoch0.pt beside a later last.pt writes run2 (the later epochs kept), which
+    starts with epoch 0's results row and best.pt (was: neither)."""
+    run = tmp_path / "run"
+    run_training(_argv(shapes_data, run, "--save-period", "1", epochs=2))
+    first = read_results(run / "results.csv")
+    run_training(["--resume", str(run / "epoch0.pt"), "--epochs", "1", "--device", "cpu"])
+    new = tmp_path / "run2"
+    assert read_results(new / "results.csv") == first[:1]
+    assert load_checkpoint(new / "best.pt")["epoch"] == 0
+    assert (new / "best.pt").read_bytes() == (run / "epoch0.pt").read_bytes()
+    assert [r["epoch"] for r in read_results(run / "results.csv")] == ["0", "1"]  # kept

@@ -59,6 +59,38 @@ def test_bench_model_writes_a_row_per_variant(tmp_path):
 
 
 @pytest.mark.slow
+def test_bench_model_times_the_optimizer_training_uses(monkeypatch):
+    """Fused where training fuses it (CUDA: optim.uses_fused_optimizer), as the
+    trainer builds it; faked here on the CPU, whose fused kernels exist too."""
+    import torch
+
+    from bench import bench_model
+    from models.darknet import Darknet
+
+    model = Darknet(NANO, img_size=64)
+    step = bench_model.TrainStep(model, model, "fp32", "contiguous", 64)
+    assert not any(g["fused"] for g in step.optimizer.param_groups)  # the CPU's default
+    # Was: never fused, while training on CUDA is.
+    monkeypatch.setattr(bench_model, "uses_fused_optimizer", lambda device: True)
+    step = bench_model.TrainStep(model, model, "fp32", "contiguous", 64)
+    assert all(g["fused"] for g in step.optimizer.param_groups)
+    imgs, targets = bench_model.synthetic_batch(2, 64, model.nc, seed=0)
+    assert torch.isfinite(step(imgs, targets))
+
+
+@pytest.mark.parametrize(
+    ("native", "expected"), [(True, ["fp32", "fp16", "bf16"]), (False, ["fp32", "fp16"])]
+)
+def test_bench_model_times_bf16_on_gpus_that_compute_it(monkeypatch, native, expected):
+    import torch
+
+    from bench import bench_model
+
+    monkeypatch.setattr(bench_model, "cuda_has_native_bf16", lambda: native)
+    assert bench_model.default_precisions(torch.device("cuda"), None) == expected
+    assert bench_model.default_precisions(torch.device("cpu"), True) == ["fp32", "bf16"]
+
+
 def test_bench_ddp_reports_the_ratio(tmp_path):
     out = tmp_path / "ddp.json"
     proc = _bench(
@@ -256,5 +288,31 @@ def test_bench_shared_cores_refuses_bad_flags_before_any_child(args, line, tmp_p
     (tmp_path / "file").write_text("")
     args = [a.format(file=tmp_path / "file") for a in args]
     assert bench_shared_cores.main(["--variants", "fixed1", "--img-size", "64", *args]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and line in err[-1]
+
+
+@pytest.mark.parametrize(
+    ("script", "args", "line"),
+    [
+        ("bench_data", ["--workers", "-1"], "--workers must be >= 0, got -1"),
+        ("bench_data", ["--img-size", "100"], "--img-size 100 is not a positive multiple of 32"),
+        ("bench_ddp", ["--nproc", "1"], "--nproc must be >= 2, got 1"),
+        ("bench_ddp", ["--cfg", "{file}.cfg"], "model cfg not found"),
+        ("bench_ddp", ["--batch", "100000000"], "the model does not fit"),
+        ("bench_eval", ["--repeats", "0"], "--repeats must be >= 1, got 0"),
+        ("bench_eval", ["--json", "{file}/eval.json"], "is a file where a folder should be"),
+        ("bench_e2e", ["--epochs", "0"], "--epochs must be >= 1, got 0"),
+        ("bench_memory_format", ["--size", "100"], "--size 100 is not a positive multiple of 32"),
+        ("bench_memory_format", ["--threads", "0"], "--threads must be >= 1, got 0"),
+    ],
+)
+def test_bench_scripts_refuse_bad_flags_in_one_line(script, args, line, tmp_path, capsys):
+    # Were a traceback from a child process, a DataLoader or the model, or at the end of a run.
+    import importlib
+
+    main = importlib.import_module(f"bench.{script}").main
+    (tmp_path / "file").write_text("")
+    assert main([a.format(file=tmp_path / "file") for a in args]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err[-1].startswith("error: ") and line in err[-1]

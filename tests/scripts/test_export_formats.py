@@ -232,7 +232,7 @@ class RecordingOpenVINO:
         class Core(openvino.Core):
             def get_property(self, device, name):
                 if name == model_export.PRECISION_HINT and outer.default is not None:
-                    return openvino.Type(outer.default)
+                    return getattr(openvino.Type, outer.default)
                 return super().get_property(device, name)
 
             def compile_model(self, model, device, config=None):

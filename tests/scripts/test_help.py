@@ -16,6 +16,7 @@ import validation
 from tools import (
     calculate_dataset,
     convert_weights,
+    darknet_check,
     demo,
     export,
     kmeans_anchors,
@@ -31,6 +32,7 @@ PARSERS = {
     "predict.py": predict.get_parser,
     "tools/calculate_dataset.py": calculate_dataset.get_args_parser,
     "tools/convert_weights.py": convert_weights.get_args_parser,
+    "tools/darknet_check.py": darknet_check.get_args_parser,
     "tools/demo.py": demo.get_args_parser,
     "tools/export.py": export.get_args_parser,
     "tools/kmeans_anchors.py": kmeans_anchors.get_args_parser,

@@ -173,7 +173,8 @@ def test_a_bf16_record_replays_in_fp32_on_a_cpu_without_bf16_kernels(monkeypatch
     assert amp is None and why == "the run's bfloat16, in fp32: this CPU has no bf16 kernels"
 
 
-def test_precision_record_round_trips():
+def test_precision_record_round_trips(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)  # an Ampere GPU
     for dtype in (torch.bfloat16, torch.float16, None):
         for cl in (True, False):
             rec = precision_record(dtype, cl)

@@ -18,10 +18,10 @@ from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
 from models.darknet import Darknet
 from models.loss import compute_loss
-from train_utils.checkpoint import load_checkpoint, optimizer_kind, save_checkpoint
+from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.config import build_config, get_args_parser, load_hyp, parse_train_args
 from train_utils.distributed.process_group import DistInfo
-from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda
+from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda, optimizer_kind
 from train_utils.trainer import keeps_epoch, run
 
 IMG = 64
@@ -359,3 +359,166 @@ def test_a_yolov5_command_trains_and_a_second_run_gets_exp2(shapes_data, tmp_pat
     assert sorted(p.name for p in exp.parent.iterdir()) == ["exp", "exp2"]
     assert {n: (exp / n).read_bytes() for n in first} == first  # exp untouched
     assert len(read_results(exp.parent / "exp2" / "results.csv")) == 1
+
+
+# ---- the flags of YOLOv5's train.py that were refused before ---------------------------------
+
+YOLOV5_HYP = """lr0: 0.01
+lrf: 0.01
+momentum: 0.937
+weight_decay: 0.0005
+warmup_epochs: 3.0
+warmup_momentum: 0.8
+warmup_bias_lr: 0.1
+box: 0.05
+cls: 0.5
+cls_pw: 1.0
+obj: 1.0
+obj_pw: 1.0
+iou_t: 0.20
+anchor_t: 4.0
+fl_gamma: 0.0
+hsv_h: 0.015
+hsv_s: 0.7
+hsv_v: 0.4
+degrees: 0.0
+translate: 0.1
+scale: 0.5
+shear: 0.0
+perspective: 0.0
+flipud: 0.0
+fliplr: 0.5
+mosaic: 1.0
+mixup: 0.0
+copy_paste: 0.0
+"""
+
+
+def test_a_yolov5_hyp_file_is_taken_with_a_line_per_mapped_key(tmp_path, caplog):
+    """hyp.scratch-low.yaml as YOLOv5 ships it (was: refused one unknown key per run)."""
+    path = tmp_path / "hyp.scratch-low.yaml"
+    path.write_text(YOLOV5_HYP)
+    with caplog.at_level("INFO"):
+        hyp = load_hyp(path)
+    assert (hyp["giou"], hyp["cls"], hyp["obj"]) == (0.05, 0.5, 1.0)
+    assert (hyp["warmup_momentum"], hyp["anchor_t"], hyp["mosaic"]) == (0.8, 4.0, True)
+    said = [r.getMessage() for r in caplog.records]
+    assert f"{path}:8: YOLOv5's 'box' is this project's 'giou'" in said[0]
+    assert [line.split(": ", 1)[1] for line in said[1:]] == [
+        "perspective: 0 (YOLOv5's, off; not offered here)",
+        "mixup: 0 (YOLOv5's, off; not offered here)",
+        "copy_paste: 0 (YOLOv5's, off; not offered here)",
+    ]
+
+
+def test_every_unknown_hyp_key_is_named_at_once(tmp_path):
+    path = tmp_path / "hyp.yaml"
+    text = HYP_YAML.read_text() + "lr_0: 1\nmomentum_2: 0.9\nanchors: 3\n"
+    path.write_text(text)
+    first = len(HYP_YAML.read_text().splitlines()) + 1
+    with pytest.raises(ConfigError) as info:
+        load_hyp(path)
+    assert str(info.value).startswith(
+        f"{path}:{first}: unknown hyperparameter(s) 'lr_0' (line {first}), 'momentum_2' "
+        f"(line {first + 1}), 'anchors' (line {first + 2}); known keys: giou, "
+    )
+
+
+@pytest.mark.parametrize("key", ["perspective", "mixup", "copy_paste"])
+def test_a_yolov5_augmentation_not_offered_here_is_refused_when_on(tmp_path, key):
+    path = tmp_path / "hyp.yaml"
+    path.write_text(YOLOV5_HYP.replace(f"{key}: 0.0", f"{key}: 0.5"))
+    with pytest.raises(ConfigError, match=f"'{key}' = 0.5: YOLOv5's {key} augmentation is not"):
+        load_hyp(path)
+
+
+def test_warmup_momentum_ramps_as_yolov5s(shapes_data):
+    """YOLOv5's np.interp of the momentum from warmup_momentum to momentum over the warm-up."""
+    from train_utils.engine import TrainOptions, _warm_up
+
+    model = nn.Conv2d(3, 4, 3)
+    hyp = {**load_hyp(HYP_YAML), "warmup_momentum": 0.8, "momentum": 0.9}
+    optimizer = build_optimizer(model, hyp, 0.01)
+    opts = TrainOptions(device=CPU, hyp=hyp, warmup_iters=10)
+    for ni, want in ((0, 0.8), (5, 0.85), (10, 0.9)):
+        _warm_up(optimizer, [0.01] * len(optimizer.param_groups), ni, opts)
+        assert all(g["momentum"] == pytest.approx(want) for g in optimizer.param_groups), ni
+    adam = build_optimizer(model, hyp, 0.01, "adam")
+    _warm_up(adam, [0.01] * len(adam.param_groups), 0, opts)
+    assert all(g["betas"] == (0.8, 0.999) for g in adam.param_groups)
+
+
+@pytest.mark.parametrize(
+    "argv, mode",
+    [
+        (["--freeze", "10"], "0-9"),
+        (["--freeze", "0"], "none"),
+        (["--freeze", "0", "1", "2"], "0,1,2"),
+        (["--freeze-layers", "3-5,7"], "3-5,7"),
+        (["--freeze-layers"], "all-but-heads"),
+    ],
+)
+def test_yolov5_freeze_counts_and_layer_lists(shapes_data, tmp_path, argv, mode):
+    argv = [*_base(shapes_data), "--output-dir", str(tmp_path), *argv]
+    config = build_config(parse_train_args(argv))
+    assert config.freeze_layers == mode
+    model = Darknet(NANO_CFG)
+    from models.darknet import frozen_layer_indices
+
+    want = {"0-9": range(10), "none": [], "0,1,2": [0, 1, 2], "3-5,7": [3, 4, 5, 7]}
+    if mode in want:
+        assert frozen_layer_indices(model, mode) == list(want[mode])
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--freeze", "-1"], "--freeze takes layer counts or indices >= 0"),
+        (["--freeze-layers", "heads"], "--freeze-layers 'heads' is not one of none, backbone"),
+        (["--freeze-layers", "5-2"], "freeze layers '5-2': 5-2 is not a range"),
+        (["--batch-size", "-2"], "--batch-size must be >= 1, got -2"),
+    ],
+)
+def test_bad_yolov5_flag_values_are_one_line(shapes_data, tmp_path, argv, message):
+    argv = [*_base(shapes_data), "--output-dir", str(tmp_path), *argv]
+    with pytest.raises(ConfigError, match=message):
+        build_config(parse_train_args(argv))
+
+
+def test_freezing_more_layers_than_the_model_has_is_one_line():
+    from models.darknet import frozen_layer_indices
+
+    with pytest.raises(ConfigError, match=r"freeze layers '0-99': the model has layers 0-59"):
+        frozen_layer_indices(Darknet(NANO_CFG), "0-99")
+
+
+def test_autobatch_fits_a_line_through_the_measured_peaks():
+    from train_utils.autobatch import fit_batch
+
+    # 1 GiB fixed + 0.5 GiB an image; 60 % of 16 GiB = 9.6 GiB -> (9.6 - 1) / 0.5 = 17.2 -> 17
+    gib = 2**30
+    peaks = [gib + 0.5 * gib * b for b in (1, 2, 4, 8)]
+    assert fit_batch((1, 2, 4, 8), peaks, 16 * gib, 0.6) == 17
+    assert fit_batch((1, 2), [5 * gib, 5 * gib], 16 * gib, 0.6) == 1024  # no growth measured
+    assert fit_batch((1, 2), [9 * gib, 10 * gib], 16 * gib, 0.6) == 1  # the floor
+
+
+@pytest.mark.slow
+def test_yolov5_train_flags_run_as_typed(shapes_data, tmp_path, caplog):
+    """--batch -1 --freeze 10 --noval --nosave --noplots --sync-bn and a YOLOv5 hyp file in
+    one run: batch 16 on the CPU (recorded for --resume), no pictures, no best.pt, last.pt."""
+    hyp = tmp_path / "hyp.scratch-low.yaml"
+    hyp.write_text(YOLOV5_HYP)
+    out = tmp_path / "run"
+    argv = train_argv(shapes_data, out, epochs=2, batch=None, hyp=hyp, img=IMG)
+    argv += ["--batch", "-1", "--freeze", "10", "--noval", "--nosave", "--noplots", "--sync-bn"]
+    with caplog.at_level("INFO"):
+        run_training(argv)
+    said = "\n".join(r.getMessage() for r in caplog.records)
+    assert "--batch-size -1: autobatch measures GPU memory; on the CPU batch 16" in said
+    assert "freeze 0-9: 10 of 60 layers frozen" in said
+    ckpt = load_checkpoint(out / "last.pt")
+    assert ckpt["config"]["batch_size"] == 16 and ckpt["config"]["freeze_layers"] == "0-9"
+    assert not (out / "best.pt").exists()
+    assert not list(out.glob("*.png")) and not list(out.glob("*.jpg"))
+    assert [r["epoch"] for r in read_results(out / "results.csv")] == ["1"]  # --noval

@@ -12,6 +12,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[2]
 COMM = REPO / "train_utils" / "distributed" / "comm.py"
 COMM_MODULE = "train_utils.distributed.comm"
@@ -40,13 +42,16 @@ TORCH_COLLECTIVES = {
 # (plan, reporting, checkpoint, evaluation, ...) decides or records and must not.
 ALLOWED_CALLERS = {
     "train_utils/trainer.py",
+    "train_utils/resume.py",
     "train_utils/engine.py",
     "train_utils/data_loaders.py",
     "train_utils/autoanchor.py",
 }
 ALLOWED_FOLDER = "train_utils/distributed/"
 MUST_NOT_IMPORT = ("train_utils/plan.py", "train_utils/reporting.py", "train_utils/checkpoint.py")
-COMMENTED = "train_utils/trainer.py"  # each collective call has "# Collective:" just above
+# Each collective call has "# Collective:" just above: the trainer's, and resume's (every rank
+# reads the checkpoint).
+COMMENTED = ("train_utils/trainer.py", "train_utils/resume.py")
 
 
 def _functions(tree: ast.AST) -> list[ast.FunctionDef]:
@@ -161,13 +166,14 @@ def test_only_distributed_enters_torch_collectives() -> None:
             assert not calls, f"{rel} enters torch.distributed collectives {calls}"
 
 
-def test_the_trainers_collectives_are_commented_at_the_call() -> None:
-    path = REPO / COMMENTED
+@pytest.mark.parametrize("rel", COMMENTED)
+def test_the_trainers_collectives_are_commented_at_the_call(rel: str) -> None:
+    path = REPO / rel
     lines = path.read_text(encoding="utf-8").splitlines()
     sites = _collective_calls(path, _comm_collectives())
-    assert sites, "the trainer calls collectives (barrier after each epoch at least)"
+    assert sites, f"{rel} calls collectives"
     for function, line, name in sites:
         above = lines[max(0, line - 4) : line - 1]
         assert any("# Collective:" in s for s in above), (
-            f"{COMMENTED}:{line} ({function}) calls {name} without a '# Collective:' comment"
+            f"{rel}:{line} ({function}) calls {name} without a '# Collective:' comment"
         )

@@ -12,7 +12,6 @@ from train_utils.config import (
     DEFAULT_HYP,
     HYP_SPECS,
     REPO_ROOT,
-    accumulate_steps,
     build_config,
     check_img_size,
     get_args_parser,
@@ -20,8 +19,8 @@ from train_utils.config import (
     load_hyp,
     multi_scale_bounds,
     repo_default,
-    scaled_lr0,
 )
+from train_utils.optim import accumulate_steps, scaled_lr0
 
 
 def _hyp_text(**override) -> str:

@@ -13,14 +13,13 @@ import pytest
 import torch
 from conftest import rank_envs, read_results, run_pair, run_training, train_argv, worker_cmd
 
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import build_config, get_args_parser
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.optim import build_scheduler, cosine_lambda
-from train_utils.plan import EpochPlan, epochs_within_budget, evaluated
-from train_utils.trainer import FITNESS_KEY
+from train_utils.plan import FITNESS_KEY, EpochPlan, epochs_within_budget, evaluated
 
 
 def _brute_force(epoch, remaining, epoch_s, eval_s, interval, notest, max_epochs=None):
@@ -240,3 +239,39 @@ def test_patience_stops_a_run_that_does_not_improve(shapes_data, tmp_path, monke
     # Best at epoch 0 (first evaluation), no improvement at 1 and 2: stop after epoch 2.
     assert summary.epochs_run == 3
     assert load_checkpoint(out / "last.pt")["best_epoch"] == 0
+
+
+def test_a_finished_budget_given_more_time_is_planned_anew_at_resume() -> None:
+    """A 5-minute run that used its budget in 5 epochs of 60 s (+10 s evaluation), resumed with
+    10 minutes: the plan for the remaining 300 s is made at resume from the measured times, so
+    the first resumed epoch already trains on the longer schedule (was: one more epoch, that is
+    the end of a 6-epoch curve, then a jump)."""
+    plan = EpochPlan(epochs=30, budget_s=600.0, started=time.time())
+    ckpt = {
+        "planned_epochs": 5,
+        "budget_spent_s": 300.0,
+        "epoch_seconds": [60.0] * 5,
+        "eval_seconds": 10.0,
+        "config": {"time_budget": 5.0},
+    }
+    EpochPlan.check_state(ckpt)
+    plan.load_state_dict(ckpt, start_epoch=5)
+    # Epochs 5..8 (4 x 60 s) and their evaluations (4 x 10 s) fit in 300 s; epoch 9 does not.
+    assert plan.epochs == 9
+    assert plan.spent_before_s == 300.0 and plan.eval_s == 10.0
+
+
+def test_an_interrupted_budget_run_keeps_its_plan_and_times() -> None:
+    plan = EpochPlan(epochs=30, budget_s=600.0, started=time.time())
+    ckpt = {"planned_epochs": 7, "budget_spent_s": 120.0, "epoch_seconds": [50.0, 60.0]}
+    plan.load_state_dict({**ckpt, "config": {"time_budget": 10.0}}, start_epoch=2)
+    assert plan.epochs == 7 and plan.epoch_s == [50.0, 60.0]
+    assert plan.state_dict()["epoch_seconds"] == [50.0, 60.0]
+
+
+@pytest.mark.parametrize(
+    "key, value", [("epoch_seconds", ["x"]), ("epoch_seconds", 3), ("eval_seconds", -1.0)]
+)
+def test_damaged_plan_times_are_one_line(key, value) -> None:
+    with pytest.raises(CheckpointError, match=f"the checkpoint is damaged: {key} "):
+        EpochPlan.check_state({key: value}, "last.pt")

@@ -82,8 +82,70 @@ def test_asked_for_bf16_is_fp32_where_onednn_has_no_bf16_kernels(mode, monkeypat
 def test_resolve_amp_refuses_what_the_device_cannot_do():
     with pytest.raises(ConfigError, match="--amp fp16 needs CUDA"):
         resolve_amp("fp16", CPU)
-    with pytest.raises(ConfigError, match="no bf16 support; use --amp fp16 or off"):
+    with pytest.raises(ConfigError, match="no native bf16 support .*; use --amp fp16 or off"):
         resolve_amp("bf16", CUDA, cuda_bf16=False)
+
+
+# torch.cuda.is_bf16_supported() of a GPU, by whether emulation counts: an A100/H100 computes
+# bf16 (sm80+); a T4 (sm75) or V100 (sm70) can hold bf16 tensors but has no bf16 convolution.
+AMPERE = {True: True, False: True}
+TURING = {True: True, False: False}
+
+
+def fake_gpu(monkeypatch, answers: dict[bool, bool]) -> list[bool]:
+    """This machine's GPU, as torch.cuda.is_bf16_supported answers; records how it was asked."""
+    asked: list[bool] = []
+
+    def is_bf16_supported(including_emulation: bool = True) -> bool:
+        asked.append(including_emulation)
+        return answers[including_emulation]
+
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", is_bf16_supported)
+    return asked
+
+
+@pytest.mark.parametrize(("gpu", "expected"), [(AMPERE, torch.bfloat16), (TURING, torch.float16)])
+def test_auto_is_bf16_only_on_gpus_that_compute_it(monkeypatch, gpu, expected):
+    # Was: bf16 on a T4/V100 too (is_bf16_supported() counts emulation).
+    asked = fake_gpu(monkeypatch, gpu)
+    assert resolve_amp("auto", CUDA) is expected
+    assert resolve_amp("on", CUDA) is expected
+    assert asked == [False, False]
+
+
+def test_bf16_asked_for_on_a_turing_gpu_is_one_line(monkeypatch):
+    fake_gpu(monkeypatch, TURING)
+    with pytest.raises(ConfigError, match="needs compute capability 8.0, Ampere, or later"):
+        resolve_amp("bf16", CUDA)
+
+
+@pytest.mark.parametrize("run_amp", ["auto", "bf16"])
+def test_a_bf16_run_replays_in_fp16_on_a_turing_gpu(monkeypatch, run_amp):
+    """A checkpoint trained in bf16 on an H100, evaluated on a T4."""
+    fake_gpu(monkeypatch, TURING)
+    amp, _, why = precision.replay_precision({"amp": "bfloat16"}, run_amp, None, None, CUDA)
+    assert amp is torch.float16
+    assert why == "the run's bfloat16 needs an Ampere or later GPU; --amp auto here"
+    fake_gpu(monkeypatch, AMPERE)
+    assert precision.replay_precision({"amp": "bfloat16"}, run_amp, None, None, CUDA)[0] is (
+        torch.bfloat16
+    )
+
+
+def test_an_fp16_run_replays_on_the_cpu_whatever_its_amp_flag_said(monkeypatch):
+    # Was: a run trained with --amp fp16 could not be evaluated on a CPU ("needs CUDA").
+    monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: True)
+    monkeypatch.setattr(precision, "cpu_has_native_bf16", lambda: False)
+    amp, _, why = precision.replay_precision({"amp": "float16"}, "fp16", None, None, CPU)
+    assert amp is None and why == "the run's float16 needs CUDA; --amp auto on cpu"
+
+
+@pytest.mark.cuda
+def test_auto_on_this_gpu_follows_its_compute_capability():
+    major, _ = torch.cuda.get_device_capability()
+    native = major >= 8 or torch.version.hip is not None
+    assert precision.cuda_has_native_bf16() is native
+    assert resolve_amp("auto", CUDA) is (torch.bfloat16 if native else torch.float16)
 
 
 def test_amp_flag_values():
@@ -120,13 +182,47 @@ def test_model_input_is_the_scaled_float_batch(channels_last):
 
 
 def test_sync_batchnorm_only_on_cuda_without_compile():
-    from train_utils.trainer import use_sync_batchnorm
+    from train_utils.distributed.ddp import use_sync_batchnorm
 
     assert use_sync_batchnorm(CUDA, False) == (True, "")
     sync, why = use_sync_batchnorm(CUDA, True)
     assert not sync and "pytorch#161302" in why and "--batch-size >= 8 per GPU" in why
     sync, why = use_sync_batchnorm(CPU, False)
     assert not sync and "CUDA modules only" in why
+
+
+def _half_conv_bn(device: torch.device) -> torch.nn.Module:
+    layers = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.BatchNorm2d(8))
+    return layers.to(device).eval().half()
+
+
+def test_a_half_model_runs_without_the_replayed_bf16_autocast():
+    """predict.py --half on a checkpoint trained in bf16 (issue 39, item 3): autocast to bf16
+    around a float16 model gives BatchNorm bf16 inputs and float16 parameters."""
+    model, x = _half_conv_bn(CPU), torch.rand(1, 3, 8, 8, dtype=torch.float16)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with torch.no_grad(), pytest.raises(RuntimeError, match="mixed dtype"), bf16:
+        model(x)
+    amp = precision.half_model_autocast(True, None, torch.bfloat16)
+    assert amp is None
+    with torch.no_grad(), autocast_context(CPU, amp):
+        assert model(x).dtype == torch.float16
+    assert precision.half_model_autocast(False, None, torch.bfloat16) is torch.bfloat16
+
+
+@pytest.mark.parametrize("flag", ["bf16", "on"])
+def test_half_with_another_autocast_is_one_line(flag):
+    with pytest.raises(ConfigError, match=f"--half runs float16 .*--amp {flag} asks for another"):
+        precision.half_model_autocast(True, flag, torch.bfloat16)
+
+
+@pytest.mark.cuda
+def test_a_half_model_runs_on_cuda_without_the_replayed_autocast():
+    cuda = torch.device("cuda")
+    model, x = _half_conv_bn(cuda), torch.rand(1, 3, 8, 8, device=cuda, dtype=torch.float16)
+    with torch.no_grad(), autocast_context(cuda, precision.half_model_autocast(True, None, None)):
+        y = model(x)
+    assert y.dtype == torch.float16 and torch.isfinite(y).all()
 
 
 # ---- --half and the replayed autocast: one decision (predict.py) -------------------------------
@@ -155,9 +251,9 @@ def test_half_replaces_the_replayed_autocast():
 
 
 def test_half_with_another_amp_or_off_cuda_is_one_line():
-    with pytest.raises(
-        ConfigError, match=r"--half .* and --amp bf16 \(bfloat16 autocast\) are two"
-    ):
+    with pytest.raises(ConfigError, match="--half runs float16 .*--amp bf16 asks for another"):
         precision.inference_precision(torch.bfloat16, "--amp bf16", True, "bf16", CUDA)
+    auto = precision.inference_precision(torch.bfloat16, "--amp auto", True, "auto", CUDA)
+    assert (auto.weights, auto.autocast) == (torch.float16, None)
     with pytest.raises(ConfigError, match="--half needs a CUDA device, not cpu"):
         precision.inference_precision(None, "--amp auto", True, None, CPU)

@@ -23,7 +23,7 @@ _DEVICE_HELP = "use cpu, cuda, cuda:N, N or a GPU list such as 0,1"
 def parse_device_list(spec: str) -> list[int] | None:
     """GPU indices of a comma-separated ``--device`` list (``'0,1'`` -> ``[0, 1]``).
 
-    A list is how users of this lineage ask for several GPUs on one node: one DDP process per
+    A list is how users of YOLOv3 repositories ask for several GPUs on one node: one DDP process per
     listed GPU, local rank ``i`` on the ``i``-th index. Returns None when ``spec`` is not a list
     (no comma), so the single-device forms keep their meaning.
 
@@ -69,7 +69,9 @@ def _parse_request(spec: str) -> torch.device | None:
     return device
 
 
-def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> DeviceChoice:
+def choose_device(
+    spec: str, cuda_count: int, local_rank: int | None = None, node_processes: int | None = None
+) -> DeviceChoice:
     """The device policy.
 
     Args:
@@ -78,6 +80,9 @@ def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> 
         cuda_count: CUDA devices visible to this process (after ``CUDA_VISIBLE_DEVICES``).
         local_rank: this process's rank on its node when a launcher (torchrun, SLURM) started
             several; None for a single process.
+        node_processes: the processes on this node when they all see the same GPUs (torchrun's
+            ``LOCAL_WORLD_SIZE``: its workers share the agent's ``CUDA_VISIBLE_DEVICES``); None
+            when unknown or when each process may see GPUs of its own (SLURM).
 
     Returns:
         The device, plus a note when a request was overridden. Under a launcher every rank uses
@@ -91,7 +96,8 @@ def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> 
 
     Raises:
         ConfigError: CUDA asked for where there is none, an index beyond the visible devices,
-            or more processes on a node than the GPUs they can see.
+            or more processes on a node than the GPUs they can see (every rank says so, in the
+            words of the spawn path: ``launch.spawn_devices``).
     """
     listed = parse_device_list(spec)
     if listed is not None:
@@ -113,6 +119,13 @@ def choose_device(spec: str, cuda_count: int, local_rank: int | None = None) -> 
                 f"(cuda:0..cuda:{cuda_count - 1})"
             )
         return DeviceChoice(torch.device("cuda", index))
+    if node_processes is not None and node_processes > cuda_count:
+        # Without this each rank would take cuda:0 and NCCL fail with "Duplicate GPU detected".
+        raise ConfigError(
+            f"{node_processes} processes on this node (torchrun --nproc_per_node) but only "
+            f"{cuda_count} CUDA device(s) are visible: start at most one process per GPU, or "
+            f"use --device cpu for CPU processes"
+        )
     if cuda_count == 1:
         index = 0
     elif local_rank < cuda_count:
@@ -168,13 +181,15 @@ def cuda_device_count() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
-def select_device(spec: str = "", local_rank: int | None = None) -> torch.device:
+def select_device(
+    spec: str = "", local_rank: int | None = None, node_processes: int | None = None
+) -> torch.device:
     """Apply :func:`choose_device` here and make the chosen GPU the current one.
 
     ``torch.cuda.set_device`` matters for ``cuda:1`` and above: without it pinned memory, the
     CUDA context and NCCL's communicators land on GPU 0.
     """
-    device, note = choose_device(spec, cuda_device_count(), local_rank)
+    device, note = choose_device(spec, cuda_device_count(), local_rank, node_processes)
     if note:
         logger.warning(note)
     if device.type == "cuda":

@@ -183,6 +183,17 @@ def _read_launch_env(args: Any) -> tuple[int, int, int, str] | None:
     return None
 
 
+def processes_sharing_gpus(launcher: str, env: Mapping[str, str]) -> int | None:
+    """The processes on this node that see the same GPUs as this one: torchrun's (and the
+    legacy launcher's, and spawned processes') ``LOCAL_WORLD_SIZE``, since their workers inherit
+    one ``CUDA_VISIBLE_DEVICES``. None under SLURM, where each task may see GPUs of its own
+    (``--gpus-per-task``), and when the variable is absent."""
+    if launcher not in ("torchrun", "torch.distributed.launch"):
+        return None
+    value = env.get("LOCAL_WORLD_SIZE", "")
+    return int(value) if value.isdigit() and int(value) > 0 else None
+
+
 def _slurm_master_addr(env: Mapping[str, str]) -> str:
     """Rank 0's host: SLURM places task 0 on the first node of the job's node list."""
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
@@ -222,7 +233,9 @@ def init_distributed_mode(args: Any = None, timeout_s: float = DEFAULT_TIMEOUT_S
         raise ConfigError(f"{launcher} gave a negative local rank {local_rank}")
     # Before the process group exists, so that NCCL communicators and default CUDA tensors land
     # on this rank's GPU and not all on GPU 0.
-    device = select_device(_requested_device(args), local_rank)
+    device = select_device(
+        _requested_device(args), local_rank, processes_sharing_gpus(launcher, os.environ)
+    )
     # Windows builds have no NCCL; gloo still moves CUDA tensors for the few collectives DDP
     # needs, only slower.
     if device.type == "cuda" and dist.is_nccl_available():

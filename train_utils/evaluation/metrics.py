@@ -5,7 +5,7 @@ These complement the official COCO numbers (``coco_eval.CocoEvaluator``, pycocot
 computed from the same COCO-format detections and ground truth, and answer the questions the
 COCO summary does not (which class is weak, which classes are confused, which confidence
 threshold to deploy at). P and R per class are read at the confidence that maximises the mean
-F1 over classes, as the lineage (ultralytics YOLOv3/YOLOv5) reports them.
+F1 over classes, as ultralytics YOLOv3/YOLOv5 reports them.
 
 Boxes are ``xyxy`` absolute pixels throughout; classes are integer ids ``0 .. nc - 1``.
 """

@@ -1,8 +1,8 @@
 """``validation.py --task speed``: time per image of pre-processing, inference and NMS.
 
 Pre-processing is what happens to a collated batch before the model (to the device, to float
-in [0, 1]); reading and letterboxing images (the data loader's work) is not counted, as in the
-lineage's reports. CUDA timings synchronise the device around each step.
+in [0, 1]); reading and letterboxing images (the data loader's work) is not counted, as in
+ultralytics/yolov3's reports. CUDA timings synchronise the device around each step.
 """
 
 from __future__ import annotations

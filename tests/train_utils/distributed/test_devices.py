@@ -185,3 +185,74 @@ def test_an_existing_nccl_group_still_sets_the_device(fake_gpus, monkeypatch) ->
         process_group._describe_existing_group(
             type("Args", (), {"device": "cpu", "local_rank": -1})()
         )
+
+
+@pytest.mark.parametrize(
+    ("spec", "count", "local_rank", "nodes", "expected"),
+    [
+        ("", 1, 0, 1, cuda(0)),  # torchrun --nproc_per_node=1 on one GPU
+        ("", 4, 3, 4, cuda(3)),
+        ("", 1, 3, None, cuda(0)),  # SLURM --gpus-per-task=1: each task sees its own GPU
+        ("cpu", 1, 1, 2, CPU),  # CPU processes: gloo, no GPU to share
+        ("", 0, 1, 2, CPU),
+    ],
+)
+def test_processes_that_share_the_gpus_fit_them(spec, count, local_rank, nodes, expected) -> None:
+    assert choose_device(spec, count, local_rank, nodes).device == expected
+
+
+@pytest.mark.parametrize(("count", "local_rank", "nodes"), [(1, 0, 2), (1, 1, 2), (2, 0, 3)])
+def test_more_torchrun_processes_than_gpus_is_one_line_on_every_rank(count, local_rank, nodes):
+    # Was: with one GPU every rank took cuda:0 and NCCL failed with "Duplicate GPU detected";
+    # with two GPUs and three processes only rank 2 said why.
+    message = (
+        rf"^{nodes} processes on this node \(torchrun --nproc_per_node\) but only {count} CUDA "
+        r"device\(s\) are visible: start at most one process per GPU, or use --device cpu"
+    )
+    with pytest.raises(ConfigError, match=message):
+        choose_device("", count, local_rank, nodes)
+
+
+def test_torchrun_processes_share_the_gpus_and_slurm_tasks_may_not() -> None:
+    from train_utils.distributed.process_group import processes_sharing_gpus
+
+    env = {"LOCAL_WORLD_SIZE": "2"}
+    assert processes_sharing_gpus("torchrun", env) == 2
+    assert processes_sharing_gpus("torch.distributed.launch", env) == 2
+    assert processes_sharing_gpus("SLURM", env) is None
+    assert processes_sharing_gpus("torchrun", {}) is None
+    assert processes_sharing_gpus("torchrun", {"LOCAL_WORLD_SIZE": "x"}) is None
+
+
+def test_select_device_refuses_two_torchrun_processes_on_one_gpu(fake_gpus) -> None:
+    current = fake_gpus(1)
+    with pytest.raises(ConfigError, match="2 processes on this node"):
+        select_device("", local_rank=1, node_processes=2)
+    assert current == []  # nothing made current
+
+
+def test_torchrun_with_two_processes_on_one_gpu_stops_before_the_process_group(
+    fake_gpus, monkeypatch
+) -> None:
+    """`torchrun --nproc_per_node=2` on a one-GPU machine: the line, before NCCL is reached."""
+    from train_utils.distributed import process_group
+
+    fake_gpus(1)
+
+    def reached(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the process group was initialised")
+
+    monkeypatch.setattr(process_group, "_init_process_group", reached)
+    variables = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2"}
+    for name, value in {**variables, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(ConfigError, match="2 processes on this node .* only 1 CUDA device"):
+        process_group.init_distributed_mode(None)
+
+
+@pytest.mark.cuda
+def test_more_processes_than_the_visible_gpus_are_refused_here() -> None:
+    n = torch.cuda.device_count()
+    with pytest.raises(ConfigError, match=f"{n + 1} processes on this node"):
+        select_device("", local_rank=0, node_processes=n + 1)
+    assert select_device("", local_rank=n - 1, node_processes=n) == cuda(n - 1)

@@ -140,8 +140,7 @@ def test_val_batch_picture_skips_an_image_that_became_a_fifo(tmp_path):
     import signal
     from types import SimpleNamespace
 
-    from tests.test_image_io import HANG_S, Hung, good_jpeg
-
+    from tests.build_utils.test_image_io import HANG_S, Hung, good_jpeg
     from train_utils.evaluation.report import plot_val_batch
 
     good = good_jpeg(tmp_path / "good.jpg", 96, 64)
