@@ -364,7 +364,7 @@ def test_json_outputs_are_kept_unless_exist_ok(shapes_data, weights5, tmp_path, 
 # owns: the patch is in the tools branch's report. Strict: once applied, these pass and the
 # mark must go.
 NEEDS_WEIGHTS_KIND_PATCH = pytest.mark.xfail(
-    strict=True, reason="weights_kind does not yet tell TorchScript archives and images apart"
+    strict=True, reason="weights_kind does not yet tell a TorchScript archive from a checkpoint"
 )
 
 
@@ -387,11 +387,10 @@ def test_a_torchscript_export_as_weights_is_one_plain_line(shapes_data, weights5
     assert "weights_only" not in err.getvalue()
 
 
-@NEEDS_WEIGHTS_KIND_PATCH
 def test_an_image_as_weights_says_so(shapes_data, tmp_path, capsys):
     """Was: read as a Darknet file, "these weights carry no model cfg" (without --cfg) or a
     size mismatch (with it)."""
     image = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
     assert validation.main(_argv(shapes_data, image)) == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: {image}: this is an image, not a weights file")
+    assert err.startswith(f"error: {image}: not a weights file but a JPEG image")
