@@ -312,36 +312,76 @@ def dx_box_iou(pred: torch.Tensor, truth: torch.Tensor, kind: str) -> torch.Tens
     Returns:
         (..., 4) dx, dy, dw, dh (Darknet's ``dt, db, dl, dr`` fields, which hold these).
     """
-    px, py, pw, ph = pred.unbind(-1)
-    tx, ty, tw, th = truth.unbind(-1)
-    zero = torch.zeros_like(px)
-    p_left, p_right, p_top, p_bot = _edges(pred)
-    pred_t, pred_b = torch.minimum(p_top, p_bot), torch.maximum(p_top, p_bot)
-    pred_l, pred_r = torch.minimum(p_left, p_right), torch.maximum(p_left, p_right)
-    t_left, t_right, t_top, t_bot = _edges(truth)
-    x_area = (pred_b - pred_t) * (pred_r - pred_l)
-    xhat = (t_bot - t_top) * (t_right - t_left)
-    ih = torch.minimum(pred_b, t_bot) - torch.maximum(pred_t, t_top)
-    iw = torch.minimum(pred_r, t_right) - torch.maximum(pred_l, t_left)
-    inter = iw * ih
-    union = x_area + xhat - inter
-    s = (px - tx) ** 2 + (py - ty) ** 2
-    giou_cw = torch.maximum(pred_r, t_right) - torch.minimum(pred_l, t_left)
-    giou_ch = torch.maximum(pred_b, t_bot) - torch.minimum(pred_t, t_top)
-    giou_c = giou_cw * giou_ch
+    g = _PairGeometry.of(pred, truth)
+    p_dt, p_db, p_dl, p_dr = _edge_partials(g, kind)
+    p_dx, p_dy = p_dl + p_dr, p_dt + p_db
+    p_dw, p_dh = p_dr - p_dl, p_db - p_dt
+    if kind in ("diou", "ciou"):
+        p_dx, p_dy, p_dw, p_dh = _with_distance_terms(g, kind, (p_dx, p_dy, p_dw, p_dh))
+    return torch.stack((p_dx, p_dy, p_dw, p_dh), -1)
 
-    dx_t, dx_b = -(pred_r - pred_l), pred_r - pred_l
-    dx_l, dx_r = -(pred_b - pred_t), pred_b - pred_t
-    di_t = torch.where(pred_t > t_top, -iw, zero)
-    di_b = torch.where(pred_b < t_bot, iw, zero)
-    di_l = torch.where(pred_l > t_left, -ih, zero)
-    di_r = torch.where(pred_r < t_right, ih, zero)
+
+@dataclass(frozen=True)
+class _PairGeometry:
+    """What Darknet's ``dx_box_iou`` derives its partials from, for a prediction and a truth
+    (each (...,) tensors; edges sorted: ``pred_t <= pred_b``, as Darknet's ``pred_t = fmin``)."""
+
+    pred: torch.Tensor
+    truth: torch.Tensor
+    p_top: torch.Tensor  # the prediction's unsorted edges, which pick Darknet's corners
+    p_bot: torch.Tensor
+    p_left: torch.Tensor
+    p_right: torch.Tensor
+    pred_t: torch.Tensor
+    pred_b: torch.Tensor
+    pred_l: torch.Tensor
+    pred_r: torch.Tensor
+    t_top: torch.Tensor
+    t_bot: torch.Tensor
+    t_left: torch.Tensor
+    t_right: torch.Tensor
+    iw: torch.Tensor
+    ih: torch.Tensor
+    inter: torch.Tensor
+    union: torch.Tensor
+    giou_cw: torch.Tensor
+    giou_ch: torch.Tensor
+
+    @classmethod
+    def of(cls, pred: torch.Tensor, truth: torch.Tensor) -> _PairGeometry:
+        p_left, p_right, p_top, p_bot = _edges(pred)
+        pred_t, pred_b = torch.minimum(p_top, p_bot), torch.maximum(p_top, p_bot)
+        pred_l, pred_r = torch.minimum(p_left, p_right), torch.maximum(p_left, p_right)
+        t_left, t_right, t_top, t_bot = _edges(truth)
+        x_area = (pred_b - pred_t) * (pred_r - pred_l)
+        xhat = (t_bot - t_top) * (t_right - t_left)
+        ih = torch.minimum(pred_b, t_bot) - torch.maximum(pred_t, t_top)
+        iw = torch.minimum(pred_r, t_right) - torch.maximum(pred_l, t_left)
+        inter = iw * ih
+        return cls(
+            pred, truth, p_top, p_bot, p_left, p_right, pred_t, pred_b, pred_l, pred_r,
+            t_top, t_bot, t_left, t_right, iw, ih, inter, x_area + xhat - inter,
+            torch.maximum(pred_r, t_right) - torch.minimum(pred_l, t_left),
+            torch.maximum(pred_b, t_bot) - torch.minimum(pred_t, t_top),
+        )  # fmt: skip
+
+    @property
+    def no_overlap(self) -> torch.Tensor:
+        return (self.iw <= 0) | (self.ih <= 0)
+
+
+def _edge_partials(g: _PairGeometry, kind: str) -> tuple[torch.Tensor, ...]:
+    """The IoU's (and for ``giou`` the GIoU term's) partials by the top, bottom, left and right
+    edges, each picked by the unsorted edges as Darknet does."""
+    zero = torch.zeros_like(g.iw)
+    dx_t, dx_b = -(g.pred_r - g.pred_l), g.pred_r - g.pred_l
+    dx_l, dx_r = -(g.pred_b - g.pred_t), g.pred_b - g.pred_t
+    di_t = torch.where(g.pred_t > g.t_top, -g.iw, zero)
+    di_b = torch.where(g.pred_b < g.t_bot, g.iw, zero)
+    di_l = torch.where(g.pred_l > g.t_left, -g.ih, zero)
+    di_r = torch.where(g.pred_r < g.t_right, g.ih, zero)
     du_t, du_b, du_l, du_r = dx_t - di_t, dx_b - di_b, dx_l - di_l, dx_r - di_r
-    dc_t = torch.where(pred_t < t_top, -giou_cw, zero)
-    dc_b = torch.where(pred_b > t_bot, giou_cw, zero)
-    dc_l = torch.where(pred_l < t_left, -giou_ch, zero)
-    dc_r = torch.where(pred_r > t_right, giou_ch, zero)
-
+    union, inter = g.union, g.inter
     pos_u = union > 0
     uu = torch.where(pos_u, union * union, torch.ones_like(union))
 
@@ -350,25 +390,38 @@ def dx_box_iou(pred: torch.Tensor, truth: torch.Tensor, kind: str) -> torch.Tens
 
     p_dt, p_db, p_dl, p_dr = p_of(di_t, du_t), p_of(di_b, du_b), p_of(di_l, du_l), p_of(di_r, du_r)
     # Darknet picks the corner by the unsorted edges; the second assignment sees the first.
-    tb = p_top < p_bot
+    tb = g.p_top < g.p_bot
     p_dt = torch.where(tb, p_dt, p_db)
     p_db = torch.where(tb, p_db, p_dt)
-    lr = p_left < p_right
+    lr = g.p_left < g.p_right
     p_dl = torch.where(lr, p_dl, p_dr)
     p_dr = torch.where(lr, p_dr, p_dl)
+    if kind != "giou":
+        return p_dt, p_db, p_dl, p_dr
+    dc_t = torch.where(g.pred_t < g.t_top, -g.giou_cw, zero)
+    dc_b = torch.where(g.pred_b > g.t_bot, g.giou_cw, zero)
+    dc_l = torch.where(g.pred_l < g.t_left, -g.giou_ch, zero)
+    dc_r = torch.where(g.pred_r > g.t_right, g.giou_ch, zero)
+    giou_c = g.giou_cw * g.giou_ch
+    cc = giou_c * giou_c
 
-    no_overlap = (iw <= 0) | (ih <= 0)
-    if kind == "giou":
-        cc = giou_c * giou_c
+    def g_of(du: torch.Tensor, dc: torch.Tensor) -> torch.Tensor:
+        return (giou_c * du - union * dc) / cc
 
-        def g_of(du: torch.Tensor, dc: torch.Tensor) -> torch.Tensor:
-            return (giou_c * du - union * dc) / cc
+    terms = [g_of(du_t, dc_t), g_of(du_b, dc_b), g_of(du_l, dc_l), g_of(du_r, dc_r)]
+    pos_c = giou_c > 0
+    p = [torch.where(pos_c, v + gv, v) for v, gv in zip((p_dt, p_db, p_dl, p_dr), terms)]
+    return tuple(torch.where(g.no_overlap, gv, v) for v, gv in zip(p, terms))
 
-        g = [g_of(du_t, dc_t), g_of(du_b, dc_b), g_of(du_l, dc_l), g_of(du_r, dc_r)]
-        pos_c = giou_c > 0
-        p = [torch.where(pos_c, v + gv, v) for v, gv in zip((p_dt, p_db, p_dl, p_dr), g)]
-        p_dt, p_db, p_dl, p_dr = (torch.where(no_overlap, gv, v) for v, gv in zip(p, g))
 
+def _with_distance_terms(
+    g: _PairGeometry, kind: str, partials: tuple[torch.Tensor, ...]
+) -> tuple[torch.Tensor, ...]:
+    """DIoU's centre-distance partials added to the x, y, w, h ones (and CIoU's aspect term)."""
+    px, py, pw, ph = g.pred.unbind(-1)
+    tx, ty, tw, th = g.truth.unbind(-1)
+    zero = torch.zeros_like(px)
+    s = (px - tx) ** 2 + (py - ty) ** 2
     c_t = torch.minimum(py - ph / 2, ty - th / 2)
     c_b = torch.maximum(py + ph / 2, ty + th / 2)
     c_l = torch.minimum(px - pw / 2, tx - tw / 2)
@@ -376,37 +429,31 @@ def dx_box_iou(pred: torch.Tensor, truth: torch.Tensor, kind: str) -> torch.Tens
     cw, ch = c_r - c_l, c_b - c_t
     c = cw * cw + ch * ch
     one, half = torch.ones_like(px), torch.full_like(px, 0.5)
-    dct_dy = torch.where(pred_t < t_top, one, zero)
-    dct_dh = torch.where(pred_t < t_top, -half, zero)
-    dcb_dy = torch.where(pred_b > t_bot, one, zero)
-    dcb_dh = torch.where(pred_b > t_bot, half, zero)
-    dcl_dx = torch.where(pred_l < t_left, one, zero)
-    dcl_dw = torch.where(pred_l < t_left, -half, zero)
-    dcr_dx = torch.where(pred_r > t_right, one, zero)
-    dcr_dw = torch.where(pred_r > t_right, half, zero)
+    dct_dy = torch.where(g.pred_t < g.t_top, one, zero)
+    dct_dh = torch.where(g.pred_t < g.t_top, -half, zero)
+    dcb_dy = torch.where(g.pred_b > g.t_bot, one, zero)
+    dcb_dh = torch.where(g.pred_b > g.t_bot, half, zero)
+    dcl_dx = torch.where(g.pred_l < g.t_left, one, zero)
+    dcl_dw = torch.where(g.pred_l < g.t_left, -half, zero)
+    dcr_dx = torch.where(g.pred_r > g.t_right, one, zero)
+    dcr_dw = torch.where(g.pred_r > g.t_right, half, zero)
     dcw_dx, dcw_dw = dcr_dx - dcl_dx, dcr_dw - dcl_dw
     dch_dy, dch_dh = dcb_dy - dct_dy, dcb_dh - dct_dh
-
-    p_dx, p_dy = p_dl + p_dr, p_dt + p_db
-    p_dw, p_dh = p_dr - p_dl, p_db - p_dt
-
-    if kind in ("diou", "ciou"):
-        c2 = c * c
-        d_x = (2 * (tx - px) * c - (2 * cw * dcw_dx) * s) / c2
-        d_y = (2 * (ty - py) * c - (2 * ch * dch_dy) * s) / c2
-        d_w = (2 * cw * dcw_dw) * s / c2
-        d_h = (2 * ch * dch_dh) * s / c2
-        if kind == "ciou":
-            gap = _atan_gap(pred, truth)
-            ar_loss = 4 / (math.pi * math.pi) * gap * gap
-            alpha = ar_loss / (1 - inter / union + ar_loss + CIOU_EPS)
-            d_w = d_w + alpha * (8 / (math.pi * math.pi) * gap * ph)
-            d_h = d_h + alpha * (-8 / (math.pi * math.pi) * gap * pw)
-        pos_c = c > 0
-        terms = (d_x, d_y, d_w, d_h)
-        p = [torch.where(pos_c, v + t, v) for v, t in zip((p_dx, p_dy, p_dw, p_dh), terms)]
-        p_dx, p_dy, p_dw, p_dh = (torch.where(no_overlap, t, v) for v, t in zip(p, terms))
-    return torch.stack((p_dx, p_dy, p_dw, p_dh), -1)
+    c2 = c * c
+    d_x = (2 * (tx - px) * c - (2 * cw * dcw_dx) * s) / c2
+    d_y = (2 * (ty - py) * c - (2 * ch * dch_dy) * s) / c2
+    d_w = (2 * cw * dcw_dw) * s / c2
+    d_h = (2 * ch * dch_dh) * s / c2
+    if kind == "ciou":
+        gap = _atan_gap(g.pred, g.truth)
+        ar_loss = 4 / (math.pi * math.pi) * gap * gap
+        alpha = ar_loss / (1 - g.inter / g.union + ar_loss + CIOU_EPS)
+        d_w = d_w + alpha * (8 / (math.pi * math.pi) * gap * ph)
+        d_h = d_h + alpha * (-8 / (math.pi * math.pi) * gap * pw)
+    pos_c = c > 0
+    terms = (d_x, d_y, d_w, d_h)
+    p = [torch.where(pos_c, v + t, v) for v, t in zip(partials, terms)]
+    return tuple(torch.where(g.no_overlap, t, v) for v, t in zip(p, terms))
 
 
 def _finite_or_zero(t: torch.Tensor) -> torch.Tensor:

@@ -540,6 +540,12 @@ def weights_kind(path: str | Path) -> str:
     except OSError as e:
         raise CheckpointError(f"cannot read the weights file ({e.strerror or e})", path) from e
     suffix = path.suffix.lower()
+    if head[:4] == _ZIP_MAGIC and _is_torchscript(path):
+        raise CheckpointError(
+            "a TorchScript export, which torch.jit.load runs (no script here loads one); pass "
+            "the .pt checkpoint it was exported from",
+            path,
+        )
     if head[:4] == _ZIP_MAGIC or (head[:1] and head[0] == _PICKLE_PROTO):
         return "torch"
     if suffix in _ONNX_SUFFIXES:
@@ -563,6 +569,17 @@ def weights_kind(path: str | Path) -> str:
             path,
         )
     return "darknet"
+
+
+def _is_torchscript(path: Path) -> bool:
+    """Whether a zip file is a TorchScript archive (``torch.jit.save``: compiled code and
+    constants beside the data), from its central directory only."""
+    try:
+        with zipfile.ZipFile(path) as z:
+            names = z.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False  # load_checkpoint words what is wrong with it
+    return any(n.endswith("/constants.pkl") or "/code/" in n for n in names)
 
 
 # First bytes of the image files a path given by mistake is most likely to be.

@@ -149,10 +149,11 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
         hyp[key] = _check_hyp_value(key, value, path, line)
     if unknown:
         listed = ", ".join(f"{key} (line {line})" for line, key in unknown)
+        what = (
+            f"hyperparameter {unknown[0][1]}" if len(unknown) == 1 else f"hyperparameters {listed}"
+        )
         raise ConfigError(
-            f"unknown hyperparameter(s) {listed}; known keys: {', '.join(HYP_SPECS)}",
-            path,
-            unknown[0][0],
+            f"unknown {what}; known keys: {', '.join(HYP_SPECS)}", path, unknown[0][0]
         )
     missing = [k for k, s in HYP_SPECS.items() if s.default is None and k not in hyp]
     if missing:
@@ -190,7 +191,7 @@ def _our_hyp_name(key: Any, value: Any, path: Path, line: int) -> tuple[str | No
             )
         logger.info("%s:%d: %s: 0 (YOLOv5's, off; not offered here)", path, line, key)
         return None, value
-    if key == "mosaic" and not isinstance(value, bool) and value in (0, 1):
+    if key == "mosaic" and isinstance(value, float) and value in (0.0, 1.0):
         return key, bool(value)  # YOLOv5's probability 0.0 or 1.0
     return key, value
 

@@ -19,20 +19,25 @@ import json
 import logging
 import os
 import platform
+import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 from build_utils.atomic import atomic_write
-from train_utils.precision import autocast_context
+from train_utils.precision import AmpChoice, autocast_context, choose_cpu_amp, describe_amp
 
 logger = logging.getLogger(__name__)
 
-TIMED_STEPS = 2  # timed train steps per format, after one untimed warm-up step
+ROUNDS = 5  # timed train steps per variant, interleaved, after one untimed warm-up step
+MAX_ROUNDS = 15  # steps per variant at most, while the machine is too busy to time it
+# A variant's steps spreading by more than this fraction of their median: time more of them.
+NOISY_SPREAD = 0.5
 CACHE_ENV = "YOLO_CACHE_DIR"
 CACHE_FILE = "memory_format.json"
 
@@ -107,6 +112,73 @@ def _write_cache(path: Path, key: str, entry: dict) -> None:
         logger.info("could not cache the memory-format decision in %s: %s", path, e)
 
 
+# (channels_last, autocast dtype or None): one way a train step can run.
+Variant = tuple[bool, torch.dtype | None]
+
+
+@dataclass(frozen=True)
+class StepTiming:
+    """A variant's train-step time: the median of its timed steps, their spread
+    ((slowest - fastest) / median) and how many there were."""
+
+    seconds: float
+    spread: float
+    steps: int
+
+
+def time_variants(
+    model: nn.Module,
+    img_size: int,
+    batch_size: int,
+    device: torch.device,
+    variants: Sequence[Variant],
+    rounds: int = ROUNDS,
+    max_rounds: int = MAX_ROUNDS,
+) -> dict[Variant, StepTiming]:
+    """Time forward+backward passes of copies of ``model`` (training mode, a random batch) in
+    each of ``variants``, interleaved: round after round, one step of each variant, so that a
+    burst of load from another process falls on all of them alike. After one untimed warm-up
+    step each, ``rounds`` rounds; while some variant's steps spread by more than
+    :data:`NOISY_SPREAD` of their median (a busy machine), ``rounds`` more, up to
+    ``max_rounds`` in all. Each variant's time is the median of its steps, which one slow step
+    cannot move. The model itself is left untouched."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.rand(batch_size, 3, img_size, img_size, generator=gen).to(device)
+    formats = {cl for cl, _ in variants}
+    fmt = {cl: torch.channels_last if cl else torch.contiguous_format for cl in formats}
+    probes = {
+        cl: copy.deepcopy(model).to(device).train().to(memory_format=fmt[cl]) for cl in formats
+    }
+    inputs = {cl: x.contiguous(memory_format=fmt[cl]) for cl in formats}
+    for cl, amp in variants:  # oneDNN primitive creation, allocations
+        _timed_step(probes[cl], inputs[cl], device, amp)
+    samples: dict[Variant, list[float]] = {v: [] for v in variants}
+    while True:
+        for _ in range(rounds):
+            for cl, amp in variants:
+                samples[(cl, amp)].append(_timed_step(probes[cl], inputs[cl], device, amp))
+        timings = {v: _summary(times) for v, times in samples.items()}
+        done = len(samples[variants[0]]) >= max_rounds
+        if done or max(t.spread for t in timings.values()) <= NOISY_SPREAD:
+            return timings
+
+
+def _timed_step(probe: nn.Module, x: torch.Tensor, device: torch.device, amp: Any) -> float:
+    t0 = time.perf_counter()
+    with autocast_context(device, amp):
+        out = probe(x)
+    # A reduction over every head output stands in for the loss: same backward graph shape.
+    loss = sum(o.float().mean() for o in (out if isinstance(out, (list, tuple)) else [out]))
+    loss.backward()
+    probe.zero_grad(set_to_none=True)
+    return time.perf_counter() - t0
+
+
+def _summary(times: Sequence[float]) -> StepTiming:
+    median = statistics.median(times)
+    return StepTiming(median, (max(times) - min(times)) / median, len(times))
+
+
 def time_train_step(
     model: nn.Module,
     img_size: int,
@@ -114,28 +186,12 @@ def time_train_step(
     device: torch.device,
     channels_last: bool,
     amp: torch.dtype | None = None,
-    steps: int = TIMED_STEPS,
+    steps: int = ROUNDS,
 ) -> float:
-    """Fastest of ``steps`` forward+backward passes (after one warm-up) of a copy of ``model``
-    in training mode on a random batch, in seconds. The model itself is left untouched."""
-    probe = copy.deepcopy(model).to(device).train()
-    fmt = torch.channels_last if channels_last else torch.contiguous_format
-    probe.to(memory_format=fmt)
-    gen = torch.Generator().manual_seed(0)
-    x = torch.rand(batch_size, 3, img_size, img_size, generator=gen).to(device)
-    x = x.contiguous(memory_format=fmt)
-    best = float("inf")
-    for i in range(steps + 1):
-        t0 = time.perf_counter()
-        with autocast_context(device, amp):
-            out = probe(x)
-        # A reduction over every head output stands in for the loss: same backward graph shape.
-        loss = sum(o.float().mean() for o in (out if isinstance(out, (list, tuple)) else [out]))
-        loss.backward()
-        probe.zero_grad(set_to_none=True)
-        if i:  # step 0 is the warm-up (oneDNN primitive creation, allocations)
-            best = min(best, time.perf_counter() - t0)
-    return best
+    """Median seconds of ``steps`` train steps of one variant (see :func:`time_variants`)."""
+    variant = (channels_last, amp)
+    timings = time_variants(model, img_size, batch_size, device, [variant], steps, steps)
+    return timings[variant].seconds
 
 
 def choose_channels_last(
@@ -197,4 +253,73 @@ def describe(choice: MemoryFormatChoice) -> str:
         f"memory format {name}: train step {choice.contiguous_s * 1000:.0f} ms contiguous vs "
         f"{choice.channels_last_s * 1000:.0f} ms channels_last ({choice.reason}; "
         f"--channels-last/--no-channels-last force one)"
+    )
+
+
+def choose_format_and_precision(
+    model: nn.Module,
+    img_size: int,
+    batch_size: int,
+    device: torch.device,
+    amp: torch.dtype | None,
+    amp_mode: str,
+    forced: bool | None,
+    cfg_text: str,
+    recorded: AmpChoice | None = None,
+) -> tuple[bool, torch.dtype | None]:
+    """Whether a run trains in channels_last, and in which autocast dtype (rank 0 decides).
+
+    The format is forced by the flags (``forced``), always channels_last on CUDA, and otherwise
+    the faster for this model, size and batch, timed (or cached). Where ``--amp auto``
+    (``amp_mode``) resolved to bf16 on a CPU, fp32 is timed too and bf16 kept only when clearly
+    faster (:func:`train_utils.precision.choose_cpu_amp`), unless a resumed run's ``recorded``
+    precision decides. Every variant the decision may need is timed in one interleaved
+    measurement (:func:`time_variants`), the first time one is needed.
+    """
+    cpu_auto_bf16 = amp_mode == "auto" and device.type == "cpu" and amp == torch.bfloat16
+    if cpu_auto_bf16 and recorded is not None:
+        amp, cpu_auto_bf16 = recorded.amp, False
+        logger.info(describe_amp(recorded))
+    dtypes = [None, torch.bfloat16] if cpu_auto_bf16 else [amp]
+    variants = [(cl, dtype) for dtype in dtypes for cl in (False, True)]
+    timings: dict[Variant, StepTiming] = {}
+
+    def measure_in(dtype: torch.dtype | None) -> Callable[[bool], float]:
+        def measure(channels_last: bool) -> float:
+            if not timings:
+                # The probe's forward passes must not move the run's random streams.
+                with torch.random.fork_rng(devices=[]):
+                    timings.update(time_variants(model, img_size, batch_size, device, variants))
+                logger.info(describe_timings(timings))
+            return timings[(channels_last, dtype)].seconds
+
+        return measure
+
+    def format_in(dtype: torch.dtype | None, forced: bool | None) -> MemoryFormatChoice:
+        key = cache_key(cfg_text, img_size, batch_size, dtype)
+        return choose_channels_last(forced, device, key, measure_in(dtype), cache_path())
+
+    choice = None
+    if cpu_auto_bf16:
+        formats = {dtype: format_in(dtype, None) for dtype in dtypes}
+        amp_choice = choose_cpu_amp(
+            step_seconds(formats[None], forced), step_seconds(formats[torch.bfloat16], forced)
+        )
+        amp = amp_choice.amp
+        logger.info(describe_amp(amp_choice))
+        choice = formats[amp] if forced is None else None  # timed above: not twice
+    if choice is None:
+        choice = format_in(amp, forced)
+    logger.info(describe(choice))
+    return choice.channels_last, amp
+
+
+def describe_timings(timings: dict[Variant, StepTiming]) -> str:
+    """One log line: how the train step was timed and how steady the timings were."""
+    steps = max(t.steps for t in timings.values())
+    spread = max(t.spread for t in timings.values())
+    steady = "steady" if spread <= NOISY_SPREAD else "noisy: the machine was busy"
+    return (
+        f"timed {len(timings)} train-step variants, {steps} interleaved steps each: medians "
+        f"compared, spread up to {spread:.0%} ({steady})"
     )

@@ -56,7 +56,7 @@ from train_utils.optim import (
 )
 from train_utils.plan import EpochPlan, LoopState
 from train_utils.precision import AmpChoice
-from train_utils.run_folder import RUN_CFG_NAME, RUN_HYP_NAME, RUNS_DIR
+from train_utils.run_folder import RUN_CFG_NAME, RUN_HYP_NAME, RUNS_DIR, refuse_if_in_use
 
 if TYPE_CHECKING:
     from train_utils.config import TrainConfig
@@ -136,6 +136,7 @@ def _checkpoint_to_resume(args: argparse.Namespace, run_folder: Path | None) -> 
         return Path(args.resume)
     if run_folder is not None:
         last = run_folder / "last.pt"
+        refuse_if_in_use(run_folder)  # a live run there: that is what the user must hear
         if not last.is_file():
             raise ConfigError(
                 f"--resume: no checkpoint in {run_folder} (no last.pt): that run never finished "
@@ -168,9 +169,9 @@ def settings_of_resumed_run(
         return None
     path = _checkpoint_to_resume(args, named_folder)
     args.resume = str(path)
-    if not path.is_file():
-        raise ConfigError(f"--resume: no checkpoint at {path}; give the path of a run's last.pt")
     try:
+        if not path.is_file():
+            raise CheckpointError("no checkpoint there; give the path of a run's last.pt", path)
         weights = read_weights(path, args.trust_checkpoint)
         if weights.kind != "torch" or weights.ckpt is None:
             raise CheckpointError(

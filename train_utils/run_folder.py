@@ -188,6 +188,13 @@ def _refusal(folder: Path, holder: LockHolder) -> FolderInUse:
     )
 
 
+def refuse_if_in_use(folder: Path) -> None:
+    """Raises :class:`FolderInUse` when a live run holds ``folder``'s lock."""
+    holder = read_lock(folder / LOCK_NAME)
+    if holder is not None and not is_stale(holder):
+        raise _refusal(folder, holder)
+
+
 def _numbered(base: Path) -> Path:
     """The first of ``base2``, ``base3``, ... that holds no run and no lock (YOLOv5's
     ``increment_path`` with an empty separator)."""

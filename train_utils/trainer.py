@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -58,15 +58,7 @@ from train_utils.ema import ModelEMA
 from train_utils.engine import TrainOptions, TrainState, evaluate, train_one_epoch
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.options import EvalOptions, eval_options
-from train_utils.memory_format import (
-    MemoryFormatChoice,
-    cache_key,
-    cache_path,
-    choose_channels_last,
-    describe,
-    step_seconds,
-    time_train_step,
-)
+from train_utils.memory_format import choose_format_and_precision
 from train_utils.optim import (
     accumulate_steps,
     build_optimizer,
@@ -76,8 +68,6 @@ from train_utils.optim import (
 )
 from train_utils.plan import FITNESS_KEY, EpochPlan, LoopState
 from train_utils.precision import (
-    choose_cpu_amp,
-    describe_amp,
     dtype_from_name,
     dtype_name,
     precision_record,
@@ -454,48 +444,23 @@ def _memory_format(
     cfg_text: str,
     ckpt: dict[str, Any] | None,
 ) -> tuple[bool, torch.dtype | None]:
-    """Whether to train in channels_last, and in which autocast dtype: the format is forced by
-    the flags, always channels_last on CUDA, and otherwise the faster for this model, size and
-    batch, timed (or cached) on rank 0 and shared (see :mod:`train_utils.memory_format`). Where
-    ``--amp auto`` resolved to bf16 on a CPU, fp32 is timed too and bf16 kept only when clearly
-    faster; a resumed run keeps the precision its checkpoint records."""
+    """Whether to train in channels_last, and in which autocast dtype: decided on rank 0
+    (:func:`~train_utils.memory_format.choose_format_and_precision`; a resumed run keeps the
+    precision its checkpoint records) and shared."""
     choice = None
     if dist.is_main:
-
-        def measure_in(dtype: torch.dtype | None) -> Callable[[bool], float]:
-            def measure(channels_last: bool) -> float:
-                # The probe's forward passes must not move the run's random streams.
-                with torch.random.fork_rng(devices=[]):
-                    return time_train_step(
-                        model, config.img_size, config.batch_size, dist.device, channels_last, dtype
-                    )
-
-            return measure
-
-        def timed(dtype: torch.dtype | None) -> MemoryFormatChoice:
-            key = cache_key(cfg_text, config.img_size, config.batch_size, dtype)
-            return choose_channels_last(None, dist.device, key, measure_in(dtype), cache_path())
-
-        timings: dict[torch.dtype | None, MemoryFormatChoice] = {}
-        if config.amp == "auto" and dist.device.type == "cpu" and amp == torch.bfloat16:
-            amp_choice = resume.recorded_cpu_amp(ckpt)
-            if amp_choice is None:
-                timings = {None: timed(None), torch.bfloat16: timed(torch.bfloat16)}
-                amp_choice = choose_cpu_amp(
-                    step_seconds(timings[None], config.channels_last),
-                    step_seconds(timings[torch.bfloat16], config.channels_last),
-                )
-            amp = amp_choice.amp
-            logger.info(describe_amp(amp_choice))
-        if config.channels_last is None and amp in timings:
-            choice = timings[amp]  # timed above: not twice (the cache may be unwritable)
-        else:
-            key = cache_key(cfg_text, config.img_size, config.batch_size, amp)
-            choice = choose_channels_last(
-                config.channels_last, dist.device, key, measure_in(amp), cache_path()
-            )
-        logger.info(describe(choice))
-        choice = (choice.channels_last, dtype_name(amp))
+        channels_last, amp = choose_format_and_precision(
+            model,
+            config.img_size,
+            config.batch_size,
+            dist.device,
+            amp,
+            config.amp,
+            config.channels_last,
+            cfg_text,
+            resume.recorded_cpu_amp(ckpt),
+        )
+        choice = (channels_last, dtype_name(amp))
     # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).
     channels_last, amp_name = broadcast_object(choice)
     return bool(channels_last), dtype_from_name(amp_name)

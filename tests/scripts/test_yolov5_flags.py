@@ -419,7 +419,7 @@ def test_every_unknown_hyp_key_is_named_at_once(tmp_path):
     with pytest.raises(ConfigError) as info:
         load_hyp(path)
     assert str(info.value).startswith(
-        f"{path}:{first}: unknown hyperparameter(s) 'lr_0' (line {first}), 'momentum_2' "
+        f"{path}:{first}: unknown hyperparameters 'lr_0' (line {first}), 'momentum_2' "
         f"(line {first + 1}), 'anchors' (line {first + 2}); known keys: giou, "
     )
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import warnings
 from collections import OrderedDict
 from pathlib import Path
 
@@ -284,3 +285,28 @@ def test_a_fifo_named_pt_is_refused_without_opening_it(tmp_path: Path) -> None:
     os.mkfifo(path)  # opening it would block until a writer came
     with pytest.raises(CheckpointError, match=r"pipe\.pt: a FIFO \(named pipe\), not a regular"):
         ck.read_weights(path)
+
+
+@pytest.mark.parametrize(
+    "make, said",
+    [
+        (lambda p: p.write_bytes(b"\xff\xd8\xff\xe0" + bytes(64)), "not a weights file but a JPEG"),
+        (lambda p: p.write_bytes(b"\x89PNG\r\n\x1a\n" + bytes(64)), "not a weights file but a PNG"),
+        (lambda p: p.write_text("classes=5\ntrain=x.txt\n"), "not a weights file but a text file"),
+        (
+            lambda p: torch.jit.save(torch.jit.script(nn.Linear(2, 2)), str(p)),
+            "a TorchScript export, which torch.jit.load runs",
+        ),
+    ],
+    ids=["jpeg", "png", "text", "torchscript"],
+)
+def test_what_is_not_a_weights_file_says_what_it_is(tmp_path: Path, make, said: str) -> None:
+    """--weights or --resume given an image, a .data file or an export: one line naming what it
+    is (was: Darknet's 'truncated' error, or torch's weights_only=False advice)."""
+    path = tmp_path / "given.bin"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit.save's deprecation notice
+        make(path)
+    with pytest.raises(CheckpointError) as info:
+        ck.weights_kind(path)
+    assert str(info.value).startswith(f"{path}: {said}") and "weights_only" not in str(info.value)

@@ -12,8 +12,8 @@ import pytest
 import torch
 from conftest import run_training, train_argv
 
-from train_utils import precision, trainer
-from train_utils.memory_format import CACHE_ENV, MemoryFormatChoice, step_seconds
+from train_utils import memory_format, precision
+from train_utils.memory_format import CACHE_ENV, MemoryFormatChoice, StepTiming, step_seconds
 from train_utils.precision import (
     BF16_MIN_SPEEDUP,
     choose_cpu_amp,
@@ -111,15 +111,19 @@ def test_step_seconds_is_the_format_the_run_uses() -> None:
 
 
 class FakeSteps:
-    """Stands in for ``time_train_step``: seconds per (precision, format), calls counted."""
+    """Stands in for ``time_variants``: seconds per (precision, format), the variants timed
+    recorded (each measurement once)."""
 
     def __init__(self, fp32_s: float, bf16_s: float) -> None:
         self.seconds = {None: fp32_s, torch.bfloat16: bf16_s}
         self.calls: list[tuple[torch.dtype | None, bool]] = []
 
-    def __call__(self, model, img, batch, device, channels_last, amp=None, steps=2) -> float:
-        self.calls.append((amp, channels_last))
-        return self.seconds[amp] * (0.9 if channels_last else 1.0)
+    def __call__(self, model, img, batch, device, variants, *args) -> dict:
+        self.calls += [(amp, channels_last) for channels_last, amp in variants]
+        return {
+            (cl, amp): StepTiming(self.seconds[amp] * (0.9 if cl else 1.0), 0.1, 5)
+            for cl, amp in variants
+        }
 
 
 @pytest.fixture
@@ -131,7 +135,7 @@ def native_bf16_cpu(monkeypatch, tmp_path):
 
     def timings(fp32_s: float, bf16_s: float) -> FakeSteps:
         fake = FakeSteps(fp32_s, bf16_s)
-        monkeypatch.setattr(trainer, "time_train_step", fake)
+        monkeypatch.setattr(memory_format, "time_variants", fake)
         return fake
 
     return timings
@@ -146,7 +150,7 @@ def test_auto_trains_in_bf16_where_it_is_timed_faster(
 ) -> None:
     data = make_shapes_data(n_train=4, n_val=2)
     steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)
-    with caplog.at_level(logging.INFO, logger=trainer.__name__):
+    with caplog.at_level(logging.INFO, logger=memory_format.__name__):
         run_training(train_argv(data, tmp_path / "fast", img=64, batch=2))
     assert _recorded_amp(tmp_path / "fast") == "bfloat16"
     # Both precisions in both formats, once each: the format follows from the same timings.

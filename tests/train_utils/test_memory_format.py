@@ -12,6 +12,7 @@ import torch
 
 from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
+from train_utils import memory_format
 from train_utils.memory_format import (
     cache_key,
     choose_channels_last,
@@ -19,6 +20,7 @@ from train_utils.memory_format import (
     describe,
     time_train_step,
 )
+from train_utils.precision import choose_cpu_amp
 
 CPU = torch.device("cpu")
 
@@ -104,3 +106,58 @@ def test_timing_probe_leaves_the_model_alone(repo_root, single_thread) -> None:
     assert all(p.grad is None for p in model.parameters())
     assert next(model.parameters()).is_contiguous()
     assert format_model_cfg(blocks)  # the blocks were not consumed
+
+
+class ScriptedSteps:
+    """Stands in for ``memory_format._timed_step``: the seconds of each step of each variant
+    (channels_last, amp) in turn, the calls recorded in order."""
+
+    def __init__(self, script: dict) -> None:
+        self.script = {v: iter(times) for v, times in script.items()}
+        self.calls: list = []
+
+    def __call__(self, probe, x, device, amp) -> float:
+        variant = (not x.is_contiguous(), amp)
+        self.calls.append(variant)
+        return next(self.script[variant])
+
+
+def test_one_slow_step_cannot_decide_the_precision(monkeypatch, repo_root) -> None:
+    """The probe of two demo runs minutes apart: fp32 hit by a 5 s stall once. The median of
+    interleaved steps still compares the steady times (here 1.28x: fp32 kept); the old probe
+    took the fastest of two steps per variant, one after the other, and flipped with load."""
+    model = Darknet(model_blocks_for(repo_root / "cfg" / "yolov3-spp-nano.cfg", 3), img_size=64)
+    bf16 = torch.bfloat16
+    steady = {
+        (False, None): [0.05, 5.143, 0.05, 0.051, 0.049] + [0.05] * 11,  # warm-up first
+        (True, None): [0.06] * 16,
+        (False, bf16): [0.039] * 16,
+        (True, bf16): [0.041] * 16,
+    }
+    fake = ScriptedSteps(steady)
+    monkeypatch.setattr(memory_format, "_timed_step", fake)
+    monkeypatch.setattr(memory_format, "cache_path", lambda: None)
+    variants = list(steady)
+    timings = memory_format.time_variants(model, 64, 2, CPU, variants, rounds=5, max_rounds=15)
+    assert timings[(False, None)].seconds == 0.05 and timings[(False, bf16)].seconds == 0.039
+    # Interleaved: every round times each variant once, after one warm-up step each.
+    assert fake.calls[:8] == variants + variants
+    # The stall spread fp32's first five steps: ten more of each variant were timed.
+    assert timings[(False, None)].steps == 15 and len(fake.calls) == 4 + 4 * 15
+    ratio = timings[(False, None)].seconds / timings[(False, bf16)].seconds
+    assert choose_cpu_amp(0.05, 0.039).amp is None and ratio < 1.35  # fp32 kept
+
+
+def test_a_busy_machine_is_timed_longer_and_said_so(monkeypatch, repo_root) -> None:
+    model = Darknet(model_blocks_for(repo_root / "cfg" / "yolov3-spp-nano.cfg", 3), img_size=64)
+    noisy = [0.1, 0.1, 0.3, 0.1, 0.1, 0.1] + [0.1] * 10  # spread 200% in the first five
+    fake = ScriptedSteps({(False, None): noisy})
+    monkeypatch.setattr(memory_format, "_timed_step", fake)
+    timings = memory_format.time_variants(model, 64, 2, CPU, [(False, None)], 5, 15)
+    assert len(fake.calls) == 1 + 15 and timings[(False, None)].steps == 15
+    assert timings[(False, None)].seconds == 0.1
+    line = memory_format.describe_timings(timings)
+    assert line == (
+        "timed 1 train-step variants, 15 interleaved steps each: medians compared, spread up to "
+        "200% (noisy: the machine was busy)"
+    )

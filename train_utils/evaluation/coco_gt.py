@@ -103,32 +103,9 @@ def coco_dict_from_dataset(
         if labels.shape[0] == 0:
             continue
         cls = labels[:, 0].astype(np.int64)
-        if nc is not None and (cls.min() < 0 or cls.max() >= nc):
-            bad = int(cls[(cls < 0) | (cls >= nc)][0])
-            raise DatasetError(
-                f"class id {bad} in the labels is outside 0..{nc - 1} ({nc} classes); "
-                "check the .data file's classes against the labels",
-                path=dataset.img_files[i],
-            )
+        _check_classes(cls, nc, dataset.img_files[i])
         max_class = max(max_class, int(cls.max()))
-        w = labels[:, 3] * w0
-        h = labels[:, 4] * h0
-        x = labels[:, 1] * w0 - w / 2
-        y = labels[:, 2] * h0 - h / 2
-        boxes = np.stack((x, y, w, h), 1).tolist()
-        areas = (w * h).tolist()
-        first_id = len(annotations) + 1
-        annotations.extend(
-            {
-                "id": first_id + k,
-                "image_id": ids[i],
-                "category_id": c,
-                "bbox": box,
-                "area": area,
-                "iscrowd": 0,
-            }
-            for k, (c, box, area) in enumerate(zip(cls.tolist(), boxes, areas))
-        )
+        annotations += _annotations(labels, cls, (h0, w0), ids[i], len(annotations) + 1)
     if nc is None:
         nc = max(max_class + 1, 1)
     categories = [{"id": c, "name": str(c), "supercategory": "none"} for c in range(nc)]
@@ -138,6 +115,42 @@ def coco_dict_from_dataset(
         "annotations": annotations,
         "categories": categories,
     }
+
+
+def _check_classes(cls: np.ndarray, nc: int | None, path: str) -> None:
+    """Raises DatasetError for a class id outside ``0 .. nc - 1``."""
+    if nc is not None and (cls.min() < 0 or cls.max() >= nc):
+        bad = int(cls[(cls < 0) | (cls >= nc)][0])
+        raise DatasetError(
+            f"class id {bad} in the labels is outside 0..{nc - 1} ({nc} classes); "
+            "check the .data file's classes against the labels",
+            path=path,
+        )
+
+
+def _annotations(
+    labels: np.ndarray, cls: np.ndarray, hw0: tuple[int, int], image_id: int, first_id: int
+) -> list[dict]:
+    """COCO annotations of one image's ``labels`` (n, 5) class, cx, cy, w, h normalised: boxes
+    in original pixels ``hw0``, ids from ``first_id``."""
+    h0, w0 = hw0
+    w = labels[:, 3] * w0
+    h = labels[:, 4] * h0
+    x = labels[:, 1] * w0 - w / 2
+    y = labels[:, 2] * h0 - h / 2
+    boxes = np.stack((x, y, w, h), 1).tolist()
+    areas = (w * h).tolist()
+    return [
+        {
+            "id": first_id + k,
+            "image_id": image_id,
+            "category_id": c,
+            "bbox": box,
+            "area": area,
+            "iscrowd": 0,
+        }
+        for k, (c, box, area) in enumerate(zip(cls.tolist(), boxes, areas))
+    ]
 
 
 def coco_from_dict(dataset_dict: dict) -> COCO:

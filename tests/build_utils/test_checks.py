@@ -1,0 +1,53 @@
+"""build_utils/checks.py: the small checks every input goes through, each against hand-written
+cases (booleans are not numbers, huge integers and tensors shown short)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from build_utils import checks
+from build_utils.errors import ConfigError
+
+
+@pytest.mark.parametrize(
+    "value, is_int, is_real",
+    [
+        (3, True, True),
+        (True, False, False),
+        (2.5, False, True),
+        (math.inf, False, False),
+        (math.nan, False, False),
+        (10**400, True, False),  # no float holds it
+        ("3", False, False),
+        (None, False, False),
+    ],
+)
+def test_numbers_are_ints_and_finite_reals_never_booleans(value, is_int, is_real):
+    assert checks.is_int(value) is is_int and checks.is_real(value) is is_real
+    assert checks.finite_float(value) == (float(value) if is_real else None)
+
+
+def test_values_are_shown_short_on_one_line():
+    assert checks.shown(10**400) == "100000000000... (401 digits)"
+    assert checks.shown("a\nb  c") == "'a\\nb c'"
+    assert checks.shown("x" * 100) == "'" + "x" * 39 + "..."
+    assert checks.shown(torch.zeros(2, 3, dtype=torch.int64)) == "(a int64 tensor of shape (2, 3))"
+    assert checks.shown(np.zeros(4, dtype=np.float32)) == "(a float32 tensor of shape (4,))"
+
+
+def test_range_and_choice_checks_word_their_errors_one_way():
+    checks.check_at_least({"--epochs": 3, "--workers": None}, 1)
+    with pytest.raises(ConfigError, match=r"^--epochs must be >= 1, got 0$"):
+        checks.check_at_least({"--epochs": 0}, 1)
+    with pytest.raises(ConfigError, match=r"^--epochs must be a number, got True$"):
+        checks.check_at_least({"--epochs": True}, 1)
+    checks.check_fractions({"--conf-thres": 0.0, "--iou-thres": 1.0})
+    with pytest.raises(ConfigError, match=r"^--iou-thres must be in \[0, 1\], got 1.5$"):
+        checks.check_fractions({"--iou-thres": 1.5})
+    assert checks.check_choice("--kind", "b", ("a", "b")) == "b"
+    with pytest.raises(ConfigError, match=r"^--kind 'c' is not one of a, b$"):
+        checks.check_choice("--kind", "c", ("a", "b"))
