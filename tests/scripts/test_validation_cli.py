@@ -360,15 +360,6 @@ def test_json_outputs_are_kept_unless_exist_ok(shapes_data, weights5, tmp_path, 
     assert isinstance(json.loads((js / "predictions.json").read_text()), list)
 
 
-# The fix belongs to train_utils/checkpoint.py (weights_kind), which this round's resume work
-# owns: the patch is in the tools branch's report. Strict: once applied, these pass and the
-# mark must go.
-NEEDS_WEIGHTS_KIND_PATCH = pytest.mark.xfail(
-    strict=True, reason="weights_kind does not yet tell a TorchScript archive from a checkpoint"
-)
-
-
-@NEEDS_WEIGHTS_KIND_PATCH
 def test_a_torchscript_export_as_weights_is_one_plain_line(shapes_data, weights5, tmp_path):
     """Was: torch.load's warning about TorchScript archives on stderr, then PyTorch's advice to
     re-run torch.load with weights_only=False."""
@@ -383,7 +374,7 @@ def test_a_torchscript_export_as_weights_is_one_plain_line(shapes_data, weights5
         assert validation.main(_argv(shapes_data, ts)) == 2
     assert [str(w.message) for w in caught if "TorchScript" in str(w.message)] == []
     assert err.getvalue().count("\n") == 1, err.getvalue()
-    assert err.getvalue().startswith(f"error: {ts}: this is a TorchScript export")
+    assert err.getvalue().startswith(f"error: {ts}: a TorchScript export")
     assert "weights_only" not in err.getvalue()
 
 
