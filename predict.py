@@ -3,6 +3,7 @@
     python predict.py --weights runs/demo/best.pt --source img.jpg
     python predict.py --weights best.pt --source folder/ clip.mp4 --output out/ --conf-thres 0.25
     python predict.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --names coco.names ...
+    python predict.py --weights best.pt --source 'folder/val_0001*.jpg'    # a quoted pattern
     python predict.py --weights best.pt --source 0                         # webcam 0
     python predict.py --weights best.pt --source rtsp://host/stream --classes 0 2 --save-txt
 
@@ -12,7 +13,10 @@ Each image's detections are printed (class, confidence, xyxy box in original pix
 drawn image is saved under ``--output`` with the same name (videos, cameras and streams as
 ``<name>.mp4``); ``--save-txt`` also writes ``--output/labels/<name>.txt`` (YOLO format:
 ``class cx cy w h`` normalised, ``+ conf`` with ``--save-conf``; video frames as
-``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C.
+``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C; every camera and
+stream is opened before anything is written, and a run that could read no image or frame at all
+is one line (exit 2) that leaves no output folder. The precision (the run's autocast, or
+``--half``'s float16 weights instead) is logged.
 
 YOLOv5's extras: ``--save-crop`` cuts each box from the original picture into
 ``OUTPUT/crops/<class>/<name>.jpg``; ``--hide-labels``, ``--hide-conf``, ``--line-thickness``
@@ -31,6 +35,8 @@ after the folder when several sources are given (``a/``, ``a_2/`` for a second f
 from __future__ import annotations
 
 import argparse
+import contextlib
+import glob
 import logging
 import math
 import os
@@ -73,17 +79,21 @@ from train_utils.cli import (
     check_environment,
     check_img_size,
     first_free_folder,
-    parse_args,
     project_folder,
-    run_main,
-    setup_console_logging,
+    run_script,
     take_from_run,
 )
 from train_utils.distributed.devices import select_device
 from train_utils.evaluation.detection_files import write_yolo_txt
 from train_utils.evaluation.plots import class_colour, write_image
 from train_utils.load_model import model_from_weights
-from train_utils.precision import autocast_context, replay_precision, to_model_input
+from train_utils.precision import (
+    InferencePrecision,
+    autocast_context,
+    inference_precision,
+    replay_precision,
+    to_model_input,
+)
 from train_utils.threads import adapt_threads
 
 logger = logging.getLogger("predict")
@@ -105,15 +115,15 @@ CROP_PAD = 10
 CROPS_DIR = "crops"
 
 
-def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("YOLOv3-SPP prediction", formatter_class=HelpFormatter)
+def _add_source_flags(p: argparse.ArgumentParser) -> None:
     add_weights_flags(p, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
     p.add_argument(
         "--source",
         nargs="+",
         required=True,
-        help="image or video files, folders (images and videos inside), a camera "
-        "index (0) or a stream URL (rtsp://, rtmp://, http(s)://)",
+        help="image or video files, folders (images and videos inside), a quoted glob pattern "
+        "('dir/*.jpg', 'dir/**/*.png'), a camera index (0) or a stream URL (rtsp://, rtmp://, "
+        "http(s)://)",
     )
     add_model_flag(p, None)
     p.add_argument(
@@ -126,6 +136,9 @@ def get_parser() -> argparse.ArgumentParser:
         default=None,
         help=".names file, one class per line (default: the checkpoint's names, else class ids)",
     )
+
+
+def _add_output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output",
         default="runs/predict",
@@ -138,18 +151,6 @@ def get_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="write into an --output (or --project/--name) folder that already holds files "
         "(same names are replaced)",
-    )
-    add_img_size_flag(p, None, "inference size, a multiple of 32 (default: the run's)")
-    p.add_argument("--conf-thres", type=float, default=0.3, help="confidence threshold")
-    p.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
-    p.add_argument("--max-det", type=int, default=300, help="detections kept per image")
-    p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
-    p.add_argument(
-        "--classes",
-        type=int,
-        nargs="+",
-        default=None,
-        help="keep only these class ids, e.g. --classes 0 2 (default: all)",
     )
     p.add_argument(
         "--save-txt",
@@ -172,6 +173,21 @@ def get_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="box line width in pixels",
     )
+
+
+def _add_detection_flags(p: argparse.ArgumentParser) -> None:
+    add_img_size_flag(p, None, "inference size, a multiple of 32 (default: the run's)")
+    p.add_argument("--conf-thres", type=float, default=0.3, help="confidence threshold")
+    p.add_argument("--iou-thres", type=float, default=0.6, help="NMS IoU threshold")
+    p.add_argument("--max-det", type=int, default=300, help="detections kept per image")
+    p.add_argument("--agnostic-nms", action="store_true", help="NMS across classes")
+    p.add_argument(
+        "--classes",
+        type=int,
+        nargs="+",
+        default=None,
+        help="keep only these class ids, e.g. --classes 0 2 (default: all)",
+    )
     p.add_argument(
         "--vid-stride",
         type=int,
@@ -184,9 +200,17 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--half",
         action="store_true",
-        help="fp16 weights and inputs (CUDA only; --amp is fp16 autocast)",
+        help="fp16 weights and inputs (CUDA only), instead of the run's autocast; --amp is "
+        "autocast",
     )
     add_precision_flags(p, None, " (default: as the checkpoint's run)")
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("YOLOv3-SPP prediction", formatter_class=HelpFormatter)
+    _add_source_flags(p)
+    _add_output_flags(p)
+    _add_detection_flags(p)
     add_device_flags(p)
     return p
 
@@ -245,17 +269,15 @@ class Predictor:
         iou_thres: float,
         max_det: int,
         agnostic: bool,
-        amp: torch.dtype | None,
+        precision: InferencePrecision | None = None,
         classes: Sequence[int] | None = None,
-        half: bool = False,
         augment: bool = False,
     ):
-        if half and device.type != "cuda":
-            raise ConfigError(f"--half needs a CUDA device, not {device}; on CPU use --amp (bf16)")
-        self.model = model.to(device).eval()
-        if half:
-            self.model.half()  # fp16 weights; the input follows in __call__
-        self.device, self.img_size, self.amp, self.half = device, img_size, amp, half
+        # One dtype for the weights and the input, and the autocast decided with it
+        # (inference_precision): --half never meets a replayed bf16 autocast.
+        precision = precision or InferencePrecision(torch.float32, None, "float32")
+        self.model = model.to(device, precision.weights).eval()
+        self.device, self.img_size, self.precision = device, img_size, precision
         self.conf_thres, self.iou_thres = conf_thres, iou_thres
         self.max_det, self.agnostic, self.classes = max_det, agnostic, classes
         self.augment = augment
@@ -265,9 +287,8 @@ class Predictor:
         """Detections ``(n, 6)``: xyxy in ``img`` pixels, confidence, class."""
         lb, ratio, pad = letterbox(img, self.img_size, auto=True, scale_up=False)
         x = torch.from_numpy(np.ascontiguousarray(lb[:, :, ::-1].transpose(2, 0, 1)))
-        dtype = torch.float16 if self.half else torch.float32
-        x = to_model_input(x.unsqueeze(0), self.device, dtype=dtype)
-        with autocast_context(self.device, self.amp):
+        x = to_model_input(x.unsqueeze(0), self.device, dtype=self.precision.weights)
+        with autocast_context(self.device, self.precision.autocast):
             pred = detect(self.model, x, self.augment)
         det = non_max_suppression(
             pred.float(),
@@ -460,34 +481,14 @@ def plan_outputs(sources: Sequence[str]) -> list[Output]:
     ``x.txt``; ``a/x.jpg`` and ``b/x.jpg`` given as files) are told apart by ``_2``, ``_3``.
 
     Raises:
-        ConfigError: a source that does not exist, or a folder with no image or video in it.
+        ConfigError: a source that does not exist, a folder or pattern with no image or video,
+            or sources none of which is an image or video file to read.
     """
     folder_names: set[str] = set()
     stems: set[str] = set()
     outputs, renamed = [], []
     for s in sources:
-        if is_camera(s) or is_stream(s):
-            planned = [(s, Path(capture_name(s)))]
-        else:
-            p = Path(s)
-            if p.is_dir():
-                # Anything named like media but a folder is planned, so that a FIFO, socket or
-                # link loop named x.jpg is skipped with its reason rather than in silence.
-                files = sorted(f for f in p.rglob("*") if _is_media(f) and not f.is_dir())
-                if not files:
-                    raise ConfigError(
-                        f"--source {s}: no images or videos in this folder (images: "
-                        f"{' '.join(IMG_FORMATS)}; videos: {' '.join(sorted(VIDEO_SUFFIXES))})"
-                    )
-                # Why the folder's own name: a user finds a/x.jpg's result under OUTPUT/a/.
-                top = Path(_unique(p.resolve().name or "source", folder_names))
-                base = top if len(sources) > 1 else Path()
-                planned = [(f, base / f.relative_to(p).with_suffix("")) for f in files]
-            elif os.path.lexists(p):  # a file, or a FIFO/link loop skipped with its reason
-                planned = [(p, Path(p.stem))]
-            else:
-                raise ConfigError("--source: no such file or folder", p)
-        for source, stem in planned:
+        for source, stem in _planned(s, folder_names, len(sources) > 1):
             unique = Path(_unique(stem.as_posix(), stems))
             if unique != stem:
                 renamed.append(f"{source} -> {unique}")
@@ -498,13 +499,51 @@ def plan_outputs(sources: Sequence[str]) -> list[Output]:
     return outputs
 
 
+# What a source must hold, named where it holds none.
+MEDIA_KINDS = f"images: {' '.join(IMG_FORMATS)}; videos: {' '.join(sorted(VIDEO_SUFFIXES))}"
+GLOB_CHARS = "*?["  # a --source that does not exist and holds one of these is a pattern
+
+
+def _planned(s: str, folder_names: set[str], several: bool) -> list[tuple[str | Path, Path]]:
+    """What one ``--source`` holds, each with its output stem (see :func:`plan_outputs`)."""
+    if is_camera(s) or is_stream(s):
+        return [(s, Path(capture_name(s)))]
+    p = Path(s)
+    if p.is_dir():
+        # Anything named like media but a folder is planned, so that a FIFO, socket or
+        # link loop named x.jpg is skipped with its reason rather than in silence.
+        files = sorted(f for f in p.rglob("*") if _is_media(f) and not f.is_dir())
+        if not files:
+            raise ConfigError(f"--source {s}: no images or videos in this folder ({MEDIA_KINDS})")
+        # Why the folder's own name: a user finds a/x.jpg's result under OUTPUT/a/.
+        top = Path(_unique(p.resolve().name or "source", folder_names))
+        base = top if several else Path()
+        return [(f, base / f.relative_to(p).with_suffix("")) for f in files]
+    if os.path.lexists(p):  # a file, or a FIFO/link loop skipped with its reason
+        return [(p, Path(p.stem))]
+    if any(c in s for c in GLOB_CHARS):
+        # A quoted pattern (YOLOv5 takes 'dir/*.jpg'; ** reaches into sub-folders): its
+        # files, as if each were given.
+        found = sorted(Path(m) for m in glob.glob(s, recursive=True))
+        files = [f for f in found if _is_media(f) and not f.is_dir()]
+        if not files:
+            what = "no file" if not found else "no image or video file"
+            raise ConfigError(f"--source {s}: {what} matches this pattern ({MEDIA_KINDS})")
+        return [(f, Path(f.stem)) for f in files]
+    raise ConfigError("--source: no such file or folder", p)
+
+
 def _refuse_if_nothing_readable(outputs: Sequence[Output]) -> None:
     """One line (before the model loads or the output folder exists) when no planned source is
     a readable file: ``--source /dev/zero`` or a folder of FIFOs has nothing to predict on, as
     YOLOv5 says for an empty source. Mixed sources keep going: each bad one is skipped."""
     problems = []
     for o in outputs:
-        problem = file_problem(o.source, None) if isinstance(o.source, Path) else None
+        if not isinstance(o.source, Path):
+            return
+        problem = file_problem(o.source, None)
+        if problem is None and not _is_media(o.source):
+            problem = f"not an image or video file ({MEDIA_KINDS})"
         if problem is None:
             return
         problems.append(f"{o.source}: {problem}")
@@ -557,10 +596,11 @@ def check_not_over_sources(
 
 def choose_output_dir(
     requested: Path, exist_ok: bool, sources: Sequence[str], outputs: Sequence[Output]
-) -> Path:
-    """Create and return the folder this run writes: ``requested``, or when it already holds
-    files (an earlier run's predictions) and not ``exist_ok``, the first of ``requested2``,
-    ``requested3``, ... that is new or empty, as YOLOv5 numbers ``exp2``.
+) -> tuple[Path, bool]:
+    """Create and return the folder this run writes, and whether it was new: ``requested``,
+    or when it already holds files (an earlier run's predictions) and not ``exist_ok``, the
+    first of ``requested2``, ``requested3``, ... that is new or empty, as YOLOv5 numbers
+    ``exp2``.
 
     Raises:
         ConfigError: the folder overlaps a source (see :func:`check_not_over_sources`), or a
@@ -577,7 +617,8 @@ def choose_output_dir(
             out,
         )
     check_not_over_sources(out, sources, outputs)
-    return make_output_dir(out, OUTPUT_FLAG)
+    created = not out.exists()
+    return make_output_dir(out, OUTPUT_FLAG), created
 
 
 def open_capture(source: str | Path) -> cv2.VideoCapture:
@@ -617,176 +658,287 @@ def output_fps(source_fps: float, vid_stride: int = 1) -> float:
     return held
 
 
+def open_video(source: str | Path) -> cv2.VideoCapture | None:
+    """The capture of a video file, camera or stream; None (with a warning) for a video file
+    that cannot be read.
+
+    Raises:
+        ConfigError: a camera or stream cannot be opened.
+    """
+    problem = file_problem(source, None) if isinstance(source, Path) else None
+    if problem is not None:
+        # A FIFO named clip.mp4 would block the decoder forever; a video has no size limit.
+        logger.warning("skipped: %s: %s", source, problem)
+        return None
+    cap = open_capture(source)
+    if cap.isOpened():
+        return cap
+    cap.release()
+    if isinstance(source, Path):
+        logger.warning("%s: cannot open as a video; skipped", source)
+        return None
+    if is_camera(source):
+        raise ConfigError(
+            f"--source {source}: cannot open camera {source}; check the index "
+            "and that no other program uses it"
+        )
+    raise ConfigError(
+        f"--source {source}: cannot open the stream; check the URL and that it is reachable"
+    )
+
+
+def open_live_sources(outputs: Sequence[Output]) -> dict[str, cv2.VideoCapture]:
+    """Every camera and stream of ``outputs``, opened before the model loads or anything is
+    written, so that one that cannot open is one line and leaves nothing behind.
+
+    Raises:
+        ConfigError: one cannot be opened (those opened before are released).
+    """
+    captures: dict[str, cv2.VideoCapture] = {}
+    try:
+        for o in outputs:
+            if isinstance(o.source, str):
+                captures[o.source] = open_video(o.source)
+    except BaseException:
+        for cap in captures.values():
+            cap.release()
+        raise
+    return captures
+
+
 def predict_video(
     predictor: Predictor,
     source: str | Path,
     saver: Saver,
     stem: Path | None = None,
     vid_stride: int = 1,
+    cap: cv2.VideoCapture | None = None,
 ) -> int:
-    """Detect in frames 1, 1 + ``vid_stride``, ... of a video file, camera or stream and write
-    them to ``<stem>.mp4`` at the source's frame rate / ``vid_stride`` (so the video lasts as
-    long as the source); ``stem``: the output path relative to OUTPUT, default
-    :func:`capture_name`. Labels and crops of a frame are named ``<stem>_<frame number>``
-    (see :meth:`Saver.frame_stem`).
+    """Detect in frames 1, 1 + ``vid_stride``, ... of a video file, camera or stream (``cap``:
+    already opened, see :func:`open_live_sources`) and write them to ``<stem>.mp4`` at the
+    source's frame rate / ``vid_stride`` (so the video lasts as long as the source); ``stem``:
+    the output path relative to OUTPUT, default :func:`capture_name`. Labels and crops of a
+    frame are named ``<stem>_<frame number>`` (see :meth:`Saver.frame_stem`).
     Returns the number of frames predicted.
 
     Raises:
         ConfigError: a camera or stream cannot be opened (a video file that cannot be read is a
             warning).
     """
-    problem = file_problem(source, None) if isinstance(source, Path) else None
-    if problem is not None:
-        # A FIFO named clip.mp4 would block the decoder forever; a video has no size limit.
-        logger.warning("skipped: %s: %s", source, problem)
+    cap = cap if cap is not None else open_video(source)
+    if cap is None:
         return 0
-    cap = open_capture(source)
-    if not cap.isOpened():
-        cap.release()
-        if isinstance(source, Path):
-            logger.warning("%s: cannot open as a video; skipped", source)
-            return 0
-        if is_camera(source):
-            raise ConfigError(
-                f"--source {source}: cannot open camera {source}; check the index "
-                "and that no other program uses it"
-            )
-        raise ConfigError(
-            f"--source {source}: cannot open the stream; check the URL and that it is reachable"
-        )
-    fps = output_fps(cap.get(cv2.CAP_PROP_FPS), vid_stride)
     name = stem if stem is not None else capture_name(source)
-    writer = None
     target = saver.out_dir / f"{name}.mp4"
     # Written under a hidden temporary name (ending .mp4: OpenCV picks the container by it) and
     # renamed onto ``target`` at the end, so an --exist-ok run that fails midway leaves the old
     # video whole; a Ctrl-C (a camera's usual end) keeps the frames so far.
     tmp = temp_path(target).with_suffix(".tmp.mp4")
-    frames = number = 0
+    video = _VideoOut(tmp, target, output_fps(cap.get(cv2.CAP_PROP_FPS), vid_stride))
     finished = False
     try:
-        while True:
-            # Skipped frames are grabbed, not decoded: a stride of N costs about 1/N.
-            if number % vid_stride and cap.grab():
-                number += 1
-                continue
-            ok, frame = cap.read()
-            if not ok:
-                break
-            number += 1
-            det = predictor(frame)
-            drawn = saver.draw(frame, det)
-            if writer is None:
-                h, w = drawn.shape[:2]
-                fourcc = cv2.VideoWriter_fourcc(*"mp4v")
-                writer = cv2.VideoWriter(str(tmp), fourcc, fps, (w, h))
-                if not writer.isOpened():  # OpenCV reports no reason, only that it failed
-                    raise OutputError(
-                        f"cannot write {target}: OpenCV cannot open it for writing; "
-                        f"check the place is writable and has space, or choose another "
-                        f"{OUTPUT_FLAG}"
-                    )
-            writer.write(drawn)
-            frames += 1
-            saver.save(frame, det, saver.frame_stem(name, number))
-            print(f"{source} frame {number}: {len(det)} detections")
+        frames = _predict_frames(predictor, cap, source, saver, name, vid_stride, video)
         finished = True
     except KeyboardInterrupt:
         finished = True
         raise
     finally:
         cap.release()
-        if writer is not None:
-            writer.release()
-        try:
-            if finished and writer is not None and tmp.exists():
-                with reported_write(target, OUTPUT_FLAG):  # a folder named clip.mp4: one line
-                    os.replace(tmp, target)
-                fsync_dir(target.parent)
-        finally:
-            tmp.unlink(missing_ok=True)
+        video.close(keep=finished)
     return frames
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(get_parser(), argv)
-    setup_console_logging()
+@dataclass
+class _VideoOut:
+    """An mp4 written at ``tmp`` and renamed onto ``target`` when kept; opened on the first
+    frame (its size is the frame's)."""
 
-    def body() -> None:
-        # A bad YOLO_THREADS or limit is reported before anything is loaded (as train.py does).
-        check_environment()
-        check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
-        check_at_least(
-            {
-                "--max-det": args.max_det,
-                "--line-thickness": args.line_thickness,
-                "--vid-stride": args.vid_stride,
-            },
-            1,
+    tmp: Path
+    target: Path
+    fps: float
+    writer: cv2.VideoWriter | None = None
+
+    def write(self, frame: np.ndarray) -> None:
+        if self.writer is None:
+            h, w = frame.shape[:2]
+            fourcc = cv2.VideoWriter_fourcc(*"mp4v")
+            self.writer = cv2.VideoWriter(str(self.tmp), fourcc, self.fps, (w, h))
+            if not self.writer.isOpened():  # OpenCV reports no reason, only that it failed
+                raise OutputError(
+                    f"cannot write {self.target}: OpenCV cannot open it for writing; "
+                    f"check the place is writable and has space, or choose another {OUTPUT_FLAG}"
+                )
+        self.writer.write(frame)
+
+    def close(self, keep: bool) -> None:
+        if self.writer is not None:
+            self.writer.release()
+        try:
+            if keep and self.writer is not None and self.tmp.exists():
+                with reported_write(self.target, OUTPUT_FLAG):  # a folder named clip.mp4
+                    os.replace(self.tmp, self.target)
+                fsync_dir(self.target.parent)
+        finally:
+            self.tmp.unlink(missing_ok=True)
+
+
+def _predict_frames(
+    predictor: Predictor,
+    cap: cv2.VideoCapture,
+    source: str | Path,
+    saver: Saver,
+    name: Path | str,
+    vid_stride: int,
+    video: _VideoOut,
+) -> int:
+    frames = number = 0
+    while True:
+        # Skipped frames are grabbed, not decoded: a stride of N costs about 1/N.
+        if number % vid_stride and cap.grab():
+            number += 1
+            continue
+        ok, frame = cap.read()
+        if not ok:
+            return frames
+        number += 1
+        det = predictor(frame)
+        video.write(saver.draw(frame, det))
+        frames += 1
+        saver.save(frame, det, saver.frame_stem(name, number))
+        print(f"{source} frame {number}: {len(det)} detections")
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
+    check_at_least(
+        {
+            "--max-det": args.max_det,
+            "--line-thickness": args.line_thickness,
+            "--vid-stride": args.vid_stride,
+        },
+        1,
+    )
+    if args.line_thickness > MAX_LINE_THICKNESS:
+        raise ConfigError(
+            f"--line-thickness {args.line_thickness}: at most {MAX_LINE_THICKNESS} pixels"
         )
-        if args.line_thickness > MAX_LINE_THICKNESS:
-            raise ConfigError(
-                f"--line-thickness {args.line_thickness}: at most {MAX_LINE_THICKNESS} pixels"
-            )
-        requested = project_folder(args, OUTPUT_FLAG, DEFAULT_PROJECT) or Path(args.output)
-        # Sources first: a missing or empty one is reported before the model is loaded.
-        outputs = plan_outputs(args.source)
-        device = select_device(args.device)
-        model, names, weights = load_model(args)
-        amp, _, _ = replay_precision(
-            weights.precision, weights.run.get("amp"), args.amp, False, device
-        )
-        if args.classes is not None and any(not 0 <= c < len(names) for c in args.classes):
-            raise ConfigError(f"--classes {args.classes}: class ids are 0..{len(names) - 1}")
-        predictor = Predictor(
-            model,
-            device,
-            args.img_size,
-            args.conf_thres,
-            args.iou_thres,
-            args.max_det,
-            args.agnostic_nms,
-            amp,
-            args.classes,
-            args.half,
-            args.augment,
-        )
-        out_dir = choose_output_dir(requested, args.exist_ok, args.source, outputs)
+
+
+def make_predictor(args: argparse.Namespace) -> tuple[Predictor, list[str]]:
+    """The model with the steps around it and the precision it computes in, and its class
+    names."""
+    device = select_device(args.device)
+    model, names, weights = load_model(args)
+    amp, _, why = replay_precision(
+        weights.precision, weights.run.get("amp"), args.amp, False, device
+    )
+    precision = inference_precision(amp, why, args.half, args.amp, device)
+    if args.classes is not None and any(not 0 <= c < len(names) for c in args.classes):
+        raise ConfigError(f"--classes {args.classes}: class ids are 0..{len(names) - 1}")
+    predictor = Predictor(
+        model,
+        device,
+        args.img_size,
+        args.conf_thres,
+        args.iou_thres,
+        args.max_det,
+        args.agnostic_nms,
+        precision,
+        args.classes,
+        args.augment,
+    )
+    return predictor, names
+
+
+def predict_image(predictor: Predictor, saver: Saver, path: Path, stem: Path) -> bool:
+    """Detect in one image file, print the detections, write the drawn picture (and labels,
+    crops); False when it is skipped (not an image, unreadable)."""
+    if not is_image_file(path):
+        logger.warning("%s: not an image or video file; skipped", path)
+        return False
+    try:
+        img = read_image(path)
+    except DatasetError as e:  # one bad image is reported and skipped, never fatal
+        logger.warning("skipped: %s", e)
+        return False
+    det = predictor(img)
+    names = saver.names
+    items = ", ".join(
+        f"{names[int(c)] if int(c) < len(names) else int(c)} {conf:.2f} "
+        f"[{x1:.0f},{y1:.0f},{x2:.0f},{y2:.0f}]"
+        for x1, y1, x2, y2, conf, c in det.tolist()
+    )
+    print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
+    # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
+    target = saver.out_dir / stem.parent / (stem.name + path.suffix)
+    write_image(target, saver.draw(img, det), OUTPUT_FLAG)
+    saver.save(img, det, stem)
+    return True
+
+
+def remove_empty_folders(folder: Path, created: bool) -> None:
+    """Remove the empty folders this run made under ``folder`` (and ``folder`` itself when it
+    ``created`` it): a run that wrote nothing leaves nothing."""
+    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
+        with contextlib.suppress(OSError):
+            sub.rmdir()  # only an empty one goes
+    if created:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+def predict_sources(
+    args: argparse.Namespace,
+    predictor: Predictor,
+    saver: Saver,
+    outputs: Sequence[Output],
+    captures: dict[str, cv2.VideoCapture],
+) -> tuple[int, int]:
+    """Every planned source in order; (images drawn, video frames drawn)."""
+    n_images = n_frames = 0
+    for item in outputs:
+        path, stem = item.source, item.stem
+        saver.prepare(stem)
+        if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
+            cap = captures.pop(path, None) if isinstance(path, str) else None
+            n_frames += predict_video(predictor, path, saver, stem, args.vid_stride, cap)
+        else:
+            n_images += predict_image(predictor, saver, path, stem)
+    return n_images, n_frames
+
+
+def predict(args: argparse.Namespace) -> None:
+    # A bad YOLO_THREADS or limit is reported before anything is loaded (as train.py does).
+    check_environment()
+    check_flags(args)
+    requested = project_folder(args, OUTPUT_FLAG, DEFAULT_PROJECT) or Path(args.output)
+    # Sources first: a missing or empty one is reported before the model is loaded.
+    outputs = plan_outputs(args.source)
+    captures = open_live_sources(outputs)
+    try:
+        predictor, names = make_predictor(args)
+        out_dir, created = choose_output_dir(requested, args.exist_ok, args.source, outputs)
+        logger.info("%s", predictor.precision.describe())
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
         planned = [o.stem.as_posix() for o in outputs]
         saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop, planned)
-        n_images = n_frames = 0
-        for item in outputs:
-            path, stem = item.source, item.stem
-            saver.prepare(stem)
-            if not isinstance(path, Path) or path.suffix.lower() in VIDEO_SUFFIXES:
-                n_frames += predict_video(predictor, path, saver, stem, args.vid_stride)
-                continue
-            if not is_image_file(path):
-                logger.warning("%s: not an image or video file; skipped", path)
-                continue
-            try:
-                img = read_image(path)
-            except DatasetError as e:  # one bad image is reported and skipped, never fatal
-                logger.warning("skipped: %s", e)
-                continue
-            det = predictor(img)
-            items = ", ".join(
-                f"{names[int(c)] if int(c) < len(names) else int(c)} {conf:.2f} "
-                f"[{x1:.0f},{y1:.0f},{x2:.0f},{y2:.0f}]"
-                for x1, y1, x2, y2, conf, c in det.tolist()
-            )
-            print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
-            # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
-            target = out_dir / stem.parent / (stem.name + path.suffix)
-            write_image(target, saver.draw(img, det), OUTPUT_FLAG)
-            saver.save(img, det, stem)
-            n_images += 1
-        # Frames counted apart: a run of videos only is not "0 images drawn".
-        frames = f" and {n_frames} video frames" if n_frames else ""
-        logger.info("%d images%s drawn in %s", n_images, frames, out_dir)
+        n_images, n_frames = predict_sources(args, predictor, saver, outputs, captures)
+    finally:
+        for cap in captures.values():
+            cap.release()
+    if not n_images and not n_frames:
+        remove_empty_folders(out_dir, created)
+        raise ConfigError(
+            f"--source {' '.join(args.source)}: no image or video frame could be read (each "
+            "one skipped above); nothing written"
+        )
+    # Frames counted apart: a run of videos only is not "0 images drawn".
+    frames = f" and {n_frames} video frames" if n_frames else ""
+    logger.info("%d images%s drawn in %s", n_images, frames, out_dir)
 
-    return run_main(body)
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), predict, argv)
 
 
 if __name__ == "__main__":

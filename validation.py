@@ -25,7 +25,10 @@ also logged), the TIDE error breakdown (``errors.json``, also logged: how many f
 are classification, localisation, both, duplicate and background errors, how many labels were
 missed, and the AP50 each type costs), the confusion matrix, the P/R/F1/PR curves and the first
 validation images with labels and predictions (``--no-plots`` skips the pictures), and with
-``--save-txt`` one YOLO ``.txt`` per image in ``--save-dir/labels``.
+``--save-txt`` one YOLO ``.txt`` per image in ``--save-dir/labels``. ``--project/--name`` folders
+are numbered as YOLOv5's; with ``--exist-ok`` the previous report there is first moved into
+``replaced-<time>/``. An existing ``--json-out`` file or ``--save-json`` file is replaced only
+with ``--exist-ok``.
 
 ``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
 ``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
@@ -42,11 +45,13 @@ import json
 import logging
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from build_utils.atomic import check_output_place, make_output_dir, write_text
+from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
 from build_utils.checks import check_at_least, check_fractions
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
@@ -72,10 +77,8 @@ from train_utils.cli import (
     check_environment,
     check_img_size,
     first_free_folder,
-    parse_args,
     project_folder,
-    run_main,
-    setup_console_logging,
+    run_script,
     switch,
     take_from_run,
 )
@@ -102,7 +105,9 @@ from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import write_eval_report
 from train_utils.evaluation.speed import measure_speed
 from train_utils.load_model import model_from_weights
-from train_utils.precision import replay_precision
+from train_utils.precision import InferencePrecision, replay_precision
+from train_utils.run_folder import REPLACED_PREFIX, RUN_FILES, holds_run
+from train_utils.run_folder import _move_previous_run as move_previous_report
 
 logger = logging.getLogger("validation")
 
@@ -119,15 +124,11 @@ RUN_SETTINGS = {
     "coco_backend": "auto",
 }
 RUN_HINT = " (default: as the checkpoint's run)"
+GT_JSON, PRED_JSON = "ground_truth.json", "predictions.json"  # --save-json's files
+SOURCE_STATS_JSON = "source_stats.json"  # --coco-gt's stats, beside them
 
 
-def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser("YOLOv3-SPP validation", formatter_class=HelpFormatter)
-    g = p.add_argument_group("model and data")
-    add_weights_flags(g, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
-    add_model_flag(g, None)
-    add_data_flags(g, None, single_cls_default=None)
-    g = p.add_argument_group("evaluation")
+def _add_evaluation_flags(g: argparse._ArgumentGroup) -> None:
     add_img_size_flag(g, None, "inference size, a multiple of 32" + RUN_HINT)
     g.add_argument(
         "--batch-size",
@@ -148,7 +149,9 @@ def get_parser() -> argparse.ArgumentParser:
         help="val: COCO mAP, per-class table and pictures; speed: ms per image of "
         "pre-process, inference and NMS",
     )
-    g = p.add_argument_group("output")
+
+
+def _add_report_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--save-dir",
         default=DEFAULT_SAVE_DIR,
@@ -161,8 +164,8 @@ def get_parser() -> argparse.ArgumentParser:
         "--exist-ok",
         action="store_true",
         help="with --project/--name (or no --save-dir): write into DIR/NAME even when it holds "
-        "files (same names "
-        "are replaced)",
+        "files, the previous report moved into DIR/NAME/replaced-<time>/; replace an existing "
+        "--json-out file or --save-json DIR's JSON files",
     )
     switch(g, "--plots", True, "draw the confusion matrix, P/R/F1/PR curves and validation images")
     g.add_argument(
@@ -171,6 +174,9 @@ def get_parser() -> argparse.ArgumentParser:
         help="write SAVE_DIR/labels/<image>.txt: class cx cy w h normalised, one detection a line",
     )
     g.add_argument("--save-conf", action="store_true", help="add the confidence to --save-txt")
+
+
+def _add_json_flags(g: argparse._ArgumentGroup) -> None:
     switch(
         g,
         "--coco-ids",
@@ -185,16 +191,17 @@ def get_parser() -> argparse.ArgumentParser:
         const=True,  # bare --save-json (YOLOv5's habit): into the report folder
         default=None,
         metavar="DIR",
-        help="write DIR/ground_truth.json and DIR/predictions.json (COCO format; DIR left out: "
+        help=f"write DIR/{GT_JSON} and DIR/{PRED_JSON} (COCO format; DIR left out: "
         "the report folder, --save-dir or --project/--name; default: none)",
     )
     g.add_argument(
         "--coco-gt",
         default=None,
         metavar="FILE",
-        help="with --save-json: also score predictions.json with pycocotools against this COCO "
+        help=f"with --save-json: also score {PRED_JSON} with pycocotools against this COCO "
         "JSON (the file tools/coco2yolo.py converted, or COCO's own), its crowd regions "
-        "ignored as pycocotools does; the 12 stats go to DIR/source_stats.json (default: none)",
+        f"ignored as pycocotools does; the 12 stats go to DIR/{SOURCE_STATS_JSON} (default: "
+        "none)",
     )
     g.add_argument(
         "--json-out",
@@ -202,6 +209,18 @@ def get_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="write the 12 COCO stats as JSON with the results.csv names (default: none)",
     )
+
+
+def get_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser("YOLOv3-SPP validation", formatter_class=HelpFormatter)
+    g = p.add_argument_group("model and data")
+    add_weights_flags(g, required=True, help="checkpoint .pt, state_dict .pt or Darknet .weights")
+    add_model_flag(g, None)
+    add_data_flags(g, None, single_cls_default=None)
+    _add_evaluation_flags(p.add_argument_group("evaluation"))
+    output = p.add_argument_group("output")
+    _add_report_flags(output)
+    _add_json_flags(output)
     add_device_flags(p.add_argument_group("device"), 2, "DataLoader workers per process")
     add_local_rank_flag(p)
     return p
@@ -232,12 +251,7 @@ def evaluation_options(
     amp, channels_last, why = replay_precision(
         weights.precision, weights.run.get("amp"), args.amp, args.channels_last, device
     )
-    logger.info(
-        "precision: %s (%s), %s",
-        "full" if amp is None else str(amp).removeprefix("torch."),
-        why,
-        "channels_last" if channels_last else "contiguous",
-    )
+    logger.info("%s", InferencePrecision(torch.float32, amp, why).describe(channels_last))
     return eval_options(
         vars(args),
         device,
@@ -331,7 +345,7 @@ def score_against_file(
         format_report(stats),
     )
     text = json.dumps({k: float(v) for k, v in zip(STAT_NAMES, stats)}, indent=2)
-    write_text(out / "source_stats.json", text, "--save-json")
+    write_text(out / SOURCE_STATS_JSON, text, "--save-json")
 
 
 def format_report(stats: Sequence[float]) -> str:
@@ -339,128 +353,190 @@ def format_report(stats: Sequence[float]) -> str:
     return "\n".join(f"{name:>12s} {value:.4f}" for name, value in zip(STAT_NAMES, stats))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(get_parser(), argv)
-    setup_console_logging()
+def report_place(args: argparse.Namespace) -> Path | None:
+    """``--project/--name``'s folder, numbered at the end (YOLOv5's ``runs/val/exp`` when no
+    folder is named at all, so that a second validation neither writes over the first's report
+    nor mixes its labels/ in); None: ``--save-dir``, used as given."""
+    requested = project_folder(args, "--save-dir", DEFAULT_SAVE_DIR)
+    if requested is None and "save_dir" not in getattr(args, "given", ()):
+        requested = Path(DEFAULT_SAVE_DIR) / DEFAULT_RUN_NAME
+    return requested
 
-    def body() -> None:
-        # A bad YOLO_THREADS or limit is reported before anything is loaded (as train.py does).
-        check_environment()
-        requested = project_folder(args, "--save-dir", DEFAULT_SAVE_DIR)
-        if requested is None and "save_dir" not in getattr(args, "given", ()):
-            # No folder named at all: YOLOv5's runs/val/exp, exp2, ..., so that a second
-            # validation neither writes over the first's report nor mixes its labels/ in.
-            requested = Path(DEFAULT_SAVE_DIR) / DEFAULT_RUN_NAME
-        # A place that no write could use is one line now, not after the evaluation.
-        if requested is None:
-            check_output_place(args.save_dir, "--save-dir", folder=True)
-        if args.save_json not in (None, True):
-            check_output_place(args.save_json, "--save-json", folder=True)
-        if args.json_out:
-            check_output_place(args.json_out, "--json-out")
-        weights = read_weights(args.weights, trust=args.trust_checkpoint)
-        resolve_settings(args, weights)
-        dist = init_distributed_mode(args)
+
+def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
+    """Before the evaluation: a place no write could use, a JSON file that exists (without
+    --exist-ok) or is the weights, and an --exist-ok that would move a training run aside."""
+    if requested is None:
+        check_output_place(args.save_dir, "--save-dir", folder=True)
+    elif args.exist_ok and requested.is_dir() and holds_run(requested):
+        raise ConfigError(
+            f"--exist-ok would move the previous report in {requested} aside, and it holds a "
+            f"training run ({', '.join(RUN_FILES)}): choose another --name for the report"
+        )
+    reads = {"the --weights file": args.weights}
+    json_dir = args.save_json
+    if json_dir is True:  # bare: the report folder, when it is known now
+        json_dir = args.save_dir if requested is None else None
+    if json_dir is not None:
+        check_output_place(json_dir, "--save-json", folder=True)
+        names = [GT_JSON, PRED_JSON, *([SOURCE_STATS_JSON] if args.coco_gt else [])]
+        outputs = [Path(json_dir) / n for n in names]
+        check_new_outputs(outputs, "--save-json", args.exist_ok, reads)
+    if args.json_out:
+        check_output_place(args.json_out, "--json-out")
+        check_new_outputs([args.json_out], "--json-out", args.exist_ok, reads)
+
+
+@dataclass
+class Evaluation:
+    """What one validation evaluates: the data, options, model and loader, the COCO ground
+    truth (rank 0) and the ids --save-json writes (see :func:`json_ids`)."""
+
+    data: DataConfig
+    opts: EvalOptions
+    model: Darknet
+    dataset: Any
+    loader: Any
+    gt_ids: list[int] | None
+    coco_ids: Any
+    coco_gt: Any
+
+
+def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evaluation:
+    device = dist.device
+    data = load_data_config(args.data, args.single_cls)
+    opts = evaluation_options(args, weights, device, dist.is_main)
+    data_nc = load_data_config(args.data).nc if args.single_cls else data.nc
+    model = build_model(args, weights, data.nc, device, opts.channels_last, data_nc)
+    dataset = make_eval_dataset(
+        data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
+    )
+    gt_ids = eval_image_ids(data, dataset.img_files)
+    coco_ids = json_ids(args, data, dataset.img_files, gt_ids) if args.save_json else None
+    if args.coco_gt and coco_ids is None:
+        raise ConfigError(
+            "--coco-gt scores predictions with the ids of a COCO JSON: it needs "
+            "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
+        )
+    loader = make_eval_loader(
+        dataset, args.batch_size, dist.world_size, dist.rank, args.workers, device.type == "cuda"
+    )
+    coco_gt = None
+    if dist.is_main:
+        coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc, image_ids=gt_ids)
+    return Evaluation(data, opts, model, dataset, loader, gt_ids, coco_ids, coco_gt)
+
+
+def report_speed(args: argparse.Namespace, ev: Evaluation, is_main: bool) -> None:
+    speed = measure_speed(ev.model, ev.loader, ev.opts)
+    if is_main:
+        logger.info(
+            "%s; weights %s, img %d%s",
+            speed.format(),
+            args.weights,
+            args.img_size,
+            # The setting beside the number: --augment runs three passes.
+            ", test-time augmentation" if args.augment else "",
+        )
+
+
+def report_folder(args: argparse.Namespace, requested: Path | None) -> tuple[Path, str]:
+    """The folder the report goes to and the flag that chose it: ``--save-dir`` as given, else
+    ``--project/--name``'s numbered folder (YOLOv5's); with --exist-ok its previous report is
+    first moved into ``replaced-<time>/``, as train.py moves a previous run."""
+    if requested is None:
+        return Path(args.save_dir), "--save-dir"
+    save_dir = first_free_folder(requested, args.exist_ok)
+    previous = save_dir.is_dir() and any(
+        not p.name.startswith(REPLACED_PREFIX) for p in save_dir.iterdir()
+    )
+    if args.exist_ok and previous:
         try:
-            device = dist.device
-            data = load_data_config(args.data, args.single_cls)
-            opts = evaluation_options(args, weights, device, dist.is_main)
-            data_nc = load_data_config(args.data).nc if args.single_cls else data.nc
-            model = build_model(args, weights, data.nc, device, opts.channels_last, data_nc)
-            dataset = make_eval_dataset(
-                data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
-            )
-            gt_ids = eval_image_ids(data, dataset.img_files)
-            coco_ids = None
-            if args.save_json:
-                coco_ids = json_ids(args, data, dataset.img_files, gt_ids)
-            if args.coco_gt and coco_ids is None:
-                raise ConfigError(
-                    "--coco-gt scores predictions with the ids of a COCO JSON: it needs "
-                    "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
-                )
-            loader = make_eval_loader(
-                dataset,
-                args.batch_size,
-                dist.world_size,
-                dist.rank,
-                args.workers,
-                device.type == "cuda",
-            )
-            coco_gt = None
-            if dist.is_main:
-                coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc, image_ids=gt_ids)
-            if args.task == "speed":
-                speed = measure_speed(model, loader, opts)
-                if dist.is_main:
-                    logger.info(
-                        "%s; weights %s, img %d%s",
-                        speed.format(),
-                        args.weights,
-                        args.img_size,
-                        # The setting beside the number: --augment runs three passes.
-                        ", test-time augmentation" if args.augment else "",
-                    )
-                return
-            # Images deleted or damaged since the dataset was checked are scored as blank.
-            watched = UnreadableImages(loader)
-            stats, per_class, detections = evaluate(model, watched, coco_gt, opts)
-            log_unreadable(None, "val", watched.take(), dist.rank if dist.distributed else None)
-            if not dist.is_main:
-                return
-            logger.info(
-                "%d images, conf %.3g, NMS IoU %.2f, img %d%s, weights %s, scored by %s\n%s",
-                len(dataset),
-                args.conf_thres,
-                args.iou_thres,
-                args.img_size,
-                ", test-time augmentation" if args.augment else "",
-                args.weights,
-                opts.backend,
-                format_report(stats),
-            )
-            # --project/--name: YOLOv5's numbered folders; --save-dir: the folder as given.
-            save_dir, flag = Path(args.save_dir), "--save-dir"
-            if requested is not None:
-                save_dir, flag = first_free_folder(requested, args.exist_ok), "--project/--name"
-                logger.info("writing the report to %s", save_dir)
-            write_eval_report(
-                save_dir, coco_gt, detections, data.names, per_class, args.plots, flag
-            )
-            report_errors(save_dir, coco_gt, detections, flag)
-            if args.save_txt:
-                labels = save_dir / "labels"
-                n = write_dataset_txt(labels, coco_gt, detections, args.save_conf, flag)
-                logger.info("wrote %d label files in %s", n, save_dir / "labels")
-            if args.save_json:
-                out = make_output_dir(
-                    save_dir if args.save_json is True else args.save_json, "--save-json"
-                )
-                gt = coco_dict_from_dataset(dataset, data.nc, gt_ids)
-                id_source = "dataset index and class"
-                if coco_ids is not None:
-                    image_ids, category_ids, id_source = coco_ids
-                    gt = gt_to_official_coco_ids(gt, image_ids, data.names, category_ids)
-                    detections = to_official_coco_ids(detections, image_ids, category_ids)
-                write_text(out / "ground_truth.json", json.dumps(gt), "--save-json")
-                write_text(out / "predictions.json", json.dumps(detections), "--save-json")
-                logger.info(
-                    "wrote %s and %s (%s ids)",
-                    out / "ground_truth.json",
-                    out / "predictions.json",
-                    id_source,
-                )
-                if args.coco_gt:
-                    score_against_file(args, [im["id"] for im in gt["images"]], detections, out)
-            if args.json_out:
-                json_out = Path(args.json_out)
-                make_output_dir(json_out.parent, "--json-out")
-                stats_by_name = {k: float(v) for k, v in zip(STAT_NAMES, stats)}
-                write_text(json_out, json.dumps(stats_by_name, indent=2), "--json-out")
-        finally:
-            cleanup()
+            moved = move_previous_report(save_dir)
+        except OSError as e:
+            raise ConfigError(
+                f"--exist-ok: cannot move the previous report aside: {e.strerror or e}", save_dir
+            ) from e
+        logger.info("--exist-ok: the previous report in %s was moved to %s", save_dir, moved)
+    logger.info("writing the report to %s", save_dir)
+    return save_dir, "--project/--name"
 
-    return run_main(body)
+
+def write_coco_json(
+    args: argparse.Namespace, ev: Evaluation, detections: list[dict], save_dir: Path
+) -> None:
+    """--save-json: the ground truth and the detections as COCO JSON (with --coco-gt, scored
+    against that file too)."""
+    out = make_output_dir(save_dir if args.save_json is True else args.save_json, "--save-json")
+    gt = coco_dict_from_dataset(ev.dataset, ev.data.nc, ev.gt_ids)
+    id_source = "dataset index and class"
+    if ev.coco_ids is not None:
+        image_ids, category_ids, id_source = ev.coco_ids
+        gt = gt_to_official_coco_ids(gt, image_ids, ev.data.names, category_ids)
+        detections = to_official_coco_ids(detections, image_ids, category_ids)
+    write_text(out / GT_JSON, json.dumps(gt), "--save-json")
+    write_text(out / PRED_JSON, json.dumps(detections), "--save-json")
+    logger.info("wrote %s and %s (%s ids)", out / GT_JSON, out / PRED_JSON, id_source)
+    if args.coco_gt:
+        score_against_file(args, [im["id"] for im in gt["images"]], detections, out)
+
+
+def score_and_report(
+    args: argparse.Namespace, ev: Evaluation, dist: Any, requested: Path | None
+) -> None:
+    # Images deleted or damaged since the dataset was checked are scored as blank.
+    watched = UnreadableImages(ev.loader)
+    stats, per_class, detections = evaluate(ev.model, watched, ev.coco_gt, ev.opts)
+    log_unreadable(None, "val", watched.take(), dist.rank if dist.distributed else None)
+    if not dist.is_main:
+        return
+    logger.info(
+        "%d images, conf %.3g, NMS IoU %.2f, img %d%s, weights %s, scored by %s\n%s",
+        len(ev.dataset),
+        args.conf_thres,
+        args.iou_thres,
+        args.img_size,
+        ", test-time augmentation" if args.augment else "",
+        args.weights,
+        ev.opts.backend,
+        format_report(stats),
+    )
+    save_dir, flag = report_folder(args, requested)
+    write_eval_report(save_dir, ev.coco_gt, detections, ev.data.names, per_class, args.plots, flag)
+    report_errors(save_dir, ev.coco_gt, detections, flag)
+    if args.save_txt:
+        n = write_dataset_txt(save_dir / "labels", ev.coco_gt, detections, args.save_conf, flag)
+        logger.info("wrote %d label files in %s", n, save_dir / "labels")
+    if args.save_json:
+        write_coco_json(args, ev, detections, save_dir)
+    if args.json_out:
+        json_out = Path(args.json_out)
+        make_output_dir(json_out.parent, "--json-out")
+        stats_by_name = {k: float(v) for k, v in zip(STAT_NAMES, stats)}
+        write_text(json_out, json.dumps(stats_by_name, indent=2), "--json-out")
+
+
+def validate(args: argparse.Namespace) -> None:
+    # A bad YOLO_THREADS or limit is reported before anything is loaded (as train.py does).
+    check_environment()
+    requested = report_place(args)
+    # A place that no write could use is one line now, not after the evaluation.
+    check_outputs(args, requested)
+    weights = read_weights(args.weights, trust=args.trust_checkpoint)
+    resolve_settings(args, weights)
+    dist = init_distributed_mode(args)
+    try:
+        ev = prepare(args, weights, dist)
+        if args.task == "speed":
+            report_speed(args, ev, dist.is_main)
+        else:
+            score_and_report(args, ev, dist, requested)
+    finally:
+        cleanup()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_parser(), validate, argv)
 
 
 if __name__ == "__main__":

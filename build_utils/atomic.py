@@ -20,7 +20,7 @@ import contextlib
 import errno
 import os
 import secrets
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
@@ -182,6 +182,39 @@ def check_not_an_input(
     for what, read in inputs.items():
         if read is not None and out.exists() and Path(read).exists() and out.samefile(read):
             raise ConfigError(f"{flag} {out} is {what} this tool reads; choose another file")
+
+
+def check_new_outputs(
+    paths: Iterable[str | os.PathLike[str]],
+    flag: str,
+    exist_ok: bool,
+    inputs: Mapping[str, str | os.PathLike[str] | None] | None = None,
+) -> None:
+    """The output policy of every script and tool, checked before any work is done: each of
+    ``paths`` (what the tool is about to write, at places ``flag`` chose) is none of the files
+    it reads (``inputs``, see :func:`check_not_an_input`), can be written
+    (:func:`check_output_place`, for the paths that do not exist yet), and does not exist
+    unless ``exist_ok``. An existing one is refused whoever wrote it, the user or this tool in
+    an earlier run, and is named in the message: a tool never replaces a file unasked.
+
+    Raises:
+        ConfigError: an output is one of ``inputs``, or exists without ``exist_ok``.
+        OutputError: an output's place cannot be written (a file where a folder should be).
+    """
+    paths = [Path(p) for p in paths]
+    for path in paths:
+        if inputs:
+            check_not_an_input(path, flag, inputs)
+    taken = [p for p in paths if p.exists() or p.is_symlink()]
+    if taken and not exist_ok:
+        names = ", ".join(map(str, taken))
+        verb = "exists" if len(taken) == 1 else "exist"
+        raise ConfigError(
+            f"{names} already {verb}; pass --exist-ok to replace, or choose another {flag}"
+        )
+    for path in paths:
+        if path not in taken:
+            check_output_place(path, flag)
 
 
 @contextlib.contextmanager

@@ -611,14 +611,30 @@ def load_label_cache(path: Path, key: str, nc: int | None = None) -> LabelCache 
     )
 
 
-def write_report(path: Path, header: str, lines: Sequence[str]) -> None:
-    """Write the per-file problem list; a failure is only a warning."""
+def write_report(path: Path, header: str, lines: Sequence[str], warn: bool = True) -> None:
+    """Write the per-file problem list; a failure is only a warning (``warn``: else a debug
+    line, where the cache's warning has already named the unwritable folder)."""
     try:
         with atomic_write(path, "w") as f:
             f.write(f"# {header}\n")
             f.writelines(line + "\n" for line in lines)
     except OSError as e:
-        LOGGER.warning("cannot write label report %s (%s)", path, e.strerror or e)
+        log = LOGGER.warning if warn else LOGGER.debug
+        log("cannot write label report %s (%s)", path, e.strerror or e)
+
+
+# Checked labels whose cache could not be written (a read-only dataset), kept for the rest of
+# the process by (cache file, key): the next dataset of the same files (the start-up check,
+# then the training set) reuses the check instead of doing it and warning again. A few
+# datasets' worth: a process reads its train and val sets, and tools a handful.
+_UNSAVED_MAX = 4
+_unsaved: dict[tuple[str, str], LabelCache] = {}
+
+
+def _remember_unsaved(cache_path: Path, key: str, cache: LabelCache) -> None:
+    _unsaved[(str(cache_path), key)] = cache
+    while len(_unsaved) > _UNSAVED_MAX:
+        del _unsaved[next(iter(_unsaved))]
 
 
 def load_labels(
@@ -634,8 +650,11 @@ def load_labels(
     exactly these files (names, image sizes and modification times, label contents) and ``nc``
     and agrees with itself; otherwise every file is checked now (:func:`build_label_cache`) and
     the cache and the problem report at ``report_path`` are rewritten. Unwritable files only
-    cost a warning."""
+    cost one warning per process: the check is kept in memory (see :data:`_unsaved`)."""
     key = label_cache_key(img_files, label_files, nc)
+    unsaved = _unsaved.get((str(cache_path), key))
+    if unsaved is not None:
+        return unsaved
     cache = load_label_cache(cache_path, key, nc)
     if cache is not None and cache.files != img_files:
         # The key hashes the file names, so this cache was altered after it was written.
@@ -647,6 +666,8 @@ def load_labels(
         cache = None
     if cache is None:
         cache = build_label_cache(img_files, label_files, nc, progress=progress, desc=desc)
-        save_label_cache(cache_path, key, cache)
-        write_report(report_path, cache.summary(), cache.report)
+        saved = save_label_cache(cache_path, key, cache)
+        write_report(report_path, cache.summary(), cache.report, warn=saved)
+        if not saved:
+            _remember_unsaved(cache_path, key, cache)
     return cache

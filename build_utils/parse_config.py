@@ -22,13 +22,13 @@ import copy
 import logging
 import math
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
-from build_utils.safe_yaml import compose_yaml, short_repr
+from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
 
 LOGGER = logging.getLogger(__name__)
 
@@ -943,10 +943,65 @@ def _resolve_data_path(value: str, data_dir: Path) -> str:
     return str(beside) if beside.exists() else str(p)
 
 
+def split_role(split: str, flag: str = "--split") -> str:
+    """The data.yaml key of a split name: train, val or test by its start (val2017 -> val).
+
+    Raises:
+        ConfigError: a name that starts with none of them (``flag``: the option that gave it).
+    """
+    for role in DATA_YAML_SPLITS:
+        if split.lower().startswith(role):
+            return role
+    raise ConfigError(
+        f"{flag} {short_text(split)}: name it train..., val... or test... (it becomes that "
+        "key of data.yaml)"
+    )
+
+
+def data_yaml_text(
+    splits: Mapping[str, str | list[str]],
+    names: Sequence[str],
+    header: str,
+    extra: Mapping[str, Any] | None = None,
+) -> str:
+    """An ultralytics data.yaml that :func:`parse_data_yaml` reads back: ``path`` its own
+    folder, the ``splits`` (role -> folder or list of folders, relative to it; roles in the
+    order train, val, test), ``names`` numbered 0..n-1, then ``extra`` keys; ``header`` a
+    comment line saying who wrote it."""
+    doc: dict[str, Any] = {"path": "."}
+    doc.update({role: splits[role] for role in DATA_YAML_SPLITS if role in splits})
+    doc["names"] = dict(enumerate(names))
+    doc.update(extra or {})
+    return f"# {header}; path is this file's folder\n" + dump_yaml(doc)
+
+
 def is_data_yaml(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` names an ultralytics ``data.yaml`` (by its extension) rather than a
     Darknet ``.data`` file."""
     return Path(path).suffix.lower() in DATA_YAML_SUFFIXES
+
+
+def _not_a_data_line(line: str, path: Path, number: int) -> ConfigError:
+    """The error for a ``.data`` line that is no ``key=value``, naming the file it looks like."""
+    if line.startswith("["):
+        # A model cfg ([net], [convolutional], ...) where the dataset file goes.
+        return ConfigError(
+            f"a model cfg (section {_quoted(line)}), not a dataset file: it goes to --cfg; "
+            "--data takes a .data or data.yaml file",
+            path,
+            number,
+        )
+    hint = ""
+    if path.suffix.lower() == ".json":
+        # A COCO user's first try: their instances JSON as --data.
+        hint = (
+            " (a COCO JSON? convert it with tools/coco2yolo.py --json FILE --images DIR "
+            "--out OUT, then pass OUT/data.yaml)"
+        )
+    elif ":" in line and not line.startswith(("/", "~")):
+        # `train: images/train` is the data.yaml schema, read by its extension.
+        hint = f" (a data.yaml? name it {path.stem}.yaml)"
+    return ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)
 
 
 def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -982,17 +1037,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         key, sep, value = line.partition("=")
         key, value = key.strip(), value.strip()
         if not sep or not key:
-            hint = ""
-            if path.suffix.lower() == ".json":
-                # A COCO user's first try: their instances JSON as --data.
-                hint = (
-                    " (a COCO JSON? convert it with tools/coco2yolo.py --json FILE --images DIR "
-                    "--out OUT, then pass OUT/data.yaml)"
-                )
-            elif ":" in line and not line.startswith(("/", "~")):
-                # `train: images/train` is the data.yaml schema, read by its extension.
-                hint = f" (a data.yaml? name it {path.stem}.yaml)"
-            raise ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)
+            raise _not_a_data_line(line, path, number)
         if key in lines:
             raise ConfigError(
                 f"duplicate key '{key}' (first set at line {lines[key]})", path, number

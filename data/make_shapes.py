@@ -32,6 +32,12 @@ from xml.sax.saxutils import escape
 import cv2
 import numpy as np
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as data/make_shapes.py
+
+from build_utils.checks import check_at_least
+from build_utils.errors import ConfigError
+from train_utils.cli import run_script
+
 CLASS_NAMES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "bar")
 # The demo's and the CLI's default: the first five. The others make harder sets (--classes 8).
 DEFAULT_CLASSES = 5
@@ -316,8 +322,8 @@ def _size_range(text: str) -> tuple[int, int]:
     return lo, hi
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
     parser.add_argument("--out", type=Path, default=Path("demo_data/shapes"), help="output folder")
     parser.add_argument("--n-train", type=int, default=1000, help="training images")
     parser.add_argument("--n-val", type=int, default=200, help="validation images")
@@ -349,9 +355,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--voc", action="store_true", help="also write Pascal VOC XML annotations")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
-    args = parser.parse_args(argv)
-    if args.n_train < 0 or args.n_val < 0:
-        parser.error("--n-train and --n-val must be >= 0")
+    return parser
+
+
+def make_shapes(args: argparse.Namespace) -> None:
+    check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 0)
     try:
         data = make_dataset(
             args.out,
@@ -364,11 +372,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             (args.min_obj_size, args.max_obj_frac),
             args.workers,
         )
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    except ValueError as e:  # make_dataset's checks of its arguments, worded for a caller
+        raise ConfigError(str(e)) from e
     print(f"wrote {args.n_train} train + {args.n_val} val images; dataset file: {data}")
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_args_parser(), make_shapes, argv)
 
 
 if __name__ == "__main__":

@@ -338,11 +338,23 @@ def _replace_folder(new: Path, folder: Path) -> None:
 # ---- the formats and their runtimes ----------------------------------------------------------
 
 
-def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
+def _import_onnxruntime():
+    # onnxruntime (1.32, on Linux too) sends usage telemetry to an events.data.microsoft.com
+    # collector from threads of its own, unless ORT_DISABLE_TELEMETRY is set when it starts
+    # (disable_telemetry_events() alone still lets it connect): off, as OpenVINO's is.
+    os.environ.setdefault("ORT_DISABLE_TELEMETRY", "1")
     try:
         import onnxruntime as ort
     except ImportError as e:
         raise ConfigError(f"checking ONNX needs onnxruntime: {INSTALL_ONNX}") from e
+    disable = getattr(ort, "disable_telemetry_events", None)
+    if disable is not None:
+        disable()
+    return ort
+
+
+def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
+    ort = _import_onnxruntime()
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     dtype = np.float16 if session.get_inputs()[0].type == "tensor(float16)" else np.float32
     (got,) = session.run(None, {INPUT_NAME: x.astype(dtype)})

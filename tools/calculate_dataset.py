@@ -10,7 +10,8 @@ the images of the sibling ``images`` folders and writes into ``--out-dir`` (defa
     my_data.data                        classes, train, valid, names (paths relative to it)
     my_yolov3-spp.cfg                   the cfg with every [yolo] head rewritten for the classes
 
-(``--name`` replaces ``my``.) Every label file is checked as the data loader checks it; the counts
+(``--name`` replaces ``my``; an existing file of these names is replaced only with
+``--exist-ok``.) Every label file is checked as the data loader checks it; the counts
 per split are printed, and a split without images or without any object is an error (a val set
 with no objects makes mAP silently 0). Images without a label file are negatives and are listed;
 label files without an image are reported.
@@ -28,6 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from build_utils.atomic import check_new_outputs, make_output_dir, write_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
 from build_utils.labels import parse_label_text
@@ -38,10 +40,16 @@ from build_utils.limits import (
     file_problem,
     read_data_file,
 )
-from build_utils.parse_config import load_class_names
-from train_utils.cli import HelpFormatter, run_main, setup_console_logging
+from build_utils.parse_config import (
+    load_class_names,
+    parse_model_cfg,
+    rewrite_cfg_classes,
+    write_model_cfg,
+)
+from train_utils.cli import HelpFormatter, run_script
 
 LOGGER = logging.getLogger("calculate_dataset")
+OUT_FLAG = "--out-dir/--name"  # the options that choose where the files go, named in errors
 
 
 @dataclass
@@ -116,9 +124,10 @@ def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
 def write_list(path: Path, images: Sequence[Path]) -> None:
     """One image per line, relative to the list's folder (the loader resolves it there)."""
     base = path.parent.resolve()
-    path.write_text(
-        "".join(Path(os.path.relpath(os.path.realpath(p), base)).as_posix() + "\n" for p in images)
+    text = "".join(
+        Path(os.path.relpath(os.path.realpath(p), base)).as_posix() + "\n" for p in images
     )
+    write_text(path, text, OUT_FLAG)
 
 
 def write_data_file(path: Path, nc: int, train: Path, valid: Path, names: Path) -> None:
@@ -128,13 +137,12 @@ def write_data_file(path: Path, nc: int, train: Path, valid: Path, names: Path) 
     def rel(p: Path) -> str:
         return Path(os.path.relpath(p.resolve(), base)).as_posix()
 
-    path.write_text(f"classes={nc}\ntrain={rel(train)}\nvalid={rel(valid)}\nnames={rel(names)}\n")
+    text = f"classes={nc}\ntrain={rel(train)}\nvalid={rel(valid)}\nnames={rel(names)}\n"
+    write_text(path, text, OUT_FLAG)
 
 
 def write_cfg(template: Path, nc: int, out: Path) -> None:
     """``template`` with every ``[yolo]`` head (and the conv before it) set to ``nc`` classes."""
-    from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes, write_model_cfg
-
     blocks = rewrite_cfg_classes(parse_model_cfg(template), nc)
     write_model_cfg(
         blocks,
@@ -154,52 +162,57 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--cfg", type=Path, help="model cfg to rewrite for the class count")
     p.add_argument("--out-dir", type=Path, help="where to write the files (default: --root)")
     p.add_argument("--name", default="my", help="prefix of the written files")
+    p.add_argument("--exist-ok", action="store_true", help="replace existing files of those names")
     return p
 
 
+def report_splits(splits: list[SplitSummary], labels: dict[str, Path]) -> None:
+    """Log each split's counts and its first problems; a split without objects is an error."""
+    for s in splits:
+        LOGGER.info("%s", s.line())
+        for b in s.bad_lines[:5]:
+            LOGGER.warning("%s", b)
+        for o in s.orphans[:5]:
+            LOGGER.warning("%s: no image for this label file", o)
+        if s.n_objects == 0:
+            raise DatasetError(
+                f"the {s.name} split has no objects ({s.line()}); check the "
+                "labels folder and the class ids",
+                labels[s.name],
+            )
+
+
+def write_dataset_files(args: argparse.Namespace) -> None:
+    train_labels = args.train_labels or (args.root / "train" / "labels" if args.root else None)
+    val_labels = args.val_labels or (args.root / "val" / "labels" if args.root else None)
+    if train_labels is None or val_labels is None:
+        raise ConfigError("give --root, or both --train-labels and --val-labels")
+    out_dir = args.out_dir or args.root or train_labels.parent.parent
+    names = load_class_names(args.names)
+    nc = len(names)
+    if args.cfg is not None and not args.cfg.is_file():
+        raise ConfigError("model cfg not found", args.cfg)
+    train_list = out_dir / f"{args.name}_train_data.txt"
+    val_list = out_dir / f"{args.name}_val_data.txt"
+    data = out_dir / f"{args.name}_data.data"
+    written = [train_list, val_list, data]
+    if args.cfg is not None:
+        written.append(out_dir / f"{args.name}_{args.cfg.stem}.cfg")
+    reads = {"the --names file": args.names, "the --cfg": args.cfg}
+    check_new_outputs(written, OUT_FLAG, args.exist_ok, reads)
+    splits = [scan_split("train", train_labels, nc), scan_split("val", val_labels, nc)]
+    report_splits(splits, {"train": train_labels, "val": val_labels})
+    make_output_dir(out_dir, OUT_FLAG)
+    write_list(train_list, splits[0].images)
+    write_list(val_list, splits[1].images)
+    write_data_file(data, nc, train_list, val_list, args.names)
+    if args.cfg is not None:
+        write_cfg(args.cfg, nc, written[-1])
+    LOGGER.info("%d classes; wrote %s", nc, ", ".join(str(p) for p in written))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    setup_console_logging()
-
-    def body() -> int:
-        train_labels = args.train_labels or (args.root / "train" / "labels" if args.root else None)
-        val_labels = args.val_labels or (args.root / "val" / "labels" if args.root else None)
-        if train_labels is None or val_labels is None:
-            raise ConfigError("give --root, or both --train-labels and --val-labels")
-        out_dir = args.out_dir or args.root or train_labels.parent.parent
-        names = load_class_names(args.names)
-        nc = len(names)
-        if args.cfg is not None and not args.cfg.is_file():
-            raise ConfigError("model cfg not found", args.cfg)
-        splits = [scan_split("train", train_labels, nc), scan_split("val", val_labels, nc)]
-        for s in splits:
-            LOGGER.info("%s", s.line())
-            for b in s.bad_lines[:5]:
-                LOGGER.warning("%s", b)
-            for o in s.orphans[:5]:
-                LOGGER.warning("%s: no image for this label file", o)
-            if s.n_objects == 0:
-                raise DatasetError(
-                    f"the {s.name} split has no objects ({s.line()}); check the "
-                    "labels folder and the class ids",
-                    train_labels if s.name == "train" else val_labels,
-                )
-        out_dir.mkdir(parents=True, exist_ok=True)
-        train_list = out_dir / f"{args.name}_train_data.txt"
-        val_list = out_dir / f"{args.name}_val_data.txt"
-        write_list(train_list, splits[0].images)
-        write_list(val_list, splits[1].images)
-        data = out_dir / f"{args.name}_data.data"
-        write_data_file(data, nc, train_list, val_list, args.names)
-        written = [train_list, val_list, data]
-        if args.cfg is not None:
-            cfg_out = out_dir / f"{args.name}_{args.cfg.stem}.cfg"
-            write_cfg(args.cfg, nc, cfg_out)
-            written.append(cfg_out)
-        LOGGER.info("%d classes; wrote %s", nc, ", ".join(str(p) for p in written))
-        return 0
-
-    return run_main(body)
+    return run_script(get_args_parser(), write_dataset_files, argv)
 
 
 if __name__ == "__main__":

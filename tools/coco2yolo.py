@@ -52,8 +52,9 @@ from build_utils.errors import ConfigError
 from build_utils.image_io import check_image, is_image_file
 from build_utils.labels import img2label_path
 from build_utils.limits import MAX_IMAGE_BYTES, file_problem
-from build_utils.safe_yaml import dump_yaml, short_repr, short_text
-from train_utils.cli import HelpFormatter, run_main, setup_console_logging
+from build_utils.parse_config import data_yaml_text, split_role
+from build_utils.safe_yaml import short_repr, short_text
+from train_utils.cli import HelpFormatter, run_script
 from train_utils.evaluation.detection_files import (
     COCO_IDS_FILE,
     CocoIdMap,
@@ -64,8 +65,6 @@ from train_utils.evaluation.detection_files import (
 LOGGER = logging.getLogger("coco2yolo")
 DATA_YAML = "data.yaml"
 LABEL_DECIMALS = 6
-# The data.yaml key of a split, by the start of its name (train2017 -> train).
-SPLIT_ROLES = ("train", "val", "test")
 
 
 @dataclass
@@ -237,17 +236,6 @@ def place_image(src: Path, dst: Path, copy: bool) -> None:
         shutil.copyfileobj(fin, fout)
 
 
-def split_role(split: str) -> str:
-    """The data.yaml key of a split name: train, val or test by its start (val2017 -> val)."""
-    for role in SPLIT_ROLES:
-        if split.lower().startswith(role):
-            return role
-    raise ConfigError(
-        f"--split {short_text(split)}: name it train..., val... or test... (it becomes that "
-        "key of data.yaml)"
-    )
-
-
 def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> CocoIdMap:
     """The id map to extend (a fresh one for a new folder), after refusing what would mix or
     overwrite a user's files: a non-empty folder that is no conversion of these categories, or
@@ -368,17 +356,6 @@ def convert(
     return report
 
 
-def data_yaml_text(id_map: CocoIdMap) -> str:
-    """The data.yaml of the converted dataset (a train.py --data file)."""
-    doc: dict[str, Any] = {"path": "."}
-    for role in SPLIT_ROLES:
-        if role in id_map.splits:
-            doc[role] = id_map.splits[role]
-    doc["names"] = dict(enumerate(id_map.names))
-    doc["coco_ids"] = COCO_IDS_FILE
-    return "# written by tools/coco2yolo.py; path is this file's folder\n" + dump_yaml(doc)
-
-
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
@@ -405,62 +382,67 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    setup_console_logging()
-
-    def body() -> int:
-        split = args.split or args.json.stem.removeprefix("instances_")
-        if not split or "/" in split or split in (".", ".."):
-            raise ConfigError(f"--split {short_text(split)}: give a plain folder name")
-        role = split_role(split)
-        if not args.images.is_dir():
-            raise ConfigError("--images: folder not found", args.images)
-        out = args.out
-        if _inside(out.resolve(), args.images.resolve()):
-            raise ConfigError(
-                "--out lies inside --images; the input is only read: choose another folder", out
-            )
-        # ultralytics' layout invites converting in place (--images OUT/images/val2017,
-        # --out OUT): the split's images would be linked onto themselves, and the next
-        # --exist-ok run deletes the split's previous images, which would be the input itself.
-        split_dir = out / "images" / split
-        if _inside(args.images.resolve(), split_dir.resolve()):
-            raise ConfigError(
-                f"--images is (or lies inside) {split_dir}, where this split is written; "
-                "replacing the split would delete the input: choose another --out",
-                args.images,
-            )
-        coco = read_coco(args.json)
-        make_output_dir(out, "--out")
-        id_map = prepare_out(out, split, coco, args.exist_ok)
-        with reported_write(out, "--out", folder=True):
-            report = convert(coco, args.images, out, split, id_map, args.copy)
-        id_map.splits[role] = f"images/{split}"
-        id_map.sources[split] = str(args.json.resolve())
-        write_text(out / COCO_IDS_FILE, id_map.to_json(), "--out")
-        write_text(out / DATA_YAML, data_yaml_text(id_map), "--out")
-        report_path = out / f"coco2yolo_{split}_report.txt"
-        text = f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines)
-        write_text(report_path, text, "--out")
-        LOGGER.info(
-            "%s; %d classes; %s (report: %s)",
-            report.summary(),
-            len(coco.category_ids),
-            out / DATA_YAML,
-            report_path,
+def check_places(args: argparse.Namespace, split: str) -> None:
+    """--images exists, and --out neither lies inside it nor holds it as this split's folder."""
+    if not args.images.is_dir():
+        raise ConfigError("--images: folder not found", args.images)
+    out = args.out
+    if _inside(out.resolve(), args.images.resolve()):
+        raise ConfigError(
+            "--out lies inside --images; the input is only read: choose another folder", out
         )
-        missing = [r for r in ("train", "val") if r not in id_map.splits]
-        if missing:
-            LOGGER.info(
-                "data.yaml has no %s split yet: convert its JSON into the same --out with "
-                "--split %s",
-                " or ".join(missing),
-                missing[0],
-            )
-        return 0
+    # ultralytics' layout invites converting in place (--images OUT/images/val2017,
+    # --out OUT): the split's images would be linked onto themselves, and the next
+    # --exist-ok run deletes the split's previous images, which would be the input itself.
+    split_dir = out / "images" / split
+    if _inside(args.images.resolve(), split_dir.resolve()):
+        raise ConfigError(
+            f"--images is (or lies inside) {split_dir}, where this split is written; "
+            "replacing the split would delete the input: choose another --out",
+            args.images,
+        )
 
-    return run_main(body)
+
+def coco_to_yolo(args: argparse.Namespace) -> None:
+    split = args.split or args.json.stem.removeprefix("instances_")
+    if not split or "/" in split or split in (".", ".."):
+        raise ConfigError(f"--split {short_text(split)}: give a plain folder name")
+    role = split_role(split)
+    check_places(args, split)
+    out = args.out
+    coco = read_coco(args.json)
+    make_output_dir(out, "--out")
+    id_map = prepare_out(out, split, coco, args.exist_ok)
+    with reported_write(out, "--out", folder=True):
+        report = convert(coco, args.images, out, split, id_map, args.copy)
+    id_map.splits[role] = f"images/{split}"
+    id_map.sources[split] = str(args.json.resolve())
+    write_text(out / COCO_IDS_FILE, id_map.to_json(), "--out")
+    yaml_text = data_yaml_text(
+        id_map.splits, id_map.names, "written by tools/coco2yolo.py", {"coco_ids": COCO_IDS_FILE}
+    )
+    write_text(out / DATA_YAML, yaml_text, "--out")
+    report_path = out / f"coco2yolo_{split}_report.txt"
+    text = f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines)
+    write_text(report_path, text, "--out")
+    LOGGER.info(
+        "%s; %d classes; %s (report: %s)",
+        report.summary(),
+        len(coco.category_ids),
+        out / DATA_YAML,
+        report_path,
+    )
+    missing = [r for r in ("train", "val") if r not in id_map.splits]
+    if missing:
+        LOGGER.info(
+            "data.yaml has no %s split yet: convert its JSON into the same --out with --split %s",
+            " or ".join(missing),
+            missing[0],
+        )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_args_parser(), coco_to_yolo, argv)
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@
 
 The direction follows what the source is (recognised by its content): a PyTorch checkpoint
 becomes a Darknet ``.weights`` file and a Darknet file a ``.pt``; the output defaults to the
-source's name with the other suffix and never overwrites the source. A checkpoint written by
+source's name with the other suffix, never overwrites the source, and replaces an existing file
+only with ``--exist-ok``. A checkpoint written by
 train.py carries its cfg; Darknet files and bare state_dicts need ``--cfg`` (or ultralytics/yolov3's
 first positional argument). A ``.pt`` source may be an ultralytics/yolov3 checkpoint
 (``{'model': state_dict, ...}``) or a bare state_dict; it must match the cfg exactly. The
@@ -25,11 +26,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import make_output_dir, reported_write
-from build_utils.errors import ConfigError, YoloError
+from build_utils.atomic import check_new_outputs, make_output_dir, reported_write
+from build_utils.errors import ConfigError
 from models.weights import save_weights
 from train_utils.checkpoint import read_weights, save_weights_pt
-from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags
+from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, run_script
 from train_utils.load_model import model_from_weights
 
 PT_SUFFIX = ".pt"
@@ -54,6 +55,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     add_weights_flags(parser, required=False, help="source: .pt checkpoint or Darknet .weights")
     add_model_flag(parser, None)
     parser.add_argument("-o", "--output", type=Path, help="output file (default: see above)")
+    parser.add_argument("--exist-ok", action="store_true", help="replace an existing output")
     return parser
 
 
@@ -74,9 +76,12 @@ def _fits(dst: Path, wanted: str) -> bool:
     return suffix == wanted or (wanted == PT_SUFFIX and suffix == ".pth")
 
 
-def convert(cfg: Path | None, src: Path, dst: Path | None, trust: bool = False) -> Path:
+def convert(
+    cfg: Path | None, src: Path, dst: Path | None, trust: bool = False, exist_ok: bool = False
+) -> Path:
     """Load ``src`` (with its own cfg unless ``cfg``) and write it in the other format as
-    ``dst`` (default: ``src`` with the other suffix); returns where it was written."""
+    ``dst`` (default: ``src`` with the other suffix, replaced only when ``exist_ok``); returns
+    where it was written."""
     weights = read_weights(src, trust=trust)
     to_darknet = weights.kind == "torch"
     if dst is None:
@@ -89,6 +94,7 @@ def convert(cfg: Path | None, src: Path, dst: Path | None, trust: bool = False) 
             f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
             f"in .weights and the other in .pt or .pth"
         )
+    check_new_outputs([dst], OUTPUT_FLAG, exist_ok, {"the cfg": cfg})
     model = model_from_weights(weights, cfg, None, img_size=416)
     make_output_dir(dst.parent, OUTPUT_FLAG)
     if to_darknet:
@@ -99,17 +105,14 @@ def convert(cfg: Path | None, src: Path, dst: Path | None, trust: bool = False) 
     return dst
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        cfg, src, dst = _paths(args)
-        written = convert(cfg, src, dst, trust=args.trust_checkpoint)
-    except YoloError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def convert_command(args: argparse.Namespace) -> None:
+    cfg, src, dst = _paths(args)
+    written = convert(cfg, src, dst, trust=args.trust_checkpoint, exist_ok=args.exist_ok)
     logging.getLogger(__name__).info("wrote %s", written)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_script(get_args_parser(), convert_command, argv)
 
 
 if __name__ == "__main__":

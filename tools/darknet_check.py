@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from build_utils.atomic import atomic_write, check_not_an_input, reported_write
+from build_utils.atomic import atomic_write, check_new_outputs, reported_write
 from build_utils.errors import ConfigError
 from build_utils.limits import (
     MAX_LABEL_BYTES,
@@ -78,6 +78,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         "--truths", required=True, help="text file of lines 'image x y w h class' (normalized)"
     )
     yolo.add_argument("--out", required=True, help="float32 file for the delta (input's layout)")
+    yolo.add_argument("--exist-ok", action="store_true", help="replace an existing --out")
     lr = sub.add_parser(
         "lr", help="the learning rate at each iteration", formatter_class=HelpFormatter
     )
@@ -142,11 +143,8 @@ def yolo_command(args: argparse.Namespace) -> int:
     if args.layer not in specs:
         yolos = ", ".join(map(str, specs)) or "none"
         raise ConfigError(f"--layer {args.layer} is not a [yolo] layer (those are: {yolos})")
-    check_not_an_input(
-        args.out,
-        "--out",
-        {"the --cfg": args.cfg, "the --input": args.input, "the --truths": args.truths},
-    )
+    reads = {"the --cfg": args.cfg, "the --input": args.input, "the --truths": args.truths}
+    check_new_outputs([args.out], "--out", args.exist_ok, reads)
     c, h, w = layer_input_shape(blocks, args.layer)
     per_image = c * h * w
     data = read_limited_bytes(args.input, MAX_WEIGHTS_BYTES, "--input")

@@ -21,6 +21,7 @@ import argparse
 import json
 import logging
 import math
+import shlex
 import shutil
 import sys
 import time
@@ -28,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
+import torch
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -43,15 +45,15 @@ from train_utils.cli import (  # noqa: E402
     HelpFormatter,
     check_environment,
     check_time_budget,
-    run_main,
-    setup_console_logging,
+    run_script,
 )
-from train_utils.config import build_config, get_args_parser, load_data_config  # noqa: E402
+from train_utils.config import build_config, load_data_config  # noqa: E402
+from train_utils.config import get_args_parser as train_parser  # noqa: E402
 from train_utils.distributed.devices import select_device  # noqa: E402
 from train_utils.distributed.process_group import DistInfo  # noqa: E402
 from train_utils.precision import AMP_CHOICES  # noqa: E402
 from train_utils.reporting import read_results  # noqa: E402
-from train_utils.trainer import run  # noqa: E402
+from train_utils.trainer import RunSummary, run  # noqa: E402
 
 logger = logging.getLogger("demo")
 
@@ -161,9 +163,9 @@ def ensure_demo_dataset(root: Path) -> Path:
     return data
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        description=__doc__.split("\n\n")[0], formatter_class=HelpFormatter
+        description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
     parser.add_argument("--data", default=None, help="a .data file (default: the shapes demo)")
     parser.add_argument(
@@ -191,97 +193,107 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="train.py --amp (default: its auto: bf16 on a CPU with bf16 arithmetic where timed "
         "faster, else fp32; off to compare)",
     )
-    args = parser.parse_args(argv)
-    setup_console_logging()
+    return parser
 
-    def body() -> None:
-        # A bad flag or YOLO_THREADS is one line before any image is generated or read.
-        check_environment()
-        check_at_least({"--epochs": args.epochs}, 1)
-        check_time_budget(args.time_budget)
-        t0 = time.time()
-        if args.data:
-            data = Path(args.data)
-            flags, switches, why = recipe_for(data)
-            logger.info(why)
-        else:
-            data = ensure_demo_dataset(DEMO_DATA_DIR)
-            flags, switches = dict(DEMO_TRAIN_FLAGS), list(DEMO_TRAIN_SWITCHES)
-        flags.update(
-            {"--data": str(data), "--output-dir": args.output_dir, "--device": args.device}
-        )
-        if args.epochs is not None:
-            flags["--epochs"] = str(args.epochs)
-        else:
-            flags["--time-budget"] = str(args.time_budget)
-        train_argv = [x for kv in flags.items() for x in kv] + switches
-        if args.amp is not None:
-            train_argv += ["--amp", args.amp]
-        logger.info("training: python train.py %s", " ".join(train_argv))
-        config = build_config(get_args_parser().parse_args(train_argv))
-        device = select_device(config.device)
-        summary = run(config, DistInfo.single(device))
-        out = summary.output_dir  # runs/demo2 when runs/demo holds a previous run
-        weights = out / "best.pt" if (out / "best.pt").is_file() else out / "last.pt"
 
-        stats_file = out / "val_stats.json"
-        # The checkpoint carries its cfg, data, sizes and precision: --weights is enough.
-        code = validation.main(
-            [
-                "--weights",
-                str(weights),
-                "--device",
-                str(device),
-                "--json-out",
-                str(stats_file),
-                "--save-dir",
-                str(out / "val"),
-            ]
-        )
-        if code:
-            raise SystemExit(code)
-        stats = json.loads(stats_file.read_text())
+def train_argv(args: argparse.Namespace) -> tuple[list[str], Path]:
+    """train.py's arguments for the demo (the recipe, fitted to ``--data`` when given), and
+    the dataset file. Flags left at their default are left out (``--device`` auto)."""
+    if args.data:
+        data = Path(args.data)
+        flags, switches, why = recipe_for(data)
+        logger.info(why)
+    else:
+        data = ensure_demo_dataset(DEMO_DATA_DIR)
+        flags, switches = dict(DEMO_TRAIN_FLAGS), list(DEMO_TRAIN_SWITCHES)
+    flags.update({"--data": str(data), "--output-dir": args.output_dir, "--device": args.device})
+    if args.epochs is not None:
+        flags["--epochs"] = str(args.epochs)
+    else:
+        flags["--time-budget"] = str(args.time_budget)
+    if args.amp is not None:
+        flags["--amp"] = args.amp
+    # An empty value (--device auto) is no flag: the logged command must paste as it is.
+    argv = [x for k, v in flags.items() if v != "" for x in (k, v)] + switches
+    return argv, data
 
-        val_list = Path(config.data.valid).read_text().split()[:N_PREDICT_IMAGES]
-        list_dir = Path(config.data.valid).parent
-        pred_dir = out / "predictions"
-        sources = [str(p if Path(p).is_absolute() else list_dir / p) for p in val_list]
-        code = predict.main(
-            [
-                "--weights",
-                str(weights),
-                "--source",
-                *sources,
-                "--output",
-                str(pred_dir),
-                "--device",
-                str(device),
-            ]
-        )
-        if code:
-            raise SystemExit(code)
 
-        minutes = (time.time() - t0) / 60
-        verdict = "reached" if stats["mAP50"] >= TARGET_MAP50 else "NOT reached"
-        crossed = first_crossing(out / "results.csv", TARGET_MAP50)
-        when = (
-            f"first reached in training after {crossed[1] / 60:.1f} min (epoch {crossed[0]})"
-            if crossed
-            else "not reached by any evaluation during training"
-        )
-        print(
-            f"\nDemo finished in {minutes:.1f} min (training {summary.seconds / 60:.1f} min, "
-            f"{summary.epochs_run} epochs).\n"
-            f"  mAP@0.5 = {stats['mAP50']:.3f}, mAP@0.5:0.95 = {stats['mAP50-95']:.3f} on "
-            f"{data}; the demo target mAP@0.5 >= {TARGET_MAP50} was {verdict}\n"
-            f"  mAP@0.5 >= {TARGET_MAP50}: {when}\n"
-            f"  results:     {out / 'results.csv'} and {out / 'results.png'}\n"
-            f"  weights:     {out / 'best.pt'}, {out / 'last.pt'}\n"
-            f"  predictions: {pred_dir}/\n"
-            f"  TensorBoard: tensorboard --logdir {out}"
-        )
+def evaluate_and_predict(
+    out: Path, weights: Path, valid: str, device: torch.device
+) -> tuple[dict[str, float], Path]:
+    """validation.py's stats of ``weights`` (written to ``out/val_stats.json``) and
+    predict.py's pictures of the first validation images (``out/predictions``)."""
+    stats_file = out / "val_stats.json"
+    # The checkpoint carries its cfg, data, sizes and precision: --weights is enough.
+    code = validation.main(
+        [
+            "--weights",
+            str(weights),
+            "--device",
+            str(device),
+            "--json-out",
+            str(stats_file),
+            "--save-dir",
+            str(out / "val"),
+        ]
+    )
+    if code:
+        raise SystemExit(code)
+    val_list = Path(valid).read_text().split()[:N_PREDICT_IMAGES]
+    list_dir = Path(valid).parent
+    pred_dir = out / "predictions"
+    sources = [str(p if Path(p).is_absolute() else list_dir / p) for p in val_list]
+    argv = ["--weights", str(weights), "--source", *sources, "--output", str(pred_dir)]
+    code = predict.main([*argv, "--device", str(device)])
+    if code:
+        raise SystemExit(code)
+    return json.loads(stats_file.read_text()), pred_dir
 
-    return run_main(body)
+
+def print_summary(
+    summary: RunSummary, data: Path, stats: dict[str, float], pred_dir: Path, t0: float
+) -> None:
+    out = summary.output_dir
+    minutes = (time.time() - t0) / 60
+    verdict = "reached" if stats["mAP50"] >= TARGET_MAP50 else "NOT reached"
+    crossed = first_crossing(out / "results.csv", TARGET_MAP50)
+    when = (
+        f"first reached in training after {crossed[1] / 60:.1f} min (epoch {crossed[0]})"
+        if crossed
+        else "not reached by any evaluation during training"
+    )
+    print(
+        f"\nDemo finished in {minutes:.1f} min (training {summary.seconds / 60:.1f} min, "
+        f"{summary.epochs_run} epochs).\n"
+        f"  mAP@0.5 = {stats['mAP50']:.3f}, mAP@0.5:0.95 = {stats['mAP50-95']:.3f} on "
+        f"{data}; the demo target mAP@0.5 >= {TARGET_MAP50} was {verdict}\n"
+        f"  mAP@0.5 >= {TARGET_MAP50}: {when}\n"
+        f"  results:     {out / 'results.csv'} and {out / 'results.png'}\n"
+        f"  weights:     {out / 'best.pt'}, {out / 'last.pt'}\n"
+        f"  predictions: {pred_dir}/\n"
+        f"  TensorBoard: tensorboard --logdir {out}"
+    )
+
+
+def demo(args: argparse.Namespace) -> None:
+    # A bad flag or YOLO_THREADS is one line before any image is generated or read.
+    check_environment()
+    check_at_least({"--epochs": args.epochs}, 1)
+    check_time_budget(args.time_budget)
+    t0 = time.time()
+    argv, data = train_argv(args)
+    logger.info("training: python train.py %s", shlex.join(argv))
+    config = build_config(train_parser().parse_args(argv))
+    device = select_device(config.device)
+    summary = run(config, DistInfo.single(device))
+    out = summary.output_dir  # runs/demo2 when runs/demo holds a previous run
+    weights = out / "best.pt" if (out / "best.pt").is_file() else out / "last.pt"
+    stats, pred_dir = evaluate_and_predict(out, weights, config.data.valid, device)
+    print_summary(summary, data, stats, pred_dir, t0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_script(get_args_parser(), demo, argv)
 
 
 if __name__ == "__main__":

@@ -3,9 +3,11 @@
     python tools/export.py --weights runs/exp/best.pt                  # -> runs/exp/best.onnx
     python tools/export.py --weights runs/exp/best.pt --include onnx torchscript openvino --half
     python tools/export.py --cfg cfg/yolov3-spp-nano.cfg --img-size 320 --include torchscript
+    python tools/export.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --img-size 320 416
 
 The model is read once (``--weights`` alone for a checkpoint train.py wrote; Darknet
-``.weights`` need ``--cfg``) and written once per format, named as YOLOv5 names them, beside the
+``.weights`` need ``--cfg``; without ``--weights`` the cfg's random initialisation is exported, for
+tests) and written once per format at ``--img-size H [W]``, named as YOLOv5 names them, beside the
 weights unless ``--output DIR``: ``best.onnx``, ``best.torchscript`` and the folder
 ``best_openvino_model/`` (``best.xml``, ``best.bin``). An existing export is never replaced
 without ``--exist-ok`` (nothing is written then); every output is written under a temporary name
@@ -31,7 +33,7 @@ import cv2
 import numpy as np
 import torch
 
-from build_utils.atomic import make_output_dir
+from build_utils.atomic import check_new_outputs, make_output_dir
 from build_utils.augmentations import letterbox
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg
@@ -48,17 +50,16 @@ from models.export import (
     OUTPUT_FLAG,
     check_opset,
     export_metadata,
+    hw,
     verify,
 )
 from train_utils.checkpoint import read_weights
 from train_utils.cli import (
     HelpFormatter,
-    add_img_size_flag,
     add_model_flag,
     add_weights_flags,
     check_img_size,
-    run_main,
-    setup_console_logging,
+    run_script,
     switch,
 )
 from train_utils.load_model import model_from_weights
@@ -80,8 +81,16 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     add_weights_flags(parser, required=False, help=".pt checkpoint (carries its cfg) or .weights")
     add_model_flag(parser, None)
-    add_img_size_flag(
-        parser, None, f"input side in pixels (default: the checkpoint's run's, else {DEFAULT_SIDE})"
+    parser.add_argument(
+        "--img-size",
+        "--imgsz",
+        "--img",
+        dest="img_size",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="N",
+        help=f"input H [W] in pixels (default: the checkpoint's run's side, else {DEFAULT_SIDE})",
     )
     parser.add_argument(
         "--include",
@@ -136,26 +145,36 @@ def sample_images(h: int, w: int, n: int = SAMPLE_IMAGES, seed: int = SAMPLE_SEE
     return torch.from_numpy(np.stack(batch)).float() / 255.0
 
 
+def checked_hw(sides: list[int]) -> tuple[int, int]:
+    """(H, W) of ``--img-size H [W]``, each a multiple of 32 within the limit
+    (:func:`~train_utils.cli.check_img_size`)."""
+    if len(sides) > 2:
+        raise ConfigError(f"--img-size takes H or H W, got {len(sides)} numbers")
+    for side in sides:
+        check_img_size(side)
+    return hw(sides)
+
+
 def _load(
     args: argparse.Namespace,
 ) -> tuple[Darknet, list[str] | None, str, Path, tuple[int, int]]:
     """The model (eval mode, CPU), its class names (None: not known), the exports' stem, the
     weights' folder (or the current one) and the input (H, W)."""
     if args.img_size is not None:
-        check_img_size(args.img_size)
+        checked_hw(args.img_size)
     if not args.weights:
         if args.cfg is None:
             raise ConfigError("pass --weights (a checkpoint carries its cfg) or --cfg")
-        side = args.img_size or DEFAULT_SIDE
+        size = checked_hw(args.img_size or [DEFAULT_SIDE])
         blocks = parse_model_cfg(args.cfg)
-        check_model_fits(blocks, (side, side))  # the export traces one image
-        model = Darknet(blocks, img_size=side).eval()
-        return model, None, Path(args.cfg).stem, Path("."), (side, side)
+        check_model_fits(blocks, size)  # the export traces one image
+        model = Darknet(blocks, img_size=size).eval()
+        return model, None, Path(args.cfg).stem, Path("."), size
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
-    side = args.img_size or check_img_size(weights.run.get("img_size") or DEFAULT_SIDE)
-    model = model_from_weights(weights, args.cfg, None, side).eval()
+    size = checked_hw(args.img_size or [weights.run.get("img_size") or DEFAULT_SIDE])
+    model = model_from_weights(weights, args.cfg, None, size).eval()
     stem, home = Path(args.weights).stem, Path(args.weights).parent
-    return model, weights.names, stem, home, (side, side)
+    return model, weights.names, stem, home, size
 
 
 def _targets(args: argparse.Namespace, formats: list[str], stem: str, home: Path) -> list[Path]:
@@ -167,70 +186,72 @@ def _targets(args: argparse.Namespace, formats: list[str], stem: str, home: Path
     for path in targets:
         if source is not None and path.resolve() == source:
             raise ConfigError(f"{path} is the weights file itself; choose another --output")
-    taken = [p for p in targets if p.exists() or p.is_symlink()]
-    if taken and not args.exist_ok:
-        raise ConfigError(
-            f"{', '.join(map(str, taken))} already exist{'s' if len(taken) == 1 else ''}; "
-            "pass --exist-ok to replace, or another --output"
-        )
+    check_new_outputs(targets, OUTPUT_FLAG, args.exist_ok)
     return targets
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    setup_console_logging()
-
-    def body() -> int:
-        formats = included(args.include)
-        # Before anything is written: a bad opset would fail after earlier formats were.
-        check_opset(args.opset)
-        for name in formats:
-            missing = FORMATS[name].missing(args.verify)
-            if missing:
-                raise ConfigError(
-                    f"--include {name} needs {' and '.join(missing)}: {INSTALL_ONNX}"
-                    + ("" if FORMATS[name].missing(False) else " (or --no-verify)")
-                )
-        model, names, stem, home, (h, w) = _load(args)
-        metadata = export_metadata(model, (h, w), names)
-        targets = _targets(args, formats, stem, home)
-        make_output_dir(targets[0].parent, OUTPUT_FLAG)
-        images = sample_images(h, w) if args.verify else None
-        failed = []
-        for name, path in zip(formats, targets):
-            fmt = FORMATS[name]
-            fmt.write(model, path, (h, w), args.half, args.opset, metadata)
-            precision = "float16" if args.half else "float32"
-            LOGGER.info("wrote %s (%s, input images: batch x 3 x %d x %d)", path, precision, h, w)
-            if images is None:
-                continue
-            a = verify(fmt, model, path, images, args.half)
-            if a.unavailable is not None:
-                LOGGER.error("%s not checked: %s", name, a.unavailable)
-                failed.append(f"{name} ({a.unavailable})")
-                continue
-            LOGGER.info(
-                "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); %s",
-                name,
-                "matches" if a.ok else "DIFFERS FROM",
-                a.max_abs,
-                a.tolerance,
-                f"{a.found} of its {a.detections} detections after NMS found"
-                if a.detections
-                else f"no detections above conf {NMS_CONF} on the sample images to compare",
+def check_formats(args: argparse.Namespace) -> list[str]:
+    """The formats of ``--include``, each with what it needs installed, and the opset: before
+    anything is written (a bad opset would fail after earlier formats were)."""
+    formats = included(args.include)
+    check_opset(args.opset)
+    for name in formats:
+        missing = FORMATS[name].missing(args.verify)
+        if missing:
+            raise ConfigError(
+                f"--include {name} needs {' and '.join(missing)}: {INSTALL_ONNX}"
+                + ("" if FORMATS[name].missing(False) else " (or --no-verify)")
             )
-            if a.deployment is not None:
-                LOGGER.warning("%s: %s", name, a.deployment)
-            if not a.ok:
-                failed.append(f"{name} output differs from PyTorch")
-        if failed:
-            # A converter's or runtime's fault, not the user's: exit 1, the exports left for
-            # inspection (--no-verify writes them without the check).
-            print(f"error: {'; '.join(failed)}", file=sys.stderr)
-            return 1
-        return 0
+    return formats
 
-    return run_main(body)
+
+def check_export(name: str, model: Darknet, path: Path, images: torch.Tensor, half: bool) -> str:
+    """Run the export ``path`` of format ``name`` in its runtime next to ``model`` and log how
+    they agree; what failed ("" when it agrees)."""
+    a = verify(FORMATS[name], model, path, images, half)
+    if a.unavailable is not None:
+        LOGGER.error("%s not checked: %s", name, a.unavailable)
+        return f"{name} ({a.unavailable})"
+    LOGGER.info(
+        "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); %s",
+        name,
+        "matches" if a.ok else "DIFFERS FROM",
+        a.max_abs,
+        a.tolerance,
+        f"{a.found} of its {a.detections} detections after NMS found"
+        if a.detections
+        else f"no detections above conf {NMS_CONF} on the sample images to compare",
+    )
+    if a.deployment is not None:
+        LOGGER.warning("%s: %s", name, a.deployment)
+    return "" if a.ok else f"{name} output differs from PyTorch"
+
+
+def export(args: argparse.Namespace) -> int:
+    formats = check_formats(args)
+    model, names, stem, home, (h, w) = _load(args)
+    metadata = export_metadata(model, (h, w), names)
+    targets = _targets(args, formats, stem, home)
+    make_output_dir(targets[0].parent, OUTPUT_FLAG)
+    images = sample_images(h, w) if args.verify else None
+    failed = []
+    for name, path in zip(formats, targets):
+        FORMATS[name].write(model, path, (h, w), args.half, args.opset, metadata)
+        precision = "float16" if args.half else "float32"
+        LOGGER.info("wrote %s (%s, input images: batch x 3 x %d x %d)", path, precision, h, w)
+        if images is not None:
+            failed.append(check_export(name, model, path, images, args.half))
+    failed = [f for f in failed if f]
+    if failed:
+        # A converter's or runtime's fault, not the user's: exit 1, the exports left for
+        # inspection (--no-verify writes them without the check).
+        print(f"error: {'; '.join(failed)}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_script(get_args_parser(), export, argv)
 
 
 if __name__ == "__main__":

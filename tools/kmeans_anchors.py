@@ -42,24 +42,14 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
-from build_utils.atomic import (
-    check_not_an_input,
-    check_output_place,
-    make_output_dir,
-    write_text,
-)
+from build_utils.atomic import check_new_outputs, make_output_dir, write_text
 from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
-from train_utils.cli import (
-    HelpFormatter,
-    check_img_size_limit,
-    run_main,
-    setup_console_logging,
-)
+from train_utils.cli import HelpFormatter, check_img_size_limit, run_script
 
 LOGGER = logging.getLogger("kmeans_anchors")
 
@@ -157,65 +147,72 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of k-means and the genetic search")
     p.add_argument("--cfg", type=Path, help="cfg whose [yolo] anchors to replace (with --out-cfg)")
     p.add_argument("--out-cfg", type=Path, help="where to write the cfg with the new anchors")
+    p.add_argument("--exist-ok", action="store_true", help="replace an existing --out-cfg")
     return p
 
 
+def check_args(args: argparse.Namespace) -> None:
+    """Every flag, before any label is read."""
+    if (args.cfg is None) != (args.out_cfg is None):
+        raise ConfigError("--cfg and --out-cfg go together")
+    if args.cfg is not None and not args.cfg.is_file():
+        raise ConfigError("model cfg not found", args.cfg)
+    if not 0 < args.iou_t < 1:
+        raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
+    check_img_size_limit(args.img_size)
+    check_at_least({"--num": args.num, "--classes": args.classes}, 1)
+    check_at_least({"--generations": args.generations, "--seed": args.seed}, 0)
+    if args.data and args.classes is not None:
+        raise ConfigError("--classes goes with --list (--data has the .data's classes=)")
+
+
+def label_wh(source: str | Path, img_size: int, nc: int | None) -> np.ndarray:
+    """``(n, 2)`` label widths/heights at ``img_size`` of the images ``source`` lists, without
+    those too small to fit an anchor to (a warning counts them)."""
+    if nc is None:
+        LOGGER.info(
+            "no --classes: class ids are not checked, and training (which knows the class "
+            "count) checks the labels again instead of reusing the cache written here"
+        )
+    wh = label_sizes(LoadImagesAndLabels(source, img_size, nc=nc))
+    small = too_small(wh)
+    if small.any():
+        LOGGER.warning(
+            "%d of %d labels are under %g px at img-size %d; ignored",
+            small.sum(),
+            len(wh),
+            MIN_LABEL_PX,
+            img_size,
+        )
+    return wh[~small]
+
+
+def fit_anchors(args: argparse.Namespace) -> None:
+    check_args(args)
+    n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
+    data = parse_data_cfg(args.data) if args.data else None
+    source = data["train"] if data else args.list
+    if args.out_cfg is not None:
+        # Never over a file this tool reads (was: --out-cfg my.data replaced the .data), nor
+        # over any other file without --exist-ok.
+        reads = {"--cfg that": args.cfg, "--data that": args.data, "the image list that": source}
+        check_new_outputs([args.out_cfg], "--out-cfg", args.exist_ok, reads)
+    # The label cache is keyed by the class count as well: read it with the .data's (or
+    # --classes), as training does, so that the cache written here is the one training reuses.
+    wh = label_wh(source, args.img_size, int(data["classes"]) if data else args.classes)
+    rng = np.random.default_rng(args.seed)
+    anchors = kmeans_iou(wh, n, rng)
+    LOGGER.info("k-means:  %s; %s", format_anchors(anchors), describe(wh, anchors, args.iou_t))
+    anchors = evolve(wh, anchors, args.iou_t, args.generations, rng)
+    LOGGER.info("evolved:  %s; %s", format_anchors(anchors), describe(wh, anchors, args.iou_t))
+    print(f"anchors={format_anchors(anchors)}")
+    if args.cfg is not None:
+        k = write_anchors_into_cfg(args.cfg, args.out_cfg, anchors)
+        LOGGER.info("wrote %s (%d [yolo] sections)", args.out_cfg, k)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    setup_console_logging()
-
-    def body() -> int:
-        if (args.cfg is None) != (args.out_cfg is None):
-            raise ConfigError("--cfg and --out-cfg go together")
-        if args.cfg is not None and not args.cfg.is_file():
-            raise ConfigError("model cfg not found", args.cfg)
-        if not 0 < args.iou_t < 1:
-            raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
-        check_img_size_limit(args.img_size)
-        check_at_least({"--num": args.num, "--classes": args.classes}, 1)
-        check_at_least({"--generations": args.generations, "--seed": args.seed}, 0)
-        n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
-        if args.data and args.classes is not None:
-            raise ConfigError("--classes goes with --list (--data has the .data's classes=)")
-        data = parse_data_cfg(args.data) if args.data else None
-        source = data["train"] if data else args.list
-        if args.out_cfg is not None:
-            # Never over a file this tool reads (was: --out-cfg my.data replaced the .data).
-            reads = {"--cfg that": args.cfg, "--data that": args.data}
-            check_not_an_input(args.out_cfg, "--out-cfg", {**reads, "the image list that": source})
-            check_output_place(args.out_cfg, "--out-cfg")
-        # The label cache is keyed by the class count as well: read it with the .data's (or
-        # --classes), as training does, so that the cache written here is the one training reuses.
-        nc = int(data["classes"]) if data else args.classes
-        if nc is None:
-            LOGGER.info(
-                "no --classes: class ids are not checked, and training (which knows the class "
-                "count) checks the labels again instead of reusing the cache written here"
-            )
-        dataset = LoadImagesAndLabels(source, args.img_size, nc=nc)
-        wh = label_sizes(dataset)
-        small = too_small(wh)
-        if small.any():
-            LOGGER.warning(
-                "%d of %d labels are under %g px at img-size %d; ignored",
-                small.sum(),
-                len(wh),
-                MIN_LABEL_PX,
-                args.img_size,
-            )
-        wh = wh[~small]
-        rng = np.random.default_rng(args.seed)
-        anchors = kmeans_iou(wh, n, rng)
-        LOGGER.info("k-means:  %s; %s", format_anchors(anchors), describe(wh, anchors, args.iou_t))
-        anchors = evolve(wh, anchors, args.iou_t, args.generations, rng)
-        LOGGER.info("evolved:  %s; %s", format_anchors(anchors), describe(wh, anchors, args.iou_t))
-        print(f"anchors={format_anchors(anchors)}")
-        if args.cfg is not None:
-            k = write_anchors_into_cfg(args.cfg, args.out_cfg, anchors)
-            LOGGER.info("wrote %s (%d [yolo] sections)", args.out_cfg, k)
-        return 0
-
-    return run_main(body)
+    return run_script(get_args_parser(), fit_anchors, argv)
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ anchor, so the loss assigns each target to up to three cells and to every anchor
 its shape instead of one cell and the anchors above ``iou_t`` (``models/loss.py``). That is
 about three times the positive samples per image, and a from-scratch model learns much faster
 (README, "The demo"). Nothing else changes. The output is written without the source's
-comments. Without ``-o`` it goes beside the source as ``<name>[-w<W>][-newcoords][-<N>cls].cfg``.
+comments. Without ``-o`` it goes beside the source as ``<name>[-w<W>][-newcoords][-<N>cls].cfg``;
+an existing output is replaced only with ``--exist-ok``.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import check_not_an_input
-from build_utils.errors import ConfigError, YoloError
+from build_utils.atomic import check_new_outputs, make_output_dir
+from build_utils.errors import ConfigError
 from build_utils.parse_config import (
     Block,
     head_conv_index,
@@ -42,7 +43,7 @@ from build_utils.parse_config import (
     validate_model_cfg,
     write_model_cfg,
 )
-from train_utils.cli import HelpFormatter
+from train_utils.cli import HelpFormatter, run_script
 
 # --width rounds filter counts up to a multiple of this (channel counts that vectorise well,
 # and even ones for [route] groups=2).
@@ -78,6 +79,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         type=Path,
         help="output cfg (default: beside it, <stem>[-w<W>][-newcoords][-<N>cls].cfg)",
     )
+    parser.add_argument("--exist-ok", action="store_true", help="replace an existing output cfg")
     return parser
 
 
@@ -128,12 +130,15 @@ def make_cfg(
     output: Path | None = None,
     width: float | None = None,
     new_coords: bool = False,
+    exist_ok: bool = False,
+    reads: dict[str, Path | None] | None = None,
 ) -> Path:
     """Write ``cfg`` rewritten for ``nc`` classes, scaled to ``width`` and/or with
     :func:`new_coords_heads` to ``output`` and return its path.
 
     Raises:
-        ConfigError: nothing asked, or bad values (see :func:`scale_width`).
+        ConfigError: nothing asked, bad values (see :func:`scale_width`), or an output that
+            exists (unless ``exist_ok``) or is the cfg or another file the tool ``reads``.
     """
     if nc is None and width is None and not new_coords:
         raise ConfigError("nothing to do: pass --classes, --data, --width or --new-coords")
@@ -152,29 +157,25 @@ def make_cfg(
         what.append(f"{nc} classes")
         stem += f"-{nc}cls"
     out = output if output is not None else cfg.with_name(f"{stem}.cfg")
-    check_not_an_input(out, "--output", {"the cfg": cfg})
-    out.parent.mkdir(parents=True, exist_ok=True)
+    check_new_outputs([out], "--output", exist_ok, {"the cfg": cfg, **(reads or {})})
+    make_output_dir(out.parent, "--output")
     write_model_cfg(
         blocks, out, header=f"{cfg.name} rewritten for {', '.join(what)} by tools/make_cfg.py"
     )
     return out
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        nc = args.classes
-        if args.data is not None:
-            nc = parse_data_cfg(args.data)["classes"]
-            if args.output is not None:
-                check_not_an_input(args.output, "--output", {"the --data file": args.data})
-        out = make_cfg(args.cfg, nc, args.output, args.width, args.new_coords)
-    except YoloError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def rewrite(args: argparse.Namespace) -> None:
+    nc = args.classes
+    if args.data is not None:
+        nc = parse_data_cfg(args.data)["classes"]
+    reads = {"the --data file": args.data}
+    out = make_cfg(args.cfg, nc, args.output, args.width, args.new_coords, args.exist_ok, reads)
     logging.getLogger(__name__).info("wrote %s", out)
-    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_script(get_args_parser(), rewrite, argv)
 
 
 if __name__ == "__main__":

@@ -6,16 +6,21 @@ Two layouts:
     python tools/trans_voc2yolo.py --xml-dir D/train/Annotations --img-dir D/train/images \\
         --label-dir D/train/labels --classes D/shapes.names
 
-    # a VOC devkit year folder -> OUT/<split>/{images,labels} for the ImageSets/Main splits
-    # (voc.names: the 20 VOC class names, one a line, which you write; leave --classes out
-    # to collect the names from the XML files)
+    # a VOC devkit year folder -> OUT/<split>/{images,labels} for the ImageSets/Main splits,
+    # OUT/classes.names and OUT/data.yaml (train.py --data OUT/data.yaml); voc.names: the 20
+    # VOC class names in the order you want their ids, one a line (leave --classes out to
+    # collect the names from the XML files)
     python tools/trans_voc2yolo.py --voc-root VOCdevkit/VOC2012 --out my_yolo_dataset \\
-        --classes voc.names --names-out my_yolo_dataset/voc.names
+        --classes voc.names
 
 Classes come from ``--classes`` (a ``.names`` file, one name per line, or a JSON list or
-``{name: id}`` mapping; 0- or 1-based ids are both accepted, ids are taken in increasing order)
-or, without it, are collected from the XML files and sorted by name. ``--names-out`` writes the
-class list used. What is done about problems (all listed in the report file, never fatal):
+``{name: id}`` mapping; 0- or 1-based ids are both accepted, ids are taken in increasing order),
+whose order is kept: class k is its k-th name. Without it they are collected from the XML files
+and sorted by name (VOC's own 20 classes are numbered alphabetically too). The class list used is
+always written: to ``--names-out`` (default ``classes.names`` beside the labels' folder, or in
+``--out``), and with ``--voc-root`` a ``data.yaml`` in ``--out`` names the splits and the classes
+in that order. An existing names file, data.yaml or report is replaced only with ``--exist-ok``.
+What is done about problems (all listed in the report file, never fatal):
 
 - ``difficult`` objects are skipped unless ``--include-difficult``;
 - boxes reaching outside the image are clipped, boxes left empty skipped;
@@ -43,11 +48,13 @@ import xml.etree.ElementTree as ET
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
+from build_utils.atomic import check_new_outputs, make_output_dir, write_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import (
     exif_orientation,
@@ -65,13 +72,17 @@ from build_utils.limits import (
     file_problem,
     read_config_text,
 )
+from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
-from train_utils.cli import HelpFormatter, run_main, setup_console_logging
+from train_utils.cli import HelpFormatter, run_script
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 # Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).
 ASPECT_TOLERANCE = 0.01
 LABEL_DECIMALS = 6
+NAMES_FILE = "classes.names"  # the class list written beside the labels (default --names-out)
+DATA_YAML = "data.yaml"  # --voc-root: the dataset file train.py reads, in --out
+REPORT_FILE = "voc2yolo_report.txt"
 
 
 @dataclass
@@ -175,6 +186,98 @@ def _same_aspect(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return abs(a[0] * b[1] - a[1] * b[0]) <= ASPECT_TOLERANCE * a[0] * b[1]
 
 
+@dataclass(frozen=True)
+class _Frame:
+    """The pixel frame of one XML file's boxes: ``w`` x ``h`` as annotated, normalised by
+    ``W`` x ``H`` (the upright image); ``orientation`` the EXIF rotation applied to boxes drawn
+    on the stored pixels (1: none)."""
+
+    w: float
+    h: float
+    W: float
+    H: float
+    orientation: int = 1
+
+
+def _upright_size(xml_path: Path, image: Path | None, notes: list[str]) -> tuple[Any, int]:
+    """The image's stored size (None: no readable image) and its EXIF orientation."""
+    if image is None:
+        return None, 1
+    raw = raw_image_size(image)
+    if raw is None:
+        notes.append(f"{xml_path}: image {image} is unreadable")
+        return None, 1
+    try:
+        orientation = exif_orientation(read_file_bytes(image)[: 1 << 16])
+    except DatasetError:
+        orientation = 1
+    return raw, orientation
+
+
+def _frame(
+    xml_path: Path, size: ET.Element | None, image: Path | None, notes: list[str]
+) -> _Frame | None:
+    """Which frame the XML's boxes are in (see the module docstring); None: no size at all."""
+    w, h = _number(size, "width"), _number(size, "height")
+    raw, orientation = _upright_size(xml_path, image, notes)
+    img_w, img_h = oriented_size(*raw, orientation) if raw is not None else (None, None)
+    if not w or not h:
+        if img_w is None:
+            return None
+        notes.append(f"{xml_path}: no <size>; used the image's {img_w}x{img_h}")
+        return _Frame(float(img_w), float(img_h), float(img_w), float(img_h))
+    if img_w is None:
+        return _Frame(w, h, w, h)
+    if orientation != 1 and (w, h) == raw:
+        # Annotated on the pixels as stored (LabelImg and the classic VOC tools ignore EXIF);
+        # when the stored and upright sizes are equal this is an assumption, and says so.
+        notes.append(f"{xml_path}: boxes rotated to the image's EXIF orientation {orientation}")
+        W, H = (float(v) for v in oriented_size(int(w), int(h), orientation))
+        return _Frame(w, h, W, H, orientation)
+    if (w, h) == (img_w, img_h):
+        return _Frame(w, h, w, h)
+    if _same_aspect((w, h), (img_w, img_h)):
+        notes.append(f"{xml_path}: <size> {w:g}x{h:g} is a resized {img_w}x{img_h}; used <size>")
+        return _Frame(w, h, w, h)
+    notes.append(
+        f"{xml_path}: <size> {w:g}x{h:g} disagrees with the image {img_w}x{img_h}; "
+        "normalised by the image size"
+    )
+    return _Frame(float(img_w), float(img_h), float(img_w), float(img_h))
+
+
+def _object_line(
+    obj: ET.Element, where: str, frame: _Frame, class_id: int, one_based: bool, notes: list[str]
+) -> str | None:
+    """The label line of one object (``where``: its file and number, for the report); None
+    when its box is missing or empty."""
+    bb = obj.find("bndbox")
+    coords = [_number(bb, t) for t in ("xmin", "ymin", "xmax", "ymax")]
+    if any(c is None for c in coords):
+        notes.append(f"{where}: missing or non-numeric <bndbox>, skipped")
+        return None
+    x1, y1, x2, y2 = coords
+    if one_based:
+        x1, y1 = x1 - 1, y1 - 1
+    if frame.orientation != 1:
+        box = np.array([[x1, y1, x2, y2]])
+        x1, y1, x2, y2 = orient_boxes(box, frame.orientation, frame.w, frame.h)[0]
+    W, H = frame.W, frame.H
+    cx1, cy1, cx2, cy2 = max(x1, 0.0), max(y1, 0.0), min(x2, W), min(y2, H)
+    if (cx1, cy1, cx2, cy2) != (x1, y1, x2, y2):
+        notes.append(
+            f"{where}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) clipped to the {W:g}x{H:g} image"
+        )
+    if cx2 <= cx1 or cy2 <= cy1:
+        notes.append(f"{where}: empty box, skipped")
+        return None
+    d = LABEL_DECIMALS
+    return (
+        f"{class_id} {(cx1 + cx2) / 2 / W:.{d}f} {(cy1 + cy2) / 2 / H:.{d}f} "
+        f"{(cx2 - cx1) / W:.{d}f} {(cy2 - cy1) / H:.{d}f}"
+    )
+
+
 def convert_file(
     xml_path: Path,
     image: Path | None,
@@ -197,49 +300,9 @@ def convert_file(
         root = ET.parse(xml_path).getroot()
     except (ET.ParseError, OSError) as e:
         return None, [f"{xml_path}: skipped: unreadable XML ({e})"], 0
-    size = root.find("size")
-    w, h = _number(size, "width"), _number(size, "height")
-
-    img_w = img_h = None
-    orientation = 1
-    raw = None
-    if image is not None:
-        raw = raw_image_size(image)
-        if raw is None:
-            notes.append(f"{xml_path}: image {image} is unreadable")
-        else:
-            try:
-                orientation = exif_orientation(read_file_bytes(image)[: 1 << 16])
-            except DatasetError:
-                orientation = 1
-            img_w, img_h = oriented_size(*raw, orientation)
-    if not w or not h:
-        if img_w is None:
-            return None, [f"{xml_path}: skipped: no <size> and no readable image"], 0
-        w, h = float(img_w), float(img_h)
-        frame = "upright"
-        notes.append(f"{xml_path}: no <size>; used the image's {img_w}x{img_h}")
-    elif img_w is None:
-        frame = "upright"
-    elif orientation != 1 and raw is not None and (w, h) == raw:
-        # Annotated on the pixels as stored (LabelImg and the classic VOC tools ignore EXIF);
-        # when the stored and upright sizes are equal this is an assumption, and says so.
-        frame = "stored"
-        notes.append(f"{xml_path}: boxes rotated to the image's EXIF orientation {orientation}")
-    elif (w, h) == (img_w, img_h):
-        frame = "upright"
-    elif _same_aspect((w, h), (img_w, img_h)):
-        frame = "upright"
-        notes.append(f"{xml_path}: <size> {w:g}x{h:g} is a resized {img_w}x{img_h}; used <size>")
-    else:
-        notes.append(
-            f"{xml_path}: <size> {w:g}x{h:g} disagrees with the image {img_w}x{img_h}; "
-            "normalised by the image size"
-        )
-        w, h, frame = float(img_w), float(img_h), "upright"
-
-    rotate = frame == "stored"
-    W, H = (float(v) for v in oriented_size(int(w), int(h), orientation)) if rotate else (w, h)
+    frame = _frame(xml_path, root.find("size"), image, notes)
+    if frame is None:
+        return None, [f"{xml_path}: skipped: no <size> and no readable image"], 0
     lines: list[str] = []
     skipped = 0
     for k, obj in enumerate(root.iter("object"), 1):
@@ -248,36 +311,15 @@ def convert_file(
             notes.append(f"{xml_path}: object {k}: unknown class {name!r}, skipped")
             skipped += 1
             continue
-        difficult = _number(obj, "difficult") or 0
-        if difficult and not include_difficult:
+        if (_number(obj, "difficult") or 0) and not include_difficult:
             skipped += 1
             continue
-        bb = obj.find("bndbox")
-        coords = [_number(bb, t) for t in ("xmin", "ymin", "xmax", "ymax")]
-        if any(c is None for c in coords):
-            notes.append(f"{xml_path}: object {k}: missing or non-numeric <bndbox>, skipped")
+        where = f"{xml_path}: object {k}"
+        line = _object_line(obj, where, frame, class_ids[name], one_based, notes)
+        if line is None:
             skipped += 1
-            continue
-        x1, y1, x2, y2 = coords
-        if one_based:
-            x1, y1 = x1 - 1, y1 - 1
-        if rotate:
-            x1, y1, x2, y2 = orient_boxes(np.array([[x1, y1, x2, y2]]), orientation, w, h)[0]
-        cx1, cy1, cx2, cy2 = max(x1, 0.0), max(y1, 0.0), min(x2, W), min(y2, H)
-        if (cx1, cy1, cx2, cy2) != (x1, y1, x2, y2):
-            notes.append(
-                f"{xml_path}: object {k}: box ({x1:g}, {y1:g}, {x2:g}, {y2:g}) "
-                f"clipped to the {W:g}x{H:g} image"
-            )
-        if cx2 <= cx1 or cy2 <= cy1:
-            notes.append(f"{xml_path}: object {k}: empty box, skipped")
-            skipped += 1
-            continue
-        d = LABEL_DECIMALS
-        lines.append(
-            f"{class_ids[name]} {(cx1 + cx2) / 2 / W:.{d}f} {(cy1 + cy2) / 2 / H:.{d}f} "
-            f"{(cx2 - cx1) / W:.{d}f} {(cy2 - cy1) / H:.{d}f}"
-        )
+        else:
+            lines.append(line)
     if not lines:
         notes.append(f"{xml_path}: no objects kept; wrote an empty label file")
     return lines, notes, skipped
@@ -378,7 +420,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, help="output root for --voc-root")
     p.add_argument("--splits", nargs="+", default=["train", "val"], help="splits of --voc-root")
     p.add_argument("--classes", type=Path, help=".names or JSON class list (default: from XML)")
-    p.add_argument("--names-out", type=Path, help="write the class list used here (.names)")
+    p.add_argument(
+        "--names-out",
+        type=Path,
+        help=f"write the class list used here (default: {NAMES_FILE} in --out, or beside the "
+        "--label-dir folder)",
+    )
     p.add_argument("--include-difficult", action="store_true", help="keep 'difficult' objects")
     p.add_argument(
         "--one-based",
@@ -386,51 +433,110 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         help="VOC devkit convention: xmin/ymin are 1-based pixel indices",
     )
     p.add_argument("--report", type=Path, help="problem report (default: beside the labels)")
+    p.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="replace an existing names file, data.yaml or report (labels of the same name are "
+        "replaced with them)",
+    )
     return p
 
 
+def class_names(args: argparse.Namespace) -> list[str]:
+    """The classes in id order: ``--classes`` as given, else the XML files' names sorted."""
+    if args.classes is not None:
+        return load_class_list(args.classes)
+    xml_dir = args.xml_dir or args.voc_root / "Annotations"
+    names = collect_class_names(sorted(Path(xml_dir).glob("*.xml")))
+    if not names:
+        raise DatasetError("no object names found in the XML files", xml_dir)
+    return names
+
+
+@dataclass(frozen=True)
+class Outputs:
+    """The files a conversion writes beside its labels (None: not written)."""
+
+    names: Path | None
+    report: Path
+    data_yaml: Path | None
+
+
+def plan_outputs(args: argparse.Namespace) -> Outputs:
+    """Where the class list, the report and (``--voc-root``) the data.yaml go, refused when
+    one exists (unless ``--exist-ok``) or is the class list read (see
+    :func:`~build_utils.atomic.check_new_outputs`)."""
+    voc = args.voc_root is not None
+    home = args.out if voc else args.label_dir.parent
+    names = args.names_out or home / NAMES_FILE
+    default = args.names_out is None and args.classes is not None and names.exists()
+    if default and names.samefile(args.classes):
+        names = None  # the class list read is that file: nothing to add
+    outputs = Outputs(names, args.report or home / REPORT_FILE, home / DATA_YAML if voc else None)
+    reads = {"the --classes file": args.classes}
+    for flag, path in (
+        ("--names-out", outputs.names),
+        ("--report", outputs.report),
+        ("--out", outputs.data_yaml),
+    ):
+        if path is not None:
+            check_new_outputs([path], flag, args.exist_ok, reads)
+    return outputs
+
+
+def voc_data_yaml(splits: Sequence[str], names: Sequence[str]) -> str:
+    """The data.yaml of ``--voc-root``'s ``OUT/<split>/images`` folders (several splits of one
+    role, e.g. train and trainval, as a list)."""
+    roles: dict[str, list[str]] = {}
+    for split in splits:
+        roles.setdefault(split_role(split, "--splits"), []).append(f"{split}/images")
+    folders = {role: f[0] if len(f) == 1 else f for role, f in roles.items()}
+    return data_yaml_text(folders, names, "written by tools/trans_voc2yolo.py")
+
+
+def voc_to_yolo(args: argparse.Namespace) -> None:
+    if (args.voc_root is None) == (args.xml_dir is None):
+        raise ConfigError("give either --xml-dir (with --label-dir) or --voc-root (with --out)")
+    if args.xml_dir is not None and args.label_dir is None:
+        raise ConfigError("--xml-dir needs --label-dir")
+    if args.voc_root is not None and args.out is None:
+        raise ConfigError("--voc-root needs --out")
+    names = class_names(args)
+    # Before anything is written: a split that is no data.yaml role, an output in the way.
+    data_yaml = voc_data_yaml(args.splits, names) if args.voc_root is not None else None
+    outputs = plan_outputs(args)
+    if args.voc_root is not None:
+        report = convert_voc_root(
+            args.voc_root, args.out, args.splits, names, args.include_difficult, args.one_based
+        )
+    else:
+        report = convert_dir(
+            args.xml_dir,
+            args.img_dir,
+            args.label_dir,
+            names,
+            args.include_difficult,
+            args.one_based,
+        )
+    written = []
+    for path, text, flag in (
+        (outputs.names, "".join(n + "\n" for n in names), "--names-out"),
+        (outputs.data_yaml, data_yaml, "--out"),
+        (
+            outputs.report,
+            f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines),
+            "--report",
+        ),
+    ):
+        if path is not None:
+            make_output_dir(path.parent, flag)
+            write_text(path, text, flag)
+            written.append(str(path))
+    LOGGER.info("%s; %d classes; wrote %s", report.summary(), len(names), ", ".join(written))
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = get_args_parser().parse_args(argv)
-    setup_console_logging()
-
-    def body() -> int:
-        if (args.voc_root is None) == (args.xml_dir is None):
-            raise ConfigError("give either --xml-dir (with --label-dir) or --voc-root (with --out)")
-        if args.xml_dir is not None and args.label_dir is None:
-            raise ConfigError("--xml-dir needs --label-dir")
-        if args.voc_root is not None and args.out is None:
-            raise ConfigError("--voc-root needs --out")
-        xml_dir = args.xml_dir or args.voc_root / "Annotations"
-        if args.classes is not None:
-            names = load_class_list(args.classes)
-        else:
-            names = collect_class_names(sorted(Path(xml_dir).glob("*.xml")))
-            if not names:
-                raise DatasetError("no object names found in the XML files", xml_dir)
-        if args.voc_root is not None:
-            report = convert_voc_root(
-                args.voc_root, args.out, args.splits, names, args.include_difficult, args.one_based
-            )
-            report_path = args.report or args.out / "voc2yolo_report.txt"
-        else:
-            report = convert_dir(
-                args.xml_dir,
-                args.img_dir,
-                args.label_dir,
-                names,
-                args.include_difficult,
-                args.one_based,
-            )
-            report_path = args.report or args.label_dir.parent / "voc2yolo_report.txt"
-        if args.names_out is not None:
-            args.names_out.parent.mkdir(parents=True, exist_ok=True)
-            args.names_out.write_text("".join(n + "\n" for n in names))
-        report_path.parent.mkdir(parents=True, exist_ok=True)
-        report_path.write_text(f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines))
-        LOGGER.info("%s; %d classes; report: %s", report.summary(), len(names), report_path)
-        return 0
-
-    return run_main(body)
+    return run_script(get_args_parser(), voc_to_yolo, argv)
 
 
 if __name__ == "__main__":

@@ -253,6 +253,50 @@ def _mode_for_another_device(run_amp: str | None) -> str:
     return run_amp if run_amp in ("auto", "on", "off") else "auto"
 
 
+@dataclass(frozen=True)
+class InferencePrecision:
+    """How an evaluation or a prediction computes: ``weights``, the dtype of the model's
+    parameters and of its input; ``autocast``, the dtype autocast computes in (None: none);
+    ``why``, where that came from (a flag, the run's record)."""
+
+    weights: torch.dtype
+    autocast: torch.dtype | None
+    why: str
+
+    def describe(self, channels_last: bool | None = None) -> str:
+        """The log line: ``precision: bfloat16 autocast (the run's bfloat16), contiguous``."""
+        if self.weights != torch.float32:
+            what = f"{dtype_name(self.weights)} weights and inputs"
+        elif self.autocast is not None:
+            what = f"{dtype_name(self.autocast)} autocast"
+        else:
+            what = "full (float32)"
+        layout = ""
+        if channels_last is not None:
+            layout = ", channels_last" if channels_last else ", contiguous"
+        return f"precision: {what} ({self.why}){layout}"
+
+
+def inference_precision(
+    amp: torch.dtype | None, why: str, half: bool, amp_flag: str | None, device: torch.device
+) -> InferencePrecision:
+    """What ``predict.py`` computes in: the autocast ``amp`` that :func:`replay_precision`
+    chose (``why``: its reason) for a float32 model, or with ``--half`` float16 weights and
+    inputs and no autocast (:func:`half_model_autocast`, ``amp_flag``: the ``--amp`` typed).
+
+    Raises:
+        ConfigError: ``--half`` off CUDA, or with an ``--amp`` of another dtype.
+    """
+    if half and device.type != "cuda":
+        raise ConfigError(f"--half needs a CUDA device, not {device}; on CPU use --amp (bf16)")
+    autocast = half_model_autocast(half, amp_flag, amp)
+    if not half:
+        return InferencePrecision(torch.float32, autocast, why)
+    replayed = amp_flag is None and amp is not None and amp is not torch.float16
+    note = f"; the run's {dtype_name(amp)} autocast is not replayed" if replayed else ""
+    return InferencePrecision(torch.float16, None, f"--half{note}")
+
+
 def to_model_input(
     imgs: torch.Tensor,
     device: torch.device,

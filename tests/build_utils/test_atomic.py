@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from build_utils.atomic import atomic_write, temp_path
+from build_utils.atomic import atomic_write, check_new_outputs, temp_path
+from build_utils.errors import ConfigError, OutputError
 
 
 class Boom(Exception):
@@ -86,3 +87,23 @@ def test_a_missing_folder_or_a_bad_mode_is_an_error(tmp_path):
     with pytest.raises(ValueError, match="mode must be one of"), atomic_write(tmp_path / "f", "a"):
         pass
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_output_policy_refuses_what_exists_unless_exist_ok(tmp_path):
+    """One policy for every tool: an existing output (whoever wrote it) is named and refused
+    without --exist-ok; an input is never an output; a file in the way is one line."""
+    mine, new, cfg = tmp_path / "results.csv", tmp_path / "new.cfg", tmp_path / "a.cfg"
+    mine.write_text("epoch\n")
+    cfg.write_text("[net]\n")
+    check_new_outputs([new], "-o", exist_ok=False)
+    with pytest.raises(ConfigError, match=r"results.csv already exists; pass --exist-ok to "):
+        check_new_outputs([new, mine], "-o", exist_ok=False)
+    both = rf"{mine}, {cfg} already exist; .* choose another -o"
+    with pytest.raises(ConfigError, match=both):
+        check_new_outputs([mine, cfg], "-o", exist_ok=False)
+    check_new_outputs([new, mine], "-o", exist_ok=True)
+    with pytest.raises(ConfigError, match="-o .*a.cfg is the cfg this tool reads"):
+        check_new_outputs([cfg], "-o", exist_ok=True, inputs={"the cfg": cfg})
+    with pytest.raises(OutputError, match="is a file where a folder should be"):
+        check_new_outputs([mine / "x.cfg"], "-o", exist_ok=True)
+    assert mine.read_text() == "epoch\n" and not new.exists()

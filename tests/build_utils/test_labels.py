@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
 from pathlib import Path
 
 import numpy as np
 
+from build_utils import atomic as atomic_mod
 from build_utils import labels as labels_mod
 from build_utils.labels import (
     cache_place,
@@ -110,6 +113,39 @@ def test_parse_label_text_rules():
 def _shapes_files(root: Path) -> tuple[list[str], list[str]]:
     files, _ = collect_image_files(root / "train.txt")
     return files, [img2label_path(f) for f in files]
+
+
+def test_a_read_only_dataset_is_checked_and_reported_once(make_shapes_data, tmp_path, monkeypatch):
+    """Was: on a read-only dataset every load (the start-up check, then the training set)
+    checked the labels again and printed both warnings again (cache and report). Now one
+    warning naming the cache, once per process, and the second load reuses the check."""
+    root = make_shapes_data(n_train=3, n_val=1).parent
+    files, label_files = _shapes_files(root)
+    cache_path, report_path = tmp_path / "ro" / "train.cache.npz", tmp_path / "ro" / "r.txt"
+    calls = []
+    real = labels_mod.build_label_cache
+    monkeypatch.setattr(
+        labels_mod, "build_label_cache", lambda *a, **k: calls.append(1) or real(*a, **k)
+    )
+
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS))
+
+    monkeypatch.setattr(atomic_mod, "_open_temp", read_only)
+    monkeypatch.setattr(labels_mod, "_unsaved", {})
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    labels_mod.LOGGER.addHandler(handler)
+    try:
+        first = load_labels(files, label_files, 5, cache_path, report_path)
+        again = load_labels(files, label_files, 5, cache_path, report_path)
+    finally:
+        labels_mod.LOGGER.removeHandler(handler)
+    warnings = [r.getMessage() for r in records if r.levelno >= logging.WARNING]
+    assert len(warnings) == 1 and warnings[0].startswith(f"cannot write label cache {cache_path}")
+    assert len(calls) == 1 and again.files == first.files
+    assert not cache_path.exists() and not report_path.exists()
 
 
 def test_load_labels_checks_once_then_reads_the_cache(make_shapes_data, tmp_path, monkeypatch):

@@ -627,6 +627,12 @@ def test_parse_data_cfg_absolute_paths(tmp_path):
         ("classes=2\ntrain=t\nvalid=v\nnames=other.names\n", r":4: names file 'other.names'"),
         ("classes=2\ntrain t\n", r"my\.data:2: expected 'key=value'"),
         ("classes=2\nclasses=2\n", r"my\.data:2: duplicate key 'classes'"),
+        # Was "expected 'key=value', got '[net]'": a model cfg given as --data.
+        (
+            "# a cfg\n[net]\nbatch=64\n",
+            r"my\.data:2: a model cfg \(section '\[net\]'\), not a dataset file: it goes to "
+            r"--cfg; --data takes a .data or data.yaml file$",
+        ),
     ],
 )
 def test_parse_data_cfg_errors(tmp_path, monkeypatch, body, pattern):

@@ -109,3 +109,25 @@ def test_channels_last_autocast_forward_matches_fp32(amp: torch.dtype) -> None:
     errors = autocast_head_errors(CUDA, amp)
     assert max(errors) < AUTOCAST_REL_TOLERANCE, errors
     assert min(errors) > AUTOCAST_MIN_ERROR, errors  # autocast did compute in bf16/fp16
+
+
+def test_predict_half_after_a_bf16_run(tmp_path) -> None:
+    """predict.py --half on a checkpoint whose run evaluated in bf16 (the default on a GPU
+    with bf16): fp16 weights and inputs, the run's autocast not replayed (was: BatchNorm got
+    bf16 input with fp16 parameters, which CUDA refuses)."""
+    import cv2
+    import numpy as np
+
+    import predict
+    from train_utils.checkpoint import save_checkpoint
+
+    model = calibrated_model(torch.device("cpu"), 64)
+    ckpt = tmp_path / "bf16.pt"
+    record = {"amp": "bfloat16", "channels_last": True}
+    save_checkpoint({"model": model.state_dict(), "epoch": -1, "precision": record}, ckpt)
+    image = tmp_path / "x.jpg"
+    cv2.imwrite(str(image), np.full((64, 64, 3), 127, np.uint8))
+    argv = ["--weights", str(ckpt), "--cfg", str(NANO_CFG), "--source", str(image)]
+    argv += ["--img-size", "64", "--device", "cuda", "--half", "--output", str(tmp_path / "o")]
+    assert predict.main(argv) == 0
+    assert (tmp_path / "o" / "x.jpg").is_file()

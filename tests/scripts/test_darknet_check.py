@@ -78,3 +78,19 @@ def test_bad_input_is_one_line(tmp_path, capsys, change, message):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and err.startswith("error: ")
     assert re.search(message, err), err
+
+
+def test_an_existing_out_is_kept_unless_exist_ok(tmp_path, capsys):
+    """Was: --out X replaced whatever X was (one output policy: tools/ and README)."""
+    cfg, x_path, truths, _ = _files(tmp_path)
+    out = tmp_path / "results.csv"
+    out.write_text("mine")
+    argv = ["yolo", "--cfg", str(cfg), "--layer", str(LAYER), "--input", str(x_path)]
+    argv += ["--truths", str(truths), "--out", str(out)]
+    assert darknet_check.main(argv) == 2
+    assert capsys.readouterr().err == (
+        f"error: {out} already exists; pass --exist-ok to replace, or choose another --out\n"
+    )
+    assert out.read_text() == "mine"
+    assert darknet_check.main([*argv, "--exist-ok"]) == 0
+    assert out.stat().st_size > 4

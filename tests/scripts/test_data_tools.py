@@ -82,6 +82,8 @@ def test_voc_to_yolo_reproduces_the_generator_labels(make_shapes_data, tmp_path)
                 str(root / "shapes.names"),
                 "--names-out",
                 str(out / "shapes.names"),
+                # The second split writes the same names file: replacing it is asked for.
+                *(["--exist-ok"] if split == "val" else []),
             ]
         )
         assert rc == 0
@@ -170,6 +172,7 @@ def test_voc_problems_are_handled_and_reported(tmp_path, capsys):
             "--one-based",
             "--names-out",
             str(tmp_path / "collected.names"),
+            "--exist-ok",  # the report beside the labels' folder is the first run's
         ]
     )
     assert rc == 0
@@ -256,6 +259,52 @@ def test_voc_devkit_layout(make_shapes_data, tmp_path):
             np.testing.assert_allclose(got[k], want[k], atol=1e-6)
 
 
+def test_voc_devkit_keeps_the_class_order_and_writes_names_and_data_yaml(
+    make_shapes_data, tmp_path, capsys
+):
+    """Was: no names file or data.yaml unless --names-out, so the ids (sorted names without
+    --classes) were nowhere recorded. Now --classes' order is the ids', and OUT/classes.names
+    and OUT/data.yaml (which train.py reads) record it; a second conversion into OUT is refused
+    unless --exist-ok."""
+    data = make_shapes_data(n_train=3, n_val=2, voc=True)
+    src = data.parent
+    voc = tmp_path / "VOC"
+    (voc / "ImageSets" / "Main").mkdir(parents=True)
+    (voc / "JPEGImages").mkdir()
+    (voc / "Annotations").mkdir()
+    for split in ("train", "val"):
+        ids = []
+        for p in sorted((src / split / "images").glob("*.jpg")):
+            (voc / "JPEGImages" / p.name).write_bytes(p.read_bytes())
+            xml = src / split / "Annotations" / f"{p.stem}.xml"
+            (voc / "Annotations" / xml.name).write_bytes(xml.read_bytes())
+            ids.append(p.stem)
+        (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    order = (src / "shapes.names").read_text().split()
+    assert order != sorted(order)  # the generator's order is not alphabetical
+    out = tmp_path / "yolo"
+    argv = ["--voc-root", str(voc), "--out", str(out), "--classes", str(src / "shapes.names")]
+    assert trans_voc2yolo.main(argv) == 0
+    assert (out / "classes.names").read_text().split() == order
+    parsed = parse_data_cfg(out / "data.yaml")
+    assert parsed["class_names"] == order and parsed["classes"] == len(order)
+    assert Path(parsed["train"]) == out / "train" / "images"
+    assert Path(parsed["valid"]) == out / "val" / "images"
+    for split in ("train", "val"):  # the generator's ids, i.e. the order given
+        want, got = _labels(src / split / "labels"), _labels(out / split / "labels")
+        assert want.keys() == got.keys()
+        for k in want:
+            np.testing.assert_allclose(got[k], want[k], atol=1e-6)
+    capsys.readouterr()
+    before = (out / "data.yaml").read_text()
+    assert trans_voc2yolo.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert f"{out / 'classes.names'} already exists; pass --exist-ok" in err
+    assert (out / "data.yaml").read_text() == before
+    assert trans_voc2yolo.main([*argv, "--exist-ok"]) == 0
+
+
 # ---------------------------------------------------------------------------------------------
 # Lists, .data and cfg
 
@@ -289,6 +338,22 @@ def test_calculate_dataset_writes_lists_data_and_cfg(make_shapes_data, tmp_path)
     blocks = parse_model_cfg(out / "my_yolov3-spp-nano.cfg")
     heads = [b for b in blocks if b["type"] == "yolo"]
     assert heads and all(b["classes"] == 5 for b in heads)
+
+
+def test_calculate_dataset_keeps_existing_files_unless_exist_ok(make_shapes_data, tmp_path, capsys):
+    """Was: a second run (or a user's my_data.data) was written over in silence."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    root, out = data.parent, tmp_path / "out"
+    argv = ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(out)]
+    out.mkdir()
+    (out / "my_data.data").write_text("mine\n")
+    assert calculate_dataset.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and err.count("\n") == 1
+    assert f"{out / 'my_data.data'} already exists; pass --exist-ok" in err
+    assert sorted(p.name for p in out.iterdir()) == ["my_data.data"]
+    assert calculate_dataset.main([*argv, "--exist-ok"]) == 0
+    assert parse_data_cfg(out / "my_data.data")["classes"] == 5
 
 
 def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
@@ -397,6 +462,24 @@ def test_kmeans_anchors_never_writes_over_what_it_reads(
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and line.format(**names) in err
     assert {p: p.read_bytes() for p in names.values()} == before
+
+
+def test_kmeans_anchors_keeps_an_existing_out_cfg(make_shapes_data, tmp_path, capsys):
+    """Was: --out-cfg X replaced whatever X was; now one line unless --exist-ok."""
+    data = make_shapes_data(n_train=4, n_val=1)
+    out = tmp_path / "results.csv"
+    out.write_text("epoch\n")
+    argv = ["--data", str(data), "--cfg", str(NANO_CFG), "--out-cfg", str(out)]
+    argv += ["--img-size", "64", "--generations", "3"]
+    assert kmeans_anchors.main(argv) == 2
+    err = capsys.readouterr().err
+    assert (
+        err
+        == f"error: {out} already exists; pass --exist-ok to replace, or choose another --out-cfg\n"
+    )
+    assert out.read_text() == "epoch\n"
+    assert kmeans_anchors.main([*argv, "--exist-ok"]) == 0
+    assert "anchors=" in out.read_text()
 
 
 def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):

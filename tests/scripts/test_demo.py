@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import shlex
 from pathlib import Path
 
 import numpy as np
@@ -101,3 +102,18 @@ def test_demo_on_given_data_runs_within_its_budget(make_shapes_data, tmp_path, c
     stats = json.loads((out / "val_stats.json").read_text())
     assert 0.0 <= stats["mAP50"] <= 1.0
     assert len(list((out / "predictions").glob("*.jpg"))) == 4
+
+
+def test_the_logged_training_command_pastes_as_it_is(tmp_path, monkeypatch) -> None:
+    """Was: ``--device  --time-budget ...`` (an empty --device) in the logged command, which a
+    shell reads as --device taking the next flag. Left at auto, --device is left out; given,
+    it is there; the line is shell-quoted."""
+    monkeypatch.setattr(demo, "ensure_demo_dataset", lambda root: tmp_path / "my data.data")
+    argv, _ = demo.train_argv(demo.get_args_parser().parse_args(["--output-dir", "runs/d"]))
+    assert "" not in argv and "--device" not in argv
+    assert shlex.split(shlex.join(argv)) == argv and "--data" in argv
+    args = demo.get_args_parser().parse_args(["--device", "cpu", "--amp", "off"])
+    argv, _ = demo.train_argv(args)
+    assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--amp") + 1] == "off"
+    parsed = demo.train_parser().parse_args(argv)
+    assert (parsed.device, parsed.amp, parsed.output_dir) == ("cpu", "off", "runs/demo")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import errno
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -444,3 +445,13 @@ def test_half_without_cpu_float16_is_one_line(tmp_path, monkeypatch, capsys):
     assert export.main([*argv, "--include", "torchscript", "--half"]) == 2
     assert "cannot run this model in float16 on the CPU" in one_error_line(capsys)
     assert list(tmp_path.iterdir()) == []
+
+
+@needs_ort
+def test_onnxruntime_telemetry_is_off(monkeypatch):
+    """onnxruntime 1.32 sends usage events to events.data.microsoft.com from its own threads
+    unless ORT_DISABLE_TELEMETRY is set when it starts (tests/scenarios/test_offline.py saw
+    the connections); the export's check sets it before importing onnxruntime."""
+    monkeypatch.delenv("ORT_DISABLE_TELEMETRY", raising=False)
+    model_export._import_onnxruntime()
+    assert os.environ["ORT_DISABLE_TELEMETRY"] == "1"

@@ -108,7 +108,9 @@ def test_bad_inputs(checkpoint, tmp_path, capsys, caplog):
             "cpu",
         ]
     )
-    assert code == 0 and "skipped" in caplog.text
+    # Nothing readable at all: exit 2 and no output folder (was: exit 0, an empty folder).
+    assert code == 2 and "skipped" in caplog.text and not (tmp_path / "o").exists()
+    assert "no image or video frame could be read" in capsys.readouterr().err
     assert predict.main(["--weights", str(tmp_path / "none.pt"), "--source", str(bad)]) == 2
     assert "weights file not found" in capsys.readouterr().err
     assert (

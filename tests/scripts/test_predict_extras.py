@@ -21,6 +21,7 @@ from build_utils.parse_config import format_model_cfg, parse_model_cfg, rewrite_
 from models.darknet import Darknet
 from train_utils.checkpoint import save_checkpoint
 from train_utils.evaluation.plots import class_colour
+from train_utils.precision import inference_precision
 
 NAMES = ["circle", "square"]
 # Fixed detections (xyxy original pixels, conf, class) that a patched Predictor returns.
@@ -344,3 +345,21 @@ def test_augment_on_a_real_model(checkpoint, tmp_path):
     out = tmp_path / "out"
     assert _main(checkpoint, out, "--source", str(tmp_path / "x.png"), "--augment") == 0
     assert (out / "x.png").is_file()
+
+
+def test_half_weights_under_a_bf16_autocast_fail_and_the_decision_runs_on_the_cpu():
+    """predict.py --half after a bf16 run: the mechanism on the CPU (whose kernels refuse the
+    mix as CUDA's do), and the predictor built with --half's decision predicting on the CPU
+    (fp16 weights and inputs, no autocast). The CUDA twin: tests/scenarios/test_cuda.py."""
+    model = Darknet(NANO_CFG, img_size=64).eval()
+    x = torch.rand(1, 3, 64, 64)
+    bf16 = torch.autocast("cpu", dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="dtype"), torch.no_grad(), bf16:
+        model.half()(x.half())  # what the two precisions together did
+    cuda = torch.device("cuda")  # a device object only: the decision needs no GPU
+    decided = inference_precision(torch.bfloat16, "the run's bfloat16", True, None, cuda)
+    cpu = torch.device("cpu")
+    predictor = predict.Predictor(model.float(), cpu, 64, 0.25, 0.5, 300, False, decided)
+    assert next(predictor.model.parameters()).dtype == torch.float16
+    det = predictor(np.full((64, 64, 3), 127, np.uint8))
+    assert det.shape[1] == 6 and det.dtype == torch.float32

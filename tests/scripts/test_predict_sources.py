@@ -260,3 +260,81 @@ def test_a_source_with_nothing_readable_is_one_line_before_anything_is_written(t
     good = tmp_path / "ok.jpg"
     good.write_bytes(b"not decoded here")
     assert [o.source for o in plan_outputs([str(folder), str(good)])][-1] == good
+
+
+# ---- sources: patterns, nothing to predict on, cameras --------------------------------------
+
+
+def test_a_quoted_glob_is_a_source(checkpoint, tmp_path, capsys):
+    """Was "no such file": YOLOv5's ``--source 'dir/val_0001*.jpg'`` (the shell left the
+    pattern alone) now predicts on the files it matches, ``**`` reaching into sub-folders."""
+    for name in ("val_00010.jpg", "val_00011.jpg", "val_00020.jpg", "deep/val_00012.jpg"):
+        _image(tmp_path / "dir" / name, 60)
+    out = tmp_path / "out"
+    assert _main(checkpoint, out, "--source", str(tmp_path / "dir" / "val_0001*.jpg")) == 0
+    assert sorted(p.name for p in out.iterdir()) == ["val_00010.jpg", "val_00011.jpg"]
+    out2 = tmp_path / "out2"
+    assert _main(checkpoint, out2, "--source", str(tmp_path / "dir" / "**" / "val_0001*.jpg")) == 0
+    assert sorted(p.name for p in out2.iterdir()) == [
+        "val_00010.jpg",
+        "val_00011.jpg",
+        "val_00012.jpg",
+    ]
+    capsys.readouterr()
+    assert _main(checkpoint, tmp_path / "o", "--source", str(tmp_path / "dir" / "x*.jpg")) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --source {tmp_path / 'dir' / 'x*.jpg'}: no file matches")
+    assert not (tmp_path / "o").exists()
+
+
+def test_a_source_with_no_images_writes_nothing(checkpoint, tmp_path, capsys):
+    """Was: exit 0 and an empty output folder for a source holding no image (a text file)."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("not a picture")
+    assert _main(checkpoint, tmp_path / "o", "--source", str(notes)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --source: nothing readable to predict on: ")
+    assert "not an image or video file" in err and err.count("\n") == 1
+    assert not (tmp_path / "o").exists()
+
+
+class _NoFrames:
+    """A camera that opens and then gives no frame (unplugged, or taken by another program)."""
+
+    def isOpened(self) -> bool:  # OpenCV's name
+        return True
+
+    def get(self, prop: int) -> float:
+        return 0.0
+
+    def grab(self) -> bool:
+        return False
+
+    def read(self) -> tuple[bool, None]:
+        return False, None
+
+    def release(self) -> None:
+        pass
+
+
+def test_a_camera_that_gives_nothing_writes_nothing(checkpoint, tmp_path, monkeypatch, capsys):
+    """Was: exit 0 with an empty output folder (a camera that cannot open: exit 2, but the
+    folder was made first)."""
+    monkeypatch.setattr(predict, "open_capture", lambda source: _NoFrames())
+    assert _main(checkpoint, tmp_path / "o", "--source", "0", "--save-txt") == 2
+    assert "no image or video frame could be read" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+    monkeypatch.setattr(predict, "open_capture", lambda source: cv2.VideoCapture())
+    assert _main(checkpoint, tmp_path / "o", "--source", "3") == 2
+    assert "cannot open camera 3" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_the_replayed_precision_is_logged(checkpoint, tmp_path, caplog):
+    """As validation.py does: the autocast dtype (or none) and where it came from."""
+    image = _image(tmp_path / "x.jpg", 80)
+    caplog.set_level("INFO")
+    assert _main(checkpoint, tmp_path / "o", "--source", str(image)) == 0
+    assert "precision: full (float32) (--amp auto)" in caplog.text
+    assert _main(checkpoint, tmp_path / "o2", "--source", str(image), "--amp", "off") == 0
+    assert "precision: full (float32) (--amp off)" in caplog.text

@@ -1,16 +1,19 @@
-"""tools/make_cfg.py, tools/convert_weights.py, tools/export_onnx.py (called through main())."""
+"""tools/make_cfg.py, tools/convert_weights.py and tools/export.py's ONNX export at any H x W (the
+former tools/export_onnx.py), called through main()."""
 
 from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from build_utils.parse_config import parse_model_cfg
 from models.darknet import Darknet
-from tools import convert_weights, export_onnx, make_cfg
+from models.export import FORMATS, export_onnx, hw
+from tools import convert_weights, export, make_cfg
 from train_utils.checkpoint import load_state_dict_file, save_weights_pt
 
 REPO = Path(__file__).resolve().parents[2]
@@ -191,6 +194,7 @@ def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
     assert "does not match" in one_error_line(capsys)
     short = tmp_path / "short.weights"
     assert convert_weights.main([str(TINY), str(tiny_pt), str(short)]) == 0
+    capsys.readouterr()  # its "wrote" line
     short.write_bytes(short.read_bytes()[:-400])
     assert convert_weights.main([str(TINY), str(short), str(tmp_path / "y.pt")]) == 2
     assert "truncated" in one_error_line(capsys)
@@ -198,36 +202,59 @@ def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
 
 
 # --------------------------------------------------------------------------------------------
-# export_onnx
+# tools/export.py --include onnx (was tools/export_onnx.py)
 
 HAVE_ONNX = all(importlib.util.find_spec(m) is not None for m in ("onnx", "onnxruntime"))
 needs_onnx = pytest.mark.skipif(
     not HAVE_ONNX, reason="onnx/onnxruntime not installed (pip install -r requirements-onnx.txt)"
 )
+VERIFY_TOLERANCE = 1e-4  # relative and absolute, float32
+VERIFY_BATCH = 2  # not the export batch (1), to exercise the dynamic batch axis
+
+
+def verify_onnx(
+    model: Darknet, path: Path, img_size: int | tuple[int, int] = 416, seed: int = 0
+) -> float:
+    """Run ``path`` with onnxruntime on a random batch of 2 and compare with ``model`` (eval
+    mode) within 1e-4 relative and absolute; the largest absolute difference."""
+    h, w = hw(img_size)
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.rand(VERIFY_BATCH, 3, h, w, generator=gen)
+    model.eval()
+    with torch.no_grad():
+        expected = model(x)[0].numpy()
+    got = FORMATS["onnx"].run(Path(path), x.numpy())
+    np.testing.assert_allclose(got, expected, rtol=VERIFY_TOLERANCE, atol=VERIFY_TOLERANCE)
+    return float(np.abs(got - expected).max())
+
+
+def export_onnx_main(*argv: str) -> int:
+    return export.main([*argv, "--include", "onnx"])
 
 
 @needs_onnx
 def test_export_onnx_matches_pytorch_with_dynamic_batch(tmp_path):
     import onnx
 
-    out = tmp_path / "nano.onnx"
-    assert export_onnx.main(["--cfg", str(NANO), "--img-size", "128", "160", "-o", str(out)]) == 0
+    out = tmp_path / "yolov3-spp-nano.onnx"
+    argv = ["--cfg", str(NANO), "--img-size", "128", "160", "-o", str(tmp_path), "--no-verify"]
+    assert export_onnx_main(*argv) == 0
     graph = onnx.load(str(out)).graph
     assert graph.input[0].type.tensor_type.shape.dim[0].dim_param == "batch"
     assert [d.dim_value for d in graph.input[0].type.tensor_type.shape.dim[1:]] == [3, 128, 160]
     torch.manual_seed(0)
     model = Darknet(NANO)
-    export_onnx.export_onnx(model, out, (128, 160))
+    export_onnx(model, out, (128, 160))
     assert not model.training
     # verify_onnx runs a batch of 2 (exported with 1) and asserts 1e-4 agreement.
-    assert export_onnx.verify_onnx(model, out, (128, 160)) < 1e-3
+    assert verify_onnx(model, out, (128, 160)) < 1e-3
 
 
 @needs_onnx
 def test_export_onnx_cli_verify_with_weights(tiny_pt, tmp_path):
-    out = tmp_path / "tiny.onnx"
-    argv = ["--cfg", str(TINY), "--weights", str(tiny_pt), "--img-size", "64", "-o", str(out)]
-    assert export_onnx.main([*argv, "--verify"]) == 0
+    argv = ["--cfg", str(TINY), "--weights", str(tiny_pt), "--img-size", "64", "-o", str(tmp_path)]
+    assert export_onnx_main(*argv, "--verify") == 0
+    assert (tmp_path / "tiny.onnx").is_file()
 
 
 def _pad_values(graph) -> list[float]:
@@ -251,24 +278,67 @@ def test_export_onnx_darknet_maxpool_and_new_coords(tmp_path, name):
     torch.manual_seed(0)
     model = Darknet(REPO / "cfg" / "darknet" / name)
     out = tmp_path / "m.onnx"
-    export_onnx.export_onnx(model, out, 64)
-    assert export_onnx.verify_onnx(model, out, 64) < 1e-3
+    export_onnx(model, out, 64)
+    assert verify_onnx(model, out, 64) < 1e-3
     pads = _pad_values(onnx.load(str(out)).graph)
     assert pads == ([float("-inf")] if name == "yolov3-tiny.cfg" else [])
 
 
 def test_export_onnx_errors(tmp_path, capsys):
-    out = str(tmp_path / "x.onnx")
-    assert export_onnx.main(["--cfg", str(TINY), "--opset", "10", "-o", out]) == 2
+    out = ["-o", str(tmp_path), "--no-verify"]
+    assert export_onnx_main("--cfg", str(TINY), "--opset", "10", *out) == 2
     assert "opset 11" in one_error_line(capsys)
     # Above what torch's exporter writes: one line, not its RuntimeError mid-export.
     too_new = "99"
-    assert export_onnx.main(["--cfg", str(TINY), "--opset", too_new, "-o", out]) == 2
+    assert export_onnx_main("--cfg", str(TINY), "--opset", too_new, *out) == 2
     assert f"--opset {too_new}: torch" in one_error_line(capsys)
-    assert not (tmp_path / "x.onnx").exists()
-    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "100", "-o", out]) == 2
+    assert not (tmp_path / "yolov3-tiny.onnx").exists()
+    assert export_onnx_main("--cfg", str(TINY), "--img-size", "100", *out) == 2
     assert "--img-size 100 is not a positive multiple of 32" in one_error_line(capsys)
-    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "65536", "-o", out]) == 2
+    assert export_onnx_main("--cfg", str(TINY), "--img-size", "64", "65536", *out) == 2
     assert "--img-size 65536 is larger than the limit 8192" in one_error_line(capsys)
-    assert export_onnx.main(["--cfg", str(TINY), "--img-size", "64", "64", "64", "-o", out]) == 2
+    assert export_onnx_main("--cfg", str(TINY), "--img-size", "64", "64", "64", *out) == 2
     assert "H or H W" in one_error_line(capsys)
+    assert list(tmp_path.iterdir()) == []
+
+
+# --------------------------------------------------------------------------------------------
+# one output policy
+
+
+def test_tools_refuse_an_existing_output_unless_exist_ok(tiny_pt, tmp_path, capsys):
+    """Was: make_cfg -o X and convert_weights -o X wrote over whatever X was (a run's
+    results.csv, an earlier output). Now one line naming it, the file kept, unless --exist-ok;
+    a default output (beside the source) follows the same rule."""
+    results = tmp_path / "results.csv"
+    results.write_text("epoch,mAP50\n0,0.5\n")
+    calls = {
+        "make_cfg": lambda *a: make_cfg.main([str(TINY), "--classes", "3", *a]),
+        "convert_weights": lambda *a: convert_weights.main(
+            ["--weights", str(tiny_pt), "--cfg", str(TINY), *a]
+        ),
+    }
+    for tool, call in calls.items():
+        assert call("-o", str(results)) == 2, tool
+        line = one_error_line(capsys)
+        assert f"{results} already exists; pass --exist-ok to replace, or choose another" in line
+        assert results.read_text() == "epoch,mAP50\n0,0.5\n", tool
+        assert call("-o", str(results), "--exist-ok") == 0, tool
+        results.write_text("epoch,mAP50\n0,0.5\n")
+        capsys.readouterr()
+    default = tiny_pt.with_suffix(".weights")
+    default.write_bytes(b"mine")
+    assert convert_weights.main(["--weights", str(tiny_pt)]) == 2
+    assert f"{default} already exists" in one_error_line(capsys)
+    assert default.read_bytes() == b"mine"
+    default.unlink()
+
+
+def test_export_into_a_file_is_one_line(tiny_pt, tmp_path, capsys):
+    """Was (tools/export_onnx.py -o R/results.csv): the CSV replaced by ONNX bytes, exit 0."""
+    results = tmp_path / "results.csv"
+    results.write_text("epoch\n")
+    argv = ["--weights", str(tiny_pt), "--cfg", str(TINY), "--img-size", "64", "--no-verify"]
+    assert export.main([*argv, "--include", "torchscript", "-o", str(results)]) == 2
+    assert f"{results} is a file where a folder should be" in one_error_line(capsys)
+    assert results.read_text() == "epoch\n"

@@ -9,6 +9,7 @@ import io
 import json
 import logging
 import shutil
+import warnings
 from pathlib import Path
 
 import cv2
@@ -300,3 +301,87 @@ def test_an_output_place_no_write_could_use_stops_before_the_evaluation(
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"error: cannot write {place}: {why}; move it away or choose another {flag}"]
     assert not (tmp_path / "runs").exists() and (tmp_path / "file").read_text() == ""
+
+
+def test_exist_ok_moves_the_previous_report_aside(shapes_data, weights5, tmp_path, caplog):
+    """Was: ``--name g --exist-ok`` wrote into g over the previous report, its labels/ and
+    pictures mixed with the new ones. Now they move into g/replaced-<time>/ (as train.py's
+    --exist-ok moves a previous run) before the new report is written."""
+    caplog.set_level(logging.INFO)
+    project = tmp_path / "runs" / "val"
+    base = _argv(shapes_data, weights5, "--project", str(project), "--name", "g")
+    assert validation.main([*base, "--save-txt"]) == 0
+    first = project / "g"
+    old = sorted(p.name for p in first.iterdir())
+    assert "labels" in old and "confusion_matrix.png" in old
+    assert validation.main([*base, "--no-plots", "--exist-ok"]) == 0
+    (aside,) = [p for p in first.iterdir() if p.name.startswith("replaced-")]
+    assert sorted(p.name for p in aside.iterdir()) == old
+    now = sorted(p.name for p in first.iterdir() if p != aside)
+    assert "labels" not in now and "confusion_matrix.png" not in now and "per_class.csv" in now
+    assert f"the previous report in {first} was moved to {aside}" in caplog.text
+    assert sorted(p.name for p in project.iterdir()) == ["g"]
+
+
+def test_exist_ok_never_moves_a_training_run(shapes_data, weights5, tmp_path, capsys):
+    run = tmp_path / "runs" / "train" / "exp"
+    run.mkdir(parents=True)
+    (run / "last.pt").write_bytes(b"a run")
+    argv = _argv(shapes_data, weights5, "--project", str(run.parent), "--name", "exp")
+    assert validation.main([*argv, "--exist-ok"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --exist-ok would move the previous report in {run} aside, ")
+    assert err.count("\n") == 1 and "choose another --name" in err
+    assert sorted(p.name for p in run.iterdir()) == ["last.pt"]
+
+
+def test_json_outputs_are_kept_unless_exist_ok(shapes_data, weights5, tmp_path, capsys):
+    """Was: --json-out X and --save-json DIR wrote over whatever was there (a --json-out
+    naming the weights replaced them). One line before the evaluation, unless --exist-ok."""
+    stats, js = tmp_path / "stats.json", tmp_path / "js"
+    js.mkdir()
+    stats.write_text("mine")
+    (js / "predictions.json").write_text("mine")
+    base = _argv(shapes_data, weights5, "--no-plots", "--save-dir", str(tmp_path / "v"))
+    for extra, taken, flag in [
+        (["--json-out", str(stats)], stats, "--json-out"),
+        (["--save-json", str(js)], js / "predictions.json", "--save-json"),
+    ]:
+        assert validation.main([*base, *extra]) == 2
+        assert capsys.readouterr().err == (
+            f"error: {taken} already exists; pass --exist-ok to replace, or choose another {flag}\n"
+        )
+        assert taken.read_text() == "mine" and not (tmp_path / "v").exists()
+    assert validation.main([*base, "--json-out", str(weights5)]) == 2
+    assert "is the --weights file this tool reads" in capsys.readouterr().err
+    extra = ["--json-out", str(stats), "--save-json", str(js), "--exist-ok"]
+    assert validation.main([*base, *extra]) == 0
+    assert "mAP50" in json.loads(stats.read_text())
+    assert isinstance(json.loads((js / "predictions.json").read_text()), list)
+
+
+def test_a_torchscript_export_as_weights_is_one_plain_line(shapes_data, weights5, tmp_path):
+    """Was: torch.load's warning about TorchScript archives on stderr, then PyTorch's advice to
+    re-run torch.load with weights_only=False."""
+    from models.export import export_torchscript
+
+    ts = export_torchscript(
+        Darknet(NANO_CFG, img_size=64).eval(), tmp_path / "best.torchscript", 64
+    )
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert validation.main(_argv(shapes_data, ts)) == 2
+    assert [str(w.message) for w in caught if "TorchScript" in str(w.message)] == []
+    assert err.getvalue().count("\n") == 1, err.getvalue()
+    assert err.getvalue().startswith(f"error: {ts}: a TorchScript export")
+    assert "weights_only" not in err.getvalue()
+
+
+def test_an_image_as_weights_says_so(shapes_data, tmp_path, capsys):
+    """Was: read as a Darknet file, "these weights carry no model cfg" (without --cfg) or a
+    size mismatch (with it)."""
+    image = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
+    assert validation.main(_argv(shapes_data, image)) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {image}: not a weights file but a JPEG image")

@@ -223,3 +223,37 @@ def test_a_half_model_runs_on_cuda_without_the_replayed_autocast():
     with torch.no_grad(), autocast_context(cuda, precision.half_model_autocast(True, None, None)):
         y = model(x)
     assert y.dtype == torch.float16 and torch.isfinite(y).all()
+
+
+# ---- --half and the replayed autocast: one decision (predict.py) -------------------------------
+
+CUDA = torch.device("cuda")  # a device object only: the decision needs no GPU
+BF16_RUN = "the run's bfloat16"
+
+
+def test_half_replaces_the_replayed_autocast():
+    """Was: predict.py --half made the weights fp16 while autocast replayed the run's bf16, and
+    BatchNorm got bf16 input with fp16 parameters (CUDA refuses it). Now --half means fp16
+    weights and inputs and no autocast, and says that the run's autocast is not replayed."""
+    p = precision.inference_precision(torch.bfloat16, BF16_RUN, True, None, CUDA)
+    assert (p.weights, p.autocast) == (torch.float16, None)
+    assert p.describe() == (
+        "precision: float16 weights and inputs (--half; the run's bfloat16 autocast is not "
+        "replayed)"
+    )
+    plain = precision.inference_precision(torch.bfloat16, BF16_RUN, False, None, CUDA)
+    assert (plain.weights, plain.autocast) == (torch.float32, torch.bfloat16)
+    assert plain.describe(channels_last=True) == (
+        "precision: bfloat16 autocast (the run's bfloat16), channels_last"
+    )
+    fp16 = precision.inference_precision(torch.float16, "--amp fp16", True, "fp16", CUDA)
+    assert (fp16.weights, fp16.autocast) == (torch.float16, None)
+
+
+def test_half_with_another_amp_or_off_cuda_is_one_line():
+    with pytest.raises(ConfigError, match="--half runs float16 .*--amp bf16 asks for another"):
+        precision.inference_precision(torch.bfloat16, "--amp bf16", True, "bf16", CUDA)
+    auto = precision.inference_precision(torch.bfloat16, "--amp auto", True, "auto", CUDA)
+    assert (auto.weights, auto.autocast) == (torch.float16, None)
+    with pytest.raises(ConfigError, match="--half needs a CUDA device, not cpu"):
+        precision.inference_precision(None, "--amp auto", True, None, CPU)

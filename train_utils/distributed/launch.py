@@ -19,6 +19,7 @@ learning rate behind the user's back.
 from __future__ import annotations
 
 import argparse
+import copy
 import logging
 import os
 import socket
@@ -238,14 +239,16 @@ def spawn_training(
 ) -> None:
     """Train with ``nprocs`` DDP processes spawned on this node (see the module docstring).
 
-    Every rank's device is checked here first, so a missing GPU is one error before anything
-    starts.
+    Every rank's device and the configuration (flags, cfg, hyp, .data:
+    :func:`~train_utils.config.build_config`) are checked here first, so a missing GPU or a bad
+    ``--data`` is one error before anything starts, not one per rank after the spawn.
 
     Raises:
         YoloError: of the type a child raised, with its message (the first child to fail).
         KeyboardInterrupt: after the children stopped, when interrupted (Ctrl-C).
     """
     devices = spawn_devices(args.device, nprocs, cuda_device_count())
+    build_config(copy.deepcopy(args))  # a check only: each rank builds its own
     port = free_port()
     logger.info(
         "spawning %d processes on this node (%s), rendezvous %s:%d",

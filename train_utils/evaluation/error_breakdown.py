@@ -99,10 +99,12 @@ class ErrorBreakdown:
 
     def format(self) -> str:
         """The table for the log."""
+        # AP50 on the COCO table's scale (a fraction, as mAP50 is logged beside it); dAP in
+        # TIDE's own unit, percentage points, said as such.
         lines = [
             f"error breakdown (TIDE: IoU {self.pos_iou:g}, background below {self.bg_iou:g}, "
-            f"{self.max_dets} detections per image; AP50 {self.ap50:.2f}; dAP = AP50 points "
-            "gained when that type is fixed):",
+            f"{self.max_dets} detections per image; AP50 {self.ap50 / 100:.4f}; dAP = "
+            "percentage points of AP50 gained when that type is fixed, 1.00 = 0.01 AP50):",
             f"{'type':>16s} {'count':>7s} {'dAP':>6s}",
         ]
         for name in (*MAIN_ERRORS, FALSE_POS, FALSE_NEG):

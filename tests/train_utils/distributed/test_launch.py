@@ -194,3 +194,17 @@ def test_train_py_under_a_launcher_joins_its_ddp_run(monkeypatch, env, joins):
     monkeypatch.setattr(train.DistInfo, "single", staticmethod(lambda device: None))
     assert train.main(["--device", "cpu"]) == 0
     assert calls == (["ddp"] if joins else ["single"])
+
+
+def test_the_configuration_is_checked_before_spawning(tmp_path, monkeypatch, capsys):
+    """Was: ``train_multi_GPU.py --nproc-per-node 2 --data missing.data`` started both ranks,
+    each of which then reported the missing file. Now one line before any process starts."""
+    import train_multi_GPU
+
+    spawned = []
+    monkeypatch.setattr(launch.mp, "start_processes", lambda *a, **k: spawned.append(a))
+    argv = train_argv(tmp_path / "missing.data", tmp_path / "run", "--nproc-per-node", "2")
+    assert train_multi_GPU.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "missing.data" in err[0] and err[0].startswith("error: ")
+    assert spawned == [] and not (tmp_path / "run").exists()

@@ -239,3 +239,13 @@ def test_mean_ap_reads_the_detections_a_few_times_not_once_per_class(monkeypatch
     ap = _mean_ap(cls, score, tp, {c: 10 for c in range(nc)})
     assert 0 < ap <= 100
     assert 0 < CountingArray.read <= 4 * n
+
+
+def test_the_table_shows_ap50_on_the_scale_of_map50():
+    """Was: "AP50 51.23" (per cent) logged under the COCO table's "mAP50 0.5123" (a fraction);
+    now the same fraction, and dAP's unit (percentage points) said with the column."""
+    gt, dets = _random_coco(0)
+    b = error_breakdown(gt_by_image(gt), dets_by_image(dets))
+    head = b.format().splitlines()[0]
+    assert f"AP50 {b.ap50 / 100:.4f};" in head and f"AP50 {b.ap50:.2f};" not in head
+    assert "dAP = percentage points of AP50 gained when that type is fixed" in head
