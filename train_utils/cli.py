@@ -65,18 +65,13 @@ def run_script(
     argv: Sequence[str] | None = None,
 ) -> int:
     """Every script's ``main``: parse ``argv`` with ``parser`` (``args.given`` names the flags
-    typed, see :func:`parse_args`), log to the console, run ``command(args)`` and return its exit
-    status, user errors being one line and status 2 (see :func:`run_main`)."""
+    typed, see :func:`parse_args`), log to the console and run ``command(args)``. Its exit status
+    is returned; a user error is one line and status 2, Ctrl-C 130, and a requested stop
+    (:class:`RunStopped`, SIGUSR1) 75."""
     args = parse_args(parser, argv)
     setup_console_logging()
-    return run_main(lambda: command(args))
-
-
-def run_main(body: Callable[[], int | None]) -> int:
-    """Run a script body, mapping user errors to exit status 2, Ctrl-C to 130 and a requested
-    stop (:class:`RunStopped`, SIGUSR1) to 75."""
     try:
-        return body() or 0
+        return command(args) or 0
     except YoloError as e:
         print(f"error: {e}", file=sys.stderr)
         return EXIT_USER_ERROR
