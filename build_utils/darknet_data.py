@@ -370,6 +370,7 @@ class DarknetDetections(Dataset):
     def __init__(self, images: LoadImagesAndLabels, settings: DarknetLoaderSettings):
         self.images = images
         self.settings = settings
+        self.labels = images.labels  # per image (n, 5) class, cx, cy, w, h (labels.png)
 
     def __len__(self) -> int:
         return len(self.images)
