@@ -198,7 +198,7 @@ TRAINING_KEYS: tuple[TrainingKey, ...] = (
 # Keys of the model (architecture and input), decided by the cfg under either recipe.
 MODEL_KEYS = {
     "net": ("width", "height", "channels", "inputs", "bn_eps"),
-    "yolo": ("mask", "anchors", "classes", "num", "scale_x_y", "new_coords", "map"),
+    "yolo": ("mask", "anchors", "classes", "num", "scale_x_y", "new_coords", "map", "stopbackward"),
 }
 # Flags whose work the cfg does under --recipe darknet, as argparse dests -> the flag named.
 OVERRIDDEN_FLAGS = {
@@ -274,8 +274,21 @@ def key_rows(blocks: Sequence[Block]) -> list[KeyRow]:
 
 
 def unimplemented(rows: Sequence[KeyRow]) -> list[KeyRow]:
-    """The rows of keys the cfg sets that the recipe does not implement."""
-    return [r for r in rows if r.status == NOT_IMPLEMENTED]
+    """The rows of keys the cfg sets, to other values than Darknet's defaults, that the recipe
+    does not implement (``mosaic=0`` asks for nothing to be done)."""
+    defaults = {(k.section, k.key): k.default for k in TRAINING_KEYS}
+    return [
+        r
+        for r in rows
+        if r.status == NOT_IMPLEMENTED and not _is_default(r.value, defaults[r.section, r.key])
+    ]
+
+
+def _is_default(value: str, default: str) -> bool:
+    try:
+        return float(value) == float(default)
+    except ValueError:
+        return value == default
 
 
 def log_key_table(rows: Sequence[KeyRow], cfg: object) -> None:
