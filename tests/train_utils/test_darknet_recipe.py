@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import re
 
 import pytest
 from conftest import NANO_CFG, train_argv
@@ -170,3 +171,13 @@ def test_a_bad_recipe_cfg_is_one_line_before_a_run_folder(shapes_data, tmp_path,
 def test_loader_settings_come_from_the_last_yolo_layer():
     s = DarknetLoaderSettings.from_blocks(_cfg("flip=0\nhue=.1\nsaturation=0", "jitter=.1"))
     assert (s.flip, s.hue, s.saturation, s.jitter, s.classes) == (False, 0.1, 1.0, 0.1, 2)
+
+
+def test_the_readme_table_is_the_recipes(repo_root):
+    """README "Train as Darknet does" lists every key with the status the recipe gives it."""
+    text = (repo_root / "README.md").read_text()
+    section = text[text.index("## Train as Darknet does") :]
+    rows = re.findall(
+        r"^\| \[(net|yolo)\] \| `(\w+)` \| [^|]* \| [^|]* \| ([a-z ]+) \|$", section, re.M
+    )
+    assert rows == [(k.section, k.key, k.status) for k in TRAINING_KEYS]
