@@ -68,6 +68,7 @@ class DarknetLoaderSettings:
     saturation: float = 1.0
     exposure: float = 1.0
     resize_step: int = DEFAULT_RESIZE_STEP
+    mixup: bool = False
 
     @classmethod
     def from_blocks(cls, blocks: Sequence[Block]) -> DarknetLoaderSettings:
@@ -111,6 +112,11 @@ class DarknetLoaderSettings:
             saturation=float(net.get("saturation", 1)) or 1.0,
             exposure=float(net.get("exposure", 1)) or 1.0,
             resize_step=step,
+            # Darknet's net->mixup is 1 only for mixup=1 without cutmix and mosaic (those make
+            # it 2-4: other augmentations, of the OpenCV build).
+            mixup=int(net.get("mixup", 0)) == 1
+            and not int(net.get("mosaic", 0))
+            and not int(net.get("cutmix", 0)),
         )
 
     @property
@@ -322,8 +328,8 @@ def darknet_sample(
         net_size: (width, height) of the network input.
 
     Returns:
-        ``(img, truths)``: (net_h, net_w, 3) uint8 RGB, and (k, 5) float32 x, y, w, h, class
-        (:func:`~build_utils.darknet_augment.crop_truths`).
+        ``(img, truths)``: (net_h, net_w, 3) float32 RGB in [0, 1], and (k, 5) float32 x, y, w,
+        h, class (:func:`~build_utils.darknet_augment.crop_truths`).
     """
     net_w, net_h = net_size
     draws = draw_image(rng, settings)
@@ -332,12 +338,20 @@ def darknet_sample(
     )
     rgb = img_bgr[..., ::-1].astype(f32) / f32(GREY_LEVELS)
     pixels = darknet_pixels(rgb, crop, net_w, net_h, draws)
-    img = np.rint(pixels * GREY_LEVELS).astype(np.uint8)
     boxes = shuffle_boxes(labels, rng)
     truths = crop_truths(
         boxes, crop, draws.flip, net_w, net_h, settings.classes, settings.max_boxes
     )
-    return img, truths
+    return pixels, truths
+
+
+def blend(
+    first: tuple[np.ndarray, np.ndarray], second: tuple[np.ndarray, np.ndarray], max_boxes: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """``mixup=1``: the two samples' pixels half and half (``blend_images``), the second's
+    truths first and the first's after them, ``max_boxes`` at most (``blend_truth``)."""
+    pixels = second[0] * f32(0.5) + first[0] * f32(0.5)
+    return pixels, np.concatenate((second[1], first[1]))[:max_boxes]
 
 
 # ---- the dataset and its batches ----------------------------------------------------------------
@@ -346,7 +360,8 @@ def darknet_sample(
 class DarknetKey(NamedTuple):
     """What one training sample is a pure function of: the image ``index``, its ``slot`` among
     the iteration's images, the ``iteration``, the network ``width`` and ``height``, the run's
-    ``seed`` and the process's ``rank``."""
+    ``seed`` and the process's ``rank``; ``mix`` the image ``mixup`` blends it with (-1:
+    none)."""
 
     index: int
     slot: int
@@ -355,6 +370,7 @@ class DarknetKey(NamedTuple):
     height: int
     seed: int
     rank: int
+    mix: int = -1
 
 
 class DarknetDetections(Dataset):
@@ -384,10 +400,14 @@ class DarknetDetections(Dataset):
         for step in range(len(self)):
             i = (key.index + step) % len(self)
             try:
-                img, truths = self._sample(key._replace(index=i))
+                pixels, truths = self._sample(key._replace(index=i))
+                if key.mix >= 0:
+                    second = self._sample(key._replace(index=key.mix), second=True)
+                    pixels, truths = blend((pixels, truths), second, self.settings.max_boxes)
             except ImageUnreadable as e:
                 unreadable.append(str(e.path))
                 continue
+            img = np.rint(pixels * GREY_LEVELS).astype(np.uint8)
             labels = torch.zeros((len(truths), 6), dtype=torch.float32)
             if len(truths):
                 labels[:, 1] = torch.from_numpy(truths[:, 4])
@@ -407,9 +427,11 @@ class DarknetDetections(Dataset):
             "checked at start-up; were its files deleted or moved?)"
         )
 
-    def _sample(self, key: DarknetKey) -> tuple[np.ndarray, np.ndarray]:
+    def _sample(self, key: DarknetKey, second: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """Image ``key.index`` as :func:`darknet_sample` makes it; ``second``: the image
+        ``mixup`` blends in, with draws of its own (Darknet draws them again)."""
         rng = np.random.default_rng(
-            [_STREAM_SAMPLE, key.seed & SEED_MASK, key.rank, key.iteration, key.slot]
+            [_STREAM_SAMPLE, key.seed & SEED_MASK, key.rank, key.iteration, key.slot, int(second)]
         )
         ow, oh = (int(v) for v in self.images.shapes[key.index])
         # The resolution the smallest crop needs: JPEGs may then be decoded at 1/2, 1/4, 1/8.
@@ -426,8 +448,9 @@ class DarknetBatches(Sampler[list[DarknetKey]]):
     per iteration ``subdivisions`` lists of ``mini_batch`` keys.
 
     As ``get_random_paths`` does, each iteration's ``mini_batch * subdivisions`` images are
-    drawn at random with replacement from the whole list; the draw and the network size are
-    functions of (seed, rank, iteration) alone, so any range replays an uninterrupted run.
+    drawn at random with replacement from the whole list (with ``mixup``, in half the
+    iterations, as many partners); the draws and the network size are functions of (seed,
+    rank, iteration) alone, so any range replays an uninterrupted run.
     """
 
     def __init__(
@@ -460,9 +483,12 @@ class DarknetBatches(Sampler[list[DarknetKey]]):
             w, h = network_size(self.settings, self.seed, k, self.max_batches)
             rng = np.random.default_rng([_STREAM_IMAGES, self.seed & SEED_MASK, self.rank, k])
             chosen = rng.integers(0, self.n_images, per_iteration)
+            # mixup=1: every image of half the iterations is blended with another random one.
+            mixed = rng.integers(2) == 1 and self.settings.mixup
+            partners = rng.integers(0, self.n_images, per_iteration)
             keys = [
-                DarknetKey(int(i), slot, k, w, h, self.seed, self.rank)
-                for slot, i in enumerate(chosen)
+                DarknetKey(int(i), slot, k, w, h, self.seed, self.rank, int(m) if mixed else -1)
+                for slot, (i, m) in enumerate(zip(chosen, partners))
             ]
             for s in range(self.subdivisions):
                 yield keys[s * self.mini_batch : (s + 1) * self.mini_batch]

@@ -98,6 +98,7 @@ TRAINING_KEYS: tuple[TrainingKey, ...] = (
             ("saturation", "1", "saturation factor in [1/s, s]"),
             ("exposure", "1", "brightness factor in [1/e, e]"),
             ("resize_step", "32", "random: sizes are multiples of it"),
+            ("mixup", "0", "1: in half the iterations each image blended 50/50 with another"),
         ],
     ),
     *_keys(
@@ -107,7 +108,6 @@ TRAINING_KEYS: tuple[TrainingKey, ...] = (
             ("mosaic", "0", "4-image mosaics (OpenCV build only)"),
             ("mosaic_bound", "0", "mosaic: keep boxes inside their tile"),
             ("cutmix", "0", "CutMix (refused by Darknet's detector)"),
-            ("mixup", "0", "MixUp of two images per batch, half the iterations"),
             ("blur", "0", "blur (OpenCV build only)"),
             ("gaussian_noise", "0", "noise (OpenCV build only)"),
             ("adam", "0", "Adam instead of SGD (with B1, B2, eps)"),
@@ -436,15 +436,18 @@ def start_iteration(seen: int, clear: bool, settings: DarknetSettings, weights: 
     if clear or not seen:
         return 0
     done = seen // settings.update_batch
+    then = (
+        f"training continues at iteration {done + 1} of {settings.max_batches}"
+        if done < settings.max_batches
+        else f"max_batches={settings.max_batches} is done: nothing to train"
+    )
     logger.info(
-        "--weights %s: seen %d images = %d iterations of %d images; training continues at "
-        "iteration %d of %d (--clear starts at 0)",
+        "--weights %s: seen %d images = %d iterations of %d images; %s (--clear starts at 0)",
         weights,
         seen,
         done,
         settings.update_batch,
-        done + 1,
-        settings.max_batches,
+        then,
     )
     return min(done, settings.max_batches)
 

@@ -159,3 +159,31 @@ def test_bad_loader_keys_are_refused(tmp_path: Path):
         DarknetLoaderSettings.from_blocks(blocks("", "jitter=0.6"))
     with pytest.raises(ConfigError, match="resize_step=40 must be a multiple of 32"):
         DarknetLoaderSettings.from_blocks(blocks("resize_step=40", ""))
+
+
+def test_mixup_blends_half_the_iterations(make_shapes_data):
+    from build_utils.darknet_data import DarknetDetections, DarknetKey
+    from build_utils.datasets import LoadImagesAndLabels
+
+    s = _settings(mixup=True, jitter=0.1)
+    batches = DarknetBatches(8, s, mini_batch=2, subdivisions=1, max_batches=100, seed=3)
+    batches.set_range(1, 100)
+    mixed = [all(k.mix >= 0 for k in b) for b in batches]
+    assert all(any(k.mix >= 0 for k in b) == m for b, m in zip(batches, mixed))
+    assert 35 <= sum(mixed) <= 65  # half the iterations
+    plain = DarknetBatches(8, _settings(), 2, 1, 100, seed=3)
+    plain.set_range(1, 100)
+    assert all(k.mix == -1 for b in plain for k in b)
+
+    data = make_shapes_data(n_train=4, n_val=1, img_size_range=(96, 96))
+    images = LoadImagesAndLabels(data.parent / "train.txt", 96, 2)
+    ds = DarknetDetections(images, s)
+    key = DarknetKey(0, 0, 1, 128, 96, 3, 0, mix=1)
+    own, other = ds._sample(key), ds._sample(key._replace(index=1), second=True)
+    img, labels, *_ = ds[key]
+    expected = np.rint((own[0] * 0.5 + other[0] * 0.5) * 255).astype(np.uint8)
+    np.testing.assert_array_equal(img.permute(1, 2, 0).numpy(), expected)
+    # blend_truth: the second image's truths first, then the first's.
+    truths = np.concatenate((other[1], own[1]))
+    np.testing.assert_array_equal(labels[:, 2:].numpy(), truths[:, :4])
+    np.testing.assert_array_equal(labels[:, 1].numpy(), truths[:, 4])

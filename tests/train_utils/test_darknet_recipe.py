@@ -31,7 +31,8 @@ from train_utils.darknet_recipe import (
 from train_utils.darknet_schedule import NET_KEYS_HONOURED
 
 LOADER_KEYS = {
-    ("net", k) for k in ("flip", "letter_box", "hue", "saturation", "exposure", "resize_step")
+    ("net", k)
+    for k in ("flip", "letter_box", "hue", "saturation", "exposure", "resize_step", "mixup")
 } | {("yolo", k) for k in ("jitter", "resize", "random")}
 
 
