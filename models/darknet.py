@@ -275,6 +275,8 @@ class Darknet(nn.Module):
         img_size: (h, w) or one int; the default size for :meth:`info` and export.
         bn_eps: BatchNorm epsilon; default: the cfg's ``[net] bn_eps``, else Darknet's 1e-5
             (:data:`ULTRALYTICS_BN_EPS` = 1e-4 reproduces ultralytics/yolov3's ``.pt`` checkpoints).
+        head_bias: add objectness and class priors to the biases feeding the heads (the
+            ultralytics/yolov3 initialisation); Darknet starts them at 0 (``--recipe darknet``).
 
     Attributes:
         hyperparams: the ``[net]`` block. module_defs: the other blocks.
@@ -308,6 +310,7 @@ class Darknet(nn.Module):
         cfg: str | os.PathLike[str] | list[Block],
         img_size: int | tuple[int, int] | None = None,
         bn_eps: float | None = None,
+        head_bias: bool = True,
     ):
         super().__init__()
         if isinstance(cfg, (str, os.PathLike)):
@@ -330,7 +333,7 @@ class Darknet(nn.Module):
         # 108 GB) before allocating them. Activations are checked by the callers, which know
         # the batch, the size and the device (models/budget.py).
         estimate = check_model_fits(blocks, self.img_size, params_only=True)
-        self.module_list, self.routs = self._build(blocks)
+        self.module_list, self.routs = self._build(blocks, head_bias)
         if estimate.size_mismatch is not None and img_size is not None:
             raise estimate.size_mismatch  # forward() at img_size would fail in torch.cat / add
         self.yolo_layers: list[int] = [
@@ -364,7 +367,7 @@ class Darknet(nn.Module):
         for i in self.frozen:
             self.module_list[i].requires_grad_(False)
 
-    def _build(self, blocks: list[Block]) -> tuple[nn.ModuleList, list[bool]]:
+    def _build(self, blocks: list[Block], head_bias: bool) -> tuple[nn.ModuleList, list[bool]]:
         net = blocks[0]
         in_channels = net.get("channels", 3)
         module_list = nn.ModuleList()
@@ -381,7 +384,7 @@ class Darknet(nn.Module):
                 referenced.update(built.module.layers)
             if isinstance(built.module, YOLOLayer):
                 j = head_conv_index(blocks, i + 1)
-                if j is not None:
+                if j is not None and head_bias:
                     _init_head_bias(module_list, j - 1, built.module)
                 if built.module.new_coords:
                     # The cfg validator made sure this is the conv's logistic activation; the

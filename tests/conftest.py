@@ -290,6 +290,14 @@ def darknet_harness() -> Path:
 
 
 @pytest.fixture(scope="session")
+def darknet_program(darknet_harness) -> Path:
+    """Darknet's own ``darknet`` program, built with the harness (same skips)."""
+    from tests.darknet_ref.build import darknet_path
+
+    return darknet_path()
+
+
+@pytest.fixture(scope="session")
 def shapes_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny shapes dataset (24 train, 10 val images, 160-256 px), shared by the session.
 

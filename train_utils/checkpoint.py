@@ -314,7 +314,9 @@ def unwrap_model(model: nn.Module) -> nn.Module:
 
 # ---- the values a training checkpoint records, checked by the part that owns each --------------
 
-MAX_EPOCH = 1_000_000  # ~2,000 years of 1-minute epochs
+# The last epoch a checkpoint may record: ~2,000 years of 1-minute epochs, or the iteration of
+# --recipe darknet (Darknet's own cfgs ask for up to 2,000,200).
+MAX_EPOCH = 100_000_000
 
 
 def bad_value(what: str, value: Any) -> str:

@@ -50,6 +50,7 @@ from train_utils.cli import (
     run_name_folder,
     switch,
 )
+from train_utils.darknet_recipe import RECIPES, apply_recipe
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
 from train_utils.optim import LR_SCHEDULES, OPTIMIZER_CHOICES
 from train_utils.resume import settings_of_resumed_run
@@ -294,6 +295,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     _add_optimization(p.add_argument_group("optimization"))
     _add_evaluation(p.add_argument_group("evaluation during training"))
     _add_runtime(p.add_argument_group("output and runtime"))
+    _add_recipe(p.add_argument_group("training recipe"))
     return p
 
 
@@ -550,6 +552,33 @@ def _add_runtime(g: argparse._ArgumentGroup) -> None:
     )
 
 
+def _add_recipe(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--recipe",
+        default="default",
+        choices=RECIPES,
+        help="darknet: train as Darknet's train_detector does, with the cfg's training keys "
+        "(batch, subdivisions, max_batches, learning_rate, policy, [yolo] loss keys, jitter, "
+        "...; the run prints them), Darknet's loss, update, BatchNorm and loader; default: "
+        "this repository's recipe (--hyp, --epochs, ...). README: Train as Darknet does",
+    )
+    g.add_argument(
+        "--clear",
+        action="store_true",
+        help="--recipe darknet with --weights x.weights: start at iteration 0 (Darknet's "
+        "-clear) instead of the iterations the file's 'seen' counts",
+    )
+    g.add_argument(
+        "--eval-iterations",
+        type=int,
+        default=None,
+        metavar="N",
+        help="--recipe darknet: evaluate and save (last.pt, last.weights, best.*) every N "
+        "iterations and after the last (default: Darknet's -map rule, every 4 epochs of images "
+        "and at least 100 iterations)",
+    )
+
+
 @dataclass
 class TrainConfig:
     """The validated run configuration handed to :func:`train_utils.trainer.run`."""
@@ -601,6 +630,9 @@ class TrainConfig:
     save_period: int = -1  # keep epoch<E>.pt every N epochs; <= 0 off
     sync_bn: bool = True  # SyncBatchNorm under CUDA DDP (--sync-bn / --no-sync-bn)
     plots: bool = True  # --noplots: False
+    recipe: str = "default"  # "darknet": the cfg's training keys (train_utils/darknet_recipe.py)
+    clear: bool = False  # --recipe darknet: start at iteration 0 whatever --weights has seen
+    eval_iterations: int | None = None  # --recipe darknet: iterations between evaluations
 
     def to_dict(self) -> dict[str, Any]:
         """Plain types only (YAML- and ``weights_only``-safe)."""
@@ -659,7 +691,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     if not cfg.is_file():
         raise ConfigError("model cfg not found; pass an existing .cfg to --cfg", cfg)
     # The cfg's values (bounds, [net] channels) are checked before a run folder is claimed.
-    parse_model_cfg(cfg)
+    apply_recipe(args, parse_model_cfg(cfg))
     if args.weights and not Path(args.weights).exists():
         raise ConfigError("weights file not found; check --weights", args.weights)
     if args.weights:

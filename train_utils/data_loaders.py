@@ -12,12 +12,14 @@ from typing import Any
 
 from torch.utils.data import DataLoader
 
+from build_utils.darknet_data import DarknetBatches, DarknetDetections, DarknetLoaderSettings
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
 from build_utils.errors import ConfigError, DatasetError, YoloError
 from build_utils.image_cache import check_ram_cache_fits
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
 from build_utils.shared_images import SharedImages, shared_cache_dir, unlink_quietly
 from train_utils.config import DataConfig, TrainConfig
+from train_utils.darknet_schedule import DarknetSettings
 from train_utils.distributed.comm import (
     broadcast_object,
     raise_if_any_rank_failed,
@@ -86,7 +88,7 @@ class TrainData:
     COCO ground truth of the validation set (rank 0 only; None elsewhere)."""
 
     train_loader: DataLoader
-    sampler: DistributedBatchSampler
+    sampler: DistributedBatchSampler | DarknetBatches
     val_loader: DataLoader
     coco_gt: Any | None
     n_train: int
@@ -103,19 +105,7 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
     (:func:`_cache_in_ram`). A rank
     that cannot load the data stops every rank with its error.
     """
-    data = config.data
-    ram = config.cache_images == "ram"
-    train_set, val_set = _load_datasets(config, dist, hyp, None if ram else config.cache_images)
-    if ram:
-        _cache_in_ram([train_set, val_set], dist)
-    coco_gt = None
-    if dist.is_main:
-        coco_gt = get_coco_api_from_dataset(
-            val_set,
-            cache_dir=config.output_dir,
-            num_classes=data.nc,
-            image_ids=eval_image_ids(data, val_set.img_files),
-        )
+    train_set, val_set, coco_gt = _datasets(config, dist, hyp)
     sampler = DistributedBatchSampler(
         len(train_set),
         config.batch_size,
@@ -150,6 +140,67 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
         val_set, config.batch_size, dist.world_size, dist.rank, workers, pin, persistent=True
     )
     return TrainData(train_loader, sampler, val_loader, coco_gt, len(train_set), len(val_set))
+
+
+def build_darknet_train_data(
+    config: TrainConfig,
+    dist: DistInfo,
+    hyp: dict[str, Any],
+    loader: DarknetLoaderSettings,
+    schedule: DarknetSettings,
+) -> TrainData:
+    """The data of ``--recipe darknet``: the same datasets, caches and validation loader as
+    :func:`build_train_data`, but training samples made as Darknet's loader makes them
+    (:class:`~build_utils.darknet_data.DarknetDetections` of the training set with the cfg's
+    ``loader`` keys), in this rank's mini-batches of ``schedule``'s iterations (the
+    ``sampler``, a :class:`~build_utils.darknet_data.DarknetBatches`: ``set_range`` instead of
+    ``set_epoch``)."""
+    train_set, val_set, coco_gt = _datasets(config, dist, hyp)
+    draw = DarknetBatches(
+        len(train_set),
+        loader,
+        schedule.mini_batch,
+        schedule.subdivisions,
+        schedule.max_batches,
+        config.seed,
+        dist.rank,
+    )
+    workers = resolve_workers(config.workers)
+    pin = dist.device.type == "cuda"
+    train_loader = DataLoader(
+        DarknetDetections(train_set, loader),
+        batch_sampler=draw,
+        num_workers=workers,
+        pin_memory=pin,
+        collate_fn=LoadImagesAndLabels.collate_fn,
+        worker_init_fn=worker_init_fn,
+        persistent_workers=workers > 0,
+    )
+    val_loader = make_eval_loader(
+        val_set, config.batch_size, dist.world_size, dist.rank, workers, pin, persistent=True
+    )
+    return TrainData(train_loader, draw, val_loader, coco_gt, len(train_set), len(val_set))
+
+
+def _datasets(
+    config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]
+) -> tuple[LoadImagesAndLabels, LoadImagesAndLabels, Any | None]:
+    """The training and validation datasets with their caches, and rank 0's COCO ground truth
+    of the validation set (None elsewhere)."""
+    data = config.data
+    ram = config.cache_images == "ram"
+    train_set, val_set = _load_datasets(config, dist, hyp, None if ram else config.cache_images)
+    if ram:
+        _cache_in_ram([train_set, val_set], dist)
+    coco_gt = None
+    if dist.is_main:
+        coco_gt = get_coco_api_from_dataset(
+            val_set,
+            cache_dir=config.output_dir,
+            num_classes=data.nc,
+            image_ids=eval_image_ids(data, val_set.img_files),
+        )
+    return train_set, val_set, coco_gt
 
 
 def eval_image_ids(data: DataConfig, img_files: Sequence[str]) -> list[int] | None:

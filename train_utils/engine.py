@@ -24,8 +24,10 @@ from tqdm import tqdm
 from build_utils.augmentations import GRID
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.errors import YoloError
+from models.darknet_loss import DarknetLoss
 from models.loss import compute_loss
 from models.tta import detect
+from train_utils.darknet_schedule import DarknetEMA, DarknetSettings, DarknetSGD, current_rate
 from train_utils.distributed.comm import all_reduce_flag, gather_rows_to_main, reduce_dict
 from train_utils.ema import ModelEMA
 from train_utils.evaluation.coco_eval import (
@@ -150,6 +152,85 @@ class TrainState:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler | None = None
     ema: ModelEMA | None = None
+
+
+@dataclass
+class DarknetState:
+    """What an iteration of ``--recipe darknet`` updates (:func:`train_darknet_iterations`).
+
+    ``model``/``model_without_ddp`` as in :class:`TrainState`; ``averager`` is Darknet's EMA
+    (its averages enter the weights only at ``max_batches - 1000``, so evaluation and saving use
+    the model itself: ``ema`` and ``scaler`` are None, the trainer's slots for ours).
+    """
+
+    model: nn.Module
+    model_without_ddp: nn.Module
+    optimizer: DarknetSGD
+    averager: DarknetEMA
+    criterion: DarknetLoss
+    settings: DarknetSettings
+    ema: None = None
+    scaler: None = None
+
+    def state_dict(self, iteration: int) -> dict[str, Any]:
+        """The checkpoint's parts after ``iteration``: the update's momentum buffers, the EMA,
+        and Darknet's ``seen`` (images per process); no scheduler (the rate is a function of
+        the iteration) and no ``ModelEMA``."""
+        return {
+            "recipe": "darknet",
+            "optimizer": self.optimizer.state_dict(),
+            "darknet_ema": self.averager.state_dict(),
+            "seen": iteration * self.settings.update_batch,
+            "scheduler": None,
+            "scaler": None,
+            "ema": None,
+            "ema_updates": 0,
+        }
+
+
+def train_darknet_iterations(
+    state: DarknetState, loader: Iterable, first: int, last: int, opts: TrainOptions
+) -> EpochStats:
+    """Darknet's iterations ``first .. last`` (from 1, inclusive): each ``subdivisions``
+    mini-batches of ``loader`` forward and backward through Darknet's loss (gradients summed,
+    DDP's all-reduce on the last), then one update at :func:`current_rate` of the iteration and
+    the EMA (``train_network`` then ``update_network``).
+
+    Returns the mean of Darknet's reported loss per mini-batch (``loss``; box, objectness and
+    class parts are not separated: NaN) over all ranks, and the last rate.
+    """
+    state.model.train()
+    settings, model = state.settings, state.model_without_ddp
+    subdivisions = settings.subdivisions
+    nb = (last - first + 1) * subdivisions
+    meter = _LossMeter(nb, first, opts, desc=f"iterations {first}-{last}")
+    clock = _WaitClock(opts.device)
+    batches = iter(clock.batches(loader))
+    parts = torch.full((3,), math.nan, device=opts.device)
+    state.optimizer.zero_grad(set_to_none=True)
+    for k in range(first, last + 1):
+        # Darknet's image count before the iteration, which stopbackward=N reads.
+        model.seen = (k - 1) * settings.update_batch
+        rate = current_rate(settings, k)
+        for s in range(subdivisions):
+            imgs, targets, paths, _, _ = next(batches)
+            imgs, targets = _prepare_batch(imgs, targets, None, opts)
+            with nullcontext() if s == subdivisions - 1 else _no_sync(state.model):
+                preds = state.model(imgs)
+                loss, reported = state.criterion(
+                    [p.float() for p in preds], targets, imgs.shape[-2:]
+                )
+                loss.backward()
+            meter.add(torch.cat([parts, reported.view(1)]), paths, imgs.shape, rate)
+        state.optimizer.set_rate(rate)
+        state.optimizer.step()
+        state.optimizer.zero_grad(set_to_none=True)
+        state.averager.update(model, k)
+        adapt_threads(opts.device)
+    meter.close()
+    wait = torch.tensor([clock.seconds()], device=opts.device, dtype=meter.sums.dtype)
+    *means, data_wait = reduce_dict({"m": torch.cat([meter.sums / max(nb, 1), wait])})["m"].tolist()
+    return EpochStats(*means, lr=meter.lr, images=meter.images, data_wait_s=data_wait)
 
 
 def train_one_epoch(
@@ -331,7 +412,7 @@ def _optimizer_step(state: TrainState) -> None:
 class _LossMeter:
     """Running loss sums, the finiteness check every ``log_interval`` iterations and the bar."""
 
-    def __init__(self, nb: int, epoch: int, opts: TrainOptions):
+    def __init__(self, nb: int, epoch: int, opts: TrainOptions, desc: str | None = None):
         self.nb, self.epoch, self.opts = nb, epoch, opts
         self.sums = torch.zeros(4, device=opts.device)
         self.finite_flags: list[torch.Tensor] = []
@@ -341,7 +422,7 @@ class _LossMeter:
         self.lr = 0.0
         self.pbar = tqdm(
             total=nb,
-            desc=f"epoch {epoch}",
+            desc=desc or f"epoch {epoch}",
             disable=not opts.show_progress,
             leave=False,
             dynamic_ncols=True,

@@ -297,6 +297,23 @@ class EpochReporter:
         self._log_epoch(f"epoch {epoch}/{total_epochs - 1}", stats, val, seconds, metrics)
         self._check_data_wait(epoch, metrics)
 
+    def end_iterations(
+        self,
+        iteration: int,
+        max_batches: int,
+        stats: EpochStats,
+        val: Mapping[str, float] | None,
+        seconds: float,
+        elapsed: float = 0.0,
+    ) -> None:
+        """Record the iterations of ``--recipe darknet`` up to ``iteration`` as
+        :meth:`end_epoch` records an epoch: the ``results.csv`` row's ``epoch`` is the
+        iteration."""
+        metrics = epoch_metrics(stats, val, seconds, elapsed)
+        for tracker in self.trackers:
+            tracker.log_epoch(iteration, metrics)
+        self._log_epoch(f"iteration {iteration}/{max_batches}", stats, val, seconds, metrics)
+
     def _check_data_wait(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """One warning per run when an epoch waited for data too long, naming the knobs."""
         share = metrics["data_wait_share"]
@@ -415,8 +432,11 @@ class EpochReporter:
         self.status = KILLED
         logger.warning("stopped: %s", why)
 
-    def finished(self, seconds: float, epochs_run: int, best: float | None) -> None:
-        """The run's last line: ``best`` is the best mAP@0.5:0.95 (None: never evaluated). It
+    def finished(
+        self, seconds: float, epochs_run: int, best: float | None, unit: str = "epochs"
+    ) -> None:
+        """The run's last line: ``epochs_run`` of ``unit`` (``--recipe darknet``: iterations),
+        ``best`` the best mAP@0.5:0.95 (None: never evaluated). It
         names only the checkpoints that exist (no best.pt with --no-savebest or no evaluation).
         The external trackers get the run's pictures, text files and weights first."""
         weights = [p for p in (self.out / "last.pt", self.out / "best.pt") if p.is_file()]
@@ -424,8 +444,9 @@ class EpochReporter:
         if self.external:
             self._record_files(weights)
         logger.info(
-            "done: %d epochs in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s",
+            "done: %d %s in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s",
             epochs_run,
+            unit,
             seconds / 60,
             "-" if best is None else f"{best:.4f}",
             self.results,
@@ -462,6 +483,9 @@ class SilentReporter:
     as a warning, which other ranks still show)."""
 
     def end_epoch(self, *args: Any) -> None:
+        pass
+
+    def end_iterations(self, *args: Any) -> None:
         pass
 
     def watch_batches(self, loader: Any, *args: Any) -> Any:

@@ -38,13 +38,14 @@ from train_utils.checkpoint import (
     read_weights,
     record_int,
     record_of_kind,
+    state_loading,
     strip_prefixes,
 )
 from train_utils.cli import check_choices, take_from_run
 from train_utils.distributed.comm import all_gather, raise_if_any_rank_failed
 from train_utils.distributed.process_group import DistInfo, launched_world_size
 from train_utils.ema import ModelEMA
-from train_utils.engine import TrainState
+from train_utils.engine import DarknetState, TrainState
 from train_utils.optim import (
     accumulate_steps,
     check_optimizer_state,
@@ -390,14 +391,19 @@ def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:
 
 
 def restore_state(
-    ckpt: Mapping[str, Any], state: TrainState, path: str | Path | None = None
+    ckpt: Mapping[str, Any], state: TrainState | DarknetState, path: str | Path | None = None
 ) -> LoopState:
     """Put a checked checkpoint's training state back into ``state``'s freshly built parts,
     each loading (and checking) its own; returns the loop's state (its last finished epoch and
-    best mAP)."""
+    best mAP; under ``--recipe darknet`` its last finished iteration)."""
     model = state.model_without_ddp
     model.load_state_dict(check_resumable(ckpt, model.state_dict(), path))
     load_optimizer_state(state.optimizer, ckpt["optimizer"], path)
+    if isinstance(state, DarknetState):
+        if ckpt.get("darknet_ema") is not None:
+            with state_loading("Darknet EMA", path):
+                state.averager.load_state_dict(ckpt["darknet_ema"])
+        return LoopState.from_checkpoint(ckpt, path)
     load_scheduler_state(state.scheduler, ckpt["scheduler"], state.optimizer, path)
     load_scaler_state(state.scaler, ckpt.get("scaler"), path)
     if state.ema is not None:
@@ -407,7 +413,7 @@ def restore_state(
 
 def restore(
     ckpt: dict[str, Any],
-    state: TrainState,
+    state: TrainState | DarknetState,
     config: TrainConfig,
     dist: DistInfo,
     plan: EpochPlan,
@@ -421,6 +427,14 @@ def restore(
     # The model is the cfg's text (resolved for the classes, anchors from the checkpoint), not
     # its path: a cfg edited in place must not train silently on these weights.
     check_resume_cfg(ckpt.get("cfg"), cfg_text, config.cfg, path.parent / RUN_CFG_NAME, path)
+    theirs = ckpt.get("recipe") or "default"
+    if theirs != config.recipe:
+        raise CheckpointError(
+            f"the checkpoint was trained with --recipe {theirs}, which --recipe {config.recipe} "
+            f"cannot continue: resume with --recipe {theirs}, or start a new run from these "
+            f"weights with --weights {path}",
+            path,
+        )
     loop = restore_state(ckpt, state, path)
     if dist.is_main:
         # After the checks above: what is said to have changed is what this run then does.
@@ -429,14 +443,19 @@ def restore(
             reconcile_best(ckpt, path, config.output_dir / "best.pt", config.trust_checkpoint)
     start_epoch = loop.epoch + 1
     plan.load_state_dict(ckpt, start_epoch)
-    _follow_this_run(ckpt, config, state, dist)
+    darknet = isinstance(state, DarknetState)
+    if not darknet:  # Darknet's rate is a function of the iteration alone
+        _follow_this_run(ckpt, config, state, dist)
     logger.info(
-        "resuming from %s: epoch %d done, best mAP@0.5:0.95 %s",
+        "resuming from %s: %s %d done, best mAP@0.5:0.95 %s",
         path,
+        "iteration" if darknet else "epoch",
         loop.epoch,
         "-" if loop.best is None else f"{loop.best:.4f}",
     )
-    if start_epoch >= plan.epochs:
+    if darknet and loop.epoch >= state.settings.max_batches:
+        logger.info("the checkpoint already finished all %d iterations", loop.epoch)
+    elif not darknet and start_epoch >= plan.epochs:
         logger.info("the checkpoint already finished all %d epochs; nothing to do", plan.epochs)
     return loop
 

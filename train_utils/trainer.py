@@ -25,6 +25,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from build_utils.atomic import reported_write
+from build_utils.darknet_data import DarknetLoaderSettings
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
 from build_utils.parse_config import format_model_cfg
@@ -32,6 +34,7 @@ from models.budget import check_model_fits
 from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
 from models.loss import scale_loss_gains
+from models.weights import save_weights
 from train_utils import resume
 from train_utils.autoanchor import check_anchors
 from train_utils.autobatch import AUTO_BATCH, autobatch
@@ -44,7 +47,18 @@ from train_utils.checkpoint import (
 )
 from train_utils.cli import check_environment
 from train_utils.config import DEFAULT_EPOCHS, TrainConfig, multi_scale_bounds
-from train_utils.data_loaders import TrainData, build_train_data
+from train_utils.darknet_recipe import (
+    darknet_initialise,
+    darknet_state,
+    eval_iterations,
+    key_rows,
+    loader_settings,
+    log_default_recipe_note,
+    log_key_table,
+    prepare_model,
+    start_iteration,
+)
+from train_utils.data_loaders import TrainData, build_darknet_train_data, build_train_data
 from train_utils.distributed.comm import (
     all_reduce_flag,
     broadcast_object,
@@ -55,7 +69,14 @@ from train_utils.distributed.ddp import wrap_for_training
 from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
-from train_utils.engine import TrainOptions, TrainState, evaluate, train_one_epoch
+from train_utils.engine import (
+    DarknetState,
+    TrainOptions,
+    TrainState,
+    evaluate,
+    train_darknet_iterations,
+    train_one_epoch,
+)
 from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.options import EvalOptions, eval_options
 from train_utils.memory_format import choose_format_and_precision
@@ -128,6 +149,7 @@ class _Run:
     train_data: TrainData
     opts: TrainOptions
     eval_opts: EvalOptions
+    eval_every: int = 0  # --recipe darknet: iterations between evaluations and checkpoints
 
 
 def seed_all(seed: int) -> None:
@@ -200,14 +222,11 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     model, cfg_text, ckpt, channels_last, amp = _build_model(config, dist, amp)
     hyp = scale_loss_gains(config.hyp, data.nc, config.img_size)
     plan = _epoch_plan(config, t_start)
-    state = _build_train_state(model, config, hyp, dist, amp, plan)
-    loop = LoopState(-1)
-    if ckpt is not None:
-        loop = resume.restore(ckpt, state, config, dist, plan, cfg_text)
+    state, loop = _start_state(model, config, hyp, dist, amp, plan, ckpt, cfg_text)
     start_epoch = loop.epoch + 1
     state.model = wrap_for_training(model, dist, config.compile, config.sync_bn)
 
-    train_data = build_train_data(config, dist, hyp)
+    train_data = _train_data(config, dist, hyp, state)
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
     eval_opts = _eval_options(config, dist, channels_last, amp)
@@ -217,9 +236,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             # The launch is recorded so that a torchrun restart finds this folder (run_folder).
             args = {**config.to_dict(), "launch": launch_id()}
             write_run_files(config.output_dir, args, config.hyp, cfg_text)
-            log_run_start(
-                config, model, dist, train_data, opts, state.optimizer.param_groups[0]["initial_lr"]
-            )
+            _log_start(config, model, dist, train_data, opts, state)
             if config.plots:
                 plot_dataset_labels(train_data.train_loader.dataset, data.names, config.output_dir)
         reporter = make_reporter(
@@ -240,14 +257,17 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     # instead of waiting for it in the first step's gradient all-reduce.
     raise_if_any_rank_failed(failure, "writing the run folder")
     run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
+    darknet = isinstance(state, DarknetState)
+    if darknet:
+        run.eval_every = eval_iterations(config.eval_iterations, train_data.n_train, state.settings)
     signals = StopSignals()
     try:
         with signals.installed():
-            _train_epochs(run, reporter, loop, signals)
+            (_train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
         seconds = time.time() - t_start
         epochs_run = loop.epoch + 1 - start_epoch
         # Before close(): the external trackers record the run's files, then end it finished.
-        reporter.finished(seconds, epochs_run, loop.best)
+        reporter.finished(seconds, epochs_run, loop.best, "iterations" if darknet else "epochs")
     except (KeyboardInterrupt, RunStopped) as e:
         unfinished_saved = not (config.output_dir / "last.pt").is_file()
         if unfinished_saved:
@@ -338,6 +358,54 @@ def _train_epochs(
                 return
 
 
+def _train_iterations(
+    run: _Run,
+    reporter: EpochReporter | SilentReporter,
+    loop: LoopState,
+    signals: StopSignals,
+) -> None:
+    """``--recipe darknet``: Darknet's iterations after ``loop.epoch`` (the last finished one)
+    up to ``max_batches``, in rounds ending at multiples of ``run.eval_every`` and at the last
+    iteration; after each round, evaluated (only the last with ``--notest``), recorded (a
+    ``results.csv`` row whose ``epoch`` is the iteration) and saved, as :func:`_train_epochs`
+    does after an epoch. Every rank runs this; its collectives are marked."""
+    config, dist, state = run.config, run.dist, run.state
+    assert isinstance(state, DarknetState)
+    max_batches = state.settings.max_batches
+    val_unreadable = UnreadableImages(run.train_data.val_loader)
+    run.train_data.val_loader = val_unreadable
+    rank = dist.rank if dist.distributed else None
+    while loop.epoch < max_batches:
+        first = loop.epoch + 1
+        last = min(max_batches, (loop.epoch // run.eval_every + 1) * run.eval_every)
+        run.train_data.sampler.set_range(first, last)
+        t0 = time.time()
+        unreadable = UnreadableImages(
+            reporter.watch_batches(run.train_data.train_loader, first - 1, config.data.names)
+        )
+        where = (f"iterations {first}-{last}", f"iteration {first - 1}")
+        loader = _StopPoints(unreadable, signals, first, dist, config.output_dir / "last.pt", where)
+        stats = train_darknet_iterations(state, loader, first, last, run.opts)
+        log_unreadable(last, "train", unreadable.take(), rank)
+        seconds = time.time() - t0
+        val = None
+        if not config.notest or last == max_batches:
+            val, _ = _evaluate_epoch(run, reporter)
+            log_unreadable(last, "val", val_unreadable.take(), rank)
+        is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
+        loop.update(last, val, is_best)
+        loop.epoch = last
+        failure = None
+        try:
+            with signals.deferred():
+                reporter.end_iterations(last, max_batches, stats, val, seconds, run.plan.spent())
+                _save_on_main(run, last, loop, as_best=is_best and config.savebest)
+        except OutputError as e:  # a full disk: stop here, never train on without checkpoints
+            failure = e
+        # Collective: every rank waits for rank 0's checkpoint, and stops with its error.
+        raise_if_any_rank_failed(failure, f"saving iteration {last}")
+
+
 def _evaluate_epoch(
     run: _Run, reporter: EpochReporter | SilentReporter
 ) -> tuple[dict[str, float] | None, float]:
@@ -389,7 +457,11 @@ def _build_model(
     raise_if_any_rank_failed(error, "checking the model's memory")
     blocks = check_anchors(blocks, config, dist)
     cfg_text = format_model_cfg(blocks)
-    model = Darknet(blocks, img_size=(config.img_size, config.img_size))
+    darknet = config.recipe == "darknet"
+    model = Darknet(blocks, img_size=(config.img_size, config.img_size), head_bias=not darknet)
+    if darknet:
+        darknet_initialise(model)
+        prepare_model(model)
     ckpt = resume.load(config, model, dist)
     if ckpt is None and config.weights:
         _initialise_weights(model, config)
@@ -412,6 +484,8 @@ def _check_model_memory(
     activations of a batch at the largest side this run trains at, in the autocast dtype)
     exceeds the device's, before anything is allocated (models/budget.py)."""
     side = multi_scale_bounds(config.img_size)[1] if config.multi_scale else config.img_size
+    if config.recipe == "darknet":  # the largest size of the cfg's `random`
+        side = max(DarknetLoaderSettings.from_blocks(blocks).largest_size)
     # The ranks of a node training on its CPU share its RAM; GPUs are one per rank.
     cpu = dist.device.type == "cpu"
     share = processes_per_node() if cpu else 1
@@ -504,6 +578,76 @@ def _build_train_state(
     )
 
 
+def _start_state(
+    model: Darknet,
+    config: TrainConfig,
+    hyp: dict[str, Any],
+    dist: DistInfo,
+    amp: torch.dtype | None,
+    plan: EpochPlan,
+    ckpt: dict[str, Any] | None,
+    cfg_text: str,
+) -> tuple[TrainState | DarknetState, LoopState]:
+    """The parts training updates (this recipe's), with the checkpoint's state put back when
+    resuming; and the loop's state: the last finished epoch, or under ``--recipe darknet`` the
+    last finished iteration (a ``.weights`` file's ``seen`` counts unless ``--clear``)."""
+    if config.recipe == "darknet":
+        state: TrainState | DarknetState = darknet_state(model, dist.world_size)
+        loop = LoopState(start_iteration(model.seen, config.clear, state.settings, config.weights))
+    else:
+        state = _build_train_state(model, config, hyp, dist, amp, plan)
+        loop = LoopState(-1)
+    if ckpt is not None:
+        loop = resume.restore(ckpt, state, config, dist, plan, cfg_text)
+    return state, loop
+
+
+def _train_data(
+    config: TrainConfig, dist: DistInfo, hyp: dict[str, Any], state: TrainState | DarknetState
+) -> TrainData:
+    if isinstance(state, DarknetState):
+        model = state.model_without_ddp
+        return build_darknet_train_data(config, dist, hyp, loader_settings(model), state.settings)
+    return build_train_data(config, dist, hyp)
+
+
+def _log_start(
+    config: TrainConfig,
+    model: Darknet,
+    dist: DistInfo,
+    train_data: TrainData,
+    opts: TrainOptions,
+    state: TrainState | DarknetState,
+) -> None:
+    """Rank 0's lines at the start: the run, and the cfg's training keys (their table under
+    ``--recipe darknet``, a note that they are unused otherwise)."""
+    blocks = [model.hyperparams, *model.module_defs]
+    if not isinstance(state, DarknetState):
+        lr0 = state.optimizer.param_groups[0]["initial_lr"]
+        log_run_start(config, model, dist, train_data, opts, lr0)
+        log_default_recipe_note(blocks, config.cfg)
+        return
+    s = state.settings
+    logger.info(
+        "--recipe darknet: model %s, %d classes | data: %d train / %d val images | device %s x "
+        "%d process(es) | %d iterations of %d x %d images a process, learning_rate %g | "
+        "evaluated every %d iterations | output %s",
+        config.cfg,
+        config.data.nc,
+        train_data.n_train,
+        train_data.n_val,
+        dist.device,
+        dist.world_size,
+        s.max_batches,
+        s.subdivisions,
+        s.mini_batch,
+        s.learning_rate,
+        eval_iterations(config.eval_iterations, train_data.n_train, s),
+        config.output_dir,
+    )
+    log_key_table(key_rows(blocks), config.cfg)
+
+
 def _epoch_plan(config: TrainConfig, t_start: float) -> EpochPlan:
     budget_s = None if config.time_budget is None else config.time_budget * 60.0
     return EpochPlan(
@@ -572,13 +716,33 @@ def _save_on_main(
     if not run.dist.is_main:
         return
     ckpt = _checkpoint(run, epoch, loop)
-    save_checkpoint(ckpt, run.config.output_dir / "last.pt", OUTPUT_FLAG)
+    out = run.config.output_dir
+    save_checkpoint(ckpt, out / "last.pt", OUTPUT_FLAG)
     loop.saved_epoch = epoch
+    darknet = isinstance(run.state, DarknetState)
+    if darknet:
+        _save_darknet_weights(run.state, epoch, out / "last.weights")
     if as_best:
-        save_checkpoint(ckpt, run.config.output_dir / "best.pt", OUTPUT_FLAG)
+        save_checkpoint(ckpt, out / "best.pt", OUTPUT_FLAG)
+        if darknet:
+            _save_darknet_weights(run.state, epoch, out / "best.weights")
     if periodic and keeps_epoch(epoch, run.config.save_period):
         # Last: a crash before it loses only this copy; last.pt and best.pt are whole.
         save_checkpoint(ckpt, run.config.output_dir / f"epoch{epoch}.pt", OUTPUT_FLAG)
+
+
+def _save_darknet_weights(state: DarknetState, iteration: int, path: Path) -> None:
+    """The model as a Darknet ``.weights`` file that Darknet itself loads, its header's
+    ``seen`` the images of ``iteration`` iterations (so ``darknet detector train`` with it
+    continues at the next one).
+
+    Raises:
+        OutputError: it cannot be written.
+    """
+    model = state.model_without_ddp
+    model.seen = iteration * state.settings.update_batch
+    with reported_write(path, OUTPUT_FLAG):
+        save_weights(model, path)
 
 
 def keeps_epoch(epoch: int, save_period: int) -> bool:
@@ -598,6 +762,15 @@ def _checkpoint(run: _Run, epoch: int, loop: LoopState) -> dict[str, Any]:
     config, state = run.config, run.state
     model = state.model_without_ddp
     ema = state.ema
+    if isinstance(state, DarknetState):
+        parts = state.state_dict(epoch)  # `epoch` is the last finished iteration
+    else:
+        parts = {
+            **(ema.state_dict() if ema is not None else {"ema": None, "ema_updates": 0}),
+            "optimizer": state.optimizer.state_dict(),
+            "scheduler": state.scheduler.state_dict(),
+            "scaler": None if state.scaler is None else state.scaler.state_dict(),
+        }
     return {
         "version": CHECKPOINT_VERSION,
         "config": config.to_dict(),
@@ -614,10 +787,7 @@ def _checkpoint(run: _Run, epoch: int, loop: LoopState) -> dict[str, Any]:
         **loop.state_dict(),
         "epoch": epoch,
         **run.plan.state_dict(),
-        **(ema.state_dict() if ema is not None else {"ema": None, "ema_updates": 0}),
-        "optimizer": state.optimizer.state_dict(),
-        "scheduler": state.scheduler.state_dict(),
-        "scaler": None if state.scaler is None else state.scaler.state_dict(),
+        **parts,
     }
 
 
@@ -627,13 +797,22 @@ class _StopPoints:
 
     Stopping mid-epoch keeps the last finished epoch's ``last.pt`` as it is: a mid-epoch state
     could not be resumed exactly, so the epoch in progress is trained again after ``--resume``.
+    ``where`` names what is running and what ``last.pt`` holds (default: epoch ``epoch`` and
+    the one before; ``--recipe darknet``: its iterations).
     """
 
     def __init__(
-        self, loader: Any, signals: StopSignals, epoch: int, dist: DistInfo, last: Path
+        self,
+        loader: Any,
+        signals: StopSignals,
+        epoch: int,
+        dist: DistInfo,
+        last: Path,
+        where: tuple[str, str] | None = None,
     ) -> None:
         self.loader, self.signals, self.epoch, self.last = loader, signals, epoch, last
         self.poll = STOP_POLL_BATCHES if dist.distributed else 1
+        self.running, self.saved = where or (f"epoch {epoch}", f"epoch {epoch - 1}")
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -645,8 +824,8 @@ class _StopPoints:
             # signals every task; a signal forwarded by hand may reach only some).
             if i % self.poll == 0 and all_reduce_flag(self.signals.stop_requested):
                 raise RunStopped(
-                    f"SIGUSR1 (stop requested) in epoch {self.epoch} before batch {i}/{n}: "
-                    f"epoch {self.epoch - 1} is the last in {self.last}; continue with --resume "
-                    f"(epoch {self.epoch} is trained again)"
+                    f"SIGUSR1 (stop requested) in {self.running} before batch {i}/{n}: "
+                    f"{self.saved} is the last in {self.last}; continue with --resume "
+                    f"({self.running} will be trained again)"
                 )
             yield batch

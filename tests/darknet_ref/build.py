@@ -5,6 +5,7 @@ developers and in CI, absent in a user's clone). Everything is built under the r
 ``.cache-darknet/`` (git-ignored)::
 
     .cache-darknet/darknet-59596d78/      the extracted source and its objects (make OPTS=-O2)
+    .cache-darknet/darknet-59596d78/darknet   Darknet's own program (darknet_path)
     .cache-darknet/harness                tests/darknet_ref/harness.c linked against them
     .cache-darknet/harness.key            what the harness was built from (see _build_key)
 
@@ -136,6 +137,19 @@ def harness_path() -> Path:
         partial.replace(harness)
         key_file.write_text(key)
     return harness
+
+
+def darknet_path() -> Path:
+    """Darknet's own program (``darknet detector train/map ...``), built with the harness.
+
+    Raises:
+        DarknetUnavailable: see :func:`harness_path`.
+    """
+    harness = harness_path()
+    program = harness.parent / TARBALL_NAME.removesuffix(".tar.gz") / "darknet"
+    if not program.is_file():
+        raise RuntimeError(f"make built no {program}")
+    return program
 
 
 if __name__ == "__main__":

@@ -15,9 +15,11 @@
  *       update_network and the EMA), starting from IN.weights (its seen sets the iteration);
  *       TRUTHS image indices count over the whole batch. Writes the weights after the last.
  *   harness loader IMAGE W H JITTER RESIZE LETTER_BOX FLIP CLASSES MAX SEED TRUTHS.f32
+ *                  [PIXELS.f32 HUE SATURATION EXPOSURE]
  *       srand(SEED), then Darknet's load_data_detection (the build without OpenCV) of IMAGE
- *       (its labels beside it, .txt) for a W x H network: hue 0, saturation and exposure 1, no
- *       mixup, blur or noise. Writes the MAX x 6 truth floats it makes.
+ *       (its labels beside it, .txt) for a W x H network: hue 0, saturation and exposure 1
+ *       unless given, no mixup, blur or noise. Writes the MAX x 6 truth floats it makes, and
+ *       with PIXELS the network input (3 x H x W floats, RGB in [0, 1]).
  *
  * Everything Darknet prints goes to stdout/stderr; results go to the files named.
  */
@@ -177,16 +179,20 @@ static int run_update(int argc, char **argv)
 
 static int run_loader(int argc, char **argv)
 {
-    if (argc != 13) {
-        fprintf(stderr, "usage: loader IMAGE W H JITTER RESIZE LETTER_BOX FLIP CLASSES MAX SEED TRUTHS\n");
+    if (argc != 13 && argc != 17) {
+        fprintf(stderr, "usage: loader IMAGE W H JITTER RESIZE LETTER_BOX FLIP CLASSES MAX SEED TRUTHS"
+            " [PIXELS HUE SATURATION EXPOSURE]\n");
         return 2;
     }
     char *paths[1] = {argv[2]};
     int w = atoi(argv[3]), h = atoi(argv[4]), boxes = atoi(argv[10]);
+    float hue = 0, saturation = 1, exposure = 1;
+    if (argc == 17) hue = atof(argv[14]), saturation = atof(argv[15]), exposure = atof(argv[16]);
     srand(atoi(argv[11]));
     data d = load_data_detection(1, paths, 1, w, h, 3, boxes, 6, atoi(argv[9]), atoi(argv[8]), 0, 0, 0,
-        atof(argv[5]), atof(argv[6]), 0, 1, 1, 1, 0, 0, atoi(argv[7]), 0, 0, 0, 0, 0);
+        atof(argv[5]), atof(argv[6]), hue, saturation, exposure, 1, 0, 0, atoi(argv[7]), 0, 0, 0, 0, 0);
     write_floats(argv[12], d.y.vals[0], (size_t)boxes * 6);
+    if (argc == 17) write_floats(argv[13], d.X.vals[0], (size_t)w * h * 3);
     return 0;
 }
 

@@ -151,6 +151,11 @@ SKIPS: list[tuple[Callable[[list[str]], bool], str]] = [
         lambda w: w[:2] == ["make", "gpu-check"],
         "needs a CUDA GPU (tests/scripts/test_gpu_check.py runs its steps on the CPU)",
     ),
+    (
+        lambda w: _opt(w, "--recipe") == "darknet",
+        "trains the cfg's max_batches iterations; tests/scenarios/test_darknet_recipe.py runs "
+        "the recipe small",
+    ),
     (lambda w: w[0] in {"pip", "git"}, "network: installs or clones"),
     (lambda w: w[0] in {"srun", "sbatch"}, "needs a SLURM cluster"),
     (lambda w: any(x.startswith("--nnodes") for x in w), "needs several nodes"),
