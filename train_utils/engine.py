@@ -447,10 +447,10 @@ class _LossMeter:
         mean = (self.sums / self.seen).tolist()
         device = self.opts.device
         mem = f"{torch.cuda.memory_reserved(device) / 2**30:.1f}G" if device.type == "cuda" else "-"
+        # Darknet's loss has no separate parts (NaN): only its total is shown.
+        parts = {k: f"{v:.3f}" for k, v in zip(("box", "obj", "cls"), mean) if math.isfinite(v)}
         self.pbar.set_postfix(
-            box=f"{mean[0]:.3f}",
-            obj=f"{mean[1]:.3f}",
-            cls=f"{mean[2]:.3f}",
+            **parts,
             loss=f"{mean[3]:.3f}",
             lr=f"{self.lr:.2e}",
             size=tuple(shape[2:]),

@@ -235,12 +235,14 @@ class EpochPlan:
         if ckpt.get("eval_seconds") is not None:
             self.eval_s = float(ckpt["eval_seconds"])
         saved_budget_s = ((ckpt.get("config") or {}).get("time_budget") or 0) * 60.0
-        if self.spent_before_s >= self.budget_s:
+        finished = start_epoch >= self.epochs
+        if self.spent_before_s >= self.budget_s or (finished and saved_budget_s == self.budget_s):
+            # Spent, or stopped where its next epoch would not have fitted this same budget.
             self.epochs = start_epoch
             logger.info("the checkpoint already spent the --time-budget; nothing to do")
-        elif self.epoch_s and (saved_budget_s != self.budget_s or start_epoch >= self.epochs):
+        elif self.epoch_s and saved_budget_s != self.budget_s:
             self.epochs = self._plan_from(start_epoch)
-        elif start_epoch >= self.epochs and saved_budget_s < self.budget_s:
+        elif finished and saved_budget_s < self.budget_s:
             self.epochs = start_epoch + 1
 
     def _plan_from(self, start_epoch: int) -> int:

@@ -153,7 +153,7 @@ SKIPS: list[tuple[Callable[[list[str]], bool], str]] = [
     ),
     (
         lambda w: _opt(w, "--recipe") == "darknet",
-        "trains the cfg's max_batches iterations; tests/scenarios/test_darknet_recipe.py runs "
+        "trains the cfg's max_batches iterations; tests/scenarios/test_darknet_recipe_runs.py runs "
         "the recipe small",
     ),
     (lambda w: w[0] in {"pip", "git"}, "network: installs or clones"),

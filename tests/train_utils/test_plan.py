@@ -101,6 +101,32 @@ def test_one_slow_epoch_does_not_move_the_plan() -> None:
     assert plan_after([20.0, 20.0, 20.0, 20.0]) < steady
 
 
+def _resumed_plan(budget_min: float, saved_budget_min: float, planned: int, start: int) -> int:
+    """The epochs of a resume with ``--time-budget budget_min`` of a checkpoint that planned
+    ``planned`` epochs under ``saved_budget_min``, spent 100 s of it at 30 s an epoch."""
+    ckpt = {
+        "budget_spent_s": 100.0,
+        "planned_epochs": planned,
+        "epoch_seconds": [30.0] * start,
+        "eval_seconds": 5.0,
+        "config": {"time_budget": saved_budget_min},
+    }
+    plan = EpochPlan(epochs=99, budget_s=budget_min * 60.0)
+    plan.load_state_dict(ckpt, start_epoch=start)
+    return plan.epochs
+
+
+def test_a_resume_follows_the_budget_it_is_given() -> None:
+    # 120 s, 100 s spent: the run stopped where a 4th epoch would not fit. The same budget again
+    # trains nothing (it trained one more epoch, past the budget: the plan's 'at least one').
+    assert _resumed_plan(2.0, 2.0, planned=3, start=3) == 3
+    # Interrupted within the same budget: its plan stands.
+    assert _resumed_plan(2.0, 2.0, planned=5, start=3) == 5
+    # A larger budget: planned anew from the measured times (260 s left: epoch 2 evaluated
+    # (5 s), then 7 epochs of 30 s each evaluated).
+    assert _resumed_plan(6.0, 2.0, planned=3, start=3) == 3 + 7
+
+
 def test_stretched_cosine_ends_at_lrf() -> None:
     total = [10]
     f = cosine_lambda(lambda: total[0], 0.1)
