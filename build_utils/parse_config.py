@@ -1175,6 +1175,25 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             :mod:`build_utils.safe_yaml` refuses (size, aliases, tags, keys given twice).
     """
     path = Path(path)
+    values, lines = _data_yaml_values(path)
+    base = path.parent
+    if values.get("path") is not None:
+        base = _beside_or_cwd(_yaml_path_text("path", values, lines, path), path.parent)
+    out: dict[str, Any] = {"_format": "yaml", "root": str(base)}
+    out.update(_data_yaml_splits(values, lines, path, base))
+    if values.get("coco_ids") is not None:
+        out["coco_ids"] = str(
+            _beside_or_cwd(_yaml_path_text("coco_ids", values, lines, path), base)
+        )
+    names = _yaml_class_names(values, lines, path)
+    out["classes"] = len(names)
+    out["class_names"] = names
+    out["_lines"] = lines
+    return out
+
+
+def _data_yaml_values(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
+    """A data.yaml's known keys: their values and lines (unknown keys named in one warning)."""
     if not os.path.lexists(path):
         raise ConfigError("data.yaml not found", path)
     doc = compose_yaml(path, "data.yaml")
@@ -1209,17 +1228,23 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
             path,
             lines["download"],
         )
+    return values, lines
 
-    def text_value(key: str, value: Any) -> str:
-        if isinstance(value, bool) or not isinstance(value, str | int | float) or value == "":
-            raise ConfigError(f"'{key}' must be a path, got {short_repr(value)}", path, lines[key])
-        return str(value)
 
-    folder = path.parent
-    base = folder
-    if values.get("path") is not None:
-        base = _beside_or_cwd(text_value("path", values["path"]), folder)
-    out: dict[str, Any] = {"_format": "yaml", "root": str(base)}
+def _yaml_path_text(key: str, values: dict[str, Any], lines: dict[str, int], path: Path) -> str:
+    """``values[key]`` as a path string (a number is a folder name too)."""
+    value = values[key]
+    if isinstance(value, bool) or not isinstance(value, str | int | float) or value == "":
+        raise ConfigError(f"'{key}' must be a path, got {short_repr(value)}", path, lines[key])
+    return str(value)
+
+
+def _data_yaml_splits(
+    values: dict[str, Any], lines: dict[str, int], path: Path, base: Path
+) -> dict[str, Any]:
+    """``train``, ``valid`` (and ``test``): each source resolved from ``base``; their lines are
+    added to ``lines`` under our names."""
+    out: dict[str, Any] = {}
     for key in DATA_YAML_SPLITS:
         value = values.get(key)
         ours = "valid" if key == "val" else key
@@ -1234,17 +1259,12 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
                 path,
                 where,
             )
-        if isinstance(value, list):
-            out[ours] = [str(_split_source(text_value(key, v), base)) for v in value]
-        else:
-            out[ours] = str(_split_source(text_value(key, value), base))
+        items = value if isinstance(value, list) else [value]
+        sources = [
+            str(_split_source(_yaml_path_text(key, {key: v}, lines, path), base)) for v in items
+        ]
+        out[ours] = sources if isinstance(value, list) else sources[0]
         lines[ours] = lines[key]
-    if values.get("coco_ids") is not None:
-        out["coco_ids"] = str(_beside_or_cwd(text_value("coco_ids", values["coco_ids"]), base))
-    names = _yaml_class_names(values, lines, path)
-    out["classes"] = len(names)
-    out["class_names"] = names
-    out["_lines"] = lines
     return out
 
 

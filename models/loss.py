@@ -330,7 +330,6 @@ def compute_loss(
     criterion_obj = _criterion(hyp["obj_pw"], hyp["fl_gamma"], device)
     cp, cn = smooth_bce(label_smoothing)
     nc = model.nc
-    gr = OBJ_GIOU_RATIO
     heads = [model.module_list[i] for i in model.yolo_layers]
     if hyp.get("obj_balance", False):
         balance = objectness_balance([h.stride for h in heads])
@@ -343,29 +342,8 @@ def compute_loss(
     for pi, lt, head, weight in zip(preds, layer_targets, heads, balance):
         tobj = torch.zeros_like(pi[..., 0])
         if lt.valid.shape[0]:  # a static shape (na * nt): no sync
-            b, a, gj, gi = lt.indices
-            valid = lt.valid
-            # Denominator of the means over assignments; 0 assignments give 0 / 1 = 0.
-            n_valid = valid.sum().clamp(min=1)
-            ps = pi[b, a, gj, gi]  # (P, no)
-
-            pbox = predicted_boxes(ps, lt.anchors, head)
-            giou = 1.0 - torchvision.ops.generalized_box_iou_loss(
-                torchvision.ops.box_convert(pbox, "cxcywh", "xyxy"),
-                torchvision.ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),
-            )
-            # Padding pairs are masked out of the sums (where, not a multiply by 0: an inf/NaN
-            # there must not turn the value into NaN).
-            lbox = lbox + torch.where(valid, 1.0 - giou, 0.0).sum() / n_valid
-
-            tobj = _objectness_targets(tobj, lt, (1.0 - gr) + gr * giou.detach().clamp(0))
-
-            if nc > 1:
-                t = torch.full_like(ps[:, 5:], cn)
-                t.scatter_(1, lt.tcls[:, None], cp)
-                per_elem = criterion_cls(ps[:, 5:], t)  # (P, nc)
-                lcls = lcls + torch.where(valid[:, None], per_elem, 0.0).sum() / (n_valid * nc)
-
+            box, cls, tobj = _assigned_losses(pi, lt, head, tobj, criterion_cls, (cp, cn), nc)
+            lbox, lcls = lbox + box, lcls + cls
         lobj = lobj + criterion_obj(pi[..., 4], tobj).mean() * weight
 
     return {
@@ -373,6 +351,44 @@ def compute_loss(
         "obj_loss": lobj * hyp["obj"],
         "cls_loss": lcls * hyp["cls"],
     }
+
+
+def _assigned_losses(
+    pi: torch.Tensor,
+    lt: LayerTargets,
+    head: nn.Module,
+    tobj: torch.Tensor,
+    criterion_cls: nn.Module,
+    smooth: tuple[float, float],
+    nc: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One head's box and class losses over its assignments ``lt``, and its objectness
+    targets (``tobj`` with each assigned cell's GIoU-weighted target)."""
+    b, a, gj, gi = lt.indices
+    valid = lt.valid
+    # Denominator of the means over assignments; 0 assignments give 0 / 1 = 0.
+    n_valid = valid.sum().clamp(min=1)
+    ps = pi[b, a, gj, gi]  # (P, no)
+
+    pbox = predicted_boxes(ps, lt.anchors, head)
+    giou = 1.0 - torchvision.ops.generalized_box_iou_loss(
+        torchvision.ops.box_convert(pbox, "cxcywh", "xyxy"),
+        torchvision.ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),
+    )
+    # Padding pairs are masked out of the sums (where, not a multiply by 0: an inf/NaN there
+    # must not turn the value into NaN).
+    box = torch.where(valid, 1.0 - giou, 0.0).sum() / n_valid
+    gr = OBJ_GIOU_RATIO
+    tobj = _objectness_targets(tobj, lt, (1.0 - gr) + gr * giou.detach().clamp(0))
+
+    cls = torch.zeros((), device=pi.device)
+    if nc > 1:
+        cp, cn = smooth
+        t = torch.full_like(ps[:, 5:], cn)
+        t.scatter_(1, lt.tcls[:, None], cp)
+        per_elem = criterion_cls(ps[:, 5:], t)  # (P, nc)
+        cls = torch.where(valid[:, None], per_elem, 0.0).sum() / (n_valid * nc)
+    return box, cls, tobj
 
 
 def _criterion(pos_weight: float, fl_gamma: float, device: torch.device) -> nn.Module:
