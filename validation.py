@@ -368,6 +368,11 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
     --exist-ok) or is the weights, and an --exist-ok that would move a training run aside."""
     if requested is None:
         check_output_place(args.save_dir, "--save-dir", folder=True)
+        if Path(args.save_dir).is_dir() and holds_run(Path(args.save_dir)):
+            raise ConfigError(
+                f"--save-dir {args.save_dir} holds a training run ({', '.join(RUN_FILES)}), "
+                "whose report this one would replace: choose another --save-dir"
+            )
     elif args.exist_ok and requested.is_dir() and holds_run(requested):
         raise ConfigError(
             f"--exist-ok would move the previous report in {requested} aside, and it holds a "

@@ -406,7 +406,8 @@ class LabelCache:
         s = self.stats
         return (
             f"{len(self.files)} images: {s['found']} label files found, {s['missing']} "
-            f"missing, {s['empty']} empty, {s['corrupt']} corrupt images excluded, "
+            f"missing, {s['empty']} empty, {s['corrupt']} images excluded for an unusable image "
+            "or label file, "
             f"{s['duplicate']} duplicate rows and {s['bad']} bad label lines dropped"
         )
 

@@ -1004,6 +1004,10 @@ def _not_a_data_line(line: str, path: Path, number: int) -> ConfigError:
     return ConfigError(f"expected 'key=value', got {_quoted(line)}{hint}", path, number)
 
 
+# What --weights takes (checkpoints, Darknet weights, exports): never a dataset file.
+WEIGHTS_SUFFIXES = (".pt", ".pth", ".weights", ".onnx", ".torchscript")
+
+
 def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Parse a dataset file: a Darknet ``.data`` file (``key=value`` lines; ``#``/``;``
     comments), or an ultralytics ``data.yaml`` (``.yaml``/``.yml``, :func:`parse_data_yaml`),
@@ -1030,6 +1034,12 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     path = Path(path)
     if is_data_yaml(path):
         return parse_data_yaml(path)
+    if path.suffix.lower() in WEIGHTS_SUFFIXES:
+        raise ConfigError(
+            "a weights file, not a dataset file: it goes to --weights; --data takes a .data or "
+            "data.yaml file",
+            path,
+        )
     text = _read_text(path, ".data file")
     out: dict[str, Any] = {}
     lines: dict[str, int] = {}

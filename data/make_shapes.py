@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as data/make_shapes.py
 
+from build_utils.atomic import check_new_outputs
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from train_utils.cli import run_script
@@ -355,11 +357,25 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--voc", action="store_true", help="also write Pascal VOC XML annotations")
     parser.add_argument("--workers", type=int, default=None, help="processes (default: all CPUs)")
+    parser.add_argument(
+        "--exist-ok",
+        action="store_true",
+        help="replace a dataset made in --out before (its train/ and val/ folders are removed "
+        "first, so that no image of the old set stays)",
+    )
     return parser
+
+
+# What make_dataset writes in --out (the docstring's layout).
+OUTPUTS = ("train", "val", "train.txt", "val.txt", "shapes.names", "shapes.data")
 
 
 def make_shapes(args: argparse.Namespace) -> None:
     check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 0)
+    check_new_outputs([args.out / name for name in OUTPUTS], "--out", args.exist_ok)
+    for split in ("train", "val"):
+        if (args.out / split).is_dir() and not (args.out / split).is_symlink():
+            shutil.rmtree(args.out / split)
     try:
         data = make_dataset(
             args.out,

@@ -19,7 +19,8 @@ whose order is kept: class k is its k-th name. Without it they are collected fro
 and sorted by name (VOC's own 20 classes are numbered alphabetically too). The class list used is
 always written: to ``--names-out`` (default ``classes.names`` beside the labels' folder, or in
 ``--out``), and with ``--voc-root`` a ``data.yaml`` in ``--out`` names the splits and the classes
-in that order. An existing names file, data.yaml or report is replaced only with ``--exist-ok``.
+in that order. A label folder that holds labels, an existing names file, data.yaml or report
+is written into or replaced only with ``--exist-ok``.
 What is done about problems (all listed in the report file, never fatal):
 
 - ``difficult`` objects are skipped unless ``--include-difficult``;
@@ -436,8 +437,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument(
         "--exist-ok",
         action="store_true",
-        help="replace an existing names file, data.yaml or report (labels of the same name are "
-        "replaced with them)",
+        help="write into a label folder that holds labels (those of the same names are "
+        "replaced) and replace an existing names file, data.yaml or report",
     )
     return p
 
@@ -474,6 +475,15 @@ def plan_outputs(args: argparse.Namespace) -> Outputs:
         names = None  # the class list read is that file: nothing to add
     outputs = Outputs(names, args.report or home / REPORT_FILE, home / DATA_YAML if voc else None)
     reads = {"the --classes file": args.classes}
+    label_dirs = [args.out / s / "labels" for s in args.splits] if voc else [args.label_dir]
+    for folder in label_dirs:
+        label = next(folder.glob("*.txt"), None) if folder.is_dir() else None
+        if label is not None and not args.exist_ok:
+            flag = "--out" if voc else "--label-dir"
+            raise ConfigError(
+                f"{folder} already holds label files ({label.name}, ...); pass --exist-ok to "
+                f"replace those of the same names, or choose another {flag}"
+            )
     for flag, path in (
         ("--names-out", outputs.names),
         ("--report", outputs.report),

@@ -553,8 +553,8 @@ def weights_kind(path: str | Path) -> str:
     if suffix in _ONNX_SUFFIXES:
         raise CheckpointError(
             "this is an ONNX model, which runs in onnxruntime (or OpenCV's dnn module), not in "
-            "these scripts; pass the .pt checkpoint it was exported from (tools/export_onnx.py "
-            "--weights X.pt --verify checks an export against it)",
+            "these scripts; pass the .pt checkpoint it was exported from (tools/export.py "
+            "--weights X.pt --include onnx writes one checked against it)",
             path,
         )
     if _is_darknet_version(head):

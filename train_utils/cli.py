@@ -97,6 +97,8 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
             or default is None
             or default is argparse.SUPPRESS
             or default is False
+            # A switch that turns something off (--nosave): "(default: True)" reads as on.
+            or (isinstance(action, argparse._StoreConstAction) and isinstance(action.const, bool))
             or default == ""
             or action.option_strings == []  # positionals: no default to speak of
         ):

@@ -23,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import csv
 import logging
+import math
 import sys
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -111,7 +112,8 @@ def plot_results(csv_path: Path, png_path: Path) -> None:
     epochs = [int(r["epoch"]) for r in rows]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for key in ("box_loss", "obj_loss", "cls_loss", "loss"):
-        axes[0].plot(epochs, [float(r[key]) for r in rows], marker=".", label=key)
+        if all(r.get(key) for r in rows):  # --recipe darknet has the total only
+            axes[0].plot(epochs, [float(r[key]) for r in rows], marker=".", label=key)
     axes[0].set(title="training loss", xlabel="epoch")
     axes[0].legend()
     for key in ("mAP50-95", "mAP50"):
@@ -151,9 +153,11 @@ def epoch_metrics(
     ``elapsed`` the run's time so far. Rounded as ``results.csv`` shows them, so that every
     tracker holds the same numbers."""
     wait = min(max(stats.data_wait_s, 0.0), seconds)  # another rank's mean may exceed rank 0's
+    # Darknet's cost has no box/obj/cls parts (NaN): left out (an empty results.csv cell).
+    losses = {k: v for k, v in stats.as_dict().items() if math.isfinite(v)}
     return {
         **(val or {}),
-        **stats.as_dict(),
+        **losses,
         "lr": stats.lr,
         "train_seconds": round(seconds, 3),
         "data_wait_s": round(wait, 3),
@@ -264,6 +268,7 @@ class EpochReporter:
     ):
         self.out = out
         self.plots = plots
+        self.unit = "epoch"  # what the run counts: "iteration" under --recipe darknet
         self.results = out / "results.csv"
         self.workers = workers
         self.status = FAILED  # until finished() or an interruption says otherwise
@@ -365,23 +370,14 @@ class EpochReporter:
         """One line for the epoch ``where`` ("epoch 3/9"), ``s`` seconds of training, of which
         ``metrics`` says how long it waited for data."""
         wait = f"data wait {metrics['data_wait_s']:.1f} s ({100 * metrics['data_wait_share']:.0f}%)"
-        if val is None:
-            logger.info("%s: loss %.4f, lr %.3g, %.1f s, %s", where, stats.loss, stats.lr, s, wait)
-            return
-        logger.info(
-            "%s: loss %.4f (box %.4f obj %.4f cls %.4f), lr %.3g, %.1f s, %s | "
-            "mAP@0.5:0.95 %.4f mAP@0.5 %.4f",
-            where,
-            stats.loss,
-            stats.box_loss,
-            stats.obj_loss,
-            stats.cls_loss,
-            stats.lr,
-            s,
-            wait,
-            val["mAP50-95"],
-            val["mAP50"],
-        )
+        parts = (stats.box_loss, stats.obj_loss, stats.cls_loss)
+        loss = f"loss {stats.loss:.4f}"
+        if val is not None and all(map(math.isfinite, parts)):  # Darknet's cost has no parts
+            loss += " (box {:.4f} obj {:.4f} cls {:.4f})".format(*parts)
+        line = f"{where}: {loss}, lr {stats.lr:.3g}, {s:.1f} s, {wait}"
+        if val is not None:
+            line += f" | mAP@0.5:0.95 {val['mAP50-95']:.4f} mAP@0.5 {val['mAP50']:.4f}"
+        logger.info("%s", line)
 
     def stopped_early(self, epoch: int, best_epoch: int | None, patience: int) -> None:
         """``--patience`` ended the run after ``epoch`` (the best was ``best_epoch``)."""
@@ -401,18 +397,19 @@ class EpochReporter:
         signal came between two epochs)."""
         self.status = KILLED
         last = self.out / "last.pt"
+        unit = self.unit
         if not last.is_file():
-            logger.warning("interrupted in epoch %d; nothing is saved in %s", epoch, self.out)
+            logger.warning("interrupted in %s %d; nothing is saved in %s", unit, epoch, self.out)
             return
         if completed:
             logger.warning(
-                "interrupted after epoch %d, which is complete and saved in %s; continue with "
+                "interrupted after %s %d, which is complete and saved in %s; continue with "
                 "--resume",
+                unit,
                 epoch,
                 last,
             )
-            return
-        if unfinished_saved:
+        elif unfinished_saved:
             logger.warning(
                 "interrupted in epoch %d before any epoch completed; its part-trained weights "
                 "are saved in %s; continue with --resume (epoch %d is trained again from them)",
@@ -420,12 +417,12 @@ class EpochReporter:
                 last,
                 epoch,
             )
-            return
-        logger.warning(
-            "interrupted in epoch %d; last completed epoch is saved in %s; continue with --resume",
-            epoch,
-            last,
-        )
+        else:
+            # --recipe darknet saves every --eval-iterations, not after each iteration.
+            saved = "last completed epoch is saved" if unit == "epoch" else "the last round is"
+            logger.warning(
+                "interrupted in %s %d; %s in %s; continue with --resume", unit, epoch, saved, last
+            )
 
     def stopped_on_request(self, why: str) -> None:
         """A stop request (SIGUSR1) ended the run between two batches; ``why`` says where."""
@@ -482,6 +479,8 @@ class SilentReporter:
     """The reporter of ranks other than 0: records nothing (only the interruption is logged,
     as a warning, which other ranks still show)."""
 
+    unit = "epoch"
+
     def end_epoch(self, *args: Any) -> None:
         pass
 
@@ -498,7 +497,7 @@ class SilentReporter:
         pass
 
     def interrupted(self, epoch: int, *args: Any) -> None:
-        logger.warning("interrupted in epoch %d", epoch)
+        logger.warning("interrupted in %s %d", self.unit, epoch)
 
     def stopped_on_request(self, *args: Any) -> None:
         pass

@@ -239,7 +239,8 @@ def test_bad_inputs_are_excluded_and_reported(tmp_path, caplog):
     summary = [r.message for r in caplog.records if "images:" in r.message]
     assert len(summary) == 1
     assert (
-        "10 images: 2 label files found, 1 missing, 1 empty, 6 corrupt images excluded, "
+        "10 images: 2 label files found, 1 missing, 1 empty, 6 images excluded for an unusable "
+        "image or label file, "
         "1 duplicate rows and 1 bad label lines dropped"
     ) in summary[0]
     assert caplog.records[-1].levelno == logging.WARNING
@@ -261,7 +262,7 @@ def test_bad_inputs_are_excluded_and_reported(tmp_path, caplog):
 def test_no_usable_image_raises_with_the_counts(tmp_path):
     (tmp_path / "images").mkdir()
     (tmp_path / "images" / "a.jpg").write_bytes(b"")
-    with pytest.raises(DatasetError, match="no usable image: 1 images: .* 1 corrupt"):
+    with pytest.raises(DatasetError, match="no usable image: 1 images: .* 1 images excluded"):
         LoadImagesAndLabels(tmp_path / "images")
 
 

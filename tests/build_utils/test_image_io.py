@@ -284,7 +284,10 @@ def test_dataset_skips_every_kind_and_reports_it(tmp_path, no_hang):
     report = d.report_path.read_text()
     for name, reason in reasons.items():
         assert f"{images / name}: excluded: {reason}" in report, name
-    assert f"{len(reasons)} corrupt images excluded" in report.splitlines()[0]
+    assert (
+        f"{len(reasons)} images excluded for an unusable image or label file"
+        in report.splitlines()[0]
+    )
 
 
 # ---------------------------------------------------------------------------------------------

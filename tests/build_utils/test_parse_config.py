@@ -642,6 +642,19 @@ def test_parse_data_cfg_errors(tmp_path, monkeypatch, body, pattern):
         parse_data_cfg(path)
 
 
+def test_weights_given_as_data_are_named(tmp_path):
+    """Was: a 17 MB best.pt as --data '.data file: 16.6 MiB, over the limit of 4 MiB ... set
+    YOLO_MAX_TEXT_BYTES', advice that cannot help."""
+    for name in ("best.pt", "yolov3.weights", "model.onnx"):
+        (tmp_path / name).write_bytes(b"PK\x03\x04" + bytes(64))
+        with pytest.raises(ConfigError) as e:
+            parse_data_cfg(tmp_path / name)
+        assert str(e.value) == (
+            f"{tmp_path / name}: a weights file, not a dataset file: it goes to --weights; "
+            "--data takes a .data or data.yaml file"
+        )
+
+
 def test_load_class_names(tmp_path):
     path = tmp_path / "c.names"
     path.write_bytes(b"person \r\n\r\ntraffic light\r\n  dog\r\n\r\n")

@@ -102,6 +102,9 @@ def test_trains_with_the_cfgs_keys_and_writes_darknet_weights(full_run):
     assert re.search(r"\[yolo\] iou_loss\s+mse\s+default\s+honoured", log)
     assert "does not implement these keys" in log and "mosaic=1" in log
     assert "done: 6 iterations" in log
+    # Darknet's cost has no box/obj/cls parts: left out, not written as NaN.
+    assert "nan" not in log.lower() and all(r["box_loss"] == "" for r in rows)
+    assert all(float(r["loss"]) > 0 for r in rows)
 
 
 def test_resume_is_exact(full_run, shapes_data, monkeypatch):

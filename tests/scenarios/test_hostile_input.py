@@ -220,7 +220,10 @@ def test_pixel_bomb_and_40_gb_sparse_jpg_in_training_are_skipped(make_shapes_dat
         f"{images / 'huge.jpg'}: excluded: 40 GiB, over the limit of 512 MiB (bytes per image "
         "file); set YOLO_MAX_IMAGE_BYTES to raise it"
     ) in report
-    assert "6 images: " in r.stderr and "2 corrupt images excluded" in r.stderr
+    assert (
+        "6 images: " in r.stderr
+        and "2 images excluded for an unusable image or label file" in r.stderr
+    )
     assert r.peak_rss_mb < BOUNDED_RSS_MB, r.peak_rss_mb
 
 
@@ -379,8 +382,14 @@ def test_files_that_are_not_files_are_skipped_by_training_and_validation(
         (val_images / "dangling.jpg", "dangling symbolic link"),
     ]:
         assert f"{path}: excluded: {reason}\n" in report, (path, report)
-    assert "train: 7 images: " in r.stderr and "3 corrupt images excluded" in r.stderr
-    assert "val: 6 images: " in r.stderr and "4 corrupt images excluded" in r.stderr
+    assert (
+        "train: 7 images: " in r.stderr
+        and "3 images excluded for an unusable image or label file" in r.stderr
+    )
+    assert (
+        "val: 6 images: " in r.stderr
+        and "4 images excluded for an unusable image or label file" in r.stderr
+    )
 
     stats, val_dir = tmp_path / "stats.json", tmp_path / "val"
     argv = validation_argv(out / "model.cfg", data, out / "last.pt", img=64)
@@ -388,7 +397,10 @@ def test_files_that_are_not_files_are_skipped_by_training_and_validation(
     v = run_script("validation.py", *argv, cwd=tmp_path, timeout=120)
     assert "Traceback" not in v.stderr, v.stderr[-3000:]
     assert v.rc == 0, v.stderr[-3000:]
-    assert "val: 6 images: " in v.stderr and "4 corrupt images excluded" in v.stderr
+    assert (
+        "val: 6 images: " in v.stderr
+        and "4 images excluded for an unusable image or label file" in v.stderr
+    )
     new = _files_under(tmp_path) - before
     outside = [
         p
@@ -962,7 +974,7 @@ def test_cache_with_a_valid_key_and_inconsistent_arrays_is_rebuilt(tmp_path):
     assert result.rc == 0, result.stderr[-3000:]
     assert f"label cache {cache} disagrees with itself (" in result.stderr, result.stderr[-3000:]
     assert "train: 6 images: 6 label files found" in result.stderr
-    assert "0 corrupt images excluded" in result.stderr
+    assert "0 images excluded for an unusable image or label file" in result.stderr
     assert "data: 6 train / 2 val images" in result.stderr
     with np.load(cache, allow_pickle=False) as z:
         assert z["ok"].all() and str(z["key"]) == str(arrays["key"])

@@ -282,11 +282,15 @@ def test_bad_data_is_skipped_reported_and_training_completes(bad_run):
     summary = (
         f"train: {expect['n_listed']} images: {expect['found']} label files found, "
         f"{expect['missing']} missing, {expect['empty']} empty, {expect['corrupt']} "
-        f"corrupt images excluded, {expect['duplicate']} duplicate rows and "
+        f"images excluded for an unusable image or label file, {expect['duplicate']} "
+        "duplicate rows and "
         f"{expect['bad']} bad label lines dropped; details in "
     )
     assert proc.stderr.count(summary) == 1, proc.stderr[-3000:]
-    val_summary = re.search(r"val: (\d+) images: .* (\d+) corrupt images excluded", proc.stderr)
+    val_summary = re.search(
+        r"val: (\d+) images: .* (\d+) images excluded for an unusable image or label file",
+        proc.stderr,
+    )
     assert val_summary and val_summary.groups() == (
         str(len(VAL_GOOD) + len(VAL_BAD)),
         str(len(VAL_BAD)),
@@ -438,7 +442,7 @@ def test_kmeans_tool_skips_bad_data(bad_run, console, tmp_path):
     )
     cap = console.readouterr()
     assert code == 0 and "Traceback" not in cap.err, cap.err[-2000:]
-    assert f"{expect['corrupt']} corrupt images excluded" in cap.err
+    assert f"{expect['corrupt']} images excluded for an unusable image or label file" in cap.err
     assert re.search(r"^anchors=\d", cap.out, re.M)
 
 

@@ -259,6 +259,38 @@ def test_voc_devkit_layout(make_shapes_data, tmp_path):
             np.testing.assert_allclose(got[k], want[k], atol=1e-6)
 
 
+def test_voc_conversion_never_writes_over_labels_unasked(make_shapes_data, tmp_path, capsys):
+    """Was: --label-dir pointing at a folder of labels (a hand-edited one, or the dataset's own
+    labels/) replaced them, exit 0. Now one line, exit 2, nothing written, unless --exist-ok."""
+    data = make_shapes_data(n_train=3, n_val=2, voc=True)
+    root = data.parent
+    labels = root / "train" / "labels"
+    before = {p.name: p.read_bytes() for p in labels.iterdir()}
+    edited = sorted(labels.glob("*.txt"))[0]
+    edited.write_text("0 0.5 0.5 0.1 0.1\n")
+    before[edited.name] = edited.read_bytes()
+    argv = [
+        "--xml-dir",
+        str(root / "train" / "Annotations"),
+        "--label-dir",
+        str(labels),
+        "--classes",
+        str(root / "shapes.names"),
+        "--names-out",
+        str(tmp_path / "n.names"),
+        "--report",
+        str(tmp_path / "r.txt"),
+    ]
+    capsys.readouterr()
+    assert trans_voc2yolo.main(argv) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {labels} already holds label files") and "--exist-ok" in line
+    assert {p.name: p.read_bytes() for p in labels.iterdir()} == before
+    assert not (tmp_path / "n.names").exists() and not (tmp_path / "r.txt").exists()
+    assert trans_voc2yolo.main([*argv, "--exist-ok"]) == 0
+    assert edited.read_bytes() != before[edited.name]  # asked for: the XML's boxes again
+
+
 def test_voc_devkit_keeps_the_class_order_and_writes_names_and_data_yaml(
     make_shapes_data, tmp_path, capsys
 ):
@@ -300,7 +332,7 @@ def test_voc_devkit_keeps_the_class_order_and_writes_names_and_data_yaml(
     assert trans_voc2yolo.main(argv) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1
-    assert f"{out / 'classes.names'} already exists; pass --exist-ok" in err
+    assert f"{out / 'train' / 'labels'} already holds label files" in err
     assert (out / "data.yaml").read_text() == before
     assert trans_voc2yolo.main([*argv, "--exist-ok"]) == 0
 

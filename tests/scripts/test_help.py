@@ -80,6 +80,9 @@ def test_help_states_each_default_once(script):
             continue  # positionals have no default to show
         block = blocks[flag]
         assert "(default: None)" not in block, f"{script}: {block}"
+        # Was: '--nosave ... (default: True)', which reads as if it were on.
+        if isinstance(action, argparse._StoreConstAction):
+            assert "(default: True)" not in block, f"{script}: {block}"
         assert block.count("(default") <= 1, f"{script}: default shown twice: {block}"
         takes_value = action.nargs != 0 and not action.required
         real_default = action.default not in (None, False, "", argparse.SUPPRESS)

@@ -121,6 +121,25 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
         main(["--img-size", "abc"])
 
 
+def test_cli_never_writes_over_a_dataset_unasked(tmp_path, capsys):
+    """Was: a second run into --out replaced shapes.data and the lists, and left the first
+    set's images and labels beside the new ones. Now one line, nothing written, unless
+    --exist-ok, which replaces the whole set."""
+    out = tmp_path / "shapes"
+    argv = ["--out", str(out), "--n-train", "4", "--n-val", "2", "--workers", "1"]
+    assert main(argv) == 0
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    capsys.readouterr()
+    assert main([*argv[:3], "2", *argv[4:]]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"error: {out / 'train'}, {out / 'val'}, ") and "--exist-ok" in line
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert main([*argv[:3], "2", *argv[4:], "--exist-ok"]) == 0
+    assert len(list((out / "train" / "images").iterdir())) == 2
+    assert len(list((out / "train" / "labels").iterdir())) == 2
+    assert len((out / "train.txt").read_text().split()) == 2
+
+
 def test_the_extra_classes_have_their_own_box_shapes():
     """--classes 8 adds a tall diamond, a hexagon and a 3:1 bar; boxes stay in the image."""
     rng = np.random.default_rng(3)

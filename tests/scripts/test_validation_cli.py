@@ -333,6 +333,15 @@ def test_exist_ok_never_moves_a_training_run(shapes_data, weights5, tmp_path, ca
     assert err.startswith(f"error: --exist-ok would move the previous report in {run} aside, ")
     assert err.count("\n") == 1 and "choose another --name" in err
     assert sorted(p.name for p in run.iterdir()) == ["last.pt"]
+    # Was: --save-dir naming the run folder wrote the report over the run's own (exit 0).
+    for extra in ([], ["--exist-ok"]):
+        assert validation.main([*_argv(shapes_data, weights5, "--save-dir", str(run)), *extra]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == (
+            f"error: --save-dir {run} holds a training run (last.pt, best.pt, results.csv, "
+            "train.log), whose report this one would replace: choose another --save-dir"
+        )
+    assert sorted(p.name for p in run.iterdir()) == ["last.pt"]
 
 
 def test_json_outputs_are_kept_unless_exist_ok(shapes_data, weights5, tmp_path, capsys):

@@ -561,3 +561,27 @@ def test_under_ddp_only_rank_0_records(make_shapes_data, tmp_path):
     history = client.get_metric_history(run.info.run_id, "loss")
     assert [m.step for m in history] == [0, 1]
     assert len(list((out / "wandb").glob("offline-run-*"))) == 1
+
+
+def test_darknet_rounds_are_iterations_and_have_no_loss_parts(tmp_path, caplog):
+    """Was (--recipe darknet): 'loss 17.37 (box nan obj nan cls nan)', NaN in results.csv, and
+    Ctrl-C said 'interrupted after epoch 8' of iteration 8."""
+    reporter = EpochReporter(tmp_path, 0, plots=False)
+    reporter.unit = "iteration"
+    nan = float("nan")
+    stats = EpochStats(nan, nan, nan, 17.5, lr=0.01, images=8, data_wait_s=0.0)
+    with caplog.at_level(logging.INFO):
+        reporter.end_epoch(7, 24, stats, _val(), 1.0, 1.0)
+        (tmp_path / "last.pt").write_bytes(b"saved")
+        reporter.interrupted(8, completed=True)
+        reporter.interrupted(9)
+    reporter.close()
+    [row] = read_results(tmp_path / "results.csv")
+    assert (row["box_loss"], row["obj_loss"], row["cls_loss"], row["loss"]) == ("", "", "", "17.5")
+    text = caplog.text
+    assert "loss 17.5000, lr" in text and "nan" not in text.lower()
+    assert f"interrupted after iteration 8, which is complete and saved in {tmp_path}" in text
+    assert "interrupted in iteration 9; the last round is in" in text
+    assert "epoch" not in "".join(
+        r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()
+    )
