@@ -589,3 +589,15 @@ def test_no_module_names_from_before_the_rooms() -> None:
         text = re.sub(OLD_NAMES_SECTION, "", text, flags=re.S)
         found += [f"{doc.name}: {n}" for n in old if re.search(rf"\b{re.escape(n)}\b", text)]
     assert found == []
+
+
+def test_no_placeholder_is_left_in_the_docs() -> None:
+    """Was: README's Darknet section read 'MEASURED_TABLE_PLACEHOLDER' where its table belongs."""
+    docs = [README, *sorted((REPO / "docs").glob("*.md")), REPO / "bench" / "README.md"]
+    found = [
+        f"{doc.name}:{n}: {line.strip()}"
+        for doc in docs
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+        if re.search(r"PLACEHOLDER|\bTODO\b|\bTBD\b|\bFIXME\b", line)
+    ]
+    assert found == []
