@@ -228,10 +228,9 @@ def test_voc_boxes_on_sideways_photos_agree_with_the_loader(tmp_path):
     )
 
 
-def test_voc_devkit_layout(make_shapes_data, tmp_path):
-    data = make_shapes_data(n_train=6, n_val=3, voc=True)
-    src = data.parent
-    voc = tmp_path / "VOC2012"
+def _voc_devkit(src: Path, voc: Path) -> Path:
+    """The shapes set ``src`` (made with ``voc=True``) as a VOC devkit year folder ``voc``:
+    JPEGImages, Annotations and ImageSets/Main/{train,val}.txt."""
     (voc / "ImageSets" / "Main").mkdir(parents=True)
     (voc / "JPEGImages").mkdir()
     (voc / "Annotations").mkdir()
@@ -239,11 +238,17 @@ def test_voc_devkit_layout(make_shapes_data, tmp_path):
         ids = []
         for p in sorted((src / split / "images").glob("*.jpg")):
             (voc / "JPEGImages" / p.name).write_bytes(p.read_bytes())
-            (voc / "Annotations" / f"{p.stem}.xml").write_bytes(
-                (src / split / "Annotations" / f"{p.stem}.xml").read_bytes()
-            )
+            xml = src / split / "Annotations" / f"{p.stem}.xml"
+            (voc / "Annotations" / xml.name).write_bytes(xml.read_bytes())
             ids.append(p.stem)
         (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    return voc
+
+
+def test_voc_devkit_layout(make_shapes_data, tmp_path):
+    data = make_shapes_data(n_train=6, n_val=3, voc=True)
+    src = data.parent
+    voc = _voc_devkit(src, tmp_path / "VOC2012")
     out = tmp_path / "yolo"
     assert (
         trans_voc2yolo.main(
@@ -300,18 +305,7 @@ def test_voc_devkit_keeps_the_class_order_and_writes_names_and_data_yaml(
     unless --exist-ok."""
     data = make_shapes_data(n_train=3, n_val=2, voc=True)
     src = data.parent
-    voc = tmp_path / "VOC"
-    (voc / "ImageSets" / "Main").mkdir(parents=True)
-    (voc / "JPEGImages").mkdir()
-    (voc / "Annotations").mkdir()
-    for split in ("train", "val"):
-        ids = []
-        for p in sorted((src / split / "images").glob("*.jpg")):
-            (voc / "JPEGImages" / p.name).write_bytes(p.read_bytes())
-            xml = src / split / "Annotations" / f"{p.stem}.xml"
-            (voc / "Annotations" / xml.name).write_bytes(xml.read_bytes())
-            ids.append(p.stem)
-        (voc / "ImageSets" / "Main" / f"{split}.txt").write_text("\n".join(ids) + "\n")
+    voc = _voc_devkit(src, tmp_path / "VOC")
     order = (src / "shapes.names").read_text().split()
     assert order != sorted(order)  # the generator's order is not alphabetical
     out = tmp_path / "yolo"
