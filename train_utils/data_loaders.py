@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, Sampler
 
 from build_utils.darknet_data import DarknetBatches, DarknetDetections, DarknetLoaderSettings
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
@@ -121,15 +121,7 @@ def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -
     )
     pin = dist.device.type == "cuda"
     workers = resolve_workers(config.workers)
-    train_loader = DataLoader(
-        train_set,
-        batch_sampler=sampler,
-        num_workers=workers,
-        pin_memory=pin,
-        collate_fn=LoadImagesAndLabels.collate_fn,
-        worker_init_fn=worker_init_fn,
-        persistent_workers=workers > 0,
-    )
+    train_loader = _training_loader(train_set, sampler, workers, pin)
     if len(train_loader) == 0:
         raise DatasetError(
             f"{len(train_set)} usable training images are fewer than one batch "
@@ -167,15 +159,7 @@ def build_darknet_train_data(
     )
     workers = resolve_workers(config.workers)
     pin = dist.device.type == "cuda"
-    train_loader = DataLoader(
-        DarknetDetections(train_set, loader),
-        batch_sampler=draw,
-        num_workers=workers,
-        pin_memory=pin,
-        collate_fn=LoadImagesAndLabels.collate_fn,
-        worker_init_fn=worker_init_fn,
-        persistent_workers=workers > 0,
-    )
+    train_loader = _training_loader(DarknetDetections(train_set, loader), draw, workers, pin)
     val_loader = make_eval_loader(
         val_set, config.batch_size, dist.world_size, dist.rank, workers, pin, persistent=True
     )
@@ -314,3 +298,17 @@ def _cache_in_ram(datasets: list[LoadImagesAndLabels], dist: DistInfo) -> None:
                 unlink_quietly(p)
     for ds, cache in zip(datasets, caches):
         ds.use_ram_cache(cache)
+
+
+def _training_loader(dataset: Dataset, batches: Sampler, workers: int, pin: bool) -> DataLoader:
+    """The training DataLoader of both recipes: ``batches`` (a batch sampler) of ``dataset``,
+    its workers kept between epochs and seeded by :func:`worker_init_fn`."""
+    return DataLoader(
+        dataset,
+        batch_sampler=batches,
+        num_workers=workers,
+        pin_memory=pin,
+        collate_fn=LoadImagesAndLabels.collate_fn,
+        worker_init_fn=worker_init_fn,
+        persistent_workers=workers > 0,
+    )
