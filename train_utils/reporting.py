@@ -265,10 +265,11 @@ class EpochReporter:
         workers: int | None = None,
         history: Path | None = None,
         plots: bool = True,
+        unit: str = "epoch",
     ):
         self.out = out
         self.plots = plots
-        self.unit = "epoch"  # what the run counts: "iteration" under --recipe darknet
+        self.unit = unit  # what the run counts: "iteration" under --recipe darknet
         self.results = out / "results.csv"
         self.workers = workers
         self.status = FAILED  # until finished() or an interruption says otherwise
@@ -479,7 +480,8 @@ class SilentReporter:
     """The reporter of ranks other than 0: records nothing (only the interruption is logged,
     as a warning, which other ranks still show)."""
 
-    unit = "epoch"
+    def __init__(self, unit: str = "epoch"):
+        self.unit = unit
 
     def end_epoch(self, *args: Any) -> None:
         pass
@@ -510,13 +512,13 @@ class SilentReporter:
 
 
 def make_reporter(
-    is_main: bool, out: Path, start_epoch: int, **run: Any
+    is_main: bool, out: Path, start_epoch: int, unit: str = "epoch", **run: Any
 ) -> EpochReporter | SilentReporter:
-    """``EpochReporter(out, start_epoch, **run)`` on rank 0, a :class:`SilentReporter`
-    elsewhere: other ranks write nothing and start no tracker."""
+    """``EpochReporter(out, start_epoch, unit=unit, **run)`` on rank 0, a
+    :class:`SilentReporter` elsewhere: other ranks write nothing and start no tracker."""
     if is_main:
-        return EpochReporter(out, start_epoch, **run)
-    return SilentReporter()
+        return EpochReporter(out, start_epoch, unit=unit, **run)
+    return SilentReporter(unit)
 
 
 # ---- train.log and the start line ----------------------------------------------------

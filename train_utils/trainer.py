@@ -250,9 +250,8 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             workers=train_data.train_loader.num_workers,
             history=_history_of(config),
             plots=config.plots,
+            unit="iteration" if config.recipe == "darknet" else "epoch",
         )
-        if config.recipe == "darknet":
-            reporter.unit = "iteration"
     except OutputError as e:  # only rank 0 writes
         failure = e
     # Collective: every rank stops with rank 0's error when it cannot write the run's files,

@@ -566,8 +566,7 @@ def test_under_ddp_only_rank_0_records(make_shapes_data, tmp_path):
 def test_darknet_rounds_are_iterations_and_have_no_loss_parts(tmp_path, caplog):
     """Was (--recipe darknet): 'loss 17.37 (box nan obj nan cls nan)', NaN in results.csv, and
     Ctrl-C said 'interrupted after epoch 8' of iteration 8."""
-    reporter = EpochReporter(tmp_path, 0, plots=False)
-    reporter.unit = "iteration"
+    reporter = EpochReporter(tmp_path, 0, plots=False, unit="iteration")
     nan = float("nan")
     stats = EpochStats(nan, nan, nan, 17.5, lr=0.01, images=8, data_wait_s=0.0)
     with caplog.at_level(logging.INFO):
