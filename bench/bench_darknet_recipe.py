@@ -47,11 +47,13 @@ from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg
 from data.make_shapes import make_dataset
+from tests.darknet_ref.build import COL2IM_SOURCE, fix_col2im
 from tools.make_cfg import make_cfg
 from train_utils.cli import check_img_size, run_script
 
 SHARED_TARBALL = common.REPO.parent / "shared" / "darknet" / "darknet-59596d78.tar.gz"
 BUILD_DIR = common.REPO / ".cache-darknet" / "bench-avx-omp-O2"
+FIXED_BUILD_DIR = common.REPO / ".cache-darknet" / "bench-avx-omp-O2-col2im-fix"
 # -O2, not the Makefile's -Ofast: its fast-math drops Darknet's isnan checks, and a yolov4-tiny
 # run here turned its loss NaN for good at iteration 82 (bench/README.md).
 MAKE_FLAGS = ("AVX=1", "OPENMP=1", "OPTS=-O2")
@@ -80,6 +82,12 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--n-val", type=int, default=200)
     p.add_argument("--threads", type=int, default=2, help="of Darknet and of torch")
     p.add_argument("--parts", nargs="+", default=["darknet", "recipe", "default"])
+    p.add_argument(
+        "--darknet-as-released",
+        action="store_true",
+        help="build Darknet without the AlexeyAB/darknet#7320 fix (its CPU build then drops the "
+        "gradient every [route] passes back)",
+    )
     return p
 
 
@@ -147,15 +155,21 @@ def prepare_cfg(args: argparse.Namespace, work: Path) -> Path:
 # ---- the three trainings ----------------------------------------------------------------------
 
 
-def build_darknet() -> Path:
-    """Darknet's program, built once into ``.cache-darknet/bench``."""
-    program = BUILD_DIR / "darknet" / "darknet"
+def build_darknet(as_released: bool) -> Path:
+    """Darknet's program, built once into ``.cache-darknet/``: with AlexeyAB/darknet#7320 fixed
+    (its CPU build drops the gradient a [route] passes back; tests/darknet_ref/build.py) unless
+    ``as_released``."""
+    build_dir = BUILD_DIR if as_released else FIXED_BUILD_DIR
+    program = build_dir / "darknet" / "darknet"
     if program.is_file():
         return program
-    BUILD_DIR.mkdir(parents=True, exist_ok=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
     with tarfile.open(SHARED_TARBALL) as tar:
-        tar.extractall(BUILD_DIR, filter="data")
+        tar.extractall(build_dir, filter="data")
     source = program.parent
+    if not as_released:
+        col2im = source / COL2IM_SOURCE
+        col2im.write_text(fix_col2im(col2im.read_text()))
     subprocess.run(
         ["make", "-C", str(source), "-j2", *MAKE_FLAGS],
         check=True,
@@ -166,7 +180,7 @@ def build_darknet() -> Path:
 
 
 def train_darknet(args: argparse.Namespace, work: Path, cfg: Path, data: Path) -> dict[str, Any]:
-    program = build_darknet()
+    program = build_darknet(args.darknet_as_released)
     backup = work / "darknet"
     backup.mkdir(exist_ok=True)
     cmd = [str(program), "detector", "train", str(data), str(cfg.resolve()), "-dont_show", "-clear"]
@@ -189,7 +203,7 @@ def train_darknet(args: argparse.Namespace, work: Path, cfg: Path, data: Path) -
         float(m.group(2)) for m in map(DARKNET_ITERATION.match, proc.stdout.splitlines()) if m
     ]
     return {
-        "run": "Darknet (CPU, AVX, OpenMP)",
+        "run": "Darknet (CPU)" if args.darknet_as_released else "Darknet (CPU, #7320 fixed)",
         "seed": "-",
         "weights": weights,
         "wall_s": round(wall, 1),

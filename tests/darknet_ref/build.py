@@ -41,6 +41,13 @@ HARNESS_CFLAGS = ("-O2", "-Wall")
 LINK_LIBS = ("-lm", "-pthread", "-lstdc++")
 MAIN_OBJECT = "darknet.o"  # Darknet's own main(), left out of the harness
 BUILD_TIMEOUT_S = 900  # two busy shared cores: ~15 CPU-seconds alone, minutes under load
+# AlexeyAB/darknet#7320 (open since 2021): the CPU build's col2im_cpu_ext zeroes the input
+# layer's delta before adding a convolution's gradient to it, so whatever a [route] or
+# [shortcut] had already added there is lost (yolov4-tiny: every CSP skip and the second
+# head's path into the backbone). The GPU build adds (cuDNN's beta = 1). The maintainer's fix
+# in that issue: drop this line. ``col2im_fix=True`` builds with it dropped.
+COL2IM_ZEROING = "    caffe_set(height * width * channels, 0.0F, data_im);\n"
+COL2IM_SOURCE = Path("src") / "col2im.c"
 
 
 class DarknetUnavailable(Exception):
@@ -62,8 +69,15 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def _build_key(tarball: Path, cc: str) -> str:
-    parts = [_file_digest(tarball), _file_digest(HARNESS_SOURCE), cc, MAKE_OPTS]
+def fix_col2im(text: str) -> str:
+    """``src/col2im.c`` with AlexeyAB/darknet#7320 fixed (the zeroing line dropped)."""
+    if COL2IM_ZEROING not in text:
+        raise RuntimeError(f"{COL2IM_SOURCE} no longer holds the line #7320 drops: check the fix")
+    return text.replace(COL2IM_ZEROING, "", 1)
+
+
+def _build_key(tarball: Path, cc: str, col2im_fix: bool) -> str:
+    parts = [_file_digest(tarball), _file_digest(HARNESS_SOURCE), cc, MAKE_OPTS, str(col2im_fix)]
     parts += [*HARNESS_CFLAGS, *LINK_LIBS]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -107,8 +121,19 @@ def _build_darknet(source: Path, make: str) -> list[Path]:
     return objects
 
 
-def harness_path() -> Path:
-    """The built harness (building Darknet and it first when needed).
+def _fixed_col2im_object(cc: str, source: Path) -> Path:
+    """Darknet's col2im.c with the #7320 fix, compiled beside the cache (the harness links it
+    in place of ``obj/col2im.o``; Darknet's own objects stay as released)."""
+    fixed = CACHE / "col2im-fixed.c"
+    fixed.write_text(fix_col2im((source / COL2IM_SOURCE).read_text()))
+    obj = CACHE / "col2im-fixed.o"
+    _run([cc, *HARNESS_CFLAGS, f"-I{source / 'include'}", "-c", str(fixed), "-o", str(obj)], CACHE)
+    return obj
+
+
+def harness_path(col2im_fix: bool = False) -> Path:
+    """The built harness (building Darknet and it first when needed); with ``col2im_fix``, the
+    one linked with AlexeyAB/darknet#7320 fixed (see ``COL2IM_ZEROING``).
 
     Raises:
         DarknetUnavailable: no ``../shared/darknet`` tarball, or no compiler: the caller skips.
@@ -121,16 +146,19 @@ def harness_path() -> Path:
         )
     cc, make = _tools()
     CACHE.mkdir(exist_ok=True)
-    harness = CACHE / "harness"
-    key_file = CACHE / "harness.key"
+    harness = CACHE / ("harness-col2im-fix" if col2im_fix else "harness")
+    key_file = harness.with_suffix(".key")
     with (CACHE / "build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        key = _build_key(tarball, cc)
+        key = _build_key(tarball, cc, col2im_fix)
         if harness.is_file() and key_file.is_file() and key_file.read_text() == key:
             return harness
         source = _extract(tarball, CACHE)
         objects = _build_darknet(source, make)
-        partial = CACHE / "harness.partial"
+        if col2im_fix:
+            objects = [o for o in objects if o.name != "col2im.o"]
+            objects.append(_fixed_col2im_object(cc, source))
+        partial = harness.with_suffix(".partial")
         cmd = [cc, *HARNESS_CFLAGS, f"-I{source / 'include'}", f"-I{source / 'src'}"]
         cmd += [str(HARNESS_SOURCE), *map(str, objects), *LINK_LIBS, "-o", str(partial)]
         _run(cmd, source)
