@@ -47,13 +47,13 @@ from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg
 from data.make_shapes import make_dataset
-from tests.darknet_ref.build import COL2IM_SOURCE, fix_col2im
+from tests.darknet_ref.build import fixed_sources
 from tools.make_cfg import make_cfg
 from train_utils.cli import check_img_size, run_script
 
 SHARED_TARBALL = common.REPO.parent / "shared" / "darknet" / "darknet-59596d78.tar.gz"
 BUILD_DIR = common.REPO / ".cache-darknet" / "bench-avx-omp-O2"
-FIXED_BUILD_DIR = common.REPO / ".cache-darknet" / "bench-avx-omp-O2-col2im-fix"
+FIXED_BUILD_DIR = common.REPO / ".cache-darknet" / "bench-avx-omp-O2-7320-fixed"
 # -O2, not the Makefile's -Ofast: its fast-math drops Darknet's isnan checks, and a yolov4-tiny
 # run here turned its loss NaN for good at iteration 82 (bench/README.md).
 MAKE_FLAGS = ("AVX=1", "OPENMP=1", "OPTS=-O2")
@@ -168,8 +168,8 @@ def build_darknet(as_released: bool) -> Path:
         tar.extractall(build_dir, filter="data")
     source = program.parent
     if not as_released:
-        col2im = source / COL2IM_SOURCE
-        col2im.write_text(fix_col2im(col2im.read_text()))
+        for rel, text in fixed_sources(source).items():
+            (source / rel).write_text(text)
     subprocess.run(
         ["make", "-C", str(source), "-j2", *MAKE_FLAGS],
         check=True,

@@ -290,6 +290,14 @@ def darknet_harness() -> Path:
 
 
 @pytest.fixture(scope="session")
+def darknet_harness_fixed(darknet_harness) -> Path:
+    """The harness linked with AlexeyAB/darknet#7320 fixed (tests/darknet_ref/build.py)."""
+    from tests.darknet_ref.build import harness_path
+
+    return harness_path(fixed=True)
+
+
+@pytest.fixture(scope="session")
 def darknet_program(darknet_harness) -> Path:
     """Darknet's own ``darknet`` program, built with the harness (same skips)."""
     from tests.darknet_ref.build import darknet_path

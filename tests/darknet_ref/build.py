@@ -44,10 +44,18 @@ BUILD_TIMEOUT_S = 900  # two busy shared cores: ~15 CPU-seconds alone, minutes u
 # AlexeyAB/darknet#7320 (open since 2021): the CPU build's col2im_cpu_ext zeroes the input
 # layer's delta before adding a convolution's gradient to it, so whatever a [route] or
 # [shortcut] had already added there is lost (yolov4-tiny: every CSP skip and the second
-# head's path into the backbone). The GPU build adds (cuDNN's beta = 1). The maintainer's fix
-# in that issue: drop this line. ``col2im_fix=True`` builds with it dropped.
-COL2IM_ZEROING = "    caffe_set(height * width * channels, 0.0F, data_im);\n"
-COL2IM_SOURCE = Path("src") / "col2im.c"
+# head's path into the backbone). Dropping that line (the maintainer's suggestion there) is
+# half the fix: that zeroing was also what reset a [route]'s own delta between passes, since
+# the CPU forward_network zeroes only the deltas of layers built with ``train`` set
+# (convolutions), so the other half zeroes every layer's delta, as forward_network_gpu does.
+# With both, the CPU build computes what the GPU build (cuDNN adds, beta = 1) does.
+CPU_BACKWARD_FIX = {
+    Path("src") / "col2im.c": ("    caffe_set(height * width * channels, 0.0F, data_im);\n", ""),
+    Path("src") / "network.c": (
+        "if(l.delta && state.train && l.train){",
+        "if(l.delta && state.train){",
+    ),
+}
 
 
 class DarknetUnavailable(Exception):
@@ -69,15 +77,20 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def fix_col2im(text: str) -> str:
-    """``src/col2im.c`` with AlexeyAB/darknet#7320 fixed (the zeroing line dropped)."""
-    if COL2IM_ZEROING not in text:
-        raise RuntimeError(f"{COL2IM_SOURCE} no longer holds the line #7320 drops: check the fix")
-    return text.replace(COL2IM_ZEROING, "", 1)
+def fixed_sources(source: Path) -> dict[Path, str]:
+    """The files of ``CPU_BACKWARD_FIX`` in the Darknet tree ``source``, fixed (path relative
+    to ``source`` -> text)."""
+    fixed = {}
+    for rel, (old, new) in CPU_BACKWARD_FIX.items():
+        text = (source / rel).read_text()
+        if text.count(old) != 1:
+            raise RuntimeError(f"{rel} no longer holds {old.strip()!r} once: check the #7320 fix")
+        fixed[rel] = text.replace(old, new)
+    return fixed
 
 
-def _build_key(tarball: Path, cc: str, col2im_fix: bool) -> str:
-    parts = [_file_digest(tarball), _file_digest(HARNESS_SOURCE), cc, MAKE_OPTS, str(col2im_fix)]
+def _build_key(tarball: Path, cc: str, fixed: bool) -> str:
+    parts = [_file_digest(tarball), _file_digest(HARNESS_SOURCE), cc, MAKE_OPTS, str(fixed)]
     parts += [*HARNESS_CFLAGS, *LINK_LIBS]
     return hashlib.sha256("\n".join(parts).encode()).hexdigest()
 
@@ -121,19 +134,25 @@ def _build_darknet(source: Path, make: str) -> list[Path]:
     return objects
 
 
-def _fixed_col2im_object(cc: str, source: Path) -> Path:
-    """Darknet's col2im.c with the #7320 fix, compiled beside the cache (the harness links it
-    in place of ``obj/col2im.o``; Darknet's own objects stay as released)."""
-    fixed = CACHE / "col2im-fixed.c"
-    fixed.write_text(fix_col2im((source / COL2IM_SOURCE).read_text()))
-    obj = CACHE / "col2im-fixed.o"
-    _run([cc, *HARNESS_CFLAGS, f"-I{source / 'include'}", "-c", str(fixed), "-o", str(obj)], CACHE)
-    return obj
+def _fixed_objects(cc: str, source: Path) -> list[Path]:
+    """The files of ``CPU_BACKWARD_FIX``, fixed and compiled under ``.cache-darknet/fixed/``
+    (the fixed harness links them in place of Darknet's own objects of the same names)."""
+    folder = CACHE / "fixed"
+    folder.mkdir(exist_ok=True)
+    includes = [f"-I{source / d}" for d in ("include", "src", "3rdparty/stb/include")]
+    objects = []
+    for rel, text in fixed_sources(source).items():
+        c_file = folder / rel.name
+        c_file.write_text(text)
+        obj = c_file.with_suffix(".o")
+        _run([cc, *HARNESS_CFLAGS, *includes, "-c", str(c_file), "-o", str(obj)], folder)
+        objects.append(obj)
+    return objects
 
 
-def harness_path(col2im_fix: bool = False) -> Path:
-    """The built harness (building Darknet and it first when needed); with ``col2im_fix``, the
-    one linked with AlexeyAB/darknet#7320 fixed (see ``COL2IM_ZEROING``).
+def harness_path(fixed: bool = False) -> Path:
+    """The built harness (building Darknet and it first when needed); with ``fixed``, the one
+    linked with AlexeyAB/darknet#7320 fixed (see ``CPU_BACKWARD_FIX``).
 
     Raises:
         DarknetUnavailable: no ``../shared/darknet`` tarball, or no compiler: the caller skips.
@@ -146,18 +165,19 @@ def harness_path(col2im_fix: bool = False) -> Path:
         )
     cc, make = _tools()
     CACHE.mkdir(exist_ok=True)
-    harness = CACHE / ("harness-col2im-fix" if col2im_fix else "harness")
+    harness = CACHE / ("harness-7320-fixed" if fixed else "harness")
     key_file = harness.with_suffix(".key")
     with (CACHE / "build.lock").open("w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        key = _build_key(tarball, cc, col2im_fix)
+        key = _build_key(tarball, cc, fixed)
         if harness.is_file() and key_file.is_file() and key_file.read_text() == key:
             return harness
         source = _extract(tarball, CACHE)
         objects = _build_darknet(source, make)
-        if col2im_fix:
-            objects = [o for o in objects if o.name != "col2im.o"]
-            objects.append(_fixed_col2im_object(cc, source))
+        if fixed:
+            replacements = _fixed_objects(cc, source)
+            names = {o.name for o in replacements}
+            objects = [o for o in objects if o.name not in names] + replacements
         partial = harness.with_suffix(".partial")
         cmd = [cc, *HARNESS_CFLAGS, f"-I{source / 'include'}", f"-I{source / 'src'}"]
         cmd += [str(HARNESS_SOURCE), *map(str, objects), *LINK_LIBS, "-o", str(partial)]

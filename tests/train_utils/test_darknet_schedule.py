@@ -212,6 +212,100 @@ def test_three_updates_equal_darknets(darknet_harness, tmp_path, batch_normalize
             assert moved > 1e-3, f"{name} did not train"
 
 
+ROUTE_LAYERS = """
+[convolutional]
+batch_normalize=1
+filters=8
+size=3
+stride=2
+pad=1
+activation=leaky
+
+[convolutional]
+batch_normalize=1
+filters=8
+size=3
+stride=1
+pad=1
+activation=leaky
+
+[convolutional]
+batch_normalize=1
+filters=8
+size=3
+stride=1
+pad=1
+activation=leaky
+
+[route]
+layers=-1,-2
+
+[convolutional]
+batch_normalize=1
+filters=16
+size=1
+stride=1
+pad=1
+activation=leaky
+
+[route]
+layers=-1
+groups=2
+group_id=1
+
+[convolutional]
+batch_normalize=1
+filters=8
+size=3
+stride=1
+pad=1
+activation=leaky
+
+[route]
+layers=-1,-3
+
+[convolutional]
+size=1
+filters=21
+activation=linear
+
+[yolo]
+mask=0,1,2
+anchors=4,6, 8,12, 14,10, 20,24, 28,30, 30,16
+classes=2
+num=6
+"""
+
+
+def _route_case(harness, tmp_path):
+    """UPDATE_CFG's [net] with yolov4-tiny's routes: layer 1 feeds both a convolution and a
+    concatenating [route], a grouped [route] halves a layer, and a [route] joins two."""
+    net = UPDATE_CFG.format(max_batches=10, ema="", bn=1)
+    text = net[: net.index("[convolutional]")] + ROUTE_LAYERS
+    return _train_case(harness, tmp_path, text, 0)
+
+
+def test_updates_through_routes_equal_darknets_with_7320_fixed(darknet_harness_fixed, tmp_path):
+    """Three updates of a network with [route]s equal Darknet's once AlexeyAB/darknet#7320 is
+    fixed: the gradient a [route] passes back is added to what the next convolution passes."""
+    ours, theirs, _ = _route_case(darknet_harness_fixed, tmp_path)
+    for name, value in theirs.items():
+        if value.dtype.is_floating_point:
+            err = float((ours[name] - value).abs().max())
+            assert err <= WEIGHT_TOL, f"{name} differs by {err:.3g}"
+
+
+def test_darknets_cpu_build_as_released_drops_the_gradient_of_routes(darknet_harness, tmp_path):
+    """Why the fix: as released, Darknet's CPU col2im zeroes layer 1's delta before adding
+    conv 2's gradient, so the concatenating [route]'s share is lost and layer 0 and 1 train on a
+    different gradient. When this fails, Darknet has fixed #7320 and tests/darknet_ref/build.py
+    can stop patching."""
+    ours, theirs, initial = _route_case(darknet_harness, tmp_path)
+    name = "module_list.1.Conv2d.weight"
+    moved = float((theirs[name] - initial[name]).abs().max())
+    assert float((ours[name] - theirs[name]).abs().max()) > 0.1 * moved
+
+
 def test_ema_equals_darknets(darknet_harness, tmp_path):
     """ema_alpha: averaging starts at max_batches / 2 (iteration 1002 here) and is written into
     the weights at max_batches - 1000 (1004): the weights after iteration 1004 are the average
