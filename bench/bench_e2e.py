@@ -94,13 +94,13 @@ def emulate_bf16(model: torch.nn.Module) -> torch.nn.Module:
 
 def _install_bf16_emulation() -> None:
     """Wrap the trainer's model builder so that the run's model is :func:`emulate_bf16`'d."""
-    build = trainer._build_model
+    build = trainer.build_training_model
 
     def build_emulated(*a: Any, **kw: Any) -> Any:
         model, *rest = build(*a, **kw)
         return (emulate_bf16(model), *rest)
 
-    trainer._build_model = build_emulated
+    trainer.build_training_model = build_emulated
 
 
 def train_flags(args: argparse.Namespace, data: Path, out: Path) -> list[str]:

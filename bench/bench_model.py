@@ -49,10 +49,8 @@ is then only timed when asked for (``--precisions fp32 bf16``).
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -67,6 +65,7 @@ from torch import nn
 from torch.profiler import ProfilerActivity, profile
 from torch.utils.flop_counter import FlopCounterMode
 
+from bench import common
 from models.darknet import Darknet
 from models.loss import compute_loss, scale_loss_gains
 from train_utils.cli import run_script
@@ -74,7 +73,6 @@ from train_utils.config import load_hyp
 from train_utils.optim import build_optimizer, uses_fused_optimizer
 from train_utils.precision import cuda_has_native_bf16
 
-REPO = Path(__file__).resolve().parents[1]
 OBJECTS_PER_IMAGE = 8
 LR = 1e-3  # small enough that a few synthetic steps keep the loss finite
 PROFILE_ROWS = 10
@@ -84,42 +82,6 @@ CEILING_CONVS = ((2, 256, 256, 3, 52), (2, 128, 256, 3, 104), (2, 512, 1024, 3, 
 CEILING_GPU_BATCH = 32
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 FORMATS = ("contiguous", "channels_last")
-
-
-def machine_description(device: torch.device) -> dict[str, Any]:
-    """CPU model, the ISA flags that decide bf16 speed, what oneDNN reports, and the GPU."""
-    flags: set[str] = set()
-    model = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    bf16_native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    info = {
-        "cpu": model,
-        "cpu_count": os.cpu_count(),
-        "isa": torch.backends.cpu.get_cpu_capability(),
-        "avx512f": "avx512f" in flags,
-        "avx512_bf16": "avx512_bf16" in flags,
-        "amx_bf16": "amx_bf16" in flags,
-        "mkldnn_bf16": bool(bf16_native()) if bf16_native is not None else None,
-        "torch": torch.__version__,
-        "device": str(device),
-    }
-    if device.type == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-        info["cudnn"] = torch.backends.cudnn.version()
-    return info
-
-
-def cpu_description() -> dict[str, Any]:
-    """:func:`machine_description` of the CPU."""
-    return machine_description(torch.device("cpu"))
 
 
 def autocast(precision: str, device: torch.device) -> Any:
@@ -179,7 +141,7 @@ class TrainStep:
         self.precision = precision
         self.fmt = fmt
         self.device = next(model_without_ddp.parameters()).device
-        hyp = hyp if hyp is not None else load_hyp(REPO / "cfg" / "hyp.yaml")
+        hyp = hyp if hyp is not None else load_hyp(common.REPO / "cfg" / "hyp.yaml")
         self.hyp = scale_loss_gains(hyp, model_without_ddp.nc, img_size)
         # The optimizer training uses on this device (fused on CUDA).
         self.optimizer = build_optimizer(
@@ -356,8 +318,8 @@ def _label(r: dict[str, Any]) -> str:
 
 
 def get_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cfg", type=Path, default=REPO / "cfg" / "yolov3-spp.cfg")
+    p = common.bench_parser(__doc__)
+    p.add_argument("--cfg", type=Path, default=common.REPO / "cfg" / "yolov3-spp.cfg")
     p.add_argument("--device", default="cpu", help="cpu, cuda or cuda:N")
     p.add_argument("--sizes", type=int, nargs="+", default=[416], help="input sides, pixels")
     p.add_argument("--modes", nargs="+", choices=("eval", "train"), default=["eval", "train"])
@@ -378,7 +340,6 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch intra-op threads")
     p.add_argument("--skip-ceiling", action="store_true", help="do not measure the conv ceiling")
     p.add_argument("--profile", action="store_true", help="top operators of each variant")
-    p.add_argument("--json", type=Path, default=None, help="also write results to this file")
     return p
 
 
@@ -487,7 +448,12 @@ def bench(args: argparse.Namespace) -> int:
     args.device = torch.device(args.device)
     if args.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed sizes, as the trainer sets it
-    info = {**machine_description(args.device), "cfg": str(args.cfg), "threads": args.threads}
+    common.check_json(args.json)
+    info = {
+        **common.machine_description(args.device),
+        "cfg": str(args.cfg),
+        "threads": args.threads,
+    }
     if args.precisions is None:
         args.precisions = default_precisions(args.device, info["mkldnn_bf16"])
     if "fp32" not in args.precisions:
@@ -496,12 +462,7 @@ def bench(args: argparse.Namespace) -> int:
     flops_model = Darknet(args.cfg)
     rows = measure_rows(args, flops_model, ceiling)
     print_report(args, info, ceiling, rows, sum(p.numel() for p in flops_model.parameters()))
-    if args.json:
-        info["device"] = str(args.device)
-        args.json.write_text(
-            json.dumps({"info": info, "ceiling_gflop_per_s": ceiling, "results": rows}, indent=2)
-            + "\n"
-        )
+    common.write_report(args.json, {"info": info, "ceiling_gflop_per_s": ceiling, "results": rows})
     return 0
 
 

@@ -17,7 +17,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.bench_model import cpu_description
+import torch
+
 from build_utils.atomic import make_output_dir, write_text
 from build_utils.checks import is_real
 from build_utils.errors import ConfigError
@@ -59,11 +60,43 @@ def check_real(flag: str, value: float, *, positive: bool = False) -> None:
         raise ConfigError(f"{flag} must be {wanted}, got {value}")
 
 
+def machine_description(device: torch.device) -> dict[str, Any]:
+    """CPU model, the ISA flags that decide bf16 speed, what oneDNN reports, and the GPU."""
+    flags: set[str] = set()
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+            elif line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    bf16_native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
+    info = {
+        "cpu": model,
+        "cpu_count": os.cpu_count(),
+        "isa": torch.backends.cpu.get_cpu_capability(),
+        "avx512f": "avx512f" in flags,
+        "avx512_bf16": "avx512_bf16" in flags,
+        "amx_bf16": "amx_bf16" in flags,
+        "mkldnn_bf16": bool(bf16_native()) if bf16_native is not None else None,
+        "torch": torch.__version__,
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+        info["cudnn"] = torch.backends.cudnn.version()
+    return info
+
+
 def machine_info(**settings: Any) -> dict[str, Any]:
     """The ``info`` of a report: the CPU (model, the ISA flags that decide bf16 speed, what
     oneDNN reports), usable cores and torch's version, then the run's ``settings``."""
     machine = platform.processor() or platform.machine()
-    return {**cpu_description(), "machine": machine, "cores": usable_cpus(), **settings}
+    cpu = machine_description(torch.device("cpu"))
+    return {**cpu, "machine": machine, "cores": usable_cpus(), **settings}
 
 
 def write_report(path: Path | None, report: Mapping[str, Any]) -> None:

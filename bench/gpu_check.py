@@ -346,17 +346,11 @@ def _gpu_name(device: torch.device) -> str | None:
 
 def step_env(ctx: StepContext) -> None:
     """Versions, devices and missing packages."""
-    from bench import bench_model
-
     device = ctx.device
-    info = bench_model.machine_description(device)
+    machine = machine_summary(device)
     figures: dict[str, Any] = {
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "cpu": info["cpu"],
-        "usable_cpus": usable_cpus(),
+        **{k: machine[k] for k in ("torch", "cuda", "cudnn", "cpu", "usable_cpus")},
         "cpu_count": os.cpu_count(),
         "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
         "gpus": [],
@@ -1197,9 +1191,9 @@ def write_reports(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
 
 def machine_summary(device: torch.device) -> dict[str, Any]:
     """The report header's machine: device names, versions, CPU."""
-    from bench import bench_model
+    from bench import common
 
-    info = bench_model.machine_description(device)
+    info = common.machine_description(device)
     if device.type == "cuda":
         n = torch.cuda.device_count()
         name = torch.cuda.get_device_name(device)

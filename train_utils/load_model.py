@@ -1,18 +1,39 @@
-"""The model a weights file describes, built and loaded for ``validation.py``, ``predict.py``
-and the tools."""
+"""The model to run: the one a weights file describes, built and loaded for ``validation.py``,
+``predict.py`` and the tools (:func:`model_from_weights`); and the one a training run starts
+from, checked, initialised or resumed, on its device and in its memory format
+(:func:`build_training_model`, on every rank; its collectives are marked)."""
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from build_utils.darknet_data import DarknetLoaderSettings
 from build_utils.errors import ConfigError
-from build_utils.parse_config import parse_model_cfg, parse_model_cfg_text
+from build_utils.parse_config import format_model_cfg, parse_model_cfg, parse_model_cfg_text
 from models.budget import check_model_fits
+from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
-from train_utils.checkpoint import WeightsFile, extract_state_dict, fit_state_dict, load_weights
+from train_utils import resume
+from train_utils.autoanchor import check_anchors
+from train_utils.autobatch import AUTO_BATCH, autobatch
+from train_utils.checkpoint import (
+    WeightsFile,
+    extract_state_dict,
+    fit_state_dict,
+    load_weights,
+    weights_kind,
+)
+from train_utils.config import TrainConfig, multi_scale_bounds
+from train_utils.darknet_recipe import darknet_initialise, prepare_model
+from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
+from train_utils.distributed.node import processes_per_node
+from train_utils.distributed.process_group import DistInfo
+from train_utils.memory_format import choose_format_and_precision
+from train_utils.precision import dtype_from_name, dtype_name
 
 logger = logging.getLogger(__name__)
 
@@ -64,3 +85,112 @@ def model_from_weights(
     else:
         fit_state_dict(model, extract_state_dict(weights.ckpt, weights.path), weights.path)
     return model
+
+
+def build_training_model(
+    config: TrainConfig, dist: DistInfo, amp: torch.dtype | None
+) -> tuple[Darknet, str, dict[str, Any] | None, bool, torch.dtype | None]:
+    """The model on its device and in its memory format, with its resolved cfg text, the
+    resume checkpoint (None when not resuming), whether it is channels_last and the autocast
+    dtype it trains in (``amp``, unless ``--amp auto`` on a CPU with native bf16 timed fp32
+    faster)."""
+    blocks = model_blocks_for(config.cfg, config.data.nc)
+    error = None
+    try:
+        _check_model_memory(config, blocks, dist, amp)
+    except ConfigError as e:
+        error = e
+    # Collective: a model that cannot fit one rank's device stops every rank with the same
+    # line, instead of leaving the others waiting in check_anchors.
+    raise_if_any_rank_failed(error, "checking the model's memory")
+    blocks = check_anchors(blocks, config, dist)
+    cfg_text = format_model_cfg(blocks)
+    darknet = config.recipe == "darknet"
+    model = Darknet(blocks, img_size=(config.img_size, config.img_size), head_bias=not darknet)
+    if darknet:
+        darknet_initialise(model)
+        prepare_model(model)
+    ckpt = resume.load(config, model, dist)
+    if ckpt is None and config.weights:
+        _initialise_weights(model, config)
+    model.freeze(config.freeze_layers)
+    model.to(dist.device)
+    if config.batch_size == AUTO_BATCH:
+        batch = autobatch(model, config.img_size, dist.device, amp) if dist.is_main else None
+        # Collective: every rank trains with rank 0's batch (and records it, for --resume).
+        config.batch_size = int(broadcast_object(batch))
+    channels_last, amp = _memory_format(config, model, dist, amp, cfg_text, ckpt)
+    if channels_last:
+        model.to(memory_format=torch.channels_last)
+    return model, cfg_text, ckpt, channels_last, amp
+
+
+def _check_model_memory(
+    config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo, amp: torch.dtype | None
+) -> None:
+    """Refuse a model whose training memory (parameters, gradients, optimizer state, EMA and the
+    activations of a batch at the largest side this run trains at, in the autocast dtype)
+    exceeds the device's, before anything is allocated (models/budget.py)."""
+    side = multi_scale_bounds(config.img_size)[1] if config.multi_scale else config.img_size
+    if config.recipe == "darknet":  # the largest size of the cfg's `random`
+        side = max(DarknetLoaderSettings.from_blocks(blocks).largest_size)
+    # The ranks of a node training on its CPU share its RAM; GPUs are one per rank.
+    cpu = dist.device.type == "cpu"
+    share = processes_per_node() if cpu else 1
+    # --amp auto on a CPU may still time fp32 faster (_memory_format): count fp32 there.
+    counted = None if cpu and config.amp == "auto" else amp
+    estimate = check_model_fits(
+        blocks,
+        side,
+        batch=max(config.batch_size, 1),  # autobatch (-1) fits the memory itself
+        training=True,
+        device=dist.device,
+        share=share,
+        amp=counted,
+    )
+    logger.debug("model memory: %s", describe_estimate(estimate, config.batch_size))
+
+
+def _memory_format(
+    config: TrainConfig,
+    model: Darknet,
+    dist: DistInfo,
+    amp: torch.dtype | None,
+    cfg_text: str,
+    ckpt: dict[str, Any] | None,
+) -> tuple[bool, torch.dtype | None]:
+    """Whether to train in channels_last, and in which autocast dtype: decided on rank 0
+    (:func:`~train_utils.memory_format.choose_format_and_precision`; a resumed run keeps the
+    precision its checkpoint records) and shared."""
+    choice = None
+    if dist.is_main:
+        channels_last, amp = choose_format_and_precision(
+            model,
+            config.img_size,
+            config.batch_size,
+            dist.device,
+            amp,
+            config.amp,
+            config.channels_last,
+            cfg_text,
+            resume.recorded_cpu_amp(ckpt),
+        )
+        choice = (channels_last, dtype_name(amp))
+    # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).
+    channels_last, amp_name = broadcast_object(choice)
+    return bool(channels_last), dtype_from_name(amp_name)
+
+
+def _initialise_weights(model: Darknet, config: TrainConfig) -> None:
+    skipped = load_weights(model, config.weights, strict=False, trust=config.trust_checkpoint)
+    if skipped:
+        logger.warning(
+            "--weights %s: skipped %d tensors whose shapes differ: %s",
+            config.weights,
+            len(skipped),
+            ", ".join(skipped),
+        )
+    elif weights_kind(config.weights) != "darknet":  # Darknet's loader says which layers it read
+        # Say it when everything fitted too, so a user need not infer it from a missing warning.
+        n = len(model.state_dict())
+        logger.info("--weights %s: all %d tensors loaded", config.weights, n)

@@ -1,6 +1,6 @@
 """How a training run reacts to signals: Ctrl-C and SIGTERM stop it (except while an epoch's
 files are written, when they wait for the writes), SIGUSR1 only asks it to stop at the next safe
-point (the trainer's ``_StopPoints``, agreed by every rank)."""
+point (:class:`StopPoints`, agreed by every rank)."""
 
 from __future__ import annotations
 
@@ -9,12 +9,22 @@ import logging
 import signal
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
+
+from build_utils.errors import RunStopped
+from train_utils.distributed.comm import all_reduce_flag
+from train_utils.distributed.process_group import DistInfo
 
 logger = logging.getLogger(__name__)
 
 # A scheduler's "time is nearly up" warning (SLURM ``--signal=USR1@120``); absent on Windows.
 STOP_SIGNAL = getattr(signal, "SIGUSR1", None)
+
+# Under DDP a stop request (SIGUSR1) is agreed by a collective every this many batches (one
+# process checks every batch): a tiny all-reduce, but also a host sync that CUDA would rather
+# skip. A scheduler's warning (``--signal=USR1@120``) leaves minutes, far more than 10 batches.
+STOP_POLL_BATCHES = 10
 
 
 class StopSignals:
@@ -24,7 +34,7 @@ class StopSignals:
     once, so the run stops and says how to resume, except inside :meth:`deferred` (the writes
     of an epoch's end), where they wait until those are done: a signal never leaves
     ``results.csv``, ``last.pt`` and ``best.pt`` disagreeing. SIGUSR1 only asks for a stop,
-    which :class:`_StopPoints` acts on between two batches, agreed by every rank.
+    which :class:`StopPoints` acts on between two batches, agreed by every rank.
     """
 
     def __init__(self) -> None:
@@ -71,3 +81,43 @@ class StopSignals:
         finally:
             for s, handler in previous.items():
                 signal.signal(s, handler)
+
+
+class StopPoints:
+    """The epoch's ``loader``, checking for a stop request before each batch (every
+    :data:`STOP_POLL_BATCHES` under DDP, where every rank must check at the same batches).
+
+    Stopping mid-epoch keeps the last finished epoch's ``last.pt`` as it is: a mid-epoch state
+    could not be resumed exactly, so the epoch in progress is trained again after ``--resume``.
+    ``where`` names what is running and what ``last.pt`` holds (default: epoch ``epoch`` and
+    the one before; ``--recipe darknet``: its iterations).
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        signals: StopSignals,
+        epoch: int,
+        dist: DistInfo,
+        last: Path,
+        where: tuple[str, str] | None = None,
+    ) -> None:
+        self.loader, self.signals, self.epoch, self.last = loader, signals, epoch, last
+        self.poll = STOP_POLL_BATCHES if dist.distributed else 1
+        self.running, self.saved = where or (f"epoch {epoch}", f"epoch {epoch - 1}")
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self) -> Iterator[Any]:
+        n = len(self.loader)
+        for i, batch in enumerate(self.loader):
+            # Collective: every rank stops at the same batch when any rank was asked (srun
+            # signals every task; a signal forwarded by hand may reach only some).
+            if i % self.poll == 0 and all_reduce_flag(self.signals.stop_requested):
+                raise RunStopped(
+                    f"SIGUSR1 (stop requested) in {self.running} before batch {i}/{n}: "
+                    f"{self.saved} is the last in {self.last}; continue with --resume "
+                    f"({self.running} will be trained again)"
+                )
+            yield batch

@@ -5,8 +5,11 @@ loop ``train_one_epoch`` / scheduler / ``evaluate`` / record / save. Everything 
 between one process and DDP is decided from ``dist`` before the loop: collectives are no-ops
 without a process group, and only rank 0's reporter and checkpoints write files.
 
-The trainer owns its state: the best mAP and its epoch (:class:`LoopState`), whether an epoch
-is the best (:func:`is_better`), what is saved (:func:`_save_on_main`) and when the run stops.
+The trainer owns its state: the best mAP and its epoch (:class:`LoopState`), when an epoch is
+saved as the best and when the run stops; how a round (an epoch) is evaluated, judged and
+written is :mod:`train_utils.rounds`, the model it starts from
+:func:`~train_utils.load_model.build_training_model`, and under ``--recipe darknet`` the loop is
+:func:`~train_utils.darknet_loop.train_iterations`.
 Decisions that only rank 0 can make (its clock for ``--time-budget``, its mAP for
 ``--patience``) are pure functions of rank 0's inputs, shared by a collective written out in
 the loop (``# Collective:``), never inside a helper.
@@ -14,10 +17,8 @@ the loop (``# Collective:``), never inside a helper.
 
 from __future__ import annotations
 
-import logging
 import random
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -25,61 +26,29 @@ from typing import Any
 import numpy as np
 import torch
 
-from build_utils.atomic import reported_write
-from build_utils.darknet_data import DarknetLoaderSettings
 from build_utils.datasets import UnreadableImages, log_unreadable
-from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
-from build_utils.parse_config import format_model_cfg
-from models.budget import check_model_fits
-from models.budget import describe as describe_estimate
-from models.darknet import Darknet, model_blocks_for
+from build_utils.errors import OutputError, RunStopped, YoloError
+from models.darknet import Darknet
 from models.loss import scale_loss_gains
-from models.weights import save_weights
 from train_utils import resume
-from train_utils.autoanchor import check_anchors
-from train_utils.autobatch import AUTO_BATCH, autobatch
-from train_utils.checkpoint import (
-    CHECKPOINT_VERSION,
-    load_weights,
-    save_checkpoint,
-    to_plain,
-    weights_kind,
-)
+from train_utils.checkpoint import to_plain
 from train_utils.cli import check_environment
 from train_utils.config import DEFAULT_EPOCHS, TrainConfig, multi_scale_bounds
+from train_utils.darknet_loop import log_recipe_start, train_iterations
 from train_utils.darknet_recipe import (
-    darknet_initialise,
     darknet_state,
-    eval_iterations,
-    key_rows,
     loader_settings,
     log_default_recipe_note,
-    log_key_table,
-    prepare_model,
     start_iteration,
 )
 from train_utils.data_loaders import TrainData, build_darknet_train_data, build_train_data
-from train_utils.distributed.comm import (
-    all_reduce_flag,
-    broadcast_object,
-    broadcast_tensors_,
-    raise_if_any_rank_failed,
-)
+from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
 from train_utils.distributed.ddp import wrap_for_training
-from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
-from train_utils.engine import (
-    DarknetState,
-    TrainOptions,
-    TrainState,
-    evaluate,
-    train_darknet_iterations,
-    train_one_epoch,
-)
-from train_utils.evaluation.coco_eval import STAT_NAMES
+from train_utils.engine import DarknetState, TrainOptions, TrainState, train_one_epoch
 from train_utils.evaluation.options import EvalOptions, eval_options
-from train_utils.memory_format import choose_format_and_precision
+from train_utils.load_model import build_training_model
 from train_utils.optim import (
     accumulate_steps,
     build_optimizer,
@@ -88,14 +57,8 @@ from train_utils.optim import (
     uses_fused_optimizer,
 )
 from train_utils.plan import FITNESS_KEY, EpochPlan, LoopState
-from train_utils.precision import (
-    dtype_from_name,
-    dtype_name,
-    precision_record,
-    resolve_amp,
-)
+from train_utils.precision import resolve_amp
 from train_utils.reporting import (
-    OUTPUT_FLAG,
     EpochReporter,
     SilentReporter,
     log_run_start,
@@ -104,21 +67,15 @@ from train_utils.reporting import (
     run_log_handler,
     write_run_files,
 )
+from train_utils.rounds import Run, evaluate_round, is_better, save_on_main
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
-from train_utils.stop_signals import StopSignals
+from train_utils.stop_signals import StopPoints, StopSignals
 from train_utils.threads import adapt_threads
-
-logger = logging.getLogger(__name__)
 
 # Seeds are derived per (epoch, rank) so that a resumed run replays the same random stream.
 EPOCH_SEED_STRIDE = 1000
 RANK_SEED_STRIDE = 1_000_003
-
-# Under DDP a stop request (SIGUSR1) is agreed by a collective every this many batches (one
-# process checks every batch): a tiny all-reduce, but also a host sync that CUDA would rather
-# skip. A scheduler's warning (``--signal=USR1@120``) leaves minutes, far more than 10 batches.
-STOP_POLL_BATCHES = 10
 
 
 @dataclass
@@ -128,28 +85,6 @@ class RunSummary:
     best_map: float | None
     last_stats: dict[str, float] | None
     seconds: float
-
-
-def is_better(fitness: float, best: float | None) -> bool:
-    """Whether ``fitness`` beats ``best`` (None: nothing evaluated yet). A tie is not better,
-    so ``best.pt`` and ``--patience`` keep the earlier epoch."""
-    return best is None or fitness > best
-
-
-@dataclass
-class _Run:
-    """What the epoch loop and the checkpoints are made of, built once by :func:`_train`."""
-
-    config: TrainConfig
-    dist: DistInfo
-    state: TrainState
-    hyp: dict[str, Any]  # the loss gains as used (scaled for classes and image size)
-    cfg_text: str
-    plan: EpochPlan
-    train_data: TrainData
-    opts: TrainOptions
-    eval_opts: EvalOptions
-    eval_every: int = 0  # --recipe darknet: iterations between evaluations and checkpoints
 
 
 def seed_all(seed: int) -> None:
@@ -219,7 +154,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     adapt_threads(dist.device)
     amp = resolve_amp(config.amp, dist.device)
 
-    model, cfg_text, ckpt, channels_last, amp = _build_model(config, dist, amp)
+    model, cfg_text, ckpt, channels_last, amp = build_training_model(config, dist, amp)
     hyp = scale_loss_gains(config.hyp, data.nc, config.img_size)
     plan = _epoch_plan(config, t_start)
     state, loop = _start_state(model, config, hyp, dist, amp, plan, ckpt, cfg_text)
@@ -257,14 +192,12 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     # Collective: every rank stops with rank 0's error when it cannot write the run's files,
     # instead of waiting for it in the first step's gradient all-reduce.
     raise_if_any_rank_failed(failure, "writing the run folder")
-    run = _Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
+    run = Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
     darknet = isinstance(state, DarknetState)
-    if darknet:
-        run.eval_every = eval_iterations(config.eval_iterations, train_data.n_train, state.settings)
     signals = StopSignals()
     try:
         with signals.installed():
-            (_train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
+            (train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
         seconds = time.time() - t_start
         epochs_run = loop.epoch + 1 - start_epoch
         # Before close(): the external trackers record the run's files, then end it finished.
@@ -275,7 +208,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
             # Nothing saved yet: keep the weights, resumable from start_epoch. Before the first
             # batch (a stop request at once) that is the start and resuming is exact; later
             # they are part-trained, and epoch start_epoch runs again from them (README).
-            _save_on_main(run, start_epoch - 1, loop, as_best=False)
+            save_on_main(run, start_epoch - 1, loop, as_best=False)
         if isinstance(e, RunStopped):
             reporter.stopped_on_request(str(e))
         else:
@@ -297,7 +230,7 @@ def _history_of(config: TrainConfig) -> Path | None:
 
 
 def _train_epochs(
-    run: _Run,
+    run: Run,
     reporter: EpochReporter | SilentReporter,
     loop: LoopState,
     signals: StopSignals,
@@ -321,7 +254,7 @@ def _train_epochs(
         unreadable = UnreadableImages(
             reporter.watch_batches(run.train_data.train_loader, epoch, config.data.names)
         )
-        loader = _StopPoints(unreadable, signals, epoch, dist, config.output_dir / "last.pt")
+        loader = StopPoints(unreadable, signals, epoch, dist, config.output_dir / "last.pt")
         stats = train_one_epoch(state, loader, epoch, run.opts)
         log_unreadable(epoch, "train", unreadable.take(), rank)
         seconds = time.time() - t0
@@ -333,18 +266,18 @@ def _train_epochs(
         state.scheduler.step()
         val, eval_s = None, None
         if plan.evaluates(epoch):
-            val, eval_s = _evaluate_epoch(run, reporter)
+            val, eval_s = evaluate_round(run, reporter)
             log_unreadable(epoch, "val", val_unreadable.take(), rank)
         # Only rank 0 has the stats (val is None elsewhere): its best chooses best.pt.
         is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
         loop.update(epoch, val, is_best)
         # results.csv, last.pt and best.pt are written whole before a Ctrl-C/SIGTERM acts, so
-        # that the three agree; a SIGKILL between them is repaired by --resume (_reconcile_best).
+        # that the three agree; a SIGKILL between them is repaired by --resume (reconcile_best).
         failure = None
         try:
             with signals.deferred():
                 reporter.end_epoch(epoch, plan.epochs, stats, val, seconds, plan.spent())
-                _save_on_main(run, epoch, loop, as_best=is_best and config.savebest, periodic=True)
+                save_on_main(run, epoch, loop, as_best=is_best and config.savebest, periodic=True)
         except OutputError as e:  # a full disk: stop here, never train on without checkpoints
             failure = e
         plan.after_epoch(time.time() - t0 - (eval_s or 0.0), eval_s)
@@ -359,149 +292,7 @@ def _train_epochs(
                 return
 
 
-def _train_iterations(
-    run: _Run,
-    reporter: EpochReporter | SilentReporter,
-    loop: LoopState,
-    signals: StopSignals,
-) -> None:
-    """``--recipe darknet``: Darknet's iterations after ``loop.epoch`` (the last finished one)
-    up to ``max_batches``, in rounds ending at multiples of ``run.eval_every`` and at the last
-    iteration; after each round, evaluated (only the last with ``--notest``), recorded (a
-    ``results.csv`` row whose ``epoch`` is the iteration) and saved, as :func:`_train_epochs`
-    does after an epoch. Every rank runs this; its collectives are marked."""
-    config, dist, state = run.config, run.dist, run.state
-    assert isinstance(state, DarknetState)
-    max_batches = state.settings.max_batches
-    val_unreadable = UnreadableImages(run.train_data.val_loader)
-    run.train_data.val_loader = val_unreadable
-    rank = dist.rank if dist.distributed else None
-    while loop.epoch < max_batches:
-        first = loop.epoch + 1
-        last = min(max_batches, (loop.epoch // run.eval_every + 1) * run.eval_every)
-        run.train_data.sampler.set_range(first, last)
-        t0 = time.time()
-        unreadable = UnreadableImages(
-            reporter.watch_batches(run.train_data.train_loader, first - 1, config.data.names)
-        )
-        where = (f"iterations {first}-{last}", f"iteration {first - 1}")
-        loader = _StopPoints(unreadable, signals, first, dist, config.output_dir / "last.pt", where)
-        stats = train_darknet_iterations(state, loader, first, last, run.opts)
-        log_unreadable(last, "train", unreadable.take(), rank)
-        seconds = time.time() - t0
-        val = None
-        if not config.notest or last == max_batches:
-            val, _ = _evaluate_epoch(run, reporter)
-            log_unreadable(last, "val", val_unreadable.take(), rank)
-        is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
-        loop.update(last, val, is_best)
-        loop.epoch = last
-        failure = None
-        try:
-            with signals.deferred():
-                reporter.end_iterations(last, max_batches, stats, val, seconds, run.plan.spent())
-                _save_on_main(run, last, loop, as_best=is_best and config.savebest)
-        except OutputError as e:  # a full disk: stop here, never train on without checkpoints
-            failure = e
-        # Collective: every rank waits for rank 0's checkpoint, and stops with its error.
-        raise_if_any_rank_failed(failure, f"saving iteration {last}")
-
-
-def _evaluate_epoch(
-    run: _Run, reporter: EpochReporter | SilentReporter
-) -> tuple[dict[str, float] | None, float]:
-    """Evaluate the EMA weights (the model's when there is no EMA) and report them; the COCO
-    stats by name (None off rank 0) and the seconds it took. Every rank must call this
-    (:func:`evaluate` gathers the detections to rank 0, a collective).
-
-    Every rank evaluates rank 0's weights, those :func:`_save_on_main` saves: without
-    SyncBatchNorm (CPU/gloo, ``--compile``) each rank's BatchNorm running statistics follow its
-    own batches, and so do its EMA's, so each shard would be scored by a different model.
-    """
-    t_eval = time.time()
-    state, train_data = run.state, run.train_data
-    model = state.ema.ema if state.ema else state.model_without_ddp
-    # Rank 0's own weights are untouched (it is the source); on the other ranks the EMA only
-    # serves evaluation, DDP overwrites the model's buffers with rank 0's at the next forward
-    # (broadcast_buffers), and its parameters equal rank 0's already (all-reduced gradients).
-    # Collective: every rank takes rank 0's evaluated weights and BatchNorm statistics.
-    broadcast_tensors_(list(model.state_dict().values()))
-    coco_stats, coco_ap, detections = evaluate(
-        model,
-        train_data.val_loader,
-        train_data.coco_gt,
-        run.eval_opts,
-    )
-    reporter.evaluated(train_data.coco_gt, detections, run.config.data.names, coco_ap)
-    val = None if coco_stats is None else dict(zip(STAT_NAMES, (float(x) for x in coco_stats)))
-    return val, time.time() - t_eval
-
-
-# ---- model ----------------------------------------------------------------------------------
-
-
-def _build_model(
-    config: TrainConfig, dist: DistInfo, amp: torch.dtype | None
-) -> tuple[Darknet, str, dict[str, Any] | None, bool, torch.dtype | None]:
-    """The model on its device and in its memory format, with its resolved cfg text, the
-    resume checkpoint (None when not resuming), whether it is channels_last and the autocast
-    dtype it trains in (``amp``, unless ``--amp auto`` on a CPU with native bf16 timed fp32
-    faster)."""
-    blocks = model_blocks_for(config.cfg, config.data.nc)
-    error = None
-    try:
-        _check_model_memory(config, blocks, dist, amp)
-    except ConfigError as e:
-        error = e
-    # Collective: a model that cannot fit one rank's device stops every rank with the same
-    # line, instead of leaving the others waiting in check_anchors.
-    raise_if_any_rank_failed(error, "checking the model's memory")
-    blocks = check_anchors(blocks, config, dist)
-    cfg_text = format_model_cfg(blocks)
-    darknet = config.recipe == "darknet"
-    model = Darknet(blocks, img_size=(config.img_size, config.img_size), head_bias=not darknet)
-    if darknet:
-        darknet_initialise(model)
-        prepare_model(model)
-    ckpt = resume.load(config, model, dist)
-    if ckpt is None and config.weights:
-        _initialise_weights(model, config)
-    model.freeze(config.freeze_layers)
-    model.to(dist.device)
-    if config.batch_size == AUTO_BATCH:
-        batch = autobatch(model, config.img_size, dist.device, amp) if dist.is_main else None
-        # Collective: every rank trains with rank 0's batch (and records it, for --resume).
-        config.batch_size = int(broadcast_object(batch))
-    channels_last, amp = _memory_format(config, model, dist, amp, cfg_text, ckpt)
-    if channels_last:
-        model.to(memory_format=torch.channels_last)
-    return model, cfg_text, ckpt, channels_last, amp
-
-
-def _check_model_memory(
-    config: TrainConfig, blocks: list[dict[str, Any]], dist: DistInfo, amp: torch.dtype | None
-) -> None:
-    """Refuse a model whose training memory (parameters, gradients, optimizer state, EMA and the
-    activations of a batch at the largest side this run trains at, in the autocast dtype)
-    exceeds the device's, before anything is allocated (models/budget.py)."""
-    side = multi_scale_bounds(config.img_size)[1] if config.multi_scale else config.img_size
-    if config.recipe == "darknet":  # the largest size of the cfg's `random`
-        side = max(DarknetLoaderSettings.from_blocks(blocks).largest_size)
-    # The ranks of a node training on its CPU share its RAM; GPUs are one per rank.
-    cpu = dist.device.type == "cpu"
-    share = processes_per_node() if cpu else 1
-    # --amp auto on a CPU may still time fp32 faster (_memory_format): count fp32 there.
-    counted = None if cpu and config.amp == "auto" else amp
-    estimate = check_model_fits(
-        blocks,
-        side,
-        batch=max(config.batch_size, 1),  # autobatch (-1) fits the memory itself
-        training=True,
-        device=dist.device,
-        share=share,
-        amp=counted,
-    )
-    logger.debug("model memory: %s", describe_estimate(estimate, config.batch_size))
+# ---- setup ----------------------------------------------------------------------------------
 
 
 def _configure_backends(device: torch.device) -> None:
@@ -509,51 +300,6 @@ def _configure_backends(device: torch.device) -> None:
         # cuDNN autotunes once per input shape and caches the choice; multi-scale (~13 sides)
         # and rect batches give few distinct shapes, so the tuning pays for itself there too.
         torch.backends.cudnn.benchmark = True
-
-
-def _memory_format(
-    config: TrainConfig,
-    model: Darknet,
-    dist: DistInfo,
-    amp: torch.dtype | None,
-    cfg_text: str,
-    ckpt: dict[str, Any] | None,
-) -> tuple[bool, torch.dtype | None]:
-    """Whether to train in channels_last, and in which autocast dtype: decided on rank 0
-    (:func:`~train_utils.memory_format.choose_format_and_precision`; a resumed run keeps the
-    precision its checkpoint records) and shared."""
-    choice = None
-    if dist.is_main:
-        channels_last, amp = choose_format_and_precision(
-            model,
-            config.img_size,
-            config.batch_size,
-            dist.device,
-            amp,
-            config.amp,
-            config.channels_last,
-            cfg_text,
-            resume.recorded_cpu_amp(ckpt),
-        )
-        choice = (channels_last, dtype_name(amp))
-    # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).
-    channels_last, amp_name = broadcast_object(choice)
-    return bool(channels_last), dtype_from_name(amp_name)
-
-
-def _initialise_weights(model: Darknet, config: TrainConfig) -> None:
-    skipped = load_weights(model, config.weights, strict=False, trust=config.trust_checkpoint)
-    if skipped:
-        logger.warning(
-            "--weights %s: skipped %d tensors whose shapes differ: %s",
-            config.weights,
-            len(skipped),
-            ", ".join(skipped),
-        )
-    elif weights_kind(config.weights) != "darknet":  # Darknet's loader says which layers it read
-        # Say it when everything fitted too, so a user need not infer it from a missing warning.
-        n = len(model.state_dict())
-        logger.info("--weights %s: all %d tensors loaded", config.weights, n)
 
 
 def _build_train_state(
@@ -623,30 +369,12 @@ def _log_start(
     """Rank 0's lines at the start: the run, and the cfg's training keys (their table under
     ``--recipe darknet``, a note that they are unused otherwise)."""
     blocks = [model.hyperparams, *model.module_defs]
-    if not isinstance(state, DarknetState):
-        lr0 = state.optimizer.param_groups[0]["initial_lr"]
-        log_run_start(config, model, dist, train_data, opts, lr0)
-        log_default_recipe_note(blocks, config.cfg)
+    if isinstance(state, DarknetState):
+        log_recipe_start(config, dist, train_data, state, blocks)
         return
-    s = state.settings
-    logger.info(
-        "--recipe darknet: model %s, %d classes | data: %d train / %d val images | device %s x "
-        "%d process(es) | %d iterations of %d x %d images a process, learning_rate %g | "
-        "evaluated every %d iterations | output %s",
-        config.cfg,
-        config.data.nc,
-        train_data.n_train,
-        train_data.n_val,
-        dist.device,
-        dist.world_size,
-        s.max_batches,
-        s.subdivisions,
-        s.mini_batch,
-        s.learning_rate,
-        eval_iterations(config.eval_iterations, train_data.n_train, s),
-        config.output_dir,
-    )
-    log_key_table(key_rows(blocks), config.cfg)
+    lr0 = state.optimizer.param_groups[0]["initial_lr"]
+    log_run_start(config, model, dist, train_data, opts, lr0)
+    log_default_recipe_note(blocks, config.cfg)
 
 
 def _epoch_plan(config: TrainConfig, t_start: float) -> EpochPlan:
@@ -696,137 +424,3 @@ def _eval_options(
     config: TrainConfig, dist: DistInfo, channels_last: bool, amp: torch.dtype | None
 ) -> EvalOptions:
     return eval_options(config.to_dict(), dist.device, amp, channels_last, dist.is_main)
-
-
-def _save_on_main(
-    run: _Run, epoch: int, loop: LoopState, as_best: bool, periodic: bool = False
-) -> None:
-    """Rank 0 writes the checkpoint of ``epoch`` to ``last.pt``, then the same one to ``best.pt``
-    when ``as_best`` and to ``epoch<epoch>.pt`` when ``periodic`` and ``--save-period`` asks for
-    this epoch (:func:`keeps_epoch`); other ranks write nothing. Not a collective: the trainer's
-    ``raise_if_any_rank_failed`` after it keeps the other ranks from running ahead.
-
-    Why last.pt first: a crash between the two leaves a ``last.pt`` that names its own epoch as
-    the best and holds exactly the bytes ``best.pt`` should have, so ``--resume`` can rebuild
-    ``best.pt`` from it (:func:`_reconcile_best`). The other order would leave a ``best.pt``
-    ahead of ``last.pt``, right only if the replayed epoch is judged the same way again.
-
-    Raises:
-        OutputError: a checkpoint cannot be written (the previous one stays as it was).
-    """
-    if not run.dist.is_main:
-        return
-    ckpt = _checkpoint(run, epoch, loop)
-    out = run.config.output_dir
-    save_checkpoint(ckpt, out / "last.pt", OUTPUT_FLAG)
-    loop.saved_epoch = epoch
-    darknet = isinstance(run.state, DarknetState)
-    if darknet:
-        _save_darknet_weights(run.state, epoch, out / "last.weights")
-    if as_best:
-        save_checkpoint(ckpt, out / "best.pt", OUTPUT_FLAG)
-        if darknet:
-            _save_darknet_weights(run.state, epoch, out / "best.weights")
-    if periodic and keeps_epoch(epoch, run.config.save_period):
-        # Last: a crash before it loses only this copy; last.pt and best.pt are whole.
-        save_checkpoint(ckpt, run.config.output_dir / f"epoch{epoch}.pt", OUTPUT_FLAG)
-
-
-def _save_darknet_weights(state: DarknetState, iteration: int, path: Path) -> None:
-    """The model as a Darknet ``.weights`` file that Darknet itself loads, its header's
-    ``seen`` the images of ``iteration`` iterations (so ``darknet detector train`` with it
-    continues at the next one).
-
-    Raises:
-        OutputError: it cannot be written.
-    """
-    model = state.model_without_ddp
-    model.seen = iteration * state.settings.update_batch
-    with reported_write(path, OUTPUT_FLAG):
-        save_weights(model, path)
-
-
-def keeps_epoch(epoch: int, save_period: int) -> bool:
-    """Whether ``--save-period`` keeps ``epoch``'s checkpoint (0-based epochs): after every
-    ``save_period``-th epoch, i.e. epochs ``N-1, 2N-1, ...``; never when it is 0 or -1."""
-    return save_period > 0 and (epoch + 1) % save_period == 0
-
-
-def _checkpoint(run: _Run, epoch: int, loop: LoopState) -> dict[str, Any]:
-    """Epoch ``epoch``'s checkpoint: the run's record, then each part's own state (tensors and
-    plain types, ``weights_only`` loadable; the file layout of :mod:`train_utils.checkpoint`).
-
-    ``model`` holds the weights to use (the EMA's when enabled), as ultralytics/yolov3's tools
-    expect; ``train_model`` the raw training weights that resuming continues from. ``hyp`` is what
-    the user gave, ``hyp_scaled`` the gains the loss used (scaled for classes and image size).
-    """
-    config, state = run.config, run.state
-    model = state.model_without_ddp
-    ema = state.ema
-    if isinstance(state, DarknetState):
-        parts = state.state_dict(epoch)  # `epoch` is the last finished iteration
-    else:
-        parts = {
-            **(ema.state_dict() if ema is not None else {"ema": None, "ema_updates": 0}),
-            "optimizer": state.optimizer.state_dict(),
-            "scheduler": state.scheduler.state_dict(),
-            "scaler": None if state.scaler is None else state.scaler.state_dict(),
-        }
-    return {
-        "version": CHECKPOINT_VERSION,
-        "config": config.to_dict(),
-        "hyp": config.hyp,
-        "hyp_scaled": run.hyp,
-        "names": list(config.data.names),
-        "nc": config.data.nc,
-        "cfg": run.cfg_text,
-        "world_size": run.dist.world_size,
-        # How this run computes, so that validation.py evaluates as it does.
-        "precision": precision_record(run.eval_opts.amp, run.eval_opts.channels_last),
-        "model": (ema.ema if ema is not None else model).state_dict(),
-        "train_model": model.state_dict(),
-        **loop.state_dict(),
-        "epoch": epoch,
-        **run.plan.state_dict(),
-        **parts,
-    }
-
-
-class _StopPoints:
-    """The epoch's ``loader``, checking for a stop request before each batch (every
-    :data:`STOP_POLL_BATCHES` under DDP, where every rank must check at the same batches).
-
-    Stopping mid-epoch keeps the last finished epoch's ``last.pt`` as it is: a mid-epoch state
-    could not be resumed exactly, so the epoch in progress is trained again after ``--resume``.
-    ``where`` names what is running and what ``last.pt`` holds (default: epoch ``epoch`` and
-    the one before; ``--recipe darknet``: its iterations).
-    """
-
-    def __init__(
-        self,
-        loader: Any,
-        signals: StopSignals,
-        epoch: int,
-        dist: DistInfo,
-        last: Path,
-        where: tuple[str, str] | None = None,
-    ) -> None:
-        self.loader, self.signals, self.epoch, self.last = loader, signals, epoch, last
-        self.poll = STOP_POLL_BATCHES if dist.distributed else 1
-        self.running, self.saved = where or (f"epoch {epoch}", f"epoch {epoch - 1}")
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self) -> Iterator[Any]:
-        n = len(self.loader)
-        for i, batch in enumerate(self.loader):
-            # Collective: every rank stops at the same batch when any rank was asked (srun
-            # signals every task; a signal forwarded by hand may reach only some).
-            if i % self.poll == 0 and all_reduce_flag(self.signals.stop_requested):
-                raise RunStopped(
-                    f"SIGUSR1 (stop requested) in {self.running} before batch {i}/{n}: "
-                    f"{self.saved} is the last in {self.last}; continue with --resume "
-                    f"({self.running} will be trained again)"
-                )
-            yield batch

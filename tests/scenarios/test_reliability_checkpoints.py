@@ -37,7 +37,7 @@ from train_utils import resume
 from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.cli import EXIT_INTERRUPTED, EXIT_STOPPED
 from train_utils.reporting import TIMING_COLUMNS
-from train_utils.trainer import STOP_POLL_BATCHES
+from train_utils.stop_signals import STOP_POLL_BATCHES
 
 REPO = Path(__file__).resolve().parents[2]
 RUN = {"epochs": 2, "batch": 8, "img": 64, "nbs": 8}  # as test_reliability_interrupt's runs

@@ -22,7 +22,8 @@ from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.config import build_config, get_args_parser, load_hyp, parse_train_args
 from train_utils.distributed.process_group import DistInfo
 from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda, optimizer_kind
-from train_utils.trainer import keeps_epoch, run
+from train_utils.rounds import keeps_epoch
+from train_utils.trainer import run
 
 IMG = 64
 CPU = torch.device("cpu")

@@ -14,7 +14,7 @@ import torch
 from conftest import rank_envs, read_results, run_pair, run_training, train_argv, worker_cmd
 
 from build_utils.errors import CheckpointError, ConfigError
-from train_utils import trainer as trainer_module
+from train_utils import rounds
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import build_config, get_args_parser
 from train_utils.evaluation.coco_eval import STAT_NAMES
@@ -257,8 +257,8 @@ def test_patience_stops_a_run_that_does_not_improve(shapes_data, tmp_path, monke
         stats[STAT_NAMES.index(FITNESS_KEY)] = next(fitness)
         return stats, per_class, detections
 
-    real_evaluate = trainer_module.evaluate
-    monkeypatch.setattr(trainer_module, "evaluate", evaluate)
+    real_evaluate = rounds.evaluate
+    monkeypatch.setattr(rounds, "evaluate", evaluate)
     flags = _budget_flags(shapes_data, out, 10.0, "--epochs", "20", "--patience", "2")
     flags[flags.index("--eval-interval") + 1] = "1"
     summary = run_training(flags)

@@ -36,6 +36,7 @@ from train_utils.reporting import (
     SilentReporter,
     make_reporter,
 )
+from train_utils.stop_signals import StopPoints
 from train_utils.trackers import (
     FINISHED,
     KILLED,
@@ -514,14 +515,14 @@ def test_a_run_from_before_trackers_resumes_with_its_old_results_csv(
         w.writeheader()
         w.writerow(row)
 
-    real_iter = trainer_module._StopPoints.__iter__
+    real_iter = StopPoints.__iter__
 
     def slow_iter(self):  # the resumed epoch's loader starves the model
         for batch in real_iter(self):
             time.sleep(STARVED_S)
             yield batch
 
-    monkeypatch.setattr(trainer_module._StopPoints, "__iter__", slow_iter)
+    monkeypatch.setattr(StopPoints, "__iter__", slow_iter)
     assert train_script.main(["--resume", str(out / "last.pt")]) == 0
     with (out / "results.csv").open() as f:
         assert f.readline().strip() == ",".join(RESULTS_HEADER)

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 import train
-from train_utils import checkpoint, engine, reporting, trainer
+from train_utils import checkpoint, engine, reporting, rounds, trainer
 
 
 def _die() -> None:
@@ -121,7 +121,7 @@ def _signal_at_write(marker: Path, write: str, epoch: int, signum: int) -> None:
 
     watch(reporting)  # results.csv
     watch(checkpoint)  # last.pt, best.pt
-    real_save, real_write_results = trainer.save_checkpoint, reporting.write_results
+    real_save, real_write_results = rounds.save_checkpoint, reporting.write_results
 
     def save_checkpoint(obj, path, *args):
         current["epoch"] = obj["epoch"]
@@ -134,7 +134,7 @@ def _signal_at_write(marker: Path, write: str, epoch: int, signum: int) -> None:
         current["epoch"] = max((int(r["epoch"]) for r in rows), default=None)
         real_write_results(path, rows)
 
-    trainer.save_checkpoint = save_checkpoint
+    rounds.save_checkpoint = save_checkpoint
     reporting.write_results = write_results
 
 

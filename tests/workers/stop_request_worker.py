@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 from build_utils.errors import RunStopped
-from train_utils import trainer
 from train_utils.distributed import process_group
-from train_utils.stop_signals import StopSignals
+from train_utils.stop_signals import StopPoints, StopSignals
 
 N_BATCHES = 25
 SIGNALLED_AFTER = 3  # rank 1 signals itself after taking this batch
@@ -27,7 +26,7 @@ def main(argv: list[str] | None = None) -> None:
     out = Path((sys.argv[1:] if argv is None else argv)[0])
     info = process_group.init_distributed_mode(None, timeout_s=60)
     signals = StopSignals()
-    points = trainer._StopPoints(list(range(N_BATCHES)), signals, 4, info, out / "last.pt")
+    points = StopPoints(list(range(N_BATCHES)), signals, 4, info, out / "last.pt")
     taken, message = [], None
     with signals.installed():
         try:

@@ -1,4 +1,5 @@
-"""trainer._initialise_weights says so when ``--weights`` fits the model fully."""
+"""The training model's ``--weights`` (train_utils/load_model.py): _initialise_weights says so
+when ``--weights`` fits the model fully."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import torch
 from conftest import NANO_CFG
 
 from models.darknet import Darknet
-from train_utils import trainer
+from train_utils import load_model
 from train_utils.checkpoint import save_checkpoint
 
 
@@ -22,7 +23,7 @@ def test_fully_matching_weights_are_reported(tmp_path, caplog):
     model = Darknet(NANO_CFG, img_size=(64, 64))
     config = SimpleNamespace(weights=str(path), trust_checkpoint=False)
     with caplog.at_level(logging.INFO):
-        trainer._initialise_weights(model, config)
+        load_model._initialise_weights(model, config)
     n = len(model.state_dict())
     assert f"--weights {path}: all {n} tensors loaded" in caplog.text
     for k, v in source.state_dict().items():
