@@ -74,14 +74,19 @@ LAUNCH_VARS = (
 # become quick, only costs that order its benefit, never a test. Paths from the repository
 # root, longest first (pytest --durations=0, summed per file).
 SLOWEST_FILES = (
-    "tests/scenarios/test_ddp.py",
-    "tests/project/test_readme_commands.py",
-    "tests/scripts/test_gpu_check.py",
-    "tests/scenarios/test_ddp_launches.py",
     "tests/scenarios/test_hostile_input.py",
-    "tests/scenarios/test_darknet_recipe_runs.py",
-    "tests/scenarios/test_ddp_exact_eval.py",
-    "tests/train_utils/distributed/test_devices.py",
+    "tests/scripts/test_gpu_check.py",
+    "tests/scenarios/test_reliability_checkpoints.py",
+    "tests/build_utils/test_data_yaml.py",
+    "tests/scenarios/test_resume_changes.py",
+    "tests/scenarios/test_ddp_launches.py",
+    "tests/scenarios/test_ddp.py",
+    "tests/project/test_warm_python.py",
+    "tests/scripts/test_self_describing.py",
+    "tests/models/test_budget.py",
+    "tests/scripts/test_demo.py",
+    "tests/models/test_darknet_opencv.py",
+    "tests/scripts/test_bench_smoke.py",
 )
 
 
