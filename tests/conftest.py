@@ -22,6 +22,7 @@ os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 import csv
 import json
 import logging
+import subprocess
 import sys
 import time
 from collections.abc import Mapping
@@ -63,6 +64,41 @@ LAUNCH_VARS = (
     "SLURM_NODEID",
     "LOCAL_WORLD_SIZE",
 )
+
+
+# ---------------------------------------------------------------- the order files are handed out
+
+# The files that take longest, first: ``--dist loadfile`` hands files to the pytest workers in
+# collection order, so a long file collected last keeps one worker busy while the other idles
+# (longest first is the classic schedule for this). A file missing here, or one that has
+# become quick, only costs that order its benefit, never a test. Paths from the repository
+# root, longest first (pytest --durations=0, summed per file).
+SLOWEST_FILES = (
+    "tests/scenarios/test_hostile_input.py",
+    "tests/scripts/test_gpu_check.py",
+    "tests/scenarios/test_reliability_checkpoints.py",
+    "tests/build_utils/test_data_yaml.py",
+    "tests/scenarios/test_resume_changes.py",
+    "tests/scenarios/test_ddp_launches.py",
+    "tests/scenarios/test_ddp.py",
+    "tests/project/test_warm_python.py",
+    "tests/scripts/test_self_describing.py",
+    "tests/models/test_budget.py",
+    "tests/scripts/test_demo.py",
+    "tests/models/test_darknet_opencv.py",
+    "tests/scripts/test_bench_smoke.py",
+)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """SLOWEST_FILES' tests first, in that order; every other file after them, as collected
+    (a stable sort: the order within a file never changes)."""
+    rank = {path: k for k, path in enumerate(SLOWEST_FILES)}
+
+    def key(item: pytest.Item) -> int:
+        return rank.get(item.nodeid.split("::", 1)[0], len(rank))
+
+    items.sort(key=key)
 
 
 # ---------------------------------------------------------------- command lines of short runs
@@ -219,6 +255,83 @@ def run_pair(
     for p in procs:
         stdout, stderr = p.output()
         assert p.returncode == 0, f"{p.args} failed:\n{stdout}\n{stderr}"
+
+
+# ---------------------------------------------------------------- launchers (scenarios/test_ddp*)
+
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+
+
+def torchrun(
+    script: str,
+    args: list[str],
+    nproc: int = 2,
+    extra: list[str] | None = None,
+    timeout: float = 300,
+) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=nproc <repo>/script args`` on a free port, from the
+    repository root (a launcher: a process of its own, not forked warm)."""
+    cmd = [
+        *TORCHRUN,
+        f"--nproc_per_node={nproc}",
+        f"--master_port={free_port()}",
+        *(extra or []),
+        str(REPO_ROOT / script),
+        *args,
+    ]
+    return subprocess.run(
+        cmd, cwd=REPO_ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout
+    )
+
+
+def run_script(script: str, args: list[str]) -> subprocess.CompletedProcess:
+    """``python <script> args`` from the repository root (forked warm: tests/warm_python.py)."""
+    argv = [sys.executable, str(REPO_ROOT / script), *args]
+    return warm_python.run(argv, cwd=REPO_ROOT, env=script_env(), timeout=300)
+
+
+def child_pids(pid: int) -> list[int]:
+    """The process ids of ``pid``'s children (a launcher's workers)."""
+    out = subprocess.run(["pgrep", "-P", str(pid)], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def start_process(
+    cmd: list[str], env: dict[str, str] | None = None
+) -> subprocess.Popen | warm_python.WarmProcess:
+    """``cmd`` started from the repository root, stderr into stdout: a launcher (torchrun) as a
+    process of its own, a script forked warm (tests/warm_python.py)."""
+    env = env or script_env()
+    if cmd[1].endswith(".py"):
+        return warm_python.start(cmd, cwd=REPO_ROOT, env=env, merge_stderr=True)
+    return subprocess.Popen(
+        cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
+
+
+def finish_all(
+    procs: list[subprocess.Popen | warm_python.WarmProcess], timeout: float = 400
+) -> list[str]:
+    """Wait for ``procs`` (killing what is left at ``timeout``); their logs, each asserted to
+    have exited 0."""
+    deadline = time.monotonic() + timeout
+    logs = []
+    try:
+        for p in procs:
+            left = max(0.0, deadline - time.monotonic())
+            if isinstance(p, warm_python.WarmProcess):
+                p.wait(left)
+                logs.append(p.output()[0])
+            else:
+                logs.append(p.communicate(timeout=left)[0])
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    return logs
 
 
 # ---------------------------------------------------------------- fixtures
