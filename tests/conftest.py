@@ -234,15 +234,8 @@ def rank_envs(**extra: str) -> list[dict[str, str]]:
     return pair_envs({**torchrun, **extra})
 
 
-def run_pair(
-    commands: list[list[str]], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
-) -> None:
-    """Start one process per command at once (from the repository root) and fail with their
-    output if any fails."""
-    procs = [
-        warm_python.start(cmd, cwd=REPO_ROOT, env=env)
-        for cmd, env in zip(commands, envs, strict=True)
-    ]
+def wait_all(procs: list[warm_python.WarmProcess], timeout: float) -> None:
+    """Wait for ``procs`` together, ``timeout`` seconds in all; kill whatever is left then."""
     deadline = time.monotonic() + timeout
     try:
         for p in procs:
@@ -252,6 +245,18 @@ def run_pair(
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+def run_pair(
+    commands: list[list[str]], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
+) -> None:
+    """Start one process per command at once (from the repository root) and fail with their
+    output if any fails."""
+    procs = [
+        warm_python.start(cmd, cwd=REPO_ROOT, env=env)
+        for cmd, env in zip(commands, envs, strict=True)
+    ]
+    wait_all(procs, timeout)
     for p in procs:
         stdout, stderr = p.output()
         assert p.returncode == 0, f"{p.args} failed:\n{stdout}\n{stderr}"

@@ -25,6 +25,7 @@ from conftest import (
     start_process,
     torchrun,
     train_argv,
+    wait_all,
 )
 
 from train_utils.checkpoint import load_checkpoint
@@ -196,15 +197,7 @@ def test_a_rank_that_cannot_read_the_checkpoint_stops_every_rank(make_shapes_dat
         argv = [sys.executable, str(REPO_ROOT / "train_multi_GPU.py"), *flags]
         argv += ["--resume", str(resume), "--dist-timeout", "120"]
         procs.append(warm_python.start(argv, cwd=REPO_ROOT, env=env))
-    deadline = time.monotonic() + 100
-    try:
-        for p in procs:
-            p.wait(max(0.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    wait_all(procs, 100)
     results = [p.output() for p in procs]
     errors = [
         [line for line in err.splitlines() if line.startswith("error:")] for _, err in results
