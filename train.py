@@ -28,6 +28,7 @@ from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.devices import select_device
 from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
 from train_utils.distributed.process_group import DistInfo, launched_world_size
+from train_utils.evolve.search import evolve, is_search
 from train_utils.trainer import run
 
 
@@ -40,6 +41,9 @@ def train(args: argparse.Namespace) -> None:
     nprocs = processes_to_spawn(None, args.device, os.environ)
     if nprocs:
         spawn_training(args, nprocs)
+        return
+    if is_search(args):
+        evolve(args, None)  # the device is the search's (its record's, when continued)
         return
     config = build_config(args)
     run(config, DistInfo.single(select_device(config.device)))

@@ -52,6 +52,7 @@ from train_utils.cli import (
 )
 from train_utils.darknet_recipe import RECIPES, apply_recipe
 from train_utils.distributed.node import MAX_DEFAULT_WORKERS
+from train_utils.evolve.space import DEFAULT_SPACE
 from train_utils.optim import LR_SCHEDULES, OPTIMIZER_CHOICES
 from train_utils.resume import settings_of_resumed_run
 from train_utils.run_folder import RUNS_DIR
@@ -296,7 +297,50 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     _add_evaluation(p.add_argument_group("evaluation during training"))
     _add_runtime(p.add_argument_group("output and runtime"))
     _add_recipe(p.add_argument_group("training recipe"))
+    _add_evolve(p.add_argument_group("hyperparameter evolution (README: Evolve hyperparameters)"))
     return p
+
+
+def _add_evolve(g: argparse._ArgumentGroup) -> None:
+    g.add_argument(
+        "--evolve",
+        type=int,
+        nargs="?",
+        const=300,
+        default=None,
+        metavar="N",
+        help="YOLOv5's hyperparameter evolution: train N candidates (alone: 300), each a "
+        "mutation of the best so far, into <run>/candidate-NNN; writes evolve.csv, "
+        "hyp_evolve.yaml and evolve.png; --resume <run> continues it",
+    )
+    g.add_argument(
+        "--evolve-space",
+        default=DEFAULT_SPACE,
+        metavar="YAML",
+        help="the keys searched, their mutation gains and bounds",
+    )
+    g.add_argument(
+        "--evolve-backend",
+        default="local",
+        choices=("local", "ray"),
+        help="local: one candidate after another here; ray: candidates as Ray Tune trials "
+        "with ASHA early stopping (pip install -r requirements-ray.txt)",
+    )
+    g.add_argument(
+        "--address",
+        default=None,
+        help="--evolve-backend ray: the Ray cluster to join (ray start --head prints it); "
+        "default: a Ray of this machine alone",
+    )
+    g.add_argument(
+        "--trial-resources",
+        type=float,
+        nargs=2,
+        default=None,
+        metavar=("CPUS", "GPUS"),
+        help="--evolve-backend ray: CPUs and GPUs one candidate uses (default: 1 CPU and, "
+        "where the cluster has GPUs, 1 GPU)",
+    )
 
 
 def _add_inputs(g: argparse._ArgumentGroup) -> None:

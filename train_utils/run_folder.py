@@ -43,8 +43,9 @@ RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting
 RUN_HYP_NAME = "hyp.yaml"  # the hyperparameters as the run read them
 LOCK_NAME = "run.lock"
 RUN_ARGS_NAME = "args.yaml"  # the run's resolved arguments (reporting.write_run_files)
-# The files by which a folder holds a run that must not be written over.
-RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log")
+SEARCH_RECORD = "search.yaml"  # an --evolve search's folder (train_utils/evolve/search.py)
+# The files by which a folder holds a run (or a search) that must not be written over.
+RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log", SEARCH_RECORD)
 REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
 FAILED_PREFIX = "failed-"  # a start that failed before its first checkpoint: <run>/failed-<time>/
 MOVED_PREFIXES = (REPLACED_PREFIX, FAILED_PREFIX)

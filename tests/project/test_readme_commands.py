@@ -157,6 +157,10 @@ SKIPS: list[tuple[Callable[[list[str]], bool], str]] = [
         "the recipe small",
     ),
     (lambda w: w[0] in {"pip", "git"}, "network: installs or clones"),
+    (
+        lambda w: w[0] == "ray" or _opt(w, "--evolve-backend") == "ray",
+        "starts a Ray cluster; tests/scenarios/test_evolve_ray.py runs the Ray backend small",
+    ),
     (lambda w: w[0] in {"srun", "sbatch"}, "needs a SLURM cluster"),
     (lambda w: any(x.startswith("--nnodes") for x in w), "needs several nodes"),
     (lambda w: _opt(w, "--source") == "0", "needs a camera"),

@@ -48,6 +48,7 @@ from train_utils.distributed.process_group import (
     init_distributed_mode,
     launch_hint,
 )
+from train_utils.evolve.search import evolve, is_search
 from train_utils.run_folder import folder_of_launch, launch_id
 from train_utils.threads import MAX_THREADS, thread_count
 from train_utils.trainer import run
@@ -184,6 +185,9 @@ def train_distributed(args: argparse.Namespace, timeout_s: float = DEFAULT_TIMEO
             logger.warning(
                 "not launched by torchrun/SLURM: training in one process. %s", launch_hint()
             )
+        if is_search(args):
+            evolve(args, dist)  # each candidate a DDP run of every rank
+            return
         config = build_config(args)
         # Every rank must write to the same folder, whatever its clock says.
         config.output_dir = Path(broadcast_object(str(config.output_dir)))

@@ -1,0 +1,462 @@
+"""``train.py --evolve N``: YOLOv5's hyperparameter evolution, each candidate a normal run.
+
+The search owns a run folder (locked, numbered as runs are; default ``runs/evolve``) holding
+``search.yaml`` (what it searches: the flags, the base hyp, the space, the seed), ``evolve.csv``
+(one row per finished candidate), ``hyp_evolve.yaml``, ``evolve.png``, ``evolve.log`` and one
+run folder per candidate, ``candidate-000``, ``candidate-001``, ... trained by the same
+:func:`train_utils.trainer.run` as any run.
+
+Continuing (``--resume <search folder>``) needs nothing but those files: a candidate with a row
+is done; one whose folder holds a ``last.pt`` continues from it as ``--resume`` would; the others
+train from the start. Candidate ``i``'s hyp depends only on the seed, ``i`` and the rows before
+it (:func:`~train_utils.evolve.space.next_candidate`), so the continued search trains the
+candidates an uninterrupted one would have.
+
+Under DDP (``train_multi_GPU.py --evolve``) every rank runs each candidate; rank 0 decides the
+candidate and writes the search's files, and sends the decision to the others (marked
+``# Collective:``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import math
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from build_utils.atomic import write_text
+from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
+from build_utils.safe_yaml import dump_yaml, load_yaml
+from train_utils.checkpoint import to_plain
+from train_utils.cli import take_from_run
+from train_utils.config import (
+    HYP_SPECS,
+    TrainConfig,
+    build_config,
+    get_args_parser,
+    load_hyp,
+    repo_default,
+    run_folder_of,
+)
+from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
+from train_utils.distributed.process_group import DistInfo
+from train_utils.evolve import record
+from train_utils.evolve.record import Row
+from train_utils.evolve.space import DEFAULT_SPACE, SearchSpace, fitness, load_space, next_candidate
+from train_utils.reporting import logging_to, read_results, run_log_handler
+from train_utils.run_folder import SEARCH_RECORD, RunFolder, claim_run_folder
+
+logger = logging.getLogger(__name__)
+
+SEARCH_FILE = SEARCH_RECORD
+LOG_NAME = "evolve.log"
+DEFAULT_NAME = "evolve"  # runs/evolve, runs/evolve2, ... (YOLOv5: runs/evolve/exp)
+SCHEMA = 1
+# Flags that belong to this invocation, not to the search a --resume continues (a requeued
+# job's Ray head has another --address).
+OWN_FLAGS = frozenset(
+    {"resume", "exist_ok", "output_dir", "project", "name", "given", "local_rank", "evolve"}
+    | {"address"}
+)
+RAY_REQUIREMENTS = "requirements-ray.txt"
+MIN_SHARE_S = 1.0  # a candidate's share of --time-budget below this: the search stops
+
+
+@dataclass
+class Search:
+    """A search as this process runs it (the files live on rank 0)."""
+
+    folder: Path
+    config: TrainConfig  # the candidates' common settings; hyp is the base hyp
+    space: SearchSpace
+    total: int  # candidates to train
+    backend: str
+    rows: list[Row] = field(default_factory=list)
+    record_text: str | None = None  # search.yaml of a new search; None when continued
+    address: str | None = None  # --address: the Ray cluster (ray backend)
+    trial_resources: list[float] | None = None  # --trial-resources: CPUs, GPUs per candidate
+
+    @property
+    def hyp_keys(self) -> list[str]:
+        return list(self.config.hyp)
+
+    def candidate_folder(self, index: int) -> Path:
+        return self.folder / f"candidate-{index:03d}"
+
+    def scored(self, before: int) -> list[tuple[Mapping[str, Any], float]]:
+        """(hyp, fitness) of the candidates before ``before``, in order (failed: NaN)."""
+        return [
+            (r.hyp, r.fitness)
+            for r in sorted(self.rows, key=lambda r: r.candidate)
+            if r.candidate < before
+        ]
+
+    def hyp_of(self, index: int) -> dict[str, Any]:
+        return next_candidate(
+            self.config.hyp, self.scored(index), self.space, self.config.seed, index
+        )
+
+    def add(self, row: Row) -> None:
+        """Record ``row`` in every file of the search (rank 0)."""
+        self.rows = [r for r in self.rows if r.candidate != row.candidate] + [row]
+        record.write_rows(self.folder / record.CSV_NAME, self.rows, self.hyp_keys)
+        best = record.best_row(self.rows)
+        if best is not None:
+            record.write_best_hyp(self.folder / record.BEST_HYP_NAME, best, self.folder)
+            record.plot_search(self.folder / record.PLOT_NAME, self.rows, self.space)
+
+
+def is_search(args: argparse.Namespace) -> bool:
+    """Whether ``args`` start or continue a search."""
+    return args.evolve is not None or _resumed_search_folder(args) is not None
+
+
+def _resumed_search_folder(args: argparse.Namespace) -> Path | None:
+    """The search folder ``--resume`` names (PATH, a file in it, or --name/--output-dir), if it
+    is one."""
+    if args.resume is None:
+        return None
+    if args.resume == "auto":
+        if not (args.name or args.output_dir or getattr(args, "project", "")):
+            return None
+        path = run_folder_of(args)[0]
+    else:
+        path = Path(args.resume)
+        path = path if path.is_dir() else path.parent
+    return path if (path / SEARCH_FILE).is_file() else None
+
+
+def check_flags(args: argparse.Namespace) -> None:
+    """What ``--evolve`` cannot be combined with, as one line before anything is written."""
+    if args.evolve is not None and args.evolve < 1:
+        raise ConfigError(f"--evolve takes a number of candidates >= 1, got {args.evolve}")
+    if args.recipe == "darknet":
+        raise ConfigError(
+            "--evolve searches the --hyp file's keys; --recipe darknet takes its settings from "
+            "the cfg instead: drop one of them"
+        )
+    if args.notest:
+        raise ConfigError("--evolve scores each candidate by its last evaluation: drop --notest")
+    if args.evolve_backend == "ray" and importlib.util.find_spec("ray") is None:
+        raise ConfigError(
+            f"--evolve-backend ray needs Ray Tune, which is not installed: pip install -r "
+            f"{RAY_REQUIREMENTS}"
+        )
+    if args.trial_resources is not None and (
+        min(args.trial_resources) < 0 or args.trial_resources[0] <= 0
+    ):
+        raise ConfigError(
+            f"--trial-resources takes CPUS > 0 and GPUS >= 0, got {args.trial_resources}"
+        )
+
+
+def _record_of(args: argparse.Namespace, config: TrainConfig, space: SearchSpace) -> dict:
+    flags = {k: v for k, v in vars(args).items() if k not in OWN_FLAGS}
+    return to_plain(
+        {
+            "schema": SCHEMA,
+            "evolve": args.evolve,
+            "args": flags,
+            "hyp": config.hyp,
+            "space": space.to_dict(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+        }
+    )
+
+
+def _take_search_settings(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
+    """``--resume <search>``: the search's flags for every flag not typed; its record."""
+    saved = load_yaml(folder / SEARCH_FILE, "search record")
+    if not isinstance(saved, dict) or saved.get("schema") != SCHEMA:
+        raise ConfigError("not a search record of this version", folder / SEARCH_FILE)
+    parser = get_args_parser()
+    fields = {
+        a.dest: a.default for a in parser._actions if a.dest not in OWN_FLAGS and a.dest != "help"
+    }
+    take_from_run(args, saved.get("args") or {}, fields, f"--resume {folder}")
+    if args.evolve is None:
+        args.evolve = saved.get("evolve")
+    args.output_dir, args.resume, args.exist_ok = str(folder), None, False
+    if hasattr(args, "project"):
+        args.project, args.name = "", None
+    return saved
+
+
+def settle(args: argparse.Namespace) -> tuple[Search, dict[str, Any] | None]:
+    """Check everything and decide the search (nothing written yet): the continued search's
+    record, else None."""
+    folder = _resumed_search_folder(args)
+    saved = _take_search_settings(args, folder) if folder is not None else None
+    if saved is None and args.resume is not None and args.evolve is not None:
+        raise ConfigError(
+            "--evolve with --resume continues a search: give its folder (--resume runs/evolve)"
+        )
+    check_flags(args)
+    if folder is None and not (args.output_dir or args.name or getattr(args, "project", "")):
+        args.name = DEFAULT_NAME
+    config = build_config(args)
+    if saved is None:
+        space = load_space(repo_default(args.evolve_space, DEFAULT_SPACE), HYP_SPECS)
+        record_text = dump_yaml(_record_of(args, config, space))
+    else:
+        space = SearchSpace.from_dict(saved["space"])
+        config.hyp = {k: saved["hyp"].get(k, v) for k, v in config.hyp.items()}
+        record_text = None
+    search = Search(config.output_dir, config, space, args.evolve, args.evolve_backend)
+    search.record_text = record_text
+    search.address, search.trial_resources = args.address, args.trial_resources
+    return search, saved
+
+
+def claim(search: Search, exist_ok: bool, dist: DistInfo) -> RunFolder | None:
+    """Claim the search folder and read its rows (rank 0); every rank learns the folder."""
+    held, error = None, None
+    if dist.is_main:
+        try:
+            held = claim_run_folder(
+                search.folder, resume=search.record_text is None, exist_ok=exist_ok
+            )
+            search.folder = held.path
+            if search.record_text is not None:
+                write_text(search.folder / SEARCH_FILE, search.record_text)
+            search.rows = record.read_rows(
+                search.folder / record.CSV_NAME, {k: HYP_SPECS[k].kind for k in search.hyp_keys}
+            )
+        except YoloError as e:
+            error = e
+            if held is not None:
+                held.release()
+                held = None
+    # Collective: a search folder rank 0 cannot claim or read stops every rank with its line.
+    raise_if_any_rank_failed(error, "claiming the search folder")
+    # Collective: every rank writes its candidates under the folder rank 0 claimed.
+    search.folder = Path(broadcast_object(str(search.folder)))
+    return held
+
+
+def evolve(args: argparse.Namespace, dist: DistInfo | None) -> None:
+    """Run (or continue) the search ``args`` describe on this process's share of the work
+    (``dist`` None: one process, on the search's ``--device``)."""
+    exist_ok = bool(args.exist_ok)
+    search, _ = settle(args)
+    if dist is not None and dist.distributed and search.backend == "ray":
+        raise ConfigError(
+            "--evolve-backend ray starts its own processes (--trial-resources): run it from "
+            "train.py alone, not under torchrun/SLURM ranks"
+        )
+    if dist is None:
+        from train_utils.distributed.devices import select_device
+
+        dist = DistInfo.single(select_device(search.config.device))
+    held = claim(search, exist_ok, dist)
+    try:
+        handler = run_log_handler(search.folder / LOG_NAME) if dist.is_main else None
+        with logging_to(handler):
+            if held is not None:
+                held.log()
+            if search.backend == "ray":
+                from train_utils.evolve.ray_backend import search_with_ray
+
+                search_with_ray(search)
+            else:
+                _search_here(search, dist)
+            if dist.is_main:
+                _log_end(search)
+    finally:
+        if held is not None:
+            held.release()
+
+
+def _search_here(search: Search, dist: DistInfo) -> None:
+    """The missing candidates, one after another; rank 0 decides each from the search's files
+    and every rank trains it."""
+    if dist.is_main and search.rows:
+        logger.info(
+            "--evolve: continuing %s: %d of %d candidates done",
+            search.folder,
+            len(search.rows),
+            search.total,
+        )
+    while True:
+        step = _next_step(search) if dist.is_main else None
+        # Collective: the candidate (its number, hyp and share of --time-budget) is rank 0's,
+        # from its files and clock; every rank trains the same one, or stops with it.
+        step = broadcast_object(step)
+        if step is None:
+            return
+        index, hyp, share = step
+        row = train_candidate(search, index, hyp, share, dist)
+        if dist.is_main:
+            search.add(row)
+            log_row(search, row)
+
+
+def _next_step(search: Search) -> tuple[int, dict[str, Any], float | None] | None:
+    """The next candidate to train (its number, hyp, seconds it may take); None when the
+    search is done or its --time-budget spent."""
+    done = {r.candidate for r in search.rows}
+    index = next((i for i in range(search.total) if i not in done), None)
+    if index is None:
+        return None
+    share = _budget_share(search, index)
+    if share is not None and share < MIN_SHARE_S:
+        logger.warning(
+            "--evolve: --time-budget is spent after %d candidates; --resume with a larger "
+            "--time-budget continues",
+            len(done),
+        )
+        return None
+    return index, started_hyp(search, index) or search.hyp_of(index), share
+
+
+def started_hyp(search: Search, index: int) -> dict[str, Any] | None:
+    """The hyp candidate ``index`` started with, when an earlier attempt saved a ``last.pt``
+    (its run's hyp.yaml): it continues with it."""
+    folder = search.candidate_folder(index)
+    if not (folder / "last.pt").is_file() or not (folder / "hyp.yaml").is_file():
+        return None
+    return load_hyp(folder / "hyp.yaml")
+
+
+def _budget_share(search: Search, index: int) -> float | None:
+    """Seconds candidate ``index`` may take: what is left of ``--time-budget`` shared equally
+    by the candidates not yet done (a candidate that ends early leaves its rest to the later
+    ones). None without a budget."""
+    if search.config.time_budget is None:
+        return None
+    spent = sum(r.seconds for r in search.rows)
+    spent += _seconds_so_far(search.candidate_folder(index))
+    left = sum(1 for i in range(index, search.total) if i not in {r.candidate for r in search.rows})
+    return (search.config.time_budget * 60 - spent) / max(left, 1)
+
+
+def _seconds_so_far(run: Path) -> float:
+    """Seconds a candidate's earlier attempts took (its results.csv), 0 for a new one."""
+    rows = read_results(run / "results.csv")
+    return float(rows[-1].get("elapsed_seconds") or 0) if rows else 0.0
+
+
+def candidate_config(
+    search: Search, index: int, hyp: Mapping[str, Any], share_s: float | None
+) -> TrainConfig:
+    """Candidate ``index``'s run settings: the search's with its hyp and folder, continuing
+    from the folder's ``last.pt`` when an earlier attempt saved one."""
+    folder = search.candidate_folder(index)
+    last = folder / "last.pt"
+    return dataclasses.replace(
+        search.config,
+        hyp=dict(hyp),
+        output_dir=folder,
+        auto_named=False,
+        resume=str(last) if last.is_file() else None,
+        # A start that failed before its first checkpoint is moved aside, never mixed.
+        exist_ok=not last.is_file(),
+        plots=False,  # YOLOv5's evolve draws no per-run pictures either
+        time_budget=None if share_s is None else share_s / 60,
+    )
+
+
+def train_candidate(
+    search: Search, index: int, hyp: Mapping[str, Any], share_s: float | None, dist: DistInfo
+) -> Row:
+    """Train candidate ``index`` (or finish its earlier attempt) and score it. Its failure (a
+    loss that became NaN, a model that does not fit) is its row; a stop request, Ctrl-C or an
+    output that cannot be written stops the search, resumable."""
+    from train_utils.trainer import run
+
+    config = candidate_config(search, index, hyp, share_s)
+    name = config.output_dir.name
+    logger.info(
+        "--evolve: candidate %d of %d (%s)%s",
+        index + 1,
+        search.total,
+        name,
+        ", continuing its last.pt" if config.resume else "",
+    )
+    try:
+        run(config, dist)
+    except (KeyboardInterrupt, RunStopped, OutputError):
+        raise
+    except Exception as e:  # any failure of one candidate is that candidate's result
+        reason = str(e) if isinstance(e, YoloError) else f"{type(e).__name__}: {e}"
+        logger.warning("--evolve: %s failed: %s", name, reason)
+        return Row(
+            index,
+            record.FAILED,
+            dict(hyp),
+            run=name,
+            reason=reason.splitlines()[0],
+            seconds=_seconds_so_far(config.output_dir),
+        )
+    return scored_row(index, hyp, config.output_dir)
+
+
+def scored_row(index: int, hyp: Mapping[str, Any], run: Path, status: str = record.DONE) -> Row:
+    """A trained candidate's row, from its ``results.csv``: the last evaluated epoch."""
+    rows = read_results(run / "results.csv")
+    evaluated = [r for r in rows if r.get("mAP50-95")]
+    if not evaluated:
+        return Row(
+            index,
+            record.FAILED,
+            dict(hyp),
+            run=run.name,
+            reason="no epoch was evaluated",
+            seconds=_seconds_so_far(run),
+        )
+    last = evaluated[-1]
+    metrics = {k: float(last[k]) for k in record.METRICS}
+    return Row(
+        index,
+        status,
+        dict(hyp),
+        fitness=fitness(metrics),
+        metrics=metrics,
+        epochs=int(rows[-1]["epoch"]) + 1,
+        seconds=float(rows[-1].get("elapsed_seconds") or 0),
+        run=run.name,
+    )
+
+
+def log_row(search: Search, row: Row) -> None:
+    """One line per scored candidate: its fitness and the best so far."""
+    if math.isnan(row.fitness):
+        logger.info("--evolve: %s %s (%s)", row.run, row.status, row.reason)
+        return
+    best = record.best_row(search.rows)
+    logger.info(
+        "--evolve: %s %s, fitness %.5f (mAP@0.5 %.4f, mAP@0.5:0.95 %.4f); best so far: %s",
+        row.run,
+        row.status,
+        row.fitness,
+        row.metrics["mAP50"],
+        row.metrics["mAP50-95"],
+        "none" if best is None else f"{best.run} {best.fitness:.5f}",
+    )
+
+
+def _log_end(search: Search) -> None:
+    best = record.best_row(search.rows)
+    done = len(search.rows)
+    if best is None:
+        logger.warning("--evolve: %d candidates, none scored (see evolve.csv's reasons)", done)
+        return
+    best_hyp = search.folder / record.BEST_HYP_NAME
+    logger.info(
+        "--evolve: %d of %d candidates in %s; the best, %s, fitness %.5f. Results: %s, %s. "
+        "Train with it: python train.py --hyp %s",
+        done,
+        search.total,
+        search.folder,
+        best.run,
+        best.fitness,
+        record.CSV_NAME,
+        record.PLOT_NAME,
+        best_hyp,
+    )
