@@ -19,7 +19,7 @@ venv: $(STAMP)
 
 # Reinstall only when a requirements file changed since the last install.
 $(STAMP): requirements.txt requirements-dev.txt requirements-extra.txt requirements-onnx.txt \
-		requirements-trackers.txt
+		requirements-trackers.txt requirements-ray.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --disable-pip-version-check -q -r requirements-dev.txt
 	@touch $(STAMP)

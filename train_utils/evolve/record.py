@@ -156,6 +156,7 @@ def plot_search(path: Path, rows: Sequence[Row], space: SearchSpace) -> None:
         if best is not None:
             ax.plot(best.hyp[key], best.fitness, "k+", markersize=14)
         ax.set_title(key if best is None else f"{key} = {best.hyp[key]:.4g}", fontsize=9)
+        ax.locator_params(axis="x", nbins=4)  # small values' tick labels would overlap
     last = axes.flat[len(keys)]
     last.plot([r.candidate for r in scored], fit, ".-")
     last.set(xlabel="candidate", ylabel="fitness")
