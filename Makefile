@@ -42,7 +42,7 @@ lint: $(STAMP)
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 
 test: lint $(CV4_STAMP)
-	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
+	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # make gpu-check: what only a GPU can check and measure (bench/gpu_check.py, bench/README.md
 # "make gpu-check"), within 570 s (--budget-s); one JSON and one markdown report in bench/results/.

@@ -370,7 +370,8 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
         check_output_place(args.save_dir, "--save-dir", folder=True)
         if Path(args.save_dir).is_dir() and holds_run(Path(args.save_dir)):
             raise ConfigError(
-                f"--save-dir {args.save_dir} holds a training run ({', '.join(RUN_FILES)}), "
+                f"--save-dir {args.save_dir} holds a training run or search "
+                f"({', '.join(RUN_FILES)}), "
                 "whose report this one would replace: choose another --save-dir"
             )
     elif args.exist_ok and requested.is_dir() and holds_run(requested):

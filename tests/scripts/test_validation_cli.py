@@ -338,8 +338,9 @@ def test_exist_ok_never_moves_a_training_run(shapes_data, weights5, tmp_path, ca
         assert validation.main([*_argv(shapes_data, weights5, "--save-dir", str(run)), *extra]) == 2
         [line] = capsys.readouterr().err.splitlines()
         assert line == (
-            f"error: --save-dir {run} holds a training run (last.pt, best.pt, results.csv, "
-            "train.log), whose report this one would replace: choose another --save-dir"
+            f"error: --save-dir {run} holds a training run or search (last.pt, best.pt, "
+            "results.csv, train.log, search.yaml), whose report this one would replace: choose "
+            "another --save-dir"
         )
     assert sorted(p.name for p in run.iterdir()) == ["last.pt"]
 

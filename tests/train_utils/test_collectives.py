@@ -50,6 +50,7 @@ ALLOWED_CALLERS = {
     "train_utils/engine.py",
     "train_utils/data_loaders.py",
     "train_utils/autoanchor.py",
+    "train_utils/evolve/search.py",  # --evolve under DDP: rank 0 decides each candidate
 }
 ALLOWED_FOLDER = "train_utils/distributed/"
 MUST_NOT_IMPORT = ("train_utils/plan.py", "train_utils/reporting.py", "train_utils/checkpoint.py")
@@ -63,6 +64,7 @@ COMMENTED = (
     "train_utils/load_model.py",
     "train_utils/stop_signals.py",
     "train_utils/resume.py",
+    "train_utils/evolve/search.py",
 )
 
 
