@@ -136,6 +136,12 @@ def test_a_full_disk_stops_the_search_and_resume_finishes_it(
     rows = csv_rows(out)
     assert [r["candidate"] for r in rows] == ["0", "1"]
     assert all(r["status"] == "done" for r in rows)
+    # --evolve N with --resume extends a finished search; it keeps that size afterwards.
+    assert train.main(["--evolve", "3", "--resume", str(out)]) == 0
+    assert [r["candidate"] for r in csv_rows(out)] == ["0", "1", "2"]
+    capsys.readouterr()
+    assert train.main(["--resume", str(out)]) == 0
+    assert "3 of 3 candidates done" in capsys.readouterr().err
 
 
 def test_each_candidate_of_a_ddp_search_is_one_run_of_both_processes(

@@ -228,6 +228,8 @@ def claim(search: Search, exist_ok: bool, dist: DistInfo) -> RunFolder | None:
             search.rows = record.read_rows(
                 search.folder / record.CSV_NAME, {k: HYP_SPECS[k].kind for k in search.hyp_keys}
             )
+            # A search extended once (--evolve 16 --resume) keeps its size when continued.
+            search.total = max(search.total, len(search.rows))
         except YoloError as e:
             error = e
             if held is not None:
