@@ -148,7 +148,7 @@ def load_hyp(path: str | Path) -> dict[str, Any]:
             continue
         if key in hyp:
             raise ConfigError(f"hyperparameter '{key}' is given twice", path, line)
-        hyp[key] = _check_hyp_value(key, value, path, line)
+        hyp[key] = check_hyp_value(key, value, path, line)
     if unknown:
         listed = ", ".join(f"{key} (line {line})" for line, key in unknown)
         what = (
@@ -198,7 +198,9 @@ def _our_hyp_name(key: Any, value: Any, path: Path, line: int) -> tuple[str | No
     return key, value
 
 
-def _check_hyp_value(key: str, value: Any, path: Path, line: int) -> Any:
+def check_hyp_value(key: str, value: Any, path: Path, line: int | None) -> Any:
+    """``value`` of hyp key ``key`` as :data:`HYP_SPECS` allows it (ConfigError naming ``path``
+    and ``line`` otherwise)."""
     spec = HYP_SPECS[key]
     if spec.kind is bool:
         if not isinstance(value, bool):

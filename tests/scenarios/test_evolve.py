@@ -197,6 +197,32 @@ def test_bad_evolve_flags_are_one_line_before_any_folder(
     assert not out.exists()
 
 
+@pytest.mark.parametrize(
+    "record_text, message",
+    [
+        ("just text\n", "not a search record of this version"),
+        ("schema: 1\nevolve: 2\nargs: {}\nhyp: {}\n", "not a search record of this version"),
+        ("schema: 1\nevolve: 2\nargs: ARGS\nhyp: {lr0: fast}\nspace: SPACE\n", "'lr0' must"),
+        (
+            "schema: 1\nevolve: 2\nargs: ARGS\nhyp: {}\nspace: {keys: {mosaic: [1, 0, 1]}}\n",
+            "'mosaic' is not a searchable hyp key",
+        ),
+    ],
+)
+def test_an_edited_search_record_is_one_line(
+    shapes_data, tmp_path, capsys, record_text, message
+) -> None:
+    folder = tmp_path / "search"
+    folder.mkdir()
+    args = {"data": str(shapes_data), "img_size": 64, "epochs": 1, "device": "cpu"}
+    text = record_text.replace("ARGS", str(args)).replace("SPACE", str(SHIPPED_SPACE.to_dict()))
+    (folder / SEARCH_FILE).write_text(text)
+    assert train.main(["--resume", str(folder)]) == 2
+    [line] = capsys.readouterr().err.strip().splitlines()[-1:]
+    assert line.startswith("error: ") and message in line
+    assert sorted(p.name for p in folder.iterdir()) == [SEARCH_FILE]
+
+
 def test_ray_backend_without_ray_is_one_line(shapes_data, tmp_path, capsys, monkeypatch) -> None:
     import importlib.util
 

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.atomic import write_text
+from build_utils.checks import is_int
 from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
 from build_utils.safe_yaml import dump_yaml, load_yaml
 from train_utils.checkpoint import to_plain
@@ -39,6 +40,7 @@ from train_utils.config import (
     HYP_SPECS,
     TrainConfig,
     build_config,
+    check_hyp_value,
     get_args_parser,
     load_hyp,
     repo_default,
@@ -173,8 +175,17 @@ def _record_of(args: argparse.Namespace, config: TrainConfig, space: SearchSpace
 def _take_search_settings(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """``--resume <search>``: the search's flags for every flag not typed; its record."""
     saved = load_yaml(folder / SEARCH_FILE, "search record")
-    if not isinstance(saved, dict) or saved.get("schema") != SCHEMA:
-        raise ConfigError("not a search record of this version", folder / SEARCH_FILE)
+    parts = ("args", "hyp", "space")
+    if (
+        not isinstance(saved, dict)
+        or saved.get("schema") != SCHEMA
+        or not all(isinstance(saved.get(k), dict) for k in parts)
+        or not is_int(saved.get("evolve"))
+    ):
+        raise ConfigError(
+            f"not a search record of this version (schema {SCHEMA}: {', '.join(parts)}, evolve)",
+            folder / SEARCH_FILE,
+        )
     parser = get_args_parser()
     fields = {
         a.dest: a.default for a in parser._actions if a.dest not in OWN_FLAGS and a.dest != "help"
@@ -206,7 +217,11 @@ def settle(args: argparse.Namespace) -> tuple[Search, dict[str, Any] | None]:
         record_text = dump_yaml(_record_of(args, config, space))
     else:
         space = SearchSpace.from_dict(saved["space"])
-        config.hyp = {k: saved["hyp"].get(k, v) for k, v in config.hyp.items()}
+        record_path = config.output_dir / SEARCH_FILE
+        config.hyp = {
+            k: check_hyp_value(k, saved["hyp"][k], record_path, None) if k in saved["hyp"] else v
+            for k, v in config.hyp.items()
+        }
         record_text = None
     search = Search(config.output_dir, config, space, args.evolve, args.evolve_backend)
     search.record_text = record_text
