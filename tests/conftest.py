@@ -81,6 +81,8 @@ SLOWEST_FILES = (
     "tests/scenarios/test_resume_changes.py",
     "tests/scenarios/test_ddp_launches.py",
     "tests/scenarios/test_ddp.py",
+    "tests/scenarios/test_evolve.py",
+    "tests/scenarios/test_evolve_ray.py",
     "tests/project/test_warm_python.py",
     "tests/scripts/test_self_describing.py",
     "tests/models/test_budget.py",

@@ -172,7 +172,8 @@ def search_with_ray(search: Search) -> None:
         ) from None
     try:
         cpus, gpus = resources or (1.0, 1.0 if ray.cluster_resources().get("GPU") else 0.0)
-        share = _budget_share(search.config.time_budget, todo, cpus, gpus)
+        at_once = trials_at_once(cpus, gpus, todo)
+        share = _budget_share(search.config.time_budget, todo, at_once)
         trainable = tune.with_resources(
             tune.with_parameters(run_trial, search=search, share_s=share),
             {"cpu": cpus, "gpu": gpus},
@@ -195,28 +196,32 @@ def search_with_ray(search: Search) -> None:
             ),
         )
         logger.info(
-            "--evolve-backend ray: %d candidates on %s, %g CPU and %g GPU each",
+            "--evolve-backend ray: %d candidates on %s, %g CPU and %g GPU each, up to %d at once",
             todo,
             address or "a Ray of this machine",
             cpus,
             gpus,
+            at_once,
         )
         tuner.fit()
     finally:
         ray.shutdown()
 
 
-def _budget_share(minutes: float | None, todo: int, cpus: float, gpus: float) -> float | None:
-    """Seconds each trial may train so that ``todo`` candidates, as many at once as the cluster
-    holds, fit ``--time-budget`` (None without one)."""
-    if minutes is None:
-        return None
+def trials_at_once(cpus: float, gpus: float, todo: int) -> int:
+    """How many trials of ``cpus`` CPUs and ``gpus`` GPUs the cluster runs at once (at most
+    ``todo``, at least 1)."""
     total = ray.cluster_resources()
     slots = total.get("CPU", 1) // cpus
     if gpus > 0:
         slots = min(slots, total.get("GPU", 0) // gpus)
-    at_once = max(1, min(int(slots), todo))
-    return minutes * 60 * at_once / todo
+    return max(1, min(int(slots), todo))
+
+
+def _budget_share(minutes: float | None, todo: int, at_once: int) -> float | None:
+    """Seconds each trial may train so that ``todo`` candidates, ``at_once`` at a time, fit
+    ``--time-budget`` (None without one)."""
+    return None if minutes is None else minutes * 60 * at_once / todo
 
 
 def _absolute_paths(config: Any) -> Any:

@@ -51,10 +51,11 @@ def test_a_trial_that_trained_every_epoch_is_done_one_asha_stopped_is_not(tmp_pa
 
 def test_time_budget_per_trial_counts_the_trials_that_run_at_once(monkeypatch) -> None:
     monkeypatch.setattr(ray_backend.ray, "cluster_resources", lambda: {"CPU": 8.0, "GPU": 2.0})
-    assert ray_backend._budget_share(None, 10, 1, 0) is None
-    # 8 CPUs, 2 per trial: 4 at once; 10 candidates in 60 minutes: each 60 * 4 / 10 minutes.
-    assert ray_backend._budget_share(60, 10, 2, 0) == pytest.approx(60 * 60 * 4 / 10)
-    # One GPU per trial: 2 at once.
-    assert ray_backend._budget_share(60, 10, 1, 1) == pytest.approx(60 * 60 * 2 / 10)
-    # Fewer candidates than slots: each the whole budget.
-    assert ray_backend._budget_share(60, 2, 1, 0) == pytest.approx(60 * 60)
+    # 8 CPUs, 2 per trial: 4 at once; one GPU per trial: 2; fewer candidates than slots: those.
+    assert ray_backend.trials_at_once(2, 0, 10) == 4
+    assert ray_backend.trials_at_once(1, 1, 10) == 2
+    assert ray_backend.trials_at_once(1, 0, 3) == 3
+    assert ray_backend.trials_at_once(16, 0, 3) == 1  # a trial larger than the cluster: one
+    assert ray_backend._budget_share(None, 10, 4) is None
+    # 10 candidates, 4 at a time, in 60 minutes: each 60 * 4 / 10 minutes.
+    assert ray_backend._budget_share(60, 10, 4) == pytest.approx(60 * 60 * 4 / 10)
