@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 import train
-from build_utils.errors import OutputError
+from build_utils.errors import OutputError, RunStopped
 from tests.conftest import finish_all, read_results, run_script, start_process, train_argv
 from train_utils import trainer
 from train_utils.config import HYP_SPECS, load_hyp
@@ -142,6 +142,30 @@ def test_a_full_disk_stops_the_search_and_resume_finishes_it(
     capsys.readouterr()
     assert train.main(["--resume", str(out)]) == 0
     assert "3 of 3 candidates done" in capsys.readouterr().err
+
+
+def test_a_stop_request_ends_the_search_with_75_and_resume_finishes_it(
+    make_shapes_data, tmp_path, monkeypatch, capsys
+) -> None:
+    """SIGUSR1 (a SLURM job's warning) stops the candidate in training (its run raises
+    RunStopped after keeping last.pt): the search stops with status 75, resumable."""
+    data = make_shapes_data(n_train=8, n_val=4)
+    out = tmp_path / "search"
+    real_run = trainer.run
+
+    def stopped_second_candidate(config, dist):
+        if config.output_dir.name == "candidate-001":
+            raise RunStopped("stop requested (SIGUSR1)")
+        return real_run(config, dist)
+
+    monkeypatch.setattr(trainer, "run", stopped_second_candidate)
+    assert train.main(search_argv(data, out, 2)) == 75
+    assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped: stop requested (SIGUSR1)"
+    assert [r["candidate"] for r in csv_rows(out)] == ["0"]
+    assert not (out / "run.lock").exists()  # the search's lock is given back
+    monkeypatch.setattr(trainer, "run", real_run)
+    assert train.main(["--resume", str(out)]) == 0
+    assert [(r["candidate"], r["status"]) for r in csv_rows(out)] == [("0", "done"), ("1", "done")]
 
 
 def test_each_candidate_of_a_ddp_search_is_one_run_of_both_processes(
