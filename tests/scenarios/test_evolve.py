@@ -39,19 +39,27 @@ def last_fitness(run: Path) -> float:
     return space.fitness({k: float(last[k]) for k in record.METRICS})
 
 
+def second_candidate_raises(monkeypatch, error: BaseException):
+    """Make candidate-001's training raise ``error`` (the others train); the real run."""
+    real_run = trainer.run
+
+    def run(config, dist):
+        if config.output_dir.name == "candidate-001":
+            raise error
+        return real_run(config, dist)
+
+    monkeypatch.setattr(trainer, "run", run)
+    return real_run
+
+
 def test_a_search_writes_its_files_records_a_failure_and_its_best_hyp_reproduces(
     make_shapes_data, tmp_path, monkeypatch, capsys
 ) -> None:
     data = make_shapes_data(n_train=8, n_val=4)
     out = tmp_path / "search"
-    real_run = trainer.run
-
-    def diverging_second_candidate(config, dist):
-        if config.output_dir.name == "candidate-001":
-            raise NonFiniteLossError("the loss became NaN at epoch 0, batch 1")
-        return real_run(config, dist)
-
-    monkeypatch.setattr(trainer, "run", diverging_second_candidate)
+    real_run = second_candidate_raises(
+        monkeypatch, NonFiniteLossError("the loss became NaN at epoch 0, batch 1")
+    )
     assert train.main(search_argv(data, out, 3)) == 0
     rows = csv_rows(out)
     assert [r["candidate"] for r in rows] == ["0", "1", "2"]
@@ -151,14 +159,7 @@ def test_a_stop_request_ends_the_search_with_75_and_resume_finishes_it(
     RunStopped after keeping last.pt): the search stops with status 75, resumable."""
     data = make_shapes_data(n_train=8, n_val=4)
     out = tmp_path / "search"
-    real_run = trainer.run
-
-    def stopped_second_candidate(config, dist):
-        if config.output_dir.name == "candidate-001":
-            raise RunStopped("stop requested (SIGUSR1)")
-        return real_run(config, dist)
-
-    monkeypatch.setattr(trainer, "run", stopped_second_candidate)
+    real_run = second_candidate_raises(monkeypatch, RunStopped("stop requested (SIGUSR1)"))
     assert train.main(search_argv(data, out, 2)) == 75
     assert capsys.readouterr().err.strip().splitlines()[-1] == "stopped: stop requested (SIGUSR1)"
     assert [r["candidate"] for r in csv_rows(out)] == ["0"]

@@ -30,12 +30,17 @@ from ray.tune.schedulers import ASHAScheduler
 from ray.tune.search import Searcher
 
 from build_utils.errors import ConfigError
+from train_utils import trainer
 from train_utils.config import REPO_ROOT
+from train_utils.distributed.devices import select_device
+from train_utils.distributed.process_group import DistInfo
 from train_utils.evolve import record
 from train_utils.evolve.record import Row
 from train_utils.evolve.search import (
     Search,
     candidate_config,
+    epoch_metrics,
+    evaluated_epochs,
     log_row,
     scored_row,
     started_hyp,
@@ -98,10 +103,6 @@ def run_trial(params: dict[str, Any], search: Search, share_s: float | None) -> 
     """One trial, in a Ray worker: train candidate ``params['candidate']`` and report the
     fitness of each evaluated epoch as it appears in its results.csv (ASHA's input); the last
     report says ``finished`` when the candidate trained to its end."""
-    from train_utils.distributed.devices import select_device
-    from train_utils.distributed.process_group import DistInfo
-    from train_utils.trainer import run
-
     index, hyp = params["candidate"], params["hyp"]
     config = candidate_config(search, index, hyp, share_s)
     dist = DistInfo.single(select_device("0" if ray.get_gpu_ids() else "cpu"))
@@ -109,7 +110,7 @@ def run_trial(params: dict[str, Any], search: Search, share_s: float | None) -> 
 
     def train() -> None:
         try:
-            run(config, dist)
+            trainer.run(config, dist)
         except BaseException as e:  # raised by the trial, below, for Ray to record
             failure.append(e)
 
@@ -118,13 +119,13 @@ def run_trial(params: dict[str, Any], search: Search, share_s: float | None) -> 
     reported = 0
     while worker.is_alive():
         worker.join(POLL_S)
-        evaluated = _evaluated_epochs(config.output_dir)
+        evaluated = evaluated_epochs(config.output_dir)
         for row in evaluated[reported:]:
             tune.report(_report(row, finished=False))
         reported = len(evaluated)
     if failure:
         raise failure[0]
-    evaluated = _evaluated_epochs(config.output_dir)
+    evaluated = evaluated_epochs(config.output_dir)
     if not evaluated:
         raise RuntimeError("the candidate finished without an evaluated epoch")
     # The last epoch again, now known to be the last (ASHA keeps the higher-epoch record).
@@ -132,14 +133,8 @@ def run_trial(params: dict[str, Any], search: Search, share_s: float | None) -> 
 
 
 def _report(row: Mapping[str, str], finished: bool) -> dict[str, Any]:
-    metrics = {k: float(row[k]) for k in record.METRICS}
-    return {"fitness": fitness(metrics), "epoch": int(row["epoch"]) + 1, "finished": finished}
-
-
-def _evaluated_epochs(folder: Path) -> list[dict[str, str]]:
-    from train_utils.reporting import read_results
-
-    return [r for r in read_results(folder / "results.csv") if r.get("mAP50-95")]
+    fit = fitness(epoch_metrics(row))
+    return {"fitness": fit, "epoch": int(row["epoch"]) + 1, "finished": finished}
 
 
 def search_with_ray(search: Search) -> None:

@@ -34,6 +34,7 @@ from build_utils.atomic import write_text
 from build_utils.checks import is_int
 from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
 from build_utils.safe_yaml import dump_yaml, load_yaml
+from train_utils import trainer
 from train_utils.checkpoint import to_plain
 from train_utils.cli import take_from_run
 from train_utils.config import (
@@ -47,6 +48,7 @@ from train_utils.config import (
     run_folder_of,
 )
 from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
+from train_utils.distributed.devices import select_device
 from train_utils.distributed.process_group import DistInfo
 from train_utils.evolve import record
 from train_utils.evolve.record import Row
@@ -268,8 +270,6 @@ def evolve(args: argparse.Namespace, dist: DistInfo | None) -> None:
             "train.py alone, not under torchrun/SLURM ranks"
         )
     if dist is None:
-        from train_utils.distributed.devices import select_device
-
         dist = DistInfo.single(select_device(search.config.device))
     held = claim(search, exist_ok, dist)
     try:
@@ -347,9 +347,10 @@ def _budget_share(search: Search, index: int) -> float | None:
     ones). None without a budget."""
     if search.config.time_budget is None:
         return None
+    done = {r.candidate for r in search.rows}
     spent = sum(r.seconds for r in search.rows)
     spent += _seconds_so_far(search.candidate_folder(index))
-    left = sum(1 for i in range(index, search.total) if i not in {r.candidate for r in search.rows})
+    left = sum(1 for i in range(index, search.total) if i not in done)
     return (search.config.time_budget * 60 - spent) / max(left, 1)
 
 
@@ -385,8 +386,6 @@ def train_candidate(
     """Train candidate ``index`` (or finish its earlier attempt) and score it. Its failure (a
     loss that became NaN, a model that does not fit) is its row; a stop request, Ctrl-C or an
     output that cannot be written stops the search, resumable."""
-    from train_utils.trainer import run
-
     config = candidate_config(search, index, hyp, share_s)
     name = config.output_dir.name
     logger.info(
@@ -397,7 +396,7 @@ def train_candidate(
         ", continuing its last.pt" if config.resume else "",
     )
     try:
-        run(config, dist)
+        trainer.run(config, dist)
     except (KeyboardInterrupt, RunStopped, OutputError):
         raise
     except Exception as e:  # any failure of one candidate is that candidate's result
@@ -414,7 +413,17 @@ def train_candidate(
     return scored_row(index, hyp, config.output_dir)
 
 
-def scored_row(index: int, hyp: Mapping[str, Any], run: Path, status: str = record.DONE) -> Row:
+def evaluated_epochs(run: Path) -> list[dict[str, str]]:
+    """The rows of a candidate's ``results.csv`` whose epoch was evaluated."""
+    return [r for r in read_results(run / "results.csv") if r.get("mAP50-95")]
+
+
+def epoch_metrics(row: Mapping[str, str]) -> dict[str, float]:
+    """The metrics fitness is made of, from one ``results.csv`` row."""
+    return {k: float(row[k]) for k in record.METRICS}
+
+
+def scored_row(index: int, hyp: Mapping[str, Any], run: Path) -> Row:
     """A trained candidate's row, from its ``results.csv``: the last evaluated epoch."""
     rows = read_results(run / "results.csv")
     evaluated = [r for r in rows if r.get("mAP50-95")]
@@ -427,11 +436,10 @@ def scored_row(index: int, hyp: Mapping[str, Any], run: Path, status: str = reco
             reason="no epoch was evaluated",
             seconds=_seconds_so_far(run),
         )
-    last = evaluated[-1]
-    metrics = {k: float(last[k]) for k in record.METRICS}
+    metrics = epoch_metrics(evaluated[-1])
     return Row(
         index,
-        status,
+        record.DONE,
         dict(hyp),
         fitness=fitness(metrics),
         metrics=metrics,
