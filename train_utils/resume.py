@@ -134,7 +134,9 @@ def _checkpoint_to_resume(args: argparse.Namespace, run_folder: Path | None) -> 
         ConfigError: there is no such checkpoint.
     """
     if args.resume != "auto":
-        return Path(args.resume)
+        path = Path(args.resume)
+        # A run's folder means its last.pt (as a search's folder means the search).
+        return path / "last.pt" if path.is_dir() else path
     if run_folder is not None:
         last = run_folder / "last.pt"
         refuse_if_in_use(run_folder)  # a live run there: that is what the user must hear

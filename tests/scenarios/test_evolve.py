@@ -16,6 +16,7 @@ import train
 from build_utils.errors import OutputError, RunStopped
 from tests.conftest import finish_all, read_results, run_script, start_process, train_argv
 from train_utils import trainer
+from train_utils.checkpoint import load_checkpoint
 from train_utils.config import HYP_SPECS, load_hyp
 from train_utils.engine import NonFiniteLossError
 from train_utils.evolve import record, space
@@ -169,6 +170,57 @@ def test_a_stop_request_ends_the_search_with_75_and_resume_finishes_it(
     assert [(r["candidate"], r["status"]) for r in csv_rows(out)] == [("0", "done"), ("1", "done")]
 
 
+def test_a_continued_search_keeps_its_flags_redraws_its_files_and_bare_resume_finds_it(
+    make_shapes_data, tmp_path, monkeypatch, capsys
+) -> None:
+    data = make_shapes_data(n_train=8, n_val=4)
+    monkeypatch.chdir(tmp_path)  # bare --resume looks in ./runs
+    out = tmp_path / "runs" / "search"
+    assert train.main(search_argv(data, out, 1)) == 0
+    written = (out / record.CSV_NAME).read_text()
+    # Its candidates are compared by fitness: a flag that changes what they train is refused.
+    capsys.readouterr()
+    assert train.main(["--resume", str(out), "--epochs", "2", "--batch-size", "2"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("error: --resume") and "--epochs 2 (the search has 1)" in err
+    assert "--batch-size 2 (the search has 4)" in err
+    assert (out / record.CSV_NAME).read_text() == written
+    # A stop between a row and its picture: the continued search draws it again. Bare
+    # --resume finds the search when it was written after any run's last.pt.
+    (out / record.PLOT_NAME).unlink()
+    (out / record.BEST_HYP_NAME).unlink()
+    assert train.main(["--resume"]) == 0
+    assert "1 of 1 candidates done" in capsys.readouterr().err
+    assert (out / record.PLOT_NAME).stat().st_size > 0 and (out / record.BEST_HYP_NAME).is_file()
+
+
+def test_a_stop_in_a_candidates_first_epoch_starts_it_over(
+    make_shapes_data, tmp_path, monkeypatch, capsys
+) -> None:
+    """Ctrl-C in a candidate's first epoch saves its part-trained weights as "epoch -1"; a
+    candidate continued from them would not be the uninterrupted one, so it starts over (the
+    partial start moved aside). The stop names the search to continue."""
+    data = make_shapes_data(n_train=8, n_val=4)
+    out = tmp_path / "search"
+    real = trainer.train_one_epoch
+
+    def interrupted(state, loader, epoch, opts):
+        for _ in loader:  # a batch is loaded, then Ctrl-C
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(trainer, "train_one_epoch", interrupted)
+    assert train.main(search_argv(data, out, 1)) == 130
+    assert f"continue the search with: python train.py --resume {out}" in capsys.readouterr().err
+    assert load_checkpoint(out / "candidate-000" / "last.pt")["epoch"] == -1
+    monkeypatch.setattr(trainer, "train_one_epoch", real)
+    assert train.main(["--resume", str(out)]) == 0
+    log = (out / "candidate-000" / "train.log").read_text()
+    assert "resuming from" not in log
+    # The partial start is kept aside, as --exist-ok keeps a run it replaces.
+    assert [p.name for p in (out / "candidate-000").glob("replaced-*/last.pt")] == ["last.pt"]
+    assert [r["status"] for r in csv_rows(out)] == ["done"]
+
+
 def test_each_candidate_of_a_ddp_search_is_one_run_of_both_processes(
     make_shapes_data, tmp_path
 ) -> None:
@@ -207,7 +259,10 @@ def test_budget_is_shared_by_the_candidates_left(tmp_path) -> None:
         (["--evolve", "2", "--recipe", "darknet"], "--recipe darknet takes its settings"),
         (["--evolve", "2", "--notest"], "drop --notest"),
         (["--evolve", "2", "--evolve-space", "missing.yaml"], "missing.yaml"),
-        (["--evolve", "2", "--resume", "nowhere"], "--evolve with --resume continues a search"),
+        (["--evolve", "2", "--resume", "nowhere"], "nowhere is not a search folder"),
+        (["--evolve-space", "cfg/evolve.yaml"], "--evolve-space only apply to a search"),
+        (["--evolve-backend", "local"], "--evolve-backend only apply to a search"),
+        (["--evolve", "2", "--address", "1.2.3.4:6379"], "--address are the Ray backend's"),
         (["--evolve", "2", "--trial-resources", "0", "1"], "--trial-resources takes CPUS > 0"),
     ],
 )

@@ -91,7 +91,16 @@ def read_rows(path: Path, hyp_kinds: Mapping[str, type]) -> list[Row]:
     return rows
 
 
+def _finite(raw: Mapping[str, str], key: str) -> float:
+    value = float(raw[key])
+    if not math.isfinite(value):
+        raise ValueError(f"{key} = {raw[key]!r}")
+    return value
+
+
 def _row(raw: Mapping[str, str], hyp_kinds: Mapping[str, type]) -> Row:
+    if None in raw or None in raw.values():  # DictReader's filler for a torn or extended row
+        raise ValueError("not as many fields as the header")
     hyp: dict[str, Any] = {}
     for key, kind in hyp_kinds.items():
         text = raw[key]
@@ -100,15 +109,15 @@ def _row(raw: Mapping[str, str], hyp_kinds: Mapping[str, type]) -> Row:
                 raise ValueError(f"{key} = {text!r}")
             hyp[key] = text == "true"
         else:
-            hyp[key] = float(text)
+            hyp[key] = _finite(raw, key)
     return Row(
         candidate=int(raw["candidate"]),
         status=raw["status"],
         hyp=hyp,
-        fitness=float(raw["fitness"]) if raw["fitness"] else math.nan,
-        metrics={k: float(raw[k]) for k in METRICS if raw[k]},
+        fitness=_finite(raw, "fitness") if raw["fitness"] else math.nan,
+        metrics={k: _finite(raw, k) for k in METRICS if raw[k]},
         epochs=int(raw["epochs"]),
-        seconds=float(raw["seconds"]),
+        seconds=_finite(raw, "seconds"),
         run=raw["run"],
         reason=raw["reason"],
     )

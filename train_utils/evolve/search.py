@@ -35,7 +35,7 @@ from build_utils.checks import is_int
 from build_utils.errors import ConfigError, OutputError, RunStopped, YoloError
 from build_utils.safe_yaml import dump_yaml, load_yaml
 from train_utils import trainer
-from train_utils.checkpoint import to_plain
+from train_utils.checkpoint import load_checkpoint, to_plain
 from train_utils.cli import take_from_run
 from train_utils.config import (
     HYP_SPECS,
@@ -54,7 +54,8 @@ from train_utils.evolve import record
 from train_utils.evolve.record import Row
 from train_utils.evolve.space import DEFAULT_SPACE, SearchSpace, fitness, load_space, next_candidate
 from train_utils.reporting import logging_to, read_results, run_log_handler
-from train_utils.run_folder import SEARCH_RECORD, RunFolder, claim_run_folder
+from train_utils.resume import latest_run_checkpoint
+from train_utils.run_folder import RUNS_DIR, SEARCH_RECORD, RunFolder, claim_run_folder
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +65,12 @@ DEFAULT_NAME = "evolve"  # runs/evolve, runs/evolve2, ... (YOLOv5: runs/evolve/e
 SCHEMA = 1
 # Flags that belong to this invocation, not to the search a --resume continues (a requeued
 # job's Ray head has another --address).
+# The flags of a search alone (without one they would do nothing).
+SEARCH_FLAGS = ("evolve_space", "evolve_backend", "address", "trial_resources")
+# What a continued search may be given anew: where and how long it runs, how it is reported.
+RESUME_MAY_CHANGE = frozenset(
+    {"time_budget", "device", "workers", "tracker", "log_interval", "trial_resources"}
+)
 OWN_FLAGS = frozenset(
     {"resume", "exist_ok", "output_dir", "project", "name", "given", "local_rank", "evolve"}
     | {"address"}
@@ -110,6 +117,11 @@ class Search:
         """Record ``row`` in every file of the search (rank 0)."""
         self.rows = [r for r in self.rows if r.candidate != row.candidate] + [row]
         record.write_rows(self.folder / record.CSV_NAME, self.rows, self.hyp_keys)
+        self.write_summaries()
+
+    def write_summaries(self) -> None:
+        """hyp_evolve.yaml and evolve.png from the rows (rank 0). Also at the end of a
+        continued search: a stop between a row and its picture left them a row behind."""
         best = record.best_row(self.rows)
         if best is not None:
             record.write_best_hyp(self.folder / record.BEST_HYP_NAME, best, self.folder)
@@ -117,8 +129,24 @@ class Search:
 
 
 def is_search(args: argparse.Namespace) -> bool:
-    """Whether ``args`` start or continue a search."""
-    return args.evolve is not None or _resumed_search_folder(args) is not None
+    """Whether ``args`` start or continue a search.
+
+    Raises:
+        ConfigError: a search's own flag given to a run that is not one (it would do nothing).
+    """
+    if args.evolve is not None or _resumed_search_folder(args) is not None:
+        return True
+    typed = [flag for flag in SEARCH_FLAGS if flag in getattr(args, "given", ())]
+    if typed:
+        raise ConfigError(
+            f"{_flag_names(typed)} only apply to a search: add --evolve N (or --resume a "
+            f"search's folder)"
+        )
+    return False
+
+
+def _flag_names(dests: list[str]) -> str:
+    return " and ".join(f"--{d.replace('_', '-')}" for d in dests)
 
 
 def _resumed_search_folder(args: argparse.Namespace) -> Path | None:
@@ -128,12 +156,30 @@ def _resumed_search_folder(args: argparse.Namespace) -> Path | None:
         return None
     if args.resume == "auto":
         if not (args.name or args.output_dir or getattr(args, "project", "")):
-            return None
+            return _newest_search(RUNS_DIR)
         path = run_folder_of(args)[0]
     else:
         path = Path(args.resume)
         path = path if path.is_dir() else path.parent
     return path if (path / SEARCH_FILE).is_file() else None
+
+
+def _newest_search(runs: Path) -> Path | None:
+    """Bare ``--resume``: the search under ``runs`` written to last, when that was after the
+    newest ``runs/*/last.pt`` of a plain run (which bare ``--resume`` continues otherwise)."""
+    times: dict[Path, float] = {}
+    for mark in (f"*/{SEARCH_FILE}", f"*/{record.CSV_NAME}", "*/candidate-*/last.pt"):
+        for path in runs.glob(mark):
+            folder = path.parent.parent if path.name == "last.pt" else path.parent
+            if (folder / SEARCH_FILE).is_file():
+                times[folder] = max(times.get(folder, 0.0), path.stat().st_mtime)
+    if not times:
+        return None
+    folder = max(times, key=times.__getitem__)
+    latest_run = latest_run_checkpoint(runs)
+    if latest_run is not None and latest_run.stat().st_mtime > times[folder]:
+        return None
+    return folder
 
 
 def check_flags(args: argparse.Namespace) -> None:
@@ -157,6 +203,11 @@ def check_flags(args: argparse.Namespace) -> None:
     ):
         raise ConfigError(
             f"--trial-resources takes CPUS > 0 and GPUS >= 0, got {args.trial_resources}"
+        )
+    ray_only = [d for d in ("address", "trial_resources") if d in getattr(args, "given", ())]
+    if ray_only and args.evolve_backend != "ray":
+        raise ConfigError(
+            f"{_flag_names(ray_only)} are the Ray backend's: add --evolve-backend ray"
         )
 
 
@@ -192,7 +243,8 @@ def _take_search_settings(args: argparse.Namespace, folder: Path) -> dict[str, A
     fields = {
         a.dest: a.default for a in parser._actions if a.dest not in OWN_FLAGS and a.dest != "help"
     }
-    take_from_run(args, saved.get("args") or {}, fields, f"--resume {folder}")
+    _refuse_changed_flags(args, saved["args"], folder)
+    take_from_run(args, saved["args"], fields, f"--resume {folder}")
     if args.evolve is None:
         args.evolve = saved.get("evolve")
     args.output_dir, args.resume, args.exist_ok = str(folder), None, False
@@ -201,14 +253,32 @@ def _take_search_settings(args: argparse.Namespace, folder: Path) -> dict[str, A
     return saved
 
 
+def _refuse_changed_flags(args: argparse.Namespace, saved: Mapping[str, Any], folder: Path) -> None:
+    """A continued search trains its candidates as it trained the others (they are compared by
+    fitness): a typed flag that differs from the search's is refused, except those that only
+    say where and how long it runs and how it is reported (RESUME_MAY_CHANGE)."""
+    changed = [
+        f"--{d.replace('_', '-')} {to_plain(getattr(args, d))} (the search has {saved.get(d)})"
+        for d in sorted(getattr(args, "given", ()))
+        if d not in OWN_FLAGS | RESUME_MAY_CHANGE and to_plain(getattr(args, d)) != saved.get(d)
+    ]
+    if changed:
+        raise ConfigError(
+            f"--resume {folder} continues a search, whose candidates all train with its flags "
+            f"(search.yaml): {', '.join(changed)}; drop them, or start a new search"
+        )
+
+
 def settle(args: argparse.Namespace) -> tuple[Search, dict[str, Any] | None]:
     """Check everything and decide the search (nothing written yet): the continued search's
     record, else None."""
     folder = _resumed_search_folder(args)
     saved = _take_search_settings(args, folder) if folder is not None else None
     if saved is None and args.resume is not None and args.evolve is not None:
+        named = "" if args.resume == "auto" else f"{args.resume} is not a search folder; "
         raise ConfigError(
-            "--evolve with --resume continues a search: give its folder (--resume runs/evolve)"
+            f"--evolve with --resume continues a search: {named}give its folder (--resume "
+            f"runs/evolve)"
         )
     check_flags(args)
     if folder is None and not (args.output_dir or args.name or getattr(args, "project", "")):
@@ -277,12 +347,20 @@ def evolve(args: argparse.Namespace, dist: DistInfo | None) -> None:
         with logging_to(handler):
             if held is not None:
                 held.log()
-            if search.backend == "ray":
-                from train_utils.evolve.ray_backend import search_with_ray
+            try:
+                if search.backend == "ray":
+                    from train_utils.evolve.ray_backend import search_with_ray
 
-                search_with_ray(search)
-            else:
-                _search_here(search, dist)
+                    search_with_ray(search)
+                else:
+                    _search_here(search, dist)
+            except (KeyboardInterrupt, RunStopped):
+                if dist.is_main:  # the candidate's own line names its folder, not the search's
+                    logger.warning(
+                        "--evolve: stopped; continue the search with: python train.py --resume %s",
+                        search.folder,
+                    )
+                raise
             if dist.is_main:
                 _log_end(search)
     finally:
@@ -367,17 +445,32 @@ def candidate_config(
     from the folder's ``last.pt`` when an earlier attempt saved one."""
     folder = search.candidate_folder(index)
     last = folder / "last.pt"
+    resume = _finished_an_epoch(last)
     return dataclasses.replace(
         search.config,
         hyp=dict(hyp),
         output_dir=folder,
         auto_named=False,
-        resume=str(last) if last.is_file() else None,
-        # A start that failed before its first checkpoint is moved aside, never mixed.
-        exist_ok=not last.is_file(),
+        resume=str(last) if resume else None,
+        # A start stopped before its first epoch ended is moved aside, never mixed.
+        exist_ok=not resume,
         plots=False,  # YOLOv5's evolve draws no per-run pictures either
         time_budget=None if share_s is None else share_s / 60,
     )
+
+
+def _finished_an_epoch(last: Path) -> bool:
+    """Whether ``last`` is a checkpoint a candidate continues exactly: one saved at the end of
+    an epoch. A stop inside the first epoch saves its part-trained weights as "epoch -1"; a run
+    continued from them is not the uninterrupted one, so such a candidate starts over (an
+    unreadable last.pt too: the trainer would refuse it)."""
+    if not last.is_file():
+        return False
+    try:
+        epoch = load_checkpoint(last).get("epoch")
+    except YoloError:
+        return False
+    return is_int(epoch) and epoch >= 0
 
 
 def train_candidate(
@@ -467,6 +560,7 @@ def log_row(search: Search, row: Row) -> None:
 
 
 def _log_end(search: Search) -> None:
+    search.write_summaries()
     best = record.best_row(search.rows)
     done = len(search.rows)
     if best is None:

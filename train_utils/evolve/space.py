@@ -116,10 +116,16 @@ def _space_of(
     return SearchSpace(genes, float(p), float(sigma))
 
 
+# A number that is also a switch (-1: off): a mutation would turn "off" into some value.
+NOT_SEARCHED = frozenset({"warmup_momentum"})
+
+
 def _gene(key: Any, value: Any, hyp_specs: Mapping[str, Any], source: Any, line: Any) -> Gene:
     spec = hyp_specs.get(key)
-    if spec is None or spec.kind is bool:
-        searchable = ", ".join(k for k, s in hyp_specs.items() if s.kind is not bool)
+    if spec is None or spec.kind is bool or key in NOT_SEARCHED:
+        searchable = ", ".join(
+            k for k, s in hyp_specs.items() if s.kind is not bool and k not in NOT_SEARCHED
+        )
         raise ConfigError(
             f"{short_repr(key)} is not a searchable hyp key; the keys are {searchable}",
             source,

@@ -36,6 +36,8 @@ def test_the_shipped_space_loads_and_every_bound_holds_cfg_hyp() -> None:
     "text, message, line",
     [
         ("keys:\n  lr0: [1, 0.0, 0.1]\n  mosaic: [1, 0, 1]\n", "'mosaic' is not a searchable", 3),
+        # -1 switches it off: a mutation would turn "off" into a value.
+        ("keys:\n  warmup_momentum: [1, -1, 1]\n", "'warmup_momentum' is not a searchable", 2),
         ("keys:\n  lr0: [1, 0.1, 0.01]\n", "lower <= upper", 2),
         ("keys:\n  lr0: [1, 0.0, 20.0]\n", "within the key's range [0.0, 10.0]", 2),
         ("keys:\n  lr0: [-1, 0.0, 0.1]\n", "the gain must be >= 0", 2),
@@ -156,16 +158,25 @@ def test_evolve_csv_and_the_best_hyp_read_back_as_written(tmp_path: Path) -> Non
     assert load_hyp(hyp_path) == child  # train.py --hyp takes it as it is, value for value
 
 
-def test_an_edited_evolve_csv_is_one_line_naming_its_line(tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "edit, why",
+    [
+        (lambda t: t.replace(",true\n", ",maybe\n"), "= 'maybe'"),
+        (lambda t: t.replace(",0.1,", ",nan,", 1), "fitness = 'nan'"),  # a done row's fitness
+        (lambda t: t.rsplit(",", 3)[0] + "\n", "not as many fields as the header"),  # torn
+    ],
+)
+def test_an_edited_evolve_csv_is_one_line_naming_its_line(tmp_path: Path, edit, why) -> None:
     csv_path = tmp_path / record.CSV_NAME
     record.write_rows(
         csv_path,
         [Row(0, record.DONE, dict(BASE), 0.1, {"mAP50": 0.1, "mAP50-95": 0.1})],
         list(BASE),
     )
-    csv_path.write_text(csv_path.read_text().replace(",true\n", ",maybe\n"))
-    with pytest.raises(ConfigError, match=r"evolve.csv:2: a row this search cannot read back"):
+    csv_path.write_text(edit(csv_path.read_text()))
+    with pytest.raises(ConfigError, match=r"evolve.csv:2: a row this search cannot read back") as e:
         record.read_rows(csv_path, KINDS)
+    assert why in str(e.value)
 
 
 def test_a_full_disk_keeps_the_rows_already_written(tmp_path: Path, monkeypatch) -> None:
