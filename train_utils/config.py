@@ -352,8 +352,9 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
     add_weights_flags(g, required=False, help="initial weights: .pt or Darknet .weights")
     resume_help = (
         "continue a run in its folder with its own arguments (flags given override them): "
-        "PATH (a last.pt), else <--project or runs>/<--name>/last.pt or <--output-dir>/last.pt, "
-        "else the most recent runs/*/last.pt (under --project when given)"
+        "PATH (a last.pt, a run's folder, or an --evolve search's folder), else "
+        "<--project or runs>/<--name>/last.pt or <--output-dir>/last.pt, else the most recent "
+        "runs/*/last.pt or search (under --project when given)"
     )
     g.add_argument(
         "--resume", nargs="?", const="auto", default=None, metavar="PATH", help=resume_help

@@ -191,7 +191,9 @@ def test_training_from_a_data_yaml_resumes_and_names_classes(
     assert (out / "labels.png").is_file()
 
     monkeypatch.chdir(tmp_path)
-    config = build_config(parse_train_args(["--resume", str(out / "last.pt"), "--workers", "0"]))
+    # The run's folder, as a user types it, means its last.pt (was: "no checkpoint there").
+    config = build_config(parse_train_args(["--resume", str(out), "--workers", "0"]))
+    assert config.resume == str(out / "last.pt")
     assert config.data.path == yml and config.data.names == names
     trainer_module.run(config, DistInfo.single(torch.device("cpu")))
     assert load_checkpoint(out / "last.pt")["epoch"] == 1
