@@ -254,8 +254,9 @@ def _nms_one_image(
     if n_cand == 0:
         return empty
     limit = min(n_cand, max_nms)
-    # torchvision is imported on first use: its import brings torch._dynamo, a third of a
-    # script's start-up, which a script that stops at a bad flag (or --help) never needs.
+    # torchvision is imported on first use: its import brings torch._dynamo, a large part of a
+    # script's start-up (bench/README.md "Test suite"), which a script that stops at a bad flag
+    # (or --help) never needs.
     from torchvision import ops
 
     boxes_all = ops.box_convert(x[:, :4], "cxcywh", "xyxy")
