@@ -1,5 +1,5 @@
 """What the scripts import before they have read their flags: a ``--help`` or a mistyped flag is
-answered without torchvision, which brings torch._dynamo with it (a third of a script's
+answered without torchvision, which brings torch._dynamo with it (a large part of a script's
 start-up), nor triton (torch.utils.flop_counter's import). Both are imported where first used."""
 
 from __future__ import annotations
