@@ -19,6 +19,7 @@ from typing import TypeVar
 
 import numpy as np
 import torch
+import torchvision
 
 ArrayT = TypeVar("ArrayT", np.ndarray, torch.Tensor)
 
@@ -89,9 +90,7 @@ def box_iou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
     Returns:
         (N, M) IoU matrix.
     """
-    from torchvision import ops  # imported when first used: see _nms_one_image
-
-    return ops.box_iou(boxes1, boxes2)
+    return torchvision.ops.box_iou(boxes1, boxes2)
 
 
 def wh_iou(wh1: torch.Tensor, wh2: torch.Tensor) -> torch.Tensor:
@@ -254,12 +253,7 @@ def _nms_one_image(
     if n_cand == 0:
         return empty
     limit = min(n_cand, max_nms)
-    # torchvision is imported on first use: its import brings torch._dynamo, a large part of a
-    # script's start-up (bench/README.md "Test suite"), which a script that stops at a bad flag
-    # (or --help) never needs.
-    from torchvision import ops
-
-    boxes_all = ops.box_convert(x[:, :4], "cxcywh", "xyxy")
+    boxes_all = torchvision.ops.box_convert(x[:, :4], "cxcywh", "xyxy")
 
     # Greedy NMS decides each candidate from higher-confidence candidates only, so NMS on the
     # top-m candidates keeps exactly the full result's members among them. Once that prefix
@@ -276,7 +270,7 @@ def _nms_one_image(
             rows, cls = idx, best_cls[idx]
         boxes = boxes_all[rows]
         groups = torch.zeros_like(cls) if agnostic else cls
-        keep = ops.batched_nms(boxes, conf, groups, iou_thres)
+        keep = torchvision.ops.batched_nms(boxes, conf, groups, iou_thres)
         if keep.shape[0] >= max_det or m == limit:
             break
         m = min(limit, m * _NMS_PREFIX_GROWTH)

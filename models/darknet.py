@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
 
 from build_utils.errors import ConfigError
 from build_utils.parse_config import (
@@ -480,10 +481,6 @@ class Darknet(nn.Module):
         was_training = self.training
         self.eval()
         try:
-            # Imported here: it imports triton where installed, which a script that stops at a
-            # bad flag never needs.
-            from torch.utils.flop_counter import FlopCounterMode
-
             counter = FlopCounterMode(display=False)
             with torch.no_grad(), counter:
                 self(

@@ -35,6 +35,7 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
+import torchvision
 from torch import nn
 
 from build_utils.boxes import wh_iou
@@ -369,12 +370,10 @@ def _assigned_losses(
     n_valid = valid.sum().clamp(min=1)
     ps = pi[b, a, gj, gi]  # (P, no)
 
-    from torchvision import ops  # on first use (build_utils.boxes._nms_one_image says why)
-
     pbox = predicted_boxes(ps, lt.anchors, head)
-    giou = 1.0 - ops.generalized_box_iou_loss(
-        ops.box_convert(pbox, "cxcywh", "xyxy"),
-        ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),
+    giou = 1.0 - torchvision.ops.generalized_box_iou_loss(
+        torchvision.ops.box_convert(pbox, "cxcywh", "xyxy"),
+        torchvision.ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),
     )
     # Padding pairs are masked out of the sums (where, not a multiply by 0: an inf/NaN there
     # must not turn the value into NaN).
