@@ -27,6 +27,7 @@ import importlib.machinery
 import io
 import multiprocessing
 import os
+import resource
 import runpy
 import shutil
 import signal
@@ -51,6 +52,7 @@ PRELOAD = [
     "warm_python",
 ]
 _POLL_S = 0.05
+RSS_FILE = "peak_rss_mb"
 
 _context: multiprocessing.context.ForkServerContext | None = None
 _base_path: list[str] = []
@@ -93,6 +95,7 @@ class WarmProcess:
         self._process = process
         self._out, self._err = out, err
         self._text: tuple[str, str] | None = None
+        self._peak_rss_mb: float | None = None
 
     @property
     def pid(self) -> int:
@@ -127,8 +130,18 @@ class WarmProcess:
             if self.poll() is None:
                 return text
             self._text = text
+            rss = self._out.parent / RSS_FILE
+            if rss.is_file():
+                self._peak_rss_mb = float(rss.read_text())
             shutil.rmtree(self._out.parent, ignore_errors=True)
         return self._text
+
+    @property
+    def peak_rss_mb(self) -> float | None:
+        """The ended process's own peak resident memory (``ru_maxrss``: a forked child's count
+        starts from the pages it touches, not the server's); None when a signal ended it."""
+        self.output()
+        return self._peak_rss_mb
 
 
 def start(
@@ -137,9 +150,11 @@ def start(
     cwd: str | os.PathLike,
     env: Mapping[str, str],
     merge_stderr: bool = False,
+    address_space: int | None = None,
 ) -> WarmProcess:
     """Start ``argv`` (``[sys.executable, script, ...]`` or ``[sys.executable, "-m", module,
-    ...]``) in a forked child; its output goes to files next to nothing the test reads."""
+    ...]``) in a forked child; its output goes to files next to nothing the test reads.
+    ``address_space``: the child's RLIMIT_AS in bytes (a runaway allocation fails in it)."""
     argv = [str(a) for a in argv]
     if argv[0] != sys.executable or len(argv) < 2 or (argv[1].startswith("-") and argv[1] != "-m"):
         raise ValueError(f"not a script or -m module of this interpreter: {argv[:3]}")
@@ -147,7 +162,8 @@ def start(
     out = folder / "stdout"
     err = None if merge_stderr else folder / "stderr"
     process = _server().Process(
-        target=_child, args=(argv[1:], str(cwd), dict(env), str(out), str(err or out))
+        target=_child,
+        args=(argv[1:], str(cwd), dict(env), str(out), str(err or out), address_space),
     )
     process.start()
     return WarmProcess(argv, process, out, err)
@@ -178,8 +194,12 @@ def run(
 # ---------------------------------------------------------------- in the child
 
 
-def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -> None:
+def _child(
+    args: list[str], cwd: str, env: dict[str, str], out: str, err: str, address_space: int | None
+) -> None:
     """Become ``python *args`` (see the module docstring) and exit with its status."""
+    if address_space is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (address_space, address_space))
     os.environ.clear()
     os.environ.update(env)
     os.chdir(cwd)
@@ -218,7 +238,7 @@ def _child(args: list[str], cwd: str, env: dict[str, str], out: str, err: str) -
     except BaseException:  # an uncaught error ends the process as Python's does
         sys.excepthook(*sys.exc_info())
         code = 1
-    _finish(code)
+    _finish(code, Path(out).parent / RSS_FILE)
 
 
 def _run_as_main(script: str) -> None:
@@ -271,14 +291,17 @@ def _exit_status(code: object) -> int:
     return 1
 
 
-def _finish(code: int) -> None:
+def _finish(code: int, rss_file: Path) -> None:
     """Exit as the interpreter does: join non-daemon threads, run atexit handlers, flush; a
-    KeyboardInterrupt ends the process by SIGINT."""
+    KeyboardInterrupt ends the process by SIGINT. The peak resident memory goes to ``rss_file``
+    first (a parent of a forkserver child cannot ``wait4`` it)."""
     threading._shutdown()  # type: ignore[attr-defined]
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(OSError, ValueError):
             stream.flush()
+    with contextlib.suppress(OSError):
+        rss_file.write_text(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024))
     if code < 0:
         signal.signal(-code, signal.SIG_DFL)
         os.kill(os.getpid(), -code)

@@ -102,3 +102,27 @@ def test_start_waits_kills_and_reports_timeouts(probe) -> None:
     (probe / "sleeper.py").write_text("import time\ntime.sleep(60)\n")
     with pytest.raises(subprocess.TimeoutExpired):
         warm_python.run([sys.executable, "sleeper.py"], cwd=probe, env=env, timeout=1)
+
+
+def test_peak_memory_is_the_childs_own_and_the_address_space_cap_holds(probe) -> None:
+    """What tests/scenarios/test_hostile_input.py measures: the peak resident memory of the
+    script alone (600 MB touched shows as 600 more than a script that touches none), and an
+    allocation past the cap fails in the script instead of taking the machine's memory."""
+    (probe / "touch.py").write_text(
+        "import sys\nblock = bytearray(int(sys.argv[1]) << 20)\n"
+        "block[::4096] = b'x' * len(block[::4096])  # every page touched\n"
+    )
+    env = {**os.environ}
+
+    def peak(mb: int, cap: int | None = None) -> tuple[int, float | None, str]:
+        argv = [sys.executable, "touch.py", str(mb)]
+        proc = warm_python.start(argv, cwd=probe, env=env, address_space=cap)
+        proc.wait(60)
+        return proc.returncode, proc.peak_rss_mb, proc.output()[1]
+
+    rc0, none_touched, _ = peak(0)
+    rc1, touched, _ = peak(600)
+    assert rc0 == rc1 == 0 and none_touched is not None and touched is not None
+    assert 550 < touched - none_touched < 700, (none_touched, touched)
+    rc, _, err = peak(16 << 10, cap=12 << 30)
+    assert rc == 1 and err.splitlines()[-1] == "MemoryError", err[-500:]

@@ -2,24 +2,23 @@
 its reason in the report, bounded memory, no hang, nothing written outside the dataset or run.
 
 One section per family of issue #24 (``build_utils/limits.py`` holds the limits). Each test runs
-the script as a user would, in a process of its own (:func:`run_script`), so a hang is a timeout,
-a traceback is visible on stderr and the peak memory of that one process is measured
-(``os.wait4`` returns the child's own ``ru_maxrss``). An address-space cap on the child keeps a
-regression from taking the shared test machine's memory with it.
+the script as a user would, in a process of its own (:func:`run_script`, forked from an
+interpreter that has imported torch), so a hang is a timeout, a traceback is visible on stderr
+and the peak memory of that one process is measured (its own ``ru_maxrss``). An address-space
+cap on the child keeps a regression from taking the shared test machine's memory with it.
 """
 
 from __future__ import annotations
 
 import os
-import resource
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import warm_python
 
 from tests.conftest import REPO_ROOT, script_env
 
@@ -44,10 +43,6 @@ class ScriptResult:
         return [ln for ln in self.stderr.splitlines() if ln.startswith("error:")]
 
 
-def _cap_address_space() -> None:
-    resource.setrlimit(resource.RLIMIT_AS, (CHILD_ADDRESS_SPACE, CHILD_ADDRESS_SPACE))
-
-
 def run_script(
     script: str,
     *args: str | Path,
@@ -55,40 +50,26 @@ def run_script(
     timeout: float = 180,
     env: dict[str, str] | None = None,
 ) -> ScriptResult:
-    """Run ``python <repo>/<script> args`` in ``cwd``; its exit status, output, and the peak
-    resident memory of that process alone. A run over ``timeout`` seconds (a hang) fails the
-    test with what it printed so far."""
+    """Run ``python <repo>/<script> args`` in ``cwd`` (forked warm: tests/warm_python.py); its
+    exit status, output, and the peak resident memory of that process alone. A run over
+    ``timeout`` seconds (a hang) fails the test with what it printed so far."""
     cmd = [sys.executable, str(REPO_ROOT / script), *map(str, args)]
     start = time.monotonic()
-    # Output goes to files, not pipes: the child is reaped with os.wait4 (for its own rusage),
-    # which Popen.communicate would do first.
-    with tempfile.TemporaryFile("w+") as out_f, tempfile.TemporaryFile("w+") as err_f:
-        proc = subprocess.Popen(
-            cmd,
-            cwd=cwd,
-            env={**script_env(), **(env or {})},
-            stdout=out_f,
-            stderr=err_f,
-            text=True,
-            preexec_fn=_cap_address_space,
+    env = {**script_env(), **(env or {})}
+    proc = warm_python.start(cmd, cwd=cwd, env=env, address_space=CHILD_ADDRESS_SPACE)
+    try:
+        proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        out, err = proc.output()
+        pytest.fail(
+            f"{script} hung for {timeout} s\nstdout:\n{out[-3000:]}\nstderr:\n{err[-3000:]}"
         )
-        while True:
-            pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
-            if pid:
-                break
-            if time.monotonic() - start > timeout:
-                proc.kill()
-                os.wait4(proc.pid, 0)
-                out_f.seek(0), err_f.seek(0)
-                pytest.fail(
-                    f"{script} hung for {timeout} s\nstdout:\n{out_f.read()[-3000:]}"
-                    f"\nstderr:\n{err_f.read()[-3000:]}"
-                )
-            time.sleep(0.05)
-        proc.returncode = os.waitstatus_to_exitcode(status)
-        out_f.seek(0), err_f.seek(0)
-        out, err = out_f.read(), err_f.read()
-    return ScriptResult(proc.returncode, out, err, usage.ru_maxrss / 1024, time.monotonic() - start)
+    seconds = time.monotonic() - start
+    out, err = proc.output()
+    peak = proc.peak_rss_mb
+    return ScriptResult(proc.returncode, out, err, float("inf") if peak is None else peak, seconds)
 
 
 def assert_one_line(result: ScriptResult, *fragments: str) -> str:
