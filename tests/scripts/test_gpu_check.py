@@ -407,7 +407,8 @@ def test_the_real_steps_run_on_the_cpu_at_toy_sizes(tmp_path) -> None:
     evaluation = steps["eval"]["figures"]
     assert evaluation["agree"] and evaluation["checkpoint_precision"]["amp"] is None
     assert evaluation["max_abs_diff"] <= 1e-6  # on the CPU the two agree exactly
-    # fp32 on the CPU both times: the comparison with --amp off ran and found nothing.
+    # No autocast on the CPU: the first evaluation is the float32 one (not run twice).
+    assert evaluation["fp32_evaluated_again"] is False
     for stats in evaluation["amp_vs_fp32"].values():
         assert stats["autocast"] == stats["fp32"]
     assert evaluation["decode_centre_diff_px"] == 0.0
