@@ -119,12 +119,15 @@ def train_argv(
     multi_scale: bool | None = False,
     workers: int | None = 0,
     device: str | None = "cpu",
+    plots: bool = False,
 ) -> list[str]:
     """``train.py``'s arguments for a short CPU run of ``cfg`` on ``data`` into ``out``.
 
     The defaults are the tests' common run: yolov3-spp-nano, cfg/hyp.yaml, 1 epoch, batch 4 at
-    128 px, no multi-scale, no DataLoader workers. A keyword set to None leaves its flag out (the
-    parser's default). ``extra`` comes last, so a flag there also wins over an earlier one.
+    128 px, no multi-scale, no DataLoader workers, no pictures (``--noplots``: drawing them is
+    about half of such a run's time; ``plots=True`` for the tests that look at them). A keyword
+    set to None leaves its flag out (the parser's default). ``extra`` comes last, so a flag there
+    also wins over an earlier one.
     """
     argv = ["--data", str(data), "--cfg", str(cfg)]
     if out is not None:  # None: the run folder comes from ``extra`` (--project/--name)
@@ -143,6 +146,8 @@ def train_argv(
             argv += [flag, str(value)]
     if multi_scale is not None:
         argv.append("--multi-scale" if multi_scale else "--no-multi-scale")
+    if not plots:
+        argv.append("--noplots")
     return [*argv, *extra]
 
 

@@ -36,7 +36,7 @@ pytestmark = pytest.mark.slow
 @pytest.fixture(scope="module")
 def ddp_run(shapes_data, tmp_path_factory):
     out = tmp_path_factory.mktemp("ddp")
-    proc = torchrun("train_multi_GPU.py", train_argv(shapes_data, out, epochs=2))
+    proc = torchrun("train_multi_GPU.py", train_argv(shapes_data, out, epochs=2, plots=True))
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out, proc
 

@@ -34,7 +34,7 @@ def _flags(data: Path, out: Path, *extra: str, **overrides) -> list[str]:
 def trained(shapes_data, tmp_path_factory):
     """One 2-epoch run shared by the tests that only read its outputs."""
     out = tmp_path_factory.mktemp("run")
-    summary = run_training(_flags(shapes_data, out))
+    summary = run_training(_flags(shapes_data, out, plots=True))
     return out, summary
 
 

@@ -335,7 +335,7 @@ def test_validation_and_predict_take_project_and_name(
 
 @pytest.mark.slow
 def test_a_yolov5_command_trains_and_a_second_run_gets_exp2(shapes_data, tmp_path, monkeypatch):
-    """The issue's acceptance: ``train.py --data shapes.yaml --imgsz 160 --batch 8 --project
+    """The issue's acceptance: ``train.py --data shapes.yaml --imgsz 64 --batch 8 --project
     runs/train --name exp`` (a YOLOv5 data.yaml and YOLOv5's flags) trains; the same command again
     writes runs/train/exp2 and leaves exp as it was."""
     import train
@@ -346,7 +346,7 @@ def test_a_yolov5_command_trains_and_a_second_run_gets_exp2(shapes_data, tmp_pat
         f"path: {shapes_data.parent}\ntrain: train/images\nval: val/images\nnames: {names}\n"
     )
     monkeypatch.chdir(tmp_path)
-    argv = ["--data", "shapes.yaml", "--imgsz", "160", "--batch", "8", "--project", "runs/train"]
+    argv = ["--data", "shapes.yaml", "--imgsz", "64", "--batch", "8", "--project", "runs/train"]
     argv += ["--name", "exp", "--cfg", str(NANO_CFG), "--epochs", "1", "--workers", "0"]
     argv += ["--no-multi-scale", "--hyp", str(HYP_YAML)]
     assert train.main(argv) == 0
@@ -354,7 +354,7 @@ def test_a_yolov5_command_trains_and_a_second_run_gets_exp2(shapes_data, tmp_pat
     first = {p.name: p.read_bytes() for p in exp.iterdir() if p.is_file() and p.suffix == ".pt"}
     assert set(first) == {"last.pt", "best.pt"}
     run_args = load_checkpoint(exp / "last.pt")["config"]
-    assert (run_args["img_size"], run_args["batch_size"]) == (160, 8)
+    assert (run_args["img_size"], run_args["batch_size"]) == (64, 8)
     assert len(read_results(exp / "results.csv")) == 1
     assert train.main(argv) == 0
     assert sorted(p.name for p in exp.parent.iterdir()) == ["exp", "exp2"]

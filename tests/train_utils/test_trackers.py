@@ -361,7 +361,7 @@ def test_runs_started_together_share_a_new_mlflow_store(tmp_path, monkeypatch, n
 
 
 def _flags(data: Path, out: Path, *extra: str) -> list[str]:
-    return train_argv(data, out, *extra, epochs=2, img=SIDE, nbs=4)
+    return train_argv(data, out, *extra, epochs=2, img=SIDE, nbs=4, plots=True)
 
 
 def _interrupt_epoch_1(monkeypatch):
