@@ -160,13 +160,17 @@ def validation_argv(
     batch: int | None = 4,
     workers: int = 0,
     device: str = "cpu",
+    plots: bool = False,
 ) -> list[str]:
     """``validation.py``'s arguments for scoring ``weights`` on ``data``'s validation split on the
-    CPU; ``batch=None`` leaves ``--batch-size`` out. ``extra`` comes last."""
+    CPU; ``batch=None`` leaves ``--batch-size`` out; no pictures unless ``plots`` (as
+    :func:`train_argv`). ``extra`` comes last."""
     argv = ["--cfg", str(cfg), "--data", str(data), "--weights", str(weights)]
     argv += ["--img-size", str(img), "--device", device, "--workers", str(workers)]
     if batch is not None:
         argv += ["--batch-size", str(batch)]
+    if not plots:
+        argv.append("--no-plots")
     return [*argv, *extra]
 
 

@@ -45,7 +45,7 @@ def _weights(path: Path, nc: int) -> Path:
 
 def _argv(data: Path, weights: Path, *extra: str) -> list[str]:
     """validation.py's arguments for the nano model's ``weights`` on ``data``."""
-    return validation_argv(NANO_CFG, data, weights, *extra, img=IMG)
+    return validation_argv(NANO_CFG, data, weights, *extra, img=IMG, plots=True)
 
 
 @pytest.fixture(scope="module")
