@@ -694,6 +694,7 @@ def _train_flags(s: Settings, data: Path, out: Path, epochs: int, batch: int) ->
         str(epochs),
         "--no-multi-scale",
         "--notest",  # only the last epoch is evaluated: the one compared
+        "--noplots",  # figures are compared, not pictures
         "--amp",
         "auto",
         "--output-dir",
@@ -724,7 +725,8 @@ def compare_stats(
 def _validate(ctx: StepContext, data: Path, out: Path, name: str, *flags: str) -> dict[str, float]:
     """validation.py (its own process) on ``out``/last.pt with ``flags``; the stats it writes."""
     stats = ctx.work / f"{name}-stats.json"
-    cmd = [sys.executable, REPO / "validation.py", "--weights", out / "last.pt", *flags]
+    cmd = [sys.executable, REPO / "validation.py", "--weights", out / "last.pt", "--no-plots"]
+    cmd += flags
     cmd += ["--data", data, "--device", ctx.settings.device]
     cmd += ["--workers", str(ctx.settings.run_workers)]
     cmd += ["--save-dir", ctx.work / f"{name}-val", "--json-out", stats]
