@@ -17,7 +17,8 @@ paths name:
 
 So that each command takes seconds, ``train.py``, ``train_multi_GPU.py``, ``validation.py`` and
 ``predict.py`` get ``--img-size 64``, training ``--epochs 1 --batch-size 2 --workers 0
---no-multi-scale``, ``--cfg cfg/yolov3-spp.cfg`` (63M parameters) becomes the nano cfg, and the
+--no-multi-scale --noplots`` (validation ``--no-plots``: the pictures are tests/scripts'
+concern), ``--cfg cfg/yolov3-spp.cfg`` (63M parameters) becomes the nano cfg, and the
 README's ``...`` becomes the flags the README's first command of that kind spells out; a resume
 trains a second epoch. The commands run two at a time, one thread each. Commands that need a
 GPU, a camera, a cluster, the network or downloaded weights are skipped with the reason, as are
@@ -261,8 +262,10 @@ def tiny_argv(cmd: Command) -> list[str]:
         args = _set(args, "--workers", "0")
         if not _given(args) & {"--multi-scale", "--no-multi-scale"}:
             args.append("--no-multi-scale")
+        args.append("--noplots")  # half of a tiny run's time; tests/scripts look at pictures
     if name == "validation.py":
         args = _set(args, "--workers", "0")
+        args.append("--no-plots")
     if head[0] == "python":
         head = [sys.executable, *head[1:]]
     elif head[0] == "torchrun":
