@@ -275,6 +275,15 @@ def _describe_existing_group(args: Any) -> DistInfo:
 def _init_process_group(
     backend: str, rank: int, world_size: int, device: torch.device, timeout: timedelta
 ) -> None:
+    # torch.distributed.nn binds the default group into its functions' default arguments
+    # (``group=group.WORLD``, read at import). Imported after the group exists (torchvision
+    # imports it, through torch._dynamo, at a script's first NMS or loss), it would hold the
+    # group for the life of the process: destroy_process_group could not free it, and gloo's
+    # threads would outlive cleanup() into interpreter exit, where rank 0 of a 2-process run
+    # sometimes aborted ("terminate called without an active exception"). Imported first, it
+    # binds None.
+    import torch.distributed.nn  # noqa: F401
+
     # torch's own env:// rendezvous (it knows when torchrun's agent hosts the store) ...
     store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
     # ... but torchrun's agents keep one store across restarts (static rendezvous, and c10d's

@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
-from conftest import LAUNCH_VARS
+from conftest import LAUNCH_TIMEOUT_S, LAUNCH_VARS, REPO_ROOT, rank_envs
 
 from build_utils.errors import ConfigError
 from train_utils.distributed import comm, process_group
@@ -112,3 +114,46 @@ def test_launched_world_size_reads_the_launchers_variables() -> None:
     assert process_group.launched_world_size({"SLURM_PROCID": "0", "SLURM_NTASKS": "4"}) == 4
     assert process_group.launched_world_size({"SLURM_PROCID": "0"}) == 1
     assert process_group.launched_world_size({"WORLD_SIZE": "3"}) == 1  # no RANK: not launched
+
+
+# One rank: the group, then torchvision (which imports torch.distributed.nn through
+# torch._dynamo, as a script's first NMS or loss does), a collective, cleanup(); then the gloo
+# threads still running (a group that cleanup() could not free keeps them into interpreter exit).
+_GROUP_THEN_TORCHVISION = """
+import argparse, pathlib
+import torch, torch.distributed as dist
+from train_utils.distributed import process_group
+process_group.init_distributed_mode(argparse.Namespace(device="cpu", local_rank=-1), timeout_s=60)
+import torchvision
+dist.all_reduce(torch.ones(1))
+process_group.cleanup()
+names = [p.read_text().strip() for p in pathlib.Path("/proc/self/task").glob("*/comm")]
+print(sorted(n for n in names if "gloo" in n))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads from /proc")
+def test_cleanup_frees_the_group_when_torchvision_comes_after_it() -> None:
+    # Fresh interpreters: the warm ones of tests/warm_python.py have torchvision already.
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _GROUP_THEN_TORCHVISION],
+            cwd=REPO_ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for env in rank_envs()
+    ]
+    try:
+        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    for p, (out, err) in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, err[-3000:]
+        assert out.strip().splitlines()[-1] == "[]", out
