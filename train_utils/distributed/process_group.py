@@ -277,11 +277,11 @@ def _init_process_group(
 ) -> None:
     # torch.distributed.nn binds the default group into its functions' default arguments
     # (``group=group.WORLD``, read at import). Imported after the group exists (torchvision
-    # imports it, through torch._dynamo, at a script's first NMS or loss), it would hold the
-    # group for the life of the process: destroy_process_group could not free it, and gloo's
-    # threads would outlive cleanup() into interpreter exit, where rank 0 of a 2-process run
-    # sometimes aborted ("terminate called without an active exception"). Imported first, it
-    # binds None.
+    # imports it through torch._dynamo; a script that imports torchvision late would do that),
+    # it holds the group for the life of the process: destroy_process_group cannot free it and
+    # gloo's threads outlive cleanup() into interpreter exit (a likely cause, unproven, of a
+    # rank aborting at exit with "terminate called without an active exception"). Imported
+    # first, it binds None.
     import torch.distributed.nn  # noqa: F401
 
     # torch's own env:// rendezvous (it knows when torchrun's agent hosts the store) ...

@@ -116,15 +116,16 @@ def test_launched_world_size_reads_the_launchers_variables() -> None:
     assert process_group.launched_world_size({"WORLD_SIZE": "3"}) == 1  # no RANK: not launched
 
 
-# One rank: the group, then torchvision (which imports torch.distributed.nn through
-# torch._dynamo, as a script's first NMS or loss does), a collective, cleanup(); then the gloo
-# threads still running (a group that cleanup() could not free keeps them into interpreter exit).
-_GROUP_THEN_TORCHVISION = """
+# One rank: the group, then torch.distributed.nn (what torchvision imports through
+# torch._dynamo: a script importing torchvision after the group was made), a collective,
+# cleanup(); then the gloo threads still running (a group that cleanup() could not free keeps
+# them into interpreter exit).
+_GROUP_THEN_DISTRIBUTED_NN = """
 import argparse, pathlib
 import torch, torch.distributed as dist
 from train_utils.distributed import process_group
 process_group.init_distributed_mode(argparse.Namespace(device="cpu", local_rank=-1), timeout_s=60)
-import torchvision
+import torch.distributed.nn
 dist.all_reduce(torch.ones(1))
 process_group.cleanup()
 names = [p.read_text().strip() for p in pathlib.Path("/proc/self/task").glob("*/comm")]
@@ -134,11 +135,11 @@ print(sorted(n for n in names if "gloo" in n))
 
 @pytest.mark.slow
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads from /proc")
-def test_cleanup_frees_the_group_when_torchvision_comes_after_it() -> None:
+def test_cleanup_frees_the_group_when_torch_distributed_nn_comes_after_it() -> None:
     # Fresh interpreters: the warm ones of tests/warm_python.py have torchvision already.
     procs = [
         subprocess.Popen(
-            [sys.executable, "-c", _GROUP_THEN_TORCHVISION],
+            [sys.executable, "-c", _GROUP_THEN_DISTRIBUTED_NN],
             cwd=REPO_ROOT,
             env=env,
             stdout=subprocess.PIPE,
