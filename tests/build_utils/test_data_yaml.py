@@ -171,7 +171,7 @@ def test_training_from_a_data_yaml_resumes_and_names_classes(
         + "".join(f"  {i}: {n}\n" for i, n in enumerate(names)),
     )
     out = tmp_path / "run"
-    argv = train_argv(yml, out, "--nbs", "4", epochs=2, img=64)
+    argv = train_argv(yml, out, "--nbs", "4", epochs=2, img=64, plots=True)
 
     real = trainer_module.train_one_epoch
 
