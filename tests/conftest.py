@@ -258,6 +258,28 @@ def wait_all(procs: list[warm_python.WarmProcess], timeout: float) -> None:
                 p.wait()
 
 
+def run_fresh_ranks(
+    cmd: list[str], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
+) -> list[tuple[int, str, str]]:
+    """``cmd`` as one fresh interpreter per rank environment (from the repository root, not
+    forked warm: for what start-up itself decides), together; (exit status, stdout, stderr) of
+    each. Whatever is left at ``timeout`` is killed."""
+    procs = [
+        subprocess.Popen(
+            cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        )
+        for env in envs
+    ]
+    try:
+        outputs = [p.communicate(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
+
+
 def run_pair(
     commands: list[list[str]], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
 ) -> None:

@@ -15,17 +15,15 @@ import builtins
 import errno
 import io
 import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from conftest import (
-    LAUNCH_TIMEOUT_S,
     NANO_CFG,
-    REPO_ROOT,
     rank_envs,
+    run_fresh_ranks,
     train_argv,
     validation_argv,
     worker_cmd,
@@ -366,27 +364,10 @@ def test_ddp_full_disk_stops_every_rank(make_shapes_data, tmp_path) -> None:
     data = make_shapes_data(n_train=8, n_val=4)
     out = tmp_path / "run"
     argv = train_argv(data, out, "--no-savebest", "--dist-timeout", "120", epochs=2, img=IMG)
-    envs = rank_envs()
-    procs = [
-        subprocess.Popen(
-            worker_cmd("full_disk_train", *argv),
-            env=env,
-            cwd=REPO_ROOT,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for env in envs
-    ]
-    try:
-        results = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    ranks = run_fresh_ranks(worker_cmd("full_disk_train", *argv), rank_envs())
+    results = [(out, err) for _, out, err in ranks]
     errors = [[ln for ln in err.splitlines() if ln.startswith("error:")] for _, err in results]
-    assert [p.returncode for p in procs] == [2, 2], results
+    assert [code for code, _, _ in ranks] == [2, 2], results
     assert all("Traceback" not in err for _, err in results), results
     assert errors[0] == errors[1] and len(errors[0]) == 1, errors
     assert errors[0][0].startswith("error: saving epoch 1 failed on rank 0 (")

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import logging
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import LAUNCH_TIMEOUT_S, LAUNCH_VARS, REPO_ROOT, rank_envs
+from conftest import LAUNCH_VARS, rank_envs, run_fresh_ranks
 
 from build_utils.errors import ConfigError
 from train_utils.distributed import comm, process_group
@@ -137,24 +136,7 @@ print(sorted(n for n in names if "gloo" in n))
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="reads threads from /proc")
 def test_cleanup_frees_the_group_when_torch_distributed_nn_comes_after_it() -> None:
     # Fresh interpreters: the warm ones of tests/warm_python.py have torchvision already.
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-c", _GROUP_THEN_DISTRIBUTED_NN],
-            cwd=REPO_ROOT,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for env in rank_envs()
-    ]
-    try:
-        outputs = [p.communicate(timeout=LAUNCH_TIMEOUT_S) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    for p, (out, err) in zip(procs, outputs, strict=True):
-        assert p.returncode == 0, err[-3000:]
+    ranks = run_fresh_ranks([sys.executable, "-c", _GROUP_THEN_DISTRIBUTED_NN], rank_envs())
+    for code, out, err in ranks:
+        assert code == 0, err[-3000:]
         assert out.strip().splitlines()[-1] == "[]", out
