@@ -136,7 +136,8 @@ def train_argv(
 
     The defaults are the tests' common run: yolov3-spp-nano, cfg/hyp.yaml, 1 epoch, batch 4 at
     128 px, no multi-scale, no DataLoader workers, no pictures (``--noplots``: drawing them is
-    about half of such a run's time; ``plots=True`` for the tests that look at them). A keyword
+    most of such a run's time, see bench/README.md "Test suite"; ``plots=True`` for the tests
+    that look at them). A keyword
     set to None leaves its flag out (the parser's default). ``extra`` comes last, so a flag there
     also wins over an earlier one.
     """

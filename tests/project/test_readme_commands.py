@@ -18,10 +18,11 @@ paths name:
 So that each command takes seconds, ``train.py``, ``train_multi_GPU.py``, ``validation.py`` and
 ``predict.py`` get ``--img-size 64``, training ``--epochs 1 --batch-size 2 --workers 0
 --no-multi-scale --noplots`` (validation ``--no-plots``: the pictures are tests/scripts'
-concern), ``--cfg cfg/yolov3-spp.cfg`` (63M parameters) becomes the nano cfg, and the
-README's ``...`` becomes the flags the README's first command of that kind spells out; a resume
-trains a second epoch. The commands run two at a time, one thread each. Commands that need a
-GPU, a camera, a cluster, the network or downloaded weights are skipped with the reason, as are
+concern), a search ``--evolve 2``, ``--cfg cfg/yolov3-spp.cfg`` (63M parameters) becomes the
+nano cfg, and the README's ``...`` becomes the flags the README's first command of that kind
+spells out; a resume trains a second epoch. The commands run two at a time, one thread each.
+Commands that need a GPU, a camera, a cluster, the network or downloaded weights are skipped
+with the reason, as are
 ``make demo``, ``make test`` and ``make gpu-check`` (the demo takes ten minutes; ``make test``
 runs this file; ``make gpu-check`` needs a GPU). The reasons are in ``SKIPS``; ``pytest -rs``
 prints them. Where a command exits 0 but does not yet do what its README comment says,
@@ -262,7 +263,9 @@ def tiny_argv(cmd: Command) -> list[str]:
         args = _set(args, "--workers", "0")
         if not _given(args) & {"--multi-scale", "--no-multi-scale"}:
             args.append("--no-multi-scale")
-        args.append("--noplots")  # half of a tiny run's time; tests/scripts look at pictures
+        args.append("--noplots")  # most of a tiny run's time; tests/scripts look at pictures
+        if "--evolve" in _given(args):  # two candidates show the search; each is a tiny run
+            args = _set(args, "--evolve", "2")
     if name == "validation.py":
         args = _set(args, "--workers", "0")
         args.append("--no-plots")
