@@ -8,8 +8,10 @@ torchrun would set (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ``LOCAL_WORLD_SIZE
 ``MASTER_ADDR``, ``MASTER_PORT``) and then runs the same :func:`train_distributed`, so
 :func:`~train_utils.distributed.process_group.init_distributed_mode` and the device policy are
 those of
-torchrun. The start method is ``spawn`` (fresh interpreters, as on Windows and macOS) and the
-child entry point is a module-level function, so nothing depends on ``fork``.
+torchrun. The children start from a fresh interpreter, never a fork of this one: the
+``forkserver`` start method (a server process that imported torch, torchvision and OpenCV once,
+so each rank skips those imports; measured in bench/README.md) where the platform has it, else
+``spawn`` (Windows); the child entry point is a module-level function either way.
 
 Under a launcher ``--nproc-per-node`` > 1 is refused: the launcher already chose the processes,
 and spawning more from each of them would multiply the world size, the global batch and the
@@ -238,6 +240,21 @@ def _spawned_worker(
         raise SystemExit(EXIT_STOPPED) from e
 
 
+# What the forkserver imports once for every rank it starts: the imports a rank would otherwise
+# repeat (torch, and torchvision's torch._dynamo, are most of a rank's start-up). Nothing here
+# touches CUDA, so the ranks may still initialise it.
+FORKSERVER_PRELOAD = ["torch", "torchvision", "cv2"]
+
+
+def _start_method() -> str:
+    """``forkserver`` (its server started with :data:`FORKSERVER_PRELOAD`) where the platform has
+    it, else ``spawn``."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(FORKSERVER_PRELOAD)
+    return "forkserver"
+
+
 def spawn_training(
     args: argparse.Namespace, nprocs: int, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> None:
@@ -261,13 +278,14 @@ def spawn_training(
         SPAWN_MASTER_ADDR,
         port,
     )
-    errors = mp.get_context("spawn").SimpleQueue()
+    method = _start_method()
+    errors = mp.get_context(method).SimpleQueue()
     context = mp.start_processes(
         _spawned_worker,
         args=(nprocs, port, args, timeout_s, errors),
         nprocs=nprocs,
         join=False,
-        start_method="spawn",
+        start_method=method,
     )
     try:
         while not context.join():

@@ -208,3 +208,12 @@ def test_the_configuration_is_checked_before_spawning(tmp_path, monkeypatch, cap
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "missing.data" in err[0] and err[0].startswith("error: ")
     assert spawned == [] and not (tmp_path / "run").exists()
+
+
+def test_ranks_start_from_a_forkserver_that_imported_torch_else_spawn(monkeypatch) -> None:
+    """Never a fork of the launching process; the forkserver (torch imported once for every
+    rank) where the platform has one, spawn where it has not (Windows)."""
+    assert launch._start_method() == "forkserver"
+    assert {"torch", "torchvision"} <= set(launch.FORKSERVER_PRELOAD)
+    monkeypatch.setattr(launch.mp, "get_all_start_methods", lambda: ["spawn"])
+    assert launch._start_method() == "spawn"
