@@ -16,12 +16,15 @@ Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<siz
   1 on a single GPU; the mAP the ranks logged must agree with ``validation.py`` of the saved
   weights in one process;
 - ``train-416``, ``train-608``: the YOLOv3-SPP train step (``bench_model.bench_variants``) in
-  fp32, in the dtype ``--amp auto`` picks, contiguous and channels_last, and ``torch.compile``
-  (its compile time apart), at the plan's batch 64 or the largest half of it that fits, each
-  figure against the targets of bench/README.md "GPU plan" (met / x% of target);
+  fp32 and in the dtype ``--amp auto`` picks, contiguous and channels_last, at the plan's batch
+  64 or the largest half of it that fits, each figure against the targets of bench/README.md
+  "GPU plan" (met / x% of target);
 - ``data``: the mosaic training loader (``bench_data.measure``) at 416 and 640 with one worker
   per usable core: img/s, img/s per worker and per CPU core, and the workers the train step of
-  the GPU needs.
+  the GPU needs;
+- ``compile-416`` (only with ``--compile``, last): the trainer's ``--compile`` configuration (AMP,
+  channels_last) under ``torch.compile``, its compile time apart, against train-416's eager
+  figure. It does not fit the default budget with the others (``--budget-s 720`` does).
 
 The checks come first and the measurements after, so that a short budget leaves out a
 measurement. Each step runs in a child process with its own time limit, so that a step that
@@ -37,7 +40,8 @@ with a one-line summary of the failed steps, 2 with one line when no CUDA device
 Usage, from the repository root::
 
     make gpu-check                                  # the whole check, at most --budget-s
-    make gpu-check GPU_CHECK_ARGS='--quick'         # 416 only, no compile
+    make gpu-check GPU_CHECK_ARGS='--quick'         # 416 only, shorter runs
+    make gpu-check GPU_CHECK_ARGS='--compile --budget-s 720'   # and torch.compile
     make gpu-check PY=python3                       # a python with torch, no venv (no network)
     python bench/gpu_check.py --steps env cuda-tests eval
 """
@@ -109,8 +113,9 @@ ORCHESTRATION_S = 20.0
 # Processes of the ddp step: two where two GPUs are visible (one on a single GPU, which still
 # exercises NCCL, the DDP wrapper, barriers and gathers), two gloo processes on the CPU.
 DDP_PROCESSES = 2
-# Lines of a failed step's output kept in the report.
-TAIL_LINES = 25
+# Lines of a failed step's output kept in the report: torchrun's own summary alone is ~25
+# lines, and the rank's traceback comes before it.
+TAIL_LINES = 60
 STATUSES = ("passed", "failed", "skipped")
 AMP_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 PYTEST = "pytest"
@@ -132,7 +137,7 @@ class Settings:
     train_batch: int = 64  # the plan's; halved until it fits
     train_warmup: int = 3
     train_steps: int = 10
-    compile: bool = True
+    compile: bool = False  # the compile-<size> step (--compile)
     data_sizes: tuple[int, ...] = DATA_SIZES
     data_images: int = 3072
     data_batch: int = 32
@@ -149,16 +154,19 @@ class Settings:
     ddp_epochs: int = 2
     ddp_batch: int = 8
     # Seconds per step (each train-<size> gets "train"): with both train sizes they add up to
-    # DEFAULT_BUDGET_S - ORCHESTRATION_S (tests/scripts/test_gpu_check.py checks it). The train
-    # steps are the measurements a short budget cuts: torch.compile comes last in them.
+    # DEFAULT_BUDGET_S - ORCHESTRATION_S (tests/scripts/test_gpu_check.py checks it); compile
+    # comes on top. The first run on a GPU (H200, bench/results/) took env 4, cuda-tests 47-52,
+    # eval 82, ddp 61, the four eager train-416 variants under 135 (cuDNN's autotuning is most
+    # of it: 12-21 s at each variant's first call), train-608's about as long, data 23.
     limits_s: dict[str, int] = dataclasses.field(
         default_factory=lambda: {
-            "env": 20,
-            "cuda-tests": 150,
-            "eval": 110,
-            "ddp": 90,
-            "train": 65,
-            "data": 50,
+            "env": 15,
+            "cuda-tests": 65,
+            "eval": 95,
+            "ddp": 80,
+            "train": 130,
+            "data": 35,
+            "compile": 150,
         }
     )
 
@@ -168,7 +176,6 @@ class Settings:
             self,
             train_sizes=(416,),
             train_steps=5,
-            compile=False,
             data_sizes=(416,),
             data_repeat=1,
             run_epochs=5,
@@ -184,7 +191,6 @@ class Settings:
             train_batch=2,
             train_warmup=1,
             train_steps=1,
-            compile=False,
             data_sizes=(64,),
             data_images=32,
             data_batch=4,
@@ -340,6 +346,25 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "(no output)"
 
 
+# A Python exception line ("RuntimeError: ...", "torch.OutOfMemoryError: ...", torchrun's ranks
+# prefix theirs with "[rank0]: "). torchrun ends with its own ChildFailedError and a summary
+# box, so its last line names no cause.
+_EXCEPTION_LINE = re.compile(
+    r"^(?:\[rank\d+\]:\s*)?(?:[A-Za-z_][\w.]*\.)?[A-Za-z_]\w*(?:Error|Exception|Exit)\b.*"
+)
+_WRAPPER_EXCEPTIONS = ("ChildFailedError",)
+
+
+def _error_line(text: str) -> str:
+    """The last exception line of ``text`` that is not a launcher's wrapper, else its last line:
+    the reason a failed command gives in the report."""
+    for line in reversed(text.splitlines()):
+        line = line.strip()
+        if _EXCEPTION_LINE.match(line) and not any(w in line for w in _WRAPPER_EXCEPTIONS):
+            return line[:300]
+    return _last_line(text)
+
+
 def _gpu_name(device: torch.device) -> str | None:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else None
 
@@ -441,17 +466,22 @@ def pytest_command(files: Sequence[Path], junit: Path) -> list[str]:
 
 
 def junit_counts(path: Path) -> dict[str, Any]:
-    """Tests, failures (errors included), skips and the failed tests' names of a JUnit file."""
+    """Tests, failures (errors included), skips, and ``failures``: each failed test's name and
+    the first line of its message, of a JUnit file."""
     root = ET.parse(path).getroot()
     suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
-    counts = {"tests": 0, "failed": 0, "skipped": 0, "failed_names": []}
+    counts = {"tests": 0, "failed": 0, "skipped": 0, "failures": {}}
     for suite in suites:
         for case in suite.iter("testcase"):
             counts["tests"] += 1
             name = f"{case.get('classname', '')}::{case.get('name', '')}"
-            if case.find("failure") is not None or case.find("error") is not None:
+            bad = case.find("failure")
+            bad = case.find("error") if bad is None else bad
+            if bad is not None:
                 counts["failed"] += 1
-                counts["failed_names"].append(name)
+                # The assertion's first line: the report says why without the traceback.
+                message = (bad.get("message") or "").strip().splitlines()
+                counts["failures"][name] = message[0][:300] if message else ""
             elif case.find("skipped") is not None:
                 counts["skipped"] += 1
     counts["passed"] = counts["tests"] - counts["failed"] - counts["skipped"]
@@ -476,18 +506,20 @@ def step_cuda_tests(ctx: StepContext) -> None:
         ),
     )
     if proc.returncode != 0:
-        failed = ", ".join(counts.get("failed_names", [])[:5]) or _last_line(proc.stdout)
+        failures = counts.get("failures", {})
+        failed = "; ".join(f"{n} ({m})" if m else n for n, m in list(failures.items())[:5])
+        failed = failed or _last_line(proc.stdout)
         raise StepFailed(f"pytest -m cuda exited {proc.returncode}: {failed}")
 
 
-def _train_variants(amp_name: str | None, compile_model: bool) -> list[tuple[str, str, bool]]:
-    """(precision, memory format, compiled) of the train-step bench: fp32 both formats, AMP
-    both formats, and the trainer's --compile configuration (AMP, channels_last) compiled."""
+def _train_variants(amp_name: str | None, compiled: bool) -> list[tuple[str, str, bool]]:
+    """(precision, memory format, compiled) of the train-step bench: fp32 both formats and AMP
+    both formats; ``compiled``: the trainer's --compile configuration (AMP, channels_last)."""
+    if compiled:
+        return [(amp_name or "fp32", "channels_last", True)]
     variants = [("fp32", "contiguous", False), ("fp32", "channels_last", False)]
     if amp_name is not None:
         variants += [(amp_name, "contiguous", False), (amp_name, "channels_last", False)]
-    if compile_model:
-        variants.append((amp_name or "fp32", "channels_last", True))
     return variants
 
 
@@ -495,8 +527,9 @@ def _label(precision: str, fmt: str, compiled: bool) -> str:
     return f"{precision}/{fmt}{' +compile' if compiled else ''}"
 
 
-def step_train(ctx: StepContext, size: int) -> None:
-    """The YOLOv3-SPP train step at ``size``: each variant at the largest batch that fits."""
+def step_train(ctx: StepContext, size: int, which: str = "eager") -> None:
+    """The YOLOv3-SPP train step at ``size``: each variant at the largest batch that fits;
+    ``which="compile"``: the compiled one, beside the eager rows train-<size> measured."""
     from bench import bench_model
     from models.darknet import Darknet
 
@@ -509,16 +542,18 @@ def step_train(ctx: StepContext, size: int) -> None:
     flops = bench_model.count_flops(Darknet(cfg), size, train=True)
     gpu = _gpu_name(device)
     ctx.record(size=size, amp=amp_name or "off", gflop_per_img=round(flops / 1e9, 2), gpu=gpu)
-    rows: list[dict[str, Any]] = []
-    compile_error: str | None = None
+    compiled = which == "compile"
+    rows: list[dict[str, Any]] = (
+        [dict(r) for r in ctx.earlier.get(f"train-{size}", {}).get("rows", [])] if compiled else []
+    )
 
     def free() -> None:
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
-    for precision, fmt, compiled in _train_variants(amp_name, s.compile):
+    for variant in _train_variants(amp_name, compiled):
 
-        def one(batch: int, v: tuple[str, str, bool] = (precision, fmt, compiled)) -> dict:
+        def one(batch: int, v: tuple[str, str, bool] = variant) -> dict:
             args = argparse.Namespace(
                 device=device,
                 cfg=cfg,
@@ -540,21 +575,17 @@ def step_train(ctx: StepContext, size: int) -> None:
         except Exception as e:
             if not compiled:
                 raise
-            # The eager figures stand; the report says why compile gave none.
-            compile_error = f"{type(e).__name__}: {e}".splitlines()[0][:300]
-            ctx.record(compile_error=compile_error)
-            continue
+            why = f"{type(e).__name__}: {e}".splitlines()[0][:300]
+            raise StepFailed(f"torch.compile failed: {why}") from e
         finally:
             free()
-        row["label"] = _label(precision, fmt, compiled)
+        row["label"] = _label(*variant)
         row["tflop_per_s"] = round(flops * row["img_per_s"] / 1e12, 2)
         row["batches_out_of_memory"] = too_big
         rows.append(row)
-        # After every variant: a step stopped at its time limit (in compile, say) keeps the
-        # figures and verdicts of the variants before.
+        # After every variant: a step stopped at its time limit keeps the figures and verdicts
+        # of the variants before.
         ctx.record(**train_figures(rows, amp_name, plan_target(size, gpu)))
-    if compile_error is not None:
-        raise StepFailed(f"torch.compile failed: {compile_error}")
 
 
 def train_figures(
@@ -877,7 +908,7 @@ def step_ddp(ctx: StepContext) -> None:
         cmd += ["--device", "cpu"]
     proc = _run_logged(cmd)
     if proc.returncode != 0:
-        raise StepFailed(f"torchrun exited {proc.returncode}: {_last_line(proc.stderr)}")
+        raise StepFailed(f"torchrun exited {proc.returncode}: {_error_line(proc.stderr)}")
     log = (out / "train.log").read_text()
     backend = "nccl" if device.type == "cuda" else "gloo"
     sync_bn = "SyncBatchNorm skipped" not in log + proc.stderr
@@ -924,6 +955,10 @@ def step_specs(settings: Settings) -> list[StepSpec]:
         for n in settings.train_sizes
     ]
     specs.append(StepSpec("data", f"{here}:step_data", lim["data"], ("cv2", "yaml")))
+    if settings.compile:  # last: the measurement a short budget leaves out first
+        n = settings.train_sizes[0]
+        target = f"{here}:step_train:{n}:compile"
+        specs.append(StepSpec(f"compile-{n}", target, lim["compile"], ("cv2",)))
     return specs
 
 
@@ -1030,7 +1065,7 @@ def run_step(
     elif proc.returncode != 0:
         base.update(
             status="failed",
-            reason=f"exited {proc.returncode}: {_last_line(tail)}",
+            reason=f"exited {proc.returncode}: {_error_line(tail)}",
             error_tail=tail,
         )
     elif body.get("status") in STATUSES:
@@ -1239,7 +1274,13 @@ def get_parser() -> argparse.ArgumentParser:
         default=None,
         help="run only these steps (names as listed above, comma or space separated)",
     )
-    p.add_argument("--quick", action="store_true", help="416 only, no compile, shorter runs")
+    p.add_argument("--quick", action="store_true", help="416 only, shorter runs")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="also the compile-416 step, last: torch.compile of the AMP channels_last train "
+        "step (about 150 s more: give --budget-s 720)",
+    )
     p.add_argument(
         "--budget-s",
         type=float,
@@ -1267,6 +1308,8 @@ def check(args: argparse.Namespace, specs: Sequence[StepSpec] | None = None) -> 
     settings = Settings()
     if args.quick:
         settings = settings.quick()
+    if args.compile:
+        settings = dataclasses.replace(settings, compile=True)
     if args.tiny:
         settings = settings.tiny()
     settings = dataclasses.replace(settings, device=args.device)

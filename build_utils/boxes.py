@@ -105,6 +105,32 @@ def wh_iou(wh1: torch.Tensor, wh2: torch.Tensor) -> torch.Tensor:
     return inter / (wh1.prod(2) + wh2.prod(2) - inter)
 
 
+# torchvision's generalized_box_iou_loss's epsilon: the same values, to the last bit.
+GIOU_EPS = 1e-7
+
+
+def paired_giou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
+    """Generalised IoU of ``boxes1[i]`` with ``boxes2[i]``: (P, 4) xyxy each -> (P,).
+
+    ``1 - torchvision.ops.generalized_box_iou_loss`` computes the same values, but it writes the
+    intersection through a boolean mask, which on CUDA waits for the GPU (a host sync) at every
+    call: the loss calls this once per head per step. A clamp at 0 gives the same intersection
+    without one. Half-precision boxes are computed in float32, as torchvision does.
+    """
+    full = (torch.float32, torch.float64)
+    boxes1 = boxes1 if boxes1.dtype in full else boxes1.float()
+    boxes2 = boxes2 if boxes2.dtype in full else boxes2.float()
+    x1, y1, x2, y2 = boxes1.unbind(-1)
+    x1g, y1g, x2g, y2g = boxes2.unbind(-1)
+    inter_w = (torch.min(x2, x2g) - torch.max(x1, x1g)).clamp(min=0)
+    inter_h = (torch.min(y2, y2g) - torch.max(y1, y1g)).clamp(min=0)
+    inter = inter_w * inter_h
+    union = (x2 - x1) * (y2 - y1) + (x2g - x1g) * (y2g - y1g) - inter
+    iou = inter / (union + GIOU_EPS)
+    hull = (torch.max(x2, x2g) - torch.min(x1, x1g)) * (torch.max(y2, y2g) - torch.min(y1, y1g))
+    return iou - (hull - union) / (hull + GIOU_EPS)
+
+
 def clip_coords(boxes: ArrayT, shape_hw: tuple[int, int] | tuple[float, float]) -> ArrayT:
     """Clip (N, 4) xyxy pixel boxes to an image of ``shape_hw = (height, width)``.
 

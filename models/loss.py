@@ -38,7 +38,7 @@ import torch
 import torchvision
 from torch import nn
 
-from build_utils.boxes import wh_iou
+from build_utils.boxes import paired_giou, wh_iou
 
 # scale_loss_gains: the published cls and obj gains were tuned for COCO's 80 classes at an
 # input size of 320 pixels; other datasets and sizes rescale them proportionally.
@@ -371,7 +371,7 @@ def _assigned_losses(
     ps = pi[b, a, gj, gi]  # (P, no)
 
     pbox = predicted_boxes(ps, lt.anchors, head)
-    giou = 1.0 - torchvision.ops.generalized_box_iou_loss(
+    giou = paired_giou(
         torchvision.ops.box_convert(pbox, "cxcywh", "xyxy"),
         torchvision.ops.box_convert(lt.tbox.to(pbox.dtype), "cxcywh", "xyxy"),
     )

@@ -12,6 +12,7 @@ from build_utils.boxes import (
     box_iou,
     clip_coords,
     non_max_suppression,
+    paired_giou,
     scale_coords,
     wh_iou,
     xywh2xyxy,
@@ -50,6 +51,28 @@ def test_box_iou_golden():
 def test_wh_iou_golden():
     got = wh_iou(torch.tensor([[1.0, 1.0], [4.0, 2.0]]), torch.tensor([[2.0, 2.0]]))
     assert got[:, 0].tolist() == pytest.approx([1 / 4, 4 / 8])
+
+
+def test_paired_giou_golden():
+    a = torch.tensor([[0.0, 0.0, 2.0, 2.0], [0.0, 0.0, 1.0, 1.0], [0.0, 0.0, 2.0, 2.0]])
+    b = torch.tensor([[1.0, 1.0, 3.0, 3.0], [2.0, 0.0, 3.0, 1.0], [0.0, 0.0, 2.0, 2.0]])
+    # 1/7 - (9 - 7)/9; disjoint: 0 - (3 - 2)/3; the same box: 1.
+    assert paired_giou(a, b).tolist() == pytest.approx([1 / 7 - 2 / 9, -1 / 3, 1.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_paired_giou_is_one_minus_torchvisions_giou_loss(dtype):
+    import torchvision
+
+    gen = torch.Generator().manual_seed(0)
+    xy = torch.rand(500, 2, 2, generator=gen, dtype=torch.float64) * 10
+    boxes = torch.cat((xy.amin(1), xy.amax(1)), 1)  # xyxy, some nested, disjoint or touching
+    boxes[:5, 2:] = boxes[:5, :2]  # points: zero area
+    pairs = boxes.to(dtype), boxes.roll(1, 0).to(dtype)
+    want = 1.0 - torchvision.ops.generalized_box_iou_loss(*pairs)
+    got = paired_giou(*pairs)
+    assert got.dtype == want.dtype  # bf16 boxes are computed in float32, as torchvision does
+    torch.testing.assert_close(got, want, rtol=0, atol=4 * torch.finfo(want.dtype).eps)
 
 
 # --------------------------------------------------------------------- coordinates mapping

@@ -4,6 +4,7 @@ and (slow) the real steps' code at toy sizes with the internal ``--device cpu --
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -87,6 +88,14 @@ def test_steps_are_chosen_by_name() -> None:
     assert names == ["env", "cuda-tests", "eval", "ddp", "train-416", "train-608", "data"]
     quick = gpu_check.step_specs(gpu_check.Settings().quick())
     assert [s.name for s in quick][4:] == ["train-416", "data"]
+    # --compile: its own step, last, on train-416's eager rows; the whole fits --budget-s 720.
+    args = get_parser().parse_args(["--compile"])
+    compiled = gpu_check.step_specs(dataclasses.replace(gpu_check.Settings(), compile=args.compile))
+    assert [s.name for s in compiled] == [*names, "compile-416"]
+    assert compiled[-1].target.endswith("step_train:416:compile")
+    assert gpu_check.plan_fits(compiled, 720) and not gpu_check.plan_fits(compiled, 570)
+    assert gpu_check._train_variants("bf16", True) == [("bf16", "channels_last", True)]
+    assert all(not v[2] for v in gpu_check._train_variants("bf16", False))
     chosen = select_steps(specs, ["data,train", "env"])
     assert [s.name for s in chosen] == ["env", "train-416", "train-608", "data"]
     with pytest.raises(ConfigError, match="unknown step.*trian"):
@@ -168,7 +177,8 @@ def test_the_cuda_tests_step_runs_the_marked_files(tmp_path) -> None:
     junit.write_text(
         '<testsuites><testsuite name="pytest">'
         '<testcase classname="tests.test_cuda" name="test_a"/>'
-        '<testcase classname="tests.test_cuda" name="test_b"><failure message="x"/></testcase>'
+        '<testcase classname="tests.test_cuda" name="test_b">'
+        '<failure message="AssertionError: 3 != 4&#10;assert 3 == 4"/></testcase>'
         '<testcase classname="tests.test_loss" name="test_c"><error message="y"/></testcase>'
         '<testcase classname="tests.test_loss" name="test_d"><skipped message="z"/></testcase>'
         "</testsuite></testsuites>"
@@ -178,8 +188,33 @@ def test_the_cuda_tests_step_runs_the_marked_files(tmp_path) -> None:
         "passed": 1,
         "failed": 2,
         "skipped": 1,
-        "failed_names": ["tests.test_cuda::test_b", "tests.test_loss::test_c"],
+        "failures": {
+            "tests.test_cuda::test_b": "AssertionError: 3 != 4",
+            "tests.test_loss::test_c": "y",
+        },
     }
+
+
+def test_a_failed_command_is_reported_by_its_cause_not_by_torchruns_summary() -> None:
+    torchrun_stderr = "\n".join(
+        [
+            "[rank0]: Traceback (most recent call last):",
+            '[rank0]:   File "train_multi_GPU.py", line 9, in <module>',
+            "[rank0]: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1234, invalid usage",
+            "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: ",
+            "=" * 60,
+            "/work/train_multi_GPU.py FAILED",
+            "=" * 60,
+        ]
+    )
+    assert gpu_check._error_line(torchrun_stderr) == (
+        "[rank0]: RuntimeError: NCCL error in: ProcessGroupNCCL.cpp:1234, invalid usage"
+    )
+    assert gpu_check._error_line("torch.OutOfMemoryError: CUDA out of memory\n") == (
+        "torch.OutOfMemoryError: CUDA out of memory"
+    )
+    # No exception line: the last line, as before.
+    assert gpu_check._error_line("step 3\nexit 1\n") == "exit 1"
 
 
 def test_logged_and_validated_stats_are_compared_key_by_key() -> None:

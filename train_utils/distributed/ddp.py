@@ -6,7 +6,7 @@ small (4) and BatchNorm statistics of a few images are noisy; it costs a small a
 every BatchNorm layer in each forward and backward, so ``--no-sync-bn`` turns it off for large
 per-GPU batches (YOLOv5 has it off unless ``--sync-bn``; both flags are accepted). With it every
 rank computes the same running statistics, so DDP does not copy rank 0's buffers at each forward
-(``forward_sync_buffers``); without it, it does, and the saved and evaluated statistics are rank
+(``broadcast_buffers``); without it, it does, and the saved and evaluated statistics are rank
 0's. ``gradient_as_bucket_view`` stays off: with ``zero_grad(set_to_none=True)`` it saves little.
 """
 
@@ -60,7 +60,10 @@ def wrap_for_training(
             log = logger.warning if compile_model else logger.info
             log("SyncBatchNorm skipped: %s", why_not)
         device_ids = [dist.device.index] if dist.device.type == "cuda" else None
-        wrapped = nn.parallel.DistributedDataParallel(
-            wrapped, device_ids=device_ids, forward_sync_buffers=not sync_bn
-        )
+        wrapped = nn.parallel.DistributedDataParallel(wrapped, device_ids=device_ids)
+        # Set after construction, so that the buffers are still made equal to rank 0's once at
+        # the start: torch 2.14's constructor calls this forward_sync_buffers (broadcast_buffers
+        # stays its alias), torch before 2.14 knows only broadcast_buffers, and there False at
+        # construction skips that first copy too.
+        wrapped.broadcast_buffers = not sync_bn
     return torch.compile(wrapped) if compile_model else wrapped
