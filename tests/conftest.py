@@ -270,6 +270,35 @@ def wait_all(procs: list[warm_python.WarmProcess], timeout: float) -> None:
                 p.wait()
 
 
+# Operators that make the host wait for a CUDA device: a value read back, or an output whose
+# size depends on the data (boolean-mask indexing runs nonzero inside the kernel).
+_SYNCING_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select"}
+_INDEXING_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
+
+
+def host_syncs(fn) -> list[str]:
+    """The operators of ``fn()`` that would make the host wait for the device on CUDA, in call
+    order, recorded where it runs (the CPU): a GPU-only cost checked without a GPU."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    found = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name
+            leaves = torch.utils._pytree.tree_leaves((args, kwargs or {}))
+            bool_index = name in _INDEXING_OPS and any(
+                isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in leaves[1:]
+            )
+            if name in _SYNCING_OPS or bool_index:
+                found.append(name)
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        fn()
+    return found
+
+
 def run_fresh_ranks(
     cmd: list[str], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
 ) -> list[tuple[int, str, str]]:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
+from conftest import host_syncs
 
 from models.loss import (
     GAIN_REFERENCE_IMG_SIZE,
@@ -446,34 +447,6 @@ def test_duplicate_cell_last_target_sets_objectness(order, expected_tobj):
     assert loss["box_loss"].item() == pytest.approx(0.18, abs=1e-6)
 
 
-# Operators that make the host wait for a CUDA device: a value read back, or an output whose
-# size depends on the data (boolean-mask indexing runs nonzero inside the kernel).
-_SYNCING_OPS = {"aten::_local_scalar_dense", "aten::item", "aten::nonzero", "aten::masked_select"}
-_INDEXING_OPS = {"aten::index", "aten::index_put", "aten::index_put_", "aten::_index_put_impl_"}
-
-
-def _host_syncs(fn) -> list[str]:
-    """The operators of ``fn()`` that would wait for the device on CUDA (read on the CPU)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    found = []
-
-    class Record(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._schema.name
-            flat = torch.utils._pytree.tree_leaves((args, kwargs or {}))
-            bool_index = name in _INDEXING_OPS and any(
-                isinstance(a, torch.Tensor) and a.dtype == torch.bool for a in flat[1:]
-            )
-            if name in _SYNCING_OPS or bool_index:
-                found.append(name)
-            return func(*args, **(kwargs or {}))
-
-    with Record():
-        fn()
-    return found
-
-
 def test_the_loss_never_waits_for_the_device():
     # What test_cuda_twin_matches_cpu_without_host_sync checks on a GPU, checked on the CPU
     # (torchvision's generalized_box_iou_loss wrote through a boolean mask: 3 syncs a step).
@@ -484,8 +457,8 @@ def test_the_loss_never_waits_for_the_device():
     def step():
         sum(compute_loss(preds, torch.from_numpy(t), model, HYP).values()).backward()
 
-    assert _host_syncs(step) == []
-    assert _host_syncs(lambda: torch.ones(3)[torch.tensor([True, False, True])]) == ["aten::index"]
+    assert host_syncs(step) == []
+    assert host_syncs(lambda: torch.ones(3)[torch.tensor([True, False, True])]) == ["aten::index"]
 
 
 @pytest.mark.cuda

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import host_syncs
 from torch import nn
 
 from build_utils.errors import ConfigError
@@ -163,6 +164,20 @@ def test_the_optimizer_also_steps_at_the_last_batch_of_the_epoch(hyp) -> None:
     assert len(rec.lrs) == 3
     assert all(p.grad is None for p in state.model.parameters())
     assert stats.images == 10 and math.isfinite(stats.loss)
+
+
+def test_an_epoch_waits_for_the_device_only_to_log_and_at_its_end(hyp) -> None:
+    """What would make the host wait for a GPU, counted on the CPU: the loss, backward, the
+    optimizer, EMA, warm-up and accumulation never do; the losses are read every log_interval
+    iterations and once at the epoch's end."""
+    state = _state(hyp)
+    state.ema = ModelEMA(state.model)
+    quiet = TrainOptions(CPU, hyp, accumulate=2, warmup_iters=3, log_interval=100)
+    assert host_syncs(lambda: train_one_epoch(state, _batches(5), 0, quiet)) == [
+        "aten::_local_scalar_dense"
+    ]
+    logging = TrainOptions(CPU, hyp, accumulate=1, log_interval=2)
+    assert len(host_syncs(lambda: train_one_epoch(state, _batches(5), 1, logging))) == 2 + 1
 
 
 def test_cosine_schedule() -> None:
