@@ -567,7 +567,9 @@ def _class_row(
 ) -> torch.Tensor:
     """Darknet's ``delta_yolo_class`` when the class delta is still 0 (the full write of every
     class): (P, classes) for P predictions ``out_cls`` (P, classes) and truth classes (P,)."""
-    onehot = torch.nn.functional.one_hot(class_id, spec.classes).to(out_cls.dtype)
+    # A scatter, not F.one_hot: one_hot checks the class range by reading values back on some
+    # devices (the CPU, where tests count such reads); _valid_truths clamped the classes.
+    onehot = torch.zeros_like(out_cls).scatter_(1, class_id[:, None], 1.0)
     if spec.focal_loss:
         pt = out_cls.gather(1, class_id[:, None])[:, 0] + FOCAL_PT_EPS
         grad = -(1 - pt) * (2 * pt * torch.log(pt) + pt - 1)
@@ -1006,8 +1008,17 @@ class DarknetLoss:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """``preds`` the model's training output, ``targets`` (nt, 6) image, class, cx, cy, w,
         h as the data loader collates them, ``img_size`` (h, w) of the batch's images; returns
-        :func:`darknet_loss`'s ``(loss, reported)``."""
-        truths = targets_to_truths(targets, preds[0].shape[0], self.max_boxes)
+        :func:`darknet_loss`'s ``(loss, reported)``.
+
+        The truths are built on the host: their shape depends on the boxes per image, which a
+        GPU would have to report back (a wait at every mini-batch); from pinned memory the copy
+        to the GPU does not wait. Give ``targets`` as the loader returns them (on the CPU).
+        """
+        device = preds[0].device
+        truths = targets_to_truths(targets.cpu(), preds[0].shape[0], self.max_boxes)
+        if device.type == "cuda":
+            truths = truths.pin_memory()
+        truths = truths.to(device, non_blocking=True)
         return darknet_loss(preds, truths, self.specs, (int(img_size[0]), int(img_size[1])))
 
 

@@ -214,9 +214,10 @@ def train_darknet_iterations(
         rate = current_rate(settings, k)
         for s in range(subdivisions):
             imgs, targets, paths, _, _ = next(batches)
-            imgs, targets = _prepare_batch(imgs, targets, None, opts)
+            imgs = to_model_input(imgs, opts.device, opts.channels_last)
             with nullcontext() if s == subdivisions - 1 else _no_sync(state.model):
                 preds = state.model(imgs)
+                # The loader's (host) targets: the criterion builds its truths there.
                 loss, reported = state.criterion(
                     [p.float() for p in preds], targets, imgs.shape[-2:]
                 )

@@ -13,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import host_syncs
 
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg
@@ -21,6 +22,7 @@ from models.darknet import Darknet
 from models.darknet_loss import (
     DarknetLoss,
     YoloLossSpec,
+    darknet_loss,
     darknet_yolo_loss,
     head_input,
     targets_to_truths,
@@ -317,3 +319,22 @@ def test_darknet_loss_of_a_model_is_the_sum_of_its_heads():
     ]
     assert torch.allclose(loss, sum(costs))
     assert torch.allclose(reported, loss / len(costs) / BATCH)
+
+
+def test_the_loss_on_the_device_never_waits_for_it():
+    """What would make the host wait for a GPU, counted on the CPU (conftest.host_syncs): none
+    in the loss and its backward once the truths are built; those are built on the host from
+    the loader's targets (DarknetLoss.__call__), since their shape depends on the boxes."""
+    model = Darknet(TINY, img_size=SIZE).train()
+    criterion = DarknetLoss([model.hyperparams, *model.module_defs], model.yolo_layers)
+    torch.manual_seed(0)
+    preds = model(torch.rand(BATCH, 3, SIZE, SIZE))
+    rows = random_truths(np.random.default_rng(0), 5, 80)
+    truths = targets_to_truths(
+        torch.tensor([[r[0], r[5], *r[1:5]] for r in rows]), BATCH, criterion.max_boxes
+    )
+
+    def loss_and_backward():
+        darknet_loss(preds, truths, criterion.specs, (SIZE, SIZE))[0].backward()
+
+    assert host_syncs(loss_and_backward) == []
