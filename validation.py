@@ -84,6 +84,7 @@ from train_utils.cli import (
 )
 from train_utils.config import DataConfig, load_data_config
 from train_utils.data_loaders import eval_image_ids, make_eval_dataset, make_eval_loader
+from train_utils.distributed.node import resolve_workers
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
 from train_utils.engine import evaluate
 from train_utils.evaluation.coco_eval import STAT_NAMES, CocoEvaluator
@@ -424,8 +425,9 @@ def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evalua
             "--coco-gt scores predictions with the ids of a COCO JSON: it needs "
             "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
         )
+    workers = resolve_workers(args.workers)
     loader = make_eval_loader(
-        dataset, args.batch_size, dist.world_size, dist.rank, args.workers, device.type == "cuda"
+        dataset, args.batch_size, dist.world_size, dist.rank, workers, device.type == "cuda"
     )
     coco_gt = None
     if dist.is_main:

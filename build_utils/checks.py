@@ -61,14 +61,17 @@ def check_number(what: str, value: Any, kind: type = float) -> None:
         raise ConfigError(f"{what} must be a number, got {value!r}")
 
 
-def check_at_least(values: Mapping[str, int | None], lo: int) -> None:
-    """Each ``what: value`` (None: not set) is an integer of at least ``lo``."""
+def check_at_least(values: Mapping[str, int | None], lo: int, hi: int | None = None) -> None:
+    """Each ``what: value`` (None: not set) is an integer of at least ``lo`` (and at most
+    ``hi`` when given)."""
     for what, value in values.items():
         if value is None:
             continue
         check_number(what, value, int)
         if value < lo:
-            raise ConfigError(f"{what} must be >= {lo}, got {value}")
+            raise ConfigError(f"{what} must be >= {lo}, got {shown(value)}")
+        if hi is not None and value > hi:
+            raise ConfigError(f"{what} must be in [{lo}, {hi}], got {shown(value)}")
 
 
 def check_fractions(values: Mapping[str, float | None]) -> None:

@@ -61,6 +61,7 @@ from train_utils.trackers import TRACKER_CHOICES, check_trackers
 NOMINAL_BATCH_SIZE = 64  # ultralytics/yolov3 accumulates gradients up to this many images per step
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
 DEFAULT_EPOCHS = 30
+SEED_MAX = 2**63 - 1  # torch.manual_seed's largest; numpy takes any seed >= 0
 DEFAULT_CFG = "cfg/yolov3-spp.cfg"
 DEFAULT_DATA = "data/my_data.data"
 DEFAULT_HYP = "cfg/hyp.yaml"
@@ -730,6 +731,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     )
     check_at_least({"--patience": args.patience, "--workers": args.workers}, 0)
     check_at_least({"--save-period": args.save_period}, -1)
+    check_at_least({"--seed": args.seed}, 0, SEED_MAX)
     check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
     _check_training_choices(args)
     args.cfg = repo_default(args.cfg, DEFAULT_CFG)

@@ -72,6 +72,9 @@ def test_contradicting_or_unknown_choices_exit_2(shapes_data, argv, message, cap
         (["--label-smoothing", "1"], r"--label-smoothing must be a number in \[0, 1\), got 1.0"),
         (["--label-smoothing", "-0.1"], "--label-smoothing must be a number in"),
         (["--save-period", "-2"], "--save-period must be >= -1, got -2"),
+        # Were tracebacks from numpy's and torch's generators, after the run folder was made.
+        (["--seed", "-1"], "--seed must be >= 0, got -1"),
+        (["--seed", str(10**23)], r"--seed must be in \[0, 9223372036854775807\], got 1000"),
         (["--project", "p", "--output-dir", "o"], "--output-dir is the run folder itself"),
     ],
 )

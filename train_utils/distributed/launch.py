@@ -96,8 +96,8 @@ def processes_to_spawn(nproc: int | None, device: str, env: Mapping[str, str]) -
         env: the environment, to tell whether a launcher started this process.
 
     Raises:
-        ConfigError: ``--nproc-per-node`` < 1, > 1 under a launcher, or other than the length
-            of a ``--device`` list.
+        ConfigError: ``--nproc-per-node`` < 1, more than the usable CPUs and the GPUs, > 1
+            under a launcher, or other than the length of a ``--device`` list.
     """
     if nproc is not None and nproc < 1:
         raise ConfigError(f"--nproc-per-node must be >= 1, got {nproc}")
@@ -119,6 +119,12 @@ def processes_to_spawn(nproc: int | None, device: str, env: Mapping[str, str]) -
                 f"one process per listed GPU: drop --nproc-per-node or make them agree"
             )
         return len(listed)
+    cpus, gpus = usable_cpus(), cuda_device_count()
+    if nproc is not None and nproc > max(cpus, gpus):
+        raise ConfigError(
+            f"--nproc-per-node {nproc} is more than this machine has: {cpus} usable CPU(s), "
+            f"{gpus} GPU(s); each process needs one"
+        )
     return nproc if nproc is not None and nproc > 1 else 0
 
 

@@ -57,15 +57,21 @@ def slurm_cpus_per_task(env: Mapping[str, str] | None = None) -> int | None:
 
 
 def resolve_workers(requested: int | None) -> int:
-    """``--workers``: the explicit value, or :func:`default_workers` of this process's CPUs
-    (logged): ``SLURM_CPUS_PER_TASK`` under SLURM, else its usable CPUs shared among the node's
-    :func:`processes_per_node`.
+    """``--workers``: the explicit value (at most this process's usable CPUs), or
+    :func:`default_workers` of its CPUs (logged): ``SLURM_CPUS_PER_TASK`` under SLURM, else its
+    usable CPUs shared among the node's :func:`processes_per_node`.
 
     The choice changes no result: a training sample is a pure function of (seed, epoch, index),
     whichever worker loads it (see :mod:`build_utils.datasets`)."""
-    if requested is not None:
-        return requested
     cpus, per_task = usable_cpus(), slurm_cpus_per_task()
+    if requested is not None:
+        # More loader processes than CPUs only queue for them, and a huge count starts until
+        # memory runs out: capped at the CPUs, as YOLOv5 caps its --workers.
+        if requested > cpus:
+            logger.warning(
+                "--workers %d: this process has %d usable CPU(s); using %d", requested, cpus, cpus
+            )
+        return min(requested, cpus)
     if per_task is not None:
         workers = default_workers(min(per_task, cpus), 1)
         why = f"SLURM_CPUS_PER_TASK={per_task}"

@@ -91,9 +91,15 @@ def test_processes_to_spawn_refuses_under_a_launcher():
     assert processes_to_spawn(None, "0,1", TORCHRUN_ENV) == 0
 
 
-def test_processes_to_spawn_bad_counts():
+def test_processes_to_spawn_bad_counts(monkeypatch):
     with pytest.raises(ConfigError, match="--nproc-per-node must be >= 1, got 0"):
         processes_to_spawn(0, "cpu", {})
+    # Was: 1000 gloo ranks started on 2 CPUs and hung.
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(launch, "cuda_device_count", lambda: 0)
+    with pytest.raises(ConfigError, match="1000 is more than this machine has: 2 usable CPU"):
+        processes_to_spawn(1000, "cpu", {})
+    assert processes_to_spawn(2, "cpu", {}) == 2
     with pytest.raises(ConfigError, match="--nproc-per-node 3 but --device 0,1 lists 2 GPUs"):
         processes_to_spawn(3, "0,1", {})
 
@@ -217,3 +223,16 @@ def test_ranks_start_from_a_forkserver_that_imported_torch_else_spawn(monkeypatc
     assert {"torch", "torchvision"} <= set(launch.FORKSERVER_PRELOAD)
     monkeypatch.setattr(launch.mp, "get_all_start_methods", lambda: ["spawn"])
     assert launch._start_method() == "spawn"
+
+
+@pytest.mark.parametrize("bad", ["-5", "0", "inf", "nan"])
+def test_a_dist_timeout_that_is_no_positive_number_is_one_line(bad, capsys):
+    import train_multi_GPU
+
+    # Was: accepted, then c10d's and the spawn's tracebacks (exit 1).
+    assert train_multi_GPU.main(["--dist-timeout", bad]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].endswith(
+        f"--dist-timeout must be a positive number of seconds, got {float(bad)}"
+    )
+    assert "Traceback" not in "\n".join(err)

@@ -31,10 +31,14 @@ def test_processes_per_node() -> None:
 
 
 def test_resolve_workers(monkeypatch, caplog) -> None:
-    assert node.resolve_workers(3) == 3 and node.resolve_workers(0) == 0  # explicit wins
     for name in ("SLURM_PROCID", "SLURM_CPUS_PER_TASK"):
         monkeypatch.delenv(name, raising=False)
     monkeypatch.setattr(node, "usable_cpus", lambda: 12)
+    assert node.resolve_workers(3) == 3 and node.resolve_workers(0) == 0  # explicit wins
+    # ... up to the CPUs (was: --workers 100000 started processes until memory ran out).
+    with caplog.at_level(logging.WARNING, logger=node.__name__):
+        assert node.resolve_workers(100000) == 12
+    assert "--workers 100000: this process has 12 usable CPU(s); using 12" in caplog.text
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with caplog.at_level(logging.INFO, logger=node.__name__):
         assert node.resolve_workers(None) == 6
