@@ -46,6 +46,9 @@ RUN_ARGS_NAME = "args.yaml"  # the run's resolved arguments (reporting.write_run
 SEARCH_RECORD = "search.yaml"  # an --evolve search's folder (train_utils/evolve/search.py)
 # The files by which a folder holds a run (or a search) that must not be written over.
 RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log", SEARCH_RECORD)
+# Other files a run writes under fixed names: a folder holding them (a user's own model.cfg or
+# hyp.yaml, say: perhaps this run's --cfg) is not written over either.
+RUN_WRITES = (RUN_CFG_NAME, RUN_HYP_NAME, RUN_ARGS_NAME, "per_class.csv")
 REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
 FAILED_PREFIX = "failed-"  # a start that failed before its first checkpoint: <run>/failed-<time>/
 MOVED_PREFIXES = (REPLACED_PREFIX, FAILED_PREFIX)
@@ -166,10 +169,10 @@ def is_stale(holder: LockHolder, host: str | None = None, job: str | None = None
     return holder.age_s > FOREIGN_STALE_S
 
 
-def holds_run(folder: Path) -> bool:
+def holds_run(folder: Path, names: tuple[str, ...] = RUN_FILES) -> bool:
     """Whether ``folder`` holds the files of a previous run (empty ones do not count: a run
-    that stopped before logging anything leaves an empty ``train.log``)."""
-    for name in RUN_FILES:
+    that stopped before logging anything leaves an empty ``train.log``); ``names``: which."""
+    for name in names:
         try:
             if (folder / name).stat().st_size > 0:
                 return True
@@ -203,7 +206,8 @@ def _numbered(base: Path) -> Path:
         candidate = base.with_name(f"{base.name}{n}")
         if not candidate.exists():
             return candidate
-        if candidate.is_dir() and not holds_run(candidate) and not (candidate / LOCK_NAME).exists():
+        free = not _holds_outputs(candidate) and not (candidate / LOCK_NAME).exists()
+        if candidate.is_dir() and free:
             return candidate
     raise ConfigError(f"{base}2 ... {base}{MAX_NUMBER} all hold runs; choose another --name")
 
@@ -389,6 +393,11 @@ def _move_into(folder: Path, prefix: str, entries: list[Path]) -> Path:
     return target
 
 
+def _holds_outputs(folder: Path) -> bool:
+    """A previous run, or files under the names a run writes."""
+    return holds_run(folder) or holds_run(folder, RUN_WRITES)
+
+
 def _choose_folder(
     base: Path, resume: bool, exist_ok: bool, auto_named: bool, notes: list[str]
 ) -> Path:
@@ -398,10 +407,15 @@ def _choose_folder(
     live = holder is not None and not is_stale(holder)
     if live and not auto_named:
         raise _refusal(base, holder)
-    if resume or exist_ok or not base.is_dir() or not (live or holds_run(base)):
+    if resume or exist_ok or not base.is_dir() or not (live or _holds_outputs(base)):
         return base
     folder = _numbered(base)
-    why = "is in use by another run" if live else "holds a previous run (never overwritten)"
+    if live:
+        why = "is in use by another run"
+    elif holds_run(base):
+        why = "holds a previous run (never overwritten)"
+    else:
+        why = f"holds files a run writes ({', '.join(RUN_WRITES)}: never overwritten)"
     note = f"{base} {why}; this run writes {folder}"
     if not live:
         note += f" (--resume continues {base}, --exist-ok reuses it)"
@@ -453,7 +467,7 @@ def claim_run_folder(
         raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
     claim = RunFolder(folder, notes, found=found)
     try:
-        if exist_ok and not resume and holds_run(folder):
+        if exist_ok and not resume and _holds_outputs(folder):
             claim.moved_to = _move_previous_run(folder)
             notes.append(f"--exist-ok: the previous run in {folder} was moved to {claim.moved_to}")
     except OSError as e:

@@ -169,6 +169,31 @@ def test_exist_ok_moves_the_previous_run_aside(tmp_path):
     claim.release()
 
 
+def test_a_folder_holding_files_a_run_writes_is_not_written_over(tmp_path):
+    """Was: --output-dir DIR holding a user's model.cfg and hyp.yaml (this run's own --cfg and
+    --hyp, say) had them replaced by the run's copies, without a word."""
+    base = tmp_path / "m"
+    base.mkdir()
+    (base / "model.cfg").write_text("# my cfg\n")
+    (base / "hyp.yaml").write_text("# my hyp\n")
+    (base / "notes.txt").write_text("a file a run never writes: no reason to move on")
+    claim = claim_run_folder(base, resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "m2"
+    assert claim.notes[0].startswith(f"{base} holds files a run writes (model.cfg, hyp.yaml")
+    claim.release()
+    assert (base / "model.cfg").read_text() == "# my cfg\n"
+    # --exist-ok: the folder itself, its files moved aside first.
+    claim = claim_run_folder(base, resume=False, exist_ok=True)
+    assert claim.path == base and (claim.moved_to / "hyp.yaml").read_text() == "# my hyp\n"
+    claim.release()
+    only_notes = tmp_path / "n"
+    only_notes.mkdir()
+    (only_notes / "notes.txt").write_text("x")
+    claim = claim_run_folder(only_notes, resume=False, exist_ok=False)
+    assert claim.path == only_notes and claim.notes == []
+    claim.release()
+
+
 # ---- through the trainer and train.py -------------------------------------------------------
 
 
