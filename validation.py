@@ -27,8 +27,8 @@ missed, and the AP50 each type costs), the confusion matrix, the P/R/F1/PR curve
 validation images with labels and predictions (``--no-plots`` skips the pictures), and with
 ``--save-txt`` one YOLO ``.txt`` per image in ``--save-dir/labels``. ``--project/--name`` folders
 are numbered as YOLOv5's; with ``--exist-ok`` the previous report there is first moved into
-``replaced-<time>/``. An existing ``--json-out`` file or ``--save-json`` file is replaced only
-with ``--exist-ok``.
+``replaced-<time>/``. An existing ``--json-out`` file, ``--save-json`` file or report in a
+``--save-dir`` is replaced only with ``--exist-ok``.
 
 ``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
 ``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
@@ -101,7 +101,7 @@ from train_utils.evaluation.detection_files import (
     to_official_coco_ids,
     write_dataset_txt,
 )
-from train_utils.evaluation.error_breakdown import report_errors
+from train_utils.evaluation.error_breakdown import ERRORS_FILE, report_errors
 from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import write_eval_report
 from train_utils.evaluation.speed import measure_speed
@@ -127,6 +127,17 @@ RUN_SETTINGS = {
 RUN_HINT = " (default: as the checkpoint's run)"
 GT_JSON, PRED_JSON = "ground_truth.json", "predictions.json"  # --save-json's files
 SOURCE_STATS_JSON = "source_stats.json"  # --coco-gt's stats, beside them
+# What a report writes into --save-dir under fixed names (plots.py, report.py, error_breakdown).
+REPORT_NAMES = (
+    "per_class.csv",
+    ERRORS_FILE,
+    "labels",
+    "confusion_matrix.png",
+    "PR_curve.png",
+    "F1_curve.png",
+    "P_curve.png",
+    "R_curve.png",
+)
 
 
 def _add_evaluation_flags(g: argparse._ArgumentGroup) -> None:
@@ -157,8 +168,9 @@ def _add_report_flags(g: argparse._ArgumentGroup) -> None:
         "--save-dir",
         default=DEFAULT_SAVE_DIR,
         help="folder for per_class.csv, errors.json, the pictures and --save-txt labels, "
-        f"used as given (default: {DEFAULT_SAVE_DIR}/{DEFAULT_RUN_NAME}, numbered "
-        f"{DEFAULT_RUN_NAME}2, {DEFAULT_RUN_NAME}3, ... when it holds files)",
+        "used as given, an earlier report there replaced only with --exist-ok (default: "
+        f"{DEFAULT_SAVE_DIR}/{DEFAULT_RUN_NAME}, numbered {DEFAULT_RUN_NAME}2, "
+        f"{DEFAULT_RUN_NAME}3, ... when it holds files)",
     )
     add_project_flags(g, DEFAULT_SAVE_DIR, "--save-dir")
     g.add_argument(
@@ -166,7 +178,7 @@ def _add_report_flags(g: argparse._ArgumentGroup) -> None:
         action="store_true",
         help="with --project/--name (or no --save-dir): write into DIR/NAME even when it holds "
         "files, the previous report moved into DIR/NAME/replaced-<time>/; replace an existing "
-        "--json-out file or --save-json DIR's JSON files",
+        "--json-out file, --save-json DIR's JSON files, or a report in --save-dir",
     )
     switch(g, "--plots", True, "draw the confusion matrix, P/R/F1/PR curves and validation images")
     g.add_argument(
@@ -375,6 +387,10 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
                 f"({', '.join(RUN_FILES)}), "
                 "whose report this one would replace: choose another --save-dir"
             )
+        # Used as given, but a report there (or a user's files of the same names) is not
+        # replaced unasked (was: per_class.csv and errors.json written over without a word).
+        reports = [Path(args.save_dir) / name for name in REPORT_NAMES]
+        check_new_outputs(reports, "--save-dir", args.exist_ok)
     elif args.exist_ok and requested.is_dir() and holds_run(requested):
         raise ConfigError(
             f"--exist-ok would move the previous report in {requested} aside, and it holds a "

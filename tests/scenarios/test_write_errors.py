@@ -253,8 +253,8 @@ def test_train_output_dir_is_a_file(make_shapes_data, tmp_path, console) -> None
 # ---- validation.py --save-dir ---------------------------------------------------------------
 
 
-def _validate(data: Path, weights: Path, save: Path) -> int:
-    argv = validation_argv(NANO_CFG, data, weights, "--save-dir", str(save), img=IMG)
+def _validate(data: Path, weights: Path, save: Path, *extra: str) -> int:
+    argv = validation_argv(NANO_CFG, data, weights, "--save-dir", str(save), *extra, img=IMG)
     return validation.main(argv)
 
 
@@ -268,7 +268,7 @@ def test_validation_save_dir_full_or_read_only(
     assert "per_class.csv" in before
     console.readouterr()
     failing_disk(monkeypatch, save, code)
-    assert _validate(shapes_data, weights, save) == 2
+    assert _validate(shapes_data, weights, save, "--exist-ok") == 2  # replace the report
     one_error_line(console, f"cannot write {save}", os.strerror(code), "--save-dir")
     assert snapshot(save) == before
 

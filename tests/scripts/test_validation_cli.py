@@ -180,7 +180,7 @@ def test_bare_save_json_writes_into_the_report_folder(shapes_data, weights5, tmp
     assert not (project / "exp2" / "predictions.json").exists()
 
 
-def test_default_report_folder_is_numbered(shapes_data, weights5, tmp_path, monkeypatch):
+def test_default_report_folder_is_numbered(shapes_data, weights5, tmp_path, monkeypatch, capsys):
     """No --save-dir and no --project/--name: runs/val/exp, then exp2 (YOLOv5's); a second
     run wrote over the first's report and mixed its --save-txt labels into the same folder."""
     monkeypatch.chdir(tmp_path)
@@ -191,9 +191,14 @@ def test_default_report_folder_is_numbered(shapes_data, weights5, tmp_path, monk
     assert sorted(p.name for p in runs.iterdir()) == ["exp", "exp2"]
     for run in ("exp", "exp2"):
         assert (runs / run / "per_class.csv").is_file() and (runs / run / "labels").is_dir()
-    # --save-dir is the folder as given, reused.
-    for _ in range(2):
-        assert validation.main([*argv, "--save-dir", "mine"]) == 0
+    # --save-dir is the folder as given; its earlier report is replaced only with --exist-ok
+    # (was: replaced without a word, a user's errors.json too).
+    assert validation.main([*argv, "--save-dir", "mine"]) == 0
+    (tmp_path / "mine" / "errors.json").write_text("MY NOTES")
+    assert validation.main([*argv, "--save-dir", "mine"]) == 2
+    assert "already exist" in capsys.readouterr().err
+    assert (tmp_path / "mine" / "errors.json").read_text() == "MY NOTES"
+    assert validation.main([*argv, "--save-dir", "mine", "--exist-ok"]) == 0
     assert (tmp_path / "mine" / "per_class.csv").is_file() and not (tmp_path / "mine2").exists()
 
 
