@@ -294,6 +294,15 @@ def make_dataset(
         raise ValueError(f"n_classes must be in 1..{len(CLASS_NAMES)}, got {n_classes}")
     if img_size_range[0] < 32 or img_size_range[1] < img_size_range[0]:
         raise ValueError(f"bad image size range {img_size_range}: need 32 <= min <= max")
+    min_side, max_frac = obj_size_range
+    if not 0 < max_frac <= 1:
+        raise ValueError(f"the largest object side must be a fraction in (0, 1], got {max_frac}")
+    largest = max_frac * img_size_range[0]  # on the smallest images
+    if not 0 < min_side <= largest:
+        raise ValueError(
+            f"the smallest object side must be in (0, {largest:g}] px ({max_frac:g} x the "
+            f"smallest image side {img_size_range[0]}), got {min_side:g}"
+        )
     root = Path(out)
     opts = GeneratorOptions(tuple(img_size_range), tuple(obj_size_range), n_classes)
     for split in SPLITS:

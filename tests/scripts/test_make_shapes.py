@@ -119,6 +119,17 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert "n_classes" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["--img-size", "abc"])
+    capsys.readouterr()
+    # Were numpy's "high - low < 0", and a fraction of 5 accepted.
+    small = ["--out", str(tmp_path / "o"), "--n-train", "1", "--n-val", "1", "--img-size", "64,64"]
+    assert main([*small, "--min-obj-size", "1000"]) == 2
+    assert capsys.readouterr().err == (
+        "error: the smallest object side must be in (0, 32] px (0.5 x the smallest image side "
+        "64), got 1000\n"
+    )
+    assert main([*small, "--max-obj-frac", "5"]) == 2
+    assert "a fraction in (0, 1], got 5.0" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_cli_never_writes_over_a_dataset_unasked(tmp_path, capsys):
