@@ -103,7 +103,7 @@ from train_utils.evaluation.detection_files import (
 )
 from train_utils.evaluation.error_breakdown import ERRORS_FILE, report_errors
 from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
-from train_utils.evaluation.report import write_eval_report
+from train_utils.evaluation.report import REPORT_FILES, write_eval_report
 from train_utils.evaluation.speed import measure_speed
 from train_utils.load_model import model_from_weights
 from train_utils.precision import InferencePrecision, replay_precision
@@ -127,17 +127,9 @@ RUN_SETTINGS = {
 RUN_HINT = " (default: as the checkpoint's run)"
 GT_JSON, PRED_JSON = "ground_truth.json", "predictions.json"  # --save-json's files
 SOURCE_STATS_JSON = "source_stats.json"  # --coco-gt's stats, beside them
-# What a report writes into --save-dir under fixed names (plots.py, report.py, error_breakdown).
-REPORT_NAMES = (
-    "per_class.csv",
-    ERRORS_FILE,
-    "labels",
-    "confusion_matrix.png",
-    "PR_curve.png",
-    "F1_curve.png",
-    "P_curve.png",
-    "R_curve.png",
-)
+LABELS_DIR = "labels"  # --save-txt's files, in --save-dir
+# What a report writes into --save-dir under fixed names.
+REPORT_NAMES = (*REPORT_FILES, ERRORS_FILE, LABELS_DIR)
 
 
 def _add_evaluation_flags(g: argparse._ArgumentGroup) -> None:
@@ -529,8 +521,8 @@ def score_and_report(
     write_eval_report(save_dir, ev.coco_gt, detections, ev.data.names, per_class, args.plots, flag)
     report_errors(save_dir, ev.coco_gt, detections, flag)
     if args.save_txt:
-        n = write_dataset_txt(save_dir / "labels", ev.coco_gt, detections, args.save_conf, flag)
-        logger.info("wrote %d label files in %s", n, save_dir / "labels")
+        n = write_dataset_txt(save_dir / LABELS_DIR, ev.coco_gt, detections, args.save_conf, flag)
+        logger.info("wrote %d label files in %s", n, save_dir / LABELS_DIR)
     if args.save_json:
         write_coco_json(args, ev, detections, save_dir)
     if args.json_out:

@@ -49,6 +49,7 @@ RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log", SEARCH_RECORD)
 # Other files a run writes under fixed names: a folder holding them (a user's own model.cfg or
 # hyp.yaml, say: perhaps this run's --cfg) is not written over either.
 RUN_WRITES = (RUN_CFG_NAME, RUN_HYP_NAME, RUN_ARGS_NAME, "per_class.csv")
+RUN_OUTPUTS = RUN_FILES + RUN_WRITES  # a folder holding any of these gets the next number
 REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
 FAILED_PREFIX = "failed-"  # a start that failed before its first checkpoint: <run>/failed-<time>/
 MOVED_PREFIXES = (REPLACED_PREFIX, FAILED_PREFIX)
@@ -206,7 +207,7 @@ def _numbered(base: Path) -> Path:
         candidate = base.with_name(f"{base.name}{n}")
         if not candidate.exists():
             return candidate
-        free = not _holds_outputs(candidate) and not (candidate / LOCK_NAME).exists()
+        free = not holds_run(candidate, RUN_OUTPUTS) and not (candidate / LOCK_NAME).exists()
         if candidate.is_dir() and free:
             return candidate
     raise ConfigError(f"{base}2 ... {base}{MAX_NUMBER} all hold runs; choose another --name")
@@ -393,11 +394,6 @@ def _move_into(folder: Path, prefix: str, entries: list[Path]) -> Path:
     return target
 
 
-def _holds_outputs(folder: Path) -> bool:
-    """A previous run, or files under the names a run writes."""
-    return holds_run(folder) or holds_run(folder, RUN_WRITES)
-
-
 def _choose_folder(
     base: Path, resume: bool, exist_ok: bool, auto_named: bool, notes: list[str]
 ) -> Path:
@@ -407,7 +403,7 @@ def _choose_folder(
     live = holder is not None and not is_stale(holder)
     if live and not auto_named:
         raise _refusal(base, holder)
-    if resume or exist_ok or not base.is_dir() or not (live or _holds_outputs(base)):
+    if resume or exist_ok or not base.is_dir() or not (live or holds_run(base, RUN_OUTPUTS)):
         return base
     folder = _numbered(base)
     if live:
@@ -467,7 +463,7 @@ def claim_run_folder(
         raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
     claim = RunFolder(folder, notes, found=found)
     try:
-        if exist_ok and not resume and _holds_outputs(folder):
+        if exist_ok and not resume and holds_run(folder, RUN_OUTPUTS):
             claim.moved_to = _move_previous_run(folder)
             notes.append(f"--exist-ok: the previous run in {folder} was moved to {claim.moved_to}")
     except OSError as e:

@@ -24,6 +24,7 @@ MOSAIC_CELL = 320  # pixels of the longer side of each image in a mosaic
 MOSAIC_MAX_IMAGES = 16
 BOX_THICKNESS = 2
 DPI = 100
+CURVE_FILES = ("PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png")  # plot_curves
 MAX_CURVE_LEGEND = 10  # classes named in a curve's legend; more are drawn grey and unnamed
 
 
@@ -210,13 +211,13 @@ def plot_curves(metrics: ClassMetrics, names: Sequence[str], out_dir: Path) -> l
     has = metrics.n_labels > 0
     px = metrics.px
     specs = [
-        ("PR_curve.png", "recall", "precision", metrics.pr_curve, metrics.ap50, "AP50"),
-        ("F1_curve.png", "confidence", "F1", metrics.f1_curve, None, None),
-        ("P_curve.png", "confidence", "precision", metrics.p_curve, None, None),
-        ("R_curve.png", "confidence", "recall", metrics.r_curve, None, None),
+        ("recall", "precision", metrics.pr_curve, metrics.ap50, "AP50"),
+        ("confidence", "F1", metrics.f1_curve, None, None),
+        ("confidence", "precision", metrics.p_curve, None, None),
+        ("confidence", "recall", metrics.r_curve, None, None),
     ]
     written = []
-    for fname, xlabel, ylabel, curves, values, value_name in specs:
+    for fname, (xlabel, ylabel, curves, values, value_name) in zip(CURVE_FILES, specs, strict=True):
         fig, ax = plt.subplots(figsize=(7, 5))
         named = len(metrics.classes) <= MAX_CURVE_LEGEND
         for k, c in enumerate(metrics.classes.tolist()):
@@ -234,7 +235,7 @@ def plot_curves(metrics: ClassMetrics, names: Sequence[str], out_dir: Path) -> l
             mean_label = f"all classes {mean[i]:.2f} at {px[i]:.3f}"
         ax.plot(px, mean, linewidth=3, color="tab:blue", label=mean_label)
         ax.set(xlabel=xlabel, ylabel=ylabel, xlim=(0, 1), ylim=(0, 1.02))
-        ax.legend(loc="lower left" if fname == "PR_curve.png" else "best", fontsize=8)
+        ax.legend(loc="lower left" if fname == CURVE_FILES[0] else "best", fontsize=8)
         ax.grid(alpha=0.3)
         fig.tight_layout()
         save_figure(fig, out_dir / fname)

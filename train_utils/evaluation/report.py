@@ -31,6 +31,7 @@ from train_utils.evaluation.metrics import (
     gt_by_image,
 )
 from train_utils.evaluation.plots import (
+    CURVE_FILES,
     MOSAIC_MAX_IMAGES,
     plot_confusion_matrix,
     plot_curves,
@@ -40,6 +41,11 @@ from train_utils.evaluation.plots import (
 logger = logging.getLogger(__name__)
 
 PER_CLASS_HEADER = ["class", "name", "instances", "P", "R", "AP50", "AP50-95"]
+PER_CLASS_FILE = "per_class.csv"
+CONFUSION_FILE = "confusion_matrix.png"
+VAL_BATCH_FILES = ("val_batch0_labels.jpg", "val_batch0_pred.jpg")
+# What write_eval_report writes under fixed names (a tool that must not replace them checks these).
+REPORT_FILES = (PER_CLASS_FILE, CONFUSION_FILE, *CURVE_FILES, *VAL_BATCH_FILES)
 
 
 @dataclass
@@ -148,8 +154,9 @@ def plot_val_batch(
         titles.append(Path(file_name).name)
     if not images:
         return
-    plot_images(images, labels, names, out_dir / "val_batch0_labels.jpg", titles)
-    plot_images(images, preds, names, out_dir / "val_batch0_pred.jpg", titles, show_conf=True)
+    labels_file, pred_file = VAL_BATCH_FILES
+    plot_images(images, labels, names, out_dir / labels_file, titles)
+    plot_images(images, preds, names, out_dir / pred_file, titles, show_conf=True)
 
 
 def write_eval_report(
@@ -176,10 +183,10 @@ def write_eval_report(
     metrics = evaluate_detections(gt, dets, nc)
     rows = per_class_rows(metrics, names, coco_ap)
     logger.info("%s", format_table(rows, metrics.per_class.best_conf))
-    write_per_class_csv(out_dir / "per_class.csv", rows, flag)
+    write_per_class_csv(out_dir / PER_CLASS_FILE, rows, flag)
     if not plots:
         return metrics, rows
-    plot_confusion_matrix(metrics.confusion.matrix, names, out_dir / "confusion_matrix.png")
+    plot_confusion_matrix(metrics.confusion.matrix, names, out_dir / CONFUSION_FILE)
     plot_curves(metrics.per_class, names, out_dir)
     plot_val_batch(coco_gt, gt, dets, names, out_dir)
     logger.debug("evaluation pictures in %s took %.2f s", out_dir, time.time() - t0)
