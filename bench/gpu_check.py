@@ -155,9 +155,7 @@ class Settings:
     ddp_batch: int = 8
     # Seconds per step (each train-<size> gets "train"): with both train sizes they add up to
     # DEFAULT_BUDGET_S - ORCHESTRATION_S (tests/scripts/test_gpu_check.py checks it); compile
-    # comes on top. The first run on a GPU (H200, bench/results/) took env 4, cuda-tests 47-52,
-    # eval 82, ddp 61, the four eager train-416 variants under 135 (cuDNN's autotuning is most
-    # of it: 12-21 s at each variant's first call), train-608's about as long, data 23.
+    # comes on top. Set from the steps' times on a GPU (bench/README.md "First runs on a GPU").
     limits_s: dict[str, int] = dataclasses.field(
         default_factory=lambda: {
             "env": 15,
