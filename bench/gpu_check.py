@@ -589,12 +589,14 @@ def step_train(ctx: StepContext, size: int, which: str = "eager") -> None:
 def train_figures(
     rows: list[dict[str, Any]], amp_name: str | None, target: float | None
 ) -> dict[str, Any]:
-    """The train step's figures from its rows (fp32/contiguous first): each variant against
-    fp32, the AMP + channels_last figure against the plan's ``target`` and AMP's gain against
-    ``PLAN_AMP_SPEEDUP``, what compile adds, the fastest variant, and the report's table."""
-    base = rows[0]["img_per_s"]
+    """The train step's figures from its rows: each variant against fp32/contiguous (``None``
+    where that row was not measured, e.g. compile-<size> run without train-<size>), the AMP +
+    channels_last figure against the plan's ``target`` and AMP's gain against
+    ``PLAN_AMP_SPEEDUP``, the compiled figure against ``target`` and what compile adds, the
+    fastest variant, and the report's table."""
+    base = next((r["img_per_s"] for r in rows if r["label"] == "fp32/contiguous"), None)
     for r in rows:
-        r["vs_fp32"] = round(r["img_per_s"] / base, 2)
+        r["vs_fp32"] = round(r["img_per_s"] / base, 2) if base else None
     plan = next((r for r in rows if r["label"] == f"{amp_name}/channels_last"), None)
     compiled_row = next((r for r in rows if r["compile"]), None)
     figures: dict[str, Any] = {"rows": rows, "target_img_s": target}
@@ -603,17 +605,22 @@ def train_figures(
         figures["verdict"] = verdict(plan["img_per_s"], target)
         figures["amp_speedup"] = plan["vs_fp32"]
         figures["amp_speedup_verdict"] = verdict(plan["vs_fp32"], PLAN_AMP_SPEEDUP)
-    if compiled_row is not None and plan is not None:
-        figures["compile_gain"] = round(compiled_row["img_per_s"] / plan["img_per_s"], 2)
+    if compiled_row is not None:
+        figures["compile_verdict"] = verdict(compiled_row["img_per_s"], target)
+        if plan is not None:
+            figures["compile_gain"] = round(compiled_row["img_per_s"] / plan["img_per_s"], 2)
     fastest = max(rows, key=lambda r: r["img_per_s"])
     figures["fastest"] = {"label": fastest["label"], "img_per_s": fastest["img_per_s"]}
     table_rows = []
     for r in rows:
-        note = ""
+        note, vs = "", "-" if r["vs_fp32"] is None else f"{r['vs_fp32']:.2f}x"
         if r is plan:
-            note = f"{verdict(r['img_per_s'], target)}; {r['vs_fp32']:.2f}x fp32: "
+            note = f"{verdict(r['img_per_s'], target)}; {vs} fp32: "
             note += verdict(r["vs_fp32"], PLAN_AMP_SPEEDUP)
-        cells = [r["label"], r["batch"], r["img_per_s"], r["tflop_per_s"], f"{r['vs_fp32']:.2f}x"]
+        elif r is compiled_row:
+            gain = figures.get("compile_gain")
+            note = figures["compile_verdict"] + (f"; {gain:.2f}x eager" if gain else "")
+        cells = [r["label"], r["batch"], r["img_per_s"], r["tflop_per_s"], vs]
         table_rows.append([*cells, r.get("peak_gib", "-"), r["first_call_s"], note])
     columns = ["variant", "batch", "img/s", "TFLOP/s", "vs fp32", "peak GiB", "first call s"]
     plan_column = f"plan: {target:.0f} img/s, {PLAN_AMP_SPEEDUP}x fp32" if target else "plan"

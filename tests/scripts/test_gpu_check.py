@@ -163,6 +163,11 @@ def test_train_figures_hold_the_verdicts() -> None:
     assert f["fastest"] == {"label": "bf16/channels_last +compile", "img_per_s": 1140.0}
     assert f["table"]["columns"][-1] == "plan: 1000 img/s, 1.8x fp32"
     assert f["table"]["rows"][3][-1] == "95% of target; 1.90x fp32: met"
+    assert f["compile_verdict"] == "met" and f["table"]["rows"][4][-1] == "met; 1.20x eager"
+    # compile-<size> alone (no train-<size> before it): no fp32 row to compare with, no 1.00x.
+    alone = gpu_check.train_figures([dict(rows[4])], "bf16", 1000.0)
+    assert alone["rows"][0]["vs_fp32"] is None and "compile_gain" not in alone
+    assert alone["table"]["rows"][0][4] == "-" and alone["table"]["rows"][0][-1] == "met"
     # No AMP on the device (the CPU): no verdict, only the ratios.
     cpu = gpu_check.train_figures(rows[:2], None, None)
     assert "verdict" not in cpu and cpu["fastest"]["label"] == "fp32/channels_last"
