@@ -4,8 +4,8 @@ Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<siz
 
 - ``env``: torch, CUDA, cuDNN and driver versions, the GPUs (name, memory, count), the CPU model
   and usable cores, the Python packages of requirements.txt that are missing;
-- ``cuda-tests``: ``pytest -m cuda`` over the test files that mark CUDA tests, with
-  ``YOLO_REQUIRE_CUDA=1`` (a CUDA test that cannot run fails instead of skipping);
+- ``cuda-tests``: ``pytest -m "cuda and not slow"`` over the test files that mark CUDA tests,
+  with ``YOLO_REQUIRE_CUDA=1`` (a CUDA test that cannot run fails instead of skipping);
 - ``eval``: a short training run on the GPU with ``--amp auto``, then ``validation.py`` on its
   ``last.pt``: the 12 COCO stats the run logged and those validation.py reports must agree
   within ``MAP_TOLERANCE``; validation.py with ``--amp off`` must agree with the autocast one
@@ -22,9 +22,10 @@ Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<siz
 - ``data``: the mosaic training loader (``bench_data.measure``) at 416 and 640 with one worker
   per usable core: img/s, img/s per worker and per CPU core, and the workers the train step of
   the GPU needs;
-- ``compile-416`` (only with ``--compile``, last): the trainer's ``--compile`` configuration (AMP,
+- ``cuda-slow-tests`` and ``compile-416`` (only with ``--compile``, last): the CUDA tests marked
+  slow (training under ``--compile``), then the trainer's ``--compile`` configuration (AMP,
   channels_last) under ``torch.compile``, its compile time apart, against train-416's eager
-  figure. It does not fit the default budget with the others (``--budget-s 720`` does).
+  figure. They do not fit the default budget with the others (``--budget-s 800`` does).
 
 The checks come first and the measurements after, so that a short budget leaves out a
 measurement. Each step runs in a child process with its own time limit, so that a step that
@@ -41,7 +42,7 @@ Usage, from the repository root::
 
     make gpu-check                                  # the whole check, at most --budget-s
     make gpu-check GPU_CHECK_ARGS='--quick'         # 416 only, shorter runs
-    make gpu-check GPU_CHECK_ARGS='--compile --budget-s 720'   # and torch.compile
+    make gpu-check GPU_CHECK_ARGS='--compile --budget-s 800'   # and torch.compile
     make gpu-check PY=python3                       # a python with torch, no venv (no network)
     python bench/gpu_check.py --steps env cuda-tests eval
 """
@@ -158,12 +159,13 @@ class Settings:
     # comes on top. Set from the steps' times on a GPU (bench/README.md "First runs on a GPU").
     limits_s: dict[str, int] = dataclasses.field(
         default_factory=lambda: {
-            "env": 15,
-            "cuda-tests": 65,
+            "env": 10,
+            "cuda-tests": 75,
             "eval": 95,
             "ddp": 80,
             "train": 130,
-            "data": 35,
+            "data": 30,
+            "cuda-slow-tests": 80,
             "compile": 150,
         }
     )
@@ -446,14 +448,14 @@ def cuda_test_files(tests: Path = REPO / "tests") -> list[Path]:
     return sorted(p for p in tests.rglob("test_*.py") if "mark.cuda" in p.read_text())
 
 
-def pytest_command(files: Sequence[Path], junit: Path) -> list[str]:
-    """``pytest -m cuda`` over ``files``, reporting failures and skips, results in ``junit``."""
+def pytest_command(files: Sequence[Path], junit: Path, marks: str = "cuda") -> list[str]:
+    """``pytest -m marks`` over ``files``, reporting failures and skips, results in ``junit``."""
     return [
         sys.executable,
         "-m",
         PYTEST,
         "-m",
-        "cuda",
+        marks,
         "-q",
         "-rfEs",
         "-p",
@@ -486,13 +488,16 @@ def junit_counts(path: Path) -> dict[str, Any]:
     return counts
 
 
-def step_cuda_tests(ctx: StepContext) -> None:
+def step_cuda_tests(ctx: StepContext, which: str = "quick") -> None:
+    """The CUDA tests: ``quick``, those not marked slow (seconds each); ``slow``, the others
+    (torch.compile training: a minute), with ``--compile``."""
     if importlib.util.find_spec(PYTEST) is None:
         raise StepFailed("pytest is not installed: pip install -r requirements-dev.txt")
     files = cuda_test_files()
-    junit = ctx.work / "cuda-tests.xml"
+    junit = ctx.work / f"cuda-tests-{which}.xml"
+    marks = "cuda and slow" if which == "slow" else "cuda and not slow"
     env = {**os.environ, "YOLO_REQUIRE_CUDA": "1", "PYTHONUNBUFFERED": "1"}
-    proc = _run_logged(pytest_command(files, junit), env)
+    proc = _run_logged(pytest_command(files, junit, marks), env)
     counts = junit_counts(junit) if junit.is_file() else {}
     ctx.record(
         files=[str(f.relative_to(REPO)) for f in files],
@@ -507,7 +512,7 @@ def step_cuda_tests(ctx: StepContext) -> None:
         failures = counts.get("failures", {})
         failed = "; ".join(f"{n} ({m})" if m else n for n, m in list(failures.items())[:5])
         failed = failed or _last_line(proc.stdout)
-        raise StepFailed(f"pytest -m cuda exited {proc.returncode}: {failed}")
+        raise StepFailed(f"pytest -m '{marks}' exited {proc.returncode}: {failed}")
 
 
 def _train_variants(amp_name: str | None, compiled: bool) -> list[tuple[str, str, bool]]:
@@ -961,6 +966,8 @@ def step_specs(settings: Settings) -> list[StepSpec]:
     ]
     specs.append(StepSpec("data", f"{here}:step_data", lim["data"], ("cv2", "yaml")))
     if settings.compile:  # last: the measurement a short budget leaves out first
+        slow = f"{here}:step_cuda_tests:slow"
+        specs.append(StepSpec("cuda-slow-tests", slow, lim["cuda-slow-tests"], TRAINING_NEEDS))
         n = settings.train_sizes[0]
         target = f"{here}:step_train:{n}:compile"
         specs.append(StepSpec(f"compile-{n}", target, lim["compile"], ("cv2",)))
@@ -1283,8 +1290,9 @@ def get_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--compile",
         action="store_true",
-        help="also the compile-416 step, last: torch.compile of the AMP channels_last train "
-        "step (about 150 s more: give --budget-s 720)",
+        help="also, last, the cuda-slow-tests step (training under --compile) and the "
+        "compile-416 step (torch.compile of the AMP channels_last train step): about 230 s "
+        "more, give --budget-s 800",
     )
     p.add_argument(
         "--budget-s",

@@ -88,12 +88,13 @@ def test_steps_are_chosen_by_name() -> None:
     assert names == ["env", "cuda-tests", "eval", "ddp", "train-416", "train-608", "data"]
     quick = gpu_check.step_specs(gpu_check.Settings().quick())
     assert [s.name for s in quick][4:] == ["train-416", "data"]
-    # --compile: its own step, last, on train-416's eager rows; the whole fits --budget-s 720.
+    # --compile: the slow CUDA tests and the compile step, last; the whole fits --budget-s 800.
     args = get_parser().parse_args(["--compile"])
     compiled = gpu_check.step_specs(dataclasses.replace(gpu_check.Settings(), compile=args.compile))
-    assert [s.name for s in compiled] == [*names, "compile-416"]
+    assert [s.name for s in compiled] == [*names, "cuda-slow-tests", "compile-416"]
+    assert compiled[-2].target.endswith("step_cuda_tests:slow")
     assert compiled[-1].target.endswith("step_train:416:compile")
-    assert gpu_check.plan_fits(compiled, 720) and not gpu_check.plan_fits(compiled, 570)
+    assert gpu_check.plan_fits(compiled, 800) and not gpu_check.plan_fits(compiled, 570)
     assert gpu_check._train_variants("bf16", True) == [("bf16", "channels_last", True)]
     assert all(not v[2] for v in gpu_check._train_variants("bf16", False))
     chosen = select_steps(specs, ["data,train", "env"])
@@ -178,6 +179,8 @@ def test_the_cuda_tests_step_runs_the_marked_files(tmp_path) -> None:
     assert {"test_cuda.py", "test_loss.py", "test_devices.py", "test_trackers.py"} <= files
     cmd = gpu_check.pytest_command([REPO / "tests" / "test_cuda.py"], tmp_path / "j.xml")
     assert cmd[1:5] == ["-m", "pytest", "-m", "cuda"] and f"--junitxml={tmp_path / 'j.xml'}" in cmd
+    slow = gpu_check.pytest_command([], tmp_path / "j.xml", "cuda and slow")
+    assert slow[3:5] == ["-m", "cuda and slow"]
     junit = tmp_path / "j.xml"
     junit.write_text(
         '<testsuites><testsuite name="pytest">'
@@ -479,4 +482,4 @@ def test_the_cuda_tests_step_fails_where_cuda_is_missing(tmp_path, monkeypatch) 
     assert step["status"] == "failed" and figures["returncode"] == 1
     assert figures["tests"] == figures["failed"] >= 5 and figures["passed"] == 0
     assert "tests/scenarios/test_cuda.py" in figures["files"]
-    assert step["reason"].startswith("pytest -m cuda exited 1: tests.")
+    assert step["reason"].startswith("pytest -m 'cuda and not slow' exited 1: tests.")
