@@ -272,13 +272,18 @@ def box_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.where(c == 0, iou, iou - (c - union) / safe_c)
 
 
-def box_diou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Darknet's ``box_diou`` (note its distance term ``(d / c) ** 0.6``)."""
+def _distance_terms(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What DIoU and CIoU share: the IoU, the squared centre distance, the enclosing box's
+    squared diagonal ``c``, and ``c`` with 1 where it is 0 (a divisor that never is)."""
     cw, ch = _enclosing(a, b)
     c = cw * cw + ch * ch
-    iou = box_iou(a, b)
     d = (a[..., 0] - b[..., 0]) ** 2 + (a[..., 1] - b[..., 1]) ** 2
-    safe_c = torch.where(c == 0, torch.ones_like(c), c)
+    return box_iou(a, b), d, c, torch.where(c == 0, torch.ones_like(c), c)
+
+
+def box_diou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Darknet's ``box_diou`` (note its distance term ``(d / c) ** 0.6``)."""
+    iou, d, c, safe_c = _distance_terms(a, b)
     return torch.where(c == 0, iou, iou - (d / safe_c) ** 0.6)
 
 
@@ -289,11 +294,7 @@ def _atan_gap(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def box_ciou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Darknet's ``box_ciou`` (``a`` the prediction, ``b`` the truth)."""
-    cw, ch = _enclosing(a, b)
-    c = cw * cw + ch * ch
-    iou = box_iou(a, b)
-    u = (a[..., 0] - b[..., 0]) ** 2 + (a[..., 1] - b[..., 1]) ** 2
-    safe_c = torch.where(c == 0, torch.ones_like(c), c)
+    iou, u, c, safe_c = _distance_terms(a, b)
     ar_loss = 4 / (math.pi * math.pi) * _atan_gap(a, b) ** 2
     alpha = ar_loss / (1 - iou + ar_loss + CIOU_EPS)
     return torch.where(c == 0, iou, iou - (u / safe_c + alpha * ar_loss))

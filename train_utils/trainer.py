@@ -302,29 +302,6 @@ def _configure_backends(device: torch.device) -> None:
         torch.backends.cudnn.benchmark = True
 
 
-def _build_train_state(
-    model: Darknet,
-    config: TrainConfig,
-    hyp: dict[str, Any],
-    dist: DistInfo,
-    amp: torch.dtype | None,
-    plan: EpochPlan,
-) -> TrainState:
-    lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
-    on_cuda = dist.device.type == "cuda"
-    fused = uses_fused_optimizer(dist.device)  # the benchmark times the same implementation
-    optimizer = build_optimizer(model, hyp, lr0, config.optimizer, fused=fused)
-    return TrainState(
-        model=model,
-        model_without_ddp=model,
-        optimizer=optimizer,
-        scheduler=build_scheduler(optimizer, lambda: plan.epochs, hyp["lrf"], config.lr_schedule),
-        # bf16 has fp32's range: only fp16 needs loss scaling.
-        scaler=torch.amp.GradScaler("cuda") if on_cuda and amp == torch.float16 else None,
-        ema=ModelEMA(model) if config.ema else None,
-    )
-
-
 def _start_state(
     model: Darknet,
     config: TrainConfig,
@@ -342,7 +319,19 @@ def _start_state(
         state: TrainState | DarknetState = darknet_state(model, dist.world_size)
         loop = LoopState(start_iteration(model.seen, config.clear, state.settings, config.weights))
     else:
-        state = _build_train_state(model, config, hyp, dist, amp, plan)
+        lr0 = scaled_lr0(hyp["lr0"], config.batch_size * dist.world_size, config.nbs)
+        fused = uses_fused_optimizer(dist.device)  # the benchmark times the same implementation
+        optimizer = build_optimizer(model, hyp, lr0, config.optimizer, fused=fused)
+        schedule = build_scheduler(optimizer, lambda: plan.epochs, hyp["lrf"], config.lr_schedule)
+        scales_loss = dist.device.type == "cuda" and amp == torch.float16  # bf16 has fp32's range
+        state = TrainState(
+            model=model,
+            model_without_ddp=model,
+            optimizer=optimizer,
+            scheduler=schedule,
+            scaler=torch.amp.GradScaler("cuda") if scales_loss else None,
+            ema=ModelEMA(model) if config.ema else None,
+        )
         loop = LoopState(-1)
     if ckpt is not None:
         loop = resume.restore(ckpt, state, config, dist, plan, cfg_text)
