@@ -237,16 +237,23 @@ def _edges(b: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return x - w / 2, x + w / 2, y - h / 2, y + h / 2
 
 
-def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Darknet's ``box_iou`` of xywh boxes (0 without overlap or with an empty union)."""
+def _intersection_union(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     al, ar, at, ab = _edges(a)
     bl, br, bt, bb = _edges(b)
     w = torch.minimum(ar, br) - torch.maximum(al, bl)
     h = torch.minimum(ab, bb) - torch.maximum(at, bt)
     inter = torch.where((w < 0) | (h < 0), torch.zeros_like(w), w * h)
-    union = a[..., 2] * a[..., 3] + b[..., 2] * b[..., 3] - inter
+    return inter, a[..., 2] * a[..., 3] + b[..., 2] * b[..., 3] - inter
+
+
+def _iou(inter: torch.Tensor, union: torch.Tensor) -> torch.Tensor:
     ok = (inter != 0) & (union != 0)
     return torch.where(ok, inter / torch.where(ok, union, torch.ones_like(union)), 0.0)
+
+
+def box_iou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Darknet's ``box_iou`` of xywh boxes (0 without overlap or with an empty union)."""
+    return _iou(*_intersection_union(a, b))
 
 
 def _enclosing(a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -261,13 +268,8 @@ def box_giou(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Darknet's ``box_giou``."""
     cw, ch = _enclosing(a, b)
     c = cw * ch
-    iou = box_iou(a, b)
-    al, ar, at, ab = _edges(a)
-    bl, br, bt, bb = _edges(b)
-    w = torch.minimum(ar, br) - torch.maximum(al, bl)
-    h = torch.minimum(ab, bb) - torch.maximum(at, bt)
-    inter = torch.where((w < 0) | (h < 0), torch.zeros_like(w), w * h)
-    union = a[..., 2] * a[..., 3] + b[..., 2] * b[..., 3] - inter
+    inter, union = _intersection_union(a, b)
+    iou = _iou(inter, union)
     safe_c = torch.where(c == 0, torch.ones_like(c), c)
     return torch.where(c == 0, iou, iou - (c - union) / safe_c)
 
