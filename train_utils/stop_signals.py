@@ -1,6 +1,7 @@
 """How a training run reacts to signals: Ctrl-C and SIGTERM stop it (except while an epoch's
 files are written, when they wait for the writes), SIGUSR1 only asks it to stop at the next safe
-point (:class:`StopPoints`, agreed by every rank)."""
+point (:class:`StopPoints`, agreed by every rank). A Ctrl-C is also remembered, so that one
+Python swallowed still stops the run at the next safe point."""
 
 from __future__ import annotations
 
@@ -35,10 +36,16 @@ class StopSignals:
     of an epoch's end), where they wait until those are done: a signal never leaves
     ``results.csv``, ``last.pt`` and ``best.pt`` disagreeing. SIGUSR1 only asks for a stop,
     which :class:`StopPoints` acts on between two batches, agreed by every rank.
+
+    ``interrupted`` keeps the SIGINT/SIGTERM that raised: a KeyboardInterrupt raised while
+    Python runs a ``__del__`` or weakref callback is printed as "Exception ignored" and lost
+    (seen once in three Ctrl-Cs of an ``--evolve`` search, which then ran to its end), so the
+    next stop point raises it again (:meth:`raise_if_interrupted`).
     """
 
     def __init__(self) -> None:
         self.stop_requested = False
+        self.interrupted: int | None = None
         self._deferring = False
         self._pending: int | None = None
 
@@ -48,6 +55,12 @@ class StopSignals:
         elif self._deferring:
             self._pending = signum
         else:
+            self.interrupted = signum
+            raise KeyboardInterrupt
+
+    def raise_if_interrupted(self) -> None:
+        """KeyboardInterrupt again where a SIGINT/SIGTERM was received (and maybe swallowed)."""
+        if self.interrupted is not None:
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
@@ -62,7 +75,7 @@ class StopSignals:
             logger.warning(
                 "signal %d received during the epoch's writes: stopping after them", self._pending
             )
-            self._pending = None
+            self.interrupted, self._pending = self._pending, None
             raise KeyboardInterrupt
 
     @contextlib.contextmanager
@@ -112,6 +125,7 @@ class StopPoints:
     def __iter__(self) -> Iterator[Any]:
         n = len(self.loader)
         for i, batch in enumerate(self.loader):
+            self.signals.raise_if_interrupted()
             # Collective: every rank stops at the same batch when any rank was asked (srun
             # signals every task; a signal forwarded by hand may reach only some).
             if i % self.poll == 0 and all_reduce_flag(self.signals.stop_requested):

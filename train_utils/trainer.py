@@ -93,8 +93,9 @@ def seed_all(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
-    """Train according to ``config`` on this process's share of the work (see module docstring)."""
+def run(config: TrainConfig, dist: DistInfo, signals: StopSignals | None = None) -> RunSummary:
+    """Train according to ``config`` on this process's share of the work (see module docstring);
+    ``signals``: a caller's (an ``--evolve`` search's), so that a Ctrl-C in the run is its too."""
     t_start = time.time()
     # A bad YOLO_THREADS, limit or YOLO_MEMORY_AVAILABLE stops the run before it claims (and
     # leaves behind) a run folder.
@@ -136,7 +137,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
         with logging_to(log_handler):
             if claim is not None:
                 claim.log()
-            return _train(config, dist, t_start)
+            return _train(config, dist, t_start, signals or StopSignals())
     except Exception:
         if claim is not None:
             claim.set_aside_failed_start()
@@ -146,7 +147,7 @@ def run(config: TrainConfig, dist: DistInfo) -> RunSummary:
             claim.release()
 
 
-def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
+def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSignals) -> RunSummary:
     data = config.data
     seed_all(config.seed + dist.rank * RANK_SEED_STRIDE)
     _configure_backends(dist.device)
@@ -194,7 +195,6 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float) -> RunSummary:
     raise_if_any_rank_failed(failure, "writing the run folder")
     run = Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
     darknet = isinstance(state, DarknetState)
-    signals = StopSignals()
     try:
         with signals.installed():
             (train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
@@ -297,8 +297,10 @@ def _train_epochs(
 
 def _configure_backends(device: torch.device) -> None:
     if device.type == "cuda":
-        # cuDNN autotunes once per input shape and caches the choice; multi-scale (~13 sides)
-        # and rect batches give few distinct shapes, so the tuning pays for itself there too.
+        # cuDNN autotunes once per input shape and caches the choice. Each new shape costs
+        # seconds once (bench/README.md "First runs on a GPU": a train step's first call);
+        # multi-scale (~13 sides) and rect batches give few distinct shapes, so a run of many
+        # epochs pays that back. Not measured on a run with many shapes: a lead, not a fact.
         torch.backends.cudnn.benchmark = True
 
 

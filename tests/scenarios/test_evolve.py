@@ -6,6 +6,7 @@ disk, and bad input as one line before anything is written."""
 from __future__ import annotations
 
 import csv
+import signal
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 import train
 from build_utils.errors import OutputError, RunStopped
 from tests.conftest import finish_all, read_results, run_script, start_process, train_argv
+from tests.train_utils.test_stop_signals import swallowed
 from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import HYP_SPECS, load_hyp
@@ -44,10 +46,10 @@ def second_candidate_raises(monkeypatch, error: BaseException):
     """Make candidate-001's training raise ``error`` (the others train); the real run."""
     real_run = trainer.run
 
-    def run(config, dist):
+    def run(config, dist, signals=None):
         if config.output_dir.name == "candidate-001":
             raise error
-        return real_run(config, dist)
+        return real_run(config, dist, signals)
 
     monkeypatch.setattr(trainer, "run", run)
     return real_run
@@ -168,6 +170,37 @@ def test_a_stop_request_ends_the_search_with_75_and_resume_finishes_it(
     monkeypatch.setattr(trainer, "run", real_run)
     assert train.main(["--resume", str(out)]) == 0
     assert [(r["candidate"], r["status"]) for r in csv_rows(out)] == [("0", "done"), ("1", "done")]
+
+
+class _InterruptsWhenDeleted:
+    """Ctrl-C arriving while Python runs a ``__del__`` (or a weakref callback, as a helper saw in
+    a real search): the KeyboardInterrupt is printed as "Exception ignored" and lost."""
+
+    def __del__(self) -> None:
+        signal.raise_signal(signal.SIGINT)
+
+
+def test_a_ctrl_c_python_swallowed_still_stops_the_search(
+    make_shapes_data, tmp_path, monkeypatch, capsys
+) -> None:
+    """Was: the search went on through every candidate left (1 of 3 Ctrl-Cs of a real search)."""
+    data = make_shapes_data(n_train=8, n_val=4)
+    out = tmp_path / "search"
+    real_run = trainer.run
+
+    def run(config, dist, signals=None):
+        summary = real_run(config, dist, signals)
+        _InterruptsWhenDeleted()  # at the candidate's very end, after its last stop point
+        return summary
+
+    monkeypatch.setattr(trainer, "run", run)
+    ignored = swallowed(monkeypatch)
+    assert train.main(search_argv(data, out, 3)) == 130
+    assert ignored == [KeyboardInterrupt]  # Python swallowed it; the search still stopped
+    err = capsys.readouterr().err
+    assert f"continue the search with: python train.py --resume {out}" in err
+    assert [r["candidate"] for r in csv_rows(out)] == ["0"]  # candidate 1 never started
+    assert not (out / "candidate-001").exists()
 
 
 def test_a_continued_search_keeps_its_flags_redraws_its_files_and_bare_resume_finds_it(

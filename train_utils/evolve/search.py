@@ -56,6 +56,7 @@ from train_utils.evolve.space import DEFAULT_SPACE, SearchSpace, fitness, load_s
 from train_utils.reporting import logging_to, read_results, run_log_handler
 from train_utils.resume import latest_run_checkpoint
 from train_utils.run_folder import RUNS_DIR, SEARCH_RECORD, RunFolder, claim_run_folder
+from train_utils.stop_signals import StopSignals
 
 logger = logging.getLogger(__name__)
 
@@ -378,18 +379,23 @@ def _search_here(search: Search, dist: DistInfo) -> None:
             len(search.rows),
             search.total,
         )
-    while True:
-        step = _next_step(search) if dist.is_main else None
-        # Collective: the candidate (its number, hyp and share of --time-budget) is rank 0's,
-        # from its files and clock; every rank trains the same one, or stops with it.
-        step = broadcast_object(step)
-        if step is None:
-            return
-        index, hyp, share = step
-        row = train_candidate(search, index, hyp, share, dist)
-        if dist.is_main:
-            search.add(row)
-            log_row(search, row)
+    signals = StopSignals()
+    with signals.installed():
+        while True:
+            # A Ctrl-C that reached a candidate but that Python swallowed (see StopSignals)
+            # stops the search here instead of training every candidate left.
+            signals.raise_if_interrupted()
+            step = _next_step(search) if dist.is_main else None
+            # Collective: the candidate (its number, hyp and share of --time-budget) is rank
+            # 0's, from its files and clock; every rank trains the same one, or stops with it.
+            step = broadcast_object(step)
+            if step is None:
+                return
+            index, hyp, share = step
+            row = train_candidate(search, index, hyp, share, dist, signals)
+            if dist.is_main:
+                search.add(row)
+                log_row(search, row)
 
 
 def _next_step(search: Search) -> tuple[int, dict[str, Any], float | None] | None:
@@ -474,11 +480,17 @@ def _finished_an_epoch(last: Path) -> bool:
 
 
 def train_candidate(
-    search: Search, index: int, hyp: Mapping[str, Any], share_s: float | None, dist: DistInfo
+    search: Search,
+    index: int,
+    hyp: Mapping[str, Any],
+    share_s: float | None,
+    dist: DistInfo,
+    signals: StopSignals | None = None,
 ) -> Row:
     """Train candidate ``index`` (or finish its earlier attempt) and score it. Its failure (a
     loss that became NaN, a model that does not fit) is its row; a stop request, Ctrl-C or an
-    output that cannot be written stops the search, resumable."""
+    output that cannot be written stops the search, resumable. ``signals``: the search's, which
+    the run then handles signals with."""
     config = candidate_config(search, index, hyp, share_s)
     name = config.output_dir.name
     logger.info(
@@ -489,7 +501,7 @@ def train_candidate(
         ", continuing its last.pt" if config.resume else "",
     )
     try:
-        trainer.run(config, dist)
+        trainer.run(config, dist, signals)
     except (KeyboardInterrupt, RunStopped, OutputError):
         raise
     except Exception as e:  # any failure of one candidate is that candidate's result
