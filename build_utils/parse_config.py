@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from build_utils.atomic import write_text
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
@@ -918,9 +919,16 @@ def format_model_cfg(blocks: list[Block], header: str = "") -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_model_cfg(blocks: list[Block], path: str | os.PathLike[str], header: str = "") -> None:
-    """Write :func:`format_model_cfg`'s text to ``path``."""
-    Path(path).write_text(format_model_cfg(blocks, header), encoding="utf-8")
+def write_model_cfg(
+    blocks: list[Block], path: str | os.PathLike[str], header: str = "", flag: str | None = None
+) -> None:
+    """Write :func:`format_model_cfg`'s text to ``path``, atomically.
+
+    Raises:
+        OutputError: it cannot be written (a folder there, a full disk; ``flag``: the option
+            that chose the place), in one line; a previous file stays as it was.
+    """
+    write_text(path, format_model_cfg(blocks, header), flag)
 
 
 # ---------------------------------------------------------------------------------------------

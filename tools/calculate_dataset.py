@@ -144,11 +144,8 @@ def write_data_file(path: Path, nc: int, train: Path, valid: Path, names: Path) 
 def write_cfg(template: Path, nc: int, out: Path) -> None:
     """``template`` with every ``[yolo]`` head (and the conv before it) set to ``nc`` classes."""
     blocks = rewrite_cfg_classes(parse_model_cfg(template), nc)
-    write_model_cfg(
-        blocks,
-        out,
-        header=f"{template.name} for {nc} classes, written by tools/calculate_dataset.py",
-    )
+    header = f"{template.name} for {nc} classes, written by tools/calculate_dataset.py"
+    write_model_cfg(blocks, out, header, OUT_FLAG)
 
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:

@@ -54,7 +54,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     add_weights_flags(parser, required=False, help="source: .pt checkpoint or Darknet .weights")
     add_model_flag(parser, None)
-    parser.add_argument("-o", "--output", type=Path, help="output file (default: see above)")
+    parser.add_argument(
+        "-o",
+        "--output",
+        type=Path,
+        help="output file (default: the source's name with the other suffix, .weights or .pt)",
+    )
     parser.add_argument("--exist-ok", action="store_true", help="replace an existing output")
     return parser
 

@@ -159,9 +159,8 @@ def make_cfg(
     out = output if output is not None else cfg.with_name(f"{stem}.cfg")
     check_new_outputs([out], "--output", exist_ok, {"the cfg": cfg, **(reads or {})})
     make_output_dir(out.parent, "--output")
-    write_model_cfg(
-        blocks, out, header=f"{cfg.name} rewritten for {', '.join(what)} by tools/make_cfg.py"
-    )
+    header = f"{cfg.name} rewritten for {', '.join(what)} by tools/make_cfg.py"
+    write_model_cfg(blocks, out, header, "--output")
     return out
 
 

@@ -367,6 +367,11 @@ def _add_inputs(g: argparse._ArgumentGroup) -> None:
         "when the cfg's anchors fit the training labels poorly (best possible recall < 0.98), "
         "train with k-means anchors that fit better (written into the run's model.cfg)",
     )
+    # YOLOv5 checks and replaces anchors unless told --noautoanchor; here replacing them is
+    # asked for, so its --noautoanchor is the default, accepted as typed.
+    g.add_argument(
+        "--noautoanchor", dest="autoanchor", action="store_false", help="YOLOv5's --no-autoanchor"
+    )
     g.add_argument(
         "--cache-images",
         nargs="?",

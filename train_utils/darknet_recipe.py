@@ -433,15 +433,23 @@ def darknet_state(model: nn.Module, world_size: int) -> DarknetState:
 def start_iteration(seen: int, clear: bool, settings: DarknetSettings, weights: str) -> int:
     """The iterations already done by a ``--weights`` file: Darknet's ``seen / (batch *
     subdivisions)`` from a ``.weights`` header, 0 with ``--clear`` (Darknet's ``-clear``)."""
+    if clear and not seen:
+        logger.warning(
+            "--clear: --weights %s has no images seen to clear (only a Darknet .weights file "
+            "counts them); the run starts at iteration 0 as it would without --clear",
+            weights or "(none)",
+        )
     if clear or not seen:
         return 0
     done = seen // settings.update_batch
+    finished = done >= settings.max_batches
     then = (
-        f"training continues at iteration {done + 1} of {settings.max_batches}"
-        if done < settings.max_batches
-        else f"max_batches={settings.max_batches} is done: nothing to train"
+        f"max_batches={settings.max_batches} is done: nothing to train"
+        if finished
+        else f"training continues at iteration {done + 1} of {settings.max_batches}"
     )
-    logger.info(
+    # A finished file is a warning (on the console): the run then ends at once, no weights.
+    (logger.warning if finished else logger.info)(
         "--weights %s: seen %d images = %d iterations of %d images; %s (--clear starts at 0)",
         weights,
         seen,

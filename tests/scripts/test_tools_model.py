@@ -84,6 +84,16 @@ def test_make_cfg_errors(tmp_path, capsys):
     assert not (tmp_path / "o.cfg").exists()
 
 
+def test_make_cfg_output_that_is_a_folder_is_one_line(tmp_path, capsys):
+    # Was: with --exist-ok (which the first refusal suggests), IsADirectoryError's traceback.
+    folder = tmp_path / "out"
+    folder.mkdir()
+    argv = [str(NANO), "--classes", "3", "-o", str(folder), "--exist-ok"]
+    assert make_cfg.main(argv) == 2
+    assert f"cannot write {folder}: {folder} is a folder, not a file" in one_error_line(capsys)
+    assert list(folder.iterdir()) == []
+
+
 def test_make_cfg_width(tmp_path):
     src = tmp_path / "yolov4-tiny.cfg"
     src.write_text((REPO / "cfg" / "darknet" / "yolov4-tiny.cfg").read_text())

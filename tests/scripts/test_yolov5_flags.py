@@ -47,6 +47,9 @@ def test_yolov5_spellings_parse_to_the_same_settings(shapes_data):
     assert parse(_base(shapes_data)).lr_schedule == "cosine"
     assert parse([*_base(shapes_data), "--cos-lr"]).lr_schedule == "cosine"
     assert parse([*_base(shapes_data), "--linear-lr"]).lr_schedule == "linear"
+    # YOLOv5's --noautoanchor (was: "unrecognized arguments", though the README named it).
+    assert parse([*_base(shapes_data), "--noautoanchor"]).autoanchor is False
+    assert parse([*_base(shapes_data), "--autoanchor"]).autoanchor is True
     val = validation.get_parser().parse_args(["--weights", "w.pt", "--batch", "3", "--imgsz", "64"])
     assert (val.batch_size, val.img_size) == (3, 64)
 

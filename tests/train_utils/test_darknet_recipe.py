@@ -27,8 +27,9 @@ from train_utils.darknet_recipe import (
     key_rows,
     log_default_recipe_note,
     log_key_table,
+    start_iteration,
 )
-from train_utils.darknet_schedule import NET_KEYS_HONOURED
+from train_utils.darknet_schedule import NET_KEYS_HONOURED, DarknetSettings
 
 LOADER_KEYS = {
     ("net", k)
@@ -182,3 +183,19 @@ def test_the_readme_table_is_the_recipes(repo_root):
         r"^\| \[(net|yolo)\] \| `(\w+)` \| [^|]* \| [^|]* \| ([a-z ]+) \|$", section, re.M
     )
     assert rows == [(k.section, k.key, k.status) for k in TRAINING_KEYS]
+
+
+def test_start_iteration_says_on_the_console_when_there_is_nothing_to_do(caplog) -> None:
+    """A .weights file that has done max_batches (the run ends at once, with no weights) and a
+    --clear with nothing to clear are warnings; were: info lines in train.log only."""
+    settings = DarknetSettings(batch=4, subdivisions=2, max_batches=6)  # 4 images an update
+    with caplog.at_level(logging.INFO):
+        assert start_iteration(12, False, settings, "a.weights") == 3
+        assert start_iteration(40, False, settings, "done.weights") == 6
+        assert start_iteration(0, True, settings, "best.pt") == 0
+        assert start_iteration(40, True, settings, "done.weights") == 0
+    levels = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert levels[0][0] == "INFO" and "continues at iteration 4 of 6" in levels[0][1]
+    assert levels[1][0] == "WARNING" and "max_batches=6 is done: nothing to train" in levels[1][1]
+    assert levels[2][0] == "WARNING" and "--clear: --weights best.pt has no images" in levels[2][1]
+    assert len(levels) == 3  # --clear of a file that has seen images: quiet, as Darknet's -clear
