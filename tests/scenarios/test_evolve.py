@@ -6,7 +6,6 @@ disk, and bad input as one line before anything is written."""
 from __future__ import annotations
 
 import csv
-import signal
 import sys
 import time
 from pathlib import Path
@@ -16,7 +15,7 @@ import pytest
 import train
 from build_utils.errors import OutputError, RunStopped
 from tests.conftest import finish_all, read_results, run_script, start_process, train_argv
-from tests.train_utils.test_stop_signals import swallowed
+from tests.train_utils.test_stop_signals import InterruptsWhenDeleted, swallowed
 from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import HYP_SPECS, load_hyp
@@ -172,14 +171,6 @@ def test_a_stop_request_ends_the_search_with_75_and_resume_finishes_it(
     assert [(r["candidate"], r["status"]) for r in csv_rows(out)] == [("0", "done"), ("1", "done")]
 
 
-class _InterruptsWhenDeleted:
-    """Ctrl-C arriving while Python runs a ``__del__`` (or a weakref callback, as a helper saw in
-    a real search): the KeyboardInterrupt is printed as "Exception ignored" and lost."""
-
-    def __del__(self) -> None:
-        signal.raise_signal(signal.SIGINT)
-
-
 def test_a_ctrl_c_python_swallowed_still_stops_the_search(
     make_shapes_data, tmp_path, monkeypatch, capsys
 ) -> None:
@@ -190,7 +181,7 @@ def test_a_ctrl_c_python_swallowed_still_stops_the_search(
 
     def run(config, dist, signals=None):
         summary = real_run(config, dist, signals)
-        _InterruptsWhenDeleted()  # at the candidate's very end, after its last stop point
+        InterruptsWhenDeleted()  # at the candidate's very end, after its last stop point
         return summary
 
     monkeypatch.setattr(trainer, "run", run)

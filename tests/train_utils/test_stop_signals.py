@@ -15,7 +15,10 @@ from train_utils.distributed.process_group import DistInfo
 from train_utils.stop_signals import StopPoints, StopSignals
 
 
-class _InterruptsWhenDeleted:
+class InterruptsWhenDeleted:
+    """Ctrl-C arriving while Python runs a ``__del__`` (or a weakref callback, as a helper saw in
+    a real search): the KeyboardInterrupt is printed as "Exception ignored" and lost."""
+
     def __del__(self) -> None:
         signal.raise_signal(signal.SIGINT)
 
@@ -36,7 +39,7 @@ def test_a_swallowed_ctrl_c_stops_at_the_next_batch(tmp_path: Path, monkeypatch)
         for batch in points:
             taken.append(batch)
             if batch == 1:
-                _InterruptsWhenDeleted()  # deleted at once: Ctrl-C inside its __del__
+                InterruptsWhenDeleted()  # deleted at once: Ctrl-C inside its __del__
     assert taken == [0, 1]  # was [0, 1, 2, 3, 4, 5]: the loop never heard of it
     assert ignored == [KeyboardInterrupt]
     assert signals.interrupted == signal.SIGINT
