@@ -204,7 +204,7 @@ def test_the_lock_is_gone_after_an_exception_and_ctrl_c(make_shapes_data, tmp_pa
     for error in (RuntimeError("boom"), KeyboardInterrupt()):
         held = []
 
-        def fail(config, dist, t_start, error=error, held=held):
+        def fail(config, dist, t_start, signals, error=error, held=held):
             held.append(config.output_dir)
             assert read_lock(config.output_dir / LOCK_NAME).pid == os.getpid()
             raise error
