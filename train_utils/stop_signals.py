@@ -125,10 +125,10 @@ class StopPoints:
     def __iter__(self) -> Iterator[Any]:
         n = len(self.loader)
         for i, batch in enumerate(self.loader):
+            asked = self.signals.stop_requested or self.signals.interrupted is not None
             # Collective: every rank stops at the same batch when any rank was asked (srun
             # signals every task; a signal forwarded by hand may reach only some), or holds a
             # Ctrl-C that Python swallowed: that rank raises it, the others stop as asked.
-            asked = self.signals.stop_requested or self.signals.interrupted is not None
             if i % self.poll == 0 and all_reduce_flag(asked):
                 self.signals.raise_if_interrupted()
                 raise RunStopped(
