@@ -449,7 +449,8 @@ def start_iteration(seen: int, clear: bool, settings: DarknetSettings, weights: 
         else f"training continues at iteration {done + 1} of {settings.max_batches}"
     )
     # A finished file is a warning (on the console): the run then ends at once, no weights.
-    (logger.warning if finished else logger.info)(
+    logger.log(
+        logging.WARNING if finished else logging.INFO,
         "--weights %s: seen %d images = %d iterations of %d images; %s (--clear starts at 0)",
         weights,
         seen,

@@ -485,7 +485,7 @@ def train_candidate(
     hyp: Mapping[str, Any],
     share_s: float | None,
     dist: DistInfo,
-    signals: StopSignals | None = None,
+    signals: StopSignals,
 ) -> Row:
     """Train candidate ``index`` (or finish its earlier attempt) and score it. Its failure (a
     loss that became NaN, a model that does not fit) is its row; a stop request, Ctrl-C or an
