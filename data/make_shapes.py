@@ -39,6 +39,7 @@ from build_utils.atomic import check_new_outputs
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from train_utils.cli import run_script
+from train_utils.evaluation.detection_files import yolo_txt_lines
 
 CLASS_NAMES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "bar")
 # The demo's and the CLI's default: the first five. The others make harder sets (--classes 8).
@@ -246,17 +247,6 @@ def _voc_xml(filename: str, w: int, h: int, objects: list[ShapeObject]) -> str:
     return "\n".join(parts) + "\n"
 
 
-def _label_text(w: int, h: int, objects: list[ShapeObject]) -> str:
-    lines = []
-    for o in objects:
-        x1, y1, x2, y2 = o.box
-        lines.append(
-            f"{o.cls} {(x1 + x2) / 2 / w:.6f} {(y1 + y2) / 2 / h:.6f} "
-            f"{(x2 - x1) / w:.6f} {(y2 - y1) / h:.6f}"
-        )
-    return "\n".join(lines) + ("\n" if lines else "")
-
-
 def _write_one(job: tuple[Path, str, int, int, int, bool, GeneratorOptions]) -> str:
     root, split, split_id, index, seed, voc, opts = job
     rng = np.random.default_rng([seed, split_id, index])
@@ -267,7 +257,9 @@ def _write_one(job: tuple[Path, str, int, int, int, bool, GeneratorOptions]) -> 
     if not ok:
         raise RuntimeError(f"JPEG encoding failed for {name}")
     (root / split / "images" / f"{name}.jpg").write_bytes(buf.tobytes())
-    (root / split / "labels" / f"{name}.txt").write_text(_label_text(w, h, objects))
+    lines = yolo_txt_lines([(*o.box, 0, o.cls) for o in objects], w, h, save_conf=False)
+    label_text = "".join(x + "\n" for x in lines)
+    (root / split / "labels" / f"{name}.txt").write_text(label_text)
     if voc:
         xml = _voc_xml(f"{name}.jpg", w, h, objects)
         (root / split / "Annotations" / f"{name}.xml").write_text(xml)

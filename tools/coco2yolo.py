@@ -36,8 +36,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
-import shutil
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,25 +44,25 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import atomic_write, make_output_dir, reported_write, write_text
-from build_utils.checks import finite_float
+from build_utils.atomic import make_output_dir, reported_write, write_text
+from build_utils.checks import finite_float, is_int
 from build_utils.errors import ConfigError
 from build_utils.image_io import check_image, is_image_file
 from build_utils.labels import img2label_path
 from build_utils.limits import MAX_IMAGE_BYTES, file_problem
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_repr, short_text
+from tools.yolo_output import DATA_YAML, place_image, report_text, write_labels
 from train_utils.cli import HelpFormatter, run_script
 from train_utils.evaluation.detection_files import (
     COCO_IDS_FILE,
     CocoIdMap,
     read_coco_ids,
     read_json_file,
+    yolo_txt_lines,
 )
 
 LOGGER = logging.getLogger("coco2yolo")
-DATA_YAML = "data.yaml"
-LABEL_DECIMALS = 6
 
 
 @dataclass
@@ -100,10 +98,6 @@ class CocoFile:
     unknown_images: int  # annotations naming an image id the JSON lists no image for
 
 
-def _int_id(value: Any) -> int | None:
-    return value if isinstance(value, int) and not isinstance(value, bool) else None
-
-
 def _positive(value: Any) -> float | None:
     x = finite_float(value)
     return x if x is not None and x > 0 else None
@@ -125,8 +119,8 @@ def read_coco(path: Path) -> CocoFile:
             raise ConfigError(f"'{key}' must be a list (is this a COCO instances file?)", path)
     cats: dict[int, str] = {}
     for k, c in enumerate(data["categories"]):
-        cid = _int_id(c.get("id")) if isinstance(c, dict) else None
-        if cid is None:
+        cid = c.get("id") if isinstance(c, dict) else None
+        if not is_int(cid):
             raise ConfigError(f"categories[{k}] has no integer 'id': {short_repr(c)}", path)
         if cid in cats:
             raise ConfigError(f"category id {cid} is given twice", path)
@@ -138,8 +132,8 @@ def read_coco(path: Path) -> CocoFile:
     images: list[dict[str, Any]] = []
     seen: set[int] = set()
     for k, im in enumerate(data["images"]):
-        iid = _int_id(im.get("id")) if isinstance(im, dict) else None
-        if iid is None or not isinstance(im.get("file_name"), str):
+        iid = im.get("id") if isinstance(im, dict) else None
+        if not is_int(iid) or not isinstance(im.get("file_name"), str):
             raise ConfigError(
                 f"images[{k}] needs an integer 'id' and a 'file_name': {short_repr(im)}", path
             )
@@ -157,8 +151,8 @@ def read_coco(path: Path) -> CocoFile:
     anns: dict[int, list[dict[str, Any]]] = {}
     unknown = 0
     for a in data["annotations"]:
-        iid = _int_id(a.get("image_id")) if isinstance(a, dict) else None
-        if iid is None or iid not in seen:
+        iid = a.get("image_id") if isinstance(a, dict) else None
+        if not is_int(iid) or iid not in seen:
             unknown += 1
             continue
         anns.setdefault(iid, []).append(a)
@@ -171,14 +165,14 @@ def yolo_lines(
 ) -> tuple[list[str], list[str], int, int]:
     """Label lines of one image's annotations, the report lines, and the crowd and other
     annotations skipped."""
-    lines, notes, crowd, skipped = [], [], 0, 0
-    d = LABEL_DECIMALS
+    kept, notes, crowd, skipped = [], [], 0, 0  # kept: x1, y1, x2, y2, conf (unused), class
     for k, a in enumerate(anns):
         head = f"{where}: annotation {k}"
         if a.get("iscrowd"):
             crowd += 1
             continue
-        cls = classes.get(_int_id(a.get("category_id")))  # type: ignore[arg-type]
+        cid = a.get("category_id")
+        cls = classes.get(cid) if is_int(cid) else None  # 3.0 or True is no category id
         if cls is None:
             notes.append(f"{head}: unknown category {short_repr(a.get('category_id'))}, skipped")
             skipped += 1
@@ -200,11 +194,8 @@ def yolo_lines(
             continue
         if (cx1, cy1, cx2, cy2) != (x1, y1, x2, y2):
             notes.append(f"{head}: box {short_repr(box)} clipped to the {w:g}x{h:g} image")
-        lines.append(
-            f"{cls} {(cx1 + cx2) / 2 / w:.{d}f} {(cy1 + cy2) / 2 / h:.{d}f} "
-            f"{(cx2 - cx1) / w:.{d}f} {(cy2 - cy1) / h:.{d}f}"
-        )
-    return lines, notes, crowd, skipped
+        kept.append((cx1, cy1, cx2, cy2, 0.0, cls))
+    return yolo_txt_lines(kept, w, h, save_conf=False), notes, crowd, skipped
 
 
 def _inside(path: Path, folder: Path) -> bool:
@@ -219,21 +210,6 @@ def _relative_image(file_name: str) -> PurePosixPath | None:
     if rel.is_absolute() or ".." in parts or not parts:
         return None
     return PurePosixPath(*parts)
-
-
-def place_image(src: Path, dst: Path, copy: bool) -> None:
-    """``dst`` becomes ``src``'s content: a hard link (no space, the input untouched), or a
-    copy when asked or across file systems; atomically either way."""
-    if not copy:
-        tmp = dst.with_name(f".{dst.name}.{os.getpid()}.link")
-        try:
-            os.link(src, tmp)
-            os.replace(tmp, dst)
-            return
-        except OSError:
-            tmp.unlink(missing_ok=True)
-    with open(src, "rb") as fin, atomic_write(dst, "wb", fsync=False) as fout:
-        shutil.copyfileobj(fin, fout)
 
 
 def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> CocoIdMap:
@@ -342,8 +318,7 @@ def convert(
         dst.parent.mkdir(parents=True, exist_ok=True)
         label.parent.mkdir(parents=True, exist_ok=True)
         place_image(src, dst, copy)
-        with atomic_write(label, "w", fsync=False) as f:
-            f.write("".join(x + "\n" for x in lines))
+        write_labels(label, lines)
         id_map.images[f"images/{split}/{rel.as_posix()}"] = im["id"]
         report.written += 1
         report.objects += len(lines)
@@ -423,8 +398,7 @@ def coco_to_yolo(args: argparse.Namespace) -> None:
     )
     write_text(out / DATA_YAML, yaml_text, "--out")
     report_path = out / f"coco2yolo_{split}_report.txt"
-    text = f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines)
-    write_text(report_path, text, "--out")
+    write_text(report_path, report_text(report.summary(), report.lines), "--out")
     LOGGER.info(
         "%s; %d classes; %s (report: %s)",
         report.summary(),

@@ -43,7 +43,6 @@ import argparse
 import json
 import logging
 import os
-import shutil
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Sequence
@@ -75,14 +74,14 @@ from build_utils.limits import (
 )
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
+from tools.yolo_output import DATA_YAML, place_image, report_text, write_labels
 from train_utils.cli import HelpFormatter, run_script
+from train_utils.evaluation.detection_files import yolo_txt_lines
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 # Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).
 ASPECT_TOLERANCE = 0.01
-LABEL_DECIMALS = 6
 NAMES_FILE = "classes.names"  # the class list written beside the labels (default --names-out)
-DATA_YAML = "data.yaml"  # --voc-root: the dataset file train.py reads, in --out
 REPORT_FILE = "voc2yolo_report.txt"
 
 
@@ -272,11 +271,7 @@ def _object_line(
     if cx2 <= cx1 or cy2 <= cy1:
         notes.append(f"{where}: empty box, skipped")
         return None
-    d = LABEL_DECIMALS
-    return (
-        f"{class_id} {(cx1 + cx2) / 2 / W:.{d}f} {(cy1 + cy2) / 2 / H:.{d}f} "
-        f"{(cx2 - cx1) / W:.{d}f} {(cy2 - cy1) / H:.{d}f}"
-    )
+    return yolo_txt_lines([(cx1, cy1, cx2, cy2, 0.0, class_id)], W, H, save_conf=False)[0]
 
 
 def convert_file(
@@ -357,19 +352,10 @@ def convert_dir(
         if lines is None:
             report.skipped_files += 1
             continue
-        (label_dir / f"{xml_path.stem}.txt").write_text("".join(x + "\n" for x in lines))
+        write_labels(label_dir / f"{xml_path.stem}.txt", lines)
         report.written += 1
         report.objects += len(lines)
     return report
-
-
-def _link_or_copy(src: Path, dst: Path) -> None:
-    if dst.exists():
-        return
-    try:
-        os.link(src, dst)
-    except OSError:
-        shutil.copy2(src, dst)
 
 
 def convert_voc_root(
@@ -394,8 +380,9 @@ def convert_voc_root(
         img_out.mkdir(parents=True, exist_ok=True)
         images = _image_index(voc_root / "JPEGImages")
         for i in ids:
-            if i in images:
-                _link_or_copy(images[i], img_out / images[i].name)
+            # An image placed by an earlier run is kept (place_image never leaves half of one).
+            if i in images and not (img_out / images[i].name).exists():
+                place_image(images[i], img_out / images[i].name)
         report.merge(
             convert_dir(
                 voc_root / "Annotations",
@@ -532,11 +519,7 @@ def voc_to_yolo(args: argparse.Namespace) -> None:
     for path, text, flag in (
         (outputs.names, "".join(n + "\n" for n in names), "--names-out"),
         (outputs.data_yaml, data_yaml, "--out"),
-        (
-            outputs.report,
-            f"# {report.summary()}\n" + "".join(x + "\n" for x in report.lines),
-            "--report",
-        ),
+        (outputs.report, report_text(report.summary(), report.lines), "--report"),
     ):
         if path is not None:
             make_output_dir(path.parent, flag)

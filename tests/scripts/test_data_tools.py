@@ -264,6 +264,31 @@ def test_voc_devkit_layout(make_shapes_data, tmp_path):
             np.testing.assert_allclose(got[k], want[k], atol=1e-6)
 
 
+def test_converters_write_boxes_labels_and_images_one_way(tmp_path):
+    """tools/yolo_output.py, what both converters write with: an atomic label file, an image
+    linked (or copied) in place, the report's text."""
+    from tools.yolo_output import place_image, report_text, write_labels
+
+    label = tmp_path / "x.txt"
+    write_labels(label, ["0 0.5 0.5 0.1 0.1", "1 0.2 0.2 0.1 0.1"])
+    assert label.read_text() == "0 0.5 0.5 0.1 0.1\n1 0.2 0.2 0.1 0.1\n"
+    write_labels(label, [])
+    assert label.read_text() == ""  # a background image
+    src = tmp_path / "a.jpg"
+    src.write_bytes(b"jpeg")
+    for copy in (False, True):
+        dst = tmp_path / f"b{copy}.jpg"
+        place_image(src, dst, copy)
+        assert dst.read_bytes() == b"jpeg" and (dst.stat().st_ino == src.stat().st_ino) != copy
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "a.jpg",
+        "bFalse.jpg",
+        "bTrue.jpg",
+        "x.txt",
+    ]
+    assert report_text("2 files", ["a: skipped"]) == "# 2 files\na: skipped\n"
+
+
 def test_voc_conversion_never_writes_over_labels_unasked(make_shapes_data, tmp_path, capsys):
     """Was: --label-dir pointing at a folder of labels (a hand-edited one, or the dataset's own
     labels/) replaced them, exit 0. Now one line, exit 2, nothing written, unless --exist-ok."""
