@@ -291,11 +291,10 @@ def bench(args: argparse.Namespace) -> None:
         score(args, row, cfg, data)
         rows.append(row)
         common.write_report(args.json, {"info": info, "rows": rows})
-    print_table(args, rows)
+    print_table(args, info, rows)
 
 
-def print_table(args: argparse.Namespace, rows: list[dict[str, Any]]) -> None:
-    info = common.machine_info()
+def print_table(args: argparse.Namespace, info: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     print(
         f"{args.cfg.name} for 5 classes at {args.size} px, batch {args.batch}, "
         f"{args.iterations} iterations; {info.get('cpu', '?')}, {args.threads} threads"

@@ -313,7 +313,8 @@ def bench_variants(
     return rows
 
 
-def _label(r: dict[str, Any]) -> str:
+def variant_label(r: dict[str, Any]) -> str:
+    """A row's variant as tables name it: ``bf16/channels_last``, ``fp32/contiguous +compile``."""
     return f"{r['precision']}/{r['format']}{' +compile' if r['compile'] else ''}"
 
 
@@ -395,7 +396,7 @@ def measure_rows(
                 r["vs_fp32_contiguous"] = round(r["img_per_s"] / base, 3) if base else None
                 rows.append(r)
                 print(
-                    f"{mode:5s} {size:4d} {_label(r):28s} {r['img_per_s']:8.2f} img/s",
+                    f"{mode:5s} {size:4d} {variant_label(r):28s} {r['img_per_s']:8.2f} img/s",
                     file=sys.stderr,
                 )
     return rows
@@ -426,13 +427,13 @@ def print_report(
         of_c = f"{r['of_ceiling']:.0%}" if r["of_ceiling"] is not None else "-"
         vs = f"{r['vs_fp32_contiguous']:.2f}x" if r["vs_fp32_contiguous"] is not None else "-"
         print(
-            f"{r['mode']:5s} {r['img_size']:4d} {r['batch']:5d} {_label(r):28s} "
+            f"{r['mode']:5s} {r['img_size']:4d} {r['batch']:5d} {variant_label(r):28s} "
             f"{r['s_per_batch']:8.3f} {r['img_per_s']:8.2f} {r['gflop_per_s']:8.1f} {of_c:>8s} "
             f"{vs:>14s}"
         )
     if args.profile:
         for r in rows:
-            print(f"\ntop operators, {r['mode']} {r['img_size']} {_label(r)} (self time):")
+            print(f"\ntop operators, {r['mode']} {r['img_size']} {variant_label(r)} (self time):")
             for op in r["top_ops"]:
                 print(
                     f"  {op['op']:44s} {op['calls']:6d} calls {op['self_ms']:10.1f} ms "

@@ -77,6 +77,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
+from bench import common
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
@@ -526,10 +527,6 @@ def _train_variants(amp_name: str | None, compiled: bool) -> list[tuple[str, str
     return variants
 
 
-def _label(precision: str, fmt: str, compiled: bool) -> str:
-    return f"{precision}/{fmt}{' +compile' if compiled else ''}"
-
-
 def step_train(ctx: StepContext, size: int, which: str = "eager") -> None:
     """The YOLOv3-SPP train step at ``size``: each variant at the largest batch that fits;
     ``which="compile"``: the compiled one, beside the eager rows train-<size> measured."""
@@ -582,7 +579,7 @@ def step_train(ctx: StepContext, size: int, which: str = "eager") -> None:
             raise StepFailed(f"torch.compile failed: {why}") from e
         finally:
             free()
-        row["label"] = _label(*variant)
+        row["label"] = bench_model.variant_label(row)
         row["tflop_per_s"] = round(flops * row["img_per_s"] / 1e12, 2)
         row["batches_out_of_memory"] = too_big
         rows.append(row)
@@ -716,31 +713,22 @@ def step_data(ctx: StepContext) -> None:
 
 def _train_flags(s: Settings, data: Path, out: Path, epochs: int, batch: int) -> list[str]:
     """The short training runs' flags: the demo's recipe (Adam, hyp_demo) on the nano cfg."""
-    return [
-        "--data",
-        str(data),
-        "--cfg",
-        str(REPO / s.run_cfg),
-        "--hyp",
-        str(REPO / s.run_hyp),
-        "--optimizer",
-        "adam",
-        "--img-size",
-        str(s.run_img),
-        "--batch-size",
-        str(batch),
-        "--nbs",
-        str(batch),
-        "--epochs",
-        str(epochs),
-        "--no-multi-scale",
-        "--notest",  # only the last epoch is evaluated: the one compared
-        "--noplots",  # figures are compared, not pictures
-        "--amp",
-        "auto",
-        "--output-dir",
-        str(out),
-    ]
+    argv = common.as_argv(
+        {
+            "--data": data,
+            "--cfg": REPO / s.run_cfg,
+            "--hyp": REPO / s.run_hyp,
+            "--optimizer": "adam",
+            "--img-size": s.run_img,
+            "--batch-size": batch,
+            "--nbs": batch,
+            "--epochs": epochs,
+        }
+    )
+    # --notest: only the last epoch is evaluated, the one compared; --noplots: figures are
+    # compared, not pictures.
+    argv += ["--no-multi-scale", "--notest", "--noplots"]
+    return argv + common.as_argv({"--amp": "auto", "--output-dir": out})
 
 
 def compare_stats(
@@ -1242,8 +1230,6 @@ def write_reports(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
 
 def machine_summary(device: torch.device) -> dict[str, Any]:
     """The report header's machine: device names, versions, CPU."""
-    from bench import common
-
     info = common.machine_description(device)
     if device.type == "cuda":
         n = torch.cuda.device_count()
