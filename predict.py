@@ -552,10 +552,6 @@ def _refuse_if_nothing_readable(outputs: Sequence[Output]) -> None:
         raise ConfigError(f"--source: nothing readable to predict on: {problems[0]}{more}")
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or path.is_relative_to(folder)
-
-
 def _resolved(path: str | Path) -> Path:
     """``path`` with symbolic links resolved as far as they go: ``Path.resolve`` raises on a
     link loop, which is a source to skip with its reason, not a traceback."""
@@ -576,19 +572,19 @@ def check_not_over_sources(
         if is_camera(s) or is_stream(s):
             continue
         src = _resolved(s)
-        if src.is_dir() and _inside(out, src):
+        if src.is_dir() and out.is_relative_to(src):
             where = "is" if out == src else "is inside"
             raise ConfigError(
                 f"--output {out_dir} {where} --source {s}: the predictions would be written "
                 "among the images they are made from; choose an --output outside it"
             )
-        if _inside(src, out):
+        if src.is_relative_to(out):
             raise ConfigError(
                 f"--output {out_dir} holds --source {s}: the predictions could overwrite it; "
                 "choose another --output"
             )
     for o in outputs:  # a symbolic link in a source folder may point into the output folder
-        if isinstance(o.source, Path) and _inside(_resolved(o.source), out):
+        if isinstance(o.source, Path) and _resolved(o.source).is_relative_to(out):
             raise ConfigError(
                 f"--output {out_dir} holds {o.source} (a source image); choose another --output"
             )

@@ -198,10 +198,6 @@ def yolo_lines(
     return yolo_txt_lines(kept, w, h, save_conf=False), notes, crowd, skipped
 
 
-def _inside(path: Path, folder: Path) -> bool:
-    return path == folder or folder in path.parents
-
-
 def _relative_image(file_name: str) -> PurePosixPath | None:
     """``file_name`` as a relative path inside the image folder, or None when it is absolute or
     climbs out with ``..`` (it could name any file on the machine)."""
@@ -362,7 +358,7 @@ def check_places(args: argparse.Namespace, split: str) -> None:
     if not args.images.is_dir():
         raise ConfigError("--images: folder not found", args.images)
     out = args.out
-    if _inside(out.resolve(), args.images.resolve()):
+    if out.resolve().is_relative_to(args.images.resolve()):
         raise ConfigError(
             "--out lies inside --images; the input is only read: choose another folder", out
         )
@@ -370,7 +366,7 @@ def check_places(args: argparse.Namespace, split: str) -> None:
     # --out OUT): the split's images would be linked onto themselves, and the next
     # --exist-ok run deletes the split's previous images, which would be the input itself.
     split_dir = out / "images" / split
-    if _inside(args.images.resolve(), split_dir.resolve()):
+    if args.images.resolve().is_relative_to(split_dir.resolve()):
         raise ConfigError(
             f"--images is (or lies inside) {split_dir}, where this split is written; "
             "replacing the split would delete the input: choose another --out",
