@@ -46,10 +46,8 @@ import argparse
 import contextlib
 import json
 import logging
-import os
 import re
 import resource
-import shutil
 import sys
 import tempfile
 import time
@@ -64,6 +62,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
+from tools.yolo_output import place_image
 from train_utils.cli import run_script
 from train_utils.distributed.node import usable_cpus
 
@@ -204,10 +203,7 @@ def linked_images(root: Path, n: int, shapes: Sequence[tuple[int, int]]) -> Path
     for i in range(n):
         img = images / f"{i:07d}.jpg"
         if not img.exists():
-            try:
-                os.link(sources[i % len(sources)], img)
-            except OSError:
-                shutil.copyfile(sources[i % len(sources)], img)
+            place_image(sources[i % len(sources)], img)
     return images
 
 

@@ -23,6 +23,7 @@ from build_utils.atomic import make_output_dir, write_text
 from build_utils.checks import is_real
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
+from train_utils.memory_format import cpu_model
 
 REPO = Path(__file__).resolve().parents[1]
 # A launcher's description of its process group: a child torchrun would join the caller's group
@@ -63,18 +64,16 @@ def check_real(flag: str, value: float, *, positive: bool = False) -> None:
 def machine_description(device: torch.device) -> dict[str, Any]:
     """CPU model, the ISA flags that decide bf16 speed, what oneDNN reports, and the GPU."""
     flags: set[str] = set()
-    model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags") and not flags:
+            if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
-            elif line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
+                break
     except OSError:
         pass
     bf16_native = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
     info = {
-        "cpu": model,
+        "cpu": cpu_model(),
         "cpu_count": os.cpu_count(),
         "isa": torch.backends.cpu.get_cpu_capability(),
         "avx512f": "avx512f" in flags,
