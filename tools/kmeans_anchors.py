@@ -54,11 +54,6 @@ from train_utils.cli import HelpFormatter, check_img_size_limit, run_script
 LOGGER = logging.getLogger("kmeans_anchors")
 
 
-def label_sizes(dataset: LoadImagesAndLabels) -> np.ndarray:
-    """``(n, 2)`` label widths/heights in pixels at the dataset's img_size (long side)."""
-    return anchors_lib.label_sizes(dataset.labels, dataset.shapes, dataset.img_size)
-
-
 def describe(wh: np.ndarray, anchors: np.ndarray, iou_t: float) -> str:
     return anchor_fit(wh, anchors, iou_t).describe()
 
@@ -174,7 +169,8 @@ def label_wh(source: str | Path, img_size: int, nc: int | None) -> np.ndarray:
             "no --classes: class ids are not checked, and training (which knows the class "
             "count) checks the labels again instead of reusing the cache written here"
         )
-    wh = label_sizes(LoadImagesAndLabels(source, img_size, nc=nc))
+    dataset = LoadImagesAndLabels(source, img_size, nc=nc)
+    wh = anchors_lib.label_sizes(dataset.labels, dataset.shapes, dataset.img_size)
     small = too_small(wh)
     if small.any():
         LOGGER.warning(
