@@ -178,8 +178,24 @@ def check_opset(opset: int) -> None:
         )
 
 
-def _example(model: Darknet, h: int, w: int, half: bool) -> torch.Tensor:
-    return torch.zeros(1, _channels(model), h, w, dtype=torch.float16 if half else torch.float32)
+def _begin(
+    model: Darknet, path: str | Path, img_size: int | tuple[int, int], half: bool
+) -> tuple[Path, torch.Tensor]:
+    """What every export starts with: the image size checked against the model's strides, the
+    output's folder made, and the input to trace with, (1, C, H, W) zeros (float16 when
+    ``half``)."""
+    h, w = _checked(model, img_size)
+    path = Path(path)
+    make_output_dir(path.parent, OUTPUT_FLAG)
+    dtype = torch.float16 if half else torch.float32
+    return path, torch.zeros(1, _channels(model), h, w, dtype=dtype)
+
+
+def _write_file(path: Path, data: bytes | memoryview) -> None:
+    # Into memory first, then atomically onto ``path``: a full disk mid-write must leave the
+    # previous export whole (the exporters would write ``path`` in place).
+    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
+        f.write(data)
 
 
 def export_onnx(
@@ -198,14 +214,9 @@ def export_onnx(
     :data:`MAX_OPSET` or an image size that is not a multiple of the model's largest stride.
     """
     check_opset(opset)
-    h, w = _checked(model, img_size)
-    path = Path(path)
-    make_output_dir(path.parent, OUTPUT_FLAG)
+    path, example = _begin(model, path, img_size, half)
     buf = io.BytesIO()
-    example = _example(model, h, w, half)
     with _tracing(model, example) as wrapper:
-        # Into memory first, then atomically onto ``path``: a full disk mid-write must leave
-        # the previous export whole (the exporter would write ``path`` in place).
         torch.onnx.export(
             wrapper,
             (example,),
@@ -216,9 +227,7 @@ def export_onnx(
             output_names=[OUTPUT_NAME],
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
         )
-    data = _with_onnx_metadata(buf.getvalue(), metadata) if metadata else buf.getvalue()
-    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
-        f.write(data)
+    _write_file(path, _with_onnx_metadata(buf.getvalue(), metadata) if metadata else buf.getvalue())
     return path
 
 
@@ -244,18 +253,14 @@ def export_torchscript(
     """Write ``model`` traced (``torch.jit.trace``) on the CPU as a TorchScript file; returns
     the path. Load it with ``torch.jit.load(path)``; no project code is needed. ``metadata``
     is the extra file ``config.txt`` (one JSON object, as YOLOv5 writes it)."""
-    h, w = _checked(model, img_size)
-    path = Path(path)
-    make_output_dir(path.parent, OUTPUT_FLAG)
+    path, example = _begin(model, path, img_size, half)
     buf = io.BytesIO()
-    example = _example(model, h, w, half)
     with _tracing(model, example) as wrapper:
         with torch.no_grad():
             traced = torch.jit.trace(wrapper, example, check_trace=False)
         extra = {"config.txt": json.dumps(dict(metadata))} if metadata else {}
         torch.jit.save(traced, buf, _extra_files=extra)
-    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
-        f.write(buf.getbuffer())
+    _write_file(path, buf.getbuffer())
     return path
 
 
@@ -288,16 +293,9 @@ def export_openvino(
     under ``model_info``.
     """
     ov = _import_openvino()
-    h, w = _checked(model, img_size)
-    folder = Path(folder)
-    make_output_dir(folder.parent, OUTPUT_FLAG)
-    example = _example(model, h, w, False)
+    folder, example = _begin(model, folder, img_size, False)
     with _tracing(model, example) as wrapper:
-        converted = ov.convert_model(
-            wrapper,
-            example_input=example,
-            input=[-1, _channels(model), h, w],
-        )
+        converted = ov.convert_model(wrapper, example_input=example, input=[-1, *example.shape[1:]])
     converted.inputs[0].get_tensor().set_names({INPUT_NAME})
     converted.outputs[0].get_tensor().set_names({OUTPUT_NAME})
     for key, value in _meta_text(metadata or {}).items():
