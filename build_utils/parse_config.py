@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.atomic import write_text
+from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
@@ -333,8 +334,6 @@ FLOAT_BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
     "net": {"bn_eps": (0.0, 1.0)},
     "yolo": {"scale_x_y": (0.0, 16.0)},  # [2.0, Scaled-YOLOv4's heads]
 }
-# A value shown in an error line is cut to this many characters (a 400-digit integer).
-_SHOWN_DIGITS = 12
 
 # Keys holding file paths in a .data file, resolved by parse_data_cfg.
 DATA_PATH_KEYS: tuple[str, ...] = ("train", "valid", "test", "names", "backup")
@@ -606,32 +605,26 @@ def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
     return j if j > 0 and blocks[j]["type"] == "convolutional" else None
 
 
-def _shown(value: Any) -> str:
-    """A value as an error line shows it: at most :data:`_SHOWN_DIGITS` characters."""
-    text = str(value)
-    if len(text) <= _SHOWN_DIGITS:
-        return text
-    return f"{text[:_SHOWN_DIGITS]}... ({len(text)} characters)"
-
-
 def _check_bounds(block: Block) -> None:
     """Every numeric value of ``block`` inside its bounds (:data:`BOUNDS`, else a C ``int``);
-    a value below the lowest says ``must be at least``, above the highest names the range."""
+    a value below the lowest says ``must be at least``, above the highest names the range.
+    This is the one check of the integer keys' lowest values (sizes, strides and filters at
+    least 1, paddings at least 0): the checks by layer below only add what relates keys."""
     section = block["type"]
     bounds = BOUNDS.get(section, {})
     for key, value in block.items():
         if key.startswith("_") or key == "type":
             continue
         values = value if isinstance(value, list) else [value]
-        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        ints = [v for v in values if is_int(v)]
         lo, hi = bounds.get(key, C_INT)
         for v in ints:
             if v < lo:
-                raise layer_error(block, f"{key}={_shown(v)} must be at least {lo}", key)
+                raise layer_error(block, f"{key}={shown(v)} must be at least {lo}", key)
             if v > hi:
                 raise layer_error(
                     block,
-                    f"{key}={_shown(v)} is over the limit: allowed {lo}..{hi}",
+                    f"{key}={shown(v)} is over the limit: allowed {lo}..{hi}",
                     key,
                 )
         if key in ("layers", "from") and len(values) > MAX_ROUTE_INPUTS:
@@ -645,13 +638,13 @@ def _check_bounds(block: Block) -> None:
         if fhi is not None and isinstance(value, (int, float)) and value > fhi:
             raise layer_error(
                 block,
-                f"{key}={_shown(value)} is over the limit: allowed ({flo:g}, {fhi:g}]",
+                f"{key}={shown(value)} is over the limit: allowed ({flo:g}, {fhi:g}]",
                 key,
             )
     if section == "net" and block.get("channels", INPUT_CHANNELS) != INPUT_CHANNELS:
         raise layer_error(
             block,
-            f"channels={_shown(block['channels'])}: only channels={INPUT_CHANNELS} is supported "
+            f"channels={shown(block['channels'])}: only channels={INPUT_CHANNELS} is supported "
             f"(the data loader feeds RGB images; grayscale images are read as 3 channels)",
             "channels",
         )
@@ -668,7 +661,7 @@ def _check_bounds(block: Block) -> None:
         if big:
             raise layer_error(
                 block,
-                f"anchor size {_shown(big[0])} is over the limit: allowed up to {MAX_NET_SIDE} "
+                f"anchor size {shown(big[0])} is over the limit: allowed up to {MAX_NET_SIDE} "
                 "pixels",
                 "anchors",
             )
@@ -695,9 +688,6 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
         raise layer_error(blocks[0], "the cfg defines no layers after [net]")
     for block in blocks:
         _check_bounds(block)
-    for key in ("width", "height", "channels"):
-        if key in blocks[0] and blocks[0][key] < 1:
-            raise layer_error(blocks[0], f"{key}={blocks[0][key]} must be positive", key)
     if blocks[0].get("bn_eps", 1.0) <= 0:
         raise layer_error(blocks[0], f"bn_eps={blocks[0]['bn_eps']} must be positive", "bn_eps")
     if blocks[0].get("bn_eps", 1.0) < MIN_BN_EPS:
@@ -718,13 +708,10 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             if key not in block:
                 raise layer_error(block, f"missing required key '{key}'")
         if kind == "convolutional":
-            _check_conv(block)
+            # Darknet's default activation for a convolution is logistic.
+            _check_activation(block, default="logistic")
         elif kind == "maxpool":
             _check_maxpool(block)
-        elif kind == "upsample" and block.get("stride", 2) < 1:
-            raise layer_error(
-                block, f"stride={block['stride']} must be at least 1 (no downsampling)", "stride"
-            )
         elif kind in ("route", "shortcut"):
             _check_references(layers, i)
             if kind == "route":
@@ -741,13 +728,10 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
 
 
 def _check_maxpool(block: Block) -> None:
-    for key in ("size", "stride", "stride_x", "stride_y"):
-        if key in block and block[key] < 1:
-            raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
     size, _, _, padding = maxpool_params(block)
     # Each window must hold at least one input pixel: Darknet would output -FLT_MAX for a
     # window lying wholly in the padding.
-    if padding < 0 or (padding + 1) // 2 >= size:
+    if (padding + 1) // 2 >= size:
         raise layer_error(
             block,
             f"padding={padding} must be in 0..{2 * size - 2} for size={size} (a larger "
@@ -775,8 +759,6 @@ def _check_references(layers: list[Block], i: int) -> None:
 
 def _check_route(block: Block) -> None:
     groups = block.get("groups", 1)
-    if groups < 1:
-        raise layer_error(block, f"groups={groups} must be at least 1", "groups")
     gid = block.get("group_id", 0)
     if not 0 <= gid < groups:
         raise layer_error(
@@ -805,16 +787,6 @@ def _check_activation(block: Block, default: str) -> None:
         )
 
 
-def _check_conv(block: Block) -> None:
-    for key in ("filters", "size", "stride", "stride_x", "stride_y", "groups"):
-        if key in block and block[key] < 1:
-            raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
-    if block.get("padding", 0) < 0:
-        raise layer_error(block, f"padding={block['padding']} must not be negative", "padding")
-    # Darknet's default activation for a convolution is logistic.
-    _check_activation(block, default="logistic")
-
-
 def _check_yolo(blocks: list[Block], index: int) -> None:
     block = blocks[index]
     anchors = block["anchors"]
@@ -838,8 +810,6 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
                 "mask",
             )
     nc = block.get("classes", 20)
-    if nc < 1:
-        raise layer_error(block, f"classes={nc} must be at least 1", "classes")
     scale = block.get("scale_x_y", 1.0)
     if scale <= 0:
         raise layer_error(block, f"scale_x_y={scale} must be positive", "scale_x_y")
@@ -882,12 +852,12 @@ def rewrite_cfg_classes(blocks: list[Block], nc: int) -> list[Block]:
     Raises:
         ConfigError: ``nc < 1``, or a ``[yolo]`` not fed by a ``[convolutional]``.
     """
-    if isinstance(nc, bool) or not isinstance(nc, int) or nc < 1:
+    if not is_int(nc) or nc < 1:
         raise ConfigError(f"the number of classes must be a positive integer, got {nc!r}")
     if nc > MAX_CLASSES:
         # The count comes from the data (.data classes, names), not from a line of this cfg.
         raise ConfigError(
-            f"{_shown(nc)} classes is over the limit: allowed 1..{MAX_CLASSES} (classes per model)"
+            f"{shown(nc)} classes is over the limit: allowed 1..{MAX_CLASSES} (classes per model)"
         )
     out = copy.deepcopy(blocks)
     for i, block in enumerate(out):
@@ -1290,7 +1260,7 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
     """The class names of a data.yaml's ``names`` (a list, or a mapping of ids 0..n-1 to names),
     checked against ``nc`` when it is given; without ``names``, ``nc`` class ids as names."""
     nc = values.get("nc")
-    if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc < 1):
+    if nc is not None and (not is_int(nc) or nc < 1):
         raise ConfigError(
             f"nc={short_repr(nc)} must be a positive integer number of classes", path, lines["nc"]
         )
@@ -1304,36 +1274,12 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
             )
         if nc > MAX_CLASSES:
             raise ConfigError(
-                f"nc={_shown(nc)} is over the limit of {MAX_CLASSES}", path, lines["nc"]
+                f"nc={shown(nc)} is over the limit of {MAX_CLASSES}", path, lines["nc"]
             )
         return [str(i) for i in range(nc)]
     line = lines["names"]
     if isinstance(raw, dict):
-        # A yaml written from JSON quotes its keys ("0": person); ultralytics reads them as ids.
-        numbered = {
-            int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v for k, v in raw.items()
-        }
-        if len(numbered) < len(raw):
-            raise ConfigError("names: a class id is given twice (0 and '0')", path, line)
-        raw = numbered
-        ids = list(raw)
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int))
-            raise ConfigError(
-                f"names: class id {short_repr(bad)} is not an integer (write 0: name, ...)",
-                path,
-                line,
-            )
-        if sorted(ids) != list(range(len(ids))):
-            missing = sorted(set(range(len(ids))) - set(ids))
-            shown = ", ".join(str(i) for i in sorted(ids)[:8]) + (", ..." if len(ids) > 8 else "")
-            raise ConfigError(
-                f"names: class ids must be 0..{len(ids) - 1} without gaps (got {shown}; "
-                f"{missing[0]} is missing)",
-                path,
-                line,
-            )
-        items = [raw[i] for i in range(len(ids))]
+        items = _numbered_names(raw, path, line)
     elif isinstance(raw, list):
         items = raw
     else:
@@ -1362,3 +1308,31 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
             lines["nc"],
         )
     return names
+
+
+def _numbered_names(raw: dict[Any, Any], path: Path, line: int) -> list[Any]:
+    """The values of a ``names`` mapping in class id order; the ids must be 0..n-1."""
+    # A yaml written from JSON quotes its keys ("0": person); ultralytics reads them as ids.
+    numbered = {
+        int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v for k, v in raw.items()
+    }
+    if len(numbered) < len(raw):
+        raise ConfigError("names: a class id is given twice (0 and '0')", path, line)
+    ids = list(numbered)
+    bad = [i for i in ids if not is_int(i)]
+    if bad:
+        raise ConfigError(
+            f"names: class id {short_repr(bad[0])} is not an integer (write 0: name, ...)",
+            path,
+            line,
+        )
+    if sorted(ids) != list(range(len(ids))):
+        missing = sorted(set(range(len(ids))) - set(ids))
+        got = ", ".join(str(i) for i in sorted(ids)[:8]) + (", ..." if len(ids) > 8 else "")
+        raise ConfigError(
+            f"names: class ids must be 0..{len(ids) - 1} without gaps (got {got}; "
+            f"{missing[0]} is missing)",
+            path,
+            line,
+        )
+    return [numbered[i] for i in range(len(ids))]
