@@ -583,17 +583,44 @@ def yolo_mask(block: Block) -> list[int]:
     return list(range(len(block["anchors"]) // 2))
 
 
+# Darknet's defaults (src/parser.c) for keys a layer may omit, for every reader of the blocks
+# (the model builder, its memory estimate, the Darknet loss and loader, the checks here): they
+# are not filled into the blocks, so that write_model_cfg writes back what was read.
+CONV_DEFAULTS: dict[str, Any] = {
+    "batch_normalize": 0,
+    "filters": 1,
+    "size": 1,
+    "stride": 1,
+    "pad": 0,
+    "padding": 0,
+    "groups": 1,
+    "activation": "logistic",
+}
+DEFAULT_CLASSES = 20  # [yolo] classes
+DEFAULT_MAX_BOXES = 200  # [yolo] max: truths read per image
+DEFAULT_UPSAMPLE_STRIDE = 2
+DEFAULT_DROPOUT = 0.5  # [dropout] probability
+
+
+def stride_pair(block: Block, default: int) -> tuple[int, int]:
+    """``(stride_y, stride_x)`` of a ``[convolutional]`` or ``[maxpool]`` block: ``stride``
+    (else ``default``) unless ``stride_y`` or ``stride_x`` is set."""
+    s = block.get("stride", default)
+    return block.get("stride_y", s), block.get("stride_x", s)
+
+
+def layer_refs(block: Block, index: int) -> list[int]:
+    """The layers a ``[route]`` (``layers``) or ``[shortcut]`` (``from``) at layer ``index``
+    reads, as absolute layer indices (``[net]`` not counted): a negative entry counts back."""
+    key = "layers" if block["type"] == "route" else "from"
+    return [index + r if r < 0 else r for r in block[key]]
+
+
 def maxpool_params(block: Block) -> tuple[int, int, int, int]:
     """``(size, stride_y, stride_x, padding)`` of a ``[maxpool]`` block with Darknet's defaults
     (``src/parser.c``): stride 1, size = stride, padding = size - 1."""
-    stride = block.get("stride", 1)
-    size = block.get("size", stride)
-    return (
-        size,
-        block.get("stride_y", stride),
-        block.get("stride_x", stride),
-        block.get("padding", size - 1),
-    )
+    size = block.get("size", block.get("stride", 1))
+    return (size, *stride_pair(block, 1), block.get("padding", size - 1))
 
 
 def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
@@ -708,8 +735,7 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             if key not in block:
                 raise layer_error(block, f"missing required key '{key}'")
         if kind == "convolutional":
-            # Darknet's default activation for a convolution is logistic.
-            _check_activation(block, default="logistic")
+            _check_activation(block, default=CONV_DEFAULTS["activation"])
         elif kind == "maxpool":
             _check_maxpool(block)
         elif kind in ("route", "shortcut"):
@@ -719,7 +745,7 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             else:
                 _check_shortcut(block)
         elif kind == "dropout":
-            p = block.get("probability", 0.5)
+            p = block.get("probability", DEFAULT_DROPOUT)
             if not 0.0 <= p < 1.0:
                 raise layer_error(block, f"probability={p} must be in [0, 1)", "probability")
         elif kind == "yolo":
@@ -744,8 +770,7 @@ def _check_references(layers: list[Block], i: int) -> None:
     """A route's ``layers`` / a shortcut's ``from`` point to earlier layers, never a head."""
     block = layers[i]
     key = "layers" if block["type"] == "route" else "from"
-    for ref in block[key]:
-        target = i + ref if ref < 0 else ref
+    for ref, target in zip(block[key], layer_refs(block, i)):
         if not 0 <= target < i:
             raise layer_error(
                 block,
@@ -809,7 +834,7 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
                 f"mask index {m} is outside the {n_anchors} anchors (valid: 0..{n_anchors - 1})",
                 "mask",
             )
-    nc = block.get("classes", 20)
+    nc = block.get("classes", DEFAULT_CLASSES)
     scale = block.get("scale_x_y", 1.0)
     if scale <= 0:
         raise layer_error(block, f"scale_x_y={scale} must be positive", "scale_x_y")
@@ -819,7 +844,7 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
     j = head_conv_index(blocks, index)
     if new_coords:
         # Darknet applies no sigmoid in a new_coords head: the conv before it must.
-        act = blocks[j].get("activation", "logistic") if j is not None else None
+        act = blocks[j].get("activation", CONV_DEFAULTS["activation"]) if j is not None else None
         if act != "logistic":
             feeder = f"activation={act}" if j is not None else "no [convolutional]"
             raise layer_error(
@@ -830,7 +855,7 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
             )
     if j is not None:
         conv = blocks[j]
-        filters = conv.get("filters", 1)
+        filters = conv.get("filters", CONV_DEFAULTS["filters"])
         expected = len(mask) * (nc + 5)
         if filters != expected:
             _, yolo_line = _where(block)

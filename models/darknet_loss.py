@@ -53,11 +53,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from build_utils.parse_config import Block, layer_error, yolo_mask
+from build_utils.parse_config import (
+    DEFAULT_CLASSES,
+    DEFAULT_MAX_BOXES,
+    Block,
+    layer_error,
+    yolo_mask,
+)
 
-# Darknet's defaults (src/parser.c parse_yolo).
-DEFAULT_CLASSES = 20
-DEFAULT_MAX_BOXES = 200
+# The iou_loss and iou_thresh_kind values of Darknet (src/parser.c parse_yolo).
 IOU_LOSSES = ("mse", "iou", "giou", "diou", "ciou")
 IOU_THRESH_KINDS = ("iou", "giou", "diou", "ciou")
 # A class probability above this makes a prediction "match" for ignore_thresh (yolo_layer.c
