@@ -305,7 +305,7 @@ def check_image(path: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, s
         return None, "truncated JPEG (no end-of-image marker)"
     try:
         # Grayscale decoding checks the whole stream and gives the same upright size as the
-        # loader's colour decoding, at about 60% of the cost.
+        # loader's colour decoding, at less cost.
         img = cv2.imdecode(data, cv2.IMREAD_GRAYSCALE)
     except cv2.error:
         img = None

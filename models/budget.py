@@ -5,10 +5,9 @@ A cfg that passes every value check can still describe a network no machine hold
 whose embedded cfg says ``filters=1000000000`` asks for a 108 GB weight tensor), and a sane model
 at ``--img-size 8192`` and batch 64 needs hundreds of GB of activations. Building it, or running
 its first batch, ends in an allocator traceback or the kernel's OOM killer. This module walks the
-blocks as :mod:`models.darknet` builds them, with shapes only (nothing is allocated, a few
-milliseconds for the largest cfg), and :func:`check_model_fits` names the layer where the
-estimate crosses the memory available: ``/proc/meminfo`` ``MemAvailable`` for the CPU,
-``torch.cuda.mem_get_info`` for a CUDA device.
+blocks as :mod:`models.darknet` builds them, with shapes only (nothing is allocated), and
+:func:`check_model_fits` names the layer where the estimate crosses the memory available:
+``/proc/meminfo`` ``MemAvailable`` for the CPU, ``torch.cuda.mem_get_info`` for a CUDA device.
 
 It is an estimate, held to the real model by ``tests/models/test_budget.py`` (the factors
 measured are in bench/README.md "Memory estimate"):
