@@ -63,6 +63,7 @@ from build_utils.limits import (
     read_config_text,
     read_data_file,
 )
+from build_utils.parse_config import beside_or_cwd
 
 LOGGER = logging.getLogger(__name__)
 
@@ -114,12 +115,8 @@ def _read_list_file(path: Path) -> list[str]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        p = Path(line).expanduser()
-        if not p.is_absolute():
-            beside = base / p
-            if not beside.exists() and p.exists():
-                beside, from_cwd = p, from_cwd + 1
-            p = beside
+        p = beside_or_cwd(line, base)
+        from_cwd += p != base / Path(line).expanduser()  # found only from the current folder
         out.append(os.path.abspath(p))
     if from_cwd:
         LOGGER.warning(

@@ -1132,7 +1132,7 @@ def load_class_names(path: str | os.PathLike[str]) -> list[str]:
 # data.yaml (ultralytics)
 
 
-def _beside_or_cwd(value: str, base: Path) -> Path:
+def beside_or_cwd(value: str, base: Path) -> Path:
     """``value`` resolved against ``base`` when it exists there (or exists nowhere: the error
     then names the place under ``base``), else against the current directory where it exists."""
     p = Path(value).expanduser()
@@ -1148,10 +1148,10 @@ def _beside_or_cwd(value: str, base: Path) -> Path:
 
 
 def _split_source(value: str, base: Path) -> Path:
-    """A split entry resolved by :func:`_beside_or_cwd`; an entry ``../x`` found nowhere that
+    """A split entry resolved by :func:`beside_or_cwd`; an entry ``../x`` found nowhere that
     way but as ``base/x`` is that one, as ultralytics reads Roboflow's exports (a data.yaml
     beside ``train/`` saying ``train: ../train/images``)."""
-    p = _beside_or_cwd(value, base)
+    p = beside_or_cwd(value, base)
     if value.startswith("../") and not p.exists() and (base / value[3:]).exists():
         return base / value[3:]
     return p
@@ -1191,13 +1191,11 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     values, lines = _data_yaml_values(path)
     base = path.parent
     if values.get("path") is not None:
-        base = _beside_or_cwd(_yaml_path_text("path", values, lines, path), path.parent)
+        base = beside_or_cwd(_yaml_path_text("path", values, lines, path), path.parent)
     out: dict[str, Any] = {"_format": "yaml", "root": str(base)}
     out.update(_data_yaml_splits(values, lines, path, base))
     if values.get("coco_ids") is not None:
-        out["coco_ids"] = str(
-            _beside_or_cwd(_yaml_path_text("coco_ids", values, lines, path), base)
-        )
+        out["coco_ids"] = str(beside_or_cwd(_yaml_path_text("coco_ids", values, lines, path), base))
     names = _yaml_class_names(values, lines, path)
     out["classes"] = len(names)
     out["class_names"] = names
