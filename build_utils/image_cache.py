@@ -117,8 +117,13 @@ def npy_cache_files(img_files: Sequence[str], img_size: int, folder: Path) -> li
     return names
 
 
-def _npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """``(shape, fortran_order, dtype)`` of the open ``.npy`` file ``f``, left at its data."""
+def npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` of the open ``.npy`` file ``f`` (an image cache file, a
+    member of a label cache), left at its data; read without allocating the array.
+
+    Raises:
+        ValueError: not a ``.npy`` file, an unsupported version, or a garbled header.
+    """
     version = np.lib.format.read_magic(f)
     if version not in ((1, 0), (2, 0)):
         raise ValueError(f"unsupported .npy format version {version}")
@@ -150,7 +155,7 @@ def npy_problem(path: Path, shape: tuple[int, int, int]) -> str | None:
         # Only a regular file is read (a FIFO or device placed where a cache file should be
         # would block or never end).
         with open_data_file(path, None) as f:
-            got, fortran, dtype = _npy_header(f)
+            got, fortran, dtype = npy_header(f)
             data_bytes = os.fstat(f.fileno()).st_size - f.tell()
     except UnusableFile as e:
         return "missing" if str(e) == "file not found" else f"unreadable ({e})"
@@ -214,7 +219,7 @@ def read_npy(path: Path, shape: tuple[int, int, int]) -> np.ndarray | None:
     warning, otherwise (the caller decodes the image instead)."""
     try:
         with open_data_file(path, None) as f:
-            problem = _header_problem(*_npy_header(f), shape)
+            problem = _header_problem(*npy_header(f), shape)
             if problem is not None:
                 raise ValueError(problem)
             img = np.fromfile(f, dtype=np.uint8, count=int(np.prod(shape)))

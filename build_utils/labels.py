@@ -36,7 +36,6 @@ import hashlib
 import logging
 import math
 import os
-import tokenize
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -46,6 +45,7 @@ import numpy as np
 
 from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
+from build_utils.image_cache import npy_header
 from build_utils.image_io import (
     IMG_FORMATS,
     check_image,
@@ -549,17 +549,11 @@ def _oversized_member(archive: zipfile.ZipFile, file_bytes: int) -> str | None:
             return (
                 f"member {info.filename} claims {info.file_size} bytes in a {file_bytes}-byte file"
             )
-        with archive.open(info) as f:
-            version = np.lib.format.read_magic(f)
-            read = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            try:
-                shape, _, dtype = read(f)
-            except (SyntaxError, tokenize.TokenError) as e:  # the header is parsed as Python
-                return f"member {info.filename} has a garbled header ({e})"
+        try:
+            with archive.open(info) as f:
+                shape, _, dtype = npy_header(f)
+        except ValueError as e:
+            return f"member {info.filename}: {e}"
         if math.prod(shape) * dtype.itemsize > info.file_size:
             return f"member {info.filename} declares an array of shape {shape}, larger than itself"
     return None
