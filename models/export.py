@@ -44,6 +44,7 @@ from build_utils.atomic import atomic_write, fsync_dir, make_output_dir, reporte
 from build_utils.boxes import box_iou, non_max_suppression
 from build_utils.errors import ConfigError
 from models.darknet import Darknet
+from models.tta import model_stride
 
 # Opset 11 is the first with the Resize semantics nn.Upsample needs; 12 is widely supported.
 MIN_OPSET = 11
@@ -100,7 +101,7 @@ def hw(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 def _checked(model: Darknet, img_size: int | tuple[int, int]) -> tuple[int, int]:
     h, w = hw(img_size)
-    stride = int(max(model.strides))
+    stride = model_stride(model)
     if h % stride or w % stride:
         raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
     return h, w
@@ -118,7 +119,7 @@ def export_metadata(
     names."""
     return {
         "names": list(names) if names else [f"class{i}" for i in range(model.nc)],
-        "stride": int(max(model.strides)),
+        "stride": model_stride(model),
         "imgsz": list(hw(img_size)),
         "input": INPUT_NAME,
         "output": OUTPUT_NAME,
