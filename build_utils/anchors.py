@@ -21,21 +21,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from build_utils.boxes import wh_iou
 from build_utils.errors import DatasetError
 
 MIN_LABEL_PX = 2.0  # labels smaller than this at img_size are ignored (ultralytics/yolov3: 2 px)
 KMEANS_ITERS = 300
 MUTATION_PROB, MUTATION_SIGMA = 0.9, 0.1  # genetic step (ultralytics' values)
 MUTATION_RANGE = (0.3, 3.0)  # one mutation scales an anchor by at most this
-
-
-def wh_iou(wh: np.ndarray, anchors: np.ndarray) -> np.ndarray:
-    """IoU ``(n, k)`` of ``(n, 2)`` widths/heights with ``(k, 2)`` anchors, all centred."""
-    inter = np.minimum(wh[:, None, 0], anchors[None, :, 0]) * np.minimum(
-        wh[:, None, 1], anchors[None, :, 1]
-    )
-    union = (wh[:, 0] * wh[:, 1])[:, None] + (anchors[:, 0] * anchors[:, 1])[None] - inter
-    return inter / union
 
 
 def fitness(wh: np.ndarray, anchors: np.ndarray, iou_t: float) -> float:

@@ -135,8 +135,8 @@ def letterbox_geometry(
 
 
 def filled(hw: tuple[int, int], color: tuple[int, int, int]) -> np.ndarray:
-    """A new ``(h, w, 3) uint8`` image of one colour (numpy's broadcast of a 3-tuple is ~30x
-    slower than this for grey, which is a plain memset)."""
+    """A new ``(h, w, 3) uint8`` image of one colour (for grey a plain memset, which numpy's
+    broadcast of a 3-tuple is far slower than)."""
     if color[0] == color[1] == color[2]:
         return np.full((*hw, 3), color[0], np.uint8)
     out = np.empty((*hw, 3), np.uint8)

@@ -8,8 +8,8 @@ Formats used throughout the project:
 - ``...n`` suffix: normalised to [0, 1] by the image width and height; otherwise absolute pixels.
 
 The conversions and ``clip_coords``/``scale_coords`` accept ``(N, 4)`` arrays (``np.ndarray`` or
-``torch.Tensor``) and return a new array of the same type; the input is never modified. The IoU
-helpers and ``non_max_suppression`` take tensors.
+``torch.Tensor``) and return a new array of the same type; the input is never modified, and so
+does ``wh_iou``. The other IoU helpers and ``non_max_suppression`` take tensors.
 """
 
 from __future__ import annotations
@@ -93,15 +93,16 @@ def box_iou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
     return torchvision.ops.box_iou(boxes1, boxes2)
 
 
-def wh_iou(wh1: torch.Tensor, wh2: torch.Tensor) -> torch.Tensor:
+def wh_iou(wh1: ArrayT, wh2: ArrayT) -> ArrayT:
     """Pairwise IoU of boxes that share the same centre, from their sizes only.
 
-    Used to match targets to anchors. Args: ``wh1: (N, 2)``, ``wh2: (M, 2)`` widths and heights
-    in the same units. Returns the ``(N, M)`` IoU matrix.
+    Used to match targets to anchors (the loss) and to fit anchors to label sizes (anchor
+    k-means). Args: ``wh1: (N, 2)``, ``wh2: (M, 2)`` widths and heights in the same units,
+    both tensors or both arrays. Returns the ``(N, M)`` IoU matrix of the same type.
     """
     wh1 = wh1[:, None]  # (N, 1, 2)
     wh2 = wh2[None]  # (1, M, 2)
-    inter = torch.min(wh1, wh2).prod(2)
+    inter = wh1.clip(max=wh2).prod(2)  # the elementwise minimum, for tensors and arrays
     return inter / (wh1.prod(2) + wh2.prod(2) - inter)
 
 

@@ -30,7 +30,7 @@ from torch.utils.data import Dataset, Sampler
 from build_utils.darknet_augment import CropDraws, DarknetCrop, crop_truths, jitter_crop
 from build_utils.datasets import ImageUnreadable, LoadImagesAndLabels, SubstitutePath
 from build_utils.errors import DatasetError
-from build_utils.parse_config import Block, layer_error
+from build_utils.parse_config import DEFAULT_CLASSES, DEFAULT_MAX_BOXES, Block, layer_error
 
 f32 = np.float32
 # train_detector's multi-scale rule (``random`` of the last [yolo] layer): a new size every
@@ -100,8 +100,8 @@ class DarknetLoaderSettings:
         return cls(
             width=int(net["width"]),
             height=int(net["height"]),
-            classes=int(yolo.get("classes", 20)),
-            max_boxes=int(yolo.get("max", 200)),
+            classes=int(yolo.get("classes", DEFAULT_CLASSES)),
+            max_boxes=int(yolo.get("max", DEFAULT_MAX_BOXES)),
             jitter=jitter,
             resize=resize,
             random=float(yolo.get("random", 0.0)),

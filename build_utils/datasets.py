@@ -70,7 +70,7 @@ from build_utils.image_cache import (
     fill_shared,
     read_npy,
 )
-from build_utils.image_io import IMG_FORMATS, load_image_file, reduce_factor
+from build_utils.image_io import IMG_FORMATS, read_image, reduce_factor
 from build_utils.labels import (
     LabelCache,
     cache_place,
@@ -519,12 +519,12 @@ class LoadImagesAndLabels(Dataset):
     def _decode(self, i: int, scale: float) -> np.ndarray:
         """Decode image ``i`` from its file, JPEGs reduced in the decoder when only ``scale``
         (output pixels per original pixel) of the resolution is needed. The file passes the
-        same checks as when the dataset was built (:func:`~build_utils.image_io.load_image_file`:
+        same checks as when the dataset was built (:func:`~build_utils.image_io.read_image`:
         a regular file within the byte and pixel limits), so one swapped mid-run for a FIFO or
         a pixel bomb is reported as unreadable, never waited on or decoded."""
         path = self.img_files[i]
         try:
-            return load_image_file(path, reduce_factor(scale))
+            return read_image(path, reduce_factor(scale))
         except DatasetError as e:
             err = ImageUnreadable(
                 f"image became unreadable after the dataset was checked: {e.message}", path

@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
-import stat
 import tokenize
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -34,6 +33,7 @@ import numpy as np
 from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
 from build_utils.image_io import file_stamp, map_in_threads
+from build_utils.limits import UnusableFile, open_data_file
 from build_utils.shared_images import SharedImages
 
 LOGGER = logging.getLogger(__name__)
@@ -117,19 +117,13 @@ def npy_cache_files(img_files: Sequence[str], img_size: int, folder: Path) -> li
     return names
 
 
-def _open_regular(path: Path) -> BinaryIO:
-    """``path`` opened for reading if it is a regular file (a FIFO or device placed where a cache
-    file should be would block or never end); the open itself does not block."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    f = os.fdopen(fd, "rb")
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        f.close()
-        raise ValueError("not a regular file")
-    return f
+def npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
+    """``(shape, fortran_order, dtype)`` of the open ``.npy`` file ``f`` (an image cache file, a
+    member of a label cache), left at its data; read without allocating the array.
 
-
-def _npy_header(f: BinaryIO) -> tuple[tuple[int, ...], bool, np.dtype]:
-    """``(shape, fortran_order, dtype)`` of the open ``.npy`` file ``f``, left at its data."""
+    Raises:
+        ValueError: not a ``.npy`` file, an unsupported version, or a garbled header.
+    """
     version = np.lib.format.read_magic(f)
     if version not in ((1, 0), (2, 0)):
         raise ValueError(f"unsupported .npy format version {version}")
@@ -158,11 +152,13 @@ def npy_problem(path: Path, shape: tuple[int, int, int]) -> str | None:
     (``(h, w, 3)``), or None when it does. Reads the header only (a few hundred bytes), so a
     file declaring a huge array costs nothing; the size of the file must match its header."""
     try:
-        with _open_regular(path) as f:
-            got, fortran, dtype = _npy_header(f)
+        # Only a regular file is read (a FIFO or device placed where a cache file should be
+        # would block or never end).
+        with open_data_file(path, None) as f:
+            got, fortran, dtype = npy_header(f)
             data_bytes = os.fstat(f.fileno()).st_size - f.tell()
-    except FileNotFoundError:
-        return "missing"
+    except UnusableFile as e:
+        return "missing" if str(e) == "file not found" else f"unreadable ({e})"
     except (OSError, ValueError) as e:
         return f"unreadable ({e})"
     problem = _header_problem(got, fortran, dtype, shape)
@@ -222,14 +218,14 @@ def read_npy(path: Path, shape: tuple[int, int, int]) -> np.ndarray | None:
     (``(h, w, 3)``; the header is checked before any data is read, no pickle); None, with a
     warning, otherwise (the caller decodes the image instead)."""
     try:
-        with _open_regular(path) as f:
-            problem = _header_problem(*_npy_header(f), shape)
+        with open_data_file(path, None) as f:
+            problem = _header_problem(*npy_header(f), shape)
             if problem is not None:
                 raise ValueError(problem)
             img = np.fromfile(f, dtype=np.uint8, count=int(np.prod(shape)))
         if img.size != int(np.prod(shape)):
             raise ValueError(f"truncated: {img.size} of {int(np.prod(shape))} bytes")
         return img.reshape(shape)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, UnusableFile) as e:
         LOGGER.warning("image cache file %s is unreadable (%s); decoding the image", path, e)
         return None

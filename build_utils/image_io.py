@@ -260,12 +260,13 @@ def decode_image(data: np.ndarray, reduce: int = 1) -> np.ndarray | None:
     return img
 
 
-def load_image_file(path: str | os.PathLike[str], reduce: int = 1) -> np.ndarray:
+def read_image(path: str | os.PathLike[str], reduce: int = 1) -> np.ndarray:
     """Read and decode image file ``path`` within the limits (:func:`read_image_data`), as BGR
     ``(H, W, 3) uint8`` (see :func:`decode_image`); the loader's and predict's one way in.
 
     Raises:
-        DatasetError: why the image was not read or decoded (``e.message``).
+        DatasetError: why the image was not read or decoded (``e.message``): the file is
+            missing, not a regular file, over a limit, empty or not a decodable image.
     """
     data, header = read_image_data(path)
     img = decode_image(data, reduce)
@@ -275,16 +276,6 @@ def load_image_file(path: str | os.PathLike[str], reduce: int = 1) -> np.ndarray
     if problem is not None:
         raise DatasetError(problem, path)
     return img
-
-
-def read_image(path: str | os.PathLike[str], reduce: int = 1) -> np.ndarray:
-    """Read an image file as BGR ``(H, W, 3) uint8`` (see :func:`load_image_file`).
-
-    Raises:
-        DatasetError: the file is missing, not a regular file, over a limit, empty or not a
-            decodable image.
-    """
-    return load_image_file(path, reduce)
 
 
 def check_image(path: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, str | None]:
@@ -305,7 +296,7 @@ def check_image(path: str | os.PathLike[str]) -> tuple[tuple[int, int] | None, s
         return None, "truncated JPEG (no end-of-image marker)"
     try:
         # Grayscale decoding checks the whole stream and gives the same upright size as the
-        # loader's colour decoding, at about 60% of the cost.
+        # loader's colour decoding, at less cost.
         img = cv2.imdecode(data, cv2.IMREAD_GRAYSCALE)
     except cv2.error:
         img = None

@@ -36,8 +36,6 @@ import hashlib
 import logging
 import math
 import os
-import stat
-import tokenize
 import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -47,6 +45,7 @@ import numpy as np
 
 from build_utils.atomic import atomic_write
 from build_utils.errors import DatasetError
+from build_utils.image_cache import npy_header
 from build_utils.image_io import (
     IMG_FORMATS,
     check_image,
@@ -60,9 +59,11 @@ from build_utils.limits import (
     MAX_LIST_BYTES,
     UnusableFile,
     file_problem,
+    open_data_file,
     read_config_text,
     read_data_file,
 )
+from build_utils.parse_config import beside_or_cwd
 
 LOGGER = logging.getLogger(__name__)
 
@@ -78,8 +79,6 @@ _REPORT_LINE_CHARS = 80
 # A cache file name longer than this (many sources joined) is shortened with a hash.
 _MAX_STEM_CHARS = 64
 _DIGEST_BYTES = 32  # blake2b digest size of the cache key and of each label file's hash
-# Opening a label file never blocks (a FIFO swapped in after the stat would, without O_NONBLOCK).
-_READ_NONBLOCKING = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -114,12 +113,8 @@ def _read_list_file(path: Path) -> list[str]:
         line = line.strip()
         if not line or line.startswith("#"):
             continue
-        p = Path(line).expanduser()
-        if not p.is_absolute():
-            beside = base / p
-            if not beside.exists() and p.exists():
-                beside, from_cwd = p, from_cwd + 1
-            p = beside
+        p = beside_or_cwd(line, base)
+        from_cwd += p != base / Path(line).expanduser()  # found only from the current folder
         out.append(os.path.abspath(p))
     if from_cwd:
         LOGGER.warning(
@@ -348,24 +343,16 @@ def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
 def label_file_digest(path: str) -> str:
     """What a label file adds to the cache key: the blake2b hash of its bytes, or, for a file
     that is not read (missing, not a regular file, over :data:`~build_utils.limits.MAX_LABEL_BYTES`,
-    unreadable), the reason. Stat first; the open does not block (a FIFO swapped in after the
-    stat is seen by ``fstat`` and not read)."""
-    problem = file_problem(path, MAX_LABEL_BYTES)
-    if problem is not None:
-        return f"!{problem}"
+    unreadable), the reason. Opened by :func:`~build_utils.limits.open_data_file`: stat first,
+    a non-blocking open, and ``fstat`` again (a FIFO swapped in after the stat is not read)."""
     try:
-        fd = os.open(path, _READ_NONBLOCKING)
+        with open_data_file(path, MAX_LABEL_BYTES) as f:
+            # The size from fstat, not the limit: read(n) allocates n bytes up front.
+            data = f.read(os.fstat(f.fileno()).st_size + 1)
+    except UnusableFile as e:
+        return f"!{e}"
     except OSError as e:
         return f"!cannot read: {e.strerror or e}"
-    with os.fdopen(fd, "rb") as f:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return "!not a regular file"
-        try:
-            # The size from fstat, not the limit: read(n) allocates n bytes up front.
-            data = f.read(min(st.st_size, MAX_LABEL_BYTES.value()) + 1)
-        except OSError as e:
-            return f"!cannot read: {e.strerror or e}"
     return hashlib.blake2b(data, digest_size=_DIGEST_BYTES).hexdigest()
 
 
@@ -562,17 +549,11 @@ def _oversized_member(archive: zipfile.ZipFile, file_bytes: int) -> str | None:
             return (
                 f"member {info.filename} claims {info.file_size} bytes in a {file_bytes}-byte file"
             )
-        with archive.open(info) as f:
-            version = np.lib.format.read_magic(f)
-            read = (
-                np.lib.format.read_array_header_1_0
-                if version == (1, 0)
-                else np.lib.format.read_array_header_2_0
-            )
-            try:
-                shape, _, dtype = read(f)
-            except (SyntaxError, tokenize.TokenError) as e:  # the header is parsed as Python
-                return f"member {info.filename} has a garbled header ({e})"
+        try:
+            with archive.open(info) as f:
+                shape, _, dtype = npy_header(f)
+        except ValueError as e:
+            return f"member {info.filename}: {e}"
         if math.prod(shape) * dtype.itemsize > info.file_size:
             return f"member {info.filename} declares an array of shape {shape}, larger than itself"
     return None

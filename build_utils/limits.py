@@ -220,10 +220,11 @@ class UnusableFile(Exception):
     """A data file that must not be read; ``str(e)`` is the reason (no path), for the report."""
 
 
-def open_data_file(path: str | os.PathLike[str], limit: Limit) -> BinaryIO:
-    """``path`` opened for binary reading after :func:`file_problem`; the open file is checked
-    again (``fstat``), so a file swapped for a FIFO between the two checks is refused too.
-    Opened non-blocking: opening a FIFO then returns at once instead of waiting for a writer.
+def open_data_file(path: str | os.PathLike[str], limit: Limit | None) -> BinaryIO:
+    """``path`` opened for binary reading after :func:`file_problem` (``limit`` None: any
+    size); the open file is checked again (``fstat``), so a file swapped for a FIFO between the
+    two checks is refused too. Opened non-blocking: opening a FIFO then returns at once instead
+    of waiting for a writer.
 
     Raises:
         UnusableFile: the reason the file must not be read.

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.atomic import write_text
+from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
@@ -333,8 +334,6 @@ FLOAT_BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
     "net": {"bn_eps": (0.0, 1.0)},
     "yolo": {"scale_x_y": (0.0, 16.0)},  # [2.0, Scaled-YOLOv4's heads]
 }
-# A value shown in an error line is cut to this many characters (a 400-digit integer).
-_SHOWN_DIGITS = 12
 
 # Keys holding file paths in a .data file, resolved by parse_data_cfg.
 DATA_PATH_KEYS: tuple[str, ...] = ("train", "valid", "test", "names", "backup")
@@ -584,17 +583,44 @@ def yolo_mask(block: Block) -> list[int]:
     return list(range(len(block["anchors"]) // 2))
 
 
+# Darknet's defaults (src/parser.c) for keys a layer may omit, for every reader of the blocks
+# (the model builder, its memory estimate, the Darknet loss and loader, the checks here): they
+# are not filled into the blocks, so that write_model_cfg writes back what was read.
+CONV_DEFAULTS: dict[str, Any] = {
+    "batch_normalize": 0,
+    "filters": 1,
+    "size": 1,
+    "stride": 1,
+    "pad": 0,
+    "padding": 0,
+    "groups": 1,
+    "activation": "logistic",
+}
+DEFAULT_CLASSES = 20  # [yolo] classes
+DEFAULT_MAX_BOXES = 200  # [yolo] max: truths read per image
+DEFAULT_UPSAMPLE_STRIDE = 2
+DEFAULT_DROPOUT = 0.5  # [dropout] probability
+
+
+def stride_pair(block: Block, default: int) -> tuple[int, int]:
+    """``(stride_y, stride_x)`` of a ``[convolutional]`` or ``[maxpool]`` block: ``stride``
+    (else ``default``) unless ``stride_y`` or ``stride_x`` is set."""
+    s = block.get("stride", default)
+    return block.get("stride_y", s), block.get("stride_x", s)
+
+
+def layer_refs(block: Block, index: int) -> list[int]:
+    """The layers a ``[route]`` (``layers``) or ``[shortcut]`` (``from``) at layer ``index``
+    reads, as absolute layer indices (``[net]`` not counted): a negative entry counts back."""
+    key = "layers" if block["type"] == "route" else "from"
+    return [index + r if r < 0 else r for r in block[key]]
+
+
 def maxpool_params(block: Block) -> tuple[int, int, int, int]:
     """``(size, stride_y, stride_x, padding)`` of a ``[maxpool]`` block with Darknet's defaults
     (``src/parser.c``): stride 1, size = stride, padding = size - 1."""
-    stride = block.get("stride", 1)
-    size = block.get("size", stride)
-    return (
-        size,
-        block.get("stride_y", stride),
-        block.get("stride_x", stride),
-        block.get("padding", size - 1),
-    )
+    size = block.get("size", block.get("stride", 1))
+    return (size, *stride_pair(block, 1), block.get("padding", size - 1))
 
 
 def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
@@ -606,32 +632,26 @@ def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
     return j if j > 0 and blocks[j]["type"] == "convolutional" else None
 
 
-def _shown(value: Any) -> str:
-    """A value as an error line shows it: at most :data:`_SHOWN_DIGITS` characters."""
-    text = str(value)
-    if len(text) <= _SHOWN_DIGITS:
-        return text
-    return f"{text[:_SHOWN_DIGITS]}... ({len(text)} characters)"
-
-
 def _check_bounds(block: Block) -> None:
     """Every numeric value of ``block`` inside its bounds (:data:`BOUNDS`, else a C ``int``);
-    a value below the lowest says ``must be at least``, above the highest names the range."""
+    a value below the lowest says ``must be at least``, above the highest names the range.
+    This is the one check of the integer keys' lowest values (sizes, strides and filters at
+    least 1, paddings at least 0): the checks by layer below only add what relates keys."""
     section = block["type"]
     bounds = BOUNDS.get(section, {})
     for key, value in block.items():
         if key.startswith("_") or key == "type":
             continue
         values = value if isinstance(value, list) else [value]
-        ints = [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+        ints = [v for v in values if is_int(v)]
         lo, hi = bounds.get(key, C_INT)
         for v in ints:
             if v < lo:
-                raise layer_error(block, f"{key}={_shown(v)} must be at least {lo}", key)
+                raise layer_error(block, f"{key}={shown(v)} must be at least {lo}", key)
             if v > hi:
                 raise layer_error(
                     block,
-                    f"{key}={_shown(v)} is over the limit: allowed {lo}..{hi}",
+                    f"{key}={shown(v)} is over the limit: allowed {lo}..{hi}",
                     key,
                 )
         if key in ("layers", "from") and len(values) > MAX_ROUTE_INPUTS:
@@ -645,13 +665,13 @@ def _check_bounds(block: Block) -> None:
         if fhi is not None and isinstance(value, (int, float)) and value > fhi:
             raise layer_error(
                 block,
-                f"{key}={_shown(value)} is over the limit: allowed ({flo:g}, {fhi:g}]",
+                f"{key}={shown(value)} is over the limit: allowed ({flo:g}, {fhi:g}]",
                 key,
             )
     if section == "net" and block.get("channels", INPUT_CHANNELS) != INPUT_CHANNELS:
         raise layer_error(
             block,
-            f"channels={_shown(block['channels'])}: only channels={INPUT_CHANNELS} is supported "
+            f"channels={shown(block['channels'])}: only channels={INPUT_CHANNELS} is supported "
             f"(the data loader feeds RGB images; grayscale images are read as 3 channels)",
             "channels",
         )
@@ -668,7 +688,7 @@ def _check_bounds(block: Block) -> None:
         if big:
             raise layer_error(
                 block,
-                f"anchor size {_shown(big[0])} is over the limit: allowed up to {MAX_NET_SIDE} "
+                f"anchor size {shown(big[0])} is over the limit: allowed up to {MAX_NET_SIDE} "
                 "pixels",
                 "anchors",
             )
@@ -695,9 +715,6 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
         raise layer_error(blocks[0], "the cfg defines no layers after [net]")
     for block in blocks:
         _check_bounds(block)
-    for key in ("width", "height", "channels"):
-        if key in blocks[0] and blocks[0][key] < 1:
-            raise layer_error(blocks[0], f"{key}={blocks[0][key]} must be positive", key)
     if blocks[0].get("bn_eps", 1.0) <= 0:
         raise layer_error(blocks[0], f"bn_eps={blocks[0]['bn_eps']} must be positive", "bn_eps")
     if blocks[0].get("bn_eps", 1.0) < MIN_BN_EPS:
@@ -718,13 +735,9 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             if key not in block:
                 raise layer_error(block, f"missing required key '{key}'")
         if kind == "convolutional":
-            _check_conv(block)
+            _check_activation(block, default=CONV_DEFAULTS["activation"])
         elif kind == "maxpool":
             _check_maxpool(block)
-        elif kind == "upsample" and block.get("stride", 2) < 1:
-            raise layer_error(
-                block, f"stride={block['stride']} must be at least 1 (no downsampling)", "stride"
-            )
         elif kind in ("route", "shortcut"):
             _check_references(layers, i)
             if kind == "route":
@@ -732,7 +745,7 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
             else:
                 _check_shortcut(block)
         elif kind == "dropout":
-            p = block.get("probability", 0.5)
+            p = block.get("probability", DEFAULT_DROPOUT)
             if not 0.0 <= p < 1.0:
                 raise layer_error(block, f"probability={p} must be in [0, 1)", "probability")
         elif kind == "yolo":
@@ -741,13 +754,10 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
 
 
 def _check_maxpool(block: Block) -> None:
-    for key in ("size", "stride", "stride_x", "stride_y"):
-        if key in block and block[key] < 1:
-            raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
     size, _, _, padding = maxpool_params(block)
     # Each window must hold at least one input pixel: Darknet would output -FLT_MAX for a
     # window lying wholly in the padding.
-    if padding < 0 or (padding + 1) // 2 >= size:
+    if (padding + 1) // 2 >= size:
         raise layer_error(
             block,
             f"padding={padding} must be in 0..{2 * size - 2} for size={size} (a larger "
@@ -760,8 +770,7 @@ def _check_references(layers: list[Block], i: int) -> None:
     """A route's ``layers`` / a shortcut's ``from`` point to earlier layers, never a head."""
     block = layers[i]
     key = "layers" if block["type"] == "route" else "from"
-    for ref in block[key]:
-        target = i + ref if ref < 0 else ref
+    for ref, target in zip(block[key], layer_refs(block, i)):
         if not 0 <= target < i:
             raise layer_error(
                 block,
@@ -775,8 +784,6 @@ def _check_references(layers: list[Block], i: int) -> None:
 
 def _check_route(block: Block) -> None:
     groups = block.get("groups", 1)
-    if groups < 1:
-        raise layer_error(block, f"groups={groups} must be at least 1", "groups")
     gid = block.get("group_id", 0)
     if not 0 <= gid < groups:
         raise layer_error(
@@ -805,16 +812,6 @@ def _check_activation(block: Block, default: str) -> None:
         )
 
 
-def _check_conv(block: Block) -> None:
-    for key in ("filters", "size", "stride", "stride_x", "stride_y", "groups"):
-        if key in block and block[key] < 1:
-            raise layer_error(block, f"{key}={block[key]} must be at least 1", key)
-    if block.get("padding", 0) < 0:
-        raise layer_error(block, f"padding={block['padding']} must not be negative", "padding")
-    # Darknet's default activation for a convolution is logistic.
-    _check_activation(block, default="logistic")
-
-
 def _check_yolo(blocks: list[Block], index: int) -> None:
     block = blocks[index]
     anchors = block["anchors"]
@@ -837,9 +834,7 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
                 f"mask index {m} is outside the {n_anchors} anchors (valid: 0..{n_anchors - 1})",
                 "mask",
             )
-    nc = block.get("classes", 20)
-    if nc < 1:
-        raise layer_error(block, f"classes={nc} must be at least 1", "classes")
+    nc = block.get("classes", DEFAULT_CLASSES)
     scale = block.get("scale_x_y", 1.0)
     if scale <= 0:
         raise layer_error(block, f"scale_x_y={scale} must be positive", "scale_x_y")
@@ -849,7 +844,7 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
     j = head_conv_index(blocks, index)
     if new_coords:
         # Darknet applies no sigmoid in a new_coords head: the conv before it must.
-        act = blocks[j].get("activation", "logistic") if j is not None else None
+        act = blocks[j].get("activation", CONV_DEFAULTS["activation"]) if j is not None else None
         if act != "logistic":
             feeder = f"activation={act}" if j is not None else "no [convolutional]"
             raise layer_error(
@@ -860,7 +855,7 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
             )
     if j is not None:
         conv = blocks[j]
-        filters = conv.get("filters", 1)
+        filters = conv.get("filters", CONV_DEFAULTS["filters"])
         expected = len(mask) * (nc + 5)
         if filters != expected:
             _, yolo_line = _where(block)
@@ -882,12 +877,12 @@ def rewrite_cfg_classes(blocks: list[Block], nc: int) -> list[Block]:
     Raises:
         ConfigError: ``nc < 1``, or a ``[yolo]`` not fed by a ``[convolutional]``.
     """
-    if isinstance(nc, bool) or not isinstance(nc, int) or nc < 1:
+    if not is_int(nc) or nc < 1:
         raise ConfigError(f"the number of classes must be a positive integer, got {nc!r}")
     if nc > MAX_CLASSES:
         # The count comes from the data (.data classes, names), not from a line of this cfg.
         raise ConfigError(
-            f"{_shown(nc)} classes is over the limit: allowed 1..{MAX_CLASSES} (classes per model)"
+            f"{shown(nc)} classes is over the limit: allowed 1..{MAX_CLASSES} (classes per model)"
         )
     out = copy.deepcopy(blocks)
     for i, block in enumerate(out):
@@ -1137,7 +1132,7 @@ def load_class_names(path: str | os.PathLike[str]) -> list[str]:
 # data.yaml (ultralytics)
 
 
-def _beside_or_cwd(value: str, base: Path) -> Path:
+def beside_or_cwd(value: str, base: Path) -> Path:
     """``value`` resolved against ``base`` when it exists there (or exists nowhere: the error
     then names the place under ``base``), else against the current directory where it exists."""
     p = Path(value).expanduser()
@@ -1153,10 +1148,10 @@ def _beside_or_cwd(value: str, base: Path) -> Path:
 
 
 def _split_source(value: str, base: Path) -> Path:
-    """A split entry resolved by :func:`_beside_or_cwd`; an entry ``../x`` found nowhere that
+    """A split entry resolved by :func:`beside_or_cwd`; an entry ``../x`` found nowhere that
     way but as ``base/x`` is that one, as ultralytics reads Roboflow's exports (a data.yaml
     beside ``train/`` saying ``train: ../train/images``)."""
-    p = _beside_or_cwd(value, base)
+    p = beside_or_cwd(value, base)
     if value.startswith("../") and not p.exists() and (base / value[3:]).exists():
         return base / value[3:]
     return p
@@ -1196,13 +1191,11 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     values, lines = _data_yaml_values(path)
     base = path.parent
     if values.get("path") is not None:
-        base = _beside_or_cwd(_yaml_path_text("path", values, lines, path), path.parent)
+        base = beside_or_cwd(_yaml_path_text("path", values, lines, path), path.parent)
     out: dict[str, Any] = {"_format": "yaml", "root": str(base)}
     out.update(_data_yaml_splits(values, lines, path, base))
     if values.get("coco_ids") is not None:
-        out["coco_ids"] = str(
-            _beside_or_cwd(_yaml_path_text("coco_ids", values, lines, path), base)
-        )
+        out["coco_ids"] = str(beside_or_cwd(_yaml_path_text("coco_ids", values, lines, path), base))
     names = _yaml_class_names(values, lines, path)
     out["classes"] = len(names)
     out["class_names"] = names
@@ -1290,7 +1283,7 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
     """The class names of a data.yaml's ``names`` (a list, or a mapping of ids 0..n-1 to names),
     checked against ``nc`` when it is given; without ``names``, ``nc`` class ids as names."""
     nc = values.get("nc")
-    if nc is not None and (isinstance(nc, bool) or not isinstance(nc, int) or nc < 1):
+    if nc is not None and (not is_int(nc) or nc < 1):
         raise ConfigError(
             f"nc={short_repr(nc)} must be a positive integer number of classes", path, lines["nc"]
         )
@@ -1304,36 +1297,12 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
             )
         if nc > MAX_CLASSES:
             raise ConfigError(
-                f"nc={_shown(nc)} is over the limit of {MAX_CLASSES}", path, lines["nc"]
+                f"nc={shown(nc)} is over the limit of {MAX_CLASSES}", path, lines["nc"]
             )
         return [str(i) for i in range(nc)]
     line = lines["names"]
     if isinstance(raw, dict):
-        # A yaml written from JSON quotes its keys ("0": person); ultralytics reads them as ids.
-        numbered = {
-            int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v for k, v in raw.items()
-        }
-        if len(numbered) < len(raw):
-            raise ConfigError("names: a class id is given twice (0 and '0')", path, line)
-        raw = numbered
-        ids = list(raw)
-        if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
-            bad = next(i for i in ids if isinstance(i, bool) or not isinstance(i, int))
-            raise ConfigError(
-                f"names: class id {short_repr(bad)} is not an integer (write 0: name, ...)",
-                path,
-                line,
-            )
-        if sorted(ids) != list(range(len(ids))):
-            missing = sorted(set(range(len(ids))) - set(ids))
-            shown = ", ".join(str(i) for i in sorted(ids)[:8]) + (", ..." if len(ids) > 8 else "")
-            raise ConfigError(
-                f"names: class ids must be 0..{len(ids) - 1} without gaps (got {shown}; "
-                f"{missing[0]} is missing)",
-                path,
-                line,
-            )
-        items = [raw[i] for i in range(len(ids))]
+        items = _numbered_names(raw, path, line)
     elif isinstance(raw, list):
         items = raw
     else:
@@ -1362,3 +1331,31 @@ def _yaml_class_names(values: dict[str, Any], lines: dict[str, int], path: Path)
             lines["nc"],
         )
     return names
+
+
+def _numbered_names(raw: dict[Any, Any], path: Path, line: int) -> list[Any]:
+    """The values of a ``names`` mapping in class id order; the ids must be 0..n-1."""
+    # A yaml written from JSON quotes its keys ("0": person); ultralytics reads them as ids.
+    numbered = {
+        int(k) if isinstance(k, str) and k.strip().isdecimal() else k: v for k, v in raw.items()
+    }
+    if len(numbered) < len(raw):
+        raise ConfigError("names: a class id is given twice (0 and '0')", path, line)
+    ids = list(numbered)
+    bad = [i for i in ids if not is_int(i)]
+    if bad:
+        raise ConfigError(
+            f"names: class id {short_repr(bad[0])} is not an integer (write 0: name, ...)",
+            path,
+            line,
+        )
+    if sorted(ids) != list(range(len(ids))):
+        missing = sorted(set(range(len(ids))) - set(ids))
+        got = ", ".join(str(i) for i in sorted(ids)[:8]) + (", ..." if len(ids) > 8 else "")
+        raise ConfigError(
+            f"names: class ids must be 0..{len(ids) - 1} without gaps (got {got}; "
+            f"{missing[0]} is missing)",
+            path,
+            line,
+        )
+    return [numbered[i] for i in range(len(ids))]

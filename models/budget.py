@@ -5,10 +5,9 @@ A cfg that passes every value check can still describe a network no machine hold
 whose embedded cfg says ``filters=1000000000`` asks for a 108 GB weight tensor), and a sane model
 at ``--img-size 8192`` and batch 64 needs hundreds of GB of activations. Building it, or running
 its first batch, ends in an allocator traceback or the kernel's OOM killer. This module walks the
-blocks as :mod:`models.darknet` builds them, with shapes only (nothing is allocated, a few
-milliseconds for the largest cfg), and :func:`check_model_fits` names the layer where the
-estimate crosses the memory available: ``/proc/meminfo`` ``MemAvailable`` for the CPU,
-``torch.cuda.mem_get_info`` for a CUDA device.
+blocks as :mod:`models.darknet` builds them, with shapes only (nothing is allocated), and
+:func:`check_model_fits` names the layer where the estimate crosses the memory available:
+``/proc/meminfo`` ``MemAvailable`` for the CPU, ``torch.cuda.mem_get_info`` for a CUDA device.
 
 It is an estimate, held to the real model by ``tests/models/test_budget.py`` (the factors
 measured are in bench/README.md "Memory estimate"):
@@ -35,7 +34,15 @@ import torch
 from build_utils.errors import ConfigError
 from build_utils.image_cache import available_memory_bytes
 from build_utils.limits import format_bytes, positive_env_int
-from build_utils.parse_config import Block, layer_error, maxpool_params
+from build_utils.parse_config import (
+    CONV_DEFAULTS,
+    DEFAULT_UPSAMPLE_STRIDE,
+    Block,
+    layer_error,
+    layer_refs,
+    maxpool_params,
+    stride_pair,
+)
 
 FLOAT_BYTES = 4  # float32: parameters, their copies, and activations without autocast
 INDEX_BYTES = 8  # max-pool indices saved for backward are int64
@@ -47,8 +54,6 @@ TRAIN_COPIES_PER_PARAM = 5
 _ACTIVATIONS_SAVING_INPUT = frozenset({"mish", "swish", "silu", "elu", "selu", "gelu"})
 # Overrides the measured memory (bytes), e.g. on a machine with swap, or to test.
 MEMORY_ENV = "YOLO_MEMORY_AVAILABLE"
-
-CONV_DEFAULTS: dict[str, Any] = {"filters": 1, "size": 1, "stride": 1, "pad": 0, "padding": 0}
 
 
 @dataclass(frozen=True)
@@ -110,10 +115,8 @@ def estimate_model(
     shapes: list[tuple[int, int, int]] = []
     referenced: set[int] = set()
     for i, mdef in enumerate(layers):
-        kind = mdef["type"]
-        if kind in ("route", "shortcut"):
-            key = "layers" if kind == "route" else "from"
-            referenced.update(i + r if r < 0 else r for r in mdef[key])
+        if mdef["type"] in ("route", "shortcut"):
+            referenced.update(layer_refs(mdef, i))
     kept = 0  # bytes of earlier outputs that later layers read (inference keeps them)
     for i, mdef in enumerate(layers):
         kind = mdef["type"]
@@ -121,9 +124,8 @@ def estimate_model(
         in_elems = c * h * w
         if kind == "convolutional":
             cd = {**CONV_DEFAULTS, **mdef}
-            k, filters, groups = cd["size"], cd["filters"], mdef.get("groups", 1)
-            s = cd["stride"]
-            sy, sx = mdef.get("stride_y", s), mdef.get("stride_x", s)
+            k, filters, groups = cd["size"], cd["filters"], cd["groups"]
+            sy, sx = stride_pair(mdef, CONV_DEFAULTS["stride"])
             pad = k // 2 if cd["pad"] else cd["padding"]
             bn = bool(mdef.get("batch_normalize", 0))
             params = filters * (c // max(1, groups)) * k * k + (2 * filters if bn else filters)
@@ -143,16 +145,16 @@ def estimate_model(
             h, w = oh, ow
             extra_train += c * h * w * INDEX_BYTES
         elif kind == "upsample":
-            s = mdef.get("stride", 2)
+            s = mdef.get("stride", DEFAULT_UPSAMPLE_STRIDE)
             h, w = h * s, w * s
         elif kind == "route":
-            refs = [i + r if r < 0 else r for r in mdef["layers"]]
+            refs = layer_refs(mdef, i)
             groups = mdef.get("groups", 1)
             _check_same_size(est, mdef, "layers", [shapes[j][1:] for j in refs])
             c = sum(shapes[j][0] for j in refs) // max(1, groups)
             h, w = shapes[refs[0]][1], shapes[refs[0]][2]
         elif kind == "shortcut":
-            refs = [i + r if r < 0 else r for r in mdef["from"]]
+            refs = layer_refs(mdef, i)
             _check_same_size(est, mdef, "from", [(h, w)] + [shapes[j][1:] for j in refs])
             if mdef.get("weights_type", "none") == "per_feature":
                 params = len(mdef["from"]) + 1

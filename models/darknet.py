@@ -25,7 +25,6 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
@@ -33,12 +32,18 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from build_utils.errors import ConfigError
 from build_utils.parse_config import (
+    CONV_DEFAULTS,
+    DEFAULT_CLASSES,
+    DEFAULT_DROPOUT,
+    DEFAULT_UPSAMPLE_STRIDE,
     Block,
     head_conv_index,
     layer_error,
+    layer_refs,
     maxpool_params,
     parse_model_cfg,
     rewrite_cfg_classes,
+    stride_pair,
     validate_model_cfg,
     yolo_mask,
 )
@@ -73,20 +78,6 @@ OBJ_BIAS_PRIOR = -4.5
 CLS_BIAS_PRIOR_NUM = 0.6
 CLS_BIAS_PRIOR_OFFSET = 0.99
 
-# Darknet's defaults for keys a block may omit.
-CONV_DEFAULTS: dict[str, Any] = {
-    "batch_normalize": 0,
-    "filters": 1,
-    "size": 1,
-    "stride": 1,
-    "pad": 0,
-    "padding": 0,
-    "groups": 1,
-    "activation": "logistic",
-}
-DEFAULT_CLASSES = 20  # Darknet's default for [yolo] classes
-DEFAULT_UPSAMPLE_STRIDE = 2
-DEFAULT_DROPOUT = 0.5
 
 Stride = tuple[float, float]
 
@@ -111,15 +102,10 @@ class _Built:
     stride: Stride
 
 
-def _stride_pair(mdef: Block, default: int) -> tuple[int, int]:
-    s = mdef.get("stride", default)
-    return mdef.get("stride_y", s), mdef.get("stride_x", s)
-
-
 def _build_conv(mdef: Block, st: _State) -> _Built:
     c = {**CONV_DEFAULTS, **mdef}
     filters, k, groups = c["filters"], c["size"], c["groups"]
-    sy, sx = _stride_pair(mdef, CONV_DEFAULTS["stride"])
+    sy, sx = stride_pair(mdef, CONV_DEFAULTS["stride"])
     if st.in_channels % groups or filters % groups:
         raise layer_error(
             mdef,
@@ -165,12 +151,8 @@ def _build_upsample(mdef: Block, st: _State) -> _Built:
     )
 
 
-def _abs_layers(refs: list[int], index: int) -> list[int]:
-    return [index + r if r < 0 else r for r in refs]
-
-
 def _build_route(mdef: Block, st: _State) -> _Built:
-    layers = _abs_layers(mdef["layers"], st.index)
+    layers = layer_refs(mdef, st.index)
     groups, group_id = mdef.get("groups", 1), mdef.get("group_id", 0)
     strides = {st.strides[j] for j in layers}
     if len(strides) > 1:
@@ -190,7 +172,7 @@ def _build_route(mdef: Block, st: _State) -> _Built:
 
 
 def _build_shortcut(mdef: Block, st: _State) -> _Built:
-    layers = _abs_layers(mdef["from"], st.index)
+    layers = layer_refs(mdef, st.index)
     for j in layers:
         if st.strides[j] != st.in_stride:
             raise layer_error(

@@ -53,11 +53,15 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from build_utils.parse_config import Block, layer_error, yolo_mask
+from build_utils.parse_config import (
+    DEFAULT_CLASSES,
+    DEFAULT_MAX_BOXES,
+    Block,
+    layer_error,
+    yolo_mask,
+)
 
-# Darknet's defaults (src/parser.c parse_yolo).
-DEFAULT_CLASSES = 20
-DEFAULT_MAX_BOXES = 200
+# The iou_loss and iou_thresh_kind values of Darknet (src/parser.c parse_yolo).
 IOU_LOSSES = ("mse", "iou", "giou", "diou", "ciou")
 IOU_THRESH_KINDS = ("iou", "giou", "diou", "ciou")
 # A class probability above this makes a prediction "match" for ignore_thresh (yolo_layer.c
@@ -481,22 +485,16 @@ def _activate(x: torch.Tensor, spec: YoloLossSpec) -> torch.Tensor:
     return out
 
 
-def _pred_boxes(
-    out: torch.Tensor,
-    anchors: torch.Tensor,
-    cols: torch.Tensor,
-    rows: torch.Tensor,
-    size: tuple[int, int],
-    net: tuple[int, int],
-    new_coords: bool,
-) -> torch.Tensor:
-    """Darknet's ``get_yolo_box`` for entries ``out[..., 0:4]`` (activated x, y; raw w, h) at
-    cells ``cols, rows`` with ``anchors`` (..., 2) in input pixels; (..., 4) normalized xywh."""
-    h, w = size
-    net_h, net_w = net
-    bx = (cols + out[..., 0]) / w
-    by = (rows + out[..., 1]) / h
-    if new_coords:
+def _pred_boxes(lay: _Layer, out: torch.Tensor, at: _Layer | _Pairs) -> torch.Tensor:
+    """Darknet's ``get_yolo_box`` in layer ``lay`` for entries ``out[..., 0:4]`` (activated x,
+    y; raw w, h) at the cells ``at.cols, at.rows`` with anchors ``at.anchor`` (..., 2) in input
+    pixels; (..., 4) normalized xywh."""
+    h, w = lay.size
+    net_h, net_w = lay.net
+    anchors = at.anchor
+    bx = (at.cols + out[..., 0]) / w
+    by = (at.rows + out[..., 1]) / h
+    if lay.spec.new_coords:
         bw = out[..., 2] * out[..., 2] * 4 * anchors[..., 0] / net_w
         bh = out[..., 3] * out[..., 3] * 4 * anchors[..., 1] / net_h
     else:
@@ -506,29 +504,25 @@ def _pred_boxes(
 
 
 def _box_delta(
-    truth: torch.Tensor,
-    out: torch.Tensor,
-    anchors: torch.Tensor,
-    cols: torch.Tensor,
-    rows: torch.Tensor,
-    size: tuple[int, int],
-    net: tuple[int, int],
-    normalizer: torch.Tensor,
-    spec: YoloLossSpec,
+    lay: _Layer, truth: torch.Tensor, out: torch.Tensor, at: _Layer | _Pairs, cm: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Darknet's ``delta_yolo_box`` for P (truth, prediction) pairs.
+    """Darknet's ``delta_yolo_box`` in layer ``lay`` for P (truth, prediction) pairs.
 
     Args:
         truth: (P, 4) xywh normalized. out: (P, >=4) the prediction's ``l.output`` entries.
-        anchors: (P, 2) the prediction's anchor in input pixels. cols, rows: (P,) its cell.
-        normalizer: (P,) ``iou_normalizer`` times the class multiplier.
+        at: the predictions' anchors ``anchor`` (P, 2) in input pixels and cells ``cols, rows``
+            (P,): the layer's own (every prediction) or the assignments' (:class:`_Pairs`).
+        cm: (P,) the class multiplier (the normalizer is ``iou_normalizer * cm``).
 
     Returns:
         (P, 4) box delta, (P,) IoU and (P,) GIoU of the prediction with the truth.
     """
-    h, w = size
-    net_h, net_w = net
-    pred = _pred_boxes(out, anchors, cols, rows, size, net, spec.new_coords)
+    spec = lay.spec
+    normalizer = spec.iou_normalizer * cm
+    h, w = lay.size
+    net_h, net_w = lay.net
+    anchors, cols, rows = at.anchor, at.cols, at.rows
+    pred = _pred_boxes(lay, out, at)
     iou = box_iou(pred, truth)
     giou = box_giou(pred, truth)
     if spec.iou_loss == "mse":
@@ -722,7 +716,7 @@ def _prediction_pass(
     """Step 1 of the module docstring: objectness against the best truth of each prediction
     (``ignore_thresh``), and ``truth_thresh`` positives."""
     spec, out, bsz = lay.spec, lay.out, tbox.shape[0]
-    pred = _pred_boxes(out, lay.anchor, lay.cols, lay.rows, lay.size, lay.net, spec.new_coords)
+    pred = _pred_boxes(lay, out, lay)
     best_iou, best_t = _best_truth_iou(pred.view(bsz, -1, 4), tbox, used)
     best_iou, best_t = best_iou.reshape(-1), best_t
     out_obj = out[:, 4]
@@ -750,17 +744,7 @@ def _prediction_pass(
         own = cm * (sq - out[:, 5:].gather(1, cls[:, None])[:, 0])
         row.scatter_(1, cls[:, None], own[:, None])
     lay.d_cls[:-1] = torch.where(tt[:, None], row, lay.d_cls[:-1])
-    bd, _, _ = _box_delta(
-        truth,
-        out,
-        lay.anchor,
-        lay.cols,
-        lay.rows,
-        lay.size,
-        lay.net,
-        spec.iou_normalizer * cm,
-        spec,
-    )
+    bd, _, _ = _box_delta(lay, truth, out, lay, cm)
     lay.d_box[:-1] += torch.where(tt[:, None], bd, torch.zeros_like(bd))
     lay.written[:-1] |= tt
 
@@ -842,17 +826,7 @@ def _write_assignments(lay: _Layer, pairs: _Pairs) -> tuple[torch.Tensor, torch.
     spec, ok, cell = lay.spec, pairs.ok, pairs.cell
     out = torch.cat((lay.out, lay.out.new_zeros(1, lay.out.shape[1])))[cell]
     cm = lay.multipliers(pairs.cls)
-    bd, iou, giou = _box_delta(
-        pairs.truth,
-        out,
-        pairs.anchor,
-        pairs.cols,
-        pairs.rows,
-        lay.size,
-        lay.net,
-        spec.iou_normalizer * cm,
-        spec,
-    )
+    bd, iou, giou = _box_delta(lay, pairs.truth, out, pairs, cm)
     lay.d_box.index_add_(0, cell, bd)  # pairs that are not assignments go to the dump row
     zero = torch.zeros_like(iou)
     iou_loss = torch.where(ok, 1 - giou if spec.iou_loss == "giou" else 1 - iou, zero).sum()

@@ -44,6 +44,7 @@ from build_utils.atomic import atomic_write, fsync_dir, make_output_dir, reporte
 from build_utils.boxes import box_iou, non_max_suppression
 from build_utils.errors import ConfigError
 from models.darknet import Darknet
+from models.tta import model_stride
 
 # Opset 11 is the first with the Resize semantics nn.Upsample needs; 12 is widely supported.
 MIN_OPSET = 11
@@ -100,7 +101,7 @@ def hw(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
 
 def _checked(model: Darknet, img_size: int | tuple[int, int]) -> tuple[int, int]:
     h, w = hw(img_size)
-    stride = int(max(model.strides))
+    stride = model_stride(model)
     if h % stride or w % stride:
         raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
     return h, w
@@ -118,7 +119,7 @@ def export_metadata(
     names."""
     return {
         "names": list(names) if names else [f"class{i}" for i in range(model.nc)],
-        "stride": int(max(model.strides)),
+        "stride": model_stride(model),
         "imgsz": list(hw(img_size)),
         "input": INPUT_NAME,
         "output": OUTPUT_NAME,
@@ -178,8 +179,24 @@ def check_opset(opset: int) -> None:
         )
 
 
-def _example(model: Darknet, h: int, w: int, half: bool) -> torch.Tensor:
-    return torch.zeros(1, _channels(model), h, w, dtype=torch.float16 if half else torch.float32)
+def _begin(
+    model: Darknet, path: str | Path, img_size: int | tuple[int, int], half: bool
+) -> tuple[Path, torch.Tensor]:
+    """What every export starts with: the image size checked against the model's strides, the
+    output's folder made, and the input to trace with, (1, C, H, W) zeros (float16 when
+    ``half``)."""
+    h, w = _checked(model, img_size)
+    path = Path(path)
+    make_output_dir(path.parent, OUTPUT_FLAG)
+    dtype = torch.float16 if half else torch.float32
+    return path, torch.zeros(1, _channels(model), h, w, dtype=dtype)
+
+
+def _write_file(path: Path, data: bytes | memoryview) -> None:
+    # Into memory first, then atomically onto ``path``: a full disk mid-write must leave the
+    # previous export whole (the exporters would write ``path`` in place).
+    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
+        f.write(data)
 
 
 def export_onnx(
@@ -198,14 +215,9 @@ def export_onnx(
     :data:`MAX_OPSET` or an image size that is not a multiple of the model's largest stride.
     """
     check_opset(opset)
-    h, w = _checked(model, img_size)
-    path = Path(path)
-    make_output_dir(path.parent, OUTPUT_FLAG)
+    path, example = _begin(model, path, img_size, half)
     buf = io.BytesIO()
-    example = _example(model, h, w, half)
     with _tracing(model, example) as wrapper:
-        # Into memory first, then atomically onto ``path``: a full disk mid-write must leave
-        # the previous export whole (the exporter would write ``path`` in place).
         torch.onnx.export(
             wrapper,
             (example,),
@@ -216,9 +228,7 @@ def export_onnx(
             output_names=[OUTPUT_NAME],
             dynamic_axes={INPUT_NAME: {0: "batch"}, OUTPUT_NAME: {0: "batch"}},
         )
-    data = _with_onnx_metadata(buf.getvalue(), metadata) if metadata else buf.getvalue()
-    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
-        f.write(data)
+    _write_file(path, _with_onnx_metadata(buf.getvalue(), metadata) if metadata else buf.getvalue())
     return path
 
 
@@ -244,18 +254,14 @@ def export_torchscript(
     """Write ``model`` traced (``torch.jit.trace``) on the CPU as a TorchScript file; returns
     the path. Load it with ``torch.jit.load(path)``; no project code is needed. ``metadata``
     is the extra file ``config.txt`` (one JSON object, as YOLOv5 writes it)."""
-    h, w = _checked(model, img_size)
-    path = Path(path)
-    make_output_dir(path.parent, OUTPUT_FLAG)
+    path, example = _begin(model, path, img_size, half)
     buf = io.BytesIO()
-    example = _example(model, h, w, half)
     with _tracing(model, example) as wrapper:
         with torch.no_grad():
             traced = torch.jit.trace(wrapper, example, check_trace=False)
         extra = {"config.txt": json.dumps(dict(metadata))} if metadata else {}
         torch.jit.save(traced, buf, _extra_files=extra)
-    with reported_write(path, OUTPUT_FLAG), atomic_write(path, "wb") as f:
-        f.write(buf.getbuffer())
+    _write_file(path, buf.getbuffer())
     return path
 
 
@@ -288,16 +294,9 @@ def export_openvino(
     under ``model_info``.
     """
     ov = _import_openvino()
-    h, w = _checked(model, img_size)
-    folder = Path(folder)
-    make_output_dir(folder.parent, OUTPUT_FLAG)
-    example = _example(model, h, w, False)
+    folder, example = _begin(model, folder, img_size, False)
     with _tracing(model, example) as wrapper:
-        converted = ov.convert_model(
-            wrapper,
-            example_input=example,
-            input=[-1, _channels(model), h, w],
-        )
+        converted = ov.convert_model(wrapper, example_input=example, input=[-1, *example.shape[1:]])
     converted.inputs[0].get_tensor().set_names({INPUT_NAME})
     converted.outputs[0].get_tensor().set_names({OUTPUT_NAME})
     for key, value in _meta_text(metadata or {}).items():

@@ -78,15 +78,11 @@ OBJ_BALANCE = (4.0, 1.0, 0.25, 0.06, 0.02)
 _CELL_OFFSETS = ((0, 0), (1, 0), (0, 1), (-1, 0), (0, -1))
 
 
-class _YoloHead(Protocol):
-    anchor_vec: torch.Tensor  # (na, 2) anchors in grid units
-    stride: float  # input pixels per grid cell
-    # Optional (default 1.0 and False): Darknet's scale_x_y and new_coords.
-
-
 class _YoloModel(Protocol):
     nc: int
     yolo_layers: Sequence[int]
+    # Its heads (at yolo_layers) have anchor_vec (na, 2) anchors in grid units, stride (input
+    # pixels per grid cell) and optionally (default 1.0 and False) scale_x_y and new_coords.
     module_list: Sequence[Any]
 
 

@@ -363,12 +363,12 @@ MALFORMED = {
     ),
     "a_400_digit_integer": (
         NET + CONV.replace("filters=16", "filters=" + "9" * 400) + HEAD,
-        r":6: \[convolutional\]: filters=999999999999\.\.\. \(400 characters\) is over the "
+        r":6: \[convolutional\]: filters=999999999999\.\.\. \(400 digits\) is over the "
         r"limit: allowed 1\.\.65536$",
     ),
     "stopbackward_beyond_a_c_int": (
         NET + CONV + "stopbackward=" + "1" * 30 + "\n" + HEAD,
-        r":11: \[convolutional\]: stopbackward=111111111111\.\.\. \(30 characters\) is over "
+        r":11: \[convolutional\]: stopbackward=111111111111\.\.\. \(30 digits\) is over "
         r"the limit: allowed 0\.\.2147483647$",
     ),
     "net_channels_1": (
