@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from build_utils.checks import check_choice
 from build_utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,8 @@ def resolve_amp(
     """
     if isinstance(mode, bool):
         mode = "on" if mode else "off"
-    if mode not in AMP_CHOICES:  # e.g. from a checkpoint's recorded run, not from argparse
-        raise ConfigError(f"--amp {mode!r} is not one of {', '.join(AMP_CHOICES)}")
+    # E.g. from a checkpoint's recorded run, not from argparse.
+    check_choice("--amp", mode, AMP_CHOICES)
     if mode == "off":
         return None
     if device.type == "cuda":

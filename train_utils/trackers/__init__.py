@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.atomic import atomic_write, reported_write
+from build_utils.checks import check_choice
 from build_utils.errors import ConfigError, OutputError
 
 logger = logging.getLogger(__name__)
@@ -137,8 +138,7 @@ def check_trackers(names: Sequence[str] | None) -> list[str]:
             raise ConfigError(f"--tracker none cannot be combined with {', '.join(names)}")
         return []
     for name in names:
-        if name not in _EXTERNAL:
-            raise ConfigError(f"--tracker {name!r} is not one of {', '.join(TRACKER_CHOICES)}")
+        check_choice("--tracker", name, TRACKER_CHOICES)  # none was taken above
         package, install = _EXTERNAL[name][2], _EXTERNAL[name][3]
         # find_spec looks for the package without importing it (MLflow takes seconds to import).
         if importlib.util.find_spec(package) is None:
