@@ -297,10 +297,8 @@ class EpochReporter:
         """Record a finished epoch of the ``total_epochs`` now planned: ``val`` its COCO stats by
         name (None when it was not evaluated), ``seconds`` its training time, ``elapsed`` the
         run's time so far."""
-        metrics = epoch_metrics(stats, val, seconds, elapsed)
-        for tracker in self.trackers:
-            tracker.log_epoch(epoch, metrics)
-        self._log_epoch(f"epoch {epoch}/{total_epochs - 1}", stats, val, seconds, metrics)
+        where = f"epoch {epoch}/{total_epochs - 1}"
+        metrics = self._record_round(epoch, where, stats, val, seconds, elapsed)
         self._check_data_wait(epoch, metrics)
 
     def end_iterations(
@@ -315,10 +313,8 @@ class EpochReporter:
         """Record the iterations of ``--recipe darknet`` up to ``iteration`` as
         :meth:`end_epoch` records an epoch: the ``results.csv`` row's ``epoch`` is the
         iteration."""
-        metrics = epoch_metrics(stats, val, seconds, elapsed)
-        for tracker in self.trackers:
-            tracker.log_epoch(iteration, metrics)
-        self._log_epoch(f"iteration {iteration}/{max_batches}", stats, val, seconds, metrics)
+        where = f"iteration {iteration}/{max_batches}"
+        self._record_round(iteration, where, stats, val, seconds, elapsed)
 
     def _check_data_wait(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """One warning per run when an epoch waited for data too long, naming the knobs."""
@@ -360,16 +356,21 @@ class EpochReporter:
         what = "evaluation pictures and per_class.csv" if self.plots else "per_class.csv"
         logger.info("%s in %s (%.1f s)", what, self.out, time.time() - t0)
 
-    @staticmethod
-    def _log_epoch(
+    def _record_round(
+        self,
+        step: int,
         where: str,
         stats: EpochStats,
         val: Mapping[str, float] | None,
         s: float,
-        metrics: Mapping[str, float],
-    ) -> None:
-        """One line for the epoch ``where`` ("epoch 3/9"), ``s`` seconds of training, of which
-        ``metrics`` says how long it waited for data."""
+        elapsed: float,
+    ) -> dict[str, float]:
+        """Give every tracker the metrics of round ``step`` (an epoch, or the iteration that ends
+        a ``--recipe darknet`` round) and log one line for it, ``where`` ("epoch 3/9"): ``s``
+        seconds of training and how long of it was spent waiting for data. Returns the metrics."""
+        metrics = epoch_metrics(stats, val, s, elapsed)
+        for tracker in self.trackers:
+            tracker.log_epoch(step, metrics)
         wait = f"data wait {metrics['data_wait_s']:.1f} s ({100 * metrics['data_wait_share']:.0f}%)"
         parts = (stats.box_loss, stats.obj_loss, stats.cls_loss)
         loss = f"loss {stats.loss:.4f}"
@@ -379,6 +380,7 @@ class EpochReporter:
         if val is not None:
             line += f" | mAP@0.5:0.95 {val['mAP50-95']:.4f} mAP@0.5 {val['mAP50']:.4f}"
         logger.info("%s", line)
+        return metrics
 
     def stopped_early(self, epoch: int, best_epoch: int | None, patience: int) -> None:
         """``--patience`` ended the run after ``epoch`` (the best was ``best_epoch``)."""
@@ -483,32 +485,18 @@ class SilentReporter:
     def __init__(self, unit: str = "epoch"):
         self.unit = unit
 
-    def end_epoch(self, *args: Any) -> None:
+    def _nothing(self, *args: Any) -> None:
         pass
 
-    def end_iterations(self, *args: Any) -> None:
-        pass
+    # What rank 0's reporter records, done here by nothing.
+    end_epoch = end_iterations = evaluated = stopped_early = _nothing
+    stopped_on_request = finished = close = _nothing
 
     def watch_batches(self, loader: Any, *args: Any) -> Any:
         return loader
 
-    def evaluated(self, *args: Any) -> None:
-        pass
-
-    def stopped_early(self, *args: Any) -> None:
-        pass
-
     def interrupted(self, epoch: int, *args: Any) -> None:
         logger.warning("interrupted in %s %d", self.unit, epoch)
-
-    def stopped_on_request(self, *args: Any) -> None:
-        pass
-
-    def finished(self, *args: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def make_reporter(
