@@ -175,16 +175,7 @@ class EpochPlan:
         Only meaningful with a budget; the caller stores the answer in :attr:`epochs`."""
         assert self.budget_s is not None, "budget_epochs needs a --time-budget"
         epoch_s = statistics.median([*self.epoch_s[-(RECENT_EPOCHS - 1) :], seconds])
-        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
-        return epochs_within_budget(
-            epoch,
-            self.budget_s - spent_s,
-            epoch_s,
-            eval_s,
-            self.eval_interval,
-            self.notest,
-            self.max_epochs,
-        )
+        return self._epochs_fitting(epoch, self.budget_s - spent_s, epoch_s)
 
     def after_epoch(self, wall_s: float, eval_s: float | None) -> None:
         """Record an epoch's wall time (evaluation excluded) and its evaluation's time."""
@@ -249,14 +240,14 @@ class EpochPlan:
         """The total epochs that fit what is left of the budget, training from ``start_epoch``
         at the measured epoch and evaluation times; at least one more epoch."""
         epoch_s = statistics.median(self.epoch_s[-RECENT_EPOCHS:])
-        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
-        total = epochs_within_budget(
-            start_epoch - 1,
-            self.budget_s - self.spent(),
-            epoch_s,
-            eval_s,
-            self.eval_interval,
-            self.notest,
-            self.max_epochs,
-        )
+        total = self._epochs_fitting(start_epoch - 1, self.budget_s - self.spent(), epoch_s)
         return max(total, start_epoch + 1)
+
+    def _epochs_fitting(self, epoch: int, left_s: float, epoch_s: float) -> int:
+        """:func:`epochs_within_budget` after ``epoch`` with ``left_s`` of the budget left, at
+        ``epoch_s`` an epoch and the last evaluation's time (before any: the validation set's
+        share of an epoch)."""
+        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
+        return epochs_within_budget(
+            epoch, left_s, epoch_s, eval_s, self.eval_interval, self.notest, self.max_epochs
+        )
