@@ -32,6 +32,7 @@ from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from train_utils.checkpoint import (
     CHECKPOINT_VERSION,
+    MAX_LISTED_MISMATCHES,
     copy_checkpoint,
     is_state_dict,
     load_checkpoint,
@@ -66,7 +67,6 @@ logger = logging.getLogger(__name__)
 
 # What --resume restores; without these a file can only initialise weights (--weights).
 RESUME_KEYS = ("model", "optimizer", "epoch")
-MAX_LISTED_MISMATCHES = 5
 MAX_WORLD_SIZE = 1 << 20
 
 SHARED_STORAGE_HINT = (
