@@ -41,7 +41,14 @@ from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.plots import save_figure
 from train_utils.evaluation.report import write_eval_report
 from train_utils.run_pictures import plot_first_batches
-from train_utils.trackers import FAILED, FINISHED, KILLED, Tracker, open_trackers
+from train_utils.trackers import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    PICTURE_SUFFIXES,
+    Tracker,
+    open_trackers,
+)
 
 if TYPE_CHECKING:
     from models.darknet import Darknet
@@ -73,7 +80,6 @@ TIMING_COLUMNS = ("train_seconds", "data_wait_s", "compute_s", "data_wait_share"
 # the model could train faster with a faster data pipeline. Darknet warns when loading takes
 # longer than training (a share of 0.5); from 0.3 on, the knobs below already pay.
 DATA_WAIT_WARN_SHARE = 0.3
-PICTURE_SUFFIXES = (".png", ".jpg")
 # The run's small text files an external tracker keeps with its pictures.
 RUN_TEXT_FILES = ("results.csv", "per_class.csv", "args.yaml", "hyp.yaml", "model.cfg")
 

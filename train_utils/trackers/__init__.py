@@ -49,6 +49,7 @@ _EXTERNAL = {
 NONE = "none"  # --tracker none: no external tracker (e.g. to resume a run without its tracker)
 TRACKER_CHOICES = (*_EXTERNAL, NONE)
 RECORD_NAME = "trackers.json"  # in the run folder: each tracker's run id, for --resume
+PICTURE_SUFFIXES = (".png", ".jpg")  # the run's pictures among the files of log_files
 
 # Statuses of finish(), as MLflow names them.
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
@@ -70,7 +71,7 @@ class Tracker:
         """``metrics`` of ``epoch``, by ``results.csv`` column name."""
 
     def log_files(self, paths: Sequence[Path]) -> None:
-        """The run's pictures (``.png``/``.jpg``) and small text files."""
+        """The run's pictures (:data:`PICTURE_SUFFIXES`) and small text files."""
 
     def log_weights(self, path: Path) -> None:
         """The run's weights (``best.pt``, else ``last.pt``)."""
