@@ -33,7 +33,7 @@ from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_fai
 from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
 from train_utils.memory_format import choose_format_and_precision
-from train_utils.precision import dtype_from_name, dtype_name
+from train_utils.precision import dtype_from_name, dtype_name, recorded_cpu_amp
 
 logger = logging.getLogger(__name__)
 
@@ -173,7 +173,7 @@ def _memory_format(
             config.amp,
             config.channels_last,
             cfg_text,
-            resume.recorded_cpu_amp(ckpt),
+            recorded_cpu_amp(ckpt),
         )
         choice = (channels_last, dtype_name(amp))
     # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).

@@ -349,6 +349,17 @@ def choose_cpu_amp(
     return AmpChoice(None, f"bf16 not {min_speedup:.2f}x faster", fp32_s, bf16_s)
 
 
+def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:
+    """The precision a resumed run trained in, from its checkpoint's :func:`precision_record`
+    (so that resuming continues the same computation), or None when not resuming or not
+    recorded as fp32/bf16."""
+    record = (ckpt or {}).get("precision")
+    if not isinstance(record, dict) or record.get("amp", "") not in (None, "bfloat16"):
+        return None
+    amp = dtype_from_name(record["amp"])
+    return AmpChoice(amp, f"the resumed run trained in {'fp32' if amp is None else 'bf16'}")
+
+
 def describe_amp(choice: AmpChoice) -> str:
     """One log line: the CPU precision of ``--amp auto`` and the figures behind it."""
     name = "bf16 autocast" if choice.amp is not None else "fp32"

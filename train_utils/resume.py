@@ -57,7 +57,6 @@ from train_utils.optim import (
     scaled_lr0,
 )
 from train_utils.plan import EpochPlan, LoopState
-from train_utils.precision import AmpChoice
 from train_utils.run_folder import RUN_CFG_NAME, RUN_HYP_NAME, RUNS_DIR, refuse_if_in_use
 
 if TYPE_CHECKING:
@@ -374,19 +373,6 @@ def _check_records(
         record_of_kind(ckpt, key, kind, path)
     check_optimizer_state(ckpt.get("optimizer"), path)
     check_scaler_state(ckpt.get("scaler"), path)
-
-
-def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:
-    """The precision a resumed run trained in, from its checkpoint's record (so that resuming
-    continues the same computation), or None when not resuming or not recorded as fp32/bf16."""
-    record = (ckpt or {}).get("precision")
-    if not isinstance(record, dict) or "amp" not in record:
-        return None
-    if record["amp"] is None:
-        return AmpChoice(None, "the resumed run trained in fp32")
-    if record["amp"] == "bfloat16":
-        return AmpChoice(torch.bfloat16, "the resumed run trained in bf16")
-    return None
 
 
 # ---- 3. restore -------------------------------------------------------------------------------
