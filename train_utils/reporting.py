@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from build_utils.atomic import atomic_write, reported_write, write_error
+from build_utils.atomic import atomic_write, reported_write, write_error, write_text
 from build_utils.errors import OutputError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.checkpoint import to_plain
@@ -147,8 +147,7 @@ def write_run_files(
         "hyp.yaml": dump_yaml(to_plain(dict(hyp))),
     }
     for name, text in texts.items():
-        with reported_write(out / name, OUTPUT_FLAG), atomic_write(out / name, "w") as f:
-            f.write(text)
+        write_text(out / name, text, OUTPUT_FLAG)
 
 
 def epoch_metrics(

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from build_utils.atomic import atomic_write, reported_write
+from build_utils.atomic import atomic_write, reported_write, write_text
 from build_utils.errors import ConfigError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.evolve.space import FITNESS_WEIGHTS, SearchSpace
@@ -139,8 +139,7 @@ def write_best_hyp(path: Path, best: Row, search: Path) -> None:
         f"{best.metrics.get('mAP50-95', math.nan):.5f}).\n"
         f"# Train with it: python train.py --hyp {path} (same flags and --seed: same fitness)\n"
     )
-    with reported_write(path, RUN_FOLDER_FLAGS), atomic_write(path, "w") as f:
-        f.write(header + dump_yaml(dict(best.hyp)))
+    write_text(path, header + dump_yaml(dict(best.hyp)), RUN_FOLDER_FLAGS)
 
 
 def plot_search(path: Path, rows: Sequence[Row], space: SearchSpace) -> None:

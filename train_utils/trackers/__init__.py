@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from build_utils.atomic import atomic_write, reported_write
+from build_utils.atomic import write_text
 from build_utils.checks import check_choice
 from build_utils.errors import ConfigError, OutputError
 
@@ -173,8 +173,7 @@ def write_record(out: Path, record: Mapping[str, str], flag: str) -> None:
         OutputError: it cannot be written (``flag`` named the folder).
     """
     path = out / RECORD_NAME
-    with reported_write(path, flag), atomic_write(path, "w") as f:
-        json.dump(dict(record), f, indent=1)
+    write_text(path, json.dumps(dict(record), indent=1), flag)
 
 
 def open_trackers(
