@@ -53,14 +53,16 @@ class LoopState:
     last_stats: dict[str, float] | None = None
     saved_epoch: int | None = None  # the epoch last.pt holds, once this run has written it
 
-    def update(self, epoch: int, val: dict[str, float] | None, is_best: bool) -> None:
-        """Take ``epoch``'s evaluation (``val`` None: not evaluated here), the new best when
-        ``is_best``."""
+    def update(self, epoch: int, val: dict[str, float] | None) -> bool:
+        """Take ``epoch``'s evaluation (``val`` None: not evaluated here); whether it is the new
+        best. A tie is not better, so ``best.pt`` and ``--patience`` keep the earlier epoch."""
         if val is None:
-            return
+            return False
         self.last_stats = val
+        is_best = self.best is None or val[FITNESS_KEY] > self.best
         if is_best:
             self.best, self.best_epoch = val[FITNESS_KEY], epoch
+        return is_best
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint's ``epoch`` (the last finished), ``best_fitness`` and ``best_epoch``."""
