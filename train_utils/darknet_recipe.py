@@ -397,9 +397,11 @@ def eval_iterations(chosen: int | None, n_train: int, settings: DarknetSettings)
 # ---- the parts --------------------------------------------------------------------------------
 
 
-def darknet_initialise(model: nn.Module) -> None:
-    """Darknet's initial weights (``make_convolutional_layer``): kernels uniform in
-    ``+-sqrt(2 / fan_in)``, biases 0 (BatchNorm: scale 1, shift 0, as PyTorch's)."""
+def prepare_model(model: nn.Module) -> None:
+    """The model as Darknet's GPU build starts and trains it: Darknet's initial weights
+    (``make_convolutional_layer``: kernels uniform in ``+-sqrt(2 / fan_in)``, biases 0;
+    BatchNorm scale 1, shift 0, as PyTorch's), then its BatchNorm (the shift trained). Same
+    parameters and buffers: checkpoints and ``.weights`` are unchanged."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Conv2d):
@@ -407,11 +409,6 @@ def darknet_initialise(model: nn.Module) -> None:
                 m.weight.uniform_(-bound, bound)
                 if m.bias is not None:
                     m.bias.zero_()
-
-
-def prepare_model(model: nn.Module) -> None:
-    """The model trained as Darknet's GPU build trains it: its BatchNorm (the shift trained).
-    Same parameters and buffers: checkpoints and ``.weights`` are unchanged."""
     use_darknet_batchnorm(model, train_shift=True)
 
 

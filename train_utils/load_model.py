@@ -28,7 +28,7 @@ from train_utils.checkpoint import (
     weights_kind,
 )
 from train_utils.config import TrainConfig, multi_scale_bounds
-from train_utils.darknet_recipe import darknet_initialise, prepare_model
+from train_utils.darknet_recipe import prepare_model
 from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
 from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
@@ -108,7 +108,6 @@ def build_training_model(
     darknet = config.recipe == "darknet"
     model = Darknet(blocks, img_size=(config.img_size, config.img_size), head_bias=not darknet)
     if darknet:
-        darknet_initialise(model)
         prepare_model(model)
     ckpt = resume.load(config, model, dist)
     if ckpt is None and config.weights:
