@@ -318,10 +318,9 @@ def to_model_input(
     return x
 
 
-# bf16 may cost accuracy per epoch: emulated on the demo recipe over three seeds it ended 0.01-0.05
-# mAP@0.5 lower at equal epochs, and fp32 had reached bf16's final mAP in 1/1.16-1/1.35 of the
-# epochs (within the seed spread on a harder set; bench/README.md "bf16 on the CPU by default").
-# So bf16 wins at equal time only where its step is faster by more than the worst of those.
+# bf16 may cost accuracy per epoch: at equal epochs it ended lower than fp32, which reached bf16's
+# final mAP in fewer epochs (bench/README.md "bf16 on the CPU by default" has the measurements).
+# So bf16 wins at equal time only where its step is faster by more than the worst of those ratios.
 BF16_MIN_SPEEDUP = 1.35
 
 
