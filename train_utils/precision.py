@@ -121,7 +121,7 @@ def resolve_amp(
     """
     if isinstance(mode, bool):
         mode = "on" if mode else "off"
-    # E.g. from a checkpoint's recorded run, not from argparse.
+    # A mode may come from a checkpoint's recorded run, which argparse never checked.
     check_choice("--amp", mode, AMP_CHOICES)
     if mode == "off":
         return None
