@@ -33,12 +33,13 @@ from build_utils.anchors import (
     too_small,
 )
 from build_utils.datasets import LoadImagesAndLabels
-from build_utils.errors import CheckpointError, YoloError
+from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import Block, parse_model_cfg_text, yolo_mask
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import TrainConfig
 from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
 from train_utils.distributed.process_group import DistInfo
+from train_utils.resume import resume_path
 
 logger = logging.getLogger(__name__)
 
@@ -117,14 +118,12 @@ def _checkpoint_anchors(blocks: list[Block], config: TrainConfig) -> list[list[f
 
     A missing or unreadable checkpoint is left to the trainer's resume, which reports it.
     """
-    path = config.output_dir / "last.pt" if config.resume == "auto" else Path(str(config.resume))
     if config.autoanchor:
         logger.info("--autoanchor skipped: resuming, the checkpoint's cfg sets the anchors")
-    if not path.is_file():
-        return None
     try:
+        path = resume_path(config)
         text = load_checkpoint(path, trust=config.trust_checkpoint).get("cfg")
-    except CheckpointError:
+    except (ConfigError, CheckpointError):
         return None
     if not isinstance(text, str):
         return None

@@ -1,10 +1,10 @@
 """Checkpoint files, the one place that reads and writes ``.pt``: atomic save, safe load, the
-schema shared by train, resume, ``validation.py``, ``predict.py`` and the tools, restoring a
-training state, and loading weights (``.pt`` or Darknet ``.weights``) into a model.
+schema shared by train, resume, ``validation.py``, ``predict.py`` and the tools, and loading
+weights (``.pt`` or Darknet ``.weights``) into a model.
 
 A checkpoint is a dict of tensors and plain Python values, so that
 ``torch.load(weights_only=True)`` reads it without running code from the file. Keys written by
-:func:`make_checkpoint` (schema version :data:`CHECKPOINT_VERSION`):
+:func:`train_utils.rounds.run_checkpoint` (schema version :data:`CHECKPOINT_VERSION`):
 
 - ``version`` (int), ``epoch`` (int; the last *finished* epoch, -1 for converted or pretrained
   weights that are not a training state)
@@ -12,14 +12,13 @@ A checkpoint is a dict of tensors and plain Python values, so that
 - ``optimizer``, ``scheduler``, ``scaler``: their ``state_dict()`` or None
 - ``ema``: EMA model state_dict or None, ``ema_updates`` (int)
 - ``best_fitness`` (float or None), ``config`` (plain dict of the resolved run config)
-- any extra keyword given to :func:`make_checkpoint`
+- the run's record and each other part's own state (see that function)
 
-``--resume`` needs :data:`RESUME_KEYS` (checked by :func:`validate_resume_checkpoint`) and is
-restored by :func:`restore_training_state`; ``--weights``, ``validation.py`` and ``predict.py``
-only need a state_dict, found by :func:`extract_state_dict` and loaded by :func:`load_weights`.
-ultralytics/yolov3 checkpoints
-(``{'epoch', 'best_fitness', 'training_results', 'model', 'optimizer'}``) and bare state_dicts
-load the same way; :func:`save_weights_pt` writes that layout.
+``--resume`` is checked and restored by :mod:`train_utils.resume`; ``--weights``,
+``validation.py`` and ``predict.py`` only need a state_dict, found by :func:`extract_state_dict`
+and loaded by :func:`load_weights`. ultralytics/yolov3 checkpoints (``{'epoch', 'best_fitness',
+'training_results', 'model', 'optimizer'}``) and bare state_dicts load the same way;
+:func:`save_weights_pt` writes that layout.
 """
 
 from __future__ import annotations
@@ -53,9 +52,6 @@ logger = logging.getLogger(__name__)
 
 CHECKPOINT_VERSION = 1
 
-# What --resume restores; without these a file can only initialise weights (--weights).
-RESUME_KEYS = ("model", "optimizer", "epoch")
-
 # Key prefixes added by wrappers: DistributedDataParallel/DataParallel and torch.compile.
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 
@@ -63,7 +59,7 @@ _WRAPPER_PREFIXES = ("module.", "_orig_mod.")
 _STATE_DICT_KEYS = ("model", "state_dict", "ema")
 _MAX_NESTING = 3
 
-_MAX_LISTED_MISMATCHES = 5
+MAX_LISTED_MISMATCHES = 5  # tensors named in a "does not fit" error, then "and N more"
 
 _PICKLE_PROTO = 0x80  # first byte of a pickle (protocol 2+): a legacy torch.save file
 
@@ -472,7 +468,7 @@ def _mismatch_report(sd: Mapping[str, torch.Tensor], own: Mapping[str, torch.Ten
     for label, names in (("shape", wrong), ("missing", missing), ("unexpected", unexpected)):
         if not names:
             continue
-        shown = names[:_MAX_LISTED_MISMATCHES]
+        shown = names[:MAX_LISTED_MISMATCHES]
         detail = ", ".join(
             f"{k} {tuple(sd[k].shape)} vs model {tuple(own[k].shape)}" if label == "shape" else k
             for k in shown

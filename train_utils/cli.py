@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
-from build_utils.checks import check_number, shown
+from build_utils.checks import check_choice, check_number, shown
 from build_utils.errors import ConfigError, RunStopped, YoloError
 from build_utils.limits import MAX_IMG_SIZE, check_limit_settings, positive_env_int
 from models.budget import MEMORY_ENV
@@ -349,13 +349,10 @@ def check_choices(parser: argparse.ArgumentParser, args: argparse.Namespace) -> 
         value = getattr(args, action.dest, None)
         if action.choices is None or value is None:
             continue
+        flag = action.option_strings[0] if action.option_strings else action.dest
         # A flag taking several values (nargs) is checked value by value.
         for one in value if isinstance(value, list) else [value]:
-            if one not in action.choices:
-                flag = action.option_strings[0] if action.option_strings else action.dest
-                raise ConfigError(
-                    f"{flag} {one!r} is not one of {', '.join(map(str, action.choices))}"
-                )
+            check_choice(flag, one, action.choices)
 
 
 # ---- which flags the user typed, and a run's settings as defaults -----------------------------

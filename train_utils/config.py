@@ -23,7 +23,7 @@ from typing import Any
 import yaml
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
-from build_utils.checks import check_at_least, check_fractions
+from build_utils.checks import check_at_least, check_choice, check_fractions
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -807,10 +807,7 @@ def _check_training_choices(args: argparse.Namespace) -> None:
     eps = args.label_smoothing
     if isinstance(eps, bool) or not isinstance(eps, int | float) or not 0.0 <= eps < 1.0:
         raise ConfigError(f"--label-smoothing must be a number in [0, 1), got {eps!r}")
-    if args.lr_schedule not in LR_SCHEDULES:
-        raise ConfigError(
-            f"the LR schedule {args.lr_schedule!r} is not one of {', '.join(LR_SCHEDULES)}"
-        )
+    check_choice("the LR schedule", args.lr_schedule, LR_SCHEDULES)
 
 
 def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:

@@ -18,9 +18,9 @@ from train_utils.data_loaders import TrainData
 from train_utils.distributed.comm import raise_if_any_rank_failed
 from train_utils.distributed.process_group import DistInfo
 from train_utils.engine import DarknetState, train_darknet_iterations
-from train_utils.plan import FITNESS_KEY, LoopState
+from train_utils.plan import LoopState
 from train_utils.reporting import EpochReporter, SilentReporter
-from train_utils.rounds import Run, evaluate_round, is_better, save_on_main
+from train_utils.rounds import Run, evaluate_round, save_on_main
 from train_utils.stop_signals import StopPoints, StopSignals
 
 logger = logging.getLogger(__name__)
@@ -62,8 +62,7 @@ def train_iterations(
         if not config.notest or last == max_batches:
             val, _ = evaluate_round(run, reporter)
             log_unreadable(last, "val", val_unreadable.take(), rank)
-        is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
-        loop.update(last, val, is_best)
+        is_best = loop.update(last, val)
         loop.epoch = last
         failure = None
         try:

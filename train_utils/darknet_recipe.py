@@ -15,14 +15,14 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
+from build_utils.checks import check_at_least
 from build_utils.darknet_data import DarknetLoaderSettings
-from build_utils.errors import ConfigError
 from build_utils.parse_config import Block, layer_error
 from models.darknet_bn import use_darknet_batchnorm
 from models.darknet_loss import DarknetLoss, yolo_specs
@@ -361,7 +361,7 @@ def apply_recipe(args: argparse.Namespace, blocks: Sequence[Block]) -> None:
     the default recipe, say that ``--clear`` and ``--eval-iterations`` do not apply.
 
     Raises:
-        ConfigError: see :func:`check_recipe_blocks`.
+        ConfigError: see :func:`check_recipe_blocks`; an ``--eval-iterations`` below 1.
     """
     given = getattr(args, "given", frozenset())
     if args.recipe != "darknet":
@@ -382,8 +382,7 @@ def apply_recipe(args: argparse.Namespace, blocks: Sequence[Block]) -> None:
     args.multi_scale = args.rect = args.ema = args.sync_bn = False
     args.amp = "off"
     args.save_period = -1
-    if args.eval_iterations is not None and args.eval_iterations < 1:
-        raise ConfigError(f"--eval-iterations must be at least 1, got {args.eval_iterations}")
+    check_at_least({"--eval-iterations": args.eval_iterations}, 1)
 
 
 def eval_iterations(chosen: int | None, n_train: int, settings: DarknetSettings) -> int:
@@ -398,9 +397,11 @@ def eval_iterations(chosen: int | None, n_train: int, settings: DarknetSettings)
 # ---- the parts --------------------------------------------------------------------------------
 
 
-def darknet_initialise(model: nn.Module) -> None:
-    """Darknet's initial weights (``make_convolutional_layer``): kernels uniform in
-    ``+-sqrt(2 / fan_in)``, biases 0 (BatchNorm: scale 1, shift 0, as PyTorch's)."""
+def prepare_model(model: nn.Module) -> None:
+    """The model as Darknet's GPU build starts and trains it: Darknet's initial weights
+    (``make_convolutional_layer``: kernels uniform in ``+-sqrt(2 / fan_in)``, biases 0;
+    BatchNorm scale 1, shift 0, as PyTorch's), then its BatchNorm (the shift trained). Same
+    parameters and buffers: checkpoints and ``.weights`` are unchanged."""
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.Conv2d):
@@ -408,11 +409,6 @@ def darknet_initialise(model: nn.Module) -> None:
                 m.weight.uniform_(-bound, bound)
                 if m.bias is not None:
                     m.bias.zero_()
-
-
-def prepare_model(model: nn.Module) -> None:
-    """The model trained as Darknet's GPU build trains it: its BatchNorm (the shift trained).
-    Same parameters and buffers: checkpoints and ``.weights`` are unchanged."""
     use_darknet_batchnorm(model, train_shift=True)
 
 
@@ -463,9 +459,3 @@ def start_iteration(seen: int, clear: bool, settings: DarknetSettings, weights: 
 
 def loader_settings(model: nn.Module) -> DarknetLoaderSettings:
     return DarknetLoaderSettings.from_blocks([model.hyperparams, *model.module_defs])
-
-
-def changed_recipe(saved: Mapping[str, object], recipe: str) -> str | None:
-    """The recipe a checkpoint was trained with when it is not ``recipe`` (None: the same)."""
-    theirs = str(saved.get("recipe") or "default")
-    return theirs if theirs != recipe else None

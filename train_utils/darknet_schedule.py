@@ -28,7 +28,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -174,28 +174,24 @@ class DarknetSettings:
         for key, value in (("burn_in", burn_in), ("max_batches", max_batches)):
             if value < 0:
                 raise layer_error(net, f"{key}={value} must be at least 0", key)
-        ema_alpha = _f32(net.get("ema_alpha", 0.0))
+        # Every float key as Darknet reads it (float32), its default the field's: one copy (the
+        # field types are strings here: annotations are postponed).
+        reals = {f.name: _f32(net.get(f.name, f.default)) for f in fields(cls) if f.type == "float"}
+        ema_alpha = reals["ema_alpha"]
         if not 0 <= ema_alpha < 1:
             raise layer_error(net, f"ema_alpha={ema_alpha} must be in [0, 1)", "ema_alpha")
         return cls(
             batch=batch,
             subdivisions=subdivisions,
-            learning_rate=_f32(net.get("learning_rate", 0.001)),
-            learning_rate_min=_f32(net.get("learning_rate_min", 0.00001)),
-            momentum=_f32(net.get("momentum", 0.9)),
-            decay=_f32(net.get("decay", 0.0001)),
             max_batches=max_batches,
             burn_in=burn_in,
-            power=_f32(net.get("power", 4)),
             policy=policy,
             steps=steps,
             scales=scales,
-            step=int(net.get("step", 1)),
-            scale=_f32(net.get("scale", 1)),
-            gamma=_f32(net.get("gamma", 1)),
+            step=int(net.get("step", cls.step)),
             sgdr_cycle=sgdr_cycle,
             sgdr_mult=sgdr_mult,
-            ema_alpha=ema_alpha,
+            **reals,
         )
 
 

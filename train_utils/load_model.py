@@ -28,12 +28,12 @@ from train_utils.checkpoint import (
     weights_kind,
 )
 from train_utils.config import TrainConfig, multi_scale_bounds
-from train_utils.darknet_recipe import darknet_initialise, prepare_model
+from train_utils.darknet_recipe import prepare_model
 from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
 from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
 from train_utils.memory_format import choose_format_and_precision
-from train_utils.precision import dtype_from_name, dtype_name
+from train_utils.precision import dtype_from_name, dtype_name, recorded_cpu_amp
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,6 @@ def build_training_model(
     darknet = config.recipe == "darknet"
     model = Darknet(blocks, img_size=(config.img_size, config.img_size), head_bias=not darknet)
     if darknet:
-        darknet_initialise(model)
         prepare_model(model)
     ckpt = resume.load(config, model, dist)
     if ckpt is None and config.weights:
@@ -173,7 +172,7 @@ def _memory_format(
             config.amp,
             config.channels_last,
             cfg_text,
-            resume.recorded_cpu_amp(ckpt),
+            recorded_cpu_amp(ckpt),
         )
         choice = (channels_last, dtype_name(amp))
     # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).

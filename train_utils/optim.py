@@ -14,7 +14,7 @@ from torch import nn
 
 from build_utils.checks import is_int, is_real
 from build_utils.errors import CheckpointError, ConfigError
-from train_utils.checkpoint import MAX_EPOCH, bad_value, state_loading
+from train_utils.checkpoint import MAX_EPOCH, bad_value, damaged, state_loading
 
 # --optimizer values as stored in a run's config (case-insensitive on the command line; runs
 # of older versions stored "sgd"/"adam" in these spellings, so they resume unchanged).
@@ -335,10 +335,7 @@ def load_scheduler_state(
         CheckpointError: the state is not a dict, or holds no sane epoch and base rates.
     """
     if not isinstance(saved, Mapping):
-        raise CheckpointError(
-            f"the checkpoint is damaged: 'scheduler' is a {type(saved).__name__}, not a Mapping",
-            path,
-        )
+        raise damaged(f"'scheduler' is a {type(saved).__name__}, not a Mapping", path)
     with state_loading("scheduler", path):
         scheduler.load_state_dict(saved)
         _check_scheduler(scheduler, optimizer, path)
@@ -360,14 +357,10 @@ def check_scaler_state(saved: Any, path: str | Path | None = None) -> None:
     if not saved:
         return
     if not isinstance(saved, Mapping):
-        raise CheckpointError(
-            f"the checkpoint is damaged: 'scaler' is a {type(saved).__name__}", path
-        )
+        raise damaged(f"'scaler' is a {type(saved).__name__}", path)
     scale = saved.get("scale")
     if scale is not None and not (is_real(scale) and scale > 0):
-        raise CheckpointError(
-            "the checkpoint is damaged: " + bad_value("the AMP scale", scale), path
-        )
+        raise damaged(bad_value("the AMP scale", scale), path)
 
 
 def _check_scheduler(scheduler: Any, optimizer: torch.optim.Optimizer, path: Any) -> None:

@@ -53,14 +53,16 @@ class LoopState:
     last_stats: dict[str, float] | None = None
     saved_epoch: int | None = None  # the epoch last.pt holds, once this run has written it
 
-    def update(self, epoch: int, val: dict[str, float] | None, is_best: bool) -> None:
-        """Take ``epoch``'s evaluation (``val`` None: not evaluated here), the new best when
-        ``is_best``."""
+    def update(self, epoch: int, val: dict[str, float] | None) -> bool:
+        """Take ``epoch``'s evaluation (``val`` None: not evaluated here); whether it is the new
+        best. A tie is not better, so ``best.pt`` and ``--patience`` keep the earlier epoch."""
         if val is None:
-            return
+            return False
         self.last_stats = val
+        is_best = self.best is None or val[FITNESS_KEY] > self.best
         if is_best:
             self.best, self.best_epoch = val[FITNESS_KEY], epoch
+        return is_best
 
     def state_dict(self) -> dict[str, Any]:
         """A checkpoint's ``epoch`` (the last finished), ``best_fitness`` and ``best_epoch``."""
@@ -175,16 +177,7 @@ class EpochPlan:
         Only meaningful with a budget; the caller stores the answer in :attr:`epochs`."""
         assert self.budget_s is not None, "budget_epochs needs a --time-budget"
         epoch_s = statistics.median([*self.epoch_s[-(RECENT_EPOCHS - 1) :], seconds])
-        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
-        return epochs_within_budget(
-            epoch,
-            self.budget_s - spent_s,
-            epoch_s,
-            eval_s,
-            self.eval_interval,
-            self.notest,
-            self.max_epochs,
-        )
+        return self._epochs_fitting(epoch, self.budget_s - spent_s, epoch_s)
 
     def after_epoch(self, wall_s: float, eval_s: float | None) -> None:
         """Record an epoch's wall time (evaluation excluded) and its evaluation's time."""
@@ -249,14 +242,14 @@ class EpochPlan:
         """The total epochs that fit what is left of the budget, training from ``start_epoch``
         at the measured epoch and evaluation times; at least one more epoch."""
         epoch_s = statistics.median(self.epoch_s[-RECENT_EPOCHS:])
-        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
-        total = epochs_within_budget(
-            start_epoch - 1,
-            self.budget_s - self.spent(),
-            epoch_s,
-            eval_s,
-            self.eval_interval,
-            self.notest,
-            self.max_epochs,
-        )
+        total = self._epochs_fitting(start_epoch - 1, self.budget_s - self.spent(), epoch_s)
         return max(total, start_epoch + 1)
+
+    def _epochs_fitting(self, epoch: int, left_s: float, epoch_s: float) -> int:
+        """:func:`epochs_within_budget` after ``epoch`` with ``left_s`` of the budget left, at
+        ``epoch_s`` an epoch and the last evaluation's time (before any: the validation set's
+        share of an epoch)."""
+        eval_s = self.eval_s if self.eval_s is not None else epoch_s * self.eval_share
+        return epochs_within_budget(
+            epoch, left_s, epoch_s, eval_s, self.eval_interval, self.notest, self.max_epochs
+        )

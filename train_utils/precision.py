@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from build_utils.checks import check_choice
 from build_utils.errors import ConfigError
 
 logger = logging.getLogger(__name__)
@@ -120,8 +121,8 @@ def resolve_amp(
     """
     if isinstance(mode, bool):
         mode = "on" if mode else "off"
-    if mode not in AMP_CHOICES:  # e.g. from a checkpoint's recorded run, not from argparse
-        raise ConfigError(f"--amp {mode!r} is not one of {', '.join(AMP_CHOICES)}")
+    # A mode may come from a checkpoint's recorded run, which argparse never checked.
+    check_choice("--amp", mode, AMP_CHOICES)
     if mode == "off":
         return None
     if device.type == "cuda":
@@ -317,10 +318,9 @@ def to_model_input(
     return x
 
 
-# bf16 may cost accuracy per epoch: emulated on the demo recipe over three seeds it ended 0.01-0.05
-# mAP@0.5 lower at equal epochs, and fp32 had reached bf16's final mAP in 1/1.16-1/1.35 of the
-# epochs (within the seed spread on a harder set; bench/README.md "bf16 on the CPU by default").
-# So bf16 wins at equal time only where its step is faster by more than the worst of those.
+# bf16 may cost accuracy per epoch: at equal epochs it ended lower than fp32, which reached bf16's
+# final mAP in fewer epochs (bench/README.md "bf16 on the CPU by default" has the measurements).
+# So bf16 wins at equal time only where its step is faster by more than the worst of those ratios.
 BF16_MIN_SPEEDUP = 1.35
 
 
@@ -346,6 +346,17 @@ def choose_cpu_amp(
     if fp32_s >= min_speedup * bf16_s:
         return AmpChoice(torch.bfloat16, "bf16 timed faster", fp32_s, bf16_s)
     return AmpChoice(None, f"bf16 not {min_speedup:.2f}x faster", fp32_s, bf16_s)
+
+
+def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:
+    """The precision a resumed run trained in, from its checkpoint's :func:`precision_record`
+    (so that resuming continues the same computation), or None when not resuming or not
+    recorded as fp32/bf16."""
+    record = (ckpt or {}).get("precision")
+    if not isinstance(record, dict) or record.get("amp", "") not in (None, "bfloat16"):
+        return None
+    amp = dtype_from_name(record["amp"])
+    return AmpChoice(amp, f"the resumed run trained in {'fp32' if amp is None else 'bf16'}")
 
 
 def describe_amp(choice: AmpChoice) -> str:

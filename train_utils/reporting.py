@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch.utils.tensorboard import SummaryWriter
 
-from build_utils.atomic import atomic_write, reported_write, write_error
+from build_utils.atomic import atomic_write, reported_write, write_error, write_text
 from build_utils.errors import OutputError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.checkpoint import to_plain
@@ -41,7 +41,14 @@ from train_utils.evaluation.coco_eval import STAT_NAMES
 from train_utils.evaluation.plots import save_figure
 from train_utils.evaluation.report import write_eval_report
 from train_utils.run_pictures import plot_first_batches
-from train_utils.trackers import FAILED, FINISHED, KILLED, Tracker, open_trackers
+from train_utils.trackers import (
+    FAILED,
+    FINISHED,
+    KILLED,
+    PICTURE_SUFFIXES,
+    Tracker,
+    open_trackers,
+)
 
 if TYPE_CHECKING:
     from models.darknet import Darknet
@@ -73,7 +80,6 @@ TIMING_COLUMNS = ("train_seconds", "data_wait_s", "compute_s", "data_wait_share"
 # the model could train faster with a faster data pipeline. Darknet warns when loading takes
 # longer than training (a share of 0.5); from 0.3 on, the knobs below already pay.
 DATA_WAIT_WARN_SHARE = 0.3
-PICTURE_SUFFIXES = (".png", ".jpg")
 # The run's small text files an external tracker keeps with its pictures.
 RUN_TEXT_FILES = ("results.csv", "per_class.csv", "args.yaml", "hyp.yaml", "model.cfg")
 
@@ -141,8 +147,7 @@ def write_run_files(
         "hyp.yaml": dump_yaml(to_plain(dict(hyp))),
     }
     for name, text in texts.items():
-        with reported_write(out / name, OUTPUT_FLAG), atomic_write(out / name, "w") as f:
-            f.write(text)
+        write_text(out / name, text, OUTPUT_FLAG)
 
 
 def epoch_metrics(
@@ -297,10 +302,8 @@ class EpochReporter:
         """Record a finished epoch of the ``total_epochs`` now planned: ``val`` its COCO stats by
         name (None when it was not evaluated), ``seconds`` its training time, ``elapsed`` the
         run's time so far."""
-        metrics = epoch_metrics(stats, val, seconds, elapsed)
-        for tracker in self.trackers:
-            tracker.log_epoch(epoch, metrics)
-        self._log_epoch(f"epoch {epoch}/{total_epochs - 1}", stats, val, seconds, metrics)
+        where = f"epoch {epoch}/{total_epochs - 1}"
+        metrics = self._record_round(epoch, where, stats, val, seconds, elapsed)
         self._check_data_wait(epoch, metrics)
 
     def end_iterations(
@@ -315,10 +318,8 @@ class EpochReporter:
         """Record the iterations of ``--recipe darknet`` up to ``iteration`` as
         :meth:`end_epoch` records an epoch: the ``results.csv`` row's ``epoch`` is the
         iteration."""
-        metrics = epoch_metrics(stats, val, seconds, elapsed)
-        for tracker in self.trackers:
-            tracker.log_epoch(iteration, metrics)
-        self._log_epoch(f"iteration {iteration}/{max_batches}", stats, val, seconds, metrics)
+        where = f"iteration {iteration}/{max_batches}"
+        self._record_round(iteration, where, stats, val, seconds, elapsed)
 
     def _check_data_wait(self, epoch: int, metrics: Mapping[str, float]) -> None:
         """One warning per run when an epoch waited for data too long, naming the knobs."""
@@ -360,16 +361,21 @@ class EpochReporter:
         what = "evaluation pictures and per_class.csv" if self.plots else "per_class.csv"
         logger.info("%s in %s (%.1f s)", what, self.out, time.time() - t0)
 
-    @staticmethod
-    def _log_epoch(
+    def _record_round(
+        self,
+        step: int,
         where: str,
         stats: EpochStats,
         val: Mapping[str, float] | None,
         s: float,
-        metrics: Mapping[str, float],
-    ) -> None:
-        """One line for the epoch ``where`` ("epoch 3/9"), ``s`` seconds of training, of which
-        ``metrics`` says how long it waited for data."""
+        elapsed: float,
+    ) -> dict[str, float]:
+        """Give every tracker the metrics of round ``step`` (an epoch, or the iteration that ends
+        a ``--recipe darknet`` round) and log one line for it, ``where`` ("epoch 3/9"): ``s``
+        seconds of training and how long of it was spent waiting for data. Returns the metrics."""
+        metrics = epoch_metrics(stats, val, s, elapsed)
+        for tracker in self.trackers:
+            tracker.log_epoch(step, metrics)
         wait = f"data wait {metrics['data_wait_s']:.1f} s ({100 * metrics['data_wait_share']:.0f}%)"
         parts = (stats.box_loss, stats.obj_loss, stats.cls_loss)
         loss = f"loss {stats.loss:.4f}"
@@ -379,6 +385,7 @@ class EpochReporter:
         if val is not None:
             line += f" | mAP@0.5:0.95 {val['mAP50-95']:.4f} mAP@0.5 {val['mAP50']:.4f}"
         logger.info("%s", line)
+        return metrics
 
     def stopped_early(self, epoch: int, best_epoch: int | None, patience: int) -> None:
         """``--patience`` ended the run after ``epoch`` (the best was ``best_epoch``)."""
@@ -483,32 +490,18 @@ class SilentReporter:
     def __init__(self, unit: str = "epoch"):
         self.unit = unit
 
-    def end_epoch(self, *args: Any) -> None:
+    def _nothing(self, *args: Any) -> None:
         pass
 
-    def end_iterations(self, *args: Any) -> None:
-        pass
+    # What rank 0's reporter records, done here by nothing.
+    end_epoch = end_iterations = evaluated = stopped_early = _nothing
+    stopped_on_request = finished = close = _nothing
 
     def watch_batches(self, loader: Any, *args: Any) -> Any:
         return loader
 
-    def evaluated(self, *args: Any) -> None:
-        pass
-
-    def stopped_early(self, *args: Any) -> None:
-        pass
-
     def interrupted(self, epoch: int, *args: Any) -> None:
         logger.warning("interrupted in %s %d", self.unit, epoch)
-
-    def stopped_on_request(self, *args: Any) -> None:
-        pass
-
-    def finished(self, *args: Any) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def make_reporter(

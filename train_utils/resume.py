@@ -32,6 +32,7 @@ from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from train_utils.checkpoint import (
     CHECKPOINT_VERSION,
+    MAX_LISTED_MISMATCHES,
     copy_checkpoint,
     is_state_dict,
     load_checkpoint,
@@ -56,7 +57,6 @@ from train_utils.optim import (
     scaled_lr0,
 )
 from train_utils.plan import EpochPlan, LoopState
-from train_utils.precision import AmpChoice
 from train_utils.run_folder import RUN_CFG_NAME, RUN_HYP_NAME, RUNS_DIR, refuse_if_in_use
 
 if TYPE_CHECKING:
@@ -66,8 +66,9 @@ logger = logging.getLogger(__name__)
 
 # What --resume restores; without these a file can only initialise weights (--weights).
 RESUME_KEYS = ("model", "optimizer", "epoch")
-MAX_LISTED_MISMATCHES = 5
 MAX_WORLD_SIZE = 1 << 20
+# The fix a file that cannot be resumed gets: it may still initialise a new run.
+USE_WEIGHTS = "use --weights to initialise from it instead"
 
 SHARED_STORAGE_HINT = (
     "resuming on several nodes needs the output folder on storage every node shares "
@@ -304,10 +305,9 @@ def check_resumable(
             naming the field).
     """
     check_training_state(ckpt, path)
-    use_weights = "use --weights to initialise from it instead"
     weights = training_weights(ckpt)
     if not is_state_dict(weights):
-        raise CheckpointError(f"'model' is not a state_dict of tensors; {use_weights}", path)
+        raise CheckpointError(f"'model' is not a state_dict of tensors; {USE_WEIGHTS}", path)
     saved = strip_prefixes(weights)
     mismatches = _mismatches(saved, model_state)
     if mismatches:
@@ -315,7 +315,7 @@ def check_resumable(
         more = len(mismatches) - MAX_LISTED_MISMATCHES
         if more > 0:
             listed += f"; and {more} more"
-        raise CheckpointError(f"checkpoint is for another model: {listed}; {use_weights}", path)
+        raise CheckpointError(f"checkpoint is for another model: {listed}; {USE_WEIGHTS}", path)
     _check_records(ckpt, model_state, path)
     return saved
 
@@ -327,12 +327,11 @@ def check_training_state(ckpt: Mapping[str, Any], path: str | Path | None = None
     Raises:
         CheckpointError: one line saying which, and that ``--weights`` takes such a file.
     """
-    use_weights = "use --weights to initialise from it instead"
     missing = [k for k in RESUME_KEYS if ckpt.get(k) is None]
     if missing:
         names = ", ".join(repr(k) for k in missing)
         raise CheckpointError(
-            f"not a resumable training checkpoint: missing {names}; {use_weights}", path
+            f"not a resumable training checkpoint: missing {names}; {USE_WEIGHTS}", path
         )
     version = ckpt.get("version", CHECKPOINT_VERSION)
     if not isinstance(version, int) or version > CHECKPOINT_VERSION:
@@ -345,7 +344,7 @@ def check_training_state(ckpt: Mapping[str, Any], path: str | Path | None = None
     # -1 with a training state: saved on Ctrl-C before epoch 0 finished; it runs epoch 0 again.
     if epoch == -1 and ckpt.get("train_model") is None:
         raise CheckpointError(
-            f"epoch={epoch!r}: this file holds weights, not a training state; {use_weights}", path
+            f"epoch={epoch!r}: this file holds weights, not a training state; {USE_WEIGHTS}", path
         )
 
 
@@ -374,19 +373,6 @@ def _check_records(
         record_of_kind(ckpt, key, kind, path)
     check_optimizer_state(ckpt.get("optimizer"), path)
     check_scaler_state(ckpt.get("scaler"), path)
-
-
-def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:
-    """The precision a resumed run trained in, from its checkpoint's record (so that resuming
-    continues the same computation), or None when not resuming or not recorded as fp32/bf16."""
-    record = (ckpt or {}).get("precision")
-    if not isinstance(record, dict) or "amp" not in record:
-        return None
-    if record["amp"] is None:
-        return AmpChoice(None, "the resumed run trained in fp32")
-    if record["amp"] == "bfloat16":
-        return AmpChoice(torch.bfloat16, "the resumed run trained in bf16")
-    return None
 
 
 # ---- 3. restore -------------------------------------------------------------------------------

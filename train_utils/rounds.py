@@ -2,10 +2,11 @@
 ``--recipe darknet`` the iterations up to the next evaluation (:mod:`train_utils.darknet_loop`).
 
 After a round every rank evaluates rank 0's weights (:func:`evaluate_round`), the fitness judges
-the best (:func:`is_better`), and rank 0 writes ``last.pt``, then ``best.pt`` and ``epoch<E>.pt``
-when the loop says so (:func:`save_on_main`, the checkpoint of :func:`run_checkpoint`). The loops
-in :mod:`train_utils.trainer` and :mod:`train_utils.darknet_loop` decide when; this module says
-what is evaluated and what is written.
+the best (:meth:`~train_utils.plan.LoopState.update`), and rank 0 writes ``last.pt``, then
+``best.pt`` and ``epoch<E>.pt`` when the loop says so (:func:`save_on_main`, the checkpoint of
+:func:`run_checkpoint`). The loops in :mod:`train_utils.trainer` and
+:mod:`train_utils.darknet_loop` decide when; this module says what is evaluated and what is
+written.
 """
 
 from __future__ import annotations
@@ -28,12 +29,6 @@ from train_utils.evaluation.options import EvalOptions
 from train_utils.plan import EpochPlan, LoopState
 from train_utils.precision import precision_record
 from train_utils.reporting import OUTPUT_FLAG, EpochReporter, SilentReporter
-
-
-def is_better(fitness: float, best: float | None) -> bool:
-    """Whether ``fitness`` beats ``best`` (None: nothing evaluated yet). A tie is not better,
-    so ``best.pt`` and ``--patience`` keep the earlier epoch."""
-    return best is None or fitness > best
 
 
 @dataclass

@@ -56,7 +56,7 @@ from train_utils.optim import (
     scaled_lr0,
     uses_fused_optimizer,
 )
-from train_utils.plan import FITNESS_KEY, EpochPlan, LoopState
+from train_utils.plan import EpochPlan, LoopState
 from train_utils.precision import resolve_amp
 from train_utils.reporting import (
     EpochReporter,
@@ -67,7 +67,7 @@ from train_utils.reporting import (
     run_log_handler,
     write_run_files,
 )
-from train_utils.rounds import Run, evaluate_round, is_better, save_on_main
+from train_utils.rounds import Run, evaluate_round, save_on_main
 from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
 from train_utils.stop_signals import StopPoints, StopSignals
@@ -269,8 +269,7 @@ def _train_epochs(
             val, eval_s = evaluate_round(run, reporter)
             log_unreadable(epoch, "val", val_unreadable.take(), rank)
         # Only rank 0 has the stats (val is None elsewhere): its best chooses best.pt.
-        is_best = val is not None and is_better(val[FITNESS_KEY], loop.best)
-        loop.update(epoch, val, is_best)
+        is_best = loop.update(epoch, val)
         # results.csv, last.pt and best.pt are written whole before a Ctrl-C/SIGTERM acts, so
         # that the three agree; a SIGKILL between them is repaired by --resume (reconcile_best).
         failure = None

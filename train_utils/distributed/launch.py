@@ -49,6 +49,7 @@ from train_utils.distributed.process_group import (
     cleanup,
     init_distributed_mode,
     launch_hint,
+    launcher_name,
 )
 from train_utils.evolve.search import evolve, is_search
 from train_utils.run_folder import folder_of_launch, launch_id
@@ -73,18 +74,6 @@ def free_port(host: str = SPAWN_MASTER_ADDR) -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def launcher_name(env: Mapping[str, str]) -> str | None:
-    """The launcher that started this process ('torchrun', 'SLURM'), or None.
-
-    The same variables :func:`~train_utils.distributed.process_group.init_distributed_mode` reads.
-    """
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return "torchrun"
-    if "SLURM_PROCID" in env:
-        return "SLURM"
-    return None
 
 
 def processes_to_spawn(nproc: int | None, device: str, env: Mapping[str, str]) -> int:

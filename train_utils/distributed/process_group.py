@@ -128,16 +128,26 @@ def _requested_device(args: Any) -> str:
     return "" if device is None else str(device).strip()
 
 
+def launcher_name(env: Mapping[str, str]) -> str | None:
+    """The launcher that started this process ('torchrun', 'SLURM'), or None.
+
+    The same variables :func:`init_distributed_mode` reads.
+    """
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return "torchrun"
+    if "SLURM_PROCID" in env:
+        return "SLURM"
+    return None
+
+
 def launched_world_size(env: Mapping[str, str] | None = None) -> int:
     """How many processes the launcher that started this one started in all (1 when none did),
     from the variables :func:`init_distributed_mode` reads, without joining any group."""
     env = os.environ if env is None else env
-    if "RANK" in env and "WORLD_SIZE" in env:
-        value = env["WORLD_SIZE"]
-    elif "SLURM_PROCID" in env:
-        value = env.get("SLURM_NTASKS", "1")
-    else:
+    launcher = launcher_name(env)
+    if launcher is None:
         return 1
+    value = env["WORLD_SIZE"] if launcher == "torchrun" else env.get("SLURM_NTASKS", "1")
     return int(value) if value.isdigit() else 1
 
 

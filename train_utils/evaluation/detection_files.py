@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from build_utils.atomic import atomic_write, make_output_dir, reported_write
+from build_utils.atomic import make_output_dir, write_text
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_ANNOTATION_BYTES, read_config_text
 from build_utils.safe_yaml import short_text
@@ -74,8 +74,7 @@ def write_yolo_txt(
         OutputError: ``path`` cannot be written (``flag``: the option that chose the folder).
     """
     lines = yolo_txt_lines(det, width, height, save_conf)
-    with reported_write(path, flag), atomic_write(path, "w") as f:
-        f.write("".join(line + "\n" for line in lines))
+    write_text(path, "".join(line + "\n" for line in lines), flag)
 
 
 def write_dataset_txt(

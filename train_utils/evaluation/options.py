@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from train_utils.cli import DEFAULT_EVAL_CONF, DEFAULT_EVAL_IOU
 from train_utils.evaluation.coco_eval import AUTO_BACKEND, resolve_backend
 
 logger = logging.getLogger(__name__)
@@ -39,8 +40,8 @@ class EvalOptions:
     """
 
     device: torch.device
-    conf_thres: float = 0.001
-    iou_thres: float = 0.6
+    conf_thres: float = DEFAULT_EVAL_CONF
+    iou_thres: float = DEFAULT_EVAL_IOU
     multi_label: bool = True
     max_det: int = MAX_DET
     amp: bool | torch.dtype | None = None

@@ -13,10 +13,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from build_utils.atomic import atomic_write, reported_write
+from build_utils.atomic import atomic_write, reported_write, write_text
 from build_utils.errors import ConfigError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.evolve.space import FITNESS_WEIGHTS, SearchSpace
+from train_utils.run_folder import RUN_FOLDER_FLAGS
 
 CSV_NAME = "evolve.csv"
 BEST_HYP_NAME = "hyp_evolve.yaml"
@@ -24,7 +25,6 @@ PLOT_NAME = "evolve.png"
 DONE, FAILED, STOPPED_EARLY = "done", "failed", "stopped early"
 METRICS = tuple(FITNESS_WEIGHTS)
 HEAD = ("candidate", "status", "fitness", *METRICS, "epochs", "seconds", "run", "reason")
-FLAG = "--name/--output-dir"
 
 
 @dataclass
@@ -63,7 +63,7 @@ def write_rows(path: Path, rows: Sequence[Row], hyp_keys: Sequence[str]) -> None
     Raises:
         OutputError: it cannot be written; the previous file stays as it was.
     """
-    with reported_write(path, FLAG), atomic_write(path, "w", newline="") as f:
+    with reported_write(path, RUN_FOLDER_FLAGS), atomic_write(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=[*HEAD, *hyp_keys])
         w.writeheader()
         w.writerows(r.to_csv() for r in sorted(rows, key=lambda r: r.candidate))
@@ -139,8 +139,7 @@ def write_best_hyp(path: Path, best: Row, search: Path) -> None:
         f"{best.metrics.get('mAP50-95', math.nan):.5f}).\n"
         f"# Train with it: python train.py --hyp {path} (same flags and --seed: same fitness)\n"
     )
-    with reported_write(path, FLAG), atomic_write(path, "w") as f:
-        f.write(header + dump_yaml(dict(best.hyp)))
+    write_text(path, header + dump_yaml(dict(best.hyp)), RUN_FOLDER_FLAGS)
 
 
 def plot_search(path: Path, rows: Sequence[Row], space: SearchSpace) -> None:

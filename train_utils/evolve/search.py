@@ -507,14 +507,7 @@ def train_candidate(
     except Exception as e:  # any failure of one candidate is that candidate's result
         reason = str(e) if isinstance(e, YoloError) else f"{type(e).__name__}: {e}"
         logger.warning("--evolve: %s failed: %s", name, reason)
-        return Row(
-            index,
-            record.FAILED,
-            dict(hyp),
-            run=name,
-            reason=reason.splitlines()[0],
-            seconds=_seconds_so_far(config.output_dir),
-        )
+        return _failed_row(index, hyp, config.output_dir, reason.splitlines()[0])
     return scored_row(index, hyp, config.output_dir)
 
 
@@ -533,14 +526,7 @@ def scored_row(index: int, hyp: Mapping[str, Any], run: Path) -> Row:
     rows = read_results(run / "results.csv")
     evaluated = [r for r in rows if r.get("mAP50-95")]
     if not evaluated:
-        return Row(
-            index,
-            record.FAILED,
-            dict(hyp),
-            run=run.name,
-            reason="no epoch was evaluated",
-            seconds=_seconds_so_far(run),
-        )
+        return _failed_row(index, hyp, run, "no epoch was evaluated")
     metrics = epoch_metrics(evaluated[-1])
     return Row(
         index,
@@ -551,6 +537,13 @@ def scored_row(index: int, hyp: Mapping[str, Any], run: Path) -> Row:
         epochs=int(rows[-1]["epoch"]) + 1,
         seconds=float(rows[-1].get("elapsed_seconds") or 0),
         run=run.name,
+    )
+
+
+def _failed_row(index: int, hyp: Mapping[str, Any], run: Path, reason: str) -> Row:
+    """A candidate's row when it has no fitness: ``reason``, and the seconds it took."""
+    return Row(
+        index, record.FAILED, dict(hyp), run=run.name, reason=reason, seconds=_seconds_so_far(run)
     )
 
 

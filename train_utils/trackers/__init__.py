@@ -33,7 +33,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from build_utils.atomic import atomic_write, reported_write
+from build_utils.atomic import write_text
+from build_utils.checks import check_choice
 from build_utils.errors import ConfigError, OutputError
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ _EXTERNAL = {
 NONE = "none"  # --tracker none: no external tracker (e.g. to resume a run without its tracker)
 TRACKER_CHOICES = (*_EXTERNAL, NONE)
 RECORD_NAME = "trackers.json"  # in the run folder: each tracker's run id, for --resume
+PICTURE_SUFFIXES = (".png", ".jpg")  # the run's pictures among the files of log_files
 
 # Statuses of finish(), as MLflow names them.
 FINISHED, FAILED, KILLED = "FINISHED", "FAILED", "KILLED"
@@ -69,7 +71,7 @@ class Tracker:
         """``metrics`` of ``epoch``, by ``results.csv`` column name."""
 
     def log_files(self, paths: Sequence[Path]) -> None:
-        """The run's pictures (``.png``/``.jpg``) and small text files."""
+        """The run's pictures (:data:`PICTURE_SUFFIXES`) and small text files."""
 
     def log_weights(self, path: Path) -> None:
         """The run's weights (``best.pt``, else ``last.pt``)."""
@@ -137,8 +139,7 @@ def check_trackers(names: Sequence[str] | None) -> list[str]:
             raise ConfigError(f"--tracker none cannot be combined with {', '.join(names)}")
         return []
     for name in names:
-        if name not in _EXTERNAL:
-            raise ConfigError(f"--tracker {name!r} is not one of {', '.join(TRACKER_CHOICES)}")
+        check_choice("--tracker", name, TRACKER_CHOICES)  # none was taken above
         package, install = _EXTERNAL[name][2], _EXTERNAL[name][3]
         # find_spec looks for the package without importing it (MLflow takes seconds to import).
         if importlib.util.find_spec(package) is None:
@@ -172,8 +173,7 @@ def write_record(out: Path, record: Mapping[str, str], flag: str) -> None:
         OutputError: it cannot be written (``flag`` named the folder).
     """
     path = out / RECORD_NAME
-    with reported_write(path, flag), atomic_write(path, "w") as f:
-        json.dump(dict(record), f, indent=1)
+    write_text(path, json.dumps(dict(record), indent=1), flag)
 
 
 def open_trackers(

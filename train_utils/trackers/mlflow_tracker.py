@@ -27,12 +27,11 @@ from mlflow.entities import Metric, Param
 from mlflow.tracking import MlflowClient
 from mlflow.utils.validation import MAX_PARAM_VAL_LENGTH, MAX_PARAMS_TAGS_PER_BATCH
 
-from train_utils.trackers import Tracker
+from train_utils.trackers import PICTURE_SUFFIXES, Tracker
 
 STORE_NAME = "mlflow.db"  # beside the run folder, shared by its sibling runs
 ARTIFACTS_NAME = "mlartifacts"
 logger = logging.getLogger(__name__)
-PICTURE_SUFFIXES = (".png", ".jpg")
 
 
 def default_tracking_uri(out: Path) -> str:

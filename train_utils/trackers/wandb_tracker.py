@@ -20,9 +20,8 @@ from typing import Any
 
 import wandb
 
-from train_utils.trackers import FINISHED, KILLED, Tracker
+from train_utils.trackers import FINISHED, KILLED, PICTURE_SUFFIXES, Tracker
 
-PICTURE_SUFFIXES = (".png", ".jpg")
 # wandb.finish's exit codes: 0 is a finished run; others mark it failed.
 EXIT_CODES = {FINISHED: 0, KILLED: 130}
 

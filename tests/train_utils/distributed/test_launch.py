@@ -19,7 +19,6 @@ from train_utils.distributed import launch
 from train_utils.distributed.launch import (
     SPAWN_MASTER_ADDR,
     free_port,
-    launcher_name,
     processes_to_spawn,
     spawn_devices,
     spawn_env,
@@ -45,19 +44,6 @@ def test_spawn_env_is_what_torchrun_sets_on_one_node():
         "WORLD_SIZE": "2",
         "LOCAL_WORLD_SIZE": "2",
     }
-
-
-@pytest.mark.parametrize(
-    ("env", "expected"),
-    [
-        ({}, None),
-        (TORCHRUN_ENV, "torchrun"),
-        ({"RANK": "0"}, None),  # half a launch: init_distributed_mode ignores it too
-        ({"SLURM_PROCID": "0"}, "SLURM"),
-    ],
-)
-def test_launcher_name(env, expected):
-    assert launcher_name(env) == expected
 
 
 @pytest.mark.parametrize(

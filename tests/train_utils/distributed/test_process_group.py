@@ -107,6 +107,19 @@ def test_bad_launcher_variables(clean_env) -> None:
     assert not comm.is_dist_avail_and_initialized()
 
 
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, None),
+        ({"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"}, "torchrun"),
+        ({"RANK": "0"}, None),  # half a launch: init_distributed_mode ignores it too
+        ({"SLURM_PROCID": "0"}, "SLURM"),
+    ],
+)
+def test_launcher_name(env, expected):
+    assert process_group.launcher_name(env) == expected
+
+
 def test_launched_world_size_reads_the_launchers_variables() -> None:
     assert process_group.launched_world_size({}) == 1
     assert process_group.launched_world_size({"RANK": "1", "WORLD_SIZE": "2"}) == 2
