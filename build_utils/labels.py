@@ -227,6 +227,24 @@ def _short(line: str) -> str:
     return line if len(line) <= _REPORT_LINE_CHARS else line[: _REPORT_LINE_CHARS - 3] + "..."
 
 
+def yolo_txt_lines(det: np.ndarray, width: int, height: int, save_conf: bool) -> list[str]:
+    """YOLO label lines ``class cx cy w h [conf]`` (normalised to the image) for one image.
+
+    Args:
+        det: ``(n, 6)`` = x1, y1, x2, y2 in image pixels, confidence, class.
+    """
+    det = np.asarray(det, dtype=np.float64).reshape(-1, 6)
+    lines = []
+    for x1, y1, x2, y2, conf, c in det.tolist():
+        x1, x2 = max(0.0, x1), min(float(width), x2)
+        y1, y2 = max(0.0, y1), min(float(height), y2)
+        cx, cy = (x1 + x2) / 2 / width, (y1 + y2) / 2 / height
+        w, h = (x2 - x1) / width, (y2 - y1) / height
+        line = f"{int(c)} {cx:.6f} {cy:.6f} {w:.6f} {h:.6f}"
+        lines.append(line + (f" {conf:.5f}" if save_conf else ""))
+    return lines
+
+
 def parse_label_text(
     text: str, nc: int | None, where: str = ""
 ) -> tuple[np.ndarray, int, int, list[str]]:

@@ -38,8 +38,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as data/make
 from build_utils.atomic import check_new_outputs
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
+from build_utils.labels import yolo_txt_lines
 from train_utils.cli import run_script
-from train_utils.evaluation.detection_files import yolo_txt_lines
 
 CLASS_NAMES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "bar")
 # The demo's and the CLI's default: the first five. The others make harder sets (--classes 8).

@@ -48,7 +48,7 @@ from build_utils.atomic import make_output_dir, reported_write, write_text
 from build_utils.checks import finite_float, is_int
 from build_utils.errors import ConfigError
 from build_utils.image_io import check_image, is_image_file
-from build_utils.labels import img2label_path
+from build_utils.labels import img2label_path, yolo_txt_lines
 from build_utils.limits import MAX_IMAGE_BYTES, file_problem
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_repr, short_text
@@ -59,7 +59,6 @@ from train_utils.evaluation.detection_files import (
     CocoIdMap,
     read_coco_ids,
     read_json_file,
-    yolo_txt_lines,
 )
 
 LOGGER = logging.getLogger("coco2yolo")

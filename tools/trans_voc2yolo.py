@@ -64,6 +64,7 @@ from build_utils.image_io import (
     raw_image_size,
     read_file_bytes,
 )
+from build_utils.labels import yolo_txt_lines
 from build_utils.limits import (
     MAX_IMAGE_BYTES,
     MAX_LABEL_BYTES,
@@ -76,7 +77,6 @@ from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
 from tools.yolo_output import DATA_YAML, place_image, report_text, write_labels
 from train_utils.cli import HelpFormatter, run_script
-from train_utils.evaluation.detection_files import yolo_txt_lines
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 # Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).

@@ -1,6 +1,6 @@
 """What the dataset converters (``tools/coco2yolo.py``, ``tools/trans_voc2yolo.py``) write the
 same way: a label file, an image placed in the output, and the report of what was skipped (each
-converter counts its own). Their label lines are ``detection_files.yolo_txt_lines``'s, the one
+converter counts its own). Their label lines are ``build_utils.labels.yolo_txt_lines``'s, the one
 writer of YOLO lines (predict.py's and validation.py's --save-txt)."""
 
 from __future__ import annotations

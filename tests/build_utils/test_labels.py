@@ -311,3 +311,15 @@ def test_cache_member_declaring_a_huge_array_is_not_allocated(make_shapes_data, 
     caplog.clear()
     assert load_labels(files, label_files, 5, cache_path, report_path).stats == truth.stats
     assert "is compressed" in caplog.text
+
+
+def test_yolo_txt_lines_golden():
+    det = np.array([[10, 20, 50, 60, 0.87654, 3], [-5, 0, 20, 10, 0.5, 0]])
+    assert labels_mod.yolo_txt_lines(det, 100, 80, save_conf=True) == [
+        "3 0.300000 0.500000 0.400000 0.500000 0.87654",
+        "0 0.100000 0.062500 0.200000 0.125000 0.50000",  # clipped to the image
+    ]
+    assert labels_mod.yolo_txt_lines(det[:1], 100, 80, save_conf=False) == [
+        "3 0.300000 0.500000 0.400000 0.500000"
+    ]
+    assert labels_mod.yolo_txt_lines(np.zeros((0, 6)), 100, 80, save_conf=True) == []

@@ -1,8 +1,7 @@
-"""train_utils/evaluation/detection_files.py: YOLO txt lines and the official COCO id mapping."""
+"""train_utils/evaluation/detection_files.py: YOLO txt files and the official COCO id mapping."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from build_utils.errors import ConfigError
@@ -11,20 +10,7 @@ from train_utils.evaluation.detection_files import (
     gt_to_official_coco_ids,
     resolve_coco_ids,
     to_official_coco_ids,
-    yolo_txt_lines,
 )
-
-
-def test_yolo_txt_lines_golden():
-    det = np.array([[10, 20, 50, 60, 0.87654, 3], [-5, 0, 20, 10, 0.5, 0]])
-    assert yolo_txt_lines(det, 100, 80, save_conf=True) == [
-        "3 0.300000 0.500000 0.400000 0.500000 0.87654",
-        "0 0.100000 0.062500 0.200000 0.125000 0.50000",  # clipped to the image
-    ]
-    assert yolo_txt_lines(det[:1], 100, 80, save_conf=False) == [
-        "3 0.300000 0.500000 0.400000 0.500000"
-    ]
-    assert yolo_txt_lines(np.zeros((0, 6)), 100, 80, save_conf=True) == []
 
 
 def test_coco80_to_91_table():
