@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from build_utils.augmentations import GRID
-from build_utils.boxes import non_max_suppression, scale_coords
+from build_utils.boxes import scale_coords
 from build_utils.errors import YoloError
 from models.darknet_loss import DarknetLoss
 from models.loss import compute_loss
@@ -487,15 +487,7 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
         imgs = to_model_input(imgs, opts.device, opts.channels_last)
         with autocast_context(opts.device, opts.amp):
             det = detect(model, imgs, opts.augment)
-        outputs = non_max_suppression(
-            det.float(),
-            conf_thres=opts.conf_thres,
-            iou_thres=opts.iou_thres,
-            multi_label=opts.multi_label,
-            # One class: a box found as two classes is one detection, kept once.
-            agnostic=opts.single_cls,
-            max_det=opts.max_det,
-        )
+        outputs = opts.nms(det)
         scaled = []
         for out, shape in zip(outputs, shapes):
             out = out.cpu()

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from build_utils.boxes import non_max_suppression
 from train_utils.cli import DEFAULT_EVAL_CONF, DEFAULT_EVAL_IOU
 from train_utils.evaluation.coco_eval import AUTO_BACKEND, resolve_backend
 
@@ -51,6 +52,20 @@ class EvalOptions:
     per_class: bool = False
     single_cls: bool = False
     augment: bool = False
+
+    def nms(self, det: torch.Tensor) -> list[torch.Tensor]:
+        """Non-maximum suppression of raw detections ``det`` (bs, n, 5 + nc) as these options
+        ask: the one call of the evaluation and of its speed measurement, so that
+        ``--task speed`` times the NMS the scores come from."""
+        return non_max_suppression(
+            det.float(),
+            conf_thres=self.conf_thres,
+            iou_thres=self.iou_thres,
+            multi_label=self.multi_label,
+            # One class: a box found as two classes is one detection, kept once.
+            agnostic=self.single_cls,
+            max_det=self.max_det,
+        )
 
 
 def eval_options(

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from build_utils.boxes import non_max_suppression
 from models.tta import detect
 from train_utils.evaluation.options import EvalOptions
 from train_utils.precision import autocast_context, to_model_input
@@ -62,13 +61,7 @@ def measure_speed(model: nn.Module, loader: Iterable, opts: EvalOptions) -> Spee
         with autocast_context(opts.device, opts.amp):
             det = detect(model, x, opts.augment)
         t2 = _sync(opts.device)
-        non_max_suppression(
-            det.float(),
-            conf_thres=opts.conf_thres,
-            iou_thres=opts.iou_thres,
-            multi_label=opts.multi_label,
-            max_det=opts.max_det,
-        )
+        opts.nms(det)
         t3 = _sync(opts.device)
         per_batch.append((t1 - t0, t2 - t1, t3 - t2, x.shape[0]))
         shape = tuple(x.shape)

@@ -33,3 +33,25 @@ def test_a_single_batch_is_timed_although_it_is_the_warm_up(repo_root):
     result = speed.measure_speed(model, [(torch.zeros(2, 3, 64, 64, dtype=torch.uint8),)],
                                  EvalOptions(device=CPU))  # fmt: skip
     assert result.images == 2 and result.inference_ms > 0
+
+
+def test_speed_times_the_nms_the_evaluation_runs(repo_root, monkeypatch):
+    # Was: --task speed ran class-aware NMS under --single-cls, where the evaluation runs it
+    # class-agnostic (both now call EvalOptions.nms).
+    seen = []
+    monkeypatch.setattr(
+        speed.EvalOptions, "nms", lambda self, det: seen.append(self.single_cls) or []
+    )
+    model = Darknet(repo_root / "cfg" / "yolov3-spp-nano.cfg", img_size=64)
+    batch = [(torch.zeros(1, 3, 64, 64, dtype=torch.uint8),)]
+    speed.measure_speed(model, batch, EvalOptions(device=CPU, single_cls=True))
+    assert seen == [True]
+
+
+def test_single_cls_nms_keeps_one_box_found_as_two_classes():
+    # One box, scored 0.9 as class 0 and 0.8 as class 1 (x, y, w, h, objectness, classes).
+    det = torch.tensor([[[32.0, 32.0, 20.0, 20.0, 1.0, 0.9, 0.8]]])
+    per_class = EvalOptions(device=CPU).nms(det)[0]
+    agnostic = EvalOptions(device=CPU, single_cls=True).nms(det)[0]
+    assert sorted(per_class[:, 5].tolist()) == [0.0, 1.0]
+    assert agnostic[:, 5].tolist() == [0.0] and agnostic[:, 4].tolist() == pytest.approx([0.9])
