@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import csv
 import logging
+import math
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -28,6 +30,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from build_utils.checks import finite_float
 from build_utils.errors import CheckpointError, ConfigError, YoloError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg_text
 from train_utils.checkpoint import (
@@ -56,7 +59,8 @@ from train_utils.optim import (
     load_scheduler_state,
     scaled_lr0,
 )
-from train_utils.plan import EpochPlan, LoopState
+from train_utils.plan import FITNESS_KEY, EpochPlan, LoopState
+from train_utils.reporting import read_results
 from train_utils.run_folder import RUN_CFG_NAME, RUN_HYP_NAME, RUNS_DIR, refuse_if_in_use
 
 if TYPE_CHECKING:
@@ -184,6 +188,7 @@ def settings_of_resumed_run(
             )
         # Before a folder is claimed: a file that cannot be resumed writes nothing beside it.
         check_training_state(weights.ckpt, path)
+        check_results_are_its_own(weights.ckpt, path)
         run = weights.run
     except CheckpointError as e:
         if launched_world_size() == 1:
@@ -213,6 +218,43 @@ def settings_of_resumed_run(
         args.data,
     )
     return folder
+
+
+def check_results_are_its_own(ckpt: Mapping[str, Any], path: Path) -> None:
+    """The ``results.csv`` beside checkpoint ``path`` is its run's: ``--resume`` cuts that file at
+    the checkpoint's epoch (or starts a new folder's from it) and rebuilds ``best.pt`` from the
+    checkpoint, which on another run's folder (a ``last.pt`` copied in) would mix two runs' files.
+    Judged by the row of the checkpoint's best epoch, whose mAP the checkpoint records, not by the
+    folder's path: a run folder moved or copied elsewhere is still its own.
+
+    Raises:
+        ConfigError: that row is missing or holds another mAP.
+    """
+    best = finite_float(ckpt.get("best_fitness"))
+    epoch = ckpt.get("best_epoch", ckpt.get("epoch"))
+    if best is None or epoch is None:
+        return  # never evaluated: nothing to judge by
+    results = path.parent / "results.csv"
+    try:
+        rows = read_results(results)
+    except (OSError, UnicodeDecodeError, csv.Error):
+        return  # unreadable: the run's own reading of it reports that
+    if not rows:
+        return
+    row = next((r for r in rows if str(r.get("epoch", "")).strip() == str(epoch)), None)
+    try:
+        found = float(row[FITNESS_KEY]) if row else math.nan
+    except (KeyError, TypeError, ValueError):
+        found = math.nan
+    if math.isclose(found, best, rel_tol=1e-6, abs_tol=1e-9):
+        return
+    has = f"{FITNESS_KEY} {row.get(FITNESS_KEY)}" if row is not None else "no row"
+    raise ConfigError(
+        f"--resume {path}: {results} is another run's (epoch {epoch}: {has}; this checkpoint's "
+        f"best epoch {epoch} had {FITNESS_KEY} {best:.6g}): continuing there would mix the two "
+        f"runs' files; resume the checkpoint from its own run's folder, or start a new run from "
+        f"it with --weights {path}"
+    )
 
 
 def _take_the_run_files(args: argparse.Namespace, run: Mapping[str, Any], folder: Path) -> None:

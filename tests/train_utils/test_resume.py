@@ -11,7 +11,7 @@ import torch
 from test_checkpoint import tiny_model
 from test_checkpoint import training_state as numpy_training_state
 
-from build_utils.errors import CheckpointError
+from build_utils.errors import CheckpointError, ConfigError
 from train_utils import checkpoint as ck
 from train_utils import resume
 from train_utils.engine import TrainState
@@ -196,3 +196,37 @@ def test_an_undamaged_training_state_still_resumes(tmp_path: Path) -> None:
     assert (loop.epoch, loop.best, loop.best_epoch) == (3, 0.25, 3)
     assert sched.last_epoch == 1 and scaler.get_scale() == 1024.0
     assert opt.state_dict()["state"][0]["momentum_buffer"].shape == (4, 3, 3, 3)
+
+
+def _results(folder: Path, rows: list[tuple[int, str]]) -> None:
+    lines = ["epoch,mAP50-95", *(f"{e},{v}" for e, v in rows)]
+    (folder / "results.csv").write_text("\n".join(lines) + "\n")
+
+
+def test_a_folder_holding_another_runs_results_is_refused(tmp_path: Path) -> None:
+    # Was: `cp runs/a/last.pt runs/b/ && train.py --resume runs/b/last.pt` cut runs/b's
+    # results.csv at a's epoch and replaced its best.pt with a's, without a word.
+    last = tmp_path / "last.pt"
+    ckpt = {"epoch": 2, "best_epoch": 1, "best_fitness": 0.25}
+    _results(tmp_path, [(0, "0.125"), (1, "0.25"), (2, "0.2"), (3, "0.3")])
+    resume.check_results_are_its_own(ckpt, last)  # its own run's (later rows: redone)
+    _results(tmp_path, [(0, "0.5"), (1, "0.0009"), (2, "0.75")])
+    with pytest.raises(ConfigError) as e:
+        resume.check_results_are_its_own(ckpt, last)
+    assert str(e.value) == (
+        f"--resume {last}: {tmp_path / 'results.csv'} is another run's (epoch 1: mAP50-95 0.0009; "
+        f"this checkpoint's best epoch 1 had mAP50-95 0.25): continuing there would mix the two "
+        f"runs' files; resume the checkpoint from its own run's folder, or start a new run from "
+        f"it with --weights {last}"
+    )
+    _results(tmp_path, [(0, "0.5")])  # a shorter run's
+    with pytest.raises(ConfigError, match=r"is another run's \(epoch 1: no row;"):
+        resume.check_results_are_its_own(ckpt, last)
+
+
+@pytest.mark.parametrize("ckpt", [{"epoch": 0, "best_fitness": None}, {"epoch": 0}])
+def test_results_are_not_judged_without_an_evaluation_or_a_file(tmp_path: Path, ckpt) -> None:
+    last = tmp_path / "last.pt"
+    resume.check_results_are_its_own({"epoch": 0, "best_fitness": 0.5}, last)  # no results.csv
+    _results(tmp_path, [(0, "0.1")])
+    resume.check_results_are_its_own(ckpt, last)  # never evaluated: nothing to judge by
