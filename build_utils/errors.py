@@ -45,6 +45,12 @@ class RunStopped(Exception):
     Not a :class:`YoloError` (no user error); scripts map it to ``EXIT_STOPPED``."""
 
 
+class RankFailed(Exception):
+    """A process of a distributed run died without a user error (a signal, a native crash) and
+    the others were stopped. Not a :class:`YoloError`: scripts print it as one line and exit
+    with status 1, as a failed process does."""
+
+
 class OutputError(YoloError):
     """A file or folder the user chose cannot be written: a full disk, a read-only place, a file
     where a folder should be, or a name taken by something else. The previous file stays."""

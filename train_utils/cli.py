@@ -26,7 +26,7 @@ from typing import Any
 
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.checks import check_choice, check_number, shown
-from build_utils.errors import ConfigError, RunStopped, YoloError
+from build_utils.errors import ConfigError, RankFailed, RunStopped, YoloError
 from build_utils.limits import MAX_IMG_SIZE, check_limit_settings, positive_env_int
 from models.budget import MEMORY_ENV
 from train_utils.precision import AMP_CHOICES
@@ -66,8 +66,9 @@ def run_script(
 ) -> int:
     """Every script's ``main``: parse ``argv`` with ``parser`` (``args.given`` names the flags
     typed, see :func:`parse_args`), log to the console and run ``command(args)``. Its exit status
-    is returned; a user error is one line and status 2, Ctrl-C 130, and a requested stop
-    (:class:`RunStopped`, SIGUSR1) 75."""
+    is returned; a user error is one line and status 2, Ctrl-C 130, a requested stop
+    (:class:`RunStopped`, SIGUSR1) 75, and a rank that died (:class:`RankFailed`) one line and
+    status 1."""
     args = parse_args(parser, argv)
     setup_console_logging()
     try:
@@ -81,6 +82,9 @@ def run_script(
     except RunStopped as e:
         print(f"stopped: {e}", file=sys.stderr)
         return EXIT_STOPPED
+    except RankFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

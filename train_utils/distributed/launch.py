@@ -36,6 +36,7 @@ from build_utils.errors import (
     ConfigError,
     DatasetError,
     OutputError,
+    RankFailed,
     RunStopped,
     YoloError,
 )
@@ -261,6 +262,7 @@ def spawn_training(
 
     Raises:
         YoloError: of the type a child raised, with its message (the first child to fail).
+        RankFailed: a child died without one (a signal, a crash); the others were stopped.
         KeyboardInterrupt: after the children stopped, when interrupted (Ctrl-C).
     """
     devices = spawn_devices(args.device, nprocs, cuda_device_count())
@@ -290,8 +292,12 @@ def spawn_training(
             raise KeyboardInterrupt from e
         if e.exit_code == EXIT_STOPPED:
             raise RunStopped("on request (SIGUSR1); continue with --resume") from None
-        if errors.empty():
-            raise  # killed by a signal or a crash: keep what torch says about it
+        if errors.empty():  # killed by a signal, or a crash that printed its own traceback
+            how = f"was killed by {e.signal_name}" if e.signal_name else f"exited {e.exit_code}"
+            raise RankFailed(
+                f"rank {e.error_index} (pid {e.error_pid}) {how}; the other ranks were stopped: "
+                f"--resume continues from the last saved epoch"
+            ) from None
         kind, message = errors.get()
         raise _ERROR_TYPES.get(kind, YoloError)(message) from None
     except KeyboardInterrupt:

@@ -202,6 +202,33 @@ def test_the_configuration_is_checked_before_spawning(tmp_path, monkeypatch, cap
     assert spawned == [] and not (tmp_path / "run").exists()
 
 
+def test_a_rank_killed_by_a_signal_is_one_line(shapes_data, tmp_path, monkeypatch, capsys):
+    """Was: a spawned rank killed (SIGKILL, the OOM killer) ended train_multi_GPU.py with torch's
+    ProcessExitedException traceback. Now one line and exit status 1."""
+    import train_multi_GPU
+
+    class KilledRank:
+        def join(self) -> bool:
+            raise launch.mp.ProcessExitedException(
+                "process 1 terminated with signal SIGKILL",
+                error_index=1,
+                error_pid=4242,
+                exit_code=-9,
+                signal_name="SIGKILL",
+            )
+
+    monkeypatch.setattr(launch, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(launch.mp, "start_processes", lambda *a, **k: KilledRank())
+    argv = train_argv(shapes_data, tmp_path / "run", "--nproc-per-node", "2", "--device", "cpu")
+    assert train_multi_GPU.main(argv) == 1
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    assert err.strip().splitlines()[-1] == (
+        "error: rank 1 (pid 4242) was killed by SIGKILL; the other ranks were stopped: "
+        "--resume continues from the last saved epoch"
+    )
+
+
 def test_ranks_start_from_a_forkserver_that_imported_torch_else_spawn(monkeypatch) -> None:
     """Never a fork of the launching process; the forkserver (torch imported once for every
     rank) where the platform has one, spawn where it has not (Windows)."""
