@@ -327,26 +327,35 @@ def json_ids(
     return image_ids, COCO80_TO_91, "official COCO"
 
 
-def score_against_file(
-    args: argparse.Namespace, image_ids: list[int], detections: list[dict], out: Path
-) -> None:
-    """--coco-gt: pycocotools' 12 stats of ``detections`` (the file's ids) against the images
-    ``image_ids`` of that file, crowd regions included; logged and written to
-    ``out/source_stats.json``."""
-    source = ground_truth_from_file(args.coco_gt, image_ids)
-    unknown = {d["category_id"] for d in detections} - set(source.getCatIds())
-    if unknown:
+def read_source_gt(
+    args: argparse.Namespace, n: int, gt_ids: list[int] | None, coco_ids: Any
+) -> Any:
+    """--coco-gt's images of the data (``n`` images; ids as --save-json writes them, see
+    :func:`json_ids`), read and checked before the evaluation: a wrong file costs no inference
+    and writes nothing."""
+    if coco_ids is None:
         raise ConfigError(
-            f"lists no category {min(unknown)} of the predictions: not the JSON the data came from",
-            args.coco_gt,
+            "--coco-gt scores predictions with the ids of a COCO JSON: it needs "
+            "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
         )
+    image_ids, category_ids, _ = coco_ids
+    indices = range(n) if gt_ids is None else gt_ids
+    return ground_truth_from_file(args.coco_gt, [image_ids[i] for i in indices], category_ids)
+
+
+def score_against_file(
+    args: argparse.Namespace, source: Any, detections: list[dict], out: Path
+) -> None:
+    """--coco-gt: pycocotools' 12 stats of ``detections`` (the file's ids) against ``source``
+    (:func:`read_source_gt`), crowd regions included; logged and written to
+    ``out/source_stats.json``."""
     evaluator = CocoEvaluator(source, backend=args.coco_backend)
     evaluator.update(detections)
     stats = evaluator.evaluate()
     logger.info(
         "against %s (%d images; crowd regions ignored, as pycocotools does)\n%s",
         args.coco_gt,
-        len(image_ids),
+        len(source.getImgIds()),
         format_report(stats),
     )
     text = json.dumps({k: float(v) for k, v in zip(STAT_NAMES, stats)}, indent=2)
@@ -405,7 +414,8 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
 @dataclass
 class Evaluation:
     """What one validation evaluates: the data, options, model and loader, the COCO ground
-    truth (rank 0) and the ids --save-json writes (see :func:`json_ids`)."""
+    truth (rank 0), the ids --save-json writes (see :func:`json_ids`) and --coco-gt's ground
+    truth."""
 
     data: DataConfig
     opts: EvalOptions
@@ -415,6 +425,7 @@ class Evaluation:
     gt_ids: list[int] | None
     coco_ids: Any
     coco_gt: Any
+    source_gt: Any
 
 
 def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evaluation:
@@ -428,11 +439,9 @@ def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evalua
     )
     gt_ids = eval_image_ids(data, dataset.img_files)
     coco_ids = json_ids(args, data, dataset.img_files, gt_ids) if args.save_json else None
-    if args.coco_gt and coco_ids is None:
-        raise ConfigError(
-            "--coco-gt scores predictions with the ids of a COCO JSON: it needs "
-            "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
-        )
+    source_gt = None
+    if args.coco_gt:  # on every rank: a refusal on rank 0 alone would leave the others waiting
+        source_gt = read_source_gt(args, len(dataset), gt_ids, coco_ids)
     workers = resolve_workers(args.workers)
     loader = make_eval_loader(
         dataset, args.batch_size, dist.world_size, dist.rank, workers, device.type == "cuda"
@@ -440,7 +449,7 @@ def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evalua
     coco_gt = None
     if dist.is_main:
         coco_gt = get_coco_api_from_dataset(dataset, num_classes=data.nc, image_ids=gt_ids)
-    return Evaluation(data, opts, model, dataset, loader, gt_ids, coco_ids, coco_gt)
+    return Evaluation(data, opts, model, dataset, loader, gt_ids, coco_ids, coco_gt, source_gt)
 
 
 def report_speed(args: argparse.Namespace, ev: Evaluation, is_main: bool) -> None:
@@ -493,8 +502,8 @@ def write_coco_json(
     write_text(out / GT_JSON, json.dumps(gt), "--save-json")
     write_text(out / PRED_JSON, json.dumps(detections), "--save-json")
     logger.info("wrote %s and %s (%s ids)", out / GT_JSON, out / PRED_JSON, id_source)
-    if args.coco_gt:
-        score_against_file(args, [im["id"] for im in gt["images"]], detections, out)
+    if ev.source_gt is not None:
+        score_against_file(args, ev.source_gt, detections, out)
 
 
 def score_and_report(

@@ -167,6 +167,72 @@ def test_no_coco_ids_keeps_dataset_ids(coco_like, tmp_path):
     assert {p["image_id"] for p in preds} <= set(range(10))
 
 
+OTHER_IMAGES = {
+    "images": [{"id": 1000, "file_name": "a.jpg", "width": 64, "height": 64}],
+    "annotations": [],
+    "categories": [{"id": c, "name": str(c)} for c in COCO80_TO_91],
+}
+
+
+@pytest.mark.parametrize(
+    ("text", "line"),
+    [
+        ('{"images": [', ":1: COCO annotation JSON is not valid JSON: Expecting value"),
+        ("[1, 2, 3]", ": expected a COCO JSON with images, annotations and categories"),
+        (
+            json.dumps({**OTHER_IMAGES, "images": [7]}),
+            ": not a COCO instances JSON: each image, annotation and category must be an object "
+            "with its ids (AttributeError: 'int' object has no attribute 'get')",
+        ),
+        (
+            json.dumps(OTHER_IMAGES),
+            ": lists no image 397133 (and 9 more) of the data scored: not the JSON the data came "
+            "from",
+        ),
+    ],
+)
+def test_a_wrong_coco_gt_is_refused_before_the_evaluation(
+    coco_like, tmp_path, monkeypatch, capsys, text, line
+):
+    """Was: the whole evaluation ran, the report and both --save-json files were written, and
+    only then was the --coco-gt file read and refused (a rerun then needed --exist-ok)."""
+    monkeypatch.setattr(validation, "evaluate", lambda *a, **k: pytest.fail("inference ran"))
+    bad = tmp_path / "bad.json"
+    bad.write_text(text)
+    save, js = tmp_path / "v", tmp_path / "js"
+    argv = _argv(coco_like, _weights(tmp_path / "w80.pt", 80), "--save-json", str(js))
+    assert validation.main([*argv, "--coco-gt", str(bad), "--save-dir", str(save)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(f"\nerror: {bad}{line}\n") and err.count("error:") == 1, err
+    assert not save.exists() and not js.exists()
+
+
+def test_coco_gt_scores_with_official_coco_ids(coco_like, tmp_path, monkeypatch, capsys):
+    """--coco-gt on COCO itself: the ground truth --save-json wrote scores as validation.py did;
+    one that lacks a category of the data is refused (was: only when a prediction had it)."""
+    weights = _weights(tmp_path / "w80.pt", 80)
+    argv = _argv(coco_like, weights, "--save-dir", str(tmp_path / "v"), "--no-plots")
+    stats = tmp_path / "stats.json"
+    assert (
+        validation.main([*argv, "--save-json", str(tmp_path / "a"), "--json-out", str(stats)]) == 0
+    )
+    gt = tmp_path / "a" / "ground_truth.json"
+    argv += ["--save-json", str(tmp_path / "b"), "--exist-ok"]
+    assert validation.main([*argv, "--coco-gt", str(gt)]) == 0
+    source = json.loads((tmp_path / "b" / "source_stats.json").read_text())
+    assert source["mAP50-95"] == pytest.approx(json.loads(stats.read_text())["mAP50-95"], abs=1e-4)
+    few = tmp_path / "few.json"
+    few.write_text(json.dumps({**json.loads(gt.read_text()), "categories": [{"id": 1}]}))
+    capsys.readouterr()
+    monkeypatch.setattr(validation, "evaluate", lambda *a, **k: pytest.fail("inference ran"))
+    assert validation.main([*argv, "--coco-gt", str(few)]) == 2
+    err = capsys.readouterr().err
+    assert err.endswith(
+        f"error: {few}: lists no category 2 of the data's classes: not the JSON the "
+        "data came from\n"
+    ), err
+
+
 def test_bare_save_json_writes_into_the_report_folder(shapes_data, weights5, tmp_path):
     """YOLOv5's bare ``--save-json`` (and before ``--json-out``): the COCO JSONs go into the
     numbered report folder, the same predictions as ``--save-json DIR``."""

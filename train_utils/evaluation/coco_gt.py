@@ -247,13 +247,17 @@ def _write_cache(path: Path, coco_dict: dict) -> None:
         logger.warning("could not write the COCO ground-truth cache %s: %s", path, e)
 
 
-def ground_truth_from_file(path: str | os.PathLike[str], image_ids: Sequence[int]) -> COCO:
+def ground_truth_from_file(
+    path: str | os.PathLike[str], image_ids: Sequence[int], category_ids: Sequence[int] = ()
+) -> COCO:
     """The images ``image_ids`` of a COCO instances JSON and their annotations, crowd regions
     included (pycocotools ignores detections there), as a pycocotools ``COCO``: what a run's
-    detections with that file's ids are scored against, as YOLOv5's val.py does for COCO.
+    detections with that file's ids are scored against, as YOLOv5's val.py does for COCO. Read
+    before the evaluation, so that a wrong file costs no inference.
 
     Raises:
-        ConfigError: the file is no COCO JSON, or lacks one of ``image_ids``.
+        ConfigError: the file is no COCO JSON, or lacks one of ``image_ids`` or
+            ``category_ids`` (the ids the detections will carry).
     """
     data = read_json_file(path, "COCO annotation JSON")
     lists = isinstance(data, dict) and all(
@@ -262,14 +266,29 @@ def ground_truth_from_file(path: str | os.PathLike[str], image_ids: Sequence[int
     if not lists:
         raise ConfigError("expected a COCO JSON with images, annotations and categories", path)
     wanted = set(image_ids)
-    images = [im for im in data["images"] if isinstance(im, dict) and im.get("id") in wanted]
-    missing = wanted - {im["id"] for im in images}
+    try:
+        images = [im for im in data["images"] if im.get("id") in wanted]
+        anns = [a for a in data["annotations"] if a.get("image_id") in wanted]
+        source = coco_from_dict({**data, "images": images, "annotations": anns})
+    except (AttributeError, KeyError, TypeError) as e:
+        # A number where a record should be, a record without its id, an id that is a list.
+        raise ConfigError(
+            "not a COCO instances JSON: each image, annotation and category must be an object "
+            f"with its ids ({type(e).__name__}: {e})",
+            path,
+        ) from e
+    missing = wanted - set(source.getImgIds())
     if missing:
         raise ConfigError(
             f"lists no image {min(missing)} (and {len(missing) - 1} more) of the data scored: "
             "not the JSON the data came from",
             path,
         )
-    anns = [a for a in data["annotations"] if isinstance(a, dict) and a.get("image_id") in wanted]
-    subset = {**data, "images": images, "annotations": anns}
-    return coco_from_dict(subset)
+    unknown = set(category_ids) - set(source.getCatIds())
+    if unknown:
+        raise ConfigError(
+            f"lists no category {min(unknown)} of the data's classes: not the JSON the data "
+            "came from",
+            path,
+        )
+    return source
