@@ -40,7 +40,14 @@ import numpy as np
 import torch
 from torch import nn
 
-from build_utils.atomic import atomic_write, fsync_dir, make_output_dir, reported_write, temp_path
+from build_utils.atomic import (
+    atomic_write,
+    check_output_place,
+    fsync_dir,
+    make_output_dir,
+    reported_write,
+    temp_path,
+)
 from build_utils.boxes import box_iou, non_max_suppression
 from build_utils.errors import ConfigError
 from models.darknet import Darknet
@@ -67,6 +74,7 @@ OUTPUT_FLAG = "--output"  # the option that chose the output place, named in wri
 INPUT_NAME, OUTPUT_NAME = "images", "detections"
 INSTALL_ONNX = "pip install -r requirements-onnx.txt"
 OPENVINO_FOLDER_SUFFIX = "_openvino_model"  # YOLOv5's: best.pt -> best_openvino_model/
+IR_SUFFIXES = (".xml", ".bin")  # what openvino.save_model writes into that folder
 # Elementwise agreement with PyTorch float32: |got - want| <= tol + tol * |want|, on every
 # decoded value (boxes in pixels, scores in [0, 1]). float16 carries 11 significant bits
 # (relative step 1e-3) and its rounding compounds through ~100 layers.
@@ -290,10 +298,12 @@ def export_openvino(
     Converted from the PyTorch model directly (``openvino.convert_model``); ``half`` stores the
     weights in float16 (``compress_to_fp16``). The folder is written under a temporary name
     beside it and renamed into place, so that it is whole or absent; an existing one is
-    replaced only after the new one is complete. ``metadata`` goes into the IR's ``rt_info``
-    under ``model_info``.
+    replaced only after the new one is complete, and only when it holds nothing else
+    (:func:`check_openvino_folder`). ``metadata`` goes into the IR's ``rt_info`` under
+    ``model_info``.
     """
     ov = _import_openvino()
+    check_openvino_folder(Path(folder))
     folder, example = _begin(model, folder, img_size, False)
     with _tracing(model, example) as wrapper:
         converted = ov.convert_model(wrapper, example_input=example, input=[-1, *example.shape[1:]])
@@ -314,6 +324,27 @@ def export_openvino(
 def ir_stem(folder: Path) -> str:
     """The file stem inside an OpenVINO folder: ``best_openvino_model`` holds ``best.xml``."""
     return folder.name.removesuffix(OPENVINO_FOLDER_SUFFIX) or folder.name
+
+
+def check_openvino_folder(folder: Path) -> None:
+    """Refuse to replace ``folder`` when it is a file, or holds anything but an export's own
+    files (``<stem>.xml``, ``<stem>.bin``): replacing the folder would delete the user's files
+    with it. Like ``--exist-ok`` elsewhere, which replaces a tool's own outputs, never others.
+
+    Raises:
+        OutputError: ``folder`` is a file.
+        ConfigError: it holds a file or folder an export does not write (the first is named).
+    """
+    check_output_place(folder, OUTPUT_FLAG, folder=True)
+    if not folder.is_dir():
+        return
+    own = {ir_stem(folder) + suffix for suffix in IR_SUFFIXES}
+    other = sorted(p.name for p in folder.iterdir() if p.name not in own)
+    if other:
+        raise ConfigError(
+            f"{folder} holds {other[0]}, not part of an OpenVINO export (replacing the folder "
+            f"would delete it); move it away or choose another {OUTPUT_FLAG}"
+        )
 
 
 def _replace_folder(new: Path, folder: Path) -> None:
@@ -451,6 +482,7 @@ class ExportFormat:
     writer_needs: tuple[str, ...] = ()
     runtime_needs: tuple[str, ...] = ()
     deployment: Callable[[Path, np.ndarray, np.ndarray], str | None] | None = None
+    check_target: Callable[[Path], None] | None = None  # may an existing output be replaced?
 
     def missing(self, verify: bool) -> list[str]:
         """The packages this format needs (to write, and to run when ``verify``) that are not
@@ -490,6 +522,7 @@ FORMATS: dict[str, ExportFormat] = {
             ("openvino",),
             ("openvino",),
             _openvino_deployment,
+            check_openvino_folder,
         ),
     )
 }

@@ -5,19 +5,19 @@
     python tools/export.py --cfg cfg/yolov3-spp-nano.cfg --img-size 320 --include torchscript
     python tools/export.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --img-size 320 416
 
-The model is read once (``--weights`` alone for a checkpoint train.py wrote; Darknet
-``.weights`` need ``--cfg``; without ``--weights`` the cfg's random initialisation is exported, for
-tests) and written once per format at ``--img-size H [W]``, named as YOLOv5 names them, beside the
-weights unless ``--output DIR``: ``best.onnx``, ``best.torchscript`` and the folder
-``best_openvino_model/`` (``best.xml``, ``best.bin``). An existing export is never replaced
-without ``--exist-ok`` (nothing is written then); every output is written under a temporary name
-and renamed into place. Each export is then loaded in its own runtime (onnxruntime,
-``torch.jit.load``, OpenVINO on the CPU) and run on two sample images (drawn shapes,
-letterboxed) next to PyTorch float32 (``--no-verify`` skips it): every decoded value agrees
-within 1e-4 relative and absolute (1e-2 with ``--half``), and the detections after NMS are
-counted. All formats take ``images`` (batch, 3, H, W) RGB in [0, 1] and return ``detections``
-(batch, N, 5 + nc) before NMS (see models/export.py); ``--half`` makes ONNX and TorchScript
-float16 throughout and stores OpenVINO's weights in float16.
+The model is read once (``--weights`` alone for a checkpoint train.py wrote; Darknet ``.weights``
+need ``--cfg``; without ``--weights`` the cfg's random initialisation is exported, for tests) and
+written once per format at ``--img-size H [W]``, named as YOLOv5 names them, beside the weights
+unless ``--output DIR``: ``best.onnx``, ``best.torchscript`` and the folder
+``best_openvino_model/`` (``best.xml``, ``best.bin``). An existing export is never replaced without
+``--exist-ok``, nor an OpenVINO folder that holds other files than these (nothing is written then);
+every output is written under a temporary name and renamed into place. Each export is then loaded
+in its own runtime (onnxruntime, ``torch.jit.load``, OpenVINO on the CPU) and run on two sample
+images (drawn shapes, letterboxed) next to PyTorch float32 (``--no-verify`` skips it): every
+decoded value agrees within 1e-4 relative and absolute (1e-2 with ``--half``), and the detections
+after NMS are counted. All formats take ``images`` (batch, 3, H, W) RGB in [0, 1] and return
+``detections`` (batch, N, 5 + nc) before NMS (see models/export.py); ``--half`` makes ONNX and
+TorchScript float16 throughout and stores OpenVINO's weights in float16.
 """
 
 from __future__ import annotations
@@ -178,8 +178,8 @@ def _load(
 
 
 def _targets(args: argparse.Namespace, formats: list[str], stem: str, home: Path) -> list[Path]:
-    """Where each format goes; ConfigError when one exists (without ``--exist-ok``) or is the
-    weights file itself."""
+    """Where each format goes; ConfigError when one exists (without ``--exist-ok``), is the
+    weights file itself, or (an OpenVINO folder) holds the user's own files."""
     folder = args.output if args.output is not None else home
     targets = [folder / FORMATS[f].target(stem) for f in formats]
     source = Path(args.weights).resolve() if args.weights else None
@@ -187,6 +187,9 @@ def _targets(args: argparse.Namespace, formats: list[str], stem: str, home: Path
         if source is not None and path.resolve() == source:
             raise ConfigError(f"{path} is the weights file itself; choose another --output")
     check_new_outputs(targets, OUTPUT_FLAG, args.exist_ok)
+    for name, path in zip(formats, targets):
+        if FORMATS[name].check_target is not None:
+            FORMATS[name].check_target(path)
     return targets
 
 

@@ -25,7 +25,7 @@ What is done about problems (all listed in the report file, never fatal):
 
 - ``difficult`` objects are skipped unless ``--include-difficult``;
 - boxes reaching outside the image are clipped, boxes left empty skipped;
-- a missing or zero ``<size>`` is read from the image;
+- a missing, zero or negative ``<size>`` is read from the image;
 - EXIF-rotated JPEGs: the loader sees them upright; when the XML size is that of the pixels as
   stored (sideways), as LabelImg writes it, the boxes are rotated into the upright frame;
 - an XML size that disagrees with the image: boxes are normalised by the XML size when it has the
@@ -42,6 +42,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import sys
 import xml.etree.ElementTree as ET
@@ -54,7 +55,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from build_utils.atomic import check_new_outputs, make_output_dir, write_text
+from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import (
     exif_orientation,
@@ -221,10 +222,16 @@ def _frame(
     w, h = _number(size, "width"), _number(size, "height")
     raw, orientation = _upright_size(xml_path, image, notes)
     img_w, img_h = oriented_size(*raw, orientation) if raw is not None else (None, None)
-    if not w or not h:
+    if not all(v is not None and 0 < v < math.inf for v in (w, h)):
         if img_w is None:
             return None
-        notes.append(f"{xml_path}: no <size>; used the image's {img_w}x{img_h}")
+        given = [_text(size, tag) for tag in ("width", "height")]
+        what = (
+            "no <size>"
+            if given == [None, None]
+            else f"<size> {given[0] or '?'}x{given[1] or '?'} is not a positive size"
+        )
+        notes.append(f"{xml_path}: {what}; used the image's {img_w}x{img_h}")
         return _Frame(float(img_w), float(img_h), float(img_w), float(img_h))
     if img_w is None:
         return _Frame(w, h, w, h)
@@ -298,7 +305,7 @@ def convert_file(
         return None, [f"{xml_path}: skipped: unreadable XML ({e})"], 0
     frame = _frame(xml_path, root.find("size"), image, notes)
     if frame is None:
-        return None, [f"{xml_path}: skipped: no <size> and no readable image"], 0
+        return None, [f"{xml_path}: skipped: no usable <size> and no readable image"], 0
     lines: list[str] = []
     skipped = 0
     for k, obj in enumerate(root.iter("object"), 1):
@@ -338,7 +345,7 @@ def convert_dir(
     )
     images = _image_index(img_dir)
     class_ids = {n: i for i, n in enumerate(class_names)}
-    label_dir.mkdir(parents=True, exist_ok=True)
+    make_output_dir(label_dir)
     report = ConvertReport(files=len(xml_files))
     for xml_path in xml_files:
         image = images.get(xml_path.stem)
@@ -377,7 +384,7 @@ def convert_voc_root(
         text = read_config_text(id_file, MAX_LIST_BYTES, "image id list")
         ids = [line.split()[0] for line in text.splitlines() if line.strip()]
         img_out = out / split / "images"
-        img_out.mkdir(parents=True, exist_ok=True)
+        make_output_dir(img_out)
         images = _image_index(voc_root / "JPEGImages")
         for i in ids:
             # An image placed by an earlier run is kept (place_image never leaves half of one).
@@ -435,6 +442,8 @@ def class_names(args: argparse.Namespace) -> list[str]:
     if args.classes is not None:
         return load_class_list(args.classes)
     xml_dir = args.xml_dir or args.voc_root / "Annotations"
+    if not xml_dir.is_dir():
+        raise DatasetError("annotation folder not found", xml_dir)
     names = collect_class_names(sorted(Path(xml_dir).glob("*.xml")))
     if not names:
         raise DatasetError("no object names found in the XML files", xml_dir)
@@ -463,6 +472,9 @@ def plan_outputs(args: argparse.Namespace) -> Outputs:
     outputs = Outputs(names, args.report or home / REPORT_FILE, home / DATA_YAML if voc else None)
     reads = {"the --classes file": args.classes}
     label_dirs = [args.out / s / "labels" for s in args.splits] if voc else [args.label_dir]
+    image_dirs = [args.out / s / "images" for s in args.splits] if voc else []
+    for folder in label_dirs + image_dirs:
+        check_output_place(folder, "--out" if voc else "--label-dir", folder=True)
     for folder in label_dirs:
         label = next(folder.glob("*.txt"), None) if folder.is_dir() else None
         if label is not None and not args.exist_ok:
@@ -478,6 +490,7 @@ def plan_outputs(args: argparse.Namespace) -> Outputs:
     ):
         if path is not None:
             check_new_outputs([path], flag, args.exist_ok, reads)
+            check_output_place(path, flag)  # also when it exists: a folder passes --exist-ok
     return outputs
 
 
@@ -498,6 +511,11 @@ def voc_to_yolo(args: argparse.Namespace) -> None:
         raise ConfigError("--xml-dir needs --label-dir")
     if args.voc_root is not None and args.out is None:
         raise ConfigError("--voc-root needs --out")
+    source, flag = (
+        (args.xml_dir, "--xml-dir") if args.voc_root is None else (args.voc_root, "--voc-root")
+    )
+    if not source.is_dir():
+        raise ConfigError(f"{flag}: folder not found", source)
     names = class_names(args)
     # Before anything is written: a split that is no data.yaml role, an output in the way.
     data_yaml = voc_data_yaml(args.splits, names) if args.voc_root is not None else None

@@ -321,6 +321,80 @@ def test_voc_conversion_never_writes_over_labels_unasked(make_shapes_data, tmp_p
     assert edited.read_bytes() != before[edited.name]  # asked for: the XML's boxes again
 
 
+def _one_voc_file(root: Path, size: tuple[int, int] | None = (30, 20)) -> tuple[Path, Path]:
+    """``root/xml/a.xml`` (one ``cat``, the XML's ``<size>``: ``size``) and ``root/img/a.png``
+    (30x20)."""
+    xml_dir, img_dir = root / "xml", root / "img"
+    xml_dir.mkdir()
+    img_dir.mkdir()
+    (xml_dir / "a.xml").write_text(_xml("a.png", size, [("cat", (3, 2, 15, 10), 0)]))
+    cv2.imwrite(str(img_dir / "a.png"), np.zeros((20, 30, 3), np.uint8))
+    return xml_dir, img_dir
+
+
+def test_voc_outputs_in_the_way_are_one_line_before_anything_is_written(tmp_path, capsys):
+    """Was: a file given as --label-dir ended in a FileExistsError traceback (exit 1); an existing
+    folder given as --report with --exist-ok failed (exit 2) only after every label file and the
+    names file were written. Now both are one line, exit 2, before anything is written."""
+    xml_dir, img_dir = _one_voc_file(tmp_path)
+    blocker = tmp_path / "labels"
+    blocker.write_text("mine")
+    argv = ["--xml-dir", str(xml_dir), "--img-dir", str(img_dir), "--exist-ok"]
+    capsys.readouterr()
+    assert trans_voc2yolo.main([*argv, "--label-dir", str(blocker)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"error: cannot write {blocker}: {blocker} is a file where a folder should be; "
+        "move it away or choose another --label-dir"
+    )
+    assert blocker.read_text() == "mine"
+    report = tmp_path / "report"
+    report.mkdir()
+    label_dir = tmp_path / "out" / "labels"
+    assert trans_voc2yolo.main([*argv, "--label-dir", str(label_dir), "--report", str(report)]) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (
+        f"error: cannot write {report}: {report} is a folder, not a file; "
+        "move it away or choose another --report"
+    )
+    assert not (tmp_path / "out").exists() and list(report.iterdir()) == []
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img", "labels", "report", "xml"]
+    # --voc-root: a file where a split's images folder goes.
+    voc = tmp_path / "VOC"
+    (voc / "ImageSets" / "Main").mkdir(parents=True)
+    (voc / "ImageSets" / "Main" / "train.txt").write_text("a\n")
+    xml_dir.rename(voc / "Annotations")
+    img_dir.rename(voc / "JPEGImages")
+    (tmp_path / "o" / "train").mkdir(parents=True)
+    (tmp_path / "o" / "train" / "images").write_text("mine")
+    voc_argv = ["--voc-root", str(voc), "--out", str(tmp_path / "o"), "--splits", "train"]
+    assert trans_voc2yolo.main(voc_argv) == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert "images is a file where a folder should be; move it away or choose another --out" in line
+    assert sorted(p.name for p in (tmp_path / "o").rglob("*")) == ["images", "train"]
+
+
+def test_voc_size_and_folder_problems_are_named_as_they_are(tmp_path, capsys):
+    """Was: a negative or zero <size> was reported as "no <size>", and a --xml-dir or --voc-root
+    that does not exist as "no object names found in the XML files"."""
+    xml_dir, img_dir = _one_voc_file(tmp_path, size=(-5, 0))
+    label_dir = tmp_path / "labels"
+    argv = ["--xml-dir", str(xml_dir), "--img-dir", str(img_dir), "--label-dir", str(label_dir)]
+    assert trans_voc2yolo.main(argv) == 0
+    report = (tmp_path / "voc2yolo_report.txt").read_text()
+    assert "a.xml: <size> -5x0 is not a positive size; used the image's 30x20" in report
+    assert "no <size>" not in report
+    np.testing.assert_allclose(_labels(label_dir)["a"], [[0, 0.3, 0.3, 0.4, 0.4]], atol=1e-6)
+    capsys.readouterr()
+    missing = tmp_path / "nope"
+    for flag, more in (("--xml-dir", ["--label-dir", str(tmp_path / "l")]), ("--voc-root", [])):
+        out = ["--out", str(tmp_path / "o")] if flag == "--voc-root" else []
+        assert trans_voc2yolo.main([flag, str(missing), *more, *out]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == f"error: {missing}: {flag}: folder not found"
+    assert not (tmp_path / "l").exists() and not (tmp_path / "o").exists()
+
+
 def test_voc_devkit_keeps_the_class_order_and_writes_names_and_data_yaml(
     make_shapes_data, tmp_path, capsys
 ):

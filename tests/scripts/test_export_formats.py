@@ -14,6 +14,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import cv2
@@ -366,6 +367,37 @@ def test_openvino_folder_is_replaced_whole_or_not_at_all(tmp_path, monkeypatch, 
     assert [p.name for p in tmp_path.iterdir()] == [folder.name]
     assert sorted(p.name for p in folder.iterdir()) == ["yolov3-tiny.bin", "yolov3-tiny.xml"]
     assert (folder / "yolov3-tiny.xml").read_text().startswith("<?xml")
+
+
+@needs_openvino
+def test_openvino_folder_with_the_users_files_is_never_replaced(tmp_path, capsys):
+    """Was: --exist-ok on an OpenVINO folder that also held the user's own files (notes, a
+    subfolder) replaced it whole, exit 0, and those files were gone. Now one line, exit 2,
+    before anything (here the TorchScript file first) is written; a file where the folder goes
+    likewise (it was moved aside to a hidden name)."""
+    folder = tmp_path / "yolov3-tiny_openvino_model"
+    (folder / "sub").mkdir(parents=True)
+    files = {"notes.txt": "mine", "sub/y": "mine too", "yolov3-tiny.xml": "old"}
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    argv = ["--cfg", str(TINY), "--img-size", str(IMG), "-o", str(tmp_path), "--no-verify"]
+    argv += ["--include", "torchscript", "openvino", "--exist-ok"]
+    capsys.readouterr()
+    assert export.main(argv) == 2
+    assert one_error_line(capsys) == (
+        f"error: {folder} holds notes.txt, not part of an OpenVINO export (replacing the "
+        "folder would delete it); move it away or choose another --output\n"
+    )
+    assert {str(p.relative_to(folder)) for p in folder.rglob("*")} == {"sub", *files}
+    assert all((folder / name).read_text() == text for name, text in files.items())
+    assert [p.name for p in tmp_path.iterdir()] == [folder.name]
+    with pytest.raises(model_export.ConfigError, match="holds notes.txt"):
+        model_export.export_openvino(Darknet(TINY, img_size=IMG), folder, IMG)
+    shutil.rmtree(folder)
+    folder.write_text("a file")
+    assert export.main(argv) == 2
+    assert "is a file where a folder should be" in one_error_line(capsys)
+    assert folder.read_text() == "a file" and [p.name for p in tmp_path.iterdir()] == [folder.name]
 
 
 def test_bad_input_is_one_line(tmp_path, monkeypatch, capsys):
