@@ -17,7 +17,8 @@ Writes, for ``--split S``::
 
 Classes: the JSON's category ids sorted, numbered 0..nc-1 (ids 3, 7, 11 become classes 0, 1,
 2), named by their ``name``. Boxes (``[x, y, w, h]`` in pixels) become normalised centre and
-size, clipped to the image (``width``/``height`` of the JSON, else the image's own size).
+size, clipped to the image: normalised by the JSON's ``width``/``height`` where they are the
+image's shape (a resized copy was annotated), else by the image's own size.
 Skipped, each with a line in the report: annotations with ``iscrowd`` set (as ultralytics'
 ``convert_coco`` does: a crowd region is not one object; pycocotools ignores detections there
 instead), boxes empty after clipping, unknown image or category ids, and images named in the
@@ -52,7 +53,7 @@ from build_utils.labels import img2label_path, yolo_txt_lines
 from build_utils.limits import MAX_IMAGE_BYTES, file_problem
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_repr, short_text
-from tools.yolo_output import DATA_YAML, place_image, report_text, write_labels
+from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
 from train_utils.cli import HelpFormatter, run_script
 from train_utils.evaluation.detection_files import (
     COCO_IDS_FILE,
@@ -297,10 +298,15 @@ def convert(
             continue
         w, h = im["width"] or float(size[0]), im["height"] or float(size[1])
         if (w, h) != (float(size[0]), float(size[1])):
+            if same_aspect((w, h), (float(size[0]), float(size[1]))):
+                why = "boxes normalised by the JSON's (the frame they were drawn in)"
+            else:  # not the image resized: a wrong size (trans_voc2yolo.py judges alike)
+                why = "not of its shape: boxes normalised by the image's"
+                w, h = float(size[0]), float(size[1])
+            given = "x".join(f"{v:g}" if v else "?" for v in (im["width"], im["height"]))
             report.lines.append(
-                f"{where}: the JSON's size {w:g}x{h:g} differs from the image's upright "
-                f"{size[0]}x{size[1]}; boxes normalised by the JSON's (the frame they were "
-                "drawn in)"
+                f"{where}: the JSON's size {given} differs from the image's upright "
+                f"{size[0]}x{size[1]}; {why}"
             )
         lines, notes, crowd, skipped = yolo_lines(
             coco.annotations.get(im["id"], []), classes, w, h, where

@@ -76,12 +76,10 @@ from build_utils.limits import (
 )
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
-from tools.yolo_output import DATA_YAML, place_image, report_text, write_labels
+from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
 from train_utils.cli import HelpFormatter, run_script
 
 LOGGER = logging.getLogger("trans_voc2yolo")
-# Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).
-ASPECT_TOLERANCE = 0.01
 NAMES_FILE = "classes.names"  # the class list written beside the labels (default --names-out)
 REPORT_FILE = "voc2yolo_report.txt"
 
@@ -183,10 +181,6 @@ def _image_index(img_dir: Path | None) -> dict[str, Path]:
     }
 
 
-def _same_aspect(a: tuple[float, float], b: tuple[float, float]) -> bool:
-    return abs(a[0] * b[1] - a[1] * b[0]) <= ASPECT_TOLERANCE * a[0] * b[1]
-
-
 @dataclass(frozen=True)
 class _Frame:
     """The pixel frame of one XML file's boxes: ``w`` x ``h`` as annotated, normalised by
@@ -243,7 +237,7 @@ def _frame(
         return _Frame(w, h, W, H, orientation)
     if (w, h) == (img_w, img_h):
         return _Frame(w, h, w, h)
-    if _same_aspect((w, h), (img_w, img_h)):
+    if same_aspect((w, h), (img_w, img_h)):
         notes.append(f"{xml_path}: <size> {w:g}x{h:g} is a resized {img_w}x{img_h}; used <size>")
         return _Frame(w, h, w, h)
     notes.append(

@@ -1,7 +1,8 @@
-"""What the dataset converters (``tools/coco2yolo.py``, ``tools/trans_voc2yolo.py``) write the
-same way: a label file, an image placed in the output, and the report of what was skipped (each
-converter counts its own). Their label lines are ``build_utils.labels.yolo_txt_lines``'s, the one
-writer of YOLO lines (predict.py's and validation.py's --save-txt)."""
+"""What the dataset converters (``tools/coco2yolo.py``, ``tools/trans_voc2yolo.py``) do the
+same way: a label file, an image placed in the output, the report of what was skipped (each
+converter counts its own), and which frame an annotation's boxes are normalised by. Their label
+lines are ``build_utils.labels.yolo_txt_lines``'s, the one writer of YOLO lines (predict.py's
+and validation.py's --save-txt)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,15 @@ from pathlib import Path
 from build_utils.atomic import atomic_write
 
 DATA_YAML = "data.yaml"  # the dataset file train.py reads, written in the output folder
+# Two sizes "have the same aspect ratio" within this relative tolerance (rounding of resizes).
+ASPECT_TOLERANCE = 0.01
+
+
+def same_aspect(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    """Whether sizes ``a`` and ``b`` (w, h) have one aspect ratio: an annotation's size of that
+    shape is the image resized (boxes drawn on a copy of another size: normalised by it); of
+    another shape it is wrong, and the image's own size normalises the boxes."""
+    return abs(a[0] * b[1] - a[1] * b[0]) <= ASPECT_TOLERANCE * a[0] * b[1]
 
 
 def write_labels(path: Path, lines: Sequence[str]) -> None:

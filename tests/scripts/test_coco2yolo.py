@@ -129,6 +129,41 @@ def test_conversion_classes_boxes_crowd_missing_and_background(tmp_path):
     assert not (out / "images" / "train" / "b.png").exists()
 
 
+def test_a_json_size_is_trusted_only_in_the_images_shape(tmp_path):
+    """A JSON size of the image's shape is the frame a resized copy was annotated in (boxes
+    normalised by it); of another shape it is wrong, and the image's own size normalises them,
+    as trans_voc2yolo.py judges a <size>. Was: width 10**12 wrote zero-width boxes."""
+    images = tmp_path / "imgs"
+    images.mkdir()
+    for name in ("resized.jpg", "wrong.jpg"):
+        cv2.imwrite(str(images / name), np.full((40, 80, 3), 128, np.uint8))
+    box = {"category_id": 1, "bbox": [40, 20, 40, 20], "iscrowd": 0}
+    coco = {
+        "images": [
+            {"id": 1, "file_name": "resized.jpg", "width": 160, "height": 80},
+            {"id": 2, "file_name": "wrong.jpg", "width": 10**12, "height": -3},
+        ],
+        "annotations": [{"id": 1, "image_id": 1, **box}, {"id": 2, "image_id": 2, **box}],
+        "categories": [{"id": 1, "name": "thing"}],
+    }
+    src = _write_json(tmp_path / "instances_val.json", coco)
+    out = tmp_path / "out"
+    code, err = _convert("--json", str(src), "--images", str(images), "--out", str(out))
+    assert code == 0, err
+    labels = out / "labels" / "val"
+    assert (labels / "resized.txt").read_text() == "0 0.375000 0.375000 0.250000 0.250000\n"
+    assert (labels / "wrong.txt").read_text() == "0 0.750000 0.750000 0.500000 0.500000\n"
+    report = (out / "coco2yolo_val_report.txt").read_text()
+    assert (
+        "the JSON's size 160x80 differs from the image's upright 80x40; boxes normalised by "
+        "the JSON's (the frame they were drawn in)"
+    ) in report
+    assert (
+        "the JSON's size 1e+12x? differs from the image's upright 80x40; not of its "
+        "shape: boxes normalised by the image's"
+    ) in report
+
+
 @pytest.mark.parametrize(
     ("text", "pattern"),
     [
