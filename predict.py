@@ -364,6 +364,7 @@ class Saver:
         self._crops_taken: dict[str, set[str]] = {}
         # Output stems of this run's sources and of the video frames named so far.
         self._stems_taken = set(self._reserved)
+        self._made: list[Path] = []  # sub-folders prepare() created, parents first
 
     def frame_stem(self, video: Path | str, number: int) -> str:
         """The name of frame ``number`` of the video whose output stem is ``video``, for its
@@ -376,11 +377,22 @@ class Saver:
         return draw_detections(img, det, self.names, self.style)
 
     def prepare(self, stem: Path) -> None:
-        """Create the sub-folders that ``stem``'s outputs go to."""
-        if stem.parent != Path():
-            make_output_dir(self.out_dir / stem.parent, OUTPUT_FLAG)
-        if self.txt_dir is not None:
-            make_output_dir(self.txt_dir / stem.parent, OUTPUT_FLAG)
+        """Create the sub-folders that ``stem``'s outputs go to (remembered: those a source of
+        which nothing could be read leaves empty go again, :meth:`remove_unused_folders`)."""
+        roots = [self.out_dir] if stem.parent != Path() else []
+        roots += [self.txt_dir] if self.txt_dir is not None else []
+        for root in roots:
+            folder = root / stem.parent
+            new = [p for p in (folder, *folder.parents) if p.is_relative_to(root) and p != root]
+            self._made += [p for p in reversed(new) if not p.exists()]
+            make_output_dir(folder, OUTPUT_FLAG)
+
+    def remove_unused_folders(self) -> None:
+        """Remove the sub-folders :meth:`prepare` made that stayed empty (every image of a source
+        folder skipped), deepest first; a folder something was written to stays."""
+        for folder in reversed(self._made):
+            with contextlib.suppress(OSError):
+                folder.rmdir()  # only an empty one goes
 
     def save(self, img: np.ndarray, det: torch.Tensor, stem: Path | str) -> None:
         """Labels and crops of ``det`` ((n, 6) xyxy in ``img``'s pixels, conf, cls) found in
@@ -919,6 +931,7 @@ def predict(args: argparse.Namespace) -> None:
         planned = [o.stem.as_posix() for o in outputs]
         saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop, planned)
         n_images, n_frames = predict_sources(args, predictor, saver, outputs, captures)
+        saver.remove_unused_folders()
     finally:
         for cap in captures.values():
             cap.release()

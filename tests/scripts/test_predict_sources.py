@@ -338,3 +338,22 @@ def test_the_replayed_precision_is_logged(checkpoint, tmp_path, caplog):
     assert "precision: full (float32) (--amp auto)" in caplog.text
     assert _main(checkpoint, tmp_path / "o2", "--source", str(image), "--amp", "off") == 0
     assert "precision: full (float32) (--amp off)" in caplog.text
+
+
+def test_a_sub_folder_of_which_nothing_was_read_leaves_no_empty_folders(checkpoint, tmp_path):
+    # Was: OUTPUT/bad/ and OUTPUT/labels/bad/ stayed, empty, for a sub-folder of unreadable images.
+    src = tmp_path / "src"
+    (src / "bad" / "deeper").mkdir(parents=True)
+    (src / "bad" / "empty.jpg").write_bytes(b"")
+    (src / "bad" / "deeper" / "cut.jpg").write_bytes(b"\xff\xd8\xff")  # a truncated JPEG
+    (src / "good").mkdir()
+    _image(src / "good" / "a.jpg", 90)
+    out = tmp_path / "out"
+    assert _main(checkpoint, out, "--source", str(src), "--save-txt") == 0
+    assert sorted(p.relative_to(out).as_posix() for p in out.rglob("*")) == [
+        "good",
+        "good/a.jpg",
+        "labels",
+        "labels/good",
+        "labels/good/a.txt",
+    ]
