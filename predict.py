@@ -749,6 +749,10 @@ def predict_video(
         finished = True
     except KeyboardInterrupt:
         finished = True
+        # A camera's usual end, but a file's video would pass for whole: say it is not.
+        logger.warning(
+            "%s: interrupted; %s holds its first %d frames", source, target, video.written
+        )
         raise
     finally:
         cap.release()
@@ -765,6 +769,7 @@ class _VideoOut:
     target: Path
     fps: float
     writer: cv2.VideoWriter | None = None
+    written: int = 0  # frames written so far
 
     def write(self, frame: np.ndarray) -> None:
         if self.writer is None:
@@ -777,6 +782,7 @@ class _VideoOut:
                     f"check the place is writable and has space, or choose another {OUTPUT_FLAG}"
                 )
         self.writer.write(frame)
+        self.written += 1
 
     def close(self, keep: bool) -> None:
         if self.writer is not None:

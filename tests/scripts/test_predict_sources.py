@@ -357,3 +357,26 @@ def test_a_sub_folder_of_which_nothing_was_read_leaves_no_empty_folders(checkpoi
         "labels/good",
         "labels/good/a.txt",
     ]
+
+
+def test_an_interrupted_video_is_kept_and_said_to_be_partial(tmp_path, caplog):
+    # Was: Ctrl-C kept out/clip.mp4 with the frames so far and only said "interrupted".
+    clip = _video(tmp_path / "clip.mp4", frames=5)
+    calls = []
+
+    def predictor(frame):
+        calls.append(1)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return torch.zeros(0, 6)
+
+    out = tmp_path / "out"
+    out.mkdir()
+    saver = predict.Saver(out, NAMES)
+    with caplog.at_level("WARNING", logger="predict"), pytest.raises(KeyboardInterrupt):
+        predict.predict_video(predictor, clip, saver, Path("clip"))
+    cap = cv2.VideoCapture(str(out / "clip.mp4"))
+    assert int(cap.get(cv2.CAP_PROP_FRAME_COUNT)) == 2
+    cap.release()
+    assert f"{clip}: interrupted; {out / 'clip.mp4'} holds its first 2 frames" in caplog.text
+    assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]  # no temporary left
