@@ -31,7 +31,8 @@ from pathlib import Path
 import torch
 
 import train
-from train_utils import checkpoint, engine, reporting, rounds, trainer
+from train_utils import checkpoint, reporting, rounds, trainer
+from train_utils.evaluation.options import EvalOptions
 
 
 def _die() -> None:
@@ -72,7 +73,7 @@ def _kill_in_eval(marker: Path) -> None:
         marker.write_text("in eval")
         _die()
 
-    engine.non_max_suppression = nms
+    EvalOptions.nms = nms
 
 
 def _kill_in_save(marker: Path) -> None:
