@@ -358,13 +358,14 @@ class Saver:
         self.out_dir, self.names, self.style = out_dir, names, style
         self._reserved = {r.casefold() for r in reserved}
         self.save_conf, self.save_crop = save_conf, save_crop
-        self.txt_dir = make_output_dir(out_dir / "labels", OUTPUT_FLAG) if save_txt else None
+        # Folders this run created, parents first (those left empty go again at the end).
+        self._made: list[Path] = []
+        self.txt_dir = self._make(out_dir / "labels", out_dir) if save_txt else None
         self._class_folders: dict[int, str] = {}
         self._folders_taken: set[str] = set()
         self._crops_taken: dict[str, set[str]] = {}
         # Output stems of this run's sources and of the video frames named so far.
         self._stems_taken = set(self._reserved)
-        self._made: list[Path] = []  # sub-folders prepare() created, parents first
 
     def frame_stem(self, video: Path | str, number: int) -> str:
         """The name of frame ``number`` of the video whose output stem is ``video``, for its
@@ -376,20 +377,23 @@ class Saver:
     def draw(self, img: np.ndarray, det: torch.Tensor) -> np.ndarray:
         return draw_detections(img, det, self.names, self.style)
 
+    def _make(self, folder: Path, root: Path) -> Path:
+        """Create ``folder`` (below ``root``), remembering which of its folders are new."""
+        new = [p for p in (folder, *folder.parents) if p.is_relative_to(root) and p != root]
+        self._made += [p for p in reversed(new) if not p.exists()]
+        return make_output_dir(folder, OUTPUT_FLAG)
+
     def prepare(self, stem: Path) -> None:
-        """Create the sub-folders that ``stem``'s outputs go to (remembered: those a source of
-        which nothing could be read leaves empty go again, :meth:`remove_unused_folders`)."""
-        roots = [self.out_dir] if stem.parent != Path() else []
-        roots += [self.txt_dir] if self.txt_dir is not None else []
-        for root in roots:
-            folder = root / stem.parent
-            new = [p for p in (folder, *folder.parents) if p.is_relative_to(root) and p != root]
-            self._made += [p for p in reversed(new) if not p.exists()]
-            make_output_dir(folder, OUTPUT_FLAG)
+        """Create the sub-folders that ``stem``'s outputs go to."""
+        if stem.parent != Path():
+            self._make(self.out_dir / stem.parent, self.out_dir)
+        if self.txt_dir is not None:
+            self._make(self.txt_dir / stem.parent, self.txt_dir)
 
     def remove_unused_folders(self) -> None:
-        """Remove the sub-folders :meth:`prepare` made that stayed empty (every image of a source
-        folder skipped), deepest first; a folder something was written to stays."""
+        """Remove the folders this run made that stayed empty (every image of a source folder
+        skipped, or nothing readable at all), deepest first; never one that was there before,
+        nor one something was written to."""
         for folder in reversed(self._made):
             with contextlib.suppress(OSError):
                 folder.rmdir()  # only an empty one goes
@@ -890,17 +894,6 @@ def predict_image(predictor: Predictor, saver: Saver, path: Path, stem: Path) ->
     return True
 
 
-def remove_empty_folders(folder: Path, created: bool) -> None:
-    """Remove the empty folders this run made under ``folder`` (and ``folder`` itself when it
-    ``created`` it): a run that wrote nothing leaves nothing."""
-    for sub in sorted((p for p in folder.rglob("*") if p.is_dir()), reverse=True):
-        with contextlib.suppress(OSError):
-            sub.rmdir()  # only an empty one goes
-    if created:
-        with contextlib.suppress(OSError):
-            folder.rmdir()
-
-
 def predict_sources(
     args: argparse.Namespace,
     predictor: Predictor,
@@ -942,7 +935,9 @@ def predict(args: argparse.Namespace) -> None:
         for cap in captures.values():
             cap.release()
     if not n_images and not n_frames:
-        remove_empty_folders(out_dir, created)
+        if created:  # a run that wrote nothing leaves nothing
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()
         raise ConfigError(
             f"--source {' '.join(args.source)}: no image or video frame could be read (each "
             "one skipped above); nothing written"
