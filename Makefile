@@ -41,8 +41,12 @@ lint: $(STAMP)
 # worker. PYTEST_ARGS adds to it (e.g. PYTEST_ARGS='-k freeze'); TEST_WORKERS=0 runs serially.
 TEST_WORKERS ?= $(shell $(PYTHON) -c "import os; print(min(4, len(os.sched_getaffinity(0))))")
 
+# PYTHONDONTWRITEBYTECODE emptied: where the environment sets it (many container images do),
+# every interpreter the suite starts compiled the project from source again and each worker
+# re-rewrote every test module's asserts (bench/README.md "Test suite": 15% of a process-heavy
+# file's time). The cached bytecode goes to __pycache__/, which git ignores.
 test: lint $(CV4_STAMP)
-	YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
+	PYTHONDONTWRITEBYTECODE= YOLO_REQUIRE_OPENCV4=1 $(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=25 $(PYTEST_ARGS)
 
 # make gpu-check: what only a GPU can check and measure (bench/gpu_check.py, bench/README.md
 # "make gpu-check"), within 570 s (--budget-s); one JSON and one markdown report in bench/results/.
