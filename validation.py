@@ -107,8 +107,7 @@ from train_utils.evaluation.report import REPORT_FILES, write_eval_report
 from train_utils.evaluation.speed import measure_speed
 from train_utils.load_model import model_from_weights
 from train_utils.precision import InferencePrecision, replay_precision
-from train_utils.run_folder import REPLACED_PREFIX, RUN_FILES, holds_run
-from train_utils.run_folder import _move_previous_run as move_previous_report
+from train_utils.run_folder import REPLACED_PREFIX, RUN_FILES, holds_run, move_previous_run
 
 logger = logging.getLogger("validation")
 
@@ -477,7 +476,7 @@ def report_folder(args: argparse.Namespace, requested: Path | None) -> tuple[Pat
     )
     if args.exist_ok and previous:
         try:
-            moved = move_previous_report(save_dir)
+            moved = move_previous_run(save_dir)
         except OSError as e:
             raise ConfigError(
                 f"--exist-ok: cannot move the previous report aside: {e.strerror or e}", save_dir

@@ -371,7 +371,7 @@ def _remove_torn_writes(folder: Path, notes: list[str]) -> None:
         notes.append(f"{folder}: removed {len(torn)} half-written temporary file(s): {names}")
 
 
-def _move_previous_run(folder: Path) -> Path:
+def move_previous_run(folder: Path) -> Path:
     """Move everything in ``folder`` but the lock and earlier moved runs into
     ``folder/replaced-<time>/``; that folder."""
     entries = [
@@ -464,7 +464,7 @@ def claim_run_folder(
     claim = RunFolder(folder, notes, found=found)
     try:
         if exist_ok and not resume and holds_run(folder, RUN_OUTPUTS):
-            claim.moved_to = _move_previous_run(folder)
+            claim.moved_to = move_previous_run(folder)
             notes.append(f"--exist-ok: the previous run in {folder} was moved to {claim.moved_to}")
     except OSError as e:
         claim.release()
