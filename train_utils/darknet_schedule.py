@@ -84,6 +84,15 @@ def _c_pow(base: float, exponent: float) -> float:
         return math.inf
 
 
+def _c_exp(x: float) -> float:
+    """C's ``exp``: inf where it overflows (Python raises), so that ``policy=sigmoid``'s rate
+    falls to 0 long after its ``step``, as Darknet's does, instead of ending the run."""
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
+
+
 @dataclass(frozen=True)
 class DarknetSettings:
     """The ``[net]`` keys of Darknet's training, with its defaults (``parse_net_options``).
@@ -274,7 +283,7 @@ def current_rate(
         return _f32(lr * _c_pow(rand_uniform_01(draw), s.power))
     if s.policy == "sigmoid":
         exponent = float(f32(s.gamma) * f32(batch_num - s.step))
-        return _f32(lr * (1.0 / (1.0 + math.exp(exponent))))
+        return _f32(lr * (1.0 / (1.0 + _c_exp(exponent))))
     # sgdr
     start, cycle = 0, s.sgdr_cycle
     while start + cycle < batch_num:

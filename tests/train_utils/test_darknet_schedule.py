@@ -351,6 +351,14 @@ def test_bad_net_keys_are_refused(net, message):
         DarknetSettings.from_block(parse_model_cfg_text(text, Path("n.cfg"))[0])
 
 
+def test_sigmoid_rate_falls_to_zero_where_exp_overflows():
+    """Darknet's exp() gives inf far past the sigmoid's step (rate 0); Python's raises."""
+    text = NET + "policy=sigmoid\ngamma=1\nstep=10\n" + LAYER
+    settings = DarknetSettings.from_block(parse_model_cfg_text(text, Path("n.cfg"))[0])
+    assert current_rate(settings, 1000) == 0.0
+    assert current_rate(settings, 10) == float(np.float32(0.00261) * np.float32(0.5))
+
+
 def test_for_gpus_multiplies_the_rate_as_train_detector():
     settings = DarknetSettings.from_block(parse_model_cfg_text(NET + LAYER, Path("n.cfg"))[0])
     assert settings.for_gpus(4).learning_rate == float(np.float32(0.00261) * np.float32(4))
