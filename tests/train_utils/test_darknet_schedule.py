@@ -5,6 +5,7 @@ weights Darknet's ``train_network`` leaves (tests/darknet_ref/)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -342,12 +343,20 @@ def test_update_rule_by_hand():
         ("policy=steps", r"policy=steps needs steps= and scales="),
         ("batch=2\nsubdivisions=4", r"batch=2 must be at least subdivisions=4"),
         ("policy=sgdr", r"policy=sgdr needs sgdr_cycle >= 1"),
+        ("policy=step\nstep=0", r"n.cfg:\d+: \[net\]: policy=step needs step >= 1 .*got 0"),
+        ("learning_rate=1e39", r"learning_rate=1e\+39 is beyond float32's range"),
+        ("learning_rate=-0.01", r"learning_rate=-0.01 must be at least 0 \(a negative rate"),
+        ("policy=steps\nsteps=10,20\nscales=.1,-1", r"scales=-1 must be at least 0"),
+        ("momentum=1.5", r"momentum=1.5 must be in \[0, 1\]"),
+        ("decay=-0.0005", r"decay=-0.0005 must be in \[0, 1\]"),
         ("batches_per_cycle=100", r"'batches_per_cycle' .* not Darknet's .* write sgdr_cycle=100"),
     ],
 )
 def test_bad_net_keys_are_refused(net, message):
     text = "[net]\nwidth=32\nheight=32\n" + net + "\n" + LAYER
-    with pytest.raises(ConfigError, match=message):
+    # The one line only: no numpy overflow warning before it (learning_rate=1e39).
+    with warnings.catch_warnings(), pytest.raises(ConfigError, match=message):
+        warnings.simplefilter("error")
         DarknetSettings.from_block(parse_model_cfg_text(text, Path("n.cfg"))[0])
 
 
