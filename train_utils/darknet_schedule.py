@@ -25,6 +25,7 @@ calls ``pow``/``exp``/``cos``, so the rates equal Darknet's to the last bit.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping
@@ -154,11 +155,11 @@ class DarknetSettings:
 
         Raises:
             ConfigError: naming the key's line, where Darknet would silently do something else
-                or never return: an unknown policy (Darknet: constant), steps without scales for
-                ``steps``, a batch smaller than subdivisions, an sgdr cycle that never grows,
-                ``policy=step`` with ``step`` below 1 (Darknet divides by it); a value beyond
-                float32 or outside :data:`REAL_RANGES` (a negative rate or scale, a momentum
-                above 1: Darknet would train on, backwards or to inf).
+                or never return: an unknown policy (Darknet: constant), steps without scales or
+                decreasing steps for ``steps``, a batch smaller than subdivisions, an sgdr cycle
+                that never grows, ``policy=step`` with ``step`` below 1 (Darknet divides by it);
+                a value beyond float32 or outside :data:`REAL_RANGES` (a negative rate or scale,
+                a momentum above 1: Darknet would train on, backwards or to inf).
         """
         policy = net.get("policy", "constant")
         if policy not in POLICIES:
@@ -182,6 +183,13 @@ class DarknetSettings:
                     net,
                     f"scales lists {len(scales)} values for {len(steps)} steps",
                     "scales",
+                )
+            down = next((b for a, b in itertools.pairwise(steps) if b < a), None)
+            if down is not None:
+                # Darknet stops at the first step beyond the iteration: a smaller one after it
+                # would wait for it.
+                raise layer_error(
+                    net, f"steps must not decrease: {down} comes after a larger step", "steps"
                 )
         sgdr_cycle = int(net.get("sgdr_cycle", max_batches))
         sgdr_mult = int(net.get("sgdr_mult", 2))

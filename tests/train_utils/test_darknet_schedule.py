@@ -341,6 +341,7 @@ def test_update_rule_by_hand():
         ("policy=cosine", r"policy=cosine is not one of"),
         ("policy=steps\nsteps=10,20\nscales=.1", r"scales lists 1 values for 2 steps"),
         ("policy=steps", r"policy=steps needs steps= and scales="),
+        ("policy=steps\nsteps=30,20\nscales=.1,.1", r"steps must not decrease: 20 comes after"),
         ("batch=2\nsubdivisions=4", r"batch=2 must be at least subdivisions=4"),
         ("policy=sgdr", r"policy=sgdr needs sgdr_cycle >= 1"),
         ("policy=step\nstep=0", r"n.cfg:\d+: \[net\]: policy=step needs step >= 1 .*got 0"),
