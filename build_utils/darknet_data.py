@@ -33,6 +33,7 @@ from build_utils.errors import DatasetError
 from build_utils.parse_config import DEFAULT_CLASSES, DEFAULT_MAX_BOXES, Block, layer_error
 
 f32 = np.float32
+FLOAT32_MAX = float(np.finfo(np.float32).max)
 # train_detector's multi-scale rule (``random`` of the last [yolo] layer): a new size every
 # RANDOM_PERIOD iterations, the largest one at the start and for the last RANDOM_LAST ones;
 # random=1 means a factor of RANDOM_DEFAULT_COEF.
@@ -76,7 +77,8 @@ class DarknetLoaderSettings:
 
         Raises:
             ConfigError: naming the key's line: a ``jitter`` whose crop could be empty (Darknet
-                would crash), a ``resize`` or colour factor that is not positive, a
+                would crash), a ``resize`` or colour factor that is not positive or beyond
+                float32, a ``hue`` outside [-1, 1], a
                 ``resize_step`` or size that is not a multiple of 32 (the model's largest
                 stride).
         """
@@ -91,6 +93,17 @@ class DarknetLoaderSettings:
         for key in ("saturation", "exposure"):
             if float(net.get(key, 1)) < 0:
                 raise layer_error(net, f"{key}={net[key]} must be at least 0", key)
+            if float(net.get(key, 1)) > FLOAT32_MAX:
+                raise layer_error(
+                    net,
+                    f"{key}={net[key]} is beyond float32's range (Darknet reads a C float)",
+                    key,
+                )
+        if not -1 <= float(net.get("hue", 0.0)) <= 1:
+            # Darknet wraps a shifted hue once: beyond 1 the hues leave the colour circle.
+            raise layer_error(
+                net, f"hue={net['hue']} must be in [-1, 1] (a shift of the hue)", "hue"
+            )
         step = int(net.get("resize_step", DEFAULT_RESIZE_STEP))
         if step < SIZE_MULTIPLE or step % SIZE_MULTIPLE:
             raise layer_error(net, f"resize_step={step} must be a multiple of 32", "resize_step")

@@ -103,9 +103,15 @@ TRUTH_FIELDS = 5
 _IOU_CHUNK = 1 << 24
 
 
+# [yolo] gains of the deltas (a negative one climbs that part of the loss) and max_delta, the
+# clip of the box deltas to +-max_delta (at 0 or below every box delta is that constant).
+GAIN_KEYS = ("iou_normalizer", "obj_normalizer", "cls_normalizer")
+
+
 def _f32(value: float) -> float:
-    """``value`` as the C ``float`` Darknet keeps it in."""
-    return float(np.float32(value))
+    """``value`` as the C ``float`` Darknet keeps it in (inf beyond float32, as in C)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
 
 
 @dataclass(frozen=True)
@@ -156,7 +162,8 @@ class YoloLossSpec:
         Raises:
             ConfigError: naming the key's line: an unknown ``iou_loss`` or ``iou_thresh_kind``
                 (Darknet would silently use iou), ``counters_per_class`` not listing one count
-                per class, a ``map`` file, a negative ``max``.
+                per class, a ``map`` file, a negative ``max``, a negative gain
+                (:data:`GAIN_KEYS`), a ``max_delta`` not above 0 (Darknet would train on).
         """
         flat = block["anchors"]
         anchors = tuple((float(flat[k]), float(flat[k + 1])) for k in range(0, len(flat), 2))
@@ -170,6 +177,14 @@ class YoloLossSpec:
         max_boxes = int(block.get("max", DEFAULT_MAX_BOXES))
         if max_boxes < 0:
             raise layer_error(block, f"max={max_boxes} must be at least 0", "max")
+        for key in (*GAIN_KEYS, "max_delta"):
+            value = _f32(block.get(key, 1.0))
+            lowest_ok = value > 0 if key == "max_delta" else value >= 0
+            if not (lowest_ok and math.isfinite(value)):
+                above = "above" if key == "max_delta" else "at least"
+                raise layer_error(
+                    block, f"{key}={block[key]} must be {above} 0 and within float32's range", key
+                )
         max_delta = _f32(block["max_delta"]) if "max_delta" in block else math.inf
         multipliers = None
         if "counters_per_class" in block:

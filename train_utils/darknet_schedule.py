@@ -25,6 +25,7 @@ calls ``pow``/``exp``/``cos``, so the rates equal Darknet's to the last bit.
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Callable, Iterable, Mapping
@@ -59,6 +60,14 @@ NET_KEYS_HONOURED = (
     "sgdr_mult",
     "ema_alpha",
 )
+# [net] values that train backwards or blow up, which Darknet would use as they are: (lowest,
+# highest) and why; the default recipe's hyp.yaml bounds lr0, momentum and weight_decay alike.
+REAL_RANGES = {
+    "learning_rate": (0.0, math.inf, "a negative rate climbs the loss"),
+    "scales": (0.0, math.inf, "a negative factor makes the rate negative"),
+    "momentum": (0.0, 1.0, "the share of the previous update kept"),
+    "decay": (0.0, 1.0, "the weight decay per image"),
+}
 # EMA: Darknet starts averaging at max_batches / 2 and writes the average into the weights
 # this many iterations before the end (train_network_waitkey).
 EMA_APPLY_BEFORE_END = 1000
@@ -70,7 +79,9 @@ f32 = np.float32
 
 
 def _f32(value: float) -> float:
-    return float(np.float32(value))
+    # A value beyond float32 becomes inf, as in C, without numpy's warning (callers refuse it).
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
 
 
 def _c_pow(base: float, exponent: float) -> float:
@@ -80,6 +91,15 @@ def _c_pow(base: float, exponent: float) -> float:
         return math.pow(base, exponent)
     except ValueError:
         return math.nan
+    except OverflowError:
+        return math.inf
+
+
+def _c_exp(x: float) -> float:
+    """C's ``exp``: inf where it overflows (Python raises), so that ``policy=sigmoid``'s rate
+    falls to 0 long after its ``step``, as Darknet's does, instead of ending the run."""
+    try:
+        return math.exp(x)
     except OverflowError:
         return math.inf
 
@@ -135,8 +155,11 @@ class DarknetSettings:
 
         Raises:
             ConfigError: naming the key's line, where Darknet would silently do something else
-                or never return: an unknown policy (Darknet: constant), steps without scales for
-                ``steps``, a batch smaller than subdivisions, an sgdr cycle that never grows.
+                or never return: an unknown policy (Darknet: constant), steps without scales or
+                decreasing steps for ``steps``, a batch smaller than subdivisions, an sgdr cycle
+                that never grows, ``policy=step`` with ``step`` below 1 (Darknet divides by it);
+                a value beyond float32 or outside :data:`REAL_RANGES` (a negative rate or scale,
+                a momentum above 1: Darknet would train on, backwards or to inf).
         """
         policy = net.get("policy", "constant")
         if policy not in POLICIES:
@@ -161,6 +184,13 @@ class DarknetSettings:
                     f"scales lists {len(scales)} values for {len(steps)} steps",
                     "scales",
                 )
+            down = next((b for a, b in itertools.pairwise(steps) if b < a), None)
+            if down is not None:
+                # Darknet stops at the first step beyond the iteration: a smaller one after it
+                # would wait for it.
+                raise layer_error(
+                    net, f"steps must not decrease: {down} comes after a larger step", "steps"
+                )
         sgdr_cycle = int(net.get("sgdr_cycle", max_batches))
         sgdr_mult = int(net.get("sgdr_mult", 2))
         if policy == "sgdr" and (sgdr_cycle < 1 or sgdr_mult < 1):
@@ -177,6 +207,22 @@ class DarknetSettings:
         # Every float key as Darknet reads it (float32), its default the field's: one copy (the
         # field types are strings here: annotations are postponed).
         reals = {f.name: _f32(net.get(f.name, f.default)) for f in fields(cls) if f.type == "float"}
+        for key, value in [*reals.items(), *(("scales", v) for v in scales)]:
+            if not math.isfinite(value):
+                raise layer_error(
+                    net,
+                    f"{key}={net[key]} is beyond float32's range (Darknet reads a C float)",
+                    key,
+                )
+        for key, (lo, hi, why) in REAL_RANGES.items():
+            values = scales if key == "scales" else (reals[key],)
+            bad = [v for v in values if not lo <= v <= hi]
+            if bad:
+                within = f"at least {lo:g}" if hi == math.inf else f"in [{lo:g}, {hi:g}]"
+                raise layer_error(net, f"{key}={bad[0]:g} must be {within} ({why})", key)
+        step = int(net.get("step", cls.step))
+        if policy == "step" and step < 1:
+            raise layer_error(net, f"policy=step needs step >= 1 (the period), got {step}", "step")
         ema_alpha = reals["ema_alpha"]
         if not 0 <= ema_alpha < 1:
             raise layer_error(net, f"ema_alpha={ema_alpha} must be in [0, 1)", "ema_alpha")
@@ -188,7 +234,7 @@ class DarknetSettings:
             policy=policy,
             steps=steps,
             scales=scales,
-            step=int(net.get("step", cls.step)),
+            step=step,
             sgdr_cycle=sgdr_cycle,
             sgdr_mult=sgdr_mult,
             **reals,
@@ -274,7 +320,7 @@ def current_rate(
         return _f32(lr * _c_pow(rand_uniform_01(draw), s.power))
     if s.policy == "sigmoid":
         exponent = float(f32(s.gamma) * f32(batch_num - s.step))
-        return _f32(lr * (1.0 / (1.0 + math.exp(exponent))))
+        return _f32(lr * (1.0 / (1.0 + _c_exp(exponent))))
     # sgdr
     start, cycle = 0, s.sgdr_cycle
     while start + cycle < batch_num:

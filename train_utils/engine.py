@@ -46,6 +46,14 @@ WARMUP_START_FACTOR = 1e-3  # learning rate multiplier at the first warm-up iter
 logger = logging.getLogger(__name__)
 
 
+# What the non-finite loss error advises: under the default recipe, and under --recipe darknet
+# (whose rate and precision come from the cfg: no lr0, no --amp).
+NONFINITE_ADVICE = "Lower lr0, check these images' labels, or disable --amp"
+DARKNET_NONFINITE_ADVICE = (
+    "Lower the cfg's learning_rate (or lengthen its burn_in), or check these images' labels"
+)
+
+
 class NonFiniteLossError(YoloError):
     """The loss became NaN or infinite; training stops without saving the broken weights."""
 
@@ -203,7 +211,9 @@ def train_darknet_iterations(
     settings, model = state.settings, state.model_without_ddp
     subdivisions = settings.subdivisions
     nb = (last - first + 1) * subdivisions
-    meter = _LossMeter(nb, first, opts, desc=f"iterations {first}-{last}")
+    meter = _LossMeter(
+        nb, first, opts, desc=f"iterations {first}-{last}", advice=DARKNET_NONFINITE_ADVICE
+    )
     clock = _WaitClock(opts.device)
     batches = iter(clock.batches(loader))
     parts = torch.full((3,), math.nan, device=opts.device)
@@ -413,8 +423,16 @@ def _optimizer_step(state: TrainState) -> None:
 class _LossMeter:
     """Running loss sums, the finiteness check every ``log_interval`` iterations and the bar."""
 
-    def __init__(self, nb: int, epoch: int, opts: TrainOptions, desc: str | None = None):
-        self.nb, self.epoch, self.opts = nb, epoch, opts
+    def __init__(
+        self,
+        nb: int,
+        epoch: int,
+        opts: TrainOptions,
+        desc: str | None = None,
+        advice: str = NONFINITE_ADVICE,
+    ):
+        self.nb, self.epoch, self.opts, self.advice = nb, epoch, opts, advice
+        self.where = desc or f"epoch {epoch}"
         self.sums = torch.zeros(4, device=opts.device)
         self.finite_flags: list[torch.Tensor] = []
         self.pending_paths: list[list[str]] = []
@@ -437,7 +455,9 @@ class _LossMeter:
         self.seen += 1
         self.lr = lr
         if self.seen % self.opts.log_interval == 0 or self.seen == self.nb:
-            _check_finite(self.finite_flags, self.pending_paths, self.epoch)
+            _check_finite(
+                self.finite_flags, self.pending_paths, self.epoch, self.where, self.advice
+            )
             self.finite_flags.clear()
             self.pending_paths.clear()
             if self.opts.show_progress:
@@ -463,17 +483,24 @@ class _LossMeter:
         self.pbar.close()
 
 
-def _check_finite(flags: list[torch.Tensor], paths: list[list[str]], epoch: int) -> None:
+def _check_finite(
+    flags: list[torch.Tensor],
+    paths: list[list[str]],
+    epoch: int,
+    where: str | None = None,
+    advice: str = NONFINITE_ADVICE,
+) -> None:
+    """Collective. ``where``: the bar's words for the span (default ``epoch N``)."""
+    where = where or f"epoch {epoch}"
     ok = torch.stack(flags)
     bad_here = not bool(ok.all())
     if all_reduce_flag(bad_here):
         if bad_here:
             first = int((~ok).nonzero()[0])
             raise NonFiniteLossError(
-                f"non-finite loss in epoch {epoch}; offending batch: {', '.join(paths[first])}. "
-                f"Lower lr0, check these images' labels, or disable --amp"
+                f"non-finite loss in {where}; offending batch: {', '.join(paths[first])}. {advice}"
             )
-        raise NonFiniteLossError(f"non-finite loss on another rank in epoch {epoch}; stopping")
+        raise NonFiniteLossError(f"non-finite loss on another rank in {where}; stopping")
 
 
 @torch.no_grad()

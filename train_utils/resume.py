@@ -456,7 +456,9 @@ def restore(
     path = ckpt.pop("_path")
     # The model is the cfg's text (resolved for the classes, anchors from the checkpoint), not
     # its path: a cfg edited in place must not train silently on these weights.
-    check_resume_cfg(ckpt.get("cfg"), cfg_text, config.cfg, path.parent / RUN_CFG_NAME, path)
+    check_resume_cfg(
+        ckpt.get("cfg"), cfg_text, config.cfg, path.parent / RUN_CFG_NAME, path, config.recipe
+    )
     theirs = ckpt.get("recipe") or "default"
     if theirs != config.recipe:
         raise CheckpointError(
@@ -579,6 +581,7 @@ def check_resume_cfg(
     cfg: str | Path,
     own_cfg: str | Path,
     path: str | Path | None = None,
+    recipe: str = "default",
 ) -> None:
     """Refuse to resume a model whose resolved cfg text differs from the checkpoint's.
 
@@ -604,10 +607,16 @@ def check_resume_cfg(
     where = f"{headers[-1]} layer {layer}" if headers and layer >= 0 else "[net]"
     was = old[i] if i < len(old) else "(end of cfg)"
     now = new[i] if i < len(new) else "(end of cfg)"
+    what, weights = "another model than the checkpoint's", path or "last.pt"
+    if recipe == "darknet" and where == "[net]":
+        # Darknet's way to train on with other [net] keys (more max_batches): a new run from
+        # last.weights, which continues at the iteration its images seen count.
+        what = "not the checkpoint's: its training keys differ"
+        weights = f"{Path(weights).with_suffix('.weights')} (it continues at its iteration)"
     raise CheckpointError(
-        f"--cfg {cfg} is another model than the checkpoint's: at {where}, {was!r} in the "
-        f"checkpoint, {now!r} in the cfg; resume with the run's own cfg (--cfg {own_cfg}), "
-        f"or start a new run from these weights with --weights {path or 'last.pt'}",
+        f"--cfg {cfg} is {what}: at {where}, {was!r} in the checkpoint, {now!r} in the cfg; "
+        f"resume with the run's own cfg (--cfg {own_cfg}), or start a new run from these "
+        f"weights with --weights {weights}",
         path,
     )
 

@@ -159,6 +159,12 @@ def test_bad_loader_keys_are_refused(tmp_path: Path):
         DarknetLoaderSettings.from_blocks(blocks("", "jitter=0.6"))
     with pytest.raises(ConfigError, match="resize_step=40 must be a multiple of 32"):
         DarknetLoaderSettings.from_blocks(blocks("resize_step=40", ""))
+    # Darknet would train on these: hues off the colour circle, NaN pixels (numpy's warnings).
+    assert DarknetLoaderSettings.from_blocks(blocks("hue=-1", "")).hue == -1
+    with pytest.raises(ConfigError, match=r"x.cfg:4: \[net\]: hue=5(.0)? must be in \[-1, 1\]"):
+        DarknetLoaderSettings.from_blocks(blocks("hue=5", ""))
+    with pytest.raises(ConfigError, match=r"x.cfg:4: \[net\]: exposure=1e\+39 is beyond float32"):
+        DarknetLoaderSettings.from_blocks(blocks("exposure=1e39", ""))
 
 
 def test_mixup_blends_half_the_iterations(make_shapes_data):

@@ -287,6 +287,22 @@ def test_unknown_iou_loss_is_refused(tmp_path):
         yolo_specs(blocks)
 
 
+@pytest.mark.parametrize(
+    "key, value, message",
+    [
+        ("max_delta", -1, r"max_delta=-1.0 must be above 0"),
+        ("max_delta", 0, r"max_delta=0.0 must be above 0"),
+        ("obj_normalizer", -1, r"obj_normalizer=-1.0 must be at least 0"),
+        ("iou_normalizer", "1e39", r"iou_normalizer=1e\+39 must be at least 0 and within float32"),
+    ],
+)
+def test_gains_and_max_delta_out_of_range_are_refused(tmp_path, key, value, message):
+    cfg = rewrite_cfg(TINY, tmp_path / "t.cfg", SIZE, {key: value})
+    blocks = parse_model_cfg(cfg)
+    with pytest.raises(ConfigError, match=r"t\.cfg:\d+: \[yolo\]: " + message):
+        yolo_specs(blocks)
+
+
 @pytest.mark.cuda
 def test_cuda_equals_cpu():
     spec = YoloLossSpec.from_block(

@@ -24,6 +24,7 @@ from train_utils import darknet_loop
 from train_utils.checkpoint import load_checkpoint
 from train_utils.darknet_schedule import DarknetSettings, current_rate
 from train_utils.distributed.launch import free_port
+from train_utils.engine import NonFiniteLossError
 from train_utils.reporting import TIMING_COLUMNS
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
@@ -146,6 +147,18 @@ def test_resume_with_the_other_recipe_is_refused(full_run, shapes_data):
     argv = train_argv(shapes_data, None, "--resume", str(last), "--recipe", "default", cfg=cfg)
     with pytest.raises(CheckpointError, match="trained with --recipe darknet, which --recipe"):
         run_training(argv)
+
+
+def test_a_diverging_rate_names_the_iterations_and_the_cfgs_rate(shapes_data, tmp_path):
+    """The advice is the recipe's: the cfg's learning_rate, not --hyp's lr0 nor --amp."""
+    cfg = recipe_cfg(tmp_path, learning_rate=1e30)
+    with pytest.raises(NonFiniteLossError) as e:
+        run_training(recipe_argv(shapes_data, tmp_path / "run", cfg))
+    assert re.fullmatch(
+        r"non-finite loss in iterations 1-3; offending batch: \S+\.\w+, \S+\.\w+\. Lower the "
+        r"cfg's learning_rate \(or lengthen its burn_in\), or check these images' labels",
+        str(e.value),
+    )
 
 
 def test_weights_seen_continues_the_count_and_clear_restarts(full_run, shapes_data):

@@ -5,6 +5,7 @@ weights Darknet's ``train_network`` leaves (tests/darknet_ref/)."""
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -340,15 +341,32 @@ def test_update_rule_by_hand():
         ("policy=cosine", r"policy=cosine is not one of"),
         ("policy=steps\nsteps=10,20\nscales=.1", r"scales lists 1 values for 2 steps"),
         ("policy=steps", r"policy=steps needs steps= and scales="),
+        ("policy=steps\nsteps=30,20\nscales=.1,.1", r"steps must not decrease: 20 comes after"),
         ("batch=2\nsubdivisions=4", r"batch=2 must be at least subdivisions=4"),
         ("policy=sgdr", r"policy=sgdr needs sgdr_cycle >= 1"),
+        ("policy=step\nstep=0", r"n.cfg:\d+: \[net\]: policy=step needs step >= 1 .*got 0"),
+        ("learning_rate=1e39", r"learning_rate=1e\+39 is beyond float32's range"),
+        ("learning_rate=-0.01", r"learning_rate=-0.01 must be at least 0 \(a negative rate"),
+        ("policy=steps\nsteps=10,20\nscales=.1,-1", r"scales=-1 must be at least 0"),
+        ("momentum=1.5", r"momentum=1.5 must be in \[0, 1\]"),
+        ("decay=-0.0005", r"decay=-0.0005 must be in \[0, 1\]"),
         ("batches_per_cycle=100", r"'batches_per_cycle' .* not Darknet's .* write sgdr_cycle=100"),
     ],
 )
 def test_bad_net_keys_are_refused(net, message):
     text = "[net]\nwidth=32\nheight=32\n" + net + "\n" + LAYER
-    with pytest.raises(ConfigError, match=message):
+    # The one line only: no numpy overflow warning before it (learning_rate=1e39).
+    with warnings.catch_warnings(), pytest.raises(ConfigError, match=message):
+        warnings.simplefilter("error")
         DarknetSettings.from_block(parse_model_cfg_text(text, Path("n.cfg"))[0])
+
+
+def test_sigmoid_rate_falls_to_zero_where_exp_overflows():
+    """Darknet's exp() gives inf far past the sigmoid's step (rate 0); Python's raises."""
+    text = NET + "policy=sigmoid\ngamma=1\nstep=10\n" + LAYER
+    settings = DarknetSettings.from_block(parse_model_cfg_text(text, Path("n.cfg"))[0])
+    assert current_rate(settings, 1000) == 0.0
+    assert current_rate(settings, 10) == float(np.float32(0.00261) * np.float32(0.5))
 
 
 def test_for_gpus_multiplies_the_rate_as_train_detector():

@@ -230,3 +230,24 @@ def test_results_are_not_judged_without_an_evaluation_or_a_file(tmp_path: Path, 
     resume.check_results_are_its_own({"epoch": 0, "best_fitness": 0.5}, last)  # no results.csv
     _results(tmp_path, [(0, "0.1")])
     resume.check_results_are_its_own(ckpt, last)  # never evaluated: nothing to judge by
+
+
+def test_a_darknet_recipe_cfg_with_other_net_keys_points_at_last_weights() -> None:
+    """--recipe darknet: raising max_batches is trained on from last.weights (its seen count),
+    as Darknet does, not from last.pt (which starts at iteration 0)."""
+    saved = "[net]\nwidth=64\nmax_batches=1\n\n[maxpool]\nsize=1\n"
+    edited = saved.replace("max_batches=1", "max_batches=3")
+    with pytest.raises(CheckpointError) as e:
+        resume.check_resume_cfg(
+            saved, edited, "t.cfg", "runs/x/model.cfg", "runs/x/last.pt", "darknet"
+        )
+    assert str(e.value) == (
+        "runs/x/last.pt: --cfg t.cfg is not the checkpoint's: its training keys differ: at [net], "
+        "'max_batches=1' in the checkpoint, 'max_batches=3' in the cfg; resume with the run's own "
+        "cfg (--cfg runs/x/model.cfg), or start a new run from these weights with --weights "
+        "runs/x/last.weights (it continues at its iteration)"
+    )
+    with pytest.raises(
+        CheckpointError, match=r"is another model than the checkpoint's: at \[net\]"
+    ):
+        resume.check_resume_cfg(saved, edited, "t.cfg", "runs/x/model.cfg", "runs/x/last.pt")
