@@ -55,7 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
+from build_utils.atomic import (
+    check_apart,
+    check_new_outputs,
+    check_output_place,
+    make_output_dir,
+    write_text,
+)
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import (
     exif_orientation,
@@ -444,6 +450,18 @@ def class_names(args: argparse.Namespace) -> list[str]:
     return names
 
 
+def _files_read(args: argparse.Namespace) -> dict[Path, str]:
+    """The XML files and images a conversion reads (resolved path -> what it is), which no
+    output may replace, ``--exist-ok`` or not."""
+    voc = args.voc_root
+    xml_dir = voc / "Annotations" if voc is not None else args.xml_dir
+    img_dir = voc / "JPEGImages" if voc is not None else args.img_dir
+    read = {p.resolve(): "an XML file" for p in xml_dir.glob("*.xml")}
+    if img_dir is not None and img_dir.is_dir():
+        read.update({p.resolve(): "an image" for p in img_dir.iterdir() if is_image_file(p)})
+    return read
+
+
 @dataclass(frozen=True)
 class Outputs:
     """The files a conversion writes beside its labels (None: not written)."""
@@ -477,11 +495,14 @@ def plan_outputs(args: argparse.Namespace) -> Outputs:
                 f"{folder} already holds label files ({label.name}, ...); pass --exist-ok to "
                 f"replace those of the same names, or choose another {flag}"
             )
-    for flag, path in (
-        ("--names-out", outputs.names),
-        ("--report", outputs.report),
-        ("--out", outputs.data_yaml),
-    ):
+    files = {"--names-out": outputs.names, "--report": outputs.report, "--out": outputs.data_yaml}
+    check_apart(files, label_dirs, "the label folder")
+    read = _files_read(args)
+    for flag, path in files.items():
+        if path is not None and path.resolve() in read:
+            raise ConfigError(
+                f"{flag} {path} is {read[path.resolve()]} this tool reads; choose another file"
+            )
         if path is not None:
             check_new_outputs([path], flag, args.exist_ok, reads)
             check_output_place(path, flag)  # also when it exists: a folder passes --exist-ok

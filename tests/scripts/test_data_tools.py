@@ -374,6 +374,30 @@ def test_voc_outputs_in_the_way_are_one_line_before_anything_is_written(tmp_path
     assert sorted(p.name for p in (tmp_path / "o").rglob("*")) == ["images", "train"]
 
 
+def test_voc_names_and_report_never_replace_an_input_a_label_or_each_other(tmp_path, capsys):
+    """Was: --names-out/--report naming an input XML or image (with --exist-ok), a label file the
+    run writes, or each other (without it) were written over, exit 0. Now one line, exit 2,
+    nothing written."""
+    xml_dir, img_dir = _one_voc_file(tmp_path)
+    xml, img, labels = xml_dir / "a.xml", img_dir / "a.png", tmp_path / "labels"
+    before = {xml: xml.read_bytes(), img: img.read_bytes()}
+    argv = ["--xml-dir", str(xml_dir), "--img-dir", str(img_dir), "--label-dir", str(labels)]
+    same = tmp_path / "same.txt"
+    cases = [
+        (["--names-out", str(xml), "--exist-ok"], f"--names-out {xml} is an XML file this tool"),
+        (["--report", str(img), "--exist-ok"], f"--report {img} is an image this tool reads"),
+        (["--report", str(labels / "a.txt")], f"--report {labels / 'a.txt'} lies in the label"),
+        (["--names-out", str(same), "--report", str(same)], f"--report {same} is also --names"),
+    ]
+    for extra, start in cases:
+        capsys.readouterr()
+        assert trans_voc2yolo.main([*argv, *extra]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: {start}")
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img", "xml"]
+
+
 def test_voc_size_and_folder_problems_are_named_as_they_are(tmp_path, capsys):
     """Was: a negative or zero <size> was reported as "no <size>", and a --xml-dir or --voc-root
     that does not exist as "no object names found in the XML files"."""
