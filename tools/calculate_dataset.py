@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import check_new_outputs, make_output_dir, write_text
+from build_utils.atomic import check_apart, check_new_outputs, make_output_dir, write_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
 from build_utils.labels import parse_label_text
@@ -197,6 +197,10 @@ def write_dataset_files(args: argparse.Namespace) -> None:
         written.append(out_dir / f"{args.name}_{args.cfg.stem}.cfg")
     reads = {"the --names file": args.names, "the --cfg": args.cfg}
     check_new_outputs(written, OUT_FLAG, args.exist_ok, reads)
+    folders = [
+        d for labels in (train_labels, val_labels) for d in (labels, labels.parent / "images")
+    ]
+    check_apart({OUT_FLAG: train_list}, folders, "a split's label or image folder")
     splits = [scan_split("train", train_labels, nc), scan_split("val", val_labels, nc)]
     report_splits(splits, {"train": train_labels, "val": val_labels})
     make_output_dir(out_dir, OUT_FLAG)

@@ -505,6 +505,31 @@ def test_calculate_dataset_keeps_existing_files_unless_exist_ok(make_shapes_data
     assert parse_data_cfg(out / "my_data.data")["classes"] == 5
 
 
+def test_calculate_dataset_never_writes_among_the_labels_or_images(make_shapes_data, capsys):
+    """Was: --out-dir ROOT/train/labels put the lists and .data among the label files, which
+    the next scan reported as label files without an image, exit 0. Now one line, exit 2."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    root = data.parent
+    for folder in (root / "train" / "labels", root / "val" / "images"):
+        before = sorted(folder.iterdir())
+        argv = [
+            "--root",
+            str(root),
+            "--names",
+            str(root / "shapes.names"),
+            "--out-dir",
+            str(folder),
+        ]
+        capsys.readouterr()
+        assert calculate_dataset.main(argv) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == (
+            f"error: --out-dir/--name {folder / 'my_train_data.txt'} lies in a split's label or "
+            f"image folder {folder}; choose a place outside it"
+        )
+        assert sorted(folder.iterdir()) == before
+
+
 def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
     """``--root shapes`` from the dataset's parent folder (all paths relative), as a user types
     it: the same lists as with the absolute root."""
