@@ -184,6 +184,10 @@ def write_dataset_files(args: argparse.Namespace) -> None:
     val_labels = args.val_labels or (args.root / "val" / "labels" if args.root else None)
     if train_labels is None or val_labels is None:
         raise ConfigError("give --root, or both --train-labels and --val-labels")
+    if not args.name or Path(args.name).name != args.name:
+        raise ConfigError(
+            f"--name {args.name!r}: give a file-name prefix without a folder, e.g. my"
+        )
     out_dir = args.out_dir or args.root or train_labels.parent.parent
     names = load_class_names(args.names)
     nc = len(names)

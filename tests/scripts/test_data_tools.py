@@ -530,6 +530,19 @@ def test_calculate_dataset_never_writes_among_the_labels_or_images(make_shapes_d
         assert sorted(folder.iterdir()) == before
 
 
+def test_calculate_dataset_name_is_a_plain_prefix(make_shapes_data, tmp_path, capsys):
+    """Was: --name '' wrote _data.data, --name ../x wrote beside --out-dir, exit 0."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    root, out = data.parent, tmp_path / "out"
+    argv = ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(out)]
+    for name in ("", "../x", "a/b"):
+        capsys.readouterr()
+        assert calculate_dataset.main([*argv, "--name", name]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == f"error: --name {name!r}: give a file-name prefix without a folder, e.g. my"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"] and not out.exists()
+
+
 def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
     """``--root shapes`` from the dataset's parent folder (all paths relative), as a user types
     it: the same lists as with the absolute root."""
