@@ -56,6 +56,10 @@ MAX_OBJECTS = 6
 MIN_COLOUR_CONTRAST = 150
 # Images are made in parallel above this many per split; below, a pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
+# Upper bounds of --n-train/--n-val and --workers: each image is a job held in memory before the
+# pool starts, and each worker a process.
+MAX_IMAGES_PER_SPLIT = 1_000_000
+MAX_WORKERS = 256
 
 
 @dataclass(frozen=True)
@@ -372,7 +376,8 @@ OUTPUTS = ("train", "val", "train.txt", "val.txt", "shapes.names", "shapes.data"
 
 
 def make_shapes(args: argparse.Namespace) -> None:
-    check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 0)
+    check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 0, MAX_IMAGES_PER_SPLIT)
+    check_at_least({"--workers": args.workers}, 1, MAX_WORKERS)
     check_new_outputs([args.out / name for name in OUTPUTS], "--out", args.exist_ok)
     for split in ("train", "val"):
         if (args.out / split).is_dir() and not (args.out / split).is_symlink():
