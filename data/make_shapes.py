@@ -39,7 +39,7 @@ from build_utils.atomic import check_new_outputs
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.labels import yolo_txt_lines
-from train_utils.cli import run_script
+from train_utils.cli import path_arg, run_script
 
 CLASS_NAMES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "bar")
 # The demo's and the CLI's default: the first five. The others make harder sets (--classes 8).
@@ -331,7 +331,9 @@ def _size_range(text: str) -> tuple[int, int]:
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
-    parser.add_argument("--out", type=Path, default=Path("demo_data/shapes"), help="output folder")
+    parser.add_argument(
+        "--out", type=path_arg, default=Path("demo_data/shapes"), help="output folder"
+    )
     parser.add_argument("--n-train", type=int, default=1000, help="training images")
     parser.add_argument("--n-val", type=int, default=200, help="validation images")
     parser.add_argument(

@@ -46,7 +46,7 @@ from build_utils.parse_config import (
     rewrite_cfg_classes,
     write_model_cfg,
 )
-from train_utils.cli import HelpFormatter, run_script
+from train_utils.cli import HelpFormatter, path_arg, run_script
 
 LOGGER = logging.getLogger("calculate_dataset")
 OUT_FLAG = "--out-dir/--name"  # the options that choose where the files go, named in errors
@@ -152,12 +152,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
-    p.add_argument("--root", type=Path, help="dataset root with train/labels and val/labels")
-    p.add_argument("--train-labels", type=Path, help="training label folder")
-    p.add_argument("--val-labels", type=Path, help="validation label folder")
-    p.add_argument("--names", type=Path, required=True, help="class names file (.names)")
-    p.add_argument("--cfg", type=Path, help="model cfg to rewrite for the class count")
-    p.add_argument("--out-dir", type=Path, help="where to write the files (default: --root)")
+    p.add_argument("--root", type=path_arg, help="dataset root with train/labels and val/labels")
+    p.add_argument("--train-labels", type=path_arg, help="training label folder")
+    p.add_argument("--val-labels", type=path_arg, help="validation label folder")
+    p.add_argument("--names", type=path_arg, required=True, help="class names file (.names)")
+    p.add_argument("--cfg", type=path_arg, help="model cfg to rewrite for the class count")
+    p.add_argument("--out-dir", type=path_arg, help="where to write the files (default: --root)")
     p.add_argument("--name", default="my", help="prefix of the written files")
     p.add_argument("--exist-ok", action="store_true", help="replace existing files of those names")
     return p

@@ -49,7 +49,7 @@ from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
-from train_utils.cli import HelpFormatter, check_img_size_limit, run_script
+from train_utils.cli import HelpFormatter, check_img_size_limit, path_arg, run_script
 
 LOGGER = logging.getLogger("kmeans_anchors")
 
@@ -125,9 +125,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--data", type=Path, help=".data or data.yaml file (its train images are used)"
+        "--data", type=path_arg, help=".data or data.yaml file (its train images are used)"
     )
-    src.add_argument("--list", type=Path, help="image list or folder")
+    src.add_argument("--list", type=path_arg, help="image list or folder")
     p.add_argument(
         "--classes",
         type=int,
@@ -140,8 +140,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--iou-t", type=float, default=0.20, help="anchor matching IoU threshold")
     p.add_argument("--generations", type=int, default=1000, help="genetic refinement steps")
     p.add_argument("--seed", type=int, default=0, help="seed of k-means and the genetic search")
-    p.add_argument("--cfg", type=Path, help="cfg whose [yolo] anchors to replace (with --out-cfg)")
-    p.add_argument("--out-cfg", type=Path, help="where to write the cfg with the new anchors")
+    p.add_argument(
+        "--cfg", type=path_arg, help="cfg whose [yolo] anchors to replace (with --out-cfg)"
+    )
+    p.add_argument("--out-cfg", type=path_arg, help="where to write the cfg with the new anchors")
     p.add_argument("--exist-ok", action="store_true", help="replace an existing --out-cfg")
     return p
 

@@ -83,7 +83,7 @@ from build_utils.limits import (
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
 from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
-from train_utils.cli import HelpFormatter, run_script
+from train_utils.cli import HelpFormatter, path_arg, run_script
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 NAMES_FILE = "classes.names"  # the class list written beside the labels (default --names-out)
@@ -408,16 +408,18 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
-    p.add_argument("--xml-dir", type=Path, help="folder of VOC XML files")
-    p.add_argument("--img-dir", type=Path, help="folder of the images (for sizes and EXIF)")
-    p.add_argument("--label-dir", type=Path, help="output folder for the label files")
-    p.add_argument("--voc-root", type=Path, help="VOC devkit year folder (instead of --xml-dir)")
-    p.add_argument("--out", type=Path, help="output root for --voc-root")
+    p.add_argument("--xml-dir", type=path_arg, help="folder of VOC XML files")
+    p.add_argument("--img-dir", type=path_arg, help="folder of the images (for sizes and EXIF)")
+    p.add_argument("--label-dir", type=path_arg, help="output folder for the label files")
+    p.add_argument(
+        "--voc-root", type=path_arg, help="VOC devkit year folder (instead of --xml-dir)"
+    )
+    p.add_argument("--out", type=path_arg, help="output root for --voc-root")
     p.add_argument("--splits", nargs="+", default=["train", "val"], help="splits of --voc-root")
-    p.add_argument("--classes", type=Path, help=".names or JSON class list (default: from XML)")
+    p.add_argument("--classes", type=path_arg, help=".names or JSON class list (default: from XML)")
     p.add_argument(
         "--names-out",
-        type=Path,
+        type=path_arg,
         help=f"write the class list used here (default: {NAMES_FILE} in --out, or beside the "
         "--label-dir folder)",
     )
@@ -427,7 +429,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         action="store_true",
         help="VOC devkit convention: xmin/ymin are 1-based pixel indices",
     )
-    p.add_argument("--report", type=Path, help="problem report (default: beside the labels)")
+    p.add_argument("--report", type=path_arg, help="problem report (default: beside the labels)")
     p.add_argument(
         "--exist-ok",
         action="store_true",
