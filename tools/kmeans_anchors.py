@@ -42,7 +42,7 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
-from build_utils.atomic import check_new_outputs, make_output_dir, write_text
+from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
 from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
@@ -195,6 +195,7 @@ def fit_anchors(args: argparse.Namespace) -> None:
         # over any other file without --exist-ok.
         reads = {"--cfg that": args.cfg, "--data that": args.data, "the image list that": source}
         check_new_outputs([args.out_cfg], "--out-cfg", args.exist_ok, reads)
+        check_output_place(args.out_cfg, "--out-cfg")  # also when it exists: a folder
     # The label cache is keyed by the class count as well: read it with the .data's (or
     # --classes), as training does, so that the cache written here is the one training reuses.
     wh = label_wh(source, args.img_size, int(data["classes"]) if data else args.classes)

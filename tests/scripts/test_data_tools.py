@@ -669,6 +669,25 @@ def test_kmeans_anchors_keeps_an_existing_out_cfg(make_shapes_data, tmp_path, ca
     assert "anchors=" in out.read_text()
 
 
+def test_kmeans_anchors_refuses_a_folder_out_cfg_before_reading_labels(
+    make_shapes_data, tmp_path, capsys
+):
+    """Was: --out-cfg naming a folder, with --exist-ok, failed only after the labels were read
+    and the anchors fitted. Now the same line before any label is read."""
+    data = make_shapes_data(n_train=3, n_val=2)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    argv = ["--data", str(data), "--cfg", "cfg/yolov3-spp-nano.cfg", "--out-cfg", str(folder)]
+    capsys.readouterr()
+    assert kmeans_anchors.main([*argv, "--exist-ok", "--img-size", "64"]) == 2
+    out, err = capsys.readouterr()
+    assert "anchors=" not in out and err.splitlines() == [
+        f"error: cannot write {folder}: {folder} is a folder, not a file; move it away or "
+        "choose another --out-cfg"
+    ]
+    assert list(folder.iterdir()) == [] and not list(data.parent.glob("*.cache*"))
+
+
 def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):
     """The label cache tools/kmeans_anchors.py writes is reused as it is by training's dataset
     (no "out of date; rebuilding", no image checked again)."""
