@@ -52,6 +52,8 @@ from build_utils.safe_yaml import short_text
 from train_utils.cli import HelpFormatter, check_img_size_limit, path_arg, run_script
 
 LOGGER = logging.getLogger("kmeans_anchors")
+# Upper bound of --generations: the search runs them all, so a mistyped count would not end.
+MAX_GENERATIONS = 100_000
 
 
 def describe(wh: np.ndarray, anchors: np.ndarray, iou_t: float) -> str:
@@ -158,7 +160,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
     check_img_size_limit(args.img_size)
     check_at_least({"--num": args.num, "--classes": args.classes}, 1)
-    check_at_least({"--generations": args.generations, "--seed": args.seed}, 0)
+    check_at_least({"--seed": args.seed}, 0)
+    check_at_least({"--generations": args.generations}, 0, MAX_GENERATIONS)
     if args.data and args.classes is not None:
         raise ConfigError("--classes goes with --list (--data has the .data's classes=)")
 

@@ -688,6 +688,15 @@ def test_kmeans_anchors_refuses_a_folder_out_cfg_before_reading_labels(
     assert list(folder.iterdir()) == [] and not list(data.parent.glob("*.cache*"))
 
 
+def test_kmeans_anchors_generations_are_bounded(tmp_path, capsys):
+    """Was: --generations 1000000000 ran for days."""
+    argv = ["--list", str(tmp_path), "--generations", "1000000000"]
+    assert kmeans_anchors.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: --generations must be in [0, 100000], got 1000000000\n"
+    )
+
+
 def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):
     """The label cache tools/kmeans_anchors.py writes is reused as it is by training's dataset
     (no "out of date; rebuilding", no image checked again)."""
