@@ -511,6 +511,11 @@ def plan_outputs(sources: Sequence[str]) -> list[Output]:
     stems: set[str] = set()
     outputs, renamed = [], []
     for s in sources:
+        if not s.strip():  # an unset shell variable; Path("") would be the current folder
+            raise ConfigError(
+                f"--source {s!r}: an empty source; give an image, folder, video, pattern, "
+                "camera index or URL"
+            )
         for source, stem in _planned(s, folder_names, len(sources) > 1):
             unique = Path(_unique(stem.as_posix(), stems))
             if unique != stem:
