@@ -153,6 +153,11 @@ def _add_output_flags(p: argparse.ArgumentParser) -> None:
         "(same names are replaced)",
     )
     p.add_argument(
+        "--nosave",
+        action="store_true",
+        help="write no drawn images or videos (YOLOv5's flag): only --save-txt/--save-crop",
+    )
+    p.add_argument(
         "--save-txt",
         action="store_true",
         help="write OUTPUT/labels/<name>.txt: class cx cy w h normalised",
@@ -354,8 +359,10 @@ class Saver:
         save_conf: bool = False,
         save_crop: bool = False,
         reserved: Iterable[str] = (),
+        save_drawn: bool = True,
     ):
         self.out_dir, self.names, self.style = out_dir, names, style
+        self.save_drawn = save_drawn  # the drawn pictures and videos (off: --nosave)
         self._reserved = {r.casefold() for r in reserved}
         self.save_conf, self.save_crop = save_conf, save_crop
         # Folders this run created, parents first (those left empty go again at the end).
@@ -504,6 +511,11 @@ def plan_outputs(sources: Sequence[str]) -> list[Output]:
     stems: set[str] = set()
     outputs, renamed = [], []
     for s in sources:
+        if not s.strip():  # an unset shell variable; Path("") would be the current folder
+            raise ConfigError(
+                f"--source {s!r}: an empty source; give an image, folder, video, pattern, "
+                "camera index or URL"
+            )
         for source, stem in _planned(s, folder_names, len(sources) > 1):
             unique = Path(_unique(stem.as_posix(), stems))
             if unique != stem:
@@ -820,7 +832,8 @@ def _predict_frames(
             return frames
         number += 1
         det = predictor(frame)
-        video.write(saver.draw(frame, det))
+        if saver.save_drawn:
+            video.write(saver.draw(frame, det))
         frames += 1
         saver.save(frame, det, saver.frame_stem(name, number))
         print(f"{source} frame {number}: {len(det)} detections")
@@ -889,7 +902,8 @@ def predict_image(predictor: Predictor, saver: Saver, path: Path, stem: Path) ->
     print(f"{path}: {len(det)} detections{': ' + items if items else ''}")
     # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
     target = saver.out_dir / stem.parent / (stem.name + path.suffix)
-    write_image(target, saver.draw(img, det), OUTPUT_FLAG)
+    if saver.save_drawn:
+        write_image(target, saver.draw(img, det), OUTPUT_FLAG)
     saver.save(img, det, stem)
     return True
 
@@ -928,7 +942,16 @@ def predict(args: argparse.Namespace) -> None:
         logger.info("%s", predictor.precision.describe())
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
         planned = [o.stem.as_posix() for o in outputs]
-        saver = Saver(out_dir, names, style, args.save_txt, args.save_conf, args.save_crop, planned)
+        saver = Saver(
+            out_dir,
+            names,
+            style,
+            args.save_txt,
+            args.save_conf,
+            args.save_crop,
+            planned,
+            save_drawn=not args.nosave,
+        )
         n_images, n_frames = predict_sources(args, predictor, saver, outputs, captures)
         saver.remove_unused_folders()
     finally:
@@ -944,7 +967,12 @@ def predict(args: argparse.Namespace) -> None:
         )
     # Frames counted apart: a run of videos only is not "0 images drawn".
     frames = f" and {n_frames} video frames" if n_frames else ""
-    logger.info("%d images%s drawn in %s", n_images, frames, out_dir)
+    if args.nosave and created:  # with neither --save-txt nor --save-crop: no empty folder
+        with contextlib.suppress(OSError):
+            out_dir.rmdir()
+    done = "predicted (--nosave: no drawn pictures)" if args.nosave else "drawn"
+    where = f"in {out_dir}" if out_dir.exists() else "(nothing written)"
+    logger.info("%d images%s %s %s", n_images, frames, done, where)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -184,6 +184,35 @@ def check_not_an_input(
             raise ConfigError(f"{flag} {out} is {what} this tool reads; choose another file")
 
 
+def check_apart(
+    outputs: Mapping[str, str | os.PathLike[str] | None],
+    folders: Iterable[str | os.PathLike[str]],
+    what: str,
+) -> None:
+    """Refuse outputs (``outputs``: flag -> file; None: not written) that would land on each
+    other, or in one of ``folders`` (``what`` names them in the message): folders the tool fills
+    with files of their own kind, such as labels, where an output would replace one of them or
+    be read as one. Symbolic links are followed.
+
+    Raises:
+        ConfigError: two outputs are one file, or an output lies in one of ``folders``.
+    """
+    folders = [(folder, Path(folder).resolve()) for folder in folders]
+    seen: dict[Path, str] = {}
+    for flag, out in outputs.items():
+        if out is None:
+            continue
+        place = Path(out).resolve()
+        if place in seen:
+            raise ConfigError(f"{flag} {out} is also {seen[place]}; choose another file")
+        seen[place] = flag
+        for folder, resolved in folders:
+            if place.is_relative_to(resolved):
+                raise ConfigError(
+                    f"{flag} {out} lies in {what} {folder}; choose a place outside it"
+                )
+
+
 def check_new_outputs(
     paths: Iterable[str | os.PathLike[str]],
     flag: str,

@@ -39,7 +39,7 @@ from build_utils.atomic import check_new_outputs
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.labels import yolo_txt_lines
-from train_utils.cli import run_script
+from train_utils.cli import path_arg, run_script
 
 CLASS_NAMES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "bar")
 # The demo's and the CLI's default: the first five. The others make harder sets (--classes 8).
@@ -56,6 +56,10 @@ MAX_OBJECTS = 6
 MIN_COLOUR_CONTRAST = 150
 # Images are made in parallel above this many per split; below, a pool costs more than it saves.
 PARALLEL_THRESHOLD = 64
+# Upper bounds of --n-train/--n-val and --workers: each image is a job held in memory before the
+# pool starts, and each worker a process.
+MAX_IMAGES_PER_SPLIT = 1_000_000
+MAX_WORKERS = 256
 
 
 @dataclass(frozen=True)
@@ -327,7 +331,9 @@ def _size_range(text: str) -> tuple[int, int]:
 
 def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], add_help=add_help)
-    parser.add_argument("--out", type=Path, default=Path("demo_data/shapes"), help="output folder")
+    parser.add_argument(
+        "--out", type=path_arg, default=Path("demo_data/shapes"), help="output folder"
+    )
     parser.add_argument("--n-train", type=int, default=1000, help="training images")
     parser.add_argument("--n-val", type=int, default=200, help="validation images")
     parser.add_argument(
@@ -372,7 +378,8 @@ OUTPUTS = ("train", "val", "train.txt", "val.txt", "shapes.names", "shapes.data"
 
 
 def make_shapes(args: argparse.Namespace) -> None:
-    check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 0)
+    check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 0, MAX_IMAGES_PER_SPLIT)
+    check_at_least({"--workers": args.workers}, 1, MAX_WORKERS)
     check_new_outputs([args.out / name for name in OUTPUTS], "--out", args.exist_ok)
     for split in ("train", "val"):
         if (args.out / split).is_dir() and not (args.out / split).is_symlink():

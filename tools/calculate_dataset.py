@@ -29,7 +29,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import check_new_outputs, make_output_dir, write_text
+from build_utils.atomic import check_apart, check_new_outputs, make_output_dir, write_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
 from build_utils.labels import parse_label_text
@@ -46,7 +46,7 @@ from build_utils.parse_config import (
     rewrite_cfg_classes,
     write_model_cfg,
 )
-from train_utils.cli import HelpFormatter, run_script
+from train_utils.cli import HelpFormatter, path_arg, run_script
 
 LOGGER = logging.getLogger("calculate_dataset")
 OUT_FLAG = "--out-dir/--name"  # the options that choose where the files go, named in errors
@@ -152,12 +152,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
-    p.add_argument("--root", type=Path, help="dataset root with train/labels and val/labels")
-    p.add_argument("--train-labels", type=Path, help="training label folder")
-    p.add_argument("--val-labels", type=Path, help="validation label folder")
-    p.add_argument("--names", type=Path, required=True, help="class names file (.names)")
-    p.add_argument("--cfg", type=Path, help="model cfg to rewrite for the class count")
-    p.add_argument("--out-dir", type=Path, help="where to write the files (default: --root)")
+    p.add_argument("--root", type=path_arg, help="dataset root with train/labels and val/labels")
+    p.add_argument("--train-labels", type=path_arg, help="training label folder")
+    p.add_argument("--val-labels", type=path_arg, help="validation label folder")
+    p.add_argument("--names", type=path_arg, required=True, help="class names file (.names)")
+    p.add_argument("--cfg", type=path_arg, help="model cfg to rewrite for the class count")
+    p.add_argument("--out-dir", type=path_arg, help="where to write the files (default: --root)")
     p.add_argument("--name", default="my", help="prefix of the written files")
     p.add_argument("--exist-ok", action="store_true", help="replace existing files of those names")
     return p
@@ -184,6 +184,10 @@ def write_dataset_files(args: argparse.Namespace) -> None:
     val_labels = args.val_labels or (args.root / "val" / "labels" if args.root else None)
     if train_labels is None or val_labels is None:
         raise ConfigError("give --root, or both --train-labels and --val-labels")
+    if not args.name or Path(args.name).name != args.name:
+        raise ConfigError(
+            f"--name {args.name!r}: give a file-name prefix without a folder, e.g. my"
+        )
     out_dir = args.out_dir or args.root or train_labels.parent.parent
     names = load_class_names(args.names)
     nc = len(names)
@@ -197,6 +201,10 @@ def write_dataset_files(args: argparse.Namespace) -> None:
         written.append(out_dir / f"{args.name}_{args.cfg.stem}.cfg")
     reads = {"the --names file": args.names, "the --cfg": args.cfg}
     check_new_outputs(written, OUT_FLAG, args.exist_ok, reads)
+    folders = [
+        d for labels in (train_labels, val_labels) for d in (labels, labels.parent / "images")
+    ]
+    check_apart({OUT_FLAG: train_list}, folders, "a split's label or image folder")
     splits = [scan_split("train", train_labels, nc), scan_split("val", val_labels, nc)]
     report_splits(splits, {"train": train_labels, "val": val_labels})
     make_output_dir(out_dir, OUT_FLAG)

@@ -54,7 +54,7 @@ from build_utils.limits import MAX_IMAGE_BYTES, file_problem
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_repr, short_text
 from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
-from train_utils.cli import HelpFormatter, run_script
+from train_utils.cli import HelpFormatter, path_arg, run_script
 from train_utils.evaluation.detection_files import (
     COCO_IDS_FILE,
     CocoIdMap,
@@ -336,11 +336,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
-    p.add_argument("--json", type=Path, required=True, help="COCO instances JSON")
+    p.add_argument("--json", type=path_arg, required=True, help="COCO instances JSON")
     p.add_argument(
-        "--images", type=Path, required=True, help="folder the JSON's file_name entries are in"
+        "--images", type=path_arg, required=True, help="folder the JSON's file_name entries are in"
     )
-    p.add_argument("--out", type=Path, required=True, help="the YOLO dataset folder to write")
+    p.add_argument("--out", type=path_arg, required=True, help="the YOLO dataset folder to write")
     p.add_argument(
         "--split",
         default=None,

@@ -30,7 +30,7 @@ from build_utils.atomic import check_new_outputs, make_output_dir, reported_writ
 from build_utils.errors import ConfigError
 from models.weights import save_weights
 from train_utils.checkpoint import read_weights, save_weights_pt
-from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, run_script
+from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, path_arg, run_script
 from train_utils.load_model import model_from_weights
 
 PT_SUFFIX = ".pt"
@@ -47,7 +47,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "paths",
         nargs="*",
-        type=Path,
+        type=path_arg,
         metavar="[CFG] SRC DST",
         help="ultralytics/yolov3's positional form: cfg (optional for a checkpoint), source, "
         "output",
@@ -57,7 +57,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "-o",
         "--output",
-        type=Path,
+        type=path_arg,
         help="output file (default: the source's name with the other suffix, .weights or .pt)",
     )
     parser.add_argument("--exist-ok", action="store_true", help="replace an existing output")

@@ -59,6 +59,7 @@ from train_utils.cli import (
     add_model_flag,
     add_weights_flags,
     check_img_size,
+    path_arg,
     run_script,
     switch,
 )
@@ -105,7 +106,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "-o",
         "--output",
-        type=Path,
+        type=path_arg,
         metavar="DIR",
         help="folder for the exports (default: the weights' folder, else the current one)",
     )

@@ -42,16 +42,18 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
-from build_utils.atomic import check_new_outputs, make_output_dir, write_text
+from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
 from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
 from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
-from train_utils.cli import HelpFormatter, check_img_size_limit, run_script
+from train_utils.cli import HelpFormatter, check_img_size_limit, path_arg, run_script
 
 LOGGER = logging.getLogger("kmeans_anchors")
+# Upper bound of --generations: the search runs them all, so a mistyped count would not end.
+MAX_GENERATIONS = 100_000
 
 
 def describe(wh: np.ndarray, anchors: np.ndarray, iou_t: float) -> str:
@@ -125,9 +127,9 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument(
-        "--data", type=Path, help=".data or data.yaml file (its train images are used)"
+        "--data", type=path_arg, help=".data or data.yaml file (its train images are used)"
     )
-    src.add_argument("--list", type=Path, help="image list or folder")
+    src.add_argument("--list", type=path_arg, help="image list or folder")
     p.add_argument(
         "--classes",
         type=int,
@@ -140,8 +142,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p.add_argument("--iou-t", type=float, default=0.20, help="anchor matching IoU threshold")
     p.add_argument("--generations", type=int, default=1000, help="genetic refinement steps")
     p.add_argument("--seed", type=int, default=0, help="seed of k-means and the genetic search")
-    p.add_argument("--cfg", type=Path, help="cfg whose [yolo] anchors to replace (with --out-cfg)")
-    p.add_argument("--out-cfg", type=Path, help="where to write the cfg with the new anchors")
+    p.add_argument(
+        "--cfg", type=path_arg, help="cfg whose [yolo] anchors to replace (with --out-cfg)"
+    )
+    p.add_argument("--out-cfg", type=path_arg, help="where to write the cfg with the new anchors")
     p.add_argument("--exist-ok", action="store_true", help="replace an existing --out-cfg")
     return p
 
@@ -156,7 +160,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
     check_img_size_limit(args.img_size)
     check_at_least({"--num": args.num, "--classes": args.classes}, 1)
-    check_at_least({"--generations": args.generations, "--seed": args.seed}, 0)
+    check_at_least({"--seed": args.seed}, 0)
+    check_at_least({"--generations": args.generations}, 0, MAX_GENERATIONS)
     if args.data and args.classes is not None:
         raise ConfigError("--classes goes with --list (--data has the .data's classes=)")
 
@@ -193,6 +198,7 @@ def fit_anchors(args: argparse.Namespace) -> None:
         # over any other file without --exist-ok.
         reads = {"--cfg that": args.cfg, "--data that": args.data, "the image list that": source}
         check_new_outputs([args.out_cfg], "--out-cfg", args.exist_ok, reads)
+        check_output_place(args.out_cfg, "--out-cfg")  # also when it exists: a folder
     # The label cache is keyed by the class count as well: read it with the .data's (or
     # --classes), as training does, so that the cache written here is the one training reuses.
     wh = label_wh(source, args.img_size, int(data["classes"]) if data else args.classes)

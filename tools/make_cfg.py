@@ -43,7 +43,7 @@ from build_utils.parse_config import (
     validate_model_cfg,
     write_model_cfg,
 )
-from train_utils.cli import HelpFormatter, run_script
+from train_utils.cli import HelpFormatter, path_arg, run_script
 
 # --width rounds filter counts up to a multiple of this (channel counts that vectorise well,
 # and even ones for [route] groups=2).
@@ -59,11 +59,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         add_help=add_help,
         formatter_class=HelpFormatter,
     )
-    parser.add_argument("cfg", type=Path, help="source model cfg")
+    parser.add_argument("cfg", type=path_arg, help="source model cfg")
     source = parser.add_mutually_exclusive_group()
     source.add_argument("--classes", type=int, help="number of classes (>= 1)")
     source.add_argument(
-        "--data", type=Path, help=".data or data.yaml file whose class count to use"
+        "--data", type=path_arg, help=".data or data.yaml file whose class count to use"
     )
     parser.add_argument(
         "--width", type=float, help="multiply the filters of every non-head conv by this (> 0)"
@@ -76,7 +76,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "-o",
         "--output",
-        type=Path,
+        type=path_arg,
         help="output cfg (default: beside it, <stem>[-w<W>][-newcoords][-<N>cls].cfg)",
     )
     parser.add_argument("--exist-ok", action="store_true", help="replace an existing output cfg")

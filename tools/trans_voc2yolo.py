@@ -55,7 +55,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import numpy as np
 
-from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
+from build_utils.atomic import (
+    check_apart,
+    check_new_outputs,
+    check_output_place,
+    make_output_dir,
+    write_text,
+)
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import (
     exif_orientation,
@@ -77,7 +83,7 @@ from build_utils.limits import (
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
 from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
-from train_utils.cli import HelpFormatter, run_script
+from train_utils.cli import HelpFormatter, path_arg, run_script
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 NAMES_FILE = "classes.names"  # the class list written beside the labels (default --names-out)
@@ -402,16 +408,18 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
-    p.add_argument("--xml-dir", type=Path, help="folder of VOC XML files")
-    p.add_argument("--img-dir", type=Path, help="folder of the images (for sizes and EXIF)")
-    p.add_argument("--label-dir", type=Path, help="output folder for the label files")
-    p.add_argument("--voc-root", type=Path, help="VOC devkit year folder (instead of --xml-dir)")
-    p.add_argument("--out", type=Path, help="output root for --voc-root")
+    p.add_argument("--xml-dir", type=path_arg, help="folder of VOC XML files")
+    p.add_argument("--img-dir", type=path_arg, help="folder of the images (for sizes and EXIF)")
+    p.add_argument("--label-dir", type=path_arg, help="output folder for the label files")
+    p.add_argument(
+        "--voc-root", type=path_arg, help="VOC devkit year folder (instead of --xml-dir)"
+    )
+    p.add_argument("--out", type=path_arg, help="output root for --voc-root")
     p.add_argument("--splits", nargs="+", default=["train", "val"], help="splits of --voc-root")
-    p.add_argument("--classes", type=Path, help=".names or JSON class list (default: from XML)")
+    p.add_argument("--classes", type=path_arg, help=".names or JSON class list (default: from XML)")
     p.add_argument(
         "--names-out",
-        type=Path,
+        type=path_arg,
         help=f"write the class list used here (default: {NAMES_FILE} in --out, or beside the "
         "--label-dir folder)",
     )
@@ -421,7 +429,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         action="store_true",
         help="VOC devkit convention: xmin/ymin are 1-based pixel indices",
     )
-    p.add_argument("--report", type=Path, help="problem report (default: beside the labels)")
+    p.add_argument("--report", type=path_arg, help="problem report (default: beside the labels)")
     p.add_argument(
         "--exist-ok",
         action="store_true",
@@ -442,6 +450,18 @@ def class_names(args: argparse.Namespace) -> list[str]:
     if not names:
         raise DatasetError("no object names found in the XML files", xml_dir)
     return names
+
+
+def _files_read(args: argparse.Namespace) -> dict[Path, str]:
+    """The XML files and images a conversion reads (resolved path -> what it is), which no
+    output may replace, ``--exist-ok`` or not."""
+    voc = args.voc_root
+    xml_dir = voc / "Annotations" if voc is not None else args.xml_dir
+    img_dir = voc / "JPEGImages" if voc is not None else args.img_dir
+    read = {p.resolve(): "an XML file" for p in xml_dir.glob("*.xml")}
+    if img_dir is not None and img_dir.is_dir():
+        read.update({p.resolve(): "an image" for p in img_dir.iterdir() if is_image_file(p)})
+    return read
 
 
 @dataclass(frozen=True)
@@ -477,11 +497,14 @@ def plan_outputs(args: argparse.Namespace) -> Outputs:
                 f"{folder} already holds label files ({label.name}, ...); pass --exist-ok to "
                 f"replace those of the same names, or choose another {flag}"
             )
-    for flag, path in (
-        ("--names-out", outputs.names),
-        ("--report", outputs.report),
-        ("--out", outputs.data_yaml),
-    ):
+    files = {"--names-out": outputs.names, "--report": outputs.report, "--out": outputs.data_yaml}
+    check_apart(files, label_dirs, "the label folder")
+    read = _files_read(args)
+    for flag, path in files.items():
+        if path is not None and path.resolve() in read:
+            raise ConfigError(
+                f"{flag} {path} is {read[path.resolve()]} this tool reads; choose another file"
+            )
         if path is not None:
             check_new_outputs([path], flag, args.exist_ok, reads)
             check_output_place(path, flag)  # also when it exists: a folder passes --exist-ok

@@ -113,6 +113,15 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
 # ---- flag groups ----------------------------------------------------------------------------
 
 
+def path_arg(text: str) -> Path:
+    """argparse ``type=`` of a file or folder flag: an empty string (an unset shell variable)
+    is refused rather than read as the current folder, whose files a tool would then write
+    among or over."""
+    if not text:
+        raise argparse.ArgumentTypeError("an empty path; give a file or folder")
+    return Path(text)
+
+
 def switch(group: ArgGroup, flag: str, default: bool | None, help: str) -> None:
     """``--flag`` / ``--no-flag`` (never ``type=bool``, with which ``--flag False`` is true)."""
     group.add_argument(flag, action=argparse.BooleanOptionalAction, default=default, help=help)

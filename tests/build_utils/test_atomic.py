@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from build_utils.atomic import atomic_write, check_new_outputs, temp_path
+from build_utils.atomic import atomic_write, check_apart, check_new_outputs, temp_path
 from build_utils.errors import ConfigError, OutputError
 
 
@@ -107,3 +107,18 @@ def test_the_output_policy_refuses_what_exists_unless_exist_ok(tmp_path):
     with pytest.raises(OutputError, match="is a file where a folder should be"):
         check_new_outputs([mine / "x.cfg"], "-o", exist_ok=True)
     assert mine.read_text() == "epoch\n" and not new.exists()
+
+
+def test_outputs_stay_apart_from_each_other_and_from_the_folders_a_tool_fills(tmp_path):
+    """Two flags naming one file, or an output among the labels a tool writes (a link to that
+    folder too), are refused; outputs beside the folder pass."""
+    labels, names = tmp_path / "labels", tmp_path / "a.names"
+    labels.mkdir()
+    (tmp_path / "link").symlink_to(labels)
+    check_apart({"--names-out": names, "--report": tmp_path / "r.txt"}, [labels], "the labels")
+    with pytest.raises(ConfigError, match=r"^--report .*a.names is also --names-out; choose"):
+        check_apart({"--names-out": names, "--report": names}, [], "the labels")
+    inside = tmp_path / "link" / "x.txt"
+    with pytest.raises(ConfigError, match=rf"^--report {inside} lies in the labels {labels}; "):
+        check_apart({"--names-out": None, "--report": inside}, [labels], "the labels")
+    assert list(labels.iterdir()) == []

@@ -374,6 +374,30 @@ def test_voc_outputs_in_the_way_are_one_line_before_anything_is_written(tmp_path
     assert sorted(p.name for p in (tmp_path / "o").rglob("*")) == ["images", "train"]
 
 
+def test_voc_names_and_report_never_replace_an_input_a_label_or_each_other(tmp_path, capsys):
+    """Was: --names-out/--report naming an input XML or image (with --exist-ok), a label file the
+    run writes, or each other (without it) were written over, exit 0. Now one line, exit 2,
+    nothing written."""
+    xml_dir, img_dir = _one_voc_file(tmp_path)
+    xml, img, labels = xml_dir / "a.xml", img_dir / "a.png", tmp_path / "labels"
+    before = {xml: xml.read_bytes(), img: img.read_bytes()}
+    argv = ["--xml-dir", str(xml_dir), "--img-dir", str(img_dir), "--label-dir", str(labels)]
+    same = tmp_path / "same.txt"
+    cases = [
+        (["--names-out", str(xml), "--exist-ok"], f"--names-out {xml} is an XML file this tool"),
+        (["--report", str(img), "--exist-ok"], f"--report {img} is an image this tool reads"),
+        (["--report", str(labels / "a.txt")], f"--report {labels / 'a.txt'} lies in the label"),
+        (["--names-out", str(same), "--report", str(same)], f"--report {same} is also --names"),
+    ]
+    for extra, start in cases:
+        capsys.readouterr()
+        assert trans_voc2yolo.main([*argv, *extra]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line.startswith(f"error: {start}")
+    assert {p: p.read_bytes() for p in before} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["img", "xml"]
+
+
 def test_voc_size_and_folder_problems_are_named_as_they_are(tmp_path, capsys):
     """Was: a negative or zero <size> was reported as "no <size>", and a --xml-dir or --voc-root
     that does not exist as "no object names found in the XML files"."""
@@ -479,6 +503,44 @@ def test_calculate_dataset_keeps_existing_files_unless_exist_ok(make_shapes_data
     assert sorted(p.name for p in out.iterdir()) == ["my_data.data"]
     assert calculate_dataset.main([*argv, "--exist-ok"]) == 0
     assert parse_data_cfg(out / "my_data.data")["classes"] == 5
+
+
+def test_calculate_dataset_never_writes_among_the_labels_or_images(make_shapes_data, capsys):
+    """Was: --out-dir ROOT/train/labels put the lists and .data among the label files, which
+    the next scan reported as label files without an image, exit 0. Now one line, exit 2."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    root = data.parent
+    for folder in (root / "train" / "labels", root / "val" / "images"):
+        before = sorted(folder.iterdir())
+        argv = [
+            "--root",
+            str(root),
+            "--names",
+            str(root / "shapes.names"),
+            "--out-dir",
+            str(folder),
+        ]
+        capsys.readouterr()
+        assert calculate_dataset.main(argv) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == (
+            f"error: --out-dir/--name {folder / 'my_train_data.txt'} lies in a split's label or "
+            f"image folder {folder}; choose a place outside it"
+        )
+        assert sorted(folder.iterdir()) == before
+
+
+def test_calculate_dataset_name_is_a_plain_prefix(make_shapes_data, tmp_path, capsys):
+    """Was: --name '' wrote _data.data, --name ../x wrote beside --out-dir, exit 0."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    root, out = data.parent, tmp_path / "out"
+    argv = ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(out)]
+    for name in ("", "../x", "a/b"):
+        capsys.readouterr()
+        assert calculate_dataset.main([*argv, "--name", name]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == f"error: --name {name!r}: give a file-name prefix without a folder, e.g. my"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shapes"] and not out.exists()
 
 
 def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
@@ -605,6 +667,34 @@ def test_kmeans_anchors_keeps_an_existing_out_cfg(make_shapes_data, tmp_path, ca
     assert out.read_text() == "epoch\n"
     assert kmeans_anchors.main([*argv, "--exist-ok"]) == 0
     assert "anchors=" in out.read_text()
+
+
+def test_kmeans_anchors_refuses_a_folder_out_cfg_before_reading_labels(
+    make_shapes_data, tmp_path, capsys
+):
+    """Was: --out-cfg naming a folder, with --exist-ok, failed only after the labels were read
+    and the anchors fitted. Now the same line before any label is read."""
+    data = make_shapes_data(n_train=3, n_val=2)
+    folder = tmp_path / "out"
+    folder.mkdir()
+    argv = ["--data", str(data), "--cfg", "cfg/yolov3-spp-nano.cfg", "--out-cfg", str(folder)]
+    capsys.readouterr()
+    assert kmeans_anchors.main([*argv, "--exist-ok", "--img-size", "64"]) == 2
+    out, err = capsys.readouterr()
+    assert "anchors=" not in out and err.splitlines() == [
+        f"error: cannot write {folder}: {folder} is a folder, not a file; move it away or "
+        "choose another --out-cfg"
+    ]
+    assert list(folder.iterdir()) == [] and not list(data.parent.glob("*.cache*"))
+
+
+def test_kmeans_anchors_generations_are_bounded(tmp_path, capsys):
+    """Was: --generations 1000000000 ran for days."""
+    argv = ["--list", str(tmp_path), "--generations", "1000000000"]
+    assert kmeans_anchors.main(argv) == 2
+    assert capsys.readouterr().err == (
+        "error: --generations must be in [0, 100000], got 1000000000\n"
+    )
 
 
 def test_kmeans_label_cache_is_the_one_training_reads(make_shapes_data, monkeypatch, caplog):

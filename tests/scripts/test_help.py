@@ -13,8 +13,10 @@ import pytest
 import predict
 import train_multi_GPU
 import validation
+from data import make_shapes
 from tools import (
     calculate_dataset,
+    coco2yolo,
     convert_weights,
     darknet_check,
     demo,
@@ -24,6 +26,7 @@ from tools import (
     trans_voc2yolo,
 )
 from train_utils import config
+from train_utils.cli import path_arg
 
 PARSERS = {
     "train.py": config.get_args_parser,
@@ -88,3 +91,24 @@ def test_help_states_each_default_once(script):
         real_default = action.default not in (None, False, "", argparse.SUPPRESS)
         if takes_value and (real_default or script in EVERY_DEFAULT_STATED):
             assert "default" in block, f"{script}: {flag} does not say its default: {block}"
+
+
+@pytest.mark.parametrize(
+    "parser_of",
+    [*PARSERS.values(), coco2yolo.get_args_parser, make_shapes.get_args_parser],
+)
+def test_an_empty_path_is_refused_not_read_as_the_current_folder(parser_of, capsys):
+    """Was: --out "" (an unset shell variable) was Path("."): coco2yolo and export wrote into
+    the current folder, others named "." in a misleading line. Now argparse's line, exit 2."""
+    parser = parser_of()
+    for action in parser._actions:
+        if action.type is not path_arg:
+            continue
+        flag = action.option_strings[0] if action.option_strings else None
+        argv = [flag, ""] if flag else [""]
+        with pytest.raises(SystemExit) as e:
+            parser.parse_known_args(argv)
+        assert e.value.code == 2
+        name = "/".join(action.option_strings) or action.metavar or action.dest
+        line = capsys.readouterr().err.splitlines()[-1]
+        assert line.endswith(f"error: argument {name}: an empty path; give a file or folder")

@@ -132,6 +132,26 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+def test_cli_bounds_the_image_and_worker_counts(tmp_path, capsys):
+    """Was: --n-train 1000000000000 built a list of that many jobs (memory without bound) and
+    --workers 100000 asked for that many processes."""
+    out = ["--out", str(tmp_path / "o")]
+    for flag, value, line in (
+        (
+            "--n-train",
+            "1000000000000",
+            "--n-train must be in [0, 1000000], got 100000000000... (13 digits)",
+        ),
+        ("--n-val", "-1", "--n-val must be >= 0, got -1"),
+        ("--workers", "100000", "--workers must be in [1, 256], got 100000"),
+        ("--workers", "0", "--workers must be >= 1, got 0"),
+    ):
+        capsys.readouterr()
+        assert main([*out, flag, value]) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_cli_never_writes_over_a_dataset_unasked(tmp_path, capsys):
     """Was: a second run into --out replaced shapes.data and the lists, and left the first
     set's images and labels beside the new ones. Now one line, nothing written, unless

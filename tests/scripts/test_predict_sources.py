@@ -138,6 +138,23 @@ def test_flag_errors(checkpoint, tmp_path, capsys):
     assert "class ids are 0..4" in capsys.readouterr().err
 
 
+def test_an_empty_source_is_refused_not_read_as_the_current_folder(tmp_path, monkeypatch):
+    """Was: --source "" searched the current folder for images (here it would predict on
+    x.jpg), or said the default --output was "inside --source ". Now one line."""
+    from build_utils.errors import ConfigError
+    from predict import plan_outputs
+
+    cv2.imwrite(str(tmp_path / "x.jpg"), np.zeros((8, 8, 3), np.uint8))
+    monkeypatch.chdir(tmp_path)
+    for source in ("", " "):
+        with pytest.raises(ConfigError) as info:
+            plan_outputs([str(tmp_path / "x.jpg"), source])
+        assert str(info.value) == (
+            f"--source {source!r}: an empty source; give an image, folder, video, pattern, "
+            "camera index or URL"
+        )
+
+
 def test_capture_names():
     assert predict.capture_name(Path("/a/clip.mp4")) == "clip"
     assert predict.capture_name("0") == "camera0"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import cv2
+import numpy as np
 import pytest
 import torch
 from conftest import HYP_YAML, NANO_CFG, read_results, run_training, train_argv, validation_argv
@@ -337,6 +339,36 @@ def test_validation_and_predict_take_project_and_name(
         assert main([*argv, "--project", str(inner), "--name", "../up"]) == 2
         assert "would leave --project" in capsys.readouterr().err
     assert not (tmp_path / "runs" / "up").exists()
+
+
+def test_predict_nosave_writes_labels_only(shapes_data, nano_checkpoint, tmp_path, capsys):
+    """YOLOv5's ``detect.py --nosave``: was "unrecognized arguments", exit 2. Now no drawn
+    picture or video; --save-txt's labels still written; alone, no folder is left."""
+    folder = shapes_data.parent / "val" / "images"
+    clip = tmp_path / "clip.mp4"
+    writer = cv2.VideoWriter(str(clip), cv2.VideoWriter_fourcc(*"mp4v"), 5, (IMG, IMG))
+    for i in range(2):
+        writer.write(np.full((IMG, IMG, 3), 60 * i, np.uint8))
+    writer.release()
+    pred = ["--weights", str(nano_checkpoint), "--cfg", str(NANO_CFG), "--img-size", str(IMG)]
+    pred += ["--device", "cpu", "--source", str(folder), str(clip), "--nosave"]
+    out = tmp_path / "out"
+    assert predict.main([*pred, "--save-txt", "--output", str(out)]) == 0
+    images = sorted(p.stem for p in folder.glob("*.jpg"))
+    written = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if p.is_file())
+    assert written == sorted(
+        [f"labels/clip_{n}.txt" for n in (1, 2)] + [f"labels/images/{s}.txt" for s in images]
+    )
+    assert predict.main([*pred, "--output", str(tmp_path / "none")]) == 0
+    assert not (tmp_path / "none").exists()
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            f"{len(images)} images and 2 video frames predicted (--nosave: no drawn pictures) "
+            "(nothing written)"
+        )
+    )
 
 
 @pytest.mark.slow
