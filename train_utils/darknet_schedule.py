@@ -184,13 +184,7 @@ class DarknetSettings:
                     f"scales lists {len(scales)} values for {len(steps)} steps",
                     "scales",
                 )
-            down = next((b for a, b in itertools.pairwise(steps) if b < a), None)
-            if down is not None:
-                # Darknet stops at the first step beyond the iteration: a smaller one after it
-                # would wait for it.
-                raise layer_error(
-                    net, f"steps must not decrease: {down} comes after a larger step", "steps"
-                )
+            _check_steps_increase(net, steps)
         sgdr_cycle = int(net.get("sgdr_cycle", max_batches))
         sgdr_mult = int(net.get("sgdr_mult", 2))
         if policy == "sgdr" and (sgdr_cycle < 1 or sgdr_mult < 1):
@@ -207,19 +201,7 @@ class DarknetSettings:
         # Every float key as Darknet reads it (float32), its default the field's: one copy (the
         # field types are strings here: annotations are postponed).
         reals = {f.name: _f32(net.get(f.name, f.default)) for f in fields(cls) if f.type == "float"}
-        for key, value in [*reals.items(), *(("scales", v) for v in scales)]:
-            if not math.isfinite(value):
-                raise layer_error(
-                    net,
-                    f"{key}={net[key]} is beyond float32's range (Darknet reads a C float)",
-                    key,
-                )
-        for key, (lo, hi, why) in REAL_RANGES.items():
-            values = scales if key == "scales" else (reals[key],)
-            bad = [v for v in values if not lo <= v <= hi]
-            if bad:
-                within = f"at least {lo:g}" if hi == math.inf else f"in [{lo:g}, {hi:g}]"
-                raise layer_error(net, f"{key}={bad[0]:g} must be {within} ({why})", key)
+        _check_reals(net, reals, scales)
         step = int(net.get("step", cls.step))
         if policy == "step" and step < 1:
             raise layer_error(net, f"policy=step needs step >= 1 (the period), got {step}", "step")
@@ -239,6 +221,32 @@ class DarknetSettings:
             sgdr_mult=sgdr_mult,
             **reals,
         )
+
+
+def _check_steps_increase(net: Block, steps: tuple[int, ...]) -> None:
+    """Darknet stops at the first step beyond the iteration: a smaller one after it would wait
+    for it. Raises ConfigError naming the ``steps`` line."""
+    down = next((b for a, b in itertools.pairwise(steps) if b < a), None)
+    if down is not None:
+        raise layer_error(
+            net, f"steps must not decrease: {down} comes after a larger step", "steps"
+        )
+
+
+def _check_reals(net: Block, reals: Mapping[str, float], scales: tuple[float, ...]) -> None:
+    """The float keys (as float32) and ``scales``: finite, and within :data:`REAL_RANGES`.
+    Raises ConfigError naming the key's line."""
+    for key, value in [*reals.items(), *(("scales", v) for v in scales)]:
+        if not math.isfinite(value):
+            raise layer_error(
+                net, f"{key}={net[key]} is beyond float32's range (Darknet reads a C float)", key
+            )
+    for key, (lo, hi, why) in REAL_RANGES.items():
+        values = scales if key == "scales" else (reals[key],)
+        bad = [v for v in values if not lo <= v <= hi]
+        if bad:
+            within = f"at least {lo:g}" if hi == math.inf else f"in [{lo:g}, {hi:g}]"
+            raise layer_error(net, f"{key}={bad[0]:g} must be {within} ({why})", key)
 
 
 class GlibcRandom:
