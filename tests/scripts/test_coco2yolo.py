@@ -204,6 +204,14 @@ def test_a_non_empty_out_of_other_content_is_refused(tmp_path, make_shapes_data)
     assert code == 2 and "--out lies inside --images" in err
 
 
+def test_images_that_is_a_file_is_named_so(tmp_path):
+    """Was: --images FILE said "folder not found"."""
+    src = _write_json(tmp_path / "instances_val.json", {"images": [], "annotations": []})
+    code, err = _convert("--json", str(src), "--images", str(src), "--out", str(tmp_path / "o"))
+    assert (code, err) == (2, f"error: {src}: --images: a file, not a folder\n")
+    assert not (tmp_path / "o").exists()
+
+
 def test_converting_in_place_is_refused_and_keeps_the_images(tmp_path, make_shapes_data):
     """ultralytics' layout (OUT/images/val with the JSON beside): converting into OUT itself
     would make the input the split's output, and a second --exist-ok run deleted it."""
