@@ -379,9 +379,10 @@ def check_places(args: argparse.Namespace, split: str) -> None:
 
 
 def coco_to_yolo(args: argparse.Namespace) -> None:
-    split = args.split or args.json.stem.removeprefix("instances_")
+    # An empty --split (an unset shell variable) is refused, not read as "not given".
+    split = args.json.stem.removeprefix("instances_") if args.split is None else args.split
     if not split or "/" in split or split in (".", ".."):
-        raise ConfigError(f"--split {short_text(split)}: give a plain folder name")
+        raise ConfigError(f"--split {short_repr(split)}: give a plain folder name")
     role = split_role(split)
     check_places(args, split)
     out = args.out
