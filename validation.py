@@ -81,6 +81,7 @@ from train_utils.cli import (
     run_script,
     switch,
     take_from_run,
+    warn_save_conf_alone,
 )
 from train_utils.config import DataConfig, load_data_config
 from train_utils.data_loaders import eval_image_ids, make_eval_dataset, make_eval_loader
@@ -246,6 +247,7 @@ def resolve_settings(args: argparse.Namespace, weights: WeightsFile) -> None:
     check_at_least({"--batch-size": args.batch_size, "--max-det": args.max_det}, 1)
     check_at_least({"--workers": args.workers}, 0)
     check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
+    warn_save_conf_alone(args)
 
 
 def evaluation_options(

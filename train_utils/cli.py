@@ -349,6 +349,13 @@ def check_environment() -> None:
     positive_env_int(MEMORY_ENV, "bytes")
 
 
+def warn_save_conf_alone(args: argparse.Namespace) -> None:
+    """One warning line for ``--save-conf`` without ``--save-txt``, which it only adds to
+    (YOLOv5 ignores it silently)."""
+    if args.save_conf and not args.save_txt:
+        logger.warning("--save-conf adds the confidence to --save-txt's labels; ignored without it")
+
+
 def check_time_budget(minutes: float | None) -> None:
     """``--time-budget`` (None: not set) is a positive number of minutes, finite in seconds too
     (1e308 minutes is inf seconds)."""

@@ -99,6 +99,17 @@ def test_no_plots_and_no_conf(shapes_data, weights5, tmp_path):
     assert len(line.split()) == 5
 
 
+def test_save_conf_without_save_txt_says_it_is_ignored(shapes_data, weights5, tmp_path, caplog):
+    """Was: silently ignored (as YOLOv5 does); now one warning line."""
+    save = tmp_path / "val"
+    argv = _argv(shapes_data, weights5, "--save-dir", str(save), "--save-conf", "--no-plots")
+    with caplog.at_level("WARNING"):
+        assert validation.main(argv) == 0
+    line = "--save-conf adds the confidence to --save-txt's labels; ignored without it"
+    assert caplog.messages.count(line) == 1
+    assert not (save / "labels").exists()
+
+
 def test_task_speed(shapes_data, weights5, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     argv = _argv(shapes_data, weights5, "--task", "speed", "--save-dir", str(tmp_path / "v"))
