@@ -441,6 +441,8 @@ def test_repeated_net_key_first_wins_with_a_warning(tmp_path, caplog):
     path = write(tmp_path, text)
     with caplog.at_level("WARNING", logger="build_utils.parse_config"):
         net = parse_model_cfg(path)[0]
+        # Was: said again each time the same cfg was read (twice in one train.py run).
+        assert parse_model_cfg(path)[0] == net
     assert net["batch"] == 1 and net["subdivisions"] == 1
     assert net["_lines"]["batch"] == 4
     assert [r.getMessage() for r in caplog.records] == [
