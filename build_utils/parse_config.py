@@ -30,7 +30,7 @@ from build_utils.atomic import write_text
 from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
-from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
+from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr
 
 LOGGER = logging.getLogger(__name__)
 # The repeated [net] keys already reported by this process, as (cfg, line, key): one run reads
@@ -962,7 +962,7 @@ def split_role(split: str, flag: str = "--split") -> str:
         if split.lower().startswith(role):
             return role
     raise ConfigError(
-        f"{flag} {short_text(split)}: name it train..., val... or test... (it becomes that "
+        f"{flag} {short_repr(split)}: name it train..., val... or test... (it becomes that "
         "key of data.yaml)"
     )
 
