@@ -82,6 +82,7 @@ from train_utils.cli import (
     project_folder,
     run_script,
     take_from_run,
+    warn_save_conf_alone,
 )
 from train_utils.distributed.devices import select_device
 from train_utils.evaluation.detection_files import write_yolo_txt
@@ -853,6 +854,7 @@ def check_flags(args: argparse.Namespace) -> None:
         raise ConfigError(
             f"--line-thickness {args.line_thickness}: at most {MAX_LINE_THICKNESS} pixels"
         )
+    warn_save_conf_alone(args)
 
 
 def make_predictor(args: argparse.Namespace) -> tuple[Predictor, list[str]]:

@@ -81,6 +81,7 @@ from train_utils.cli import (
     run_script,
     switch,
     take_from_run,
+    warn_save_conf_alone,
 )
 from train_utils.config import DataConfig, load_data_config
 from train_utils.data_loaders import eval_image_ids, make_eval_dataset, make_eval_loader
@@ -246,6 +247,7 @@ def resolve_settings(args: argparse.Namespace, weights: WeightsFile) -> None:
     check_at_least({"--batch-size": args.batch_size, "--max-det": args.max_det}, 1)
     check_at_least({"--workers": args.workers}, 0)
     check_fractions({"--conf-thres": args.conf_thres, "--iou-thres": args.iou_thres})
+    warn_save_conf_alone(args)
 
 
 def evaluation_options(
@@ -432,10 +434,20 @@ def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evalua
     data = load_data_config(args.data, args.single_cls)
     opts = evaluation_options(args, weights, device, dist.is_main)
     data_nc = load_data_config(args.data).nc if args.single_cls else data.nc
-    model = build_model(args, weights, data.nc, device, opts.channels_last, data_nc)
     dataset = make_eval_dataset(
         data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
     )
+    if args.batch_size > len(dataset):
+        # As YOLOv5: one batch holds every image either way (the same rect shape, the same
+        # scores), and the model's memory check is then made for the images there are.
+        logger.info(
+            "--batch-size %d: the dataset has %d images; batch %d",
+            args.batch_size,
+            len(dataset),
+            len(dataset),
+        )
+        args.batch_size = len(dataset)
+    model = build_model(args, weights, data.nc, device, opts.channels_last, data_nc)
     gt_ids = eval_image_ids(data, dataset.img_files)
     coco_ids = json_ids(args, data, dataset.img_files, gt_ids) if args.save_json else None
     source_gt = None

@@ -10,7 +10,9 @@ and shape.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Collection, Mapping
+from pathlib import Path
 from typing import Any
 
 from build_utils.errors import ConfigError
@@ -89,3 +91,13 @@ def check_choice(what: str, value: Any, choices: Collection[Any]) -> Any:
     if value not in choices:
         raise ConfigError(f"{what} {value!r} is not one of {', '.join(map(str, choices))}")
     return value
+
+
+def check_folder(path: str | os.PathLike[str], what: str) -> None:
+    """``path`` is an existing folder (``what`` names it, e.g. the flag): ConfigError saying
+    it is missing or a file otherwise. A file is the counterpart of
+    :func:`build_utils.limits.check_config_file`'s "a folder, not a file"."""
+    path = Path(path)
+    if not path.is_dir():
+        why = "a file, not a folder" if path.exists() else "folder not found"
+        raise ConfigError(f"{what}: {why}", path)

@@ -30,9 +30,13 @@ from build_utils.atomic import write_text
 from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
-from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
+from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr
 
 LOGGER = logging.getLogger(__name__)
+# The repeated [net] keys already reported by this process, as (cfg, line, key): one run reads
+# its cfg more than once (train.py checks it before claiming a run folder and builds the model
+# from it later, --evolve once per candidate), and the user needs to hear it once.
+_REPORTED_REPEATS: set[tuple[str, int, str]] = set()
 
 Block = dict[str, Any]
 
@@ -515,13 +519,15 @@ def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
         # Darknet's option lists return the first occurrence and report the rest as unused
         # (yolov3-openimages.cfg sets batch twice). [net] only holds training settings; a
         # repeated layer key, which would silently change the network, stays an error.
-        LOGGER.warning(
-            "%s:%d: key '%s' in [net] repeats line %d; the first value is used, as in Darknet",
-            path,
-            number,
-            key,
-            block["_lines"][key],
-        )
+        if (path, number, key) not in _REPORTED_REPEATS:
+            _REPORTED_REPEATS.add((path, number, key))
+            LOGGER.warning(
+                "%s:%d: key '%s' in [net] repeats line %d; the first value is used, as in Darknet",
+                path,
+                number,
+                key,
+                block["_lines"][key],
+            )
         return
     if key in block["_lines"]:
         first = block["_lines"][key]
@@ -956,7 +962,7 @@ def split_role(split: str, flag: str = "--split") -> str:
         if split.lower().startswith(role):
             return role
     raise ConfigError(
-        f"{flag} {short_text(split)}: name it train..., val... or test... (it becomes that "
+        f"{flag} {short_repr(split)}: name it train..., val... or test... (it becomes that "
         "key of data.yaml)"
     )
 

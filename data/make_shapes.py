@@ -378,7 +378,8 @@ OUTPUTS = ("train", "val", "train.txt", "val.txt", "shapes.names", "shapes.data"
 
 
 def make_shapes(args: argparse.Namespace) -> None:
-    check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 0, MAX_IMAGES_PER_SPLIT)
+    # At least one image each: training refuses an empty split (an empty val too, --notest or not).
+    check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 1, MAX_IMAGES_PER_SPLIT)
     check_at_least({"--workers": args.workers}, 1, MAX_WORKERS)
     check_new_outputs([args.out / name for name in OUTPUTS], "--out", args.exist_ok)
     for split in ("train", "val"):

@@ -46,7 +46,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from build_utils.atomic import make_output_dir, reported_write, write_text
-from build_utils.checks import finite_float, is_int
+from build_utils.checks import check_folder, finite_float, is_int
 from build_utils.errors import ConfigError
 from build_utils.image_io import check_image, is_image_file
 from build_utils.labels import img2label_path, yolo_txt_lines
@@ -360,8 +360,7 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 
 def check_places(args: argparse.Namespace, split: str) -> None:
     """--images exists, and --out neither lies inside it nor holds it as this split's folder."""
-    if not args.images.is_dir():
-        raise ConfigError("--images: folder not found", args.images)
+    check_folder(args.images, "--images")
     out = args.out
     if out.resolve().is_relative_to(args.images.resolve()):
         raise ConfigError(
@@ -380,9 +379,10 @@ def check_places(args: argparse.Namespace, split: str) -> None:
 
 
 def coco_to_yolo(args: argparse.Namespace) -> None:
-    split = args.split or args.json.stem.removeprefix("instances_")
+    # An empty --split (an unset shell variable) is refused, not read as "not given".
+    split = args.json.stem.removeprefix("instances_") if args.split is None else args.split
     if not split or "/" in split or split in (".", ".."):
-        raise ConfigError(f"--split {short_text(split)}: give a plain folder name")
+        raise ConfigError(f"--split {short_repr(split)}: give a plain folder name")
     role = split_role(split)
     check_places(args, split)
     out = args.out

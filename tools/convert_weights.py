@@ -8,7 +8,8 @@
 The direction follows what the source is (recognised by its content): a PyTorch checkpoint
 becomes a Darknet ``.weights`` file and a Darknet file a ``.pt``; the output defaults to the
 source's name with the other suffix, never overwrites the source, and replaces an existing file
-only with ``--exist-ok``. A checkpoint written by
+only with ``--exist-ok``, never a file of a training run (its ``last.pt``, ``best.pt``, ...,
+beside its ``results.csv``). A checkpoint written by
 train.py carries its cfg; Darknet files and bare state_dicts need ``--cfg`` (or ultralytics/yolov3's
 first positional argument). A ``.pt`` source may be an ultralytics/yolov3 checkpoint
 (``{'model': state_dict, ...}``) or a bare state_dict; it must match the cfg exactly. The
@@ -32,6 +33,7 @@ from models.weights import save_weights
 from train_utils.checkpoint import read_weights, save_weights_pt
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, path_arg, run_script
 from train_utils.load_model import model_from_weights
+from train_utils.run_folder import check_not_a_run_file
 
 PT_SUFFIX = ".pt"
 DARKNET_SUFFIX = ".weights"
@@ -99,6 +101,7 @@ def convert(
             f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
             f"in .weights and the other in .pt or .pth"
         )
+    check_not_a_run_file(dst, OUTPUT_FLAG, dst.with_name(f"{dst.stem}-converted{dst.suffix}"))
     check_new_outputs([dst], OUTPUT_FLAG, exist_ok, {"the cfg": cfg})
     model = model_from_weights(weights, cfg, None, img_size=416)
     make_output_dir(dst.parent, OUTPUT_FLAG)

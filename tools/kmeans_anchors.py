@@ -46,7 +46,7 @@ from build_utils.atomic import check_new_outputs, check_output_place, make_outpu
 from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
-from build_utils.limits import MAX_TEXT_BYTES, read_config_text
+from build_utils.limits import MAX_TEXT_BYTES, check_config_file, read_config_text
 from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
 from train_utils.cli import HelpFormatter, check_img_size_limit, path_arg, run_script
@@ -154,8 +154,8 @@ def check_args(args: argparse.Namespace) -> None:
     """Every flag, before any label is read."""
     if (args.cfg is None) != (args.out_cfg is None):
         raise ConfigError("--cfg and --out-cfg go together")
-    if args.cfg is not None and not args.cfg.is_file():
-        raise ConfigError("model cfg not found", args.cfg)
+    if args.cfg is not None:
+        check_config_file(args.cfg, MAX_TEXT_BYTES, "model cfg")
     if not 0 < args.iou_t < 1:
         raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
     check_img_size_limit(args.img_size)

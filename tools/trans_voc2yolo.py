@@ -62,6 +62,7 @@ from build_utils.atomic import (
     make_output_dir,
     write_text,
 )
+from build_utils.checks import check_folder
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import (
     exif_orientation,
@@ -531,8 +532,7 @@ def voc_to_yolo(args: argparse.Namespace) -> None:
     source, flag = (
         (args.xml_dir, "--xml-dir") if args.voc_root is None else (args.voc_root, "--voc-root")
     )
-    if not source.is_dir():
-        raise ConfigError(f"{flag}: folder not found", source)
+    check_folder(source, flag)
     names = class_names(args)
     # Before anything is written: a split that is no data.yaml role, an output in the way.
     data_yaml = voc_data_yaml(args.splits, names) if args.voc_root is not None else None

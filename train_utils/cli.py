@@ -169,6 +169,7 @@ def add_project_flags(g: ArgGroup, project_default: str, folder_flag: str) -> No
     g.add_argument(
         "--project",
         default=None,
+        type=path_arg,
         metavar="DIR",
         help=f"write into DIR/NAME instead of {folder_flag}, numbered NAME2, NAME3, ... when "
         f"it holds files (default DIR: {project_default} when only --name is given)",
@@ -176,6 +177,7 @@ def add_project_flags(g: ArgGroup, project_default: str, folder_flag: str) -> No
     g.add_argument(
         "--name",
         default=None,
+        type=path_arg,
         help=f"the folder's name under --project (default: {DEFAULT_RUN_NAME})",
     )
 
@@ -191,7 +193,8 @@ def project_folder(args: argparse.Namespace, folder_flag: str, project_default: 
             f"{folder_flag} is the output folder itself, --project/--name its parent and name: "
             f"give one or the other"
         )
-    return run_name_folder(Path(args.project or project_default), args.name)
+    name = None if args.name is None else str(args.name)
+    return run_name_folder(Path(args.project or project_default), name)
 
 
 def run_name_folder(parent: Path, name: str | None) -> Path:
@@ -344,6 +347,13 @@ def check_environment() -> None:
     fixed_thread_count(os.environ)
     check_limit_settings()
     positive_env_int(MEMORY_ENV, "bytes")
+
+
+def warn_save_conf_alone(args: argparse.Namespace) -> None:
+    """One warning line for ``--save-conf`` without ``--save-txt``, which it only adds to
+    (YOLOv5 ignores it silently)."""
+    if args.save_conf and not args.save_txt:
+        logger.warning("--save-conf adds the confidence to --save-txt's labels; ignored without it")
 
 
 def check_time_budget(minutes: float | None) -> None:

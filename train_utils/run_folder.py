@@ -50,6 +50,8 @@ RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log", SEARCH_RECORD)
 # hyp.yaml, say: perhaps this run's --cfg) is not written over either.
 RUN_WRITES = (RUN_CFG_NAME, RUN_HYP_NAME, RUN_ARGS_NAME, "per_class.csv")
 RUN_OUTPUTS = RUN_FILES + RUN_WRITES  # a folder holding any of these gets the next number
+# The checkpoints a run writes (train_utils/rounds.save_on_main; .weights: --recipe darknet).
+RUN_CHECKPOINT = re.compile(r"(last|best)\.(pt|weights)|epoch\d+\.pt")
 REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
 FAILED_PREFIX = "failed-"  # a start that failed before its first checkpoint: <run>/failed-<time>/
 MOVED_PREFIXES = (REPLACED_PREFIX, FAILED_PREFIX)
@@ -180,6 +182,26 @@ def holds_run(folder: Path, names: tuple[str, ...] = RUN_FILES) -> bool:
         except FileNotFoundError:
             continue
     return False
+
+
+def check_not_a_run_file(path: Path, flag: str, instead: Path) -> None:
+    """Refuse an output ``path`` that is a file a training run wrote (a checkpoint such as its
+    resumable ``last.pt``, its ``results.csv``, ...) in a folder that holds that run by its
+    other files: a finished run is never written over, not even with ``--exist-ok``
+    (``--resume`` continues it). ``instead``: the output the message suggests.
+
+    Raises:
+        ConfigError: ``path`` exists and is one of the run's files.
+    """
+    path = Path(path)
+    if path.name not in RUN_OUTPUTS and not RUN_CHECKPOINT.fullmatch(path.name):
+        return
+    others = tuple(name for name in RUN_FILES if name != path.name)
+    if path.exists() and holds_run(path.parent, others):
+        raise ConfigError(
+            f"{flag} {path} is a file of the training run in {path.parent}, which is never "
+            f"replaced (not even with --exist-ok); choose another {flag}, e.g. {instead}"
+        )
 
 
 class FolderInUse(ConfigError):

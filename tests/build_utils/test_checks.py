@@ -51,3 +51,16 @@ def test_range_and_choice_checks_word_their_errors_one_way():
     assert checks.check_choice("--kind", "b", ("a", "b")) == "b"
     with pytest.raises(ConfigError, match=r"^--kind 'c' is not one of a, b$"):
         checks.check_choice("--kind", "c", ("a", "b"))
+
+
+def test_a_folder_check_says_missing_or_a_file(tmp_path):
+    """Was: tools/coco2yolo.py --images FILE said "folder not found"."""
+    checks.check_folder(tmp_path, "--images")
+    file = tmp_path / "a.json"
+    file.write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        checks.check_folder(file, "--images")
+    assert str(e.value) == f"{file}: --images: a file, not a folder"
+    with pytest.raises(ConfigError) as e:
+        checks.check_folder(tmp_path / "nope", "--images")
+    assert str(e.value) == f"{tmp_path / 'nope'}: --images: folder not found"

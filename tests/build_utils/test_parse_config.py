@@ -19,6 +19,7 @@ from build_utils.parse_config import (
     parse_data_cfg,
     parse_model_cfg,
     rewrite_cfg_classes,
+    split_role,
     write_model_cfg,
 )
 
@@ -441,6 +442,8 @@ def test_repeated_net_key_first_wins_with_a_warning(tmp_path, caplog):
     path = write(tmp_path, text)
     with caplog.at_level("WARNING", logger="build_utils.parse_config"):
         net = parse_model_cfg(path)[0]
+        # Was: said again each time the same cfg was read (twice in one train.py run).
+        assert parse_model_cfg(path)[0] == net
     assert net["batch"] == 1 and net["subdivisions"] == 1
     assert net["_lines"]["batch"] == 4
     assert [r.getMessage() for r in caplog.records] == [
@@ -732,3 +735,15 @@ def test_a_names_file_that_is_a_device_is_named_as_such(tmp_path):
     with pytest.raises(ConfigError) as info:
         parse_data_cfg(data)
     assert str(info.value) == "/dev/zero: class names file: a character device, not a regular file"
+
+
+def test_a_split_name_gives_its_data_yaml_key_or_one_quoted_line():
+    """Was: an empty --splits value read '--splits : name it ...'."""
+    assert [split_role(s) for s in ("train2017", "VAL", "test-dev")] == ["train", "val", "test"]
+    for name in ("", "images"):
+        with pytest.raises(ConfigError) as e:
+            split_role(name, "--splits")
+        assert str(e.value) == (
+            f"--splits {name!r}: name it train..., val... or test... (it becomes that key of "
+            "data.yaml)"
+        )

@@ -204,6 +204,24 @@ def test_a_non_empty_out_of_other_content_is_refused(tmp_path, make_shapes_data)
     assert code == 2 and "--out lies inside --images" in err
 
 
+def test_images_that_is_a_file_is_named_so(tmp_path):
+    """Was: --images FILE said "folder not found"."""
+    src = _write_json(tmp_path / "instances_val.json", {"images": [], "annotations": []})
+    code, err = _convert("--json", str(src), "--images", str(src), "--out", str(tmp_path / "o"))
+    assert (code, err) == (2, f"error: {src}: --images: a file, not a folder\n")
+    assert not (tmp_path / "o").exists()
+
+
+def test_an_empty_split_is_refused_not_taken_from_the_json_name(tmp_path, make_shapes_data):
+    """Was: --split "" (an unset shell variable) fell back to the JSON's name (val) silently."""
+    data = make_shapes_data(n_train=2, n_val=2, img_size_range=(64, 64), n_classes=3)
+    src = _write_json(tmp_path / "instances_val.json", _coco_from_shapes(data.parent, "val", 1))
+    images = str(data.parent / "val" / "images")
+    argv = ["--json", str(src), "--images", images, "--out", str(tmp_path / "o"), "--split", ""]
+    assert _convert(*argv) == (2, "error: --split '': give a plain folder name\n")
+    assert not (tmp_path / "o").exists()
+
+
 def test_converting_in_place_is_refused_and_keeps_the_images(tmp_path, make_shapes_data):
     """ultralytics' layout (OUT/images/val with the JSON beside): converting into OUT itself
     would make the input the split's output, and a second --exist-ok run deleted it."""

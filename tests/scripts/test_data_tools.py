@@ -416,6 +416,12 @@ def test_voc_size_and_folder_problems_are_named_as_they_are(tmp_path, capsys):
         assert trans_voc2yolo.main([flag, str(missing), *more, *out]) == 2
         [line] = capsys.readouterr().err.splitlines()
         assert line == f"error: {missing}: {flag}: folder not found"
+        # Was: "folder not found" for a file too.
+        file = tmp_path / "a.xml"
+        file.write_text("<annotation/>")
+        assert trans_voc2yolo.main([flag, str(file), *more, *out]) == 2
+        [line] = capsys.readouterr().err.splitlines()
+        assert line == f"error: {file}: {flag}: a file, not a folder"
     assert not (tmp_path / "l").exists() and not (tmp_path / "o").exists()
 
 
@@ -686,6 +692,14 @@ def test_kmeans_anchors_refuses_a_folder_out_cfg_before_reading_labels(
         "choose another --out-cfg"
     ]
     assert list(folder.iterdir()) == [] and not list(data.parent.glob("*.cache*"))
+
+
+def test_kmeans_anchors_cfg_that_is_a_folder_is_named_so(tmp_path, capsys):
+    """Was: --cfg FOLDER said "model cfg not found"."""
+    argv = ["--list", str(tmp_path), "--cfg", str(tmp_path), "--out-cfg", str(tmp_path / "o.cfg")]
+    assert kmeans_anchors.main(argv) == 2
+    assert capsys.readouterr().err == f"error: {tmp_path}: model cfg: a folder, not a file\n"
+    assert not (tmp_path / "o.cfg").exists()
 
 
 def test_kmeans_anchors_generations_are_bounded(tmp_path, capsys):

@@ -133,16 +133,20 @@ def test_cli_rejects_bad_arguments(tmp_path, capsys):
 
 
 def test_cli_bounds_the_image_and_worker_counts(tmp_path, capsys):
-    """Was: --n-train 1000000000000 built a list of that many jobs (memory without bound) and
-    --workers 100000 asked for that many processes."""
+    """Was: --n-train 1000000000000 built a list of that many jobs (memory without bound),
+    --workers 100000 asked for that many processes and --n-train 0 / --n-val 0 wrote a dataset
+    training refuses."""
     out = ["--out", str(tmp_path / "o")]
     for flag, value, line in (
         (
             "--n-train",
             "1000000000000",
-            "--n-train must be in [0, 1000000], got 100000000000... (13 digits)",
+            "--n-train must be in [1, 1000000], got 100000000000... (13 digits)",
         ),
-        ("--n-val", "-1", "--n-val must be >= 0, got -1"),
+        ("--n-val", "-1", "--n-val must be >= 1, got -1"),
+        # Were a dataset written that training then refused ("train.txt: no images found").
+        ("--n-train", "0", "--n-train must be >= 1, got 0"),
+        ("--n-val", "0", "--n-val must be >= 1, got 0"),
         ("--workers", "100000", "--workers must be in [1, 256], got 100000"),
         ("--workers", "0", "--workers must be >= 1, got 0"),
     ):

@@ -80,6 +80,21 @@ def test_save_txt_conf_and_classes(checkpoint, shapes_data, tmp_path):
     assert len(first.split()) == 5
 
 
+def test_save_conf_without_save_txt_says_it_is_ignored(checkpoint, shapes_data, tmp_path, caplog):
+    """Was: silently ignored (as YOLOv5 does); now one warning line, and nothing else changes."""
+    image = str(sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0])
+    line = "--save-conf adds the confidence to --save-txt's labels; ignored without it"
+    with caplog.at_level("WARNING"):
+        assert _main(checkpoint, tmp_path / "a", "--source", image, "--save-conf") == 0
+    assert [r.getMessage() for r in caplog.records if r.levelname == "WARNING"] == [line]
+    assert not (tmp_path / "a" / "labels").exists()
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        argv = ["--source", image, "--save-conf", "--save-txt"]
+        assert _main(checkpoint, tmp_path / "b", *argv) == 0
+    assert line not in caplog.messages
+
+
 def test_folder_with_images_and_videos(checkpoint, shapes_data, tmp_path, capsys):
     folder = tmp_path / "mixed"
     (folder / "sub").mkdir(parents=True)

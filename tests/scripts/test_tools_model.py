@@ -211,6 +211,32 @@ def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
     assert not (tmp_path / "y.pt").exists()
 
 
+def test_convert_weights_never_replaces_a_runs_checkpoint(tiny_pt, tmp_path, capsys):
+    """Was: -o runs/x/last.pt --exist-ok replaced a finished run's resumable last.pt with
+    converted weights (epoch -1). A run's file (results.csv beside it) is refused with one line
+    naming another output, with or without --exist-ok; that other output is written."""
+    darknet = tmp_path / "tiny.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(darknet)]) == 0
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.csv").write_text("epoch,mAP50\n0,0.5\n")
+    last = run / "last.pt"
+    last.write_bytes(tiny_pt.read_bytes())
+    capsys.readouterr()
+    for extra in ([], ["--exist-ok"]):
+        argv = ["--weights", str(darknet), "--cfg", str(TINY), "-o", str(last), *extra]
+        assert convert_weights.main(argv) == 2
+        assert one_error_line(capsys) == (
+            f"error: --output {last} is a file of the training run in {run}, which is never "
+            f"replaced (not even with --exist-ok); choose another --output, e.g. "
+            f"{run / 'last-converted.pt'}\n"
+        )
+        assert last.read_bytes() == tiny_pt.read_bytes()
+    other = ["--weights", str(darknet), "--cfg", str(TINY), "-o", str(run / "last-converted.pt")]
+    assert convert_weights.main(other) == 0
+    assert convert_weights.main([*other, "--exist-ok"]) == 0
+
+
 # --------------------------------------------------------------------------------------------
 # tools/export.py --include onnx (was tools/export_onnx.py)
 

@@ -99,6 +99,43 @@ def test_no_plots_and_no_conf(shapes_data, weights5, tmp_path):
     assert len(line.split()) == 5
 
 
+def test_a_batch_larger_than_the_dataset_is_one_batch_of_every_image(
+    shapes_data, weights5, tmp_path, monkeypatch, caplog
+):
+    """Was: --batch 64 on 10 images refused by the model's memory check, made for 64 images;
+    now the batch is the dataset's size (as YOLOv5 gets), said in one line, same scores."""
+    from models.budget import MEMORY_ENV, estimate_model
+
+    blocks = rewrite_cfg_classes(parse_model_cfg(NANO_CFG), 5)
+    est = estimate_model(blocks, (IMG, IMG))
+    n = len((shapes_data.parent / "val.txt").read_text().split())
+    # Room for twice the dataset's images, not for 64.
+    monkeypatch.setenv(MEMORY_ENV, str(est.params * 4 + 2 * n * est.live_bytes_per_image()))
+    scores = {}
+    for batch in (64, n):
+        argv = _argv(
+            shapes_data, weights5, "--save-dir", str(tmp_path / str(batch)), "--batch", str(batch)
+        )
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            assert validation.main([*argv, "--no-plots"]) == 0
+        scores[batch] = (tmp_path / str(batch) / "per_class.csv").read_text()
+        clamped = f"--batch-size 64: the dataset has {n} images; batch {n}"
+        assert (clamped in caplog.messages) == (batch == 64)
+    assert scores[64] == scores[n]
+
+
+def test_save_conf_without_save_txt_says_it_is_ignored(shapes_data, weights5, tmp_path, caplog):
+    """Was: silently ignored (as YOLOv5 does); now one warning line."""
+    save = tmp_path / "val"
+    argv = _argv(shapes_data, weights5, "--save-dir", str(save), "--save-conf", "--no-plots")
+    with caplog.at_level("WARNING"):
+        assert validation.main(argv) == 0
+    line = "--save-conf adds the confidence to --save-txt's labels; ignored without it"
+    assert caplog.messages.count(line) == 1
+    assert not (save / "labels").exists()
+
+
 def test_task_speed(shapes_data, weights5, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     argv = _argv(shapes_data, weights5, "--task", "speed", "--save-dir", str(tmp_path / "v"))
