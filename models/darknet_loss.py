@@ -50,14 +50,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from build_utils.parse_config import (
     DEFAULT_CLASSES,
     DEFAULT_MAX_BOXES,
     Block,
+    c_float,
     layer_error,
+    to_c_float,
     yolo_mask,
 )
 
@@ -108,12 +109,6 @@ _IOU_CHUNK = 1 << 24
 GAIN_KEYS = ("iou_normalizer", "obj_normalizer", "cls_normalizer")
 
 
-def _f32(value: float) -> float:
-    """``value`` as the C ``float`` Darknet keeps it in (inf beyond float32, as in C)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(value))
-
-
 @dataclass(frozen=True)
 class YoloLossSpec:
     """One ``[yolo]`` layer's training keys with Darknet's defaults (floats rounded to float32
@@ -129,12 +124,12 @@ class YoloLossSpec:
     anchors: tuple[tuple[float, float], ...]
     mask: tuple[int, ...]
     classes: int = DEFAULT_CLASSES
-    ignore_thresh: float = _f32(0.5)
+    ignore_thresh: float = to_c_float(0.5)
     truth_thresh: float = 1.0
     iou_thresh: float = 1.0
     iou_thresh_kind: str = "iou"
     iou_loss: str = "mse"
-    iou_normalizer: float = _f32(0.75)
+    iou_normalizer: float = to_c_float(0.75)
     obj_normalizer: float = 1.0
     cls_normalizer: float = 1.0
     max_delta: float = math.inf
@@ -163,7 +158,8 @@ class YoloLossSpec:
             ConfigError: naming the key's line: an unknown ``iou_loss`` or ``iou_thresh_kind``
                 (Darknet would silently use iou), ``counters_per_class`` not listing one count
                 per class, a ``map`` file, a negative ``max``, a negative gain
-                (:data:`GAIN_KEYS`), a ``max_delta`` not above 0 (Darknet would train on).
+                (:data:`GAIN_KEYS`), a ``max_delta`` not above 0, either beyond float32 (Darknet
+                would train on).
         """
         flat = block["anchors"]
         anchors = tuple((float(flat[k]), float(flat[k + 1])) for k in range(0, len(flat), 2))
@@ -178,14 +174,11 @@ class YoloLossSpec:
         if max_boxes < 0:
             raise layer_error(block, f"max={max_boxes} must be at least 0", "max")
         for key in (*GAIN_KEYS, "max_delta"):
-            value = _f32(block.get(key, 1.0))
-            lowest_ok = value > 0 if key == "max_delta" else value >= 0
-            if not (lowest_ok and math.isfinite(value)):
+            value = c_float(block, key, 1.0)
+            if value < 0 or (key == "max_delta" and value == 0):
                 above = "above" if key == "max_delta" else "at least"
-                raise layer_error(
-                    block, f"{key}={block[key]} must be {above} 0 and within float32's range", key
-                )
-        max_delta = _f32(block["max_delta"]) if "max_delta" in block else math.inf
+                raise layer_error(block, f"{key}={block[key]} must be {above} 0", key)
+        max_delta = to_c_float(block["max_delta"]) if "max_delta" in block else math.inf
         multipliers = None
         if "counters_per_class" in block:
             counts = [max(1, int(c)) for c in block["counters_per_class"]]
@@ -195,11 +188,11 @@ class YoloLossSpec:
                     f"counters_per_class lists {len(counts)} counts for classes={classes}",
                     "counters_per_class",
                 )
-            top = _f32(max(counts))
-            multipliers = tuple(min(_f32(top / c), max_delta) for c in counts)
+            top = to_c_float(max(counts))
+            multipliers = tuple(min(to_c_float(top / c), max_delta) for c in counts)
 
         def flt(key: str, default: float) -> float:
-            return _f32(block.get(key, default))
+            return to_c_float(block.get(key, default))
 
         return cls(
             anchors=anchors,
@@ -496,7 +489,7 @@ def _activate(x: torch.Tensor, spec: YoloLossSpec) -> torch.Tensor:
         out[:, :, 4:] = torch.sigmoid(out[:, :, 4:])
     s = spec.scale_x_y
     if s != 1:
-        out[:, :, 0:2] = out[:, :, 0:2] * s + _f32(-0.5 * (s - 1))
+        out[:, :, 0:2] = out[:, :, 0:2] * s + to_c_float(-0.5 * (s - 1))
     return out
 
 
