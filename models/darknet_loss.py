@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
 import torch
@@ -107,6 +107,8 @@ _IOU_CHUNK = 1 << 24
 # [yolo] gains of the deltas (a negative one climbs that part of the loss) and max_delta, the
 # clip of the box deltas to +-max_delta (at 0 or below every box delta is that constant).
 GAIN_KEYS = ("iou_normalizer", "obj_normalizer", "cls_normalizer")
+# How YoloLossSpec.from_block reads a key of each field type (the rest it reads itself).
+_FIELD_READERS = {"float": to_c_float, "bool": bool, "str": str}
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,13 @@ class YoloLossSpec:
             if value < 0 or (key == "max_delta" and value == 0):
                 above = "above" if key == "max_delta" else "at least"
                 raise layer_error(block, f"{key}={block[key]} must be {above} 0", key)
-        max_delta = to_c_float(block["max_delta"]) if "max_delta" in block else math.inf
+        # The other keys with the fields' defaults: one copy (the field types are strings here:
+        # annotations are postponed). Floats as Darknet reads them (float32).
+        values = {
+            f.name: _FIELD_READERS[f.type](block.get(f.name, f.default))
+            for f in fields(cls)
+            if f.type in _FIELD_READERS
+        }
         multipliers = None
         if "counters_per_class" in block:
             counts = [max(1, int(c)) for c in block["counters_per_class"]]
@@ -189,32 +197,14 @@ class YoloLossSpec:
                     "counters_per_class",
                 )
             top = to_c_float(max(counts))
-            multipliers = tuple(min(to_c_float(top / c), max_delta) for c in counts)
-
-        def flt(key: str, default: float) -> float:
-            return to_c_float(block.get(key, default))
-
+            multipliers = tuple(min(to_c_float(top / c), values["max_delta"]) for c in counts)
         return cls(
             anchors=anchors,
             mask=tuple(int(m) for m in yolo_mask(block)),
             classes=classes,
-            ignore_thresh=flt("ignore_thresh", 0.5),
-            truth_thresh=flt("truth_thresh", 1.0),
-            iou_thresh=flt("iou_thresh", 1.0),
-            iou_thresh_kind=block.get("iou_thresh_kind", "iou"),
-            iou_loss=block.get("iou_loss", "mse"),
-            iou_normalizer=flt("iou_normalizer", 0.75),
-            obj_normalizer=flt("obj_normalizer", 1.0),
-            cls_normalizer=flt("cls_normalizer", 1.0),
-            max_delta=max_delta,
-            scale_x_y=flt("scale_x_y", 1.0),
-            new_coords=bool(block.get("new_coords", 0)),
-            label_smooth_eps=flt("label_smooth_eps", 0.0),
-            objectness_smooth=bool(block.get("objectness_smooth", 0)),
-            focal_loss=bool(block.get("focal_loss", 0)),
             classes_multipliers=multipliers,
             max_boxes=max_boxes,
-            show_details=bool(block.get("show_details", 1)),
+            **values,
         )
 
 
