@@ -155,10 +155,14 @@ class DarknetSettings:
                 a value beyond float32 or outside :data:`REAL_RANGES` (a negative rate or scale,
                 a momentum above 1: Darknet would train on, backwards or to inf).
         """
-        policy = net.get("policy", "constant")
+        policy = net.get("policy", cls.policy)
         if policy not in POLICIES:
             raise layer_error(net, f"policy={policy} is not one of {', '.join(POLICIES)}", "policy")
-        batch, subdivisions = int(net.get("batch", 1)), int(net.get("subdivisions", 1))
+        # Every integer key with the field's default: one copy (the field types are strings
+        # here: annotations are postponed); sgdr_cycle's default is max_batches, as in Darknet.
+        ints = {f.name: int(net.get(f.name, f.default)) for f in fields(cls) if f.type == "int"}
+        ints["sgdr_cycle"] = int(net.get("sgdr_cycle", ints["max_batches"]))
+        batch, subdivisions = ints["batch"], ints["subdivisions"]
         if subdivisions < 1 or batch < subdivisions:
             raise layer_error(
                 net,
@@ -166,7 +170,6 @@ class DarknetSettings:
                 "trains batch / subdivisions images)",
                 "subdivisions" if subdivisions < 1 else "batch",
             )
-        max_batches = int(net.get("max_batches", 0))
         steps = tuple(int(s) for s in net.get("steps", ()))  # Darknet's atoi
         scales = c_floats(net, "scales")
         if policy == "steps":
@@ -179,8 +182,7 @@ class DarknetSettings:
                     "scales",
                 )
             _check_steps_increase(net, steps)
-        sgdr_cycle = int(net.get("sgdr_cycle", max_batches))
-        sgdr_mult = int(net.get("sgdr_mult", 2))
+        sgdr_cycle, sgdr_mult = ints["sgdr_cycle"], ints["sgdr_mult"]
         if policy == "sgdr" and (sgdr_cycle < 1 or sgdr_mult < 1):
             raise layer_error(
                 net,
@@ -188,33 +190,20 @@ class DarknetSettings:
                 f"got {sgdr_cycle} and {sgdr_mult}",
                 "sgdr_cycle" if sgdr_cycle < 1 else "sgdr_mult",
             )
-        burn_in = int(net.get("burn_in", 0))
-        for key, value in (("burn_in", burn_in), ("max_batches", max_batches)):
-            if value < 0:
-                raise layer_error(net, f"{key}={value} must be at least 0", key)
-        # Every float key as Darknet reads it (float32), its default the field's: one copy (the
-        # field types are strings here: annotations are postponed).
+        for key in ("burn_in", "max_batches"):
+            if ints[key] < 0:
+                raise layer_error(net, f"{key}={ints[key]} must be at least 0", key)
+        # The float keys likewise, as Darknet reads them (float32).
         reals = {f.name: c_float(net, f.name, f.default) for f in fields(cls) if f.type == "float"}
         _check_reals(net, reals, scales)
-        step = int(net.get("step", cls.step))
-        if policy == "step" and step < 1:
-            raise layer_error(net, f"policy=step needs step >= 1 (the period), got {step}", "step")
+        if policy == "step" and ints["step"] < 1:
+            raise layer_error(
+                net, f"policy=step needs step >= 1 (the period), got {ints['step']}", "step"
+            )
         ema_alpha = reals["ema_alpha"]
         if not 0 <= ema_alpha < 1:
             raise layer_error(net, f"ema_alpha={ema_alpha} must be in [0, 1)", "ema_alpha")
-        return cls(
-            batch=batch,
-            subdivisions=subdivisions,
-            max_batches=max_batches,
-            burn_in=burn_in,
-            policy=policy,
-            steps=steps,
-            scales=scales,
-            step=step,
-            sgdr_cycle=sgdr_cycle,
-            sgdr_mult=sgdr_mult,
-            **reals,
-        )
+        return cls(policy=policy, steps=steps, scales=scales, **ints, **reals)
 
 
 def _check_steps_increase(net: Block, steps: tuple[int, ...]) -> None:
