@@ -584,32 +584,25 @@ def to_c_float(value: float) -> float:
         return float(np.float32(value))
 
 
-def c_float(block: Block, key: str, default: float) -> float:
-    """``block[key]`` (else ``default``) as the C ``float`` Darknet reads it into.
+def c_floats(block: Block, key: str, default: Sequence[float] = ()) -> tuple[float, ...]:
+    """The number or list ``block[key]`` (else ``default``) as the C ``float`` Darknet reads
+    each into.
 
     Raises:
         ConfigError: naming the key's line, for a value beyond float32's range (C makes it
             inf, and Darknet would train on with it).
     """
-    value = to_c_float(block.get(key, default))
-    if not math.isfinite(value):
-        raise _beyond_float32(block, key)
-    return value
-
-
-def c_floats(block: Block, key: str) -> tuple[float, ...]:
-    """The list ``block[key]`` (else empty) as Darknet's C ``float`` array; ConfigError as
-    :func:`c_float`."""
-    values = tuple(to_c_float(v) for v in block.get(key, ()))
+    value = block.get(key, default)
+    values = tuple(to_c_float(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
     if not all(math.isfinite(v) for v in values):
-        raise _beyond_float32(block, key)
+        message = f"{key}={block[key]} is beyond float32's range (Darknet reads a C float)"
+        raise layer_error(block, message, key)
     return values
 
 
-def _beyond_float32(block: Block, key: str) -> ConfigError:
-    return layer_error(
-        block, f"{key}={block[key]} is beyond float32's range (Darknet reads a C float)", key
-    )
+def c_float(block: Block, key: str, default: float) -> float:
+    """The number ``block[key]`` (else ``default``) as :func:`c_floats` reads it."""
+    return c_floats(block, key, [default])[0]
 
 
 def yolo_mask(block: Block) -> list[int]:
