@@ -39,27 +39,6 @@ from torch import nn
 from build_utils.parse_config import Block, c_float, c_floats, layer_error, to_c_float
 
 POLICIES = ("constant", "step", "steps", "exp", "poly", "random", "sigmoid", "sgdr")
-# The [net] keys DarknetSettings honours.
-NET_KEYS_HONOURED = (
-    "batch",
-    "subdivisions",
-    "learning_rate",
-    "learning_rate_min",
-    "momentum",
-    "decay",
-    "max_batches",
-    "burn_in",
-    "power",
-    "policy",
-    "steps",
-    "scales",
-    "step",
-    "scale",
-    "gamma",
-    "sgdr_cycle",
-    "sgdr_mult",
-    "ema_alpha",
-)
 # [net] values that train backwards or blow up, which Darknet would use as they are: (lowest,
 # highest) and why; the default recipe's hyp.yaml bounds lr0, momentum and weight_decay alike.
 REAL_RANGES = {
@@ -204,6 +183,10 @@ class DarknetSettings:
         if not 0 <= ema_alpha < 1:
             raise layer_error(net, f"ema_alpha={ema_alpha} must be in [0, 1)", "ema_alpha")
         return cls(policy=policy, steps=steps, scales=scales, **ints, **reals)
+
+
+# The [net] keys DarknetSettings honours: its fields, each named as the key it reads.
+NET_KEYS_HONOURED = tuple(f.name for f in fields(DarknetSettings))
 
 
 def _check_steps_increase(net: Block, steps: tuple[int, ...]) -> None:
