@@ -71,32 +71,6 @@ CLASS_MATCH_PROB = 0.25
 FOCAL_ALPHA = 0.5  # delta_yolo_class's hard-coded alpha (gamma 2 is in the formula)
 FOCAL_PT_EPS = 1e-15
 CIOU_EPS = 1e-6
-# The [yolo] keys YoloLossSpec honours (with the model's own: mask, anchors, classes, num,
-# scale_x_y, new_coords). ``jitter`` and ``resize`` are the loader's
-# (build_utils/darknet_augment.py); ``delta_normalizer`` acts only in Darknet's GPU build.
-YOLO_KEYS_HONOURED = (
-    "mask",
-    "anchors",
-    "classes",
-    "num",
-    "ignore_thresh",
-    "truth_thresh",
-    "iou_thresh",
-    "iou_thresh_kind",
-    "iou_loss",
-    "iou_normalizer",
-    "obj_normalizer",
-    "cls_normalizer",
-    "max_delta",
-    "scale_x_y",
-    "new_coords",
-    "label_smooth_eps",
-    "objectness_smooth",
-    "focal_loss",
-    "counters_per_class",
-    "max",
-    "show_details",
-)
 # Truth fields (yolo_delta's ``truths``): x, y, w, h normalized, class.
 TRUTH_FIELDS = 5
 # Elements of one IoU chunk (predictions x truths), so that a large batch with many truths
@@ -206,6 +180,14 @@ class YoloLossSpec:
             max_boxes=max_boxes,
             **values,
         )
+
+
+# The [yolo] keys YoloLossSpec honours: its fields, named as their keys but for these two, and
+# num (how many anchors it keeps); with the model's own (mask, anchors, classes, num, scale_x_y,
+# new_coords). ``jitter`` and ``resize`` are the loader's (build_utils/darknet_augment.py);
+# ``delta_normalizer`` acts only in Darknet's GPU build.
+_KEY_OF_FIELD = {"classes_multipliers": "counters_per_class", "max_boxes": "max"}
+YOLO_KEYS_HONOURED = (*(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(YoloLossSpec)), "num")
 
 
 def yolo_specs(blocks: Sequence[Block]) -> dict[int, YoloLossSpec]:
