@@ -47,7 +47,6 @@ from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg
 from data.make_shapes import make_dataset
-from tests.darknet_ref.build import fixed_sources
 from tools.make_cfg import make_cfg
 from train_utils.cli import check_img_size, run_script
 
@@ -168,6 +167,11 @@ def build_darknet(as_released: bool) -> Path:
         tar.extractall(build_dir, filter="data")
     source = program.parent
     if not as_released:
+        # The fix's one copy is the Darknet reference's, whose tests prove that build equals
+        # ours. Imported here, not at the top: only this part needs the test tree, and it needs
+        # ../shared/darknet, which exists only beside a development checkout (and tests/).
+        from tests.darknet_ref.build import fixed_sources
+
         for rel, text in fixed_sources(source).items():
             (source / rel).write_text(text)
     subprocess.run(

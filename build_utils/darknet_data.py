@@ -30,10 +30,9 @@ from torch.utils.data import Dataset, Sampler
 from build_utils.darknet_augment import CropDraws, DarknetCrop, crop_truths, jitter_crop
 from build_utils.datasets import ImageUnreadable, LoadImagesAndLabels, SubstitutePath
 from build_utils.errors import DatasetError
-from build_utils.parse_config import DEFAULT_CLASSES, DEFAULT_MAX_BOXES, Block, layer_error
+from build_utils.parse_config import DEFAULT_CLASSES, DEFAULT_MAX_BOXES, Block, c_float, layer_error
 
 f32 = np.float32
-FLOAT32_MAX = float(np.finfo(np.float32).max)
 # train_detector's multi-scale rule (``random`` of the last [yolo] layer): a new size every
 # RANDOM_PERIOD iterations, the largest one at the start and for the last RANDOM_LAST ones;
 # random=1 means a factor of RANDOM_DEFAULT_COEF.
@@ -59,7 +58,7 @@ class DarknetLoaderSettings:
     width: int
     height: int
     classes: int
-    max_boxes: int = 200
+    max_boxes: int = DEFAULT_MAX_BOXES
     jitter: float = 0.2
     resize: float = 1.0
     random: float = 0.0
@@ -78,28 +77,24 @@ class DarknetLoaderSettings:
         Raises:
             ConfigError: naming the key's line: a ``jitter`` whose crop could be empty (Darknet
                 would crash), a ``resize`` or colour factor that is not positive or beyond
-                float32, a ``hue`` outside [-1, 1], a
-                ``resize_step`` or size that is not a multiple of 32 (the model's largest
-                stride).
+                float32, a ``hue`` outside [-1, 1], a ``resize_step`` or size that is not a
+                multiple of 32 (the model's largest stride).
         """
         net = blocks[0]
         yolo = [b for b in blocks if b["type"] == "yolo"][-1]
-        jitter = float(yolo.get("jitter", 0.2))
+        jitter = float(yolo.get("jitter", cls.jitter))
         if not 0 <= jitter < 0.5:
             raise layer_error(yolo, f"jitter={jitter} must be in [0, 0.5)", "jitter")
-        resize = float(yolo.get("resize", 1.0))
+        resize = float(yolo.get("resize", cls.resize))
         if resize <= 0:
             raise layer_error(yolo, f"resize={resize} must be above 0", "resize")
-        for key in ("saturation", "exposure"):
-            if float(net.get(key, 1)) < 0:
+        # load_thread: a saturation or exposure of 0 means 1.
+        colour = {key: c_float(net, key, 1.0) or 1.0 for key in ("saturation", "exposure")}
+        for key, value in colour.items():
+            if value < 0:
                 raise layer_error(net, f"{key}={net[key]} must be at least 0", key)
-            if float(net.get(key, 1)) > FLOAT32_MAX:
-                raise layer_error(
-                    net,
-                    f"{key}={net[key]} is beyond float32's range (Darknet reads a C float)",
-                    key,
-                )
-        if not -1 <= float(net.get("hue", 0.0)) <= 1:
+        hue = float(net.get("hue", cls.hue))
+        if not -1 <= hue <= 1:
             # Darknet wraps a shifted hue once: beyond 1 the hues leave the colour circle.
             raise layer_error(
                 net, f"hue={net['hue']} must be in [-1, 1] (a shift of the hue)", "hue"
@@ -117,13 +112,11 @@ class DarknetLoaderSettings:
             max_boxes=int(yolo.get("max", DEFAULT_MAX_BOXES)),
             jitter=jitter,
             resize=resize,
-            random=float(yolo.get("random", 0.0)),
-            letter_box=bool(net.get("letter_box", 0)),
-            flip=bool(net.get("flip", 1)),
-            hue=float(net.get("hue", 0.0)),
-            # load_thread: a saturation or exposure of 0 means 1.
-            saturation=float(net.get("saturation", 1)) or 1.0,
-            exposure=float(net.get("exposure", 1)) or 1.0,
+            random=float(yolo.get("random", cls.random)),
+            letter_box=bool(net.get("letter_box", cls.letter_box)),
+            flip=bool(net.get("flip", cls.flip)),
+            hue=hue,
+            **colour,
             resize_step=step,
             # Darknet's net->mixup is 1 only for mixup=1 without cutmix and mosaic (those make
             # it 2-4: other augmentations, of the OpenCV build).

@@ -26,6 +26,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from build_utils.atomic import write_text
 from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
@@ -579,6 +581,34 @@ def layer_error(block: Block, message: str, key: str | None = None) -> ConfigErr
     prefixing the message with the section name. For the model builder as well as this module."""
     path, line = _where(block, key)
     return ConfigError(f"[{block['type']}]: {message}", path, line)
+
+
+def to_c_float(value: float) -> float:
+    """``value`` as the C ``float`` Darknet keeps it in: rounded to float32, inf beyond its
+    range as in C (without numpy's overflow warning: the readers below refuse it)."""
+    with np.errstate(over="ignore"):
+        return float(np.float32(value))
+
+
+def c_floats(block: Block, key: str, default: Sequence[float] = ()) -> tuple[float, ...]:
+    """The number or list ``block[key]`` (else ``default``) as the C ``float`` Darknet reads
+    each into.
+
+    Raises:
+        ConfigError: naming the key's line, for a value beyond float32's range (C makes it
+            inf, and Darknet would train on with it).
+    """
+    value = block.get(key, default)
+    values = tuple(to_c_float(v) for v in (value if isinstance(value, (list, tuple)) else [value]))
+    if not all(math.isfinite(v) for v in values):
+        message = f"{key}={block[key]} is beyond float32's range (Darknet reads a C float)"
+        raise layer_error(block, message, key)
+    return values
+
+
+def c_float(block: Block, key: str, default: float) -> float:
+    """The number ``block[key]`` (else ``default``) as :func:`c_floats` reads it."""
+    return c_floats(block, key, [default])[0]
 
 
 def yolo_mask(block: Block) -> list[int]:

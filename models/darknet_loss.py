@@ -47,17 +47,18 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import NamedTuple
 
-import numpy as np
 import torch
 
 from build_utils.parse_config import (
     DEFAULT_CLASSES,
     DEFAULT_MAX_BOXES,
     Block,
+    c_float,
     layer_error,
+    to_c_float,
     yolo_mask,
 )
 
@@ -70,32 +71,6 @@ CLASS_MATCH_PROB = 0.25
 FOCAL_ALPHA = 0.5  # delta_yolo_class's hard-coded alpha (gamma 2 is in the formula)
 FOCAL_PT_EPS = 1e-15
 CIOU_EPS = 1e-6
-# The [yolo] keys YoloLossSpec honours (with the model's own: mask, anchors, classes, num,
-# scale_x_y, new_coords). ``jitter`` and ``resize`` are the loader's
-# (build_utils/darknet_augment.py); ``delta_normalizer`` acts only in Darknet's GPU build.
-YOLO_KEYS_HONOURED = (
-    "mask",
-    "anchors",
-    "classes",
-    "num",
-    "ignore_thresh",
-    "truth_thresh",
-    "iou_thresh",
-    "iou_thresh_kind",
-    "iou_loss",
-    "iou_normalizer",
-    "obj_normalizer",
-    "cls_normalizer",
-    "max_delta",
-    "scale_x_y",
-    "new_coords",
-    "label_smooth_eps",
-    "objectness_smooth",
-    "focal_loss",
-    "counters_per_class",
-    "max",
-    "show_details",
-)
 # Truth fields (yolo_delta's ``truths``): x, y, w, h normalized, class.
 TRUTH_FIELDS = 5
 # Elements of one IoU chunk (predictions x truths), so that a large batch with many truths
@@ -106,12 +81,8 @@ _IOU_CHUNK = 1 << 24
 # [yolo] gains of the deltas (a negative one climbs that part of the loss) and max_delta, the
 # clip of the box deltas to +-max_delta (at 0 or below every box delta is that constant).
 GAIN_KEYS = ("iou_normalizer", "obj_normalizer", "cls_normalizer")
-
-
-def _f32(value: float) -> float:
-    """``value`` as the C ``float`` Darknet keeps it in (inf beyond float32, as in C)."""
-    with np.errstate(over="ignore"):
-        return float(np.float32(value))
+# How YoloLossSpec.from_block reads a key of each field type (the rest it reads itself).
+_FIELD_READERS = {"float": to_c_float, "bool": bool, "str": str}
 
 
 @dataclass(frozen=True)
@@ -129,12 +100,12 @@ class YoloLossSpec:
     anchors: tuple[tuple[float, float], ...]
     mask: tuple[int, ...]
     classes: int = DEFAULT_CLASSES
-    ignore_thresh: float = _f32(0.5)
+    ignore_thresh: float = to_c_float(0.5)
     truth_thresh: float = 1.0
     iou_thresh: float = 1.0
     iou_thresh_kind: str = "iou"
     iou_loss: str = "mse"
-    iou_normalizer: float = _f32(0.75)
+    iou_normalizer: float = to_c_float(0.75)
     obj_normalizer: float = 1.0
     cls_normalizer: float = 1.0
     max_delta: float = math.inf
@@ -163,7 +134,8 @@ class YoloLossSpec:
             ConfigError: naming the key's line: an unknown ``iou_loss`` or ``iou_thresh_kind``
                 (Darknet would silently use iou), ``counters_per_class`` not listing one count
                 per class, a ``map`` file, a negative ``max``, a negative gain
-                (:data:`GAIN_KEYS`), a ``max_delta`` not above 0 (Darknet would train on).
+                (:data:`GAIN_KEYS`), a ``max_delta`` not above 0, either beyond float32 (Darknet
+                would train on).
         """
         flat = block["anchors"]
         anchors = tuple((float(flat[k]), float(flat[k + 1])) for k in range(0, len(flat), 2))
@@ -178,14 +150,17 @@ class YoloLossSpec:
         if max_boxes < 0:
             raise layer_error(block, f"max={max_boxes} must be at least 0", "max")
         for key in (*GAIN_KEYS, "max_delta"):
-            value = _f32(block.get(key, 1.0))
-            lowest_ok = value > 0 if key == "max_delta" else value >= 0
-            if not (lowest_ok and math.isfinite(value)):
+            value = c_float(block, key, 1.0)
+            if value < 0 or (key == "max_delta" and value == 0):
                 above = "above" if key == "max_delta" else "at least"
-                raise layer_error(
-                    block, f"{key}={block[key]} must be {above} 0 and within float32's range", key
-                )
-        max_delta = _f32(block["max_delta"]) if "max_delta" in block else math.inf
+                raise layer_error(block, f"{key}={block[key]} must be {above} 0", key)
+        # The other keys with the fields' defaults: one copy (the field types are strings here:
+        # annotations are postponed). Floats as Darknet reads them (float32).
+        values = {
+            f.name: _FIELD_READERS[f.type](block.get(f.name, f.default))
+            for f in fields(cls)
+            if f.type in _FIELD_READERS
+        }
         multipliers = None
         if "counters_per_class" in block:
             counts = [max(1, int(c)) for c in block["counters_per_class"]]
@@ -195,34 +170,24 @@ class YoloLossSpec:
                     f"counters_per_class lists {len(counts)} counts for classes={classes}",
                     "counters_per_class",
                 )
-            top = _f32(max(counts))
-            multipliers = tuple(min(_f32(top / c), max_delta) for c in counts)
-
-        def flt(key: str, default: float) -> float:
-            return _f32(block.get(key, default))
-
+            top = to_c_float(max(counts))
+            multipliers = tuple(min(to_c_float(top / c), values["max_delta"]) for c in counts)
         return cls(
             anchors=anchors,
             mask=tuple(int(m) for m in yolo_mask(block)),
             classes=classes,
-            ignore_thresh=flt("ignore_thresh", 0.5),
-            truth_thresh=flt("truth_thresh", 1.0),
-            iou_thresh=flt("iou_thresh", 1.0),
-            iou_thresh_kind=block.get("iou_thresh_kind", "iou"),
-            iou_loss=block.get("iou_loss", "mse"),
-            iou_normalizer=flt("iou_normalizer", 0.75),
-            obj_normalizer=flt("obj_normalizer", 1.0),
-            cls_normalizer=flt("cls_normalizer", 1.0),
-            max_delta=max_delta,
-            scale_x_y=flt("scale_x_y", 1.0),
-            new_coords=bool(block.get("new_coords", 0)),
-            label_smooth_eps=flt("label_smooth_eps", 0.0),
-            objectness_smooth=bool(block.get("objectness_smooth", 0)),
-            focal_loss=bool(block.get("focal_loss", 0)),
             classes_multipliers=multipliers,
             max_boxes=max_boxes,
-            show_details=bool(block.get("show_details", 1)),
+            **values,
         )
+
+
+# The [yolo] keys YoloLossSpec honours: its fields, named as their keys but for these two, and
+# num (how many anchors it keeps); with the model's own (mask, anchors, classes, num, scale_x_y,
+# new_coords). ``jitter`` and ``resize`` are the loader's (build_utils/darknet_augment.py);
+# ``delta_normalizer`` acts only in Darknet's GPU build.
+_KEY_OF_FIELD = {"classes_multipliers": "counters_per_class", "max_boxes": "max"}
+YOLO_KEYS_HONOURED = (*(_KEY_OF_FIELD.get(f.name, f.name) for f in fields(YoloLossSpec)), "num")
 
 
 def yolo_specs(blocks: Sequence[Block]) -> dict[int, YoloLossSpec]:
@@ -496,7 +461,7 @@ def _activate(x: torch.Tensor, spec: YoloLossSpec) -> torch.Tensor:
         out[:, :, 4:] = torch.sigmoid(out[:, :, 4:])
     s = spec.scale_x_y
     if s != 1:
-        out[:, :, 0:2] = out[:, :, 0:2] * s + _f32(-0.5 * (s - 1))
+        out[:, :, 0:2] = out[:, :, 0:2] * s + to_c_float(-0.5 * (s - 1))
     return out
 
 

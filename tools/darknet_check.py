@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from build_utils.atomic import atomic_write, check_new_outputs, reported_write
+from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.limits import (
     MAX_LABEL_BYTES,
@@ -169,8 +170,7 @@ def yolo_command(args: argparse.Namespace) -> int:
 
 
 def lr_command(args: argparse.Namespace) -> int:
-    if not 0 <= args.iterations <= MAX_ITERATIONS:
-        raise ConfigError(f"--iterations must be in 0..{MAX_ITERATIONS}, got {args.iterations}")
+    check_at_least({"--iterations": args.iterations}, 0, MAX_ITERATIONS)
     settings = DarknetSettings.from_block(parse_model_cfg(args.cfg)[0])
     rand = GlibcRandom(1 if args.seed is None else args.seed).rand
     lines = (f"{current_rate(settings, k, rand):.9g}\n" for k in range(args.iterations))

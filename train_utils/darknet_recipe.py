@@ -7,7 +7,7 @@ keys of the cfg it does not implement, decides which flags it overrides, and bui
 Darknet's loss (:mod:`models.darknet_loss`), update, schedule and EMA
 (:mod:`train_utils.darknet_schedule`), BatchNorm (:mod:`models.darknet_bn`), weight
 initialisation and loader (:mod:`build_utils.darknet_data`). The loop is
-:func:`train_utils.engine.train_darknet_iterations`, driven by :mod:`train_utils.darknet_loop`.
+:func:`train_utils.engine.train_darknet_iterations`, driven by :mod:`train_utils.trainer`.
 """
 
 from __future__ import annotations

@@ -36,30 +36,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from build_utils.parse_config import Block, layer_error
+from build_utils.parse_config import Block, c_float, c_floats, layer_error, to_c_float
 
 POLICIES = ("constant", "step", "steps", "exp", "poly", "random", "sigmoid", "sgdr")
-# The [net] keys DarknetSettings honours.
-NET_KEYS_HONOURED = (
-    "batch",
-    "subdivisions",
-    "learning_rate",
-    "learning_rate_min",
-    "momentum",
-    "decay",
-    "max_batches",
-    "burn_in",
-    "power",
-    "policy",
-    "steps",
-    "scales",
-    "step",
-    "scale",
-    "gamma",
-    "sgdr_cycle",
-    "sgdr_mult",
-    "ema_alpha",
-)
 # [net] values that train backwards or blow up, which Darknet would use as they are: (lowest,
 # highest) and why; the default recipe's hyp.yaml bounds lr0, momentum and weight_decay alike.
 REAL_RANGES = {
@@ -76,12 +55,6 @@ SGDR_PI = 3.14159265  # the constant get_current_rate writes (not math.pi)
 
 
 f32 = np.float32
-
-
-def _f32(value: float) -> float:
-    # A value beyond float32 becomes inf, as in C, without numpy's warning (callers refuse it).
-    with np.errstate(over="ignore"):
-        return float(np.float32(value))
 
 
 def _c_pow(base: float, exponent: float) -> float:
@@ -114,10 +87,10 @@ class DarknetSettings:
 
     batch: int = 1
     subdivisions: int = 1
-    learning_rate: float = _f32(0.001)
-    learning_rate_min: float = _f32(0.00001)
-    momentum: float = _f32(0.9)
-    decay: float = _f32(0.0001)
+    learning_rate: float = to_c_float(0.001)
+    learning_rate_min: float = to_c_float(0.00001)
+    momentum: float = to_c_float(0.9)
+    decay: float = to_c_float(0.0001)
     max_batches: int = 0
     burn_in: int = 0
     power: float = 4.0
@@ -161,10 +134,14 @@ class DarknetSettings:
                 a value beyond float32 or outside :data:`REAL_RANGES` (a negative rate or scale,
                 a momentum above 1: Darknet would train on, backwards or to inf).
         """
-        policy = net.get("policy", "constant")
+        policy = net.get("policy", cls.policy)
         if policy not in POLICIES:
             raise layer_error(net, f"policy={policy} is not one of {', '.join(POLICIES)}", "policy")
-        batch, subdivisions = int(net.get("batch", 1)), int(net.get("subdivisions", 1))
+        # Every integer key with the field's default: one copy (the field types are strings
+        # here: annotations are postponed); sgdr_cycle's default is max_batches, as in Darknet.
+        ints = {f.name: int(net.get(f.name, f.default)) for f in fields(cls) if f.type == "int"}
+        ints["sgdr_cycle"] = int(net.get("sgdr_cycle", ints["max_batches"]))
+        batch, subdivisions = ints["batch"], ints["subdivisions"]
         if subdivisions < 1 or batch < subdivisions:
             raise layer_error(
                 net,
@@ -172,9 +149,8 @@ class DarknetSettings:
                 "trains batch / subdivisions images)",
                 "subdivisions" if subdivisions < 1 else "batch",
             )
-        max_batches = int(net.get("max_batches", 0))
         steps = tuple(int(s) for s in net.get("steps", ()))  # Darknet's atoi
-        scales = tuple(_f32(s) for s in net.get("scales", ()))
+        scales = c_floats(net, "scales")
         if policy == "steps":
             if not steps or not scales:
                 raise layer_error(net, "policy=steps needs steps= and scales=", "policy")
@@ -185,8 +161,7 @@ class DarknetSettings:
                     "scales",
                 )
             _check_steps_increase(net, steps)
-        sgdr_cycle = int(net.get("sgdr_cycle", max_batches))
-        sgdr_mult = int(net.get("sgdr_mult", 2))
+        sgdr_cycle, sgdr_mult = ints["sgdr_cycle"], ints["sgdr_mult"]
         if policy == "sgdr" and (sgdr_cycle < 1 or sgdr_mult < 1):
             raise layer_error(
                 net,
@@ -194,33 +169,24 @@ class DarknetSettings:
                 f"got {sgdr_cycle} and {sgdr_mult}",
                 "sgdr_cycle" if sgdr_cycle < 1 else "sgdr_mult",
             )
-        burn_in = int(net.get("burn_in", 0))
-        for key, value in (("burn_in", burn_in), ("max_batches", max_batches)):
-            if value < 0:
-                raise layer_error(net, f"{key}={value} must be at least 0", key)
-        # Every float key as Darknet reads it (float32), its default the field's: one copy (the
-        # field types are strings here: annotations are postponed).
-        reals = {f.name: _f32(net.get(f.name, f.default)) for f in fields(cls) if f.type == "float"}
+        for key in ("burn_in", "max_batches"):
+            if ints[key] < 0:
+                raise layer_error(net, f"{key}={ints[key]} must be at least 0", key)
+        # The float keys likewise, as Darknet reads them (float32).
+        reals = {f.name: c_float(net, f.name, f.default) for f in fields(cls) if f.type == "float"}
         _check_reals(net, reals, scales)
-        step = int(net.get("step", cls.step))
-        if policy == "step" and step < 1:
-            raise layer_error(net, f"policy=step needs step >= 1 (the period), got {step}", "step")
+        if policy == "step" and ints["step"] < 1:
+            raise layer_error(
+                net, f"policy=step needs step >= 1 (the period), got {ints['step']}", "step"
+            )
         ema_alpha = reals["ema_alpha"]
         if not 0 <= ema_alpha < 1:
             raise layer_error(net, f"ema_alpha={ema_alpha} must be in [0, 1)", "ema_alpha")
-        return cls(
-            batch=batch,
-            subdivisions=subdivisions,
-            max_batches=max_batches,
-            burn_in=burn_in,
-            policy=policy,
-            steps=steps,
-            scales=scales,
-            step=step,
-            sgdr_cycle=sgdr_cycle,
-            sgdr_mult=sgdr_mult,
-            **reals,
-        )
+        return cls(policy=policy, steps=steps, scales=scales, **ints, **reals)
+
+
+# The [net] keys DarknetSettings honours: its fields, each named as the key it reads.
+NET_KEYS_HONOURED = tuple(f.name for f in fields(DarknetSettings))
 
 
 def _check_steps_increase(net: Block, steps: tuple[int, ...]) -> None:
@@ -234,13 +200,8 @@ def _check_steps_increase(net: Block, steps: tuple[int, ...]) -> None:
 
 
 def _check_reals(net: Block, reals: Mapping[str, float], scales: tuple[float, ...]) -> None:
-    """The float keys (as float32) and ``scales``: finite, and within :data:`REAL_RANGES`.
-    Raises ConfigError naming the key's line."""
-    for key, value in [*reals.items(), *(("scales", v) for v in scales)]:
-        if not math.isfinite(value):
-            raise layer_error(
-                net, f"{key}={net[key]} is beyond float32's range (Darknet reads a C float)", key
-            )
+    """The float keys (as float32) and ``scales`` within :data:`REAL_RANGES`. Raises
+    ConfigError naming the key's line."""
     for key, (lo, hi, why) in REAL_RANGES.items():
         values = scales if key == "scales" else (reals[key],)
         bad = [v for v in values if not lo <= v <= hi]
@@ -285,7 +246,7 @@ class GlibcRandom:
 
 def rand_uniform_01(rand: Callable[[], int]) -> float:
     """Darknet's ``rand_uniform(0, 1)`` from a ``rand()``: ``(float)rand() / RAND_MAX``."""
-    return _f32(np.float32(rand()) / np.float32(RAND_MAX))
+    return to_c_float(np.float32(rand()) / np.float32(RAND_MAX))
 
 
 def current_rate(
@@ -306,11 +267,11 @@ def current_rate(
     lr = s.learning_rate
     if batch_num < s.burn_in:
         ratio = float(f32(batch_num) / f32(s.burn_in))
-        return _f32(lr * _c_pow(ratio, s.power))
+        return to_c_float(lr * _c_pow(ratio, s.power))
     if s.policy == "constant":
         return lr
     if s.policy == "step":
-        return _f32(lr * _c_pow(s.scale, batch_num // s.step))
+        return to_c_float(lr * _c_pow(s.scale, batch_num // s.step))
     if s.policy == "steps":
         rate = f32(lr)
         for step, scale in zip(s.steps, s.scales):
@@ -319,16 +280,16 @@ def current_rate(
             rate = f32(rate * f32(scale))
         return float(rate)
     if s.policy == "exp":
-        return _f32(lr * _c_pow(s.gamma, batch_num))
+        return to_c_float(lr * _c_pow(s.gamma, batch_num))
     if s.policy == "poly":
         base = float(f32(1) - f32(batch_num) / f32(s.max_batches))
-        return _f32(lr * _c_pow(base, s.power))
+        return to_c_float(lr * _c_pow(base, s.power))
     if s.policy == "random":
         draw = rand if rand is not None else (lambda: random.randint(0, RAND_MAX))
-        return _f32(lr * _c_pow(rand_uniform_01(draw), s.power))
+        return to_c_float(lr * _c_pow(rand_uniform_01(draw), s.power))
     if s.policy == "sigmoid":
         exponent = float(f32(s.gamma) * f32(batch_num - s.step))
-        return _f32(lr * (1.0 / (1.0 + _c_exp(exponent))))
+        return to_c_float(lr * (1.0 / (1.0 + _c_exp(exponent))))
     # sgdr
     start, cycle = 0, s.sgdr_cycle
     while start + cycle < batch_num:
@@ -336,7 +297,7 @@ def current_rate(
         cycle *= s.sgdr_mult
     span = float(f32(lr) - f32(s.learning_rate_min))
     angle = float(f32(batch_num - start)) * SGDR_PI / cycle
-    return _f32(s.learning_rate_min + 0.5 * span * (1.0 + math.cos(angle)))
+    return to_c_float(s.learning_rate_min + 0.5 * span * (1.0 + math.cos(angle)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -405,8 +366,8 @@ class DarknetSGD(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             batch = group["batch"]
-            decay_alpha = _f32(-group["decay_rate"] * batch) if group.get("decay") else 0.0
-            step_alpha = _f32(np.float32(group["lr"]) / np.float32(batch))
+            decay_alpha = to_c_float(-group["decay_rate"] * batch) if group.get("decay") else 0.0
+            step_alpha = to_c_float(np.float32(group["lr"]) / np.float32(batch))
             momentum = group["momentum"]
             for p in group["params"]:
                 if p.grad is None:
@@ -440,7 +401,7 @@ class DarknetEMA:
     """
 
     def __init__(self, alpha: float, max_batches: int):
-        self.alpha = _f32(alpha)
+        self.alpha = to_c_float(alpha)
         self.start = max_batches // 2
         self.apply_at = max_batches - EMA_APPLY_BEFORE_END
         self.shadow: dict[str, torch.Tensor] = {}
@@ -458,7 +419,7 @@ class DarknetEMA:
                 p.copy_(self.shadow[k])
         elif iteration < self.apply_at:
             for k, p in params.items():
-                self.shadow[k].mul_(self.alpha).add_(p, alpha=_f32(1 - self.alpha))
+                self.shadow[k].mul_(self.alpha).add_(p, alpha=to_c_float(1 - self.alpha))
 
     def state_dict(self) -> dict[str, Any]:
         return {

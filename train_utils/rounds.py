@@ -1,12 +1,11 @@
 """How a round of training ends, the same under both recipes: a round is an epoch, or under
-``--recipe darknet`` the iterations up to the next evaluation (:mod:`train_utils.darknet_loop`).
+``--recipe darknet`` the iterations up to the next evaluation.
 
 After a round every rank evaluates rank 0's weights (:func:`evaluate_round`), the fitness judges
 the best (:meth:`~train_utils.plan.LoopState.update`), and rank 0 writes ``last.pt``, then
 ``best.pt`` and ``epoch<E>.pt`` when the loop says so (:func:`save_on_main`, the checkpoint of
-:func:`run_checkpoint`). The loops in :mod:`train_utils.trainer` and
-:mod:`train_utils.darknet_loop` decide when; this module says what is evaluated and what is
-written.
+:func:`run_checkpoint`). The loops in :mod:`train_utils.trainer` (epochs, or Darknet's
+iterations) decide when; this module says what is evaluated and what is written.
 """
 
 from __future__ import annotations

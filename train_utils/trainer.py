@@ -8,8 +8,9 @@ without a process group, and only rank 0's reporter and checkpoints write files.
 The trainer owns its state: the best mAP and its epoch (:class:`LoopState`), when an epoch is
 saved as the best and when the run stops; how a round (an epoch) is evaluated, judged and
 written is :mod:`train_utils.rounds`, the model it starts from
-:func:`~train_utils.load_model.build_training_model`, and under ``--recipe darknet`` the loop is
-:func:`~train_utils.darknet_loop.train_iterations`.
+:func:`~train_utils.load_model.build_training_model`. Under ``--recipe darknet`` the loop is
+:func:`_train_iterations`: Darknet's iterations in rounds of ``--eval-iterations``, each round
+ended as an epoch is; the recipe's parts are built by :mod:`train_utils.darknet_recipe`.
 Decisions that only rank 0 can make (its clock for ``--time-budget``, its mAP for
 ``--patience``) are pure functions of rank 0's inputs, shared by a collective written out in
 the loop (``# Collective:``), never inside a helper.
@@ -17,6 +18,7 @@ the loop (``# Collective:``), never inside a helper.
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -34,11 +36,13 @@ from train_utils import resume
 from train_utils.checkpoint import to_plain
 from train_utils.cli import check_environment
 from train_utils.config import DEFAULT_EPOCHS, TrainConfig, multi_scale_bounds
-from train_utils.darknet_loop import log_recipe_start, train_iterations
 from train_utils.darknet_recipe import (
     darknet_state,
+    eval_iterations,
+    key_rows,
     loader_settings,
     log_default_recipe_note,
+    log_key_table,
     start_iteration,
 )
 from train_utils.data_loaders import TrainData, build_darknet_train_data, build_train_data
@@ -46,7 +50,13 @@ from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_fai
 from train_utils.distributed.ddp import wrap_for_training
 from train_utils.distributed.process_group import DistInfo
 from train_utils.ema import ModelEMA
-from train_utils.engine import DarknetState, TrainOptions, TrainState, train_one_epoch
+from train_utils.engine import (
+    DarknetState,
+    TrainOptions,
+    TrainState,
+    train_darknet_iterations,
+    train_one_epoch,
+)
 from train_utils.evaluation.options import EvalOptions, eval_options
 from train_utils.load_model import build_training_model
 from train_utils.optim import (
@@ -72,6 +82,8 @@ from train_utils.run_folder import claim_run_folder, launch_id, relocated
 from train_utils.run_pictures import plot_dataset_labels
 from train_utils.stop_signals import StopPoints, StopSignals
 from train_utils.threads import adapt_threads
+
+logger = logging.getLogger(__name__)
 
 # Seeds are derived per (epoch, rank) so that a resumed run replays the same random stream.
 EPOCH_SEED_STRIDE = 1000
@@ -197,7 +209,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSig
     darknet = isinstance(state, DarknetState)
     try:
         with signals.installed():
-            (train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
+            (_train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
         seconds = time.time() - t_start
         epochs_run = loop.epoch + 1 - start_epoch
         # Before close(): the external trackers record the run's files, then end it finished.
@@ -291,6 +303,55 @@ def _train_epochs(
                 return
 
 
+def _train_iterations(
+    run: Run,
+    reporter: EpochReporter | SilentReporter,
+    loop: LoopState,
+    signals: StopSignals,
+) -> None:
+    """``--recipe darknet``: Darknet's iterations after ``loop.epoch`` (the last finished one)
+    up to ``max_batches``, in rounds ending at multiples of ``--eval-iterations``
+    (:func:`eval_iterations`) and at the last iteration; after each round, evaluated (only the
+    last with ``--notest``), recorded (a ``results.csv`` row whose ``epoch`` is the iteration)
+    and saved, as :func:`_train_epochs` does after an epoch. Every rank runs this; its
+    collectives are marked."""
+    config, dist, state = run.config, run.dist, run.state
+    assert isinstance(state, DarknetState)
+    max_batches = state.settings.max_batches
+    every = eval_iterations(config.eval_iterations, run.train_data.n_train, state.settings)
+    val_unreadable = UnreadableImages(run.train_data.val_loader)
+    run.train_data.val_loader = val_unreadable
+    rank = dist.rank if dist.distributed else None
+    while loop.epoch < max_batches:
+        first = loop.epoch + 1
+        last = min(max_batches, (loop.epoch // every + 1) * every)
+        run.train_data.sampler.set_range(first, last)
+        t0 = time.time()
+        unreadable = UnreadableImages(
+            reporter.watch_batches(run.train_data.train_loader, first - 1, config.data.names)
+        )
+        where = (f"iterations {first}-{last}", f"iteration {first - 1}")
+        loader = StopPoints(unreadable, signals, first, dist, config.output_dir / "last.pt", where)
+        stats = train_darknet_iterations(state, loader, first, last, run.opts)
+        log_unreadable(last, "train", unreadable.take(), rank)
+        seconds = time.time() - t0
+        val = None
+        if not config.notest or last == max_batches:
+            val, _ = evaluate_round(run, reporter)
+            log_unreadable(last, "val", val_unreadable.take(), rank)
+        is_best = loop.update(last, val)
+        loop.epoch = last
+        failure = None
+        try:
+            with signals.deferred():
+                reporter.end_iterations(last, max_batches, stats, val, seconds, run.plan.spent())
+                save_on_main(run, last, loop, as_best=is_best and config.savebest)
+        except OutputError as e:  # a full disk: stop here, never train on without checkpoints
+            failure = e
+        # Collective: every rank waits for rank 0's checkpoint, and stops with its error.
+        raise_if_any_rank_failed(failure, f"saving iteration {last}")
+
+
 # ---- setup ----------------------------------------------------------------------------------
 
 
@@ -360,7 +421,25 @@ def _log_start(
     ``--recipe darknet``, a note that they are unused otherwise)."""
     blocks = [model.hyperparams, *model.module_defs]
     if isinstance(state, DarknetState):
-        log_recipe_start(config, dist, train_data, state, blocks)
+        s = state.settings
+        logger.info(
+            "--recipe darknet: model %s, %d classes | data: %d train / %d val images | device %s x "
+            "%d process(es) | %d iterations of %d x %d images a process, learning_rate %g | "
+            "evaluated every %d iterations | output %s",
+            config.cfg,
+            config.data.nc,
+            train_data.n_train,
+            train_data.n_val,
+            dist.device,
+            dist.world_size,
+            s.max_batches,
+            s.subdivisions,
+            s.mini_batch,
+            s.learning_rate,
+            eval_iterations(config.eval_iterations, train_data.n_train, s),
+            config.output_dir,
+        )
+        log_key_table(key_rows(blocks), config.cfg)
         return
     lr0 = state.optimizer.param_groups[0]["initial_lr"]
     log_run_start(config, model, dist, train_data, opts, lr0)

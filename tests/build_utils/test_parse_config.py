@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -14,12 +17,15 @@ from hypothesis import strategies as st
 from build_utils.errors import ConfigError
 from build_utils.parse_config import (
     ACTIVATIONS,
+    c_float,
+    c_floats,
     load_class_names,
     maxpool_params,
     parse_data_cfg,
     parse_model_cfg,
     rewrite_cfg_classes,
     split_role,
+    to_c_float,
     write_model_cfg,
 )
 
@@ -90,6 +96,25 @@ def test_values_are_converted(tmp_path):
     assert yolo["anchors"][:4] == [10, 13, 16, 30] and len(yolo["anchors"]) == 18
     assert yolo["jitter"] == pytest.approx(0.3) and isinstance(yolo["jitter"], float)
     assert head["filters"] == 24 and "batch_normalize" not in head
+
+
+def test_c_float_reads_values_as_darknet_s_c_float(tmp_path):
+    """One reader for the Darknet loader, loss and schedule: float32 rounding, the default for
+    an absent key, and a value beyond float32 refused at its line, without numpy's warning."""
+    text = "[net]\nwidth=32\nheight=32\nmomentum=0.1\nlearning_rate=1e39\nscales=.1,-1e39\n"
+    path = tmp_path / "n.cfg"
+    path.write_text(text + "[convolutional]\nfilters=8\n")
+    net = parse_model_cfg(path)[0]
+    assert c_float(net, "momentum", 0.9) == float(np.float32(0.1)) != 0.1
+    assert c_float(net, "decay", 0.5) == 0.5
+    assert to_c_float(1e39) == math.inf
+    assert c_floats(net, "steps") == ()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(ConfigError, match=r"n.cfg:5: .*learning_rate=1e\+39 is beyond float32"):
+            c_float(net, "learning_rate", 0.001)
+        with pytest.raises(ConfigError, match=r"n.cfg:6: .*scales=\[0.1, -1e\+39\] is beyond"):
+            c_floats(net, "scales")
 
 
 def test_bookkeeping_records_path_and_lines(tmp_path):

@@ -293,7 +293,7 @@ def test_unknown_iou_loss_is_refused(tmp_path):
         ("max_delta", -1, r"max_delta=-1.0 must be above 0"),
         ("max_delta", 0, r"max_delta=0.0 must be above 0"),
         ("obj_normalizer", -1, r"obj_normalizer=-1.0 must be at least 0"),
-        ("iou_normalizer", "1e39", r"iou_normalizer=1e\+39 must be at least 0 and within float32"),
+        ("iou_normalizer", "1e39", r"iou_normalizer=1e\+39 is beyond float32's range"),
     ],
 )
 def test_gains_and_max_delta_out_of_range_are_refused(tmp_path, key, value, message):

@@ -20,7 +20,7 @@ from models.darknet import Darknet
 from models.weights import load_darknet_weights
 from tests.darknet_ref.runs import rewrite_cfg
 from tools.make_cfg import make_cfg
-from train_utils import darknet_loop
+from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint
 from train_utils.darknet_schedule import DarknetSettings, current_rate
 from train_utils.distributed.launch import free_port
@@ -111,17 +111,17 @@ def test_trains_with_the_cfgs_keys_and_writes_darknet_weights(full_run):
 def test_resume_is_exact(full_run, shapes_data, monkeypatch):
     tmp, cfg = full_run
     part = tmp / "part"
-    real = darknet_loop.train_darknet_iterations
+    real = trainer.train_darknet_iterations
 
     def interrupt_second_round(state, loader, first, last, opts):
         if first == 4:
             raise KeyboardInterrupt
         return real(state, loader, first, last, opts)
 
-    monkeypatch.setattr(darknet_loop, "train_darknet_iterations", interrupt_second_round)
+    monkeypatch.setattr(trainer, "train_darknet_iterations", interrupt_second_round)
     with pytest.raises(KeyboardInterrupt):
         run_training(recipe_argv(shapes_data, part, cfg))
-    monkeypatch.setattr(darknet_loop, "train_darknet_iterations", real)
+    monkeypatch.setattr(trainer, "train_darknet_iterations", real)
     assert load_checkpoint(part / "last.pt")["epoch"] == 3
     run_training(recipe_argv(shapes_data, part, cfg, "--resume"))
 

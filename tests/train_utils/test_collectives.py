@@ -42,7 +42,6 @@ TORCH_COLLECTIVES = {
 # (plan, reporting, checkpoint, evaluation, ...) decides or records and must not.
 ALLOWED_CALLERS = {
     "train_utils/trainer.py",
-    "train_utils/darknet_loop.py",
     "train_utils/rounds.py",
     "train_utils/load_model.py",
     "train_utils/stop_signals.py",
@@ -54,12 +53,11 @@ ALLOWED_CALLERS = {
 }
 ALLOWED_FOLDER = "train_utils/distributed/"
 MUST_NOT_IMPORT = ("train_utils/plan.py", "train_utils/reporting.py", "train_utils/checkpoint.py")
-# Each collective call has "# Collective:" just above: the trainer's and the modules it runs
-# (the Darknet loop, a round's end, the model it builds, its stop points), and resume's (every
+# Each collective call has "# Collective:" just above: the trainer's (the Darknet loop's too) and
+# the modules it runs (a round's end, the model it builds, its stop points), and resume's (every
 # rank reads the checkpoint).
 COMMENTED = (
     "train_utils/trainer.py",
-    "train_utils/darknet_loop.py",
     "train_utils/rounds.py",
     "train_utils/load_model.py",
     "train_utils/stop_signals.py",
