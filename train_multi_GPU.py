@@ -19,12 +19,11 @@ when the global batch exceeds it. Under ``--max-restarts`` a restarted job resum
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from collections.abc import Sequence
 
-from build_utils.errors import ConfigError
+from build_utils.checks import check_real
 from train_utils.cli import HelpFormatter, add_local_rank_flag, check_environment, run_script
 from train_utils.config import get_args_parser
 from train_utils.distributed.launch import processes_to_spawn, spawn_training, train_distributed
@@ -56,10 +55,7 @@ def get_parser() -> argparse.ArgumentParser:
 
 
 def train(args: argparse.Namespace) -> None:
-    if not 0 < args.dist_timeout < math.inf:
-        raise ConfigError(
-            f"--dist-timeout must be a positive number of seconds, got {args.dist_timeout}"
-        )
+    check_real("--dist-timeout", args.dist_timeout, positive=True, unit="seconds")
     # Checked here too: a spawning parent would report it only after starting every rank.
     check_environment()
     nprocs = processes_to_spawn(args.nproc_per_node, args.device, os.environ)

@@ -43,7 +43,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common
-from build_utils.checks import check_at_least
+from build_utils.checks import check_at_least, check_real
 from build_utils.errors import ConfigError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg
 from data.make_shapes import make_dataset
@@ -97,7 +97,7 @@ def check_flags(args: argparse.Namespace) -> None:
     check_img_size(args.size, "--size")
     for flag, value in common.flags_of(args, "learning_rate", "width").items():
         if value is not None:
-            common.check_real(flag, value, positive=True)
+            check_real(flag, value, positive=True)
     unknown = set(args.parts) - {"darknet", "recipe", "default"}
     if unknown:
         raise ConfigError(f"--parts: unknown {', '.join(sorted(unknown))}")

@@ -60,7 +60,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common
-from build_utils.checks import check_at_least
+from build_utils.checks import check_at_least, check_real
 from build_utils.errors import ConfigError
 from tools.yolo_output import place_image
 from train_utils.cli import run_script
@@ -682,7 +682,7 @@ def check_args(args: argparse.Namespace) -> None:
         "--repeat": args.repeat,
     }
     check_at_least(counts, 1)
-    common.check_real("--objects", args.objects)
+    check_real("--objects", args.objects)
     # More processes or threads than CPUs measure waiting (the default 2 processes run anywhere).
     cpus = usable_cpus()
     for flag, value, most in (

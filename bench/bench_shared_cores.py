@@ -31,7 +31,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench import common
-from build_utils.checks import check_at_least
+from build_utils.checks import check_at_least, check_real
 from build_utils.errors import ConfigError
 from train_utils.cli import check_img_size, run_script
 from train_utils.distributed.node import usable_cpus
@@ -122,7 +122,7 @@ def check_args(args: argparse.Namespace) -> None:
 
     for name in args.variants:
         variant_env(name)  # every name checked before anything runs
-    common.check_real("--seconds", args.seconds, positive=True)
+    check_real("--seconds", args.seconds, positive=True)
     check_at_least({"--batch": args.batch}, 1)
     check_at_least({"--skip": args.skip}, 0)
     check_img_size(args.img_size)

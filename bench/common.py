@@ -20,8 +20,6 @@ from typing import Any
 import torch
 
 from build_utils.atomic import make_output_dir, write_text
-from build_utils.checks import is_real
-from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
 from train_utils.memory_format import cpu_model
 
@@ -52,13 +50,6 @@ def check_json(path: Path | None) -> None:
 def flags_of(args: argparse.Namespace, *dests: str) -> dict[str, Any]:
     """``{"--flag-name": args.flag_name}`` for each of ``dests``: the values a check names."""
     return {"--" + dest.replace("_", "-"): getattr(args, dest) for dest in dests}
-
-
-def check_real(flag: str, value: float, *, positive: bool = False) -> None:
-    """``value`` is a finite number >= 0 (> 0 with ``positive``): ConfigError otherwise."""
-    if not is_real(value) or value < 0 or (positive and value == 0):
-        wanted = "a positive number" if positive else "a number >= 0"
-        raise ConfigError(f"{flag} must be {wanted}, got {value}")
 
 
 def machine_description(device: torch.device) -> dict[str, Any]:

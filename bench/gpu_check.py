@@ -79,6 +79,7 @@ import torch
 
 from bench import common
 from build_utils.atomic import atomic_write, make_output_dir, reported_write
+from build_utils.checks import check_real
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
 from train_utils.precision import autocast_context, cuda_has_native_bf16, resolve_amp
@@ -1312,8 +1313,8 @@ def check(args: argparse.Namespace, specs: Sequence[StepSpec] | None = None) -> 
     if args.tiny:
         settings = settings.tiny()
     settings = dataclasses.replace(settings, device=args.device)
-    if not 0 < args.budget_s < math.inf:  # -1 ran nothing and passed; nan ran without a limit
-        raise ConfigError(f"--budget-s must be a positive number of seconds, got {args.budget_s}")
+    # -1 ran nothing and passed; nan ran without a limit.
+    check_real("--budget-s", args.budget_s, positive=True, unit="seconds")
     device = torch.device(args.device)
     if device.type == "cuda":
         require_cuda()

@@ -76,6 +76,15 @@ def check_at_least(values: Mapping[str, int | None], lo: int, hi: int | None = N
             raise ConfigError(f"{what} must be in [{lo}, {hi}], got {shown(value)}")
 
 
+def check_real(what: str, value: Any, *, positive: bool = False, unit: str = "") -> None:
+    """``value`` is a finite number >= 0 (> 0 with ``positive``), of ``unit`` (e.g. "seconds",
+    named in the error line): ConfigError otherwise."""
+    if not is_real(value) or value < 0 or (positive and value == 0):
+        wanted = "a positive number" if positive else "a number >= 0"
+        of = f" of {unit}" if unit else ""
+        raise ConfigError(f"{what} must be {wanted}{of}, got {shown(value)}")
+
+
 def check_fractions(values: Mapping[str, float | None]) -> None:
     """Each ``what: value`` (None: not set) is a number in [0, 1]."""
     for what, value in values.items():

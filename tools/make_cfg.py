@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from build_utils.atomic import check_new_outputs, make_output_dir
+from build_utils.checks import check_real
 from build_utils.errors import ConfigError
 from build_utils.parse_config import (
     Block,
@@ -90,8 +91,7 @@ def scale_width(blocks: list[Block], multiple: float) -> list[Block]:
     Raises:
         ConfigError: ``multiple`` is not a positive number.
     """
-    if not (isinstance(multiple, (int, float)) and math.isfinite(multiple) and multiple > 0):
-        raise ConfigError(f"--width must be a positive number, got {multiple!r}")
+    check_real("--width", multiple, positive=True)
     out = copy.deepcopy(blocks)
     heads = {head_conv_index(out, i) for i, b in enumerate(out) if b["type"] == "yolo"}
     for i, block in enumerate(out):

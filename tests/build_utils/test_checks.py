@@ -53,6 +53,19 @@ def test_range_and_choice_checks_word_their_errors_one_way():
         checks.check_choice("--kind", "c", ("a", "b"))
 
 
+@pytest.mark.parametrize("bad", [0.0, -1.0, math.inf, math.nan, True, "3"])
+def test_a_positive_real_check_names_its_unit(bad):
+    """One check for --dist-timeout, --budget-s, make_cfg's --width and the bench flags (each
+    had its own copy)."""
+    checks.check_real("--seconds", 0.5, positive=True, unit="seconds")
+    with pytest.raises(ConfigError) as e:
+        checks.check_real("--seconds", bad, positive=True, unit="seconds")
+    assert str(e.value) == f"--seconds must be a positive number of seconds, got {bad!r}"
+    checks.check_real("--objects", 0)  # zero is allowed unless positive
+    with pytest.raises(ConfigError, match=r"^--objects must be a number >= 0, got -2$"):
+        checks.check_real("--objects", -2)
+
+
 def test_a_folder_check_says_missing_or_a_file(tmp_path):
     """Was: tools/coco2yolo.py --images FILE said "folder not found"."""
     checks.check_folder(tmp_path, "--images")
