@@ -13,8 +13,10 @@ beside its ``results.csv``). A checkpoint written by
 train.py carries its cfg; Darknet files and bare state_dicts need ``--cfg`` (or ultralytics/yolov3's
 first positional argument). A ``.pt`` source may be an ultralytics/yolov3 checkpoint
 (``{'model': state_dict, ...}``) or a bare state_dict; it must match the cfg exactly. The
-``.pt`` written is ``{'model': state_dict, 'epoch': -1, ...}``: weights to start from, not a
-run to resume. BatchNorm ``num_batches_tracked`` counters are not part of the Darknet format and
+``.pt`` written is ``{'model': state_dict, 'epoch': -1, 'seen': ..., ...}``: weights to start
+from, not a run to resume, with the Darknet header (``seen``, the version) so that converting
+back gives the ``.weights`` file byte for byte; a run's checkpoint converts with the images its
+run has seen. BatchNorm ``num_batches_tracked`` counters are not part of the Darknet format and
 come back as 0.
 """
 
@@ -30,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_utils.atomic import check_new_outputs, make_output_dir, reported_write
 from build_utils.errors import ConfigError
 from models.weights import save_weights
-from train_utils.checkpoint import read_weights, save_weights_pt
+from train_utils.checkpoint import darknet_header, read_weights, save_weights_pt
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, path_arg, run_script
 from train_utils.load_model import model_from_weights
 from train_utils.run_folder import check_not_a_run_file
@@ -106,6 +108,9 @@ def convert(
     model = model_from_weights(weights, cfg, None, img_size=416)
     make_output_dir(dst.parent, OUTPUT_FLAG)
     if to_darknet:
+        # The header of the .weights the checkpoint came from, or its run's images seen: Darknet
+        # continues training from them (without -clear).
+        model.darknet_version, model.seen = darknet_header(weights.ckpt, src)
         with reported_write(dst, OUTPUT_FLAG):
             save_weights(model, dst)
     else:

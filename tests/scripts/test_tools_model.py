@@ -197,6 +197,33 @@ def test_convert_weights_both_ways(tiny_pt, tmp_path):
     assert ckpt["epoch"] == -1  # weights to start from, never a run to resume
 
 
+def test_convert_weights_round_trip_keeps_the_darknet_header(tiny_pt, tmp_path, capsys):
+    """Was: .weights -> .pt -> .weights wrote 'seen' as 0 (Darknet then trained again from
+    iteration 0, burn_in included), and a --recipe darknet run's last.pt converted with seen 0
+    although it records its images. Now both give the header back: the file byte for byte."""
+    darknet, pt, back = tmp_path / "a.weights", tmp_path / "a.pt", tmp_path / "b.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(darknet)]) == 0
+    raw = bytearray(darknet.read_bytes())
+    raw[12:20] = np.asarray([123456], dtype="<i8").tobytes()  # seen
+    darknet.write_bytes(bytes(raw))
+    assert convert_weights.main([str(TINY), str(darknet), str(pt)]) == 0
+    assert convert_weights.main([str(TINY), str(pt), str(back)]) == 0
+    assert back.read_bytes() == darknet.read_bytes()
+    run_ckpt = torch.load(tiny_pt, map_location="cpu", weights_only=True)
+    run_ckpt["seen"] = 640  # as a --recipe darknet run's last.pt records it
+    torch.save(run_ckpt, tmp_path / "run.pt")
+    assert convert_weights.main([str(TINY), str(tmp_path / "run.pt"), str(tmp_path / "r.w")]) == 0
+    assert np.fromfile(tmp_path / "r.w", dtype="<i8", count=1, offset=12)[0] == 640
+    run_ckpt["seen"] = -1
+    torch.save(run_ckpt, tmp_path / "bad.pt")
+    capsys.readouterr()
+    assert convert_weights.main([str(TINY), str(tmp_path / "bad.pt"), str(tmp_path / "x.w")]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {tmp_path / 'bad.pt'}: 'seen' is -1, not a count of images\n"
+    )
+    assert not (tmp_path / "x.w").exists()
+
+
 def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
     assert convert_weights.main([str(TINY), str(tiny_pt), str(tmp_path / "x.pt")]) == 2
     assert "one file must end in .weights" in one_error_line(capsys)
