@@ -4,6 +4,7 @@
     python tools/convert_weights.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg
     python tools/convert_weights.py cfg/yolov3-spp.cfg yolov3-spp.weights yolov3-spp.pt  # old form
     python tools/convert_weights.py best.pt best.weights          # the checkpoint carries its cfg
+    python tools/convert_weights.py best.pt -o out/best.weights   # the same as --weights best.pt
 
 The direction follows what the source is (recognised by its content): a PyTorch checkpoint
 becomes a Darknet ``.weights`` file and a Darknet file a ``.pt``; the output defaults to the
@@ -71,8 +72,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
 def _paths(args: argparse.Namespace) -> tuple[Path | None, Path, Path | None]:
     """(cfg, source, output) from either form of the command line."""
     if args.paths:
-        if args.weights or len(args.paths) not in (2, 3):
-            raise ConfigError("give CFG SRC DST, SRC DST, or --weights SRC [--output DST]")
+        if args.weights or len(args.paths) > 3 or (len(args.paths) > 1 and args.output):
+            raise ConfigError("give CFG SRC DST, SRC DST, or [--weights] SRC [--output DST]")
+        if len(args.paths) == 1:  # `convert_weights.py best.pt -o best.weights`
+            return args.cfg, args.paths[0], args.output
         cfg, src, dst = args.paths if len(args.paths) == 3 else (None, *args.paths)
         return cfg or args.cfg, src, dst
     if not args.weights:

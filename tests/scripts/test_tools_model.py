@@ -224,6 +224,22 @@ def test_convert_weights_round_trip_keeps_the_darknet_header(tiny_pt, tmp_path, 
     assert not (tmp_path / "x.w").exists()
 
 
+def test_convert_weights_takes_a_bare_source_with_output(tiny_pt, tmp_path, capsys):
+    """Was: `convert_weights.py best.pt -o best.weights` (the source without --weights) was
+    "error: give CFG SRC DST, SRC DST, or --weights SRC [--output DST]". Now it converts; an
+    output given twice is still one line, exit 2, nothing written."""
+    out = tmp_path / "o.weights"
+    assert convert_weights.main(["--cfg", str(TINY), str(tiny_pt), "-o", str(out)]) == 0
+    assert out.stat().st_size > 0
+    capsys.readouterr()
+    other = tmp_path / "p.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(other), "-o", str(out)]) == 2
+    assert one_error_line(capsys) == (
+        "error: give CFG SRC DST, SRC DST, or [--weights] SRC [--output DST]\n"
+    )
+    assert not other.exists()
+
+
 def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
     assert convert_weights.main([str(TINY), str(tiny_pt), str(tmp_path / "x.pt")]) == 2
     assert "one file must end in .weights" in one_error_line(capsys)
