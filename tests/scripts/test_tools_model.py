@@ -13,8 +13,9 @@ import torch
 from build_utils.parse_config import parse_model_cfg
 from models.darknet import Darknet
 from models.export import FORMATS, export_onnx, hw
+from models.weights import load_darknet_weights
 from tools import convert_weights, export, make_cfg
-from train_utils.checkpoint import load_state_dict_file, save_weights_pt
+from train_utils.checkpoint import load_state_dict_file, load_weights, save_weights_pt
 
 REPO = Path(__file__).resolve().parents[2]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
@@ -238,6 +239,33 @@ def test_convert_weights_takes_a_bare_source_with_output(tiny_pt, tmp_path, caps
         "error: give CFG SRC DST, SRC DST, or [--weights] SRC [--output DST]\n"
     )
     assert not other.exists()
+
+
+def test_convert_weights_cutoff_writes_a_backbone_as_darknet_partial(tiny_pt, tmp_path, capsys):
+    """Was: no way to make a darknet53.conv.74-style file (Darknet's `partial`) but Python.
+    --cutoff N writes layers 0..N-1 with seen 0, from a .pt or a .weights; --weights loads it."""
+    darknet = tmp_path / "tiny.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(darknet)]) == 0
+    raw = bytearray(darknet.read_bytes())
+    raw[12:20] = np.asarray([5000], dtype="<i8").tobytes()  # a trained file's seen
+    darknet.write_bytes(bytes(raw))
+    model = Darknet(TINY)
+    expected = Darknet(TINY)
+    load_weights(expected, darknet)
+    for src in (tiny_pt, darknet):
+        assert convert_weights.main(["--cfg", str(TINY), str(src), "--cutoff", "13"]) == 0
+        part = src.with_name(f"{src.stem}.conv.12")
+        assert np.fromfile(part, dtype="<i8", count=1, offset=12)[0] == 0
+        assert load_darknet_weights(model, part, partial=True) == 13
+        assert torch.equal(
+            model.module_list[12].Conv2d.weight, expected.module_list[12].Conv2d.weight
+        )
+        part.unlink()
+    capsys.readouterr()
+    for n, line in (("0", "must be >= 1, got 0"), ("99", "must be in [1, 24], got 99")):
+        assert convert_weights.main(["--cfg", str(TINY), str(darknet), "--cutoff", n]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"error: --cutoff {line}"
+        assert not darknet.with_name(f"tiny.conv.{int(n) - 1}").exists()
 
 
 def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
