@@ -98,6 +98,12 @@ def img2label_path(img_path: str) -> str:
     return os.path.join(os.sep.join(parts), os.path.splitext(tail)[0] + ".txt")
 
 
+# The lists whose entries were found from the current folder, already reported by this process
+# as (list, count): a run reads each list more than once (the anchor check, then the loader), and
+# Darknet's own layout (`data/train.txt` listing `data/obj/x.jpg`) is read this way every time.
+_REPORTED_FROM_CWD: set[tuple[str, int]] = set()
+
+
 def _read_list_file(path: Path) -> list[str]:
     """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
     falling back to the current directory (ultralytics/yolov3's convention) when only that exists.
@@ -127,7 +133,8 @@ def _read_list_file(path: Path) -> list[str]:
             len(windows),
             short_text(windows[0]),
         )
-    if from_cwd:
+    if from_cwd and (str(path), from_cwd) not in _REPORTED_FROM_CWD:
+        _REPORTED_FROM_CWD.add((str(path), from_cwd))
         LOGGER.warning(
             "%s: %d relative path(s) exist only relative to the current directory, "
             "not to the list's folder; used them that way",

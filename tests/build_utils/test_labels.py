@@ -58,6 +58,26 @@ def test_a_list_written_on_windows_is_named_in_one_warning(tmp_path, caplog):
     ]
 
 
+def test_a_darknet_list_read_from_the_current_folder_is_reported_once(
+    tmp_path, monkeypatch, caplog
+):
+    """Was: Darknet's layout (data/train.txt listing data/obj/x.jpg, run from the folder above)
+    gave the same warning each time a run read the list: four lines for train and val. Now
+    once per list in a process."""
+    (tmp_path / "data" / "obj").mkdir(parents=True)
+    (tmp_path / "data" / "obj" / "x.jpg").write_bytes(b"")
+    lst = tmp_path / "data" / "train.txt"
+    lst.write_text("data/obj/x.jpg\n")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert collect_image_files(lst)[0] == [str(tmp_path / "data" / "obj" / "x.jpg")]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{lst}: 1 relative path(s) exist only relative to the current directory, not to the "
+        "list's folder; used them that way"
+    ]
+
+
 def test_cache_place_is_beside_what_the_user_named_never_an_entry(tmp_path, monkeypatch):
     """Caches go beside the list file or folder named, whatever the list's entries say: a list
     whose entries traverse (``../../x``) does not move the cache there."""
