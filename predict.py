@@ -67,7 +67,6 @@ from train_utils.checkpoint import (
     read_weights,
 )
 from train_utils.cli import (
-    DEFAULT_IMG_SIZE,
     HelpFormatter,
     add_augment_flag,
     add_device_flags,
@@ -87,7 +86,7 @@ from train_utils.cli import (
 from train_utils.distributed.devices import select_device
 from train_utils.evaluation.detection_files import write_yolo_txt
 from train_utils.evaluation.plots import class_colour, write_image
-from train_utils.load_model import model_from_weights
+from train_utils.load_model import default_img_size, model_from_weights
 from train_utils.precision import (
     InferencePrecision,
     autocast_context,
@@ -446,7 +445,9 @@ def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str], WeightsFil
     """The model ``--weights`` holds (its own cfg unless ``--cfg``), and the class names:
     ``--names``, else ``--data``'s, else the checkpoint's, else the class ids."""
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
-    take_from_run(args, weights.run, {"img_size": DEFAULT_IMG_SIZE}, f"--weights {args.weights}")
+    take_from_run(args, weights.run, {"img_size": None}, f"--weights {args.weights}")
+    if args.img_size is None:
+        args.img_size = default_img_size(weights, args.cfg)
     check_img_size(args.img_size)
     names = weights.names
     if args.names:

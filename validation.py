@@ -106,7 +106,7 @@ from train_utils.evaluation.error_breakdown import ERRORS_FILE, report_errors
 from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import REPORT_FILES, write_eval_report
 from train_utils.evaluation.speed import measure_speed
-from train_utils.load_model import model_from_weights
+from train_utils.load_model import default_img_size, model_from_weights
 from train_utils.precision import InferencePrecision, replay_precision
 from train_utils.run_folder import REPLACED_PREFIX, RUN_FILES, holds_run, move_previous_run
 
@@ -237,7 +237,9 @@ def resolve_settings(args: argparse.Namespace, weights: WeightsFile) -> None:
     data = run.get("data")
     path = data.get("path") if isinstance(data, dict) else None
     run["data"] = path if isinstance(path, str) else None
-    take_from_run(args, run, RUN_SETTINGS, f"--weights {weights.path}")
+    take_from_run(args, run, {**RUN_SETTINGS, "img_size": None}, f"--weights {weights.path}")
+    if args.img_size is None:
+        args.img_size = default_img_size(weights, args.cfg)
     check_choices(get_parser(), args)
     if args.data is None:
         raise ConfigError(

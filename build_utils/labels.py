@@ -64,6 +64,7 @@ from build_utils.limits import (
     read_data_file,
 )
 from build_utils.parse_config import beside_or_cwd
+from build_utils.safe_yaml import short_text
 
 LOGGER = logging.getLogger(__name__)
 
@@ -97,6 +98,12 @@ def img2label_path(img_path: str) -> str:
     return os.path.join(os.sep.join(parts), os.path.splitext(tail)[0] + ".txt")
 
 
+# The lists whose entries were found from the current folder, already reported by this process
+# as (list, count): a run reads each list more than once (the anchor check, then the loader), and
+# Darknet's own layout (`data/train.txt` listing `data/obj/x.jpg`) is read this way every time.
+_REPORTED_FROM_CWD: set[tuple[str, int]] = set()
+
+
 def _read_list_file(path: Path) -> list[str]:
     """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
     falling back to the current directory (ultralytics/yolov3's convention) when only that exists.
@@ -108,15 +115,26 @@ def _read_list_file(path: Path) -> list[str]:
     when the labels are (:func:`check_file`), never opened here."""
     text = read_config_text(path, MAX_LIST_BYTES, "image list")
     base = path.parent
-    out, from_cwd = [], 0
+    out, from_cwd, windows = [], 0, []
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         p = beside_or_cwd(line, base)
         from_cwd += p != base / Path(line).expanduser()  # found only from the current folder
+        if os.sep == "/" and "\\" in line and not p.exists():  # a Darknet list from Windows
+            windows.append(line)
         out.append(os.path.abspath(p))
-    if from_cwd:
+    if windows:
+        LOGGER.warning(
+            "%s: %d path(s) not found are written with Windows separators (backslashes), such "
+            "as %s; write them with / (here a backslash is part of the file name)",
+            path,
+            len(windows),
+            short_text(windows[0]),
+        )
+    if from_cwd and (str(path), from_cwd) not in _REPORTED_FROM_CWD:
+        _REPORTED_FROM_CWD.add((str(path), from_cwd))
         LOGGER.warning(
             "%s: %d relative path(s) exist only relative to the current directory, "
             "not to the list's folder; used them that way",

@@ -32,7 +32,7 @@ from build_utils.atomic import write_text
 from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
-from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr
+from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
 
 LOGGER = logging.getLogger(__name__)
 # The repeated [net] keys already reported by this process, as (cfg, line, key): one run reads
@@ -1106,10 +1106,20 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         elif key in DATA_PATH_KEYS:
             try:
                 out[key] = _resolve_data_path(value, path.parent)
+                missing = not Path(out[key]).exists()
             except OSError as e:  # e.g. a name too long for the file system
                 raise ConfigError(
                     f"{key}={_quoted(value)} is not a usable path ({e.strerror or e})", path, number
                 ) from e
+            if missing and "\\" in value and os.sep == "/" and key != "backup":
+                # A .data file written for Darknet on Windows: `train = data\train.txt`.
+                slashed = value.replace("\\", "/")
+                raise ConfigError(
+                    f"{key}={short_text(value)} is not found: it is written with Windows "
+                    f"separators (backslashes); write {key}={short_text(slashed)}",
+                    path,
+                    number,
+                )
         else:
             out[key] = value
     for key in DATA_REQUIRED_KEYS:

@@ -28,18 +28,29 @@ from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
 from models.darknet import Darknet
 from models.layers import WeightedFeatureFusion
 
-__all__ = ["DARKNET_VERSION", "load_darknet_weights", "save_weights"]
+__all__ = [
+    "DARKNET_VERSION",
+    "DARKNET_VERSION_LIMIT",
+    "load_darknet_weights",
+    "save_weights",
+    "seen_is_int64",
+]
 
 LOGGER = logging.getLogger(__name__)
 
 # Header written by save_weights: version 0.2.0, the first with a 64-bit `seen`.
 DARKNET_VERSION = (0, 2, 0)
 _HEADER_INTS = 3
-_VERSION_LIMIT = 1000  # Darknet: versions >= 1000 mark transposed (old) files with int32 seen
+DARKNET_VERSION_LIMIT = (
+    1000  # Darknet: versions >= 1000 mark transposed (old) files with int32 seen
+)
 
 
-def _seen_is_int64(major: int, minor: int) -> bool:
-    return major * 10 + minor >= 2 and major < _VERSION_LIMIT and minor < _VERSION_LIMIT
+def seen_is_int64(major: int, minor: int) -> bool:
+    """Whether a header of this version stores ``seen`` as int64 (else int32), as Darknet does."""
+    return (
+        major * 10 + minor >= 2 and major < DARKNET_VERSION_LIMIT and minor < DARKNET_VERSION_LIMIT
+    )
 
 
 def _darknet_tensors(model: Darknet, cutoff: int = -1) -> Iterator[tuple[int, list[torch.Tensor]]]:
@@ -142,7 +153,7 @@ def _read_weights_header(path: Path) -> tuple[tuple[int, int, int], int, int, in
             f"file of {size} bytes is too short for a Darknet weights header", path
         )
     major, minor, revision = (int(v) for v in np.frombuffer(head, "<i4", _HEADER_INTS))
-    seen_dtype = "<i8" if _seen_is_int64(major, minor) else "<i4"
+    seen_dtype = "<i8" if seen_is_int64(major, minor) else "<i4"
     body = header_bytes + np.dtype(seen_dtype).itemsize
     if size < body:
         raise CheckpointError(
@@ -219,7 +230,7 @@ def save_weights(model: Darknet, path: str | os.PathLike[str], cutoff: int = -1)
     """
     path = Path(path)
     version = tuple(getattr(model, "darknet_version", DARKNET_VERSION))
-    seen_dtype = "<i8" if _seen_is_int64(version[0], version[1]) else "<i4"
+    seen_dtype = "<i8" if seen_is_int64(version[0], version[1]) else "<i4"
     layers = list(_darknet_tensors(model, cutoff))  # raises for a fused model
     with atomic_write(path, "wb") as f:
         f.write(np.asarray(version, dtype="<i4").tobytes())

@@ -392,9 +392,37 @@ def given_flags(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> 
     return frozenset(vars(namespace))
 
 
+# Darknet's single-dash flags (`darknet detector train ... -map -dont_show`), what each is here.
+DARKNET_FLAGS = {
+    "-map": "evaluation runs without it (--recipe darknet: every --eval-iterations, by default "
+    "Darknet's -map rule)",
+    "-dont_show": "no window is ever shown; drop it",
+    "-clear": "--clear",
+    "-gpus": "--device (e.g. --device 0,1)",
+    "-thresh": "--conf-thres",
+    "-iou_thresh": "--iou-thres",
+    "-ext_output": "drop it: predict.py prints each box in pixels",
+    "-letter_box": "drop it: images are always letterboxed",
+}
+
+
+def _darknet_flag(parser: argparse.ArgumentParser, argv: Sequence[str]) -> str | None:
+    """The first of Darknet's flags (see :data:`DARKNET_FLAGS`) in ``argv`` that ``parser`` does
+    not define, with what to type instead."""
+    for token in argv:
+        flag = token.split("=", 1)[0]
+        if flag in DARKNET_FLAGS and flag not in parser._option_string_actions:
+            return f"{flag} is Darknet's flag; here: {DARKNET_FLAGS[flag]}"
+    return None
+
+
 def parse_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
     """``parser.parse_args(argv)`` with ``given``: the flags the user typed (see
-    :func:`given_flags`)."""
+    :func:`given_flags`). Darknet's flags get a line naming this project's instead of argparse's
+    bare "unrecognized arguments"."""
+    darknet = _darknet_flag(parser, sys.argv[1:] if argv is None else argv)
+    if darknet is not None:
+        parser.error(darknet)
     args = parser.parse_args(argv)
     args.given = given_flags(parser, argv)
     return args

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from build_utils.augmentations import GRID
 from build_utils.darknet_data import DarknetLoaderSettings
 from build_utils.errors import ConfigError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg, parse_model_cfg_text
@@ -27,6 +28,7 @@ from train_utils.checkpoint import (
     load_weights,
     weights_kind,
 )
+from train_utils.cli import DEFAULT_IMG_SIZE
 from train_utils.config import TrainConfig, multi_scale_bounds
 from train_utils.darknet_recipe import prepare_model
 from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_failed
@@ -85,6 +87,23 @@ def model_from_weights(
     else:
         fit_state_dict(model, extract_state_dict(weights.ckpt, weights.path), weights.path)
     return model
+
+
+def default_img_size(weights: WeightsFile, cfg: str | Path | None) -> int:
+    """The side ``weights`` run at when neither ``--img-size`` nor their run says (logged when it
+    is the cfg's): for a Darknet
+    ``.weights`` file with ``cfg``, the cfg's ``[net]`` side (the larger of width and height,
+    rounded up to a multiple of 32), as ``darknet detector map`` and ``test`` run at the cfg's
+    size; else :data:`~train_utils.cli.DEFAULT_IMG_SIZE`."""
+    if weights.kind != "darknet" or cfg is None:
+        return DEFAULT_IMG_SIZE
+    net = parse_model_cfg(cfg)[0]
+    side = max(int(net.get("width") or 0), int(net.get("height") or 0))
+    if side <= 0:
+        return DEFAULT_IMG_SIZE
+    side = -(-side // GRID) * GRID
+    logger.info("--img-size %d: the [net] size of %s, as Darknet runs .weights", side, cfg)
+    return side
 
 
 def build_training_model(

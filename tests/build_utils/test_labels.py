@@ -42,6 +42,42 @@ def test_collect_image_files_names_the_cache_after_the_list(make_shapes_data):
     assert stem == "train+train" and len(files) == 4
 
 
+def test_a_list_written_on_windows_is_named_in_one_warning(tmp_path, caplog):
+    """Was: a Darknet train.txt from Windows (`data\\obj\\x.jpg`) dropped every image as
+    "image file not found", the cause nowhere. Now one warning names it; a path that exists with
+    a backslash in its name is taken quietly."""
+    (tmp_path / "a\\b.jpg").write_bytes(b"")
+    lst = tmp_path / "train.txt"
+    lst.write_text("data\\obj\\x.jpg\r\ndata\\obj\\y.jpg\r\na\\b.jpg\r\n")
+    with caplog.at_level(logging.WARNING):
+        files, _ = collect_image_files(lst)
+    assert files[2] == str(tmp_path / "a\\b.jpg")
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{lst}: 2 path(s) not found are written with Windows separators (backslashes), such as "
+        "data\\obj\\x.jpg; write them with / (here a backslash is part of the file name)"
+    ]
+
+
+def test_a_darknet_list_read_from_the_current_folder_is_reported_once(
+    tmp_path, monkeypatch, caplog
+):
+    """Was: Darknet's layout (data/train.txt listing data/obj/x.jpg, run from the folder above)
+    gave the same warning each time a run read the list: four lines for train and val. Now
+    once per list in a process."""
+    (tmp_path / "data" / "obj").mkdir(parents=True)
+    (tmp_path / "data" / "obj" / "x.jpg").write_bytes(b"")
+    lst = tmp_path / "data" / "train.txt"
+    lst.write_text("data/obj/x.jpg\n")
+    monkeypatch.chdir(tmp_path)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(2):
+            assert collect_image_files(lst)[0] == [str(tmp_path / "data" / "obj" / "x.jpg")]
+    assert [r.getMessage() for r in caplog.records] == [
+        f"{lst}: 1 relative path(s) exist only relative to the current directory, not to the "
+        "list's folder; used them that way"
+    ]
+
+
 def test_cache_place_is_beside_what_the_user_named_never_an_entry(tmp_path, monkeypatch):
     """Caches go beside the list file or folder named, whatever the list's entries say: a list
     whose entries traverse (``../../x``) does not move the cache there."""

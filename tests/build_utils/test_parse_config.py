@@ -642,6 +642,26 @@ def test_parse_data_cfg_absolute_paths(tmp_path):
     assert parse_data_cfg(path)["names"] == str(names)
 
 
+def test_windows_separators_in_a_data_file_are_named(tmp_path, monkeypatch):
+    """Was: a Darknet obj.data from Windows (`names = data\\obj.names`) gave "names file
+    'data\\\\obj.names' not found", the backslashes doubled and no word of the cause. Now the line
+    says what to write; an unused backup folder so written is no error."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "obj.names").write_text("a\nb\n")
+    path = tmp_path / "obj.data"
+    body = "classes=2\r\ntrain=data/t.txt\r\nvalid=data/v.txt\r\nbackup=backup\\\r\n"
+    path.write_text(body + "names = data\\obj.names\r\n")
+    with pytest.raises(ConfigError) as e:
+        parse_data_cfg(path)
+    assert str(e.value) == (
+        f"{path}:5: names=data\\obj.names is not found: it is written with Windows separators "
+        "(backslashes); write names=data/obj.names"
+    )
+    path.write_text(body + "names = data/obj.names\r\n")
+    assert parse_data_cfg(path)["class_names"] == ["a", "b"]
+
+
 @pytest.mark.parametrize(
     ("body", "pattern"),
     [

@@ -13,8 +13,9 @@ import torch
 from build_utils.parse_config import parse_model_cfg
 from models.darknet import Darknet
 from models.export import FORMATS, export_onnx, hw
+from models.weights import load_darknet_weights
 from tools import convert_weights, export, make_cfg
-from train_utils.checkpoint import load_state_dict_file, save_weights_pt
+from train_utils.checkpoint import load_state_dict_file, load_weights, save_weights_pt
 
 REPO = Path(__file__).resolve().parents[2]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
@@ -195,6 +196,76 @@ def test_convert_weights_both_ways(tiny_pt, tmp_path):
     assert all(torch.equal(a[k], b[k]) for k in a if not k.endswith("num_batches_tracked"))
     ckpt = torch.load(back, map_location="cpu", weights_only=True)
     assert ckpt["epoch"] == -1  # weights to start from, never a run to resume
+
+
+def test_convert_weights_round_trip_keeps_the_darknet_header(tiny_pt, tmp_path, capsys):
+    """Was: .weights -> .pt -> .weights wrote 'seen' as 0 (Darknet then trained again from
+    iteration 0, burn_in included), and a --recipe darknet run's last.pt converted with seen 0
+    although it records its images. Now both give the header back: the file byte for byte."""
+    darknet, pt, back = tmp_path / "a.weights", tmp_path / "a.pt", tmp_path / "b.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(darknet)]) == 0
+    raw = bytearray(darknet.read_bytes())
+    raw[12:20] = np.asarray([123456], dtype="<i8").tobytes()  # seen
+    darknet.write_bytes(bytes(raw))
+    assert convert_weights.main([str(TINY), str(darknet), str(pt)]) == 0
+    assert convert_weights.main([str(TINY), str(pt), str(back)]) == 0
+    assert back.read_bytes() == darknet.read_bytes()
+    run_ckpt = torch.load(tiny_pt, map_location="cpu", weights_only=True)
+    run_ckpt["seen"] = 640  # as a --recipe darknet run's last.pt records it
+    torch.save(run_ckpt, tmp_path / "run.pt")
+    assert convert_weights.main([str(TINY), str(tmp_path / "run.pt"), str(tmp_path / "r.w")]) == 0
+    assert np.fromfile(tmp_path / "r.w", dtype="<i8", count=1, offset=12)[0] == 640
+    run_ckpt["seen"] = -1
+    torch.save(run_ckpt, tmp_path / "bad.pt")
+    capsys.readouterr()
+    assert convert_weights.main([str(TINY), str(tmp_path / "bad.pt"), str(tmp_path / "x.w")]) == 2
+    assert one_error_line(capsys) == (
+        f"error: {tmp_path / 'bad.pt'}: 'seen' is -1, not a count of images\n"
+    )
+    assert not (tmp_path / "x.w").exists()
+
+
+def test_convert_weights_takes_a_bare_source_with_output(tiny_pt, tmp_path, capsys):
+    """Was: `convert_weights.py best.pt -o best.weights` (the source without --weights) was
+    "error: give CFG SRC DST, SRC DST, or --weights SRC [--output DST]". Now it converts; an
+    output given twice is still one line, exit 2, nothing written."""
+    out = tmp_path / "o.weights"
+    assert convert_weights.main(["--cfg", str(TINY), str(tiny_pt), "-o", str(out)]) == 0
+    assert out.stat().st_size > 0
+    capsys.readouterr()
+    other = tmp_path / "p.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(other), "-o", str(out)]) == 2
+    assert one_error_line(capsys) == (
+        "error: give CFG SRC DST, SRC DST, or [--weights] SRC [--output DST]\n"
+    )
+    assert not other.exists()
+
+
+def test_convert_weights_cutoff_writes_a_backbone_as_darknet_partial(tiny_pt, tmp_path, capsys):
+    """Was: no way to make a darknet53.conv.74-style file (Darknet's `partial`) but Python.
+    --cutoff N writes layers 0..N-1 with seen 0, from a .pt or a .weights; --weights loads it."""
+    darknet = tmp_path / "tiny.weights"
+    assert convert_weights.main([str(TINY), str(tiny_pt), str(darknet)]) == 0
+    raw = bytearray(darknet.read_bytes())
+    raw[12:20] = np.asarray([5000], dtype="<i8").tobytes()  # a trained file's seen
+    darknet.write_bytes(bytes(raw))
+    model = Darknet(TINY)
+    expected = Darknet(TINY)
+    load_weights(expected, darknet)
+    for src in (tiny_pt, darknet):
+        assert convert_weights.main(["--cfg", str(TINY), str(src), "--cutoff", "13"]) == 0
+        part = src.with_name(f"{src.stem}.conv.12")
+        assert np.fromfile(part, dtype="<i8", count=1, offset=12)[0] == 0
+        assert load_darknet_weights(model, part, partial=True) == 13
+        assert torch.equal(
+            model.module_list[12].Conv2d.weight, expected.module_list[12].Conv2d.weight
+        )
+        part.unlink()
+    capsys.readouterr()
+    for n, line in (("0", "must be >= 1, got 0"), ("99", "must be in [1, 24], got 99")):
+        assert convert_weights.main(["--cfg", str(TINY), str(darknet), "--cutoff", n]) == 2
+        assert capsys.readouterr().err.splitlines()[-1] == f"error: --cutoff {line}"
+        assert not darknet.with_name(f"tiny.conv.{int(n) - 1}").exists()
 
 
 def test_convert_weights_errors(tiny_pt, tmp_path, capsys):

@@ -1,5 +1,5 @@
 """The training model's ``--weights`` (train_utils/load_model.py): _initialise_weights says so
-when ``--weights`` fits the model fully."""
+when ``--weights`` fits the model fully; Darknet .weights run at their cfg's size."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ import torch
 from conftest import NANO_CFG
 
 from models.darknet import Darknet
+from models.weights import save_weights
 from train_utils import load_model
-from train_utils.checkpoint import save_checkpoint
+from train_utils.checkpoint import read_weights, save_checkpoint, save_weights_pt
+from train_utils.cli import DEFAULT_IMG_SIZE, parse_args
 
 
 def test_fully_matching_weights_are_reported(tmp_path, caplog):
@@ -28,3 +30,27 @@ def test_fully_matching_weights_are_reported(tmp_path, caplog):
     assert f"--weights {path}: all {n} tensors loaded" in caplog.text
     for k, v in source.state_dict().items():
         assert torch.equal(model.state_dict()[k], v), k
+
+
+def test_darknet_weights_run_at_their_cfgs_size(tmp_path, caplog):
+    """Was: validation.py and predict.py ran a Darknet .weights file at 512 px whatever its cfg
+    said (a model trained at 64 px scored at 512); Darknet's `detector map`/`test` run at the
+    cfg's [net] size. Now that size, rounded up to 32, unless --img-size or the run says."""
+    import predict
+
+    cfg = tmp_path / "m.cfg"
+    text = NANO_CFG.read_text().replace("width=320", "width=90").replace("height=320", "height=64")
+    cfg.write_text(text)
+    darknet = tmp_path / "m.weights"
+    save_weights(Darknet(cfg), darknet)
+    pt = tmp_path / "m.pt"
+    save_weights_pt(Darknet(cfg), pt)
+    with caplog.at_level(logging.INFO):
+        assert load_model.default_img_size(read_weights(darknet), cfg) == 96
+    assert f"--img-size 96: the [net] size of {cfg}, as Darknet runs .weights" in caplog.text
+    assert load_model.default_img_size(read_weights(pt), cfg) == DEFAULT_IMG_SIZE
+    for extra, want in (([], 96), (["--img-size", "128"], 128)):
+        argv = ["--weights", str(darknet), "--cfg", str(cfg), "--source", "x.jpg", *extra]
+        args = parse_args(predict.get_parser(), argv)
+        predict.load_model(args)
+        assert args.img_size == want
