@@ -4,6 +4,7 @@
     python predict.py --weights best.pt --source folder/ clip.mp4 --output out/ --conf-thres 0.25
     python predict.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --names coco.names ...
     python predict.py --weights best.pt --source 'folder/val_0001*.jpg'    # a quoted pattern
+    python predict.py --weights best.pt --source mydata/val.txt            # a list of paths
     python predict.py --weights best.pt --source 0                         # webcam 0
     python predict.py --weights best.pt --source rtsp://host/stream --classes 0 2 --save-txt
 
@@ -55,6 +56,7 @@ from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.checks import check_at_least, check_fractions
 from build_utils.errors import ConfigError, DatasetError, OutputError
 from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
+from build_utils.labels import read_image_list
 from build_utils.limits import file_problem
 from build_utils.parse_config import (
     load_class_names,
@@ -122,7 +124,8 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
         "--source",
         nargs="+",
         required=True,
-        help="image or video files, folders (images and videos inside), a quoted glob pattern "
+        help="image or video files, folders (images and videos inside), a .txt list of image "
+        "paths, a quoted glob pattern "
         "('dir/*.jpg', 'dir/**/*.png'), a camera index (0) or a stream URL (rtsp://, rtmp://, "
         "http(s)://)",
     )
@@ -548,6 +551,14 @@ def _planned(s: str, folder_names: set[str], several: bool) -> list[tuple[str | 
         top = Path(_unique(p.resolve().name or "source", folder_names))
         base = top if several else Path()
         return [(f, base / f.relative_to(p).with_suffix("")) for f in files]
+    if p.suffix.lower() == ".txt" and os.path.lexists(p):
+        # A list of image paths, one a line (YOLOv5 takes it; a dataset's train.txt is one),
+        # relative ones beside the list as the loader reads it: each entry as if given, an
+        # entry that is missing or no image skipped with its reason.
+        entries = [Path(f) for f in read_image_list(p)]
+        if not entries:
+            raise ConfigError(f"--source {s}: no image or video paths in this list")
+        return [(f, Path(f.stem)) for f in entries]
     if os.path.lexists(p):  # a file, or a FIFO/link loop skipped with its reason
         return [(p, Path(p.stem))]
     if any(c in s for c in GLOB_CHARS):

@@ -97,7 +97,7 @@ def img2label_path(img_path: str) -> str:
     return os.path.join(os.sep.join(parts), os.path.splitext(tail)[0] + ".txt")
 
 
-def _read_list_file(path: Path) -> list[str]:
+def read_image_list(path: Path) -> list[str]:
     """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
     falling back to the current directory (ultralytics/yolov3's convention) when only that exists.
     Blank lines and lines starting with ``#`` (comments) are skipped.
@@ -146,7 +146,7 @@ def collect_image_files(
             files += list_images(p)
             stems.append(p.parent.name if p.name == "images" and p.parent.name else p.name)
         elif p.suffix.lower() == ".txt" and os.path.lexists(p):
-            files += _read_list_file(p)
+            files += read_image_list(p)
             stems.append(p.stem)
         elif is_image_file(p) and os.path.lexists(p):
             # Whatever it is (a FIFO, a link loop), check_file says why it is not usable.
