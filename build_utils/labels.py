@@ -6,7 +6,8 @@ these into image paths in dataset order, plus a short name (``stem``) for the ca
 Where the labels are: every image ``.../images/.../x.jpg`` has its labels in
 ``.../labels/.../x.txt`` (the *last* ``images`` folder of the path becomes ``labels``; with no
 ``images`` folder the label file sits beside the image). A label file has one ``class cx cy w h``
-line per object, normalised to [0, 1] by the image's upright size (EXIF orientation applied). A
+line per object, normalised to [0, 1] by the image's upright size (EXIF orientation applied); a
+segment line ``class x1 y1 x2 y2 ...`` stands for the box around its points, as in YOLOv5. A
 missing label file means an image without objects.
 
 Checking and caching (:func:`load_labels`). Every image is decoded once (in a thread pool) and
@@ -68,8 +69,11 @@ from build_utils.parse_config import beside_or_cwd
 LOGGER = logging.getLogger(__name__)
 
 # 2: the key hashes the label files' bytes; caches live beside the list or folder.
-CACHE_VERSION = 2
+# 3: polygon (segment) lines become their boxes instead of being dropped.
+CACHE_VERSION = 3
 LABEL_FIELDS = 5  # class cx cy w h
+# A segment label line (YOLOv5/YOLOv8 "class x1 y1 x2 y2 x3 y3 ..."): a class and 3 or more points.
+MIN_POLYGON_FIELDS = 7
 # Label values this close outside [0, 1] are rounding noise from conversion tools: clipped.
 # Farther out the line is rejected.
 COORD_TOLERANCE = 1e-3
@@ -250,8 +254,10 @@ def parse_label_text(
 ) -> tuple[np.ndarray, int, int, list[str]]:
     """Parse and check the lines of a YOLO label file.
 
-    Blank lines are ignored. A line is dropped, with a note ``where:line: dropped: reason``, when
-    it does not have 5 fields, holds a non-number, NaN or infinity, a class id that is not an
+    Blank lines are ignored. A polygon line ``class x1 y1 x2 y2 x3 y3 ...`` (a segment label,
+    3 or more points) becomes the box around its points, as YOLOv5's ``segments2boxes`` does.
+    A line is dropped, with a note ``where:line: dropped: reason``, when it has neither 5
+    fields nor a polygon's, holds a non-number, NaN or infinity, a class id that is not an
     integer in ``[0, nc)`` (only ``>= 0`` when ``nc`` is None), a value outside ``[0, 1]`` by
     more than :data:`COORD_TOLERANCE`, or a zero-size box. Values within the tolerance and box
     corners beyond the image are clipped (corners with a note). Exact duplicate rows are dropped.
@@ -275,8 +281,14 @@ def parse_label_text(
         if not line:
             continue
         fields = line.split()
-        if len(fields) != LABEL_FIELDS:
-            bad(lineno, f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h)", line)
+        polygon = len(fields) >= MIN_POLYGON_FIELDS and len(fields) % 2 == 1
+        if len(fields) != LABEL_FIELDS and not polygon:
+            bad(
+                lineno,
+                f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h) "
+                "or a polygon (class x1 y1 x2 y2 x3 y3 ...)",
+                line,
+            )
             continue
         try:
             values = [float(v) for v in fields]
@@ -296,6 +308,10 @@ def parse_label_text(
         if any(v < -COORD_TOLERANCE or v > 1 + COORD_TOLERANCE for v in coords):
             bad(lineno, "coordinate outside [0, 1]", line)
             continue
+        if polygon:
+            xs, ys = coords[0::2], coords[1::2]
+            x1, y1, x2, y2 = min(xs), min(ys), max(xs), max(ys)
+            coords = [(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1]
         cx, cy, w, h = (min(max(v, 0.0), 1.0) for v in coords)
         x1, y1, x2, y2 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
         overshoot = max(-x1, -y1, x2 - 1, y2 - 1)

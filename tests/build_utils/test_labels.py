@@ -61,6 +61,28 @@ def test_cache_place_is_beside_what_the_user_named_never_an_entry(tmp_path, monk
 # Label lines
 
 
+def test_polygon_lines_become_their_boxes():
+    """Was: a segment label (YOLOv5/YOLOv8 'class x1 y1 x2 y2 x3 y3 ...') dropped as '9 fields',
+    so a segmentation dataset trained a detector on no objects; YOLOv5 takes the polygon's box."""
+    text = "\n".join(
+        [
+            "2 0.1 0.2 0.5 0.2 0.5 0.6 0.1 0.6",  # a 4-point polygon
+            "1 0.3 0.3 0.7 0.3 0.5 0.9",  # a triangle
+            "1 0.1 0.1 0.2 0.1 0.2 0.2 0.1",  # an odd coordinate count: not a polygon
+            "0 0.1 0.1 1.5 0.1 0.2 0.2",  # a point outside the image
+            "0 0.5 0.5 0.5 0.5 0.5 0.5",  # all points at one place: zero size
+        ]
+    )
+    labels, n_dup, n_bad, notes = parse_label_text(text, nc=3, where="seg.txt")
+    np.testing.assert_allclose(
+        labels, [[2, 0.3, 0.4, 0.4, 0.4], [1, 0.5, 0.6, 0.4, 0.6]], atol=1e-6
+    )
+    assert (n_dup, n_bad) == (0, 3)
+    assert notes[0].startswith("seg.txt:3: dropped: 8 fields, expected 5 (class cx cy w h) or a")
+    assert notes[1].startswith("seg.txt:4: dropped: coordinate outside [0, 1]")
+    assert notes[2].startswith("seg.txt:5: dropped: zero-size box")
+
+
 def test_parse_label_text_rules():
     text = "\n".join(
         [
