@@ -70,7 +70,8 @@ LOGGER = logging.getLogger(__name__)
 
 # 2: the key hashes the label files' bytes; caches live beside the list or folder.
 # 3: polygon (segment) lines become their boxes instead of being dropped.
-CACHE_VERSION = 3
+# 4: images that share a label file are excluded.
+CACHE_VERSION = 4
 LABEL_FIELDS = 5  # class cx cy w h
 # A segment label line (YOLOv5/YOLOv8 "class x1 y1 x2 y2 x3 y3 ..."): a class and 3 or more points.
 MIN_POLYGON_FIELDS = 7
@@ -433,6 +434,26 @@ class LabelCache:
         )
 
 
+def _label_file_clashes(
+    img_files: Sequence[str], label_files: Sequence[str], results: Sequence[FileCheck]
+) -> dict[int, str]:
+    """Why each usable image whose label file also belongs to another image is excluded
+    (``x.jpg`` and ``x.png`` both read ``labels/x.txt``: whose objects they are is unknown).
+    The same image listed twice (oversampling) shares its labels with itself: no clash."""
+    owners: dict[str, set[str]] = {}
+    for img, lbl, r in zip(img_files, label_files, results):
+        if r.size is not None and r.state != "missing":
+            owners.setdefault(lbl, set()).add(img)
+    clashes = {}
+    for k, (img, lbl, r) in enumerate(zip(img_files, label_files, results)):
+        others = sorted(owners.get(lbl, set()) - {img})
+        if r.size is not None and others:
+            clashes[k] = (
+                f"its label file {lbl} is also the one of {others[0]}; give each image its own name"
+            )
+    return clashes
+
+
 def build_label_cache(
     img_files: Sequence[str],
     label_files: Sequence[str],
@@ -445,7 +466,9 @@ def build_label_cache(
     def check(k: int) -> FileCheck:
         return check_file(img_files[k], label_files[k], nc)
 
-    results = map_in_threads(check, range(len(img_files)), desc, progress)
+    results = list(map_in_threads(check, range(len(img_files)), desc, progress))
+    for k, reason in _label_file_clashes(img_files, label_files, results).items():
+        results[k] = FileCheck(None, np.zeros((0, LABEL_FIELDS), np.float32), "missing", reason)
     stats = dict.fromkeys(LabelCache.STAT_NAMES, 0)
     report: list[str] = []
     for img, r in zip(img_files, results):
