@@ -55,7 +55,7 @@ from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.checks import check_at_least, check_fractions
 from build_utils.errors import ConfigError, DatasetError, OutputError
-from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
+from build_utils.image_io import IMG_FORMATS, is_image_file, list_files, read_image
 from build_utils.labels import read_image_list
 from build_utils.limits import file_problem
 from build_utils.parse_config import (
@@ -544,7 +544,8 @@ def _planned(s: str, folder_names: set[str], several: bool) -> list[tuple[str | 
     if p.is_dir():
         # Anything named like media but a folder is planned, so that a FIFO, socket or
         # link loop named x.jpg is skipped with its reason rather than in silence.
-        files = sorted(f for f in p.rglob("*") if _is_media(f) and not f.is_dir())
+        top_abs = os.path.abspath(p)
+        files = [p / os.path.relpath(f, top_abs) for f in list_files(p) if _is_media(Path(f))]
         if not files:
             raise ConfigError(f"--source {s}: no images or videos in this folder ({MEDIA_KINDS})")
         # Why the folder's own name: a user finds a/x.jpg's result under OUTPUT/a/.

@@ -421,14 +421,33 @@ def orient_boxes(boxes: np.ndarray, orientation: int, raw_w: float, raw_h: float
     )
 
 
-def list_images(folder: str | os.PathLike[str]) -> list[str]:
-    """All image files under ``folder`` (recursively), as sorted absolute paths."""
+def list_files(folder: str | os.PathLike[str]) -> list[str]:
+    """Every entry under ``folder`` (recursively) that is not a folder, as sorted absolute paths.
+
+    Linked folders are entered, as YOLOv5's ``glob('**')`` does (a dataset gathered from parts
+    by symbolic links), each real folder once, so a link loop ends; a link loop or a FIFO named
+    like a file is listed (its reader says why it is unusable)."""
     found: list[str] = []
-    for root, dirs, files in os.walk(os.path.abspath(os.fspath(folder))):
+    seen: set[tuple[int, int]] = set()
+    for root, dirs, files in os.walk(os.path.abspath(os.fspath(folder)), followlinks=True):
+        try:
+            st = os.stat(root)
+        except OSError:
+            dirs.clear()
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirs.clear()
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirs.sort()  # deterministic walk order
-        found.extend(os.path.join(root, f) for f in sorted(files) if is_image_file(f))
+        found.extend(os.path.join(root, f) for f in files)
     found.sort()
     return found
+
+
+def list_images(folder: str | os.PathLike[str]) -> list[str]:
+    """All image files under ``folder`` (recursively, see :func:`list_files`), sorted."""
+    return [f for f in list_files(folder) if is_image_file(f)]
 
 
 def map_in_threads(

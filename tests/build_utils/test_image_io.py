@@ -339,3 +339,19 @@ def test_exif_orientation_of_png_and_webp_is_the_one_opencv_applies(fmt, orienta
     Image.fromarray(raw).save(plain, fmt)
     assert image_io.exif_orientation(plain.getvalue()) == 1
     assert image_io.exif_orientation(data[:20]) == 1  # cut short: no chunk, no error
+
+
+def test_a_folder_scan_enters_linked_folders_once(tmp_path):
+    """Was: a dataset folder gathering its parts by links (images/cam1 -> /data/cam1) lost their
+    images in silence; YOLOv5's glob('**') enters them. A folder linked twice is listed once."""
+    part = tmp_path / "elsewhere" / "cam1"
+    part.mkdir(parents=True)
+    good_jpeg(part / "b.jpg")
+    d = tmp_path / "images"
+    d.mkdir()
+    good_jpeg(d / "a.jpg")
+    (d / "cam1").symlink_to(part)
+    (d / "cam1_again").symlink_to(part)
+    (d / "up").symlink_to(tmp_path)  # a loop through the parent: ends
+    files, _ = collect_image_files(d)
+    assert files == [str(d / "a.jpg"), str(d / "cam1" / "b.jpg")]

@@ -438,3 +438,19 @@ def test_an_interrupted_video_is_kept_and_said_to_be_partial(tmp_path, caplog):
     cap.release()
     assert f"{clip}: interrupted; {out / 'clip.mp4'} holds its first 2 frames" in caplog.text
     assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]  # no temporary left
+
+
+def test_a_source_folder_enters_linked_folders(checkpoint, shapes_data, tmp_path, capsys):
+    """Was: images in a linked sub-folder of a --source folder were skipped in silence."""
+    image = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copy(image, part / "b.jpg")
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "linked").symlink_to(part)
+    (folder / "loop").symlink_to(folder)
+    out = tmp_path / "o"
+    assert _main(checkpoint, out, "--source", str(folder)) == 0
+    assert capsys.readouterr().out.count(" detections") == 1
+    assert (out / "linked" / "b.jpg").is_file()
