@@ -4,6 +4,7 @@
     python predict.py --weights best.pt --source folder/ clip.mp4 --output out/ --conf-thres 0.25
     python predict.py --weights yolov3-spp.weights --cfg cfg/yolov3-spp.cfg --names coco.names ...
     python predict.py --weights best.pt --source 'folder/val_0001*.jpg'    # a quoted pattern
+    python predict.py --weights best.pt --source mydata/val.txt            # a list of paths
     python predict.py --weights best.pt --source 0                         # webcam 0
     python predict.py --weights best.pt --source rtsp://host/stream --classes 0 2 --save-txt
 
@@ -54,7 +55,8 @@ from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.checks import check_at_least, check_fractions
 from build_utils.errors import ConfigError, DatasetError, OutputError
-from build_utils.image_io import IMG_FORMATS, is_image_file, read_image
+from build_utils.image_io import IMG_FORMATS, is_image_file, list_files, read_image
+from build_utils.labels import read_image_list
 from build_utils.limits import file_problem
 from build_utils.parse_config import (
     load_class_names,
@@ -121,7 +123,8 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
         "--source",
         nargs="+",
         required=True,
-        help="image or video files, folders (images and videos inside), a quoted glob pattern "
+        help="image or video files, folders (images and videos inside), a .txt list of image "
+        "paths, a quoted glob pattern "
         "('dir/*.jpg', 'dir/**/*.png'), a camera index (0) or a stream URL (rtsp://, rtmp://, "
         "http(s)://)",
     )
@@ -542,13 +545,22 @@ def _planned(s: str, folder_names: set[str], several: bool) -> list[tuple[str | 
     if p.is_dir():
         # Anything named like media but a folder is planned, so that a FIFO, socket or
         # link loop named x.jpg is skipped with its reason rather than in silence.
-        files = sorted(f for f in p.rglob("*") if _is_media(f) and not f.is_dir())
+        top_abs = os.path.abspath(p)
+        files = [p / os.path.relpath(f, top_abs) for f in list_files(p) if _is_media(Path(f))]
         if not files:
             raise ConfigError(f"--source {s}: no images or videos in this folder ({MEDIA_KINDS})")
         # Why the folder's own name: a user finds a/x.jpg's result under OUTPUT/a/.
         top = Path(_unique(p.resolve().name or "source", folder_names))
         base = top if several else Path()
         return [(f, base / f.relative_to(p).with_suffix("")) for f in files]
+    if p.suffix.lower() == ".txt" and os.path.lexists(p):
+        # A list of image paths, one a line (YOLOv5 takes it; a dataset's train.txt is one),
+        # relative ones beside the list as the loader reads it: each entry as if given, an
+        # entry that is missing or no image skipped with its reason.
+        entries = [Path(f) for f in read_image_list(p)]
+        if not entries:
+            raise ConfigError(f"--source {s}: no image or video paths in this list")
+        return [(f, Path(f.stem)) for f in entries]
     if os.path.lexists(p):  # a file, or a FIFO/link loop skipped with its reason
         return [(p, Path(p.stem))]
     if any(c in s for c in GLOB_CHARS):

@@ -5,9 +5,10 @@ the training loader agree on an image's size and orientation:
 
 - bytes are read from the open file (bounded) and decoded with ``cv2.imdecode`` (non-ASCII
   paths work);
-- ``cv2.IMREAD_COLOR`` applies the EXIF orientation of JPEG images (a phone photo stored
-  sideways comes out upright, and its size is the upright one), turns grayscale into 3 channels,
-  drops the alpha channel of RGBA images and maps 16-bit images to 8 bits (the high byte);
+- ``cv2.IMREAD_COLOR`` applies the EXIF orientation of JPEG, PNG and WebP images (a phone
+  photo stored sideways comes out upright, and its size is the upright one), turns grayscale into
+  3 channels, drops the alpha channel of RGBA images and maps 16-bit images to 8 bits (the high
+  byte);
 - images are BGR ``(H, W, 3) uint8`` (OpenCV's order); the dataset converts to RGB at the end.
 
 Bounded before anything is decoded (:func:`read_image_data`): only a regular file within
@@ -59,6 +60,7 @@ _REDUCED_COLOR = {
 }
 _JPEG_SOI = b"\xff\xd8"
 _JPEG_EOI = b"\xff\xd9"
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 # Entropy-coded JPEG data never contains FF D9 (0xFF bytes are stuffed), so the end-of-image
 # marker must appear within the last bytes unless the file was cut short; some writers append a
 # little padding after it.
@@ -325,11 +327,16 @@ def raw_image_size(path: str | os.PathLike[str]) -> tuple[int, int] | None:
 
 
 def exif_orientation(data: np.ndarray | bytes) -> int:
-    """The EXIF orientation (1..8) of JPEG bytes; 1 when absent, not a JPEG or malformed.
+    """The EXIF orientation (1..8) of an image file's bytes; 1 when absent or malformed.
 
-    Only the JPEG APP1 ``Exif`` segment is parsed (the same images OpenCV rotates).
+    Read where OpenCV reads it, for the formats whose pixels it rotates: a JPEG's APP1 ``Exif``
+    segment, a PNG's ``eXIf`` chunk, a WebP's ``EXIF`` chunk (both anywhere in the file).
     """
-    buf = bytes(data[: 1 << 16])  # EXIF sits in the first 64 KiB
+    if bytes(data[:8]) == _PNG_SIGNATURE:
+        return _chunk_orientation(bytes(data), 8, png=True)
+    if bytes(data[:4]) == b"RIFF" and bytes(data[8:12]) == b"WEBP":
+        return _chunk_orientation(bytes(data), 12, png=False)
+    buf = bytes(data[: 1 << 16])  # a JPEG's EXIF sits in the first 64 KiB
     if buf[:2] != _JPEG_SOI:
         return 1
     pos = 2
@@ -344,6 +351,24 @@ def exif_orientation(data: np.ndarray | bytes) -> int:
         if marker == 0xE1 and segment[:6] == b"Exif\x00\x00":
             return _tiff_orientation(segment[6:])
         pos += 2 + length
+    return 1
+
+
+def _chunk_orientation(buf: bytes, pos: int, png: bool) -> int:
+    """The orientation in the EXIF chunk of a PNG (chunks of length, type, data and a 4-byte
+    CRC) or a WebP (RIFF chunks of type, little-endian length and data padded to even)."""
+    tag = b"eXIf" if png else b"EXIF"
+    while pos + 8 <= len(buf):
+        head = buf[pos : pos + 8]
+        if png:
+            (length,), kind = struct.unpack(">I", head[:4]), head[4:]
+            end = pos + 8 + length + 4
+        else:
+            kind, (length,) = head[:4], struct.unpack("<I", head[4:])
+            end = pos + 8 + length + (length & 1)
+        if kind == tag:
+            return _tiff_orientation(buf[pos + 8 : pos + 8 + length].removeprefix(b"Exif\x00\x00"))
+        pos = end
     return 1
 
 
@@ -396,14 +421,33 @@ def orient_boxes(boxes: np.ndarray, orientation: int, raw_w: float, raw_h: float
     )
 
 
-def list_images(folder: str | os.PathLike[str]) -> list[str]:
-    """All image files under ``folder`` (recursively), as sorted absolute paths."""
+def list_files(folder: str | os.PathLike[str]) -> list[str]:
+    """Every entry under ``folder`` (recursively) that is not a folder, as sorted absolute paths.
+
+    Linked folders are entered, as YOLOv5's ``glob('**')`` does (a dataset gathered from parts
+    by symbolic links), each real folder once, so a link loop ends; a link loop or a FIFO named
+    like a file is listed (its reader says why it is unusable)."""
     found: list[str] = []
-    for root, dirs, files in os.walk(os.path.abspath(os.fspath(folder))):
+    seen: set[tuple[int, int]] = set()
+    for root, dirs, files in os.walk(os.path.abspath(os.fspath(folder)), followlinks=True):
+        try:
+            st = os.stat(root)
+        except OSError:
+            dirs.clear()
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirs.clear()
+            continue
+        seen.add((st.st_dev, st.st_ino))
         dirs.sort()  # deterministic walk order
-        found.extend(os.path.join(root, f) for f in sorted(files) if is_image_file(f))
+        found.extend(os.path.join(root, f) for f in files)
     found.sort()
     return found
+
+
+def list_images(folder: str | os.PathLike[str]) -> list[str]:
+    """All image files under ``folder`` (recursively, see :func:`list_files`), sorted."""
+    return [f for f in list_files(folder) if is_image_file(f)]
 
 
 def map_in_threads(

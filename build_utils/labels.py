@@ -6,7 +6,8 @@ these into image paths in dataset order, plus a short name (``stem``) for the ca
 Where the labels are: every image ``.../images/.../x.jpg`` has its labels in
 ``.../labels/.../x.txt`` (the *last* ``images`` folder of the path becomes ``labels``; with no
 ``images`` folder the label file sits beside the image). A label file has one ``class cx cy w h``
-line per object, normalised to [0, 1] by the image's upright size (EXIF orientation applied). A
+line per object, normalised to [0, 1] by the image's upright size (EXIF orientation applied); a
+segment line ``class x1 y1 x2 y2 ...`` stands for the box around its points, as in YOLOv5. A
 missing label file means an image without objects.
 
 Checking and caching (:func:`load_labels`). Every image is decoded once (in a thread pool) and
@@ -69,8 +70,12 @@ from build_utils.safe_yaml import short_text
 LOGGER = logging.getLogger(__name__)
 
 # 2: the key hashes the label files' bytes; caches live beside the list or folder.
-CACHE_VERSION = 2
+# 3: polygon (segment) lines become their boxes instead of being dropped.
+# 4: images that share a label file are excluded.
+CACHE_VERSION = 4
 LABEL_FIELDS = 5  # class cx cy w h
+# A segment label line (YOLOv5/YOLOv8 "class x1 y1 x2 y2 x3 y3 ..."): a class and 3 or more points.
+MIN_POLYGON_FIELDS = 7
 # Label values this close outside [0, 1] are rounding noise from conversion tools: clipped.
 # Farther out the line is rejected.
 COORD_TOLERANCE = 1e-3
@@ -104,7 +109,7 @@ def img2label_path(img_path: str) -> str:
 _REPORTED_FROM_CWD: set[tuple[str, int]] = set()
 
 
-def _read_list_file(path: Path) -> list[str]:
+def read_image_list(path: Path) -> list[str]:
     """Image paths of a ``.txt`` list; relative ones are resolved against the list's folder,
     falling back to the current directory (ultralytics/yolov3's convention) when only that exists.
     Blank lines and lines starting with ``#`` (comments) are skipped.
@@ -164,7 +169,7 @@ def collect_image_files(
             files += list_images(p)
             stems.append(p.parent.name if p.name == "images" and p.parent.name else p.name)
         elif p.suffix.lower() == ".txt" and os.path.lexists(p):
-            files += _read_list_file(p)
+            files += read_image_list(p)
             stems.append(p.stem)
         elif is_image_file(p) and os.path.lexists(p):
             # Whatever it is (a FIFO, a link loop), check_file says why it is not usable.
@@ -268,8 +273,10 @@ def parse_label_text(
 ) -> tuple[np.ndarray, int, int, list[str]]:
     """Parse and check the lines of a YOLO label file.
 
-    Blank lines are ignored. A line is dropped, with a note ``where:line: dropped: reason``, when
-    it does not have 5 fields, holds a non-number, NaN or infinity, a class id that is not an
+    Blank lines are ignored. A polygon line ``class x1 y1 x2 y2 x3 y3 ...`` (a segment label,
+    3 or more points) becomes the box around its points, as YOLOv5's ``segments2boxes`` does.
+    A line is dropped, with a note ``where:line: dropped: reason``, when it has neither 5
+    fields nor a polygon's, holds a non-number, NaN or infinity, a class id that is not an
     integer in ``[0, nc)`` (only ``>= 0`` when ``nc`` is None), a value outside ``[0, 1]`` by
     more than :data:`COORD_TOLERANCE`, or a zero-size box. Values within the tolerance and box
     corners beyond the image are clipped (corners with a note). Exact duplicate rows are dropped.
@@ -293,8 +300,14 @@ def parse_label_text(
         if not line:
             continue
         fields = line.split()
-        if len(fields) != LABEL_FIELDS:
-            bad(lineno, f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h)", line)
+        polygon = len(fields) >= MIN_POLYGON_FIELDS and len(fields) % 2 == 1
+        if len(fields) != LABEL_FIELDS and not polygon:
+            bad(
+                lineno,
+                f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h) "
+                "or a polygon (class x1 y1 x2 y2 x3 y3 ...)",
+                line,
+            )
             continue
         try:
             values = [float(v) for v in fields]
@@ -314,6 +327,10 @@ def parse_label_text(
         if any(v < -COORD_TOLERANCE or v > 1 + COORD_TOLERANCE for v in coords):
             bad(lineno, "coordinate outside [0, 1]", line)
             continue
+        if polygon:
+            xs, ys = coords[0::2], coords[1::2]
+            x1, y1, x2, y2 = min(xs), min(ys), max(xs), max(ys)
+            coords = [(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1]
         cx, cy, w, h = (min(max(v, 0.0), 1.0) for v in coords)
         x1, y1, x2, y2 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
         overshoot = max(-x1, -y1, x2 - 1, y2 - 1)
@@ -435,6 +452,26 @@ class LabelCache:
         )
 
 
+def _label_file_clashes(
+    img_files: Sequence[str], label_files: Sequence[str], results: Sequence[FileCheck]
+) -> dict[int, str]:
+    """Why each usable image whose label file also belongs to another image is excluded
+    (``x.jpg`` and ``x.png`` both read ``labels/x.txt``: whose objects they are is unknown).
+    The same image listed twice (oversampling) shares its labels with itself: no clash."""
+    owners: dict[str, set[str]] = {}
+    for img, lbl, r in zip(img_files, label_files, results):
+        if r.size is not None and r.state != "missing":
+            owners.setdefault(lbl, set()).add(img)
+    clashes = {}
+    for k, (img, lbl, r) in enumerate(zip(img_files, label_files, results)):
+        others = sorted(owners.get(lbl, set()) - {img})
+        if r.size is not None and others:
+            clashes[k] = (
+                f"its label file {lbl} is also the one of {others[0]}; give each image its own name"
+            )
+    return clashes
+
+
 def build_label_cache(
     img_files: Sequence[str],
     label_files: Sequence[str],
@@ -447,7 +484,9 @@ def build_label_cache(
     def check(k: int) -> FileCheck:
         return check_file(img_files[k], label_files[k], nc)
 
-    results = map_in_threads(check, range(len(img_files)), desc, progress)
+    results = list(map_in_threads(check, range(len(img_files)), desc, progress))
+    for k, reason in _label_file_clashes(img_files, label_files, results).items():
+        results[k] = FileCheck(None, np.zeros((0, LABEL_FIELDS), np.float32), "missing", reason)
     stats = dict.fromkeys(LabelCache.STAT_NAMES, 0)
     report: list[str] = []
     for img, r in zip(img_files, results):

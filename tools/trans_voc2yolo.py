@@ -26,8 +26,9 @@ What is done about problems (all listed in the report file, never fatal):
 - ``difficult`` objects are skipped unless ``--include-difficult``;
 - boxes reaching outside the image are clipped, boxes left empty skipped;
 - a missing, zero or negative ``<size>`` is read from the image;
-- EXIF-rotated JPEGs: the loader sees them upright; when the XML size is that of the pixels as
-  stored (sideways), as LabelImg writes it, the boxes are rotated into the upright frame;
+- EXIF-rotated JPEG, PNG and WebP images: the loader sees them upright; when the XML size is
+  that of the pixels as stored (sideways), as LabelImg writes it, the boxes are rotated into the
+  upright frame;
 - an XML size that disagrees with the image: boxes are normalised by the XML size when it has the
   image's aspect ratio (a resized copy), else by the image size;
 - unreadable or empty XML files, unknown class names and missing images are reported and skipped;
@@ -210,7 +211,7 @@ def _upright_size(xml_path: Path, image: Path | None, notes: list[str]) -> tuple
         notes.append(f"{xml_path}: image {image} is unreadable")
         return None, 1
     try:
-        orientation = exif_orientation(read_file_bytes(image)[: 1 << 16])
+        orientation = exif_orientation(read_file_bytes(image))
     except DatasetError:
         orientation = 1
     return raw, orientation

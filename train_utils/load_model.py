@@ -13,7 +13,7 @@ import torch
 
 from build_utils.augmentations import GRID
 from build_utils.darknet_data import DarknetLoaderSettings
-from build_utils.errors import ConfigError
+from build_utils.errors import CheckpointError, ConfigError
 from build_utils.parse_config import format_model_cfg, parse_model_cfg, parse_model_cfg_text
 from models.budget import check_model_fits
 from models.budget import describe as describe_estimate
@@ -77,6 +77,16 @@ def model_from_weights(
             "--cfg they were trained with",
             weights.path,
         )
+    if nc is not None and cfg is None:
+        # The cfg a checkpoint carries is the one its weights were trained with: its heads
+        # cannot take another class count (YOLOv5's val.py says the same).
+        trained = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
+        if trained != [nc]:
+            raise CheckpointError(
+                f"trained for {','.join(map(str, trained))} classes, but the class names given "
+                f"number {nc}; pass the data (or names) it was trained on",
+                weights.path,
+            )
     if nc is not None:
         blocks = model_blocks_for(blocks, nc)
     hw = (img_size, img_size) if isinstance(img_size, int) else img_size

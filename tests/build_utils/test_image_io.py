@@ -4,6 +4,7 @@ their size, and anything that is not a regular file by its kind, each with its r
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import socket
@@ -314,3 +315,43 @@ def test_an_image_swapped_mid_run_is_replaced_never_waited_on_or_decoded(tmp_pat
         d._decode(1, 1.0)
     checked = "image became unreadable after the dataset was checked"
     assert e.value.message.startswith(f"{checked}: {why}")
+
+
+@pytest.mark.parametrize("fmt", ["PNG", "WEBP"])
+@pytest.mark.parametrize("orientation", [6, 8])
+def test_exif_orientation_of_png_and_webp_is_the_one_opencv_applies(fmt, orientation):
+    """Was: 1 for every PNG and WebP (only JPEG was parsed), while OpenCV rotates them too, so
+    trans_voc2yolo.py left the boxes of a sideways PNG/WebP in the stored frame."""
+    raw = np.zeros((24, 40, 3), np.uint8)
+    raw[3:9, 5:17] = 255
+    exif = Image.Exif()
+    exif[image_io.EXIF_ORIENTATION_TAG] = orientation
+    buf = io.BytesIO()
+    Image.fromarray(raw).save(buf, fmt, exif=exif.tobytes(), lossless=True)
+    data = buf.getvalue()
+    assert image_io.exif_orientation(data) == orientation
+    upright = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
+    assert (upright.shape[1], upright.shape[0]) == image_io.oriented_size(40, 24, orientation)
+    ys, xs = np.nonzero(upright[..., 0] > 127)
+    box = image_io.orient_boxes(np.array([[5, 3, 17, 9]]), orientation, 40, 24)[0]
+    np.testing.assert_allclose([xs.min(), ys.min(), xs.max() + 1, ys.max() + 1], box, atol=1)
+    plain = io.BytesIO()
+    Image.fromarray(raw).save(plain, fmt)
+    assert image_io.exif_orientation(plain.getvalue()) == 1
+    assert image_io.exif_orientation(data[:20]) == 1  # cut short: no chunk, no error
+
+
+def test_a_folder_scan_enters_linked_folders_once(tmp_path):
+    """Was: a dataset folder gathering its parts by links (images/cam1 -> /data/cam1) lost their
+    images in silence; YOLOv5's glob('**') enters them. A folder linked twice is listed once."""
+    part = tmp_path / "elsewhere" / "cam1"
+    part.mkdir(parents=True)
+    good_jpeg(part / "b.jpg")
+    d = tmp_path / "images"
+    d.mkdir()
+    good_jpeg(d / "a.jpg")
+    (d / "cam1").symlink_to(part)
+    (d / "cam1_again").symlink_to(part)
+    (d / "up").symlink_to(tmp_path)  # a loop through the parent: ends
+    files, _ = collect_image_files(d)
+    assert files == [str(d / "a.jpg"), str(d / "cam1" / "b.jpg")]

@@ -7,11 +7,13 @@ import logging
 import os
 from pathlib import Path
 
+import cv2
 import numpy as np
 
 from build_utils import atomic as atomic_mod
 from build_utils import labels as labels_mod
 from build_utils.labels import (
+    build_label_cache,
     cache_place,
     collect_image_files,
     img2label_path,
@@ -95,6 +97,28 @@ def test_cache_place_is_beside_what_the_user_named_never_an_entry(tmp_path, monk
 
 # ---------------------------------------------------------------------------------------------
 # Label lines
+
+
+def test_polygon_lines_become_their_boxes():
+    """Was: a segment label (YOLOv5/YOLOv8 'class x1 y1 x2 y2 x3 y3 ...') dropped as '9 fields',
+    so a segmentation dataset trained a detector on no objects; YOLOv5 takes the polygon's box."""
+    text = "\n".join(
+        [
+            "2 0.1 0.2 0.5 0.2 0.5 0.6 0.1 0.6",  # a 4-point polygon
+            "1 0.3 0.3 0.7 0.3 0.5 0.9",  # a triangle
+            "1 0.1 0.1 0.2 0.1 0.2 0.2 0.1",  # an odd coordinate count: not a polygon
+            "0 0.1 0.1 1.5 0.1 0.2 0.2",  # a point outside the image
+            "0 0.5 0.5 0.5 0.5 0.5 0.5",  # all points at one place: zero size
+        ]
+    )
+    labels, n_dup, n_bad, notes = parse_label_text(text, nc=3, where="seg.txt")
+    np.testing.assert_allclose(
+        labels, [[2, 0.3, 0.4, 0.4, 0.4], [1, 0.5, 0.6, 0.4, 0.6]], atol=1e-6
+    )
+    assert (n_dup, n_bad) == (0, 3)
+    assert notes[0].startswith("seg.txt:3: dropped: 8 fields, expected 5 (class cx cy w h) or a")
+    assert notes[1].startswith("seg.txt:4: dropped: coordinate outside [0, 1]")
+    assert notes[2].startswith("seg.txt:5: dropped: zero-size box")
 
 
 def test_parse_label_text_rules():
@@ -359,3 +383,27 @@ def test_yolo_txt_lines_golden():
         "3 0.300000 0.500000 0.400000 0.500000"
     ]
     assert labels_mod.yolo_txt_lines(np.zeros((0, 6)), 100, 80, save_conf=True) == []
+
+
+def test_images_sharing_a_label_file_are_excluded(tmp_path):
+    """Was: x.jpg and x.png both took labels/x.txt, one of them silently with another picture's
+    objects (as YOLOv5 does). The same image listed twice (oversampling) keeps its labels."""
+    (tmp_path / "images").mkdir()
+    (tmp_path / "labels").mkdir()
+    img = np.full((32, 48, 3), 90, np.uint8)
+    for name in ("x.jpg", "x.png", "y.jpg"):
+        cv2.imwrite(str(tmp_path / "images" / name), img)
+    for stem in ("x", "y"):
+        (tmp_path / "labels" / f"{stem}.txt").write_text("0 0.5 0.5 0.2 0.2\n")
+    files = [str(tmp_path / "images" / n) for n in ("x.jpg", "x.png", "y.jpg", "y.jpg")]
+    cache = build_label_cache(files, [img2label_path(f) for f in files], nc=1)
+    assert cache.ok.tolist() == [False, False, True, True]
+    assert [len(x) for x in cache.labels] == [0, 0, 1, 1]
+    label = tmp_path / "labels" / "x.txt"
+    assert cache.report == [
+        f"{files[0]}: excluded: its label file {label} is also the one of {files[1]}; give each "
+        "image its own name",
+        f"{files[1]}: excluded: its label file {label} is also the one of {files[0]}; give each "
+        "image its own name",
+    ]
+    assert cache.stats["corrupt"] == 2

@@ -321,13 +321,39 @@ def test_a_quoted_glob_is_a_source(checkpoint, tmp_path, capsys):
 
 def test_a_source_with_no_images_writes_nothing(checkpoint, tmp_path, capsys):
     """Was: exit 0 and an empty output folder for a source holding no image (a text file)."""
-    notes = tmp_path / "notes.txt"
+    notes = tmp_path / "notes.md"
     notes.write_text("not a picture")
     assert _main(checkpoint, tmp_path / "o", "--source", str(notes)) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --source: nothing readable to predict on: ")
     assert "not an image or video file" in err and err.count("\n") == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_a_txt_list_of_image_paths(checkpoint, shapes_data, tmp_path, capsys, caplog):
+    """Was: `--source val.txt` (YOLOv5 takes a list) refused as 'not an image or video file'.
+    Relative entries are taken beside the list, a missing one is skipped with its reason."""
+    images = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[:2]
+    listing = tmp_path / "lists" / "some.txt"
+    listing.parent.mkdir()
+    shutil.copy(images[1], listing.parent / images[1].name)
+    listing.write_text(f"# two images\n{images[0]}\n\nmissing.jpg\n{images[1].name}\n")
+    out = tmp_path / "o"
+    assert _main(checkpoint, out, "--source", str(listing), "--save-txt") == 0
+    captured = capsys.readouterr()
+    assert captured.out.count(" detections") == 2
+    assert f"skipped: {listing.parent / 'missing.jpg'}: image file not found" in caplog.messages
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        [images[0].name, images[1].name, "labels"]
+    )
+    assert (out / "labels" / f"{images[1].stem}.txt").is_file()
+
+    empty = tmp_path / "empty.txt"
+    empty.write_text("# nothing listed\n")
+    assert _main(checkpoint, tmp_path / "o2", "--source", str(empty)) == 2
+    err = capsys.readouterr().err
+    assert err == f"error: --source {empty}: no image or video paths in this list\n"
+    assert not (tmp_path / "o2").exists()
 
 
 class _NoFrames:
@@ -412,3 +438,19 @@ def test_an_interrupted_video_is_kept_and_said_to_be_partial(tmp_path, caplog):
     cap.release()
     assert f"{clip}: interrupted; {out / 'clip.mp4'} holds its first 2 frames" in caplog.text
     assert sorted(p.name for p in out.iterdir()) == ["clip.mp4"]  # no temporary left
+
+
+def test_a_source_folder_enters_linked_folders(checkpoint, shapes_data, tmp_path, capsys):
+    """Was: images in a linked sub-folder of a --source folder were skipped in silence."""
+    image = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
+    part = tmp_path / "part"
+    part.mkdir()
+    shutil.copy(image, part / "b.jpg")
+    folder = tmp_path / "src"
+    folder.mkdir()
+    (folder / "linked").symlink_to(part)
+    (folder / "loop").symlink_to(folder)
+    out = tmp_path / "o"
+    assert _main(checkpoint, out, "--source", str(folder)) == 0
+    assert capsys.readouterr().out.count(" detections") == 1
+    assert (out / "linked" / "b.jpg").is_file()

@@ -6,9 +6,12 @@ from __future__ import annotations
 import logging
 from types import SimpleNamespace
 
+import pytest
 import torch
 from conftest import NANO_CFG
 
+from build_utils.errors import CheckpointError
+from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes, write_model_cfg
 from models.darknet import Darknet
 from models.weights import save_weights
 from train_utils import load_model
@@ -54,3 +57,23 @@ def test_darknet_weights_run_at_their_cfgs_size(tmp_path, caplog):
         args = parse_args(predict.get_parser(), argv)
         predict.load_model(args)
         assert args.img_size == want
+
+
+def test_class_names_of_another_count_than_the_checkpoint_are_one_line(tmp_path, caplog):
+    """Was: 'rewriting the heads for 2 classes' and then '6 tensors do not fit the model built
+    from the cfg' for `validation.py/predict.py --data` with 2 classes on a 5-class checkpoint."""
+    blocks = rewrite_cfg_classes(parse_model_cfg(NANO_CFG), 5)
+    write_model_cfg(blocks, tmp_path / "model.cfg")
+    model = Darknet(blocks, img_size=(64, 64))
+    path = tmp_path / "best.pt"
+    cfg_text = (tmp_path / "model.cfg").read_text()
+    save_checkpoint({"model": model.state_dict(), "epoch": -1, "cfg": cfg_text}, path)
+    weights = read_weights(path)
+    with pytest.raises(CheckpointError) as e, caplog.at_level(logging.WARNING):
+        load_model.model_from_weights(weights, None, 2, 64)
+    assert str(e.value) == (
+        f"{path}: trained for 5 classes, but the class names given number 2; "
+        "pass the data (or names) it was trained on"
+    )
+    assert "rewriting the heads" not in caplog.text
+    assert load_model.model_from_weights(weights, None, 5, 64).nc == 5
