@@ -448,9 +448,9 @@ def load_model(args: argparse.Namespace) -> tuple[Darknet, list[str], WeightsFil
     """The model ``--weights`` holds (its own cfg unless ``--cfg``), and the class names:
     ``--names``, else ``--data``'s, else the checkpoint's, else the class ids."""
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
-    take_from_run(args, weights.run, {"img_size": None}, f"--weights {args.weights}")
-    if args.img_size is None:
-        args.img_size = default_img_size(weights, args.cfg)
+    # The fallback is a number, so that a recorded img_size of another kind is still refused.
+    size = args.img_size if args.img_size is not None else default_img_size(weights, args.cfg)
+    take_from_run(args, weights.run, {"img_size": size}, f"--weights {args.weights}")
     check_img_size(args.img_size)
     names = weights.names
     if args.names:

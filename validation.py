@@ -237,9 +237,9 @@ def resolve_settings(args: argparse.Namespace, weights: WeightsFile) -> None:
     data = run.get("data")
     path = data.get("path") if isinstance(data, dict) else None
     run["data"] = path if isinstance(path, str) else None
-    take_from_run(args, run, {**RUN_SETTINGS, "img_size": None}, f"--weights {weights.path}")
-    if args.img_size is None:
-        args.img_size = default_img_size(weights, args.cfg)
+    # The fallback is a number, so that a recorded img_size of another kind is still refused.
+    size = args.img_size if args.img_size is not None else default_img_size(weights, args.cfg)
+    take_from_run(args, run, {**RUN_SETTINGS, "img_size": size}, f"--weights {weights.path}")
     check_choices(get_parser(), args)
     if args.data is None:
         raise ConfigError(
