@@ -25,6 +25,7 @@ import torch
 from build_utils.atomic import atomic_write
 from build_utils.errors import CheckpointError
 from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
+from build_utils.parse_config import head_conv_index
 from models.darknet import Darknet
 from models.layers import WeightedFeatureFusion
 
@@ -193,18 +194,39 @@ def _layer_ending_at(layers: list[tuple[int, list[torch.Tensor]]], n_values: int
     return None
 
 
+def _classes_that_fit(model: Darknet, extra_values: int) -> int | None:
+    """The class count for which the cfg's heads would take ``extra_values`` more values (fewer
+    when negative), when there is one: the weights were trained with this cfg edited for
+    another number of classes, the usual Darknet workflow."""
+    blocks = [model.hyperparams, *model.module_defs]
+    per_class = 0  # values one more class adds: na output channels in each head's conv
+    for i in model.yolo_layers:
+        j = head_conv_index(blocks, i + 1)
+        if j is None:
+            return None
+        head = model.module_list[j - 1]
+        per_channel = head.Conv2d.weight[0].numel() + (4 if hasattr(head, "BatchNorm2d") else 1)
+        per_class += model.module_list[i].na * per_channel
+    classes, rest = divmod(extra_values, per_class)
+    return model.nc + classes if rest == 0 and model.nc + classes >= 1 else None
+
+
 def _check_value_count(
     model: Darknet, path: Path, cutoff: int, needed: int, n_values: int, end: int | None
 ) -> None:
     scope = "all layers" if cutoff < 0 else f"layers 0..{cutoff - 1}"
     cfg = model.cfg_path or "the model's cfg"
+    fits = _classes_that_fit(model, n_values - needed) if cutoff < 0 else None
+    hint = (
+        f"; it holds this cfg's values for {fits} classes (the cfg has {model.nc}): give the "
+        f"class names or data of those {fits} (the heads are rewritten for them)"
+        if fits is not None
+        else ""
+    )
     if n_values < needed:
         # Say where the file ends when that is a layer boundary: a partial (backbone) file.
-        hint = (
-            f"; it ends exactly after layer {end}: cutoff={end + 1} loads that part"
-            if (end is not None)
-            else ""
-        )
+        if end is not None:
+            hint += f"; it ends exactly after layer {end}: cutoff={end + 1} loads that part"
         raise CheckpointError(
             f"truncated or for another cfg: {cfg} ({scope}) needs {needed:,} float32 values, the "
             f"file holds {n_values:,}{hint}",
@@ -213,7 +235,7 @@ def _check_value_count(
     if n_values > needed and cutoff < 0:
         raise CheckpointError(
             f"too long, or for another cfg: {cfg} needs {needed:,} float32 values, the file "
-            f"holds {n_values:,}",
+            f"holds {n_values:,}{hint}",
             path,
         )
 

@@ -196,6 +196,25 @@ def test_weights_for_another_cfg(nano_files):
         load_darknet_weights(Darknet(TINY), weights)
 
 
+@pytest.mark.parametrize(("file_classes", "cfg_classes"), [(5, 80), (80, 3)])
+def test_weights_of_another_class_count_name_it(file_classes, cfg_classes, tmp_path):
+    """Was: only the value counts, for a cfg not edited for the weights' classes (Darknet's
+    usual workflow: `predict.py --cfg yolov3.cfg --weights my5classes.weights`). The count the
+    hint names is checked against the cfg rewritten for it, counted independently."""
+    blocks = parse_model_cfg(NANO)
+    path = tmp_path / "w.weights"
+    save_weights(Darknet(rewrite_cfg_classes(blocks, file_classes)), path)
+    values = (path.stat().st_size - 20) // 4  # a 0.2 header: 3 int32 + int64 seen
+    assert values == darknet_values(rewrite_cfg_classes(blocks, file_classes))
+    with pytest.raises(CheckpointError) as e:
+        load_darknet_weights(Darknet(rewrite_cfg_classes(blocks, cfg_classes)), path)
+    assert str(e.value).endswith(
+        f"; it holds this cfg's values for {file_classes} classes (the cfg has {cfg_classes}): "
+        f"give the class names or data of those {file_classes} (the heads are rewritten for them)"
+    )
+    load_darknet_weights(Darknet(rewrite_cfg_classes(blocks, file_classes)), path)  # as it says
+
+
 @pytest.mark.parametrize(
     ("content", "pattern"),
     [
