@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
 
 from build_utils.atomic import atomic_write
+from build_utils.checks import is_int, shown
 from build_utils.errors import CheckpointError
 from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
 from build_utils.parse_config import head_conv_index
@@ -32,6 +34,7 @@ from models.layers import WeightedFeatureFusion
 __all__ = [
     "DARKNET_VERSION",
     "DARKNET_VERSION_LIMIT",
+    "darknet_header",
     "load_darknet_weights",
     "save_weights",
     "seen_is_int64",
@@ -45,6 +48,28 @@ _HEADER_INTS = 3
 DARKNET_VERSION_LIMIT = (
     1000  # Darknet: versions >= 1000 mark transposed (old) files with int32 seen
 )
+
+
+def darknet_header(ckpt: Mapping[str, Any], path: str | Path) -> tuple[tuple[int, ...], int]:
+    """(version, seen) for the ``.weights`` header of a checkpoint's model: ``seen`` (images
+    trained on) as a ``--recipe darknet`` run or ``train_utils.checkpoint.save_weights_pt``
+    recorded it, else 0; the version the ``.weights`` it came from had, else
+    :data:`DARKNET_VERSION`.
+
+    Raises:
+        CheckpointError: a ``seen`` that is not a count or a malformed version.
+    """
+    seen, version = ckpt.get("seen", 0), ckpt.get("darknet_version", DARKNET_VERSION)
+    if not (
+        isinstance(version, (list, tuple))
+        and len(version) == len(DARKNET_VERSION)
+        and all(is_int(v) and 0 <= v < DARKNET_VERSION_LIMIT for v in version)
+    ):
+        raise CheckpointError(f"'darknet_version' is {shown(version)}, not 3 integers", path)
+    seen_bits = 63 if seen_is_int64(version[0], version[1]) else 31
+    if not is_int(seen) or not 0 <= seen < 2**seen_bits:
+        raise CheckpointError(f"'seen' is {shown(seen)}, not a count of images", path)
+    return tuple(version), seen
 
 
 def seen_is_int64(major: int, minor: int) -> bool:

@@ -34,8 +34,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_utils.atomic import check_new_outputs, make_output_dir, reported_write
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
-from models.weights import save_weights
-from train_utils.checkpoint import darknet_header, read_weights, save_weights_pt
+from models.weights import darknet_header, save_weights
+from train_utils.checkpoint import read_weights, save_weights_pt
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, path_arg, run_script
 from train_utils.load_model import model_from_weights
 from train_utils.run_folder import check_not_a_run_file

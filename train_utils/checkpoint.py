@@ -46,12 +46,7 @@ from build_utils.atomic import atomic_write, make_output_dir, reported_write
 from build_utils.checks import is_int, is_real, shown
 from build_utils.errors import CheckpointError
 from build_utils.limits import MAX_WEIGHTS_BYTES, file_problem
-from models.weights import (
-    DARKNET_VERSION,
-    DARKNET_VERSION_LIMIT,
-    load_darknet_weights,
-    seen_is_int64,
-)
+from models.weights import DARKNET_VERSION, load_darknet_weights
 
 logger = logging.getLogger(__name__)
 
@@ -680,7 +675,8 @@ def save_weights_pt(model: nn.Module, path: str | Path, flag: str | None = None)
     ``{'model': state_dict, 'epoch': -1, 'best_fitness': None, 'training_results': None,
     'optimizer': None, 'seen': int, 'darknet_version': [major, minor, revision]}``
     (``epoch=-1`` marks weights to initialise from, never a run to resume; ``seen`` and
-    ``darknet_version`` keep a loaded ``.weights`` header, see :func:`darknet_header`)."""
+    ``darknet_version`` keep a loaded ``.weights`` header: :func:`models.weights.darknet_header`
+    reads them back)."""
     bare = unwrap_model(model)
     version = getattr(bare, "darknet_version", DARKNET_VERSION)
     save_checkpoint(
@@ -696,24 +692,3 @@ def save_weights_pt(model: nn.Module, path: str | Path, flag: str | None = None)
         path,
         flag,
     )
-
-
-def darknet_header(ckpt: Mapping[str, Any], path: str | Path) -> tuple[tuple[int, ...], int]:
-    """(version, seen) for the ``.weights`` header of a checkpoint's model: ``seen`` (images
-    trained on) as a ``--recipe darknet`` run or :func:`save_weights_pt` recorded it, else 0;
-    the version the ``.weights`` it came from had, else :data:`~models.weights.DARKNET_VERSION`.
-
-    Raises:
-        CheckpointError: a ``seen`` that is not a count or a malformed version.
-    """
-    seen, version = ckpt.get("seen", 0), ckpt.get("darknet_version", DARKNET_VERSION)
-    if not (
-        isinstance(version, (list, tuple))
-        and len(version) == len(DARKNET_VERSION)
-        and all(is_int(v) and 0 <= v < DARKNET_VERSION_LIMIT for v in version)
-    ):
-        raise CheckpointError(f"'darknet_version' is {shown(version)}, not 3 integers", path)
-    seen_bits = 63 if seen_is_int64(version[0], version[1]) else 31
-    if not is_int(seen) or not 0 <= seen < 2**seen_bits:
-        raise CheckpointError(f"'seen' is {shown(seen)}, not a count of images", path)
-    return tuple(version), seen
