@@ -268,6 +268,35 @@ def yolo_txt_lines(det: np.ndarray, width: int, height: int, save_conf: bool) ->
     return lines
 
 
+def _line_values(fields: list[str], nc: int | None) -> tuple[float, list[float]] | str:
+    """(class, [cx, cy, w, h]) of one label line's fields (a polygon's as the box around its
+    points), or why the line is dropped."""
+    polygon = len(fields) >= MIN_POLYGON_FIELDS and len(fields) % 2 == 1
+    if len(fields) != LABEL_FIELDS and not polygon:
+        return (
+            f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h) "
+            "or a polygon (class x1 y1 x2 y2 x3 y3 ...)"
+        )
+    try:
+        values = [float(v) for v in fields]
+    except ValueError:
+        return "not a number"
+    if not all(math.isfinite(v) for v in values):
+        return "NaN or infinite value"
+    c, coords = values[0], values[1:]
+    if c != int(c) or c < 0:
+        return f"class id {fields[0]} is not a non-negative integer"
+    if nc is not None and c >= nc:
+        return f"class id {int(c)} outside [0, {nc})"
+    if any(v < -COORD_TOLERANCE or v > 1 + COORD_TOLERANCE for v in coords):
+        return "coordinate outside [0, 1]"
+    if polygon:
+        xs, ys = coords[0::2], coords[1::2]
+        x1, y1, x2, y2 = min(xs), min(ys), max(xs), max(ys)
+        coords = [(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1]
+    return c, coords
+
+
 def parse_label_text(
     text: str, nc: int | None, where: str = ""
 ) -> tuple[np.ndarray, int, int, list[str]]:
@@ -299,38 +328,11 @@ def parse_label_text(
         line = raw.strip()
         if not line:
             continue
-        fields = line.split()
-        polygon = len(fields) >= MIN_POLYGON_FIELDS and len(fields) % 2 == 1
-        if len(fields) != LABEL_FIELDS and not polygon:
-            bad(
-                lineno,
-                f"{len(fields)} fields, expected {LABEL_FIELDS} (class cx cy w h) "
-                "or a polygon (class x1 y1 x2 y2 x3 y3 ...)",
-                line,
-            )
+        checked = _line_values(line.split(), nc)
+        if isinstance(checked, str):
+            bad(lineno, checked, line)
             continue
-        try:
-            values = [float(v) for v in fields]
-        except ValueError:
-            bad(lineno, "not a number", line)
-            continue
-        if not all(math.isfinite(v) for v in values):
-            bad(lineno, "NaN or infinite value", line)
-            continue
-        c, coords = values[0], values[1:]
-        if c != int(c) or c < 0:
-            bad(lineno, f"class id {fields[0]} is not a non-negative integer", line)
-            continue
-        if nc is not None and c >= nc:
-            bad(lineno, f"class id {int(c)} outside [0, {nc})", line)
-            continue
-        if any(v < -COORD_TOLERANCE or v > 1 + COORD_TOLERANCE for v in coords):
-            bad(lineno, "coordinate outside [0, 1]", line)
-            continue
-        if polygon:
-            xs, ys = coords[0::2], coords[1::2]
-            x1, y1, x2, y2 = min(xs), min(ys), max(xs), max(ys)
-            coords = [(x1 + x2) / 2, (y1 + y2) / 2, x2 - x1, y2 - y1]
+        c, coords = checked
         cx, cy, w, h = (min(max(v, 0.0), 1.0) for v in coords)
         x1, y1, x2, y2 = cx - w / 2, cy - h / 2, cx + w / 2, cy + h / 2
         overshoot = max(-x1, -y1, x2 - 1, y2 - 1)

@@ -1104,22 +1104,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
             if out[key] < 1:
                 raise ConfigError(f"classes={out[key]} must be at least 1", path, number)
         elif key in DATA_PATH_KEYS:
-            try:
-                out[key] = _resolve_data_path(value, path.parent)
-                missing = not Path(out[key]).exists()
-            except OSError as e:  # e.g. a name too long for the file system
-                raise ConfigError(
-                    f"{key}={_quoted(value)} is not a usable path ({e.strerror or e})", path, number
-                ) from e
-            if missing and "\\" in value and os.sep == "/" and key != "backup":
-                # A .data file written for Darknet on Windows: `train = data\train.txt`.
-                slashed = value.replace("\\", "/")
-                raise ConfigError(
-                    f"{key}={short_text(value)} is not found: it is written with Windows "
-                    f"separators (backslashes); write {key}={short_text(slashed)}",
-                    path,
-                    number,
-                )
+            out[key] = _data_path_value(key, value, path, number)
         else:
             out[key] = value
     for key in DATA_REQUIRED_KEYS:
@@ -1130,6 +1115,28 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     out["class_names"] = _check_names_file(out, lines, path)
     out["_lines"] = lines
     return out
+
+
+def _data_path_value(key: str, value: str, path: Path, number: int) -> str:
+    """A path key of a ``.data`` file resolved (see :func:`parse_data_cfg`), refused when it is
+    not a usable path or, not found, is written with Windows separators."""
+    try:
+        resolved = _resolve_data_path(value, path.parent)
+        missing = not Path(resolved).exists()
+    except OSError as e:  # e.g. a name too long for the file system
+        raise ConfigError(
+            f"{key}={_quoted(value)} is not a usable path ({e.strerror or e})", path, number
+        ) from e
+    if missing and "\\" in value and os.sep == "/" and key != "backup":
+        # A .data file written for Darknet on Windows: `train = data\train.txt`.
+        slashed = value.replace("\\", "/")
+        raise ConfigError(
+            f"{key}={short_text(value)} is not found: it is written with Windows "
+            f"separators (backslashes); write {key}={short_text(slashed)}",
+            path,
+            number,
+        )
+    return resolved
 
 
 def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) -> list[str]:
