@@ -425,6 +425,11 @@ def _few_threads() -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     share = max(1, len(os.sched_getaffinity(0)) // workers)
     torch.set_num_threads(min(2, share, torch.get_num_threads()))
+    # The processes tests start get the same share unless the test gives its own count (most
+    # helpers here do; make gpu-check's steps, launched by the product, inherit this): with
+    # OpenMP's default of one thread per core, gpu_check's CPU steps beside another busy core
+    # used 205 CPU-s instead of 89 (bench/README.md "Test suite").
+    os.environ.setdefault("OMP_NUM_THREADS", str(min(2, share)))
     # A fixed count in this process: the adaptive one (train_utils/threads.py) would follow the
     # other pytest worker's load, and results that tests compare bit for bit depend on it.
     from train_utils import threads
