@@ -13,7 +13,7 @@ STAMP := $(VENV)/.installed-stamp
 CV4_VENV := .venv-cv4
 CV4_STAMP := $(CV4_VENV)/.installed-stamp
 
-.PHONY: demo test lint venv clean gpu-check
+.PHONY: demo test test-env lint venv clean gpu-check
 
 venv: $(STAMP)
 
@@ -28,6 +28,9 @@ $(CV4_STAMP): requirements-cv4.txt
 	@test -x $(CV4_VENV)/bin/python || $(PYTHON) -m venv $(CV4_VENV)
 	$(CV4_VENV)/bin/python -m pip install --disable-pip-version-check -q -r requirements-cv4.txt
 	@touch $(CV4_STAMP)
+
+# The two environments make test needs; make -j2 test-env installs them side by side (.ci/run).
+test-env: $(STAMP) $(CV4_STAMP)
 
 demo: $(STAMP)
 	$(PY) tools/demo.py $(DEMO_ARGS)
