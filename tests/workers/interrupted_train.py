@@ -40,6 +40,27 @@ def _die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def _park(park_s: float) -> None:
+    """Wait up to ``park_s`` seconds for the test's signal. SIGINT and SIGTERM end the wait with
+    their exception; SIGUSR1 only asks the run to stop (its handler returns), so the wait ends
+    once the run's own handler has seen it, instead of sleeping out the rest."""
+    came: list[int] = []
+    own = signal.getsignal(signal.SIGUSR1)
+
+    def note_and_pass_on(signum: int, frame: object) -> None:
+        came.append(signum)
+        if callable(own):
+            own(signum, frame)
+
+    signal.signal(signal.SIGUSR1, note_and_pass_on)
+    try:
+        deadline = time.monotonic() + park_s
+        while not came and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        signal.signal(signal.SIGUSR1, own)
+
+
 def _park_mid_epoch(marker: Path, epoch_to_stop: int, park_s: float) -> None:
     """After the first batch of the epoch has trained, wait for the test's signal."""
     real_train = trainer.train_one_epoch
@@ -55,7 +76,7 @@ def _park_mid_epoch(marker: Path, epoch_to_stop: int, park_s: float) -> None:
             for i, batch in enumerate(self.loader):
                 if i == 1:
                     marker.write_text("parked")
-                    time.sleep(park_s)
+                    _park(park_s)
                 yield batch
 
     def train_one_epoch(*args, **kwargs):
