@@ -339,6 +339,28 @@ def run_pair(
 # ---------------------------------------------------------------- launchers (scenarios/test_ddp*)
 
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# torchrun with warm ranks: the launcher is forked warm (tests/warm_python.py) and forks each
+# rank from itself (--start-method fork), which runs the script, given by its absolute path, in
+# that interpreter (--run-path). A fresh rank spends ~5 CPU-s importing torch and torchvision
+# before the script's first line; this one does not (bench/README.md "Test suite"). For tests
+# whose subject is what the ranks do; those about how a launch starts its processes
+# (rendezvous, a killed launch, the launcher's environment) use TORCHRUN.
+WARM_TORCHRUN = [*TORCHRUN, "--run-path", "--start-method", "fork"]
+
+
+def _starts_warm(cmd: list[str]) -> bool:
+    """Whether ``cmd`` is started forked warm: a script, or a launch with warm ranks."""
+    return cmd[1].endswith(".py") or cmd[: len(WARM_TORCHRUN)] == WARM_TORCHRUN
+
+
+def run_command(cmd: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    """``cmd`` run from the repository root with :func:`script_env`, forked warm where
+    :func:`_starts_warm` says so, else a process of its own."""
+    if _starts_warm(cmd):
+        return warm_python.run(cmd, cwd=REPO_ROOT, env=script_env(), timeout=timeout)
+    return subprocess.run(
+        cmd, cwd=REPO_ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout
+    )
 
 
 def torchrun(
@@ -347,26 +369,24 @@ def torchrun(
     nproc: int = 2,
     extra: list[str] | None = None,
     timeout: float = 300,
+    launcher: list[str] = WARM_TORCHRUN,
 ) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc <repo>/script args`` on a free port, from the
-    repository root (a launcher: a process of its own, not forked warm)."""
+    repository root (``launcher``: its ranks warm unless TORCHRUN is given)."""
     cmd = [
-        *TORCHRUN,
+        *launcher,
         f"--nproc_per_node={nproc}",
         f"--master_port={free_port()}",
         *(extra or []),
         str(REPO_ROOT / script),
         *args,
     ]
-    return subprocess.run(
-        cmd, cwd=REPO_ROOT, env=script_env(), capture_output=True, text=True, timeout=timeout
-    )
+    return run_command(cmd, timeout)
 
 
 def run_script(script: str, args: list[str]) -> subprocess.CompletedProcess:
     """``python <script> args`` from the repository root (forked warm: tests/warm_python.py)."""
-    argv = [sys.executable, str(REPO_ROOT / script), *args]
-    return warm_python.run(argv, cwd=REPO_ROOT, env=script_env(), timeout=300)
+    return run_command([sys.executable, str(REPO_ROOT / script), *args])
 
 
 def child_pids(pid: int) -> list[int]:
@@ -378,10 +398,10 @@ def child_pids(pid: int) -> list[int]:
 def start_process(
     cmd: list[str], env: dict[str, str] | None = None
 ) -> subprocess.Popen | warm_python.WarmProcess:
-    """``cmd`` started from the repository root, stderr into stdout: a launcher (torchrun) as a
-    process of its own, a script forked warm (tests/warm_python.py)."""
+    """``cmd`` started from the repository root, stderr into stdout: forked warm where
+    :func:`_starts_warm` says so (tests/warm_python.py), else a process of its own."""
     env = env or script_env()
-    if cmd[1].endswith(".py"):
+    if _starts_warm(cmd):
         return warm_python.start(cmd, cwd=REPO_ROOT, env=env, merge_stderr=True)
     return subprocess.Popen(
         cmd, cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

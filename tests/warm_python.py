@@ -14,8 +14,9 @@ What a fork cannot repeat is what the interpreter does before the script: the li
 were imported under the server's environment. So the child applies what those libraries read
 at import and the tests set per process: ``OMP_NUM_THREADS`` (the intra-op thread count). The
 project's own modules are not preloaded: each child imports them, reading its own environment.
-Tests about start-up itself (an environment variable that breaks an import, launchers such as
-torchrun that start their own interpreters) keep using :mod:`subprocess`.
+Tests about start-up itself (an environment variable that breaks an import, a launch's
+rendezvous or environment) keep using :mod:`subprocess`. A torchrun launch can start warm too:
+``tests/conftest.py``'s ``WARM_TORCHRUN`` forks the launcher from here and its ranks from it.
 """
 
 from __future__ import annotations

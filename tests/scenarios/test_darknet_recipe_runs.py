@@ -8,12 +8,11 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO_ROOT, read_results, run_training, script_env, train_argv
+from conftest import REPO_ROOT, read_results, run_training, torchrun, train_argv
 
 from build_utils.errors import CheckpointError
 from models.darknet import Darknet
@@ -23,7 +22,6 @@ from tools.make_cfg import make_cfg
 from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint
 from train_utils.darknet_schedule import DarknetSettings, current_rate
-from train_utils.distributed.launch import free_port
 from train_utils.engine import NonFiniteLossError
 from train_utils.reporting import TIMING_COLUMNS
 
@@ -175,18 +173,7 @@ def test_weights_seen_continues_the_count_and_clear_restarts(full_run, shapes_da
 def test_two_gloo_processes(full_run, shapes_data):
     tmp, cfg = full_run
     out = tmp / "ddp"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(REPO_ROOT / "train_multi_GPU.py"),
-        *recipe_argv(shapes_data, out, cfg),
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO_ROOT, env=script_env(), capture_output=True, text=True, timeout=300
-    )
+    proc = torchrun("train_multi_GPU.py", recipe_argv(shapes_data, out, cfg))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["epoch"] for r in read_results(out / "results.csv")] == ["3", "6"]
     log = (out / "train.log").read_text()

@@ -8,18 +8,16 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 
 import pytest
 from conftest import (
     REPO_ROOT,
-    TORCHRUN,
+    WARM_TORCHRUN,
     child_pids,
     finish_all,
     read_results,
     run_script,
-    script_env,
     start_process,
     torchrun,
     train_argv,
@@ -123,37 +121,30 @@ def test_distributed_evaluation_equals_single_process(ddp_run, shapes_data, tmp_
 def test_killed_worker_is_restarted_and_the_run_completes(make_shapes_data, tmp_path):
     data = make_shapes_data(n_train=48, n_val=4)
     out = tmp_path / "elastic"
-    cmd = [
-        *TORCHRUN,
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        "--max-restarts=1",
-        str(REPO_ROOT / "train_multi_GPU.py"),
-        *train_argv(data, out, epochs=3),
-    ]
-    proc = subprocess.Popen(
-        cmd,
-        cwd=REPO_ROOT,
-        env=script_env(),
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
+    proc = start_process(
+        [
+            *WARM_TORCHRUN,
+            "--nproc_per_node=2",
+            f"--master_port={free_port()}",
+            "--max-restarts=1",
+            str(REPO_ROOT / "train_multi_GPU.py"),
+            *train_argv(data, out, epochs=3),
+        ]
     )
     try:
         # Wait until epoch 0 is checkpointed, then SIGKILL one worker during epoch 1.
         deadline = time.time() + 240
         while not (out / "last.pt").is_file():
-            assert proc.poll() is None, proc.stdout.read()[-3000:]
+            assert proc.poll() is None, proc.output()[0][-3000:]
             assert time.time() < deadline, "epoch 0 never finished"
             time.sleep(0.2)
         workers = child_pids(proc.pid)
         assert len(workers) == 2, workers
         os.kill(workers[1], signal.SIGKILL)
-        log, _ = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, log[-3000:]
+    except BaseException:
+        proc.kill()
+        raise
+    (log,) = finish_all([proc], timeout=300)
     assert "resuming from" in log
     rows = read_results(out / "results.csv")
     assert [r["epoch"] for r in rows] == ["0", "1", "2"]  # each epoch exactly once
@@ -173,7 +164,7 @@ def test_two_nodes_static_rendezvous_equals_single_process_validation(make_shape
     launchers = [
         start_process(
             [
-                *TORCHRUN,
+                *WARM_TORCHRUN,
                 "--nnodes=2",
                 f"--node_rank={node}",
                 "--nproc_per_node=1",

@@ -8,18 +8,17 @@ cannot show: these runs fine-tune a checkpoint that already scores well above 0.
 
 from __future__ import annotations
 
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-import warm_python
 import yaml
 from conftest import (
     read_results,
+    run_command,
     run_training,
-    script_env,
+    torchrun,
     train_argv,
     validate_run,
 )
@@ -27,7 +26,6 @@ from conftest import (
 from data.make_shapes import make_dataset
 from models.darknet import Darknet
 from train_utils.checkpoint import load_checkpoint
-from train_utils.distributed.launch import free_port
 from train_utils.evaluation.coco_eval import faster_coco_eval_available
 
 pytestmark = pytest.mark.slow
@@ -120,20 +118,13 @@ def _assert_logged_equals_validation(data: Path, out: Path, tmp_path: Path) -> N
 
 
 def _run(cmd: list[str]) -> None:
-    """``cmd`` from the repository root: torchrun as a process of its own, a script forked warm
-    (tests/warm_python.py)."""
-    if cmd[1].endswith(".py"):
-        proc = warm_python.run(cmd, cwd=REPO, env=script_env(), timeout=300)
-    else:
-        proc = subprocess.run(
-            cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300
-        )
+    proc = run_command(cmd)
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def _torchrun(argv: list[str]) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2"]
-    _run([*cmd, f"--master_port={free_port()}", str(REPO / "train_multi_GPU.py"), *argv])
+    proc = torchrun("train_multi_GPU.py", argv)
+    assert proc.returncode == 0, proc.stderr[-3000:]
 
 
 def test_torchrun_fine_tune_logs_the_map_of_last_pt(trained, tmp_path):

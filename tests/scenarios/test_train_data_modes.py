@@ -4,20 +4,17 @@ in one process (train.py) and under DDP (torchrun train_multi_GPU.py, gloo on th
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 import yaml
-from conftest import read_results, script_env, train_argv
+from conftest import read_results, torchrun, train_argv
 
 import train as train_script
 from build_utils.augmentations import GRID
 from build_utils.datasets import LoadImagesAndLabels
-from train_utils.distributed.launch import free_port
 from train_utils.reporting import TIMING_COLUMNS
 
 pytestmark = pytest.mark.slow  # whole training runs, like tests/scripts/test_train.py, test_ddp.py
@@ -93,18 +90,8 @@ def test_rect_training_under_ddp(make_shapes_data, tmp_path):
     ref = _rect_train_set(data)
     assert len({tuple(s) for s in ref.batch_shapes.tolist()}) > 1  # a mix-up would crash
     out = tmp_path / "ddp_rect"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=2",
-        f"--master_port={free_port()}",
-        str(REPO / "train_multi_GPU.py"),
-        *train_argv(data, out, "--rect", img=IMG, batch=RECT_BATCH),
-    ]
-    proc = subprocess.run(
-        cmd, cwd=REPO, env=script_env(), capture_output=True, text=True, timeout=300
-    )
+    argv = train_argv(data, out, "--rect", img=IMG, batch=RECT_BATCH)
+    proc = torchrun("train_multi_GPU.py", argv)
     assert "stack expects" not in proc.stderr + proc.stdout
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["epoch"] for r in read_results(out / "results.csv")] == ["0"]
