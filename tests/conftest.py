@@ -321,19 +321,26 @@ def run_fresh_ranks(
     return [(p.returncode, out, err) for p, (out, err) in zip(procs, outputs, strict=True)]
 
 
-def run_pair(
+def run_warm_ranks(
     commands: list[list[str]], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
-) -> None:
-    """Start one process per command at once (from the repository root) and fail with their
-    output if any fails."""
+) -> list[tuple[int, str, str]]:
+    """One process per command and environment, forked warm (from the repository root),
+    together; (exit status, stdout, stderr) of each. Whatever is left at ``timeout`` is killed."""
     procs = [
         warm_python.start(cmd, cwd=REPO_ROOT, env=env)
         for cmd, env in zip(commands, envs, strict=True)
     ]
     wait_all(procs, timeout)
-    for p in procs:
-        stdout, stderr = p.output()
-        assert p.returncode == 0, f"{p.args} failed:\n{stdout}\n{stderr}"
+    return [(p.returncode, *p.output()) for p in procs]
+
+
+def run_pair(
+    commands: list[list[str]], envs: list[dict[str, str]], timeout: float = LAUNCH_TIMEOUT_S
+) -> None:
+    """Start one process per command at once (from the repository root) and fail with their
+    output if any fails."""
+    for cmd, (code, stdout, stderr) in zip(commands, run_warm_ranks(commands, envs, timeout)):
+        assert code == 0, f"{cmd} failed:\n{stdout}\n{stderr}"
 
 
 # ---------------------------------------------------------------- launchers (scenarios/test_ddp*)

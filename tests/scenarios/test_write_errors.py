@@ -23,7 +23,7 @@ import torch
 from conftest import (
     NANO_CFG,
     rank_envs,
-    run_fresh_ranks,
+    run_warm_ranks,
     train_argv,
     validation_argv,
     worker_cmd,
@@ -364,7 +364,8 @@ def test_ddp_full_disk_stops_every_rank(make_shapes_data, tmp_path) -> None:
     data = make_shapes_data(n_train=8, n_val=4)
     out = tmp_path / "run"
     argv = train_argv(data, out, "--no-savebest", "--dist-timeout", "120", epochs=2, img=IMG)
-    ranks = run_fresh_ranks(worker_cmd("full_disk_train", *argv), rank_envs())
+    cmd = worker_cmd("full_disk_train", *argv)
+    ranks = run_warm_ranks([cmd, cmd], rank_envs())
     results = [(out, err) for _, out, err in ranks]
     errors = [[ln for ln in err.splitlines() if ln.startswith("error:")] for _, err in results]
     assert [code for code, _, _ in ranks] == [2, 2], results
