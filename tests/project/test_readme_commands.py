@@ -50,6 +50,7 @@ from pathlib import Path
 import cv2
 import pytest
 import warm_python
+from conftest import TORCHRUN, WARM_TORCHRUN
 
 from data.make_shapes import make_dataset
 from train_utils.distributed.launch import free_port
@@ -350,8 +351,13 @@ def _env() -> dict[str, str]:
 
 def _subprocess(argv: list[str], cwd: Path) -> subprocess.CompletedProcess:
     """``argv`` run in ``cwd``; a ``python script.py`` command forked from a warm interpreter
-    (tests/warm_python.py: the same run without the seconds of importing torch)."""
-    if argv[0] == sys.executable and argv[1].endswith(".py"):
+    (tests/warm_python.py: the same run without the seconds of importing torch), a torchrun
+    command with its ranks forked warm too (tests/conftest.py ``WARM_TORCHRUN``: the flags and
+    the script are the README's; how fresh ranks start is test_ddp_launches.py's subject)."""
+    k, script = _script_of(argv)
+    if argv[: len(TORCHRUN)] == TORCHRUN and script is not None:
+        argv = [*WARM_TORCHRUN, *argv[len(TORCHRUN) : k], str(cwd / script), *argv[k + 1 :]]
+    if argv[0] == sys.executable and (argv[1].endswith(".py") or argv[1] == "-m"):
         return warm_python.run(argv, cwd=cwd, env=_env(), timeout=TIMEOUT_S)
     return subprocess.run(
         argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=TIMEOUT_S
