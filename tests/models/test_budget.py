@@ -215,24 +215,23 @@ print(est.train_bytes_per_image() if training else est.live_bytes_per_image(), p
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cfg", CFGS, ids=lambda p: p.stem)
-def test_activation_estimate_against_measured_peak_memory(cfg):
+def test_activation_estimate_against_measured_peak_memory(cfg, tmp_path):
     """The estimate against the peak resident memory a forward pass of one 512 px image adds
-    (a process of its own, its peak reset to the current RSS just before). Measured on CPU:
-    training 0.90 / 1.10 / 0.97x (nano / tiny / spp), inference 0.58 / 1.33 / 0.84x (the
-    convolution backend's buffers vary by layer shape)."""
-    import subprocess
+    (a process of its own, forked warm: the pages it shares with the server are resident
+    before the reset, so only what the pass allocates counts; its peak reset to the current
+    RSS just before). Measured on CPU: training 0.90 / 1.10 / 0.97x (nano / tiny / spp),
+    inference 0.58 / 1.33 / 0.84x (the convolution backend's buffers vary by layer shape)."""
     import sys
+
+    import warm_python
 
     from tests.conftest import script_env
 
+    program = tmp_path / "peak.py"
+    program.write_text(_PEAK_PROGRAM)
     for mode, (lo, hi) in (("train", (0.7, 1.4)), ("eval", (0.4, 1.7))):
-        out = subprocess.run(
-            [sys.executable, "-c", _PEAK_PROGRAM, str(cfg), "512", mode],
-            cwd=REPO_ROOT,
-            env=script_env(),
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.split()
-        estimate, peak = int(out[0]), int(out[1])
+        argv = [sys.executable, str(program), str(cfg), "512", mode]
+        proc = warm_python.run(argv, cwd=REPO_ROOT, env=script_env(), timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        estimate, peak = map(int, proc.stdout.split())
         assert lo <= estimate / peak <= hi, (mode, estimate, peak)
