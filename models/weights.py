@@ -140,14 +140,15 @@ def load_darknet_weights(
     # Only the values the layers take are read (a file checked by its size alone may still be
     # a sparse 40 GB one within the limit): count= stops there.
     used = sum(t.numel() for _, ts in layers for t in ts)
-    values = _read_values(path, body, used)
+    values = torch.from_numpy(_read_values(path, body, used))
     ptr = 0
     with torch.no_grad():
         for _, tensors in layers:
             for t in tensors:
                 n = t.numel()
-                src = torch.from_numpy(values[ptr : ptr + n].copy()).view_as(t)
-                t.copy_(src.to(device=t.device, dtype=t.dtype))
+                # Straight from the file's buffer: a copy per tensor would touch as many fresh
+                # pages again as the file has bytes (hundreds of MB).
+                t.copy_(values[ptr : ptr + n].view_as(t))
                 ptr += n
     scope = "all layers" if cutoff < 0 else f"layers 0..{cutoff - 1}"
     if ptr < n_values:
