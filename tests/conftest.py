@@ -68,9 +68,10 @@ LAUNCH_VARS = (
 
 # ---------------------------------------------------------------- the order files are handed out
 
-# The files that take longest, first: ``--dist loadfile`` hands files to the pytest workers in
-# collection order, so a long file collected last keeps one worker busy while the other idles
-# (longest first is the classic schedule for this). A file missing here, or one that has
+# The files that take longest, first: ``--dist loadfile`` with ``--no-loadscope-reorder``
+# (pyproject.toml) hands files to the pytest workers in collection order, so a long file
+# collected last keeps one worker busy while the other idles (longest first is the classic
+# schedule for this). A file missing here, or one that has
 # become quick, only costs that order its benefit, never a test. Paths from the repository
 # root, longest first (pytest --durations=0, summed per file; two CI runs of 2026-11-27).
 SLOWEST_FILES = (
