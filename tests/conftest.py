@@ -348,7 +348,8 @@ def run_pair(
 ) -> None:
     """Start one process per command at once (from the repository root) and fail with their
     output if any fails."""
-    for cmd, (code, stdout, stderr) in zip(commands, run_warm_ranks(commands, envs, timeout)):
+    results = run_warm_ranks(commands, envs, timeout)
+    for cmd, (code, stdout, stderr) in zip(commands, results, strict=True):
         assert code == 0, f"{cmd} failed:\n{stdout}\n{stderr}"
 
 
@@ -385,12 +386,11 @@ def torchrun(
     nproc: int = 2,
     extra: list[str] | None = None,
     timeout: float = 300,
-    launcher: list[str] = WARM_TORCHRUN,
 ) -> subprocess.CompletedProcess:
     """``torchrun --nproc_per_node=nproc <repo>/script args`` on a free port, from the
-    repository root (``launcher``: its ranks warm unless TORCHRUN is given)."""
+    repository root, its ranks warm (:data:`WARM_TORCHRUN`)."""
     cmd = [
-        *launcher,
+        *WARM_TORCHRUN,
         f"--nproc_per_node={nproc}",
         f"--master_port={free_port()}",
         *(extra or []),
