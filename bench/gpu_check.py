@@ -78,7 +78,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch
 
 from bench import common
-from build_utils.atomic import atomic_write, make_output_dir, reported_write
+from build_utils.atomic import atomic_write, make_output_dir, write_text
 from build_utils.checks import check_real
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
@@ -1221,11 +1221,8 @@ def write_reports(report: dict[str, Any], out_dir: Path) -> tuple[Path, Path]:
     """The report as JSON and markdown in ``out_dir`` (atomic writes, new names)."""
     make_output_dir(out_dir, "--out-dir")
     json_path, md_path = report_paths(out_dir, report["stamp"], report["machine"]["slug"])
-    with reported_write(json_path, "--out-dir"), atomic_write(json_path, "w") as f:
-        json.dump(report, f, indent=2, default=str)
-        f.write("\n")
-    with reported_write(md_path, "--out-dir"), atomic_write(md_path, "w") as f:
-        f.write(markdown(report))
+    write_text(json_path, json.dumps(report, indent=2, default=str) + "\n", "--out-dir")
+    write_text(md_path, markdown(report), "--out-dir")
     return json_path, md_path
 
 
