@@ -82,9 +82,9 @@ from build_utils.atomic import atomic_write, make_output_dir, write_text
 from build_utils.checks import check_real
 from build_utils.errors import ConfigError
 from train_utils.distributed.node import usable_cpus
-from train_utils.precision import autocast_context, cuda_has_native_bf16, resolve_amp
+from train_utils.precision import autocast_context, cuda_has_native_bf16, dtype_name, resolve_amp
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = common.REPO
 RESULTS_DIR = REPO / "bench" / "results"
 # The plan's targets (bench/README.md "GPU plan"): YOLOv3-SPP train step with AMP and
 # channels_last, img/s on one H100 SXM, and AMP's gain over fp32 (TF32 convolutions).
@@ -187,7 +187,6 @@ class Settings:
         """The steps' real code at toy sizes on the CPU, for the test suite."""
         return dataclasses.replace(
             self,
-            device="cpu",
             train_cfg="cfg/yolov3-spp-nano.cfg",
             train_sizes=(64,),
             train_batch=2,
@@ -210,9 +209,6 @@ class Settings:
             # alone can take a minute there.
             limits_s=dict.fromkeys(self.limits_s, 900),
         )
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Settings:
@@ -818,7 +814,7 @@ def step_eval(ctx: StepContext) -> None:
     precision = read_weights(out / "last.pt").precision
     amp = resolve_amp("auto", ctx.device)
     ctx.record(checkpoint_precision=precision)
-    expected = {torch.bfloat16: "bfloat16", torch.float16: "float16"}.get(amp)
+    expected = dtype_name(amp)
     if precision.get("amp") != expected:
         raise StepFailed(f"last.pt records amp {precision.get('amp')}, --amp auto is {expected}")
     validated = _validate(ctx, data, out, "eval")
@@ -990,10 +986,6 @@ def select_steps(specs: Sequence[StepSpec], names: Sequence[str] | None) -> list
     ]
 
 
-def missing_modules(names: Sequence[str]) -> list[str]:
-    return [n for n in names if importlib.util.find_spec(n) is None]
-
-
 def _tail(path: Path, lines: int = TAIL_LINES) -> str:
     """The last ``lines`` non-empty lines of a step's output."""
     try:
@@ -1018,7 +1010,7 @@ def run_step(
     cut (skipped) instead of a failure."""
     base = {"name": spec.name, "status": "skipped", "reason": None, "duration_s": 0.0}
     base.update({"figures": {}, "error_tail": None, "limit_s": round(limit_s)})
-    missing = missing_modules(spec.needs)
+    missing = [n for n in spec.needs if importlib.util.find_spec(n) is None]
     if missing:
         base["reason"] = (
             f"needs {', '.join(missing)} (not installed; see bench/README.md 'make gpu-check' "
@@ -1031,7 +1023,9 @@ def run_step(
     result = step_dir / "result.json"
     log = step_dir / "output.log"
     context.write_text(
-        json.dumps({"settings": settings.to_dict(), "earlier": earlier, "work": str(step_dir)})
+        json.dumps(
+            {"settings": dataclasses.asdict(settings), "earlier": earlier, "work": str(step_dir)}
+        )
     )
     cmd = [sys.executable, str(Path(__file__).resolve()), "--run-step", spec.target]
     cmd += ["--context", str(context), "--result", str(result)]
@@ -1344,7 +1338,7 @@ def check(args: argparse.Namespace, specs: Sequence[StepSpec] | None = None) -> 
         "quick": args.quick,
         "budget_s": args.budget_s,
         "machine": machine,
-        "settings": settings.to_dict(),
+        "settings": dataclasses.asdict(settings),
         "steps": results,
         "summary": summary_line(results),
         "exit_status": 1 if failed else 0,
