@@ -221,9 +221,7 @@ def count_flops(model: Darknet, size: int, train: bool) -> float:
     return float(counter.get_total_flops())
 
 
-def top_ops(
-    fn: Callable[[], object], device: torch.device, rows: int = PROFILE_ROWS
-) -> list[dict[str, Any]]:
+def top_ops(fn: Callable[[], object], device: torch.device) -> list[dict[str, Any]]:
     """The operators with the most self time (CPU, or CUDA on a GPU) in one call of ``fn``."""
     activities = [ProfilerActivity.CPU]
     attr = "self_cpu_time_total"
@@ -242,7 +240,7 @@ def top_ops(
             "self_ms": round(getattr(e, attr) / 1e3, 1),
             "share": round(getattr(e, attr) / total, 3),
         }
-        for e in events[:rows]
+        for e in events[:PROFILE_ROWS]
     ]
 
 
