@@ -195,11 +195,6 @@ TRAINING_KEYS: tuple[TrainingKey, ...] = (
         ],
     ),
 )
-# Keys of the model (architecture and input), decided by the cfg under either recipe.
-MODEL_KEYS = {
-    "net": ("width", "height", "channels", "inputs", "bn_eps"),
-    "yolo": ("mask", "anchors", "classes", "num", "scale_x_y", "new_coords", "map", "stopbackward"),
-}
 # Flags whose work the cfg does under --recipe darknet, as argparse dests -> the flag named.
 OVERRIDDEN_FLAGS = {
     "epochs": "--epochs",
