@@ -121,10 +121,9 @@ def build_scheduler(
     iteration on top).
 
     The multiplier is a closure, not an object, so LambdaLR's ``state_dict`` does not save it:
-    a resumed run's schedule follows its own ``--epochs``/plan and its own ``lr_schedule``.
+    a resumed run's schedule follows its own ``--epochs``/plan and its own ``lr_schedule``
+    (one of :data:`LR_SCHEDULES`, checked by :func:`train_utils.config.build_config`).
     """
-    if schedule not in LR_SCHEDULES:
-        raise ConfigError(f"unknown LR schedule {schedule!r}; use {' or '.join(LR_SCHEDULES)}")
     curve = cosine_lambda if schedule == "cosine" else linear_lambda
     return torch.optim.lr_scheduler.LambdaLR(optimizer, curve(epochs, lrf))
 
