@@ -450,7 +450,3 @@ def start_iteration(seen: int, clear: bool, settings: DarknetSettings, weights: 
         then,
     )
     return min(done, settings.max_batches)
-
-
-def loader_settings(model: nn.Module) -> DarknetLoaderSettings:
-    return DarknetLoaderSettings.from_blocks([model.hyperparams, *model.module_defs])
