@@ -485,7 +485,7 @@ def load_weights(
 
     Args:
         model: a :class:`~models.darknet.Darknet` built from the cfg the weights are for.
-        path: the file (see :func:`is_darknet_weights` for how Darknet files are told apart).
+        path: the file (see :func:`weights_kind` for how Darknet files are told apart).
         strict: every ``.pt`` tensor must fit the model and a ``.weights`` file must hold the
             whole model (evaluation, prediction, conversion); otherwise tensors that do not fit
             are skipped (``--weights`` of a checkpoint trained for another class count) and a
@@ -498,7 +498,7 @@ def load_weights(
     Raises:
         CheckpointError: unreadable or truncated file, or a strict load that does not fit.
     """
-    if is_darknet_weights(path):
+    if weights_kind(path) == "darknet":
         # --weights also takes Darknet's backbone files (darknet53.conv.74, yolov4.conv.137):
         # the layers they hold are found from their size.
         load_darknet_weights(model, path, partial=not strict)
@@ -601,11 +601,6 @@ def _not_weights(head: bytes) -> str | None:
     if head and all(32 <= b < 127 or b in b"\t\r\n" for b in head):
         return "a text file (a cfg, YAML, .data or list?)"
     return None
-
-
-def is_darknet_weights(path: str | Path) -> bool:
-    """True for Darknet ``.weights`` files (see :func:`weights_kind`)."""
-    return weights_kind(path) == "darknet"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -15,7 +15,6 @@ import logging
 import math
 import os
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -46,7 +45,6 @@ from train_utils.cli import (
     add_weights_flags,
     check_img_size,
     check_time_budget,
-    parse_args,
     run_name_folder,
     switch,
 )
@@ -707,12 +705,6 @@ def _plain_path(x: Any) -> Any:
     if isinstance(x, tuple):
         return [_plain_path(v) for v in x]
     return x
-
-
-def parse_train_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    """The training flags of ``argv``, with ``given``: the flags typed (``--resume PATH`` takes
-    the others from the run)."""
-    return parse_args(get_args_parser(), argv)
 
 
 def build_config(args: argparse.Namespace) -> TrainConfig:

@@ -195,11 +195,6 @@ TRAINING_KEYS: tuple[TrainingKey, ...] = (
         ],
     ),
 )
-# Keys of the model (architecture and input), decided by the cfg under either recipe.
-MODEL_KEYS = {
-    "net": ("width", "height", "channels", "inputs", "bn_eps"),
-    "yolo": ("mask", "anchors", "classes", "num", "scale_x_y", "new_coords", "map", "stopbackward"),
-}
 # Flags whose work the cfg does under --recipe darknet, as argparse dests -> the flag named.
 OVERRIDDEN_FLAGS = {
     "epochs": "--epochs",
@@ -455,7 +450,3 @@ def start_iteration(seen: int, clear: bool, settings: DarknetSettings, weights: 
         then,
     )
     return min(done, settings.max_batches)
-
-
-def loader_settings(model: nn.Module) -> DarknetLoaderSettings:
-    return DarknetLoaderSettings.from_blocks([model.hyperparams, *model.module_defs])

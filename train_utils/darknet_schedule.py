@@ -185,10 +185,6 @@ class DarknetSettings:
         return cls(policy=policy, steps=steps, scales=scales, **ints, **reals)
 
 
-# The [net] keys DarknetSettings honours: its fields, each named as the key it reads.
-NET_KEYS_HONOURED = tuple(f.name for f in fields(DarknetSettings))
-
-
 def _check_steps_increase(net: Block, steps: tuple[int, ...]) -> None:
     """Darknet stops at the first step beyond the iteration: a smaller one after it would wait
     for it. Raises ConfigError naming the ``steps`` line."""

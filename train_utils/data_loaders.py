@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from build_utils.darknet_data import DarknetBatches, DarknetDetections, DarknetLoaderSettings
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
-from build_utils.errors import ConfigError, DatasetError, YoloError
+from build_utils.errors import DatasetError, YoloError
 from build_utils.image_cache import check_ram_cache_fits
 from build_utils.samplers import DistributedBatchSampler, ShardedEvalBatchSampler
 from build_utils.shared_images import SharedImages, shared_cache_dir, unlink_quietly
@@ -44,10 +44,8 @@ def make_eval_dataset(
     hyp: dict[str, Any] | None = None,
 ) -> LoadImagesAndLabels:
     """The validation set as training-time evaluation and ``validation.py`` both build it:
-    rectangular letterboxed batches, no augmentation."""
-    if img_size % 32:
-        raise ConfigError(f"--img-size {img_size} is not a multiple of 32")
-    # Evaluation: no augmentation, rectangular letterboxed batches.
+    rectangular letterboxed batches, no augmentation. ``img_size`` is checked by the caller
+    (:func:`train_utils.cli.check_img_size`)."""
     options = {"augment": False, "hyp": hyp, "rect": True, "cache_images": cache_images}
     options.update(single_cls=single_cls, rank=rank, nc=nc)
     # A RAM cache built here is one copy per process of the node.

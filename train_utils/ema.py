@@ -27,15 +27,13 @@ MAX_UPDATES = 1 << 62
 class ModelEMA:
     """EMA of an (unwrapped) model; ``self.ema`` is an eval-mode copy used for evaluation."""
 
-    def __init__(
-        self, model: nn.Module, decay: float = EMA_DECAY, tau: float = EMA_TAU, updates: int = 0
-    ):
+    def __init__(self, model: nn.Module, decay: float = EMA_DECAY, tau: float = EMA_TAU):
         self.ema = deepcopy(model).eval()
         for p in self.ema.parameters():
             p.requires_grad_(False)
         self.decay = decay
         self.tau = tau
-        self.updates = updates
+        self.updates = 0
 
     def decay_at(self, updates: int) -> float:
         return self.decay * (1 - math.exp(-updates / self.tau))

@@ -211,9 +211,7 @@ def train_darknet_iterations(
     settings, model = state.settings, state.model_without_ddp
     subdivisions = settings.subdivisions
     nb = (last - first + 1) * subdivisions
-    meter = _LossMeter(
-        nb, first, opts, desc=f"iterations {first}-{last}", advice=DARKNET_NONFINITE_ADVICE
-    )
+    meter = _LossMeter(nb, f"iterations {first}-{last}", opts, DARKNET_NONFINITE_ADVICE)
     clock = _WaitClock(opts.device)
     batches = iter(clock.batches(loader))
     parts = torch.full((3,), math.nan, device=opts.device)
@@ -260,7 +258,7 @@ def train_one_epoch(
     state.model.train()
     nb = len(loader)
     base_lrs = state.scheduler.get_last_lr()
-    meter = _LossMeter(nb, epoch, opts)
+    meter = _LossMeter(nb, f"epoch {epoch}", opts)
     clock = _WaitClock(opts.device)
     img_size = None
     state.optimizer.zero_grad(set_to_none=True)
@@ -421,18 +419,11 @@ def _optimizer_step(state: TrainState) -> None:
 
 
 class _LossMeter:
-    """Running loss sums, the finiteness check every ``log_interval`` iterations and the bar."""
+    """Running loss sums, the finiteness check every ``log_interval`` iterations and the bar
+    (``where``: its words for the span, "epoch 3")."""
 
-    def __init__(
-        self,
-        nb: int,
-        epoch: int,
-        opts: TrainOptions,
-        desc: str | None = None,
-        advice: str = NONFINITE_ADVICE,
-    ):
-        self.nb, self.epoch, self.opts, self.advice = nb, epoch, opts, advice
-        self.where = desc or f"epoch {epoch}"
+    def __init__(self, nb: int, where: str, opts: TrainOptions, advice: str = NONFINITE_ADVICE):
+        self.nb, self.where, self.opts, self.advice = nb, where, opts, advice
         self.sums = torch.zeros(4, device=opts.device)
         self.finite_flags: list[torch.Tensor] = []
         self.pending_paths: list[list[str]] = []
@@ -441,7 +432,7 @@ class _LossMeter:
         self.lr = 0.0
         self.pbar = tqdm(
             total=nb,
-            desc=desc or f"epoch {epoch}",
+            desc=where,
             disable=not opts.show_progress,
             leave=False,
             dynamic_ncols=True,
@@ -455,9 +446,7 @@ class _LossMeter:
         self.seen += 1
         self.lr = lr
         if self.seen % self.opts.log_interval == 0 or self.seen == self.nb:
-            _check_finite(
-                self.finite_flags, self.pending_paths, self.epoch, self.where, self.advice
-            )
+            _check_finite(self.finite_flags, self.pending_paths, self.where, self.advice)
             self.finite_flags.clear()
             self.pending_paths.clear()
             if self.opts.show_progress:
@@ -484,14 +473,9 @@ class _LossMeter:
 
 
 def _check_finite(
-    flags: list[torch.Tensor],
-    paths: list[list[str]],
-    epoch: int,
-    where: str | None = None,
-    advice: str = NONFINITE_ADVICE,
+    flags: list[torch.Tensor], paths: list[list[str]], where: str, advice: str
 ) -> None:
-    """Collective. ``where``: the bar's words for the span (default ``epoch N``)."""
-    where = where or f"epoch {epoch}"
+    """Collective. ``where``: the bar's words for the span ("epoch 3")."""
     ok = torch.stack(flags)
     bad_here = not bool(ok.all())
     if all_reduce_flag(bad_here):

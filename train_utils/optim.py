@@ -121,10 +121,9 @@ def build_scheduler(
     iteration on top).
 
     The multiplier is a closure, not an object, so LambdaLR's ``state_dict`` does not save it:
-    a resumed run's schedule follows its own ``--epochs``/plan and its own ``lr_schedule``.
+    a resumed run's schedule follows its own ``--epochs``/plan and its own ``lr_schedule``
+    (one of :data:`LR_SCHEDULES`, checked by :func:`train_utils.config.build_config`).
     """
-    if schedule not in LR_SCHEDULES:
-        raise ConfigError(f"unknown LR schedule {schedule!r}; use {' or '.join(LR_SCHEDULES)}")
     curve = cosine_lambda if schedule == "cosine" else linear_lambda
     return torch.optim.lr_scheduler.LambdaLR(optimizer, curve(epochs, lrf))
 
@@ -391,22 +390,11 @@ def place_state_like_params(optimizer: torch.optim.Optimizer) -> int:
     ``foreach``, ``capturable``) are this run's. Returns how many tensors were moved.
     """
     moved = 0
-    for _, _, state, key, value, want in _state_tensors(optimizer):
+    for state, key, value, want in _state_tensors(optimizer):
         if not _is_in_place(value, want):
             state[key] = _place(value, want)
             moved += 1
     return moved
-
-
-def state_out_of_place(optimizer: torch.optim.Optimizer) -> list[str]:
-    """The state tensors :func:`place_state_like_params` would move, one line each (empty when
-    every tensor is where this implementation needs it)."""
-    return [
-        f"group {g} parameter {k} {key}: {value.device} {value.dtype} strides "
-        f"{tuple(value.stride())}; wanted {want.device} {want.dtype} strides {want.strides}"
-        for g, k, _, key, value, want in _state_tensors(optimizer)
-        if not _is_in_place(value, want)
-    ]
 
 
 @dataclass(frozen=True)
@@ -419,16 +407,15 @@ class _Placement:
 
 def _state_tensors(
     optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[int, int, dict[str, Any], str, torch.Tensor, _Placement]]:
-    """(group index, parameter index, its state, key, tensor, where it belongs) of every state
-    tensor."""
-    for g, group in enumerate(optimizer.param_groups):
+) -> Iterator[tuple[dict[str, Any], str, torch.Tensor, _Placement]]:
+    """(its parameter's state, key, tensor, where it belongs) of every state tensor."""
+    for group in optimizer.param_groups:
         step_on_device = bool(group.get("fused") or group.get("capturable"))
-        for k, p in enumerate(group["params"]):
+        for p in group["params"]:
             state = optimizer.state.get(p) or {}
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor):
-                    yield g, k, state, key, value, _placement(key, value, p, step_on_device)
+                    yield state, key, value, _placement(key, value, p, step_on_device)
 
 
 def _placement(key: str, value: torch.Tensor, p: torch.Tensor, step_on_device: bool) -> _Placement:

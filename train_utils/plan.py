@@ -70,18 +70,15 @@ class LoopState:
 
     @staticmethod
     def check_state(ckpt: Mapping[str, Any], path: str | Path | None = None) -> None:
-        """The checkpoint's loop values are integers and finite numbers in range."""
-        epoch = ckpt.get("epoch")
-        if epoch is None:
-            raise damaged(bad_value("epoch", epoch) + f" must be in -1..{MAX_EPOCH}", path)
+        """The checkpoint's loop values are integers and finite numbers in range (that it has an
+        ``epoch`` at all, :func:`train_utils.resume.check_training_state` checks first)."""
         record_int(ckpt, "epoch", -1, MAX_EPOCH, path)
         record_int(ckpt, "best_epoch", -1, MAX_EPOCH, path)
         record_real(ckpt, "best_fitness", path)
 
     @classmethod
     def from_checkpoint(cls, ckpt: Mapping[str, Any], path: str | Path | None = None) -> LoopState:
-        """The loop as a checkpoint left it (checked first)."""
-        cls.check_state(ckpt, path)
+        """The loop as a checkpoint left it (``resume.check_resumable`` checked it)."""
         epoch, best = int(ckpt["epoch"]), record_real(ckpt, "best_fitness", path)
         best_epoch = ckpt.get("best_epoch")
         if best_epoch is None and best is not None:

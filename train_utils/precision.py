@@ -335,17 +335,16 @@ class AmpChoice:
     bf16_s: float | None = None
 
 
-def choose_cpu_amp(
-    fp32_s: float, bf16_s: float, min_speedup: float = BF16_MIN_SPEEDUP
-) -> AmpChoice:
-    """bf16 autocast when its train step is at least ``min_speedup`` times faster than fp32's.
+def choose_cpu_amp(fp32_s: float, bf16_s: float) -> AmpChoice:
+    """bf16 autocast when its train step is at least :data:`BF16_MIN_SPEEDUP` times faster than
+    fp32's.
 
     Even with native bf16 a small model at a small size can lose: its convolutions are too small
     for bf16 to pay back the casts (the timings decide, per model, size, batch and CPU).
     """
-    if fp32_s >= min_speedup * bf16_s:
+    if fp32_s >= BF16_MIN_SPEEDUP * bf16_s:
         return AmpChoice(torch.bfloat16, "bf16 timed faster", fp32_s, bf16_s)
-    return AmpChoice(None, f"bf16 not {min_speedup:.2f}x faster", fp32_s, bf16_s)
+    return AmpChoice(None, f"bf16 not {BF16_MIN_SPEEDUP:.2f}x faster", fp32_s, bf16_s)
 
 
 def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:

@@ -437,10 +437,8 @@ class EpochReporter:
         self.status = KILLED
         logger.warning("stopped: %s", why)
 
-    def finished(
-        self, seconds: float, epochs_run: int, best: float | None, unit: str = "epochs"
-    ) -> None:
-        """The run's last line: ``epochs_run`` of ``unit`` (``--recipe darknet``: iterations),
+    def finished(self, seconds: float, epochs_run: int, best: float | None) -> None:
+        """The run's last line: ``epochs_run`` epochs (``--recipe darknet``: iterations),
         ``best`` the best mAP@0.5:0.95 (None: never evaluated). It
         names only the checkpoints that exist (no best.pt with --no-savebest or no evaluation).
         The external trackers get the run's pictures, text files and weights first."""
@@ -451,7 +449,7 @@ class EpochReporter:
         logger.info(
             "done: %d %s in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s",
             epochs_run,
-            unit,
+            f"{self.unit}s",
             seconds / 60,
             "-" if best is None else f"{best:.4f}",
             self.results,

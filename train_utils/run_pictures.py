@@ -37,10 +37,11 @@ def plot_dataset_labels(dataset: Any, names: Sequence[str], out_dir: Path) -> No
 
 
 class _FirstBatches:
-    """``loader`` unchanged, but the first ``n`` batches are drawn before being handed on."""
+    """``loader`` unchanged, but the first :data:`TRAIN_BATCHES_DRAWN` batches are drawn before
+    being handed on."""
 
-    def __init__(self, loader: Any, out_dir: Path, names: Sequence[str], n: int):
-        self.loader, self.out_dir, self.names, self.n = loader, out_dir, names, n
+    def __init__(self, loader: Any, out_dir: Path, names: Sequence[str]):
+        self.loader, self.out_dir, self.names = loader, out_dir, names
 
     def __len__(self) -> int:
         return len(self.loader)
@@ -50,7 +51,7 @@ class _FirstBatches:
 
     def __iter__(self) -> Iterator[Any]:
         for i, batch in enumerate(self.loader):
-            if i < self.n:
+            if i < TRAIN_BATCHES_DRAWN:
                 self._draw(i, batch)
             yield batch
 
@@ -69,13 +70,9 @@ def _numpy(x: Any) -> np.ndarray:
 
 
 def plot_first_batches(
-    loader: Iterable,
-    out_dir: Path,
-    names: Sequence[str],
-    enabled: bool,
-    n: int = TRAIN_BATCHES_DRAWN,
+    loader: Iterable, out_dir: Path, names: Sequence[str], enabled: bool
 ) -> Iterable:
-    """``loader`` itself when not ``enabled``, else a view of it that draws its first ``n``
-    batches (``(imgs (bs, 3, H, W) uint8 RGB, targets (nt, 6), paths, ...)``) into
-    ``out_dir/train_batch{i}.jpg``."""
-    return _FirstBatches(loader, out_dir, names, n) if enabled else loader
+    """``loader`` itself when not ``enabled``, else a view of it that draws its first
+    :data:`TRAIN_BATCHES_DRAWN` batches (``(imgs (bs, 3, H, W) uint8 RGB, targets (nt, 6),
+    paths, ...)``) into ``out_dir/train_batch{i}.jpg``."""
+    return _FirstBatches(loader, out_dir, names) if enabled else loader

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from build_utils.darknet_data import DarknetLoaderSettings
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import OutputError, RunStopped, YoloError
 from models.darknet import Darknet
@@ -40,7 +41,6 @@ from train_utils.darknet_recipe import (
     darknet_state,
     eval_iterations,
     key_rows,
-    loader_settings,
     log_default_recipe_note,
     log_key_table,
     start_iteration,
@@ -57,7 +57,7 @@ from train_utils.engine import (
     train_darknet_iterations,
     train_one_epoch,
 )
-from train_utils.evaluation.options import EvalOptions, eval_options
+from train_utils.evaluation.options import eval_options
 from train_utils.load_model import build_training_model
 from train_utils.optim import (
     accumulate_steps,
@@ -177,7 +177,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSig
     train_data = _train_data(config, dist, hyp, state)
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)
     opts = _train_options(config, hyp, dist, train_data, channels_last, amp)
-    eval_opts = _eval_options(config, dist, channels_last, amp)
+    eval_opts = eval_options(config.to_dict(), dist.device, amp, channels_last, dist.is_main)
     failure, args = None, {}
     try:
         if dist.is_main:
@@ -213,7 +213,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSig
         seconds = time.time() - t_start
         epochs_run = loop.epoch + 1 - start_epoch
         # Before close(): the external trackers record the run's files, then end it finished.
-        reporter.finished(seconds, epochs_run, loop.best, "iterations" if darknet else "epochs")
+        reporter.finished(seconds, epochs_run, loop.best)
     except (KeyboardInterrupt, RunStopped) as e:
         unfinished_saved = not (config.output_dir / "last.pt").is_file()
         if unfinished_saved:
@@ -405,7 +405,8 @@ def _train_data(
 ) -> TrainData:
     if isinstance(state, DarknetState):
         model = state.model_without_ddp
-        return build_darknet_train_data(config, dist, hyp, loader_settings(model), state.settings)
+        loader = DarknetLoaderSettings.from_blocks([model.hyperparams, *model.module_defs])
+        return build_darknet_train_data(config, dist, hyp, loader, state.settings)
     return build_train_data(config, dist, hyp)
 
 
@@ -487,9 +488,3 @@ def _train_options(
         seed=config.seed,
         label_smoothing=config.label_smoothing,
     )
-
-
-def _eval_options(
-    config: TrainConfig, dist: DistInfo, channels_last: bool, amp: torch.dtype | None
-) -> EvalOptions:
-    return eval_options(config.to_dict(), dist.device, amp, channels_last, dist.is_main)

@@ -18,7 +18,8 @@ from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_data_cfg
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
-from train_utils.config import build_config, load_data_config, parse_train_args
+from train_utils.cli import parse_args
+from train_utils.config import build_config, get_args_parser, load_data_config
 from train_utils.distributed.process_group import DistInfo
 
 
@@ -192,7 +193,7 @@ def test_training_from_a_data_yaml_resumes_and_names_classes(
 
     monkeypatch.chdir(tmp_path)
     # The run's folder, as a user types it, means its last.pt (was: "no checkpoint there").
-    config = build_config(parse_train_args(["--resume", str(out), "--workers", "0"]))
+    config = build_config(parse_args(get_args_parser(), ["--resume", str(out), "--workers", "0"]))
     assert config.resume == str(out / "last.pt")
     assert config.data.path == yml and config.data.names == names
     trainer_module.run(config, DistInfo.single(torch.device("cpu")))

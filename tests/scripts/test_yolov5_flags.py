@@ -21,7 +21,8 @@ from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
 from models.darknet import Darknet
 from models.loss import compute_loss
 from train_utils.checkpoint import load_checkpoint, save_checkpoint
-from train_utils.config import build_config, get_args_parser, load_hyp, parse_train_args
+from train_utils.cli import parse_args
+from train_utils.config import build_config, get_args_parser, load_hyp
 from train_utils.distributed.process_group import DistInfo
 from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda, optimizer_kind
 from train_utils.rounds import keeps_epoch
@@ -197,7 +198,7 @@ def test_save_period_epochs():
 
 def _resume(path: Path, *extra: str):
     """``train.py --resume PATH`` (and ``extra``), as typed: every other flag from the run."""
-    config = build_config(parse_train_args(["--resume", str(path), *extra]))
+    config = build_config(parse_args(get_args_parser(), ["--resume", str(path), *extra]))
     return run(config, DistInfo.single(CPU))
 
 
@@ -230,7 +231,7 @@ def test_save_period_checkpoints_resume_exactly(make_shapes_data, tmp_path):
     _same_weights(full / "epoch1.pt", full / "last.pt")
     last_before = (full / "last.pt").read_bytes()
 
-    config = build_config(parse_train_args(["--resume", str(full / "epoch0.pt")]))
+    config = build_config(parse_args(get_args_parser(), ["--resume", str(full / "epoch0.pt")]))
     assert (config.optimizer, config.lr_schedule, config.label_smoothing) == (
         "adamw",
         "linear",
@@ -261,14 +262,16 @@ def test_checkpoint_of_an_older_version_resumes_exactly(make_shapes_data, tmp_pa
     argv += ["--imgsz", str(IMG), "--batch", "8", "--save-period", "1"]
     full = run_training(argv).output_dir
     assert full == tmp_path / "runs" / "train" / "exp"
-    config = build_config(parse_train_args(["--project", str(full.parent), "--resume"]))
+    config = build_config(
+        parse_args(get_args_parser(), ["--project", str(full.parent), "--resume"])
+    )
     assert config.output_dir == full  # bare --resume: the newest last.pt under --project
     # --resume with --project/--name: that run's own arguments (not the default data file),
     # that run even when another one under --project is newer.
     (full.parent / "newer").mkdir()
     (full.parent / "newer" / "last.pt").write_bytes((full / "epoch0.pt").read_bytes())
     by_name = ["--project", str(full.parent), "--name", "exp", "--resume"]
-    config = build_config(parse_train_args(by_name))
+    config = build_config(parse_args(get_args_parser(), by_name))
     assert config.output_dir == full and config.resume == str(full / "last.pt")
     assert config.data.path == data and config.img_size == IMG and config.batch_size == 8
     old = tmp_path / "old"
@@ -280,7 +283,7 @@ def test_checkpoint_of_an_older_version_resumes_exactly(make_shapes_data, tmp_pa
     save_checkpoint(ckpt, old / "last.pt")
     (old / "hyp.yaml").write_bytes((full / "hyp.yaml").read_bytes())
 
-    config = build_config(parse_train_args(["--resume", str(old / "last.pt")]))
+    config = build_config(parse_args(get_args_parser(), ["--resume", str(old / "last.pt")]))
     assert (config.lr_schedule, config.label_smoothing, config.save_period) == ("cosine", 0.0, -1)
     resumed = _resume(old / "last.pt")
     assert resumed.output_dir == old  # its own last.pt: continued in place
@@ -499,7 +502,7 @@ def test_warmup_momentum_ramps_as_yolov5s(shapes_data):
 )
 def test_yolov5_freeze_counts_and_layer_lists(shapes_data, tmp_path, argv, mode):
     argv = [*_base(shapes_data), "--output-dir", str(tmp_path), *argv]
-    config = build_config(parse_train_args(argv))
+    config = build_config(parse_args(get_args_parser(), argv))
     assert config.freeze_layers == mode
     model = Darknet(NANO_CFG)
     from models.darknet import frozen_layer_indices
@@ -521,7 +524,7 @@ def test_yolov5_freeze_counts_and_layer_lists(shapes_data, tmp_path, argv, mode)
 def test_bad_yolov5_flag_values_are_one_line(shapes_data, tmp_path, argv, message):
     argv = [*_base(shapes_data), "--output-dir", str(tmp_path), *argv]
     with pytest.raises(ConfigError, match=message):
-        build_config(parse_train_args(argv))
+        build_config(parse_args(get_args_parser(), argv))
 
 
 def test_freezing_more_layers_than_the_model_has_is_one_line():

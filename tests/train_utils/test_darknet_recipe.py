@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import logging
 import re
+from dataclasses import fields
 
 import pytest
 from conftest import NANO_CFG, train_argv
@@ -19,7 +20,6 @@ from build_utils.parse_config import KEYS, parse_model_cfg_text
 from models.darknet_loss import YOLO_KEYS_HONOURED
 from train_utils.darknet_recipe import (
     HONOURED,
-    MODEL_KEYS,
     NOT_IMPLEMENTED,
     TRAINING_KEYS,
     apply_recipe,
@@ -29,7 +29,15 @@ from train_utils.darknet_recipe import (
     log_key_table,
     start_iteration,
 )
-from train_utils.darknet_schedule import NET_KEYS_HONOURED, DarknetSettings
+from train_utils.darknet_schedule import DarknetSettings
+
+# Keys of the model (architecture and input), decided by the cfg under either recipe.
+MODEL_KEYS = {
+    "net": ("width", "height", "channels", "inputs", "bn_eps"),
+    "yolo": ("mask", "anchors", "classes", "num", "scale_x_y", "new_coords", "map", "stopbackward"),
+}
+# The [net] keys DarknetSettings honours: its fields, each named as the key it reads.
+NET_KEYS_HONOURED = tuple(f.name for f in fields(DarknetSettings))
 
 LOADER_KEYS = {
     ("net", k)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from train_utils.distributed import process_group
-from train_utils.engine import NonFiniteLossError, _check_finite
+from train_utils.engine import NONFINITE_ADVICE, NonFiniteLossError, _check_finite
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -25,10 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     flags = [torch.tensor(True), torch.tensor(r != 1), torch.tensor(True)]
     paths = [[f"r{r}_a.jpg"], [f"r{r}_b.jpg", f"r{r}_c.jpg"], [f"r{r}_d.jpg"]]
     res = {"clean": None, "error": None}
-    _check_finite([torch.tensor(True)], [["ok.jpg"]], 3)  # nobody bad: nobody raises
+    _check_finite(
+        [torch.tensor(True)], [["ok.jpg"]], "epoch 3", NONFINITE_ADVICE
+    )  # nobody bad: nobody raises
     res["clean"] = "passed"
     try:
-        _check_finite(flags, paths, 3)
+        _check_finite(flags, paths, "epoch 3", NONFINITE_ADVICE)
     except NonFiniteLossError as e:
         res["error"] = str(e)
     process_group.cleanup()
