@@ -143,11 +143,8 @@ class CocoEvaluator:
     printed, so that it can be logged), and ``per_class_ap()`` gives AP per category.
     """
 
-    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = AUTO_BACKEND):
-        if iou_type != "bbox":
-            raise ValueError(f"only iou_type='bbox' is supported, not {iou_type!r}")
+    def __init__(self, coco_gt: COCO, backend: str = AUTO_BACKEND):
         self.coco_gt = coco_gt
-        self.iou_type = iou_type
         # The library that scores (``auto`` resolved), see :func:`resolve_backend`.
         self.backend = resolve_backend(backend)
         self.results: list[dict[str, Any]] = []
@@ -187,7 +184,7 @@ class CocoEvaluator:
     def _evaluate_pycocotools(self) -> tuple[COCOeval, str]:
         with contextlib.redirect_stdout(io.StringIO()):
             coco_dt = self.coco_gt.loadRes(self.results)
-            coco_eval = COCOeval(self.coco_gt, coco_dt, self.iou_type)
+            coco_eval = COCOeval(self.coco_gt, coco_dt, "bbox")
             coco_eval.evaluate()
             coco_eval.accumulate()
         summary = io.StringIO()
@@ -208,7 +205,7 @@ class CocoEvaluator:
         # those belong to the pycocotools ground truth.
         gt = FasterCOCO(self.coco_gt.dataset, use_deepcopy=True, print_function=quiet)
         dt = gt.loadRes(self.results)
-        coco_eval = COCOeval_faster(gt, dt, self.iou_type, print_function=quiet)
+        coco_eval = COCOeval_faster(gt, dt, "bbox", print_function=quiet)
         coco_eval.evaluate()
         coco_eval.accumulate()
         coco_eval.print_function = lambda *args: lines.append(" ".join(str(a) for a in args))
