@@ -110,6 +110,11 @@ class Search:
         ]
 
     def hyp_of(self, index: int) -> dict[str, Any]:
+        """Candidate ``index``'s hyp: the one it started with when an earlier attempt saved a
+        ``last.pt`` (its run's hyp.yaml: it continues with it), else a new one."""
+        folder = self.candidate_folder(index)
+        if (folder / "last.pt").is_file() and (folder / "hyp.yaml").is_file():
+            return load_hyp(folder / "hyp.yaml")
         return next_candidate(
             self.config.hyp, self.scored(index), self.space, self.config.seed, index
         )
@@ -413,16 +418,7 @@ def _next_step(search: Search) -> tuple[int, dict[str, Any], float | None] | Non
             len(done),
         )
         return None
-    return index, started_hyp(search, index) or search.hyp_of(index), share
-
-
-def started_hyp(search: Search, index: int) -> dict[str, Any] | None:
-    """The hyp candidate ``index`` started with, when an earlier attempt saved a ``last.pt``
-    (its run's hyp.yaml): it continues with it."""
-    folder = search.candidate_folder(index)
-    if not (folder / "last.pt").is_file() or not (folder / "hyp.yaml").is_file():
-        return None
-    return load_hyp(folder / "hyp.yaml")
+    return index, search.hyp_of(index), share
 
 
 def _budget_share(search: Search, index: int) -> float | None:
