@@ -227,11 +227,13 @@ def raise_if_any_rank_failed(error: YoloError | None, what: str) -> None:
     for rank, failed in enumerate(all_gather(failure)):
         if failed is not None:
             kind, host, message = failed
-            cls = _ERROR_TYPES.get(kind, YoloError)
+            cls = ERROR_TYPES.get(kind, YoloError)
             raise cls(f"{what} failed on rank {rank} ({host}): {message}") from error
 
 
-_ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError, OutputError)}
+# The user errors a process re-raises by the type name another process sent (any other name:
+# YoloError): here, and launch.spawn_training for its spawned children.
+ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError, OutputError)}
 
 
 def all_reduce_flag(flag: bool) -> bool:
