@@ -62,17 +62,15 @@ def barrier() -> None:
 
 
 @contextlib.contextmanager
-def torch_distributed_zero_first(rank: int | None = None) -> Iterator[None]:
+def torch_distributed_zero_first(rank: int) -> Iterator[None]:
     """Collective. Run the block on rank 0 first; the others enter it once rank 0 has left it.
 
     Typical use: rank 0 builds a dataset cache, the others then read it instead of building it
     concurrently. Every rank of the group must enter the context. Pass the local rank when the
-    work is per node (a node-local disk), the global rank when it is per job; ``-1`` (no DDP)
-    behaves like 0. Without a process group this is a no-op.
+    work is per node (a node-local disk), the global rank when it is per job. Without a process
+    group this is a no-op.
     """
-    if rank is None:
-        rank = get_rank()
-    first = rank in (-1, 0)
+    first = rank == 0
     if not is_dist_avail_and_initialized():
         yield
         return
