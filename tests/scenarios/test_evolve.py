@@ -24,7 +24,7 @@ from train_utils.evolve import record, space
 from train_utils.evolve.search import SEARCH_FILE
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED_SPACE = space.load_space(REPO / space.DEFAULT_SPACE, HYP_SPECS)
+SHIPPED_SPACE = space.load_space(REPO / space.DEFAULT_SPACE)
 
 
 def search_argv(data: Path, out: Path, n: int, *extra: str, epochs: int = 1) -> list[str]:

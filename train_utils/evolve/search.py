@@ -291,7 +291,7 @@ def settle(args: argparse.Namespace) -> tuple[Search, dict[str, Any] | None]:
         args.name = DEFAULT_NAME
     config = build_config(args)
     if saved is None:
-        space = load_space(repo_default(args.evolve_space, DEFAULT_SPACE), HYP_SPECS)
+        space = load_space(repo_default(args.evolve_space, DEFAULT_SPACE))
         record_text = dump_yaml(_record_of(args, config, space))
     else:
         space = SearchSpace.from_dict(saved["space"])
