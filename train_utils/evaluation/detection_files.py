@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -148,15 +148,7 @@ class CocoIdMap:
     images: dict[str, int] = field(default_factory=dict)  # map-relative image path -> image id
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "category_ids": self.category_ids,
-                "names": self.names,
-                "splits": self.splits,
-                "sources": self.sources,
-                "images": self.images,
-            }
-        )
+        return json.dumps(asdict(self))
 
 
 def read_coco_ids(map_path: str | os.PathLike[str]) -> CocoIdMap:
