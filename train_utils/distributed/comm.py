@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -85,41 +85,21 @@ def torch_distributed_zero_first(rank: int) -> Iterator[None]:
             barrier()
 
 
-def reduce_dict(
-    input_dict: Mapping[str, torch.Tensor], average: bool = True
-) -> dict[str, torch.Tensor]:
-    """Collective. Sum (or average) each tensor over all ranks; every rank gets the result.
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Collective. The mean of ``t`` over all ranks, on every rank; ``t`` itself without a
+    process group.
 
     Args:
-        input_dict: name -> tensor, the same names and shapes on every rank (e.g. 0-dim losses),
-            on the collective device (CUDA under NCCL).
-        average: divide by the world size (integer tensors become float).
-
-    Returns:
-        A new dict with the same keys; the input unchanged without a process group.
+        t: the same shape and dtype on every rank (e.g. an epoch's mean losses), on the
+            collective device (CUDA under NCCL); an integer tensor's mean is float64.
     """
     world_size = get_world_size()
-    if world_size < 2 or not input_dict:
-        return dict(input_dict)
-    # Sorted so that every rank reduces the same tensor in the same slot, whatever order the
-    # dicts were built in.
-    names = sorted(input_dict)
+    if world_size < 2:
+        return t
     with torch.no_grad():
-        values = [input_dict[k].detach() for k in names]
-        if average:
-            values = [v if v.is_floating_point() else v.double() for v in values]
-        if all(v.shape == values[0].shape and v.dtype == values[0].dtype for v in values):
-            stacked = torch.stack(values)  # one collective instead of one per key
-            dist.all_reduce(stacked)
-            reduced = list(stacked.unbind(0))
-        else:
-            reduced = [v.clone() for v in values]
-            for v in reduced:
-                dist.all_reduce(v)
-        if average:
-            reduced = [v / world_size for v in reduced]
-    by_name = dict(zip(names, reduced, strict=True))
-    return {k: by_name[k] for k in input_dict}
+        total = t.detach().clone() if t.is_floating_point() else t.detach().double()
+        dist.all_reduce(total)
+        return total / world_size
 
 
 def all_gather(obj: Any) -> list[Any]:
