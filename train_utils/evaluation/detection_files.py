@@ -221,14 +221,7 @@ def gt_to_official_coco_ids(
     return {
         **gt,
         "images": [{**im, "id": image_ids[im["id"]]} for im in gt["images"]],
-        "annotations": [
-            {
-                **a,
-                "image_id": image_ids[a["image_id"]],
-                "category_id": category_ids[a["category_id"]],
-            }
-            for a in gt["annotations"]
-        ],
+        "annotations": to_official_coco_ids(gt["annotations"], image_ids, category_ids),
         "categories": [
             {
                 **c,
