@@ -99,15 +99,14 @@ def test_coco_dict_contents(dataset):
 
 def test_file_names_are_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ds = FakeDataset([[]], [(10, 10)], root="rel/images")
+    ds = FakeDataset([[]], [(10, 10)], nc=1, root="rel/images")
     d = coco_dict_from_dataset(ds)
     assert d["images"][0]["file_name"] == str(tmp_path / "rel/images/img0.jpg")
 
 
 def test_category_count_sources(dataset):
     assert len(coco_dict_from_dataset(dataset, num_classes=6)["categories"]) == 6
-    del dataset.nc
-    assert len(coco_dict_from_dataset(dataset)["categories"]) == 3  # max class id + 1
+    assert len(coco_dict_from_dataset(dataset)["categories"]) == 4  # dataset.nc
 
 
 def test_class_outside_num_classes_is_a_dataset_error(dataset):
