@@ -97,7 +97,7 @@ from train_utils.evaluation.coco_gt import (
 from train_utils.evaluation.detection_files import (
     COCO80_TO_91,
     gt_to_official_coco_ids,
-    read_coco_id_map,
+    read_coco_ids,
     resolve_coco_ids,
     to_official_coco_ids,
     write_dataset_txt,
@@ -317,7 +317,7 @@ def json_ids(
         same = {i: i for i in gt_ids}
         if args.single_cls:
             return same, range(data.nc), "the source COCO JSON's image ids and class"
-        categories, _ = read_coco_id_map(data.coco_ids)
+        categories = read_coco_ids(data.coco_ids).category_ids
         if len(categories) != data.nc:
             raise ConfigError(
                 f"the id map has {len(categories)} categories, the data {data.nc} classes",

@@ -1,7 +1,7 @@
 """One training epoch and one evaluation pass. No file I/O and no rank checks live here: the
 caller (``trainer.run``) decides who logs, writes and scores.
 
-Collectives used here (``reduce_dict``, ``gather_rows_to_main``, ``all_reduce_flag``) are
+Collectives used here (``all_reduce_mean``, ``gather_rows_to_main``, ``all_reduce_flag``) are
 no-ops without a process group, so the same code serves one process and DDP.
 """
 
@@ -28,7 +28,7 @@ from models.darknet_loss import DarknetLoss
 from models.loss import compute_loss
 from models.tta import detect
 from train_utils.darknet_schedule import DarknetEMA, DarknetSettings, DarknetSGD, current_rate
-from train_utils.distributed.comm import all_reduce_flag, gather_rows_to_main, reduce_dict
+from train_utils.distributed.comm import all_reduce_flag, all_reduce_mean, gather_rows_to_main
 from train_utils.ema import ModelEMA
 from train_utils.evaluation.coco_eval import (
     CocoEvaluator,
@@ -238,7 +238,7 @@ def train_darknet_iterations(
         adapt_threads(opts.device)
     meter.close()
     wait = torch.tensor([clock.seconds()], device=opts.device, dtype=meter.sums.dtype)
-    *means, data_wait = reduce_dict({"m": torch.cat([meter.sums / max(nb, 1), wait])})["m"].tolist()
+    *means, data_wait = all_reduce_mean(torch.cat([meter.sums / max(nb, 1), wait])).tolist()
     return EpochStats(*means, lr=meter.lr, images=meter.images, data_wait_s=data_wait)
 
 
@@ -279,7 +279,7 @@ def train_one_epoch(
     meter.close()
     wait = torch.tensor([clock.seconds()], device=opts.device, dtype=meter.sums.dtype)
     # One collective for both: the wait rides along with the mean losses.
-    *means, data_wait = reduce_dict({"m": torch.cat([meter.sums / max(nb, 1), wait])})["m"].tolist()
+    *means, data_wait = all_reduce_mean(torch.cat([meter.sums / max(nb, 1), wait])).tolist()
     return EpochStats(*means, lr=meter.lr, images=meter.images, data_wait_s=data_wait)
 
 

@@ -104,7 +104,7 @@ def test_single_process_cache_counts_one_copy(shapes_data, monkeypatch):
     ds = LoadImagesAndLabels(lst, 96, batch_size=4)
     disk = LoadImagesAndLabels(lst, 96, batch_size=4)
     before = set(shared_cache_dir().glob("yolo-images-*"))
-    data_loaders._cache_in_ram([ds], DistInfo.single())
+    data_loaders._cache_in_ram([ds], DistInfo.single("cpu"))
     assert set(shared_cache_dir().glob("yolo-images-*")) <= before  # unlinked once mapped
     assert counted == [1]
     assert isinstance(ds._imgs, SharedImages)

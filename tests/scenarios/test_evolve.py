@@ -21,10 +21,10 @@ from train_utils.checkpoint import load_checkpoint
 from train_utils.config import HYP_SPECS, load_hyp
 from train_utils.engine import NonFiniteLossError
 from train_utils.evolve import record, space
-from train_utils.evolve.search import SEARCH_FILE
+from train_utils.run_folder import SEARCH_RECORD
 
 REPO = Path(__file__).resolve().parents[2]
-SHIPPED_SPACE = space.load_space(REPO / space.DEFAULT_SPACE, HYP_SPECS)
+SHIPPED_SPACE = space.load_space(REPO / space.DEFAULT_SPACE)
 
 
 def search_argv(data: Path, out: Path, n: int, *extra: str, epochs: int = 1) -> list[str]:
@@ -79,7 +79,7 @@ def test_a_search_writes_its_files_records_a_failure_and_its_best_hyp_reproduces
         assert row.fitness == pytest.approx(
             0.1 * row.metrics["mAP50"] + 0.9 * row.metrics["mAP50-95"]
         )
-    assert (out / record.PLOT_NAME).stat().st_size > 0 and (out / SEARCH_FILE).is_file()
+    assert (out / record.PLOT_NAME).stat().st_size > 0 and (out / SEARCH_RECORD).is_file()
     best = record.best_row(parsed)
     assert "the best, " + best.run in capsys.readouterr().err
     # hyp_evolve.yaml is the best candidate's hyp, and trains to the same fitness.
@@ -320,11 +320,11 @@ def test_an_edited_search_record_is_one_line(
     folder.mkdir()
     args = {"data": str(shapes_data), "img_size": 64, "epochs": 1, "device": "cpu"}
     text = record_text.replace("ARGS", str(args)).replace("SPACE", str(SHIPPED_SPACE.to_dict()))
-    (folder / SEARCH_FILE).write_text(text)
+    (folder / SEARCH_RECORD).write_text(text)
     assert train.main(["--resume", str(folder)]) == 2
     [line] = capsys.readouterr().err.strip().splitlines()[-1:]
     assert line.startswith("error: ") and message in line
-    assert sorted(p.name for p in folder.iterdir()) == [SEARCH_FILE]
+    assert sorted(p.name for p in folder.iterdir()) == [SEARCH_RECORD]
 
 
 def test_ray_backend_without_ray_is_one_line(shapes_data, tmp_path, capsys, monkeypatch) -> None:

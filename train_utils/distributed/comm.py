@@ -16,7 +16,7 @@ import contextlib
 import logging
 import os
 import socket
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -62,17 +62,15 @@ def barrier() -> None:
 
 
 @contextlib.contextmanager
-def torch_distributed_zero_first(rank: int | None = None) -> Iterator[None]:
+def torch_distributed_zero_first(rank: int) -> Iterator[None]:
     """Collective. Run the block on rank 0 first; the others enter it once rank 0 has left it.
 
     Typical use: rank 0 builds a dataset cache, the others then read it instead of building it
     concurrently. Every rank of the group must enter the context. Pass the local rank when the
-    work is per node (a node-local disk), the global rank when it is per job; ``-1`` (no DDP)
-    behaves like 0. Without a process group this is a no-op.
+    work is per node (a node-local disk), the global rank when it is per job. Without a process
+    group this is a no-op.
     """
-    if rank is None:
-        rank = get_rank()
-    first = rank in (-1, 0)
+    first = rank == 0
     if not is_dist_avail_and_initialized():
         yield
         return
@@ -87,41 +85,21 @@ def torch_distributed_zero_first(rank: int | None = None) -> Iterator[None]:
             barrier()
 
 
-def reduce_dict(
-    input_dict: Mapping[str, torch.Tensor], average: bool = True
-) -> dict[str, torch.Tensor]:
-    """Collective. Sum (or average) each tensor over all ranks; every rank gets the result.
+def all_reduce_mean(t: torch.Tensor) -> torch.Tensor:
+    """Collective. The mean of ``t`` over all ranks, on every rank; ``t`` itself without a
+    process group.
 
     Args:
-        input_dict: name -> tensor, the same names and shapes on every rank (e.g. 0-dim losses),
-            on the collective device (CUDA under NCCL).
-        average: divide by the world size (integer tensors become float).
-
-    Returns:
-        A new dict with the same keys; the input unchanged without a process group.
+        t: the same shape and dtype on every rank (e.g. an epoch's mean losses), on the
+            collective device (CUDA under NCCL); an integer tensor's mean is float64.
     """
     world_size = get_world_size()
-    if world_size < 2 or not input_dict:
-        return dict(input_dict)
-    # Sorted so that every rank reduces the same tensor in the same slot, whatever order the
-    # dicts were built in.
-    names = sorted(input_dict)
+    if world_size < 2:
+        return t
     with torch.no_grad():
-        values = [input_dict[k].detach() for k in names]
-        if average:
-            values = [v if v.is_floating_point() else v.double() for v in values]
-        if all(v.shape == values[0].shape and v.dtype == values[0].dtype for v in values):
-            stacked = torch.stack(values)  # one collective instead of one per key
-            dist.all_reduce(stacked)
-            reduced = list(stacked.unbind(0))
-        else:
-            reduced = [v.clone() for v in values]
-            for v in reduced:
-                dist.all_reduce(v)
-        if average:
-            reduced = [v / world_size for v in reduced]
-    by_name = dict(zip(names, reduced, strict=True))
-    return {k: by_name[k] for k in input_dict}
+        total = t.detach().clone() if t.is_floating_point() else t.detach().double()
+        dist.all_reduce(total)
+        return total / world_size
 
 
 def all_gather(obj: Any) -> list[Any]:
@@ -227,11 +205,13 @@ def raise_if_any_rank_failed(error: YoloError | None, what: str) -> None:
     for rank, failed in enumerate(all_gather(failure)):
         if failed is not None:
             kind, host, message = failed
-            cls = _ERROR_TYPES.get(kind, YoloError)
+            cls = ERROR_TYPES.get(kind, YoloError)
             raise cls(f"{what} failed on rank {rank} ({host}): {message}") from error
 
 
-_ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError, OutputError)}
+# The user errors a process re-raises by the type name another process sent (any other name:
+# YoloError): here, and launch.spawn_training for its spawned children.
+ERROR_TYPES = {c.__name__: c for c in (ConfigError, CheckpointError, DatasetError, OutputError)}
 
 
 def all_reduce_flag(flag: bool) -> bool:

@@ -31,18 +31,10 @@ from pathlib import Path
 import torch
 import torch.multiprocessing as mp
 
-from build_utils.errors import (
-    CheckpointError,
-    ConfigError,
-    DatasetError,
-    OutputError,
-    RankFailed,
-    RunStopped,
-    YoloError,
-)
+from build_utils.errors import ConfigError, RankFailed, RunStopped, YoloError
 from train_utils.cli import EXIT_INTERRUPTED, EXIT_STOPPED, EXIT_USER_ERROR, setup_console_logging
 from train_utils.config import build_config
-from train_utils.distributed.comm import all_reduce_flag, broadcast_object
+from train_utils.distributed.comm import ERROR_TYPES, all_reduce_flag, broadcast_object
 from train_utils.distributed.devices import choose_device, cuda_device_count, parse_device_list
 from train_utils.distributed.node import usable_cpus
 from train_utils.distributed.process_group import (
@@ -60,9 +52,6 @@ from train_utils.trainer import run
 logger = logging.getLogger(__name__)
 
 SPAWN_MASTER_ADDR = "127.0.0.1"  # spawned processes share one node: rendezvous on loopback
-_ERROR_TYPES = {
-    c.__name__: c for c in (YoloError, ConfigError, CheckpointError, DatasetError, OutputError)
-}
 
 
 def free_port(host: str = SPAWN_MASTER_ADDR) -> int:
@@ -299,7 +288,7 @@ def spawn_training(
                 f"--resume continues from the last saved epoch"
             ) from None
         kind, message = errors.get()
-        raise _ERROR_TYPES.get(kind, YoloError)(message) from None
+        raise ERROR_TYPES.get(kind, YoloError)(message) from None
     except KeyboardInterrupt:
         # The children got the same Ctrl-C and save what they can: wait for them.
         for process in context.processes:

@@ -76,10 +76,8 @@ class DistInfo:
     backend: str | None = None
 
     @classmethod
-    def single(cls, device: torch.device | str | None = None) -> DistInfo:
-        """One process, no process group; ``device`` defaults to ``cuda`` when available."""
-        if device is None:
-            device = "cuda" if torch.cuda.is_available() else "cpu"
+    def single(cls, device: torch.device | str) -> DistInfo:
+        """One process, no process group, on ``device`` (see :func:`select_device`)."""
         return cls(rank=0, world_size=1, local_rank=0, device=torch.device(device), backend=None)
 
     @property
@@ -95,7 +93,7 @@ class DistInfo:
 
 def launch_hint(script: str = "train_multi_GPU.py") -> str:
     """How to launch ``script`` on several processes, for a message to the user."""
-    ngpu = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    ngpu = cuda_device_count()
     nproc = str(ngpu) if ngpu > 1 else "<number of GPUs>"
     return (
         f"launch it with torchrun, e.g. `torchrun --nproc_per_node={nproc} {script} ...` "

@@ -139,19 +139,15 @@ class CocoEvaluator:
     """Accumulates COCO-format detections and scores them.
 
     ``update()`` any number of times, then ``evaluate()`` returns the 12 stats (in
-    ``STAT_NAMES`` order); ``summary`` then holds pycocotools' summary text (which is not
-    printed, so that it can be logged), and ``per_class_ap()`` gives AP per category.
+    ``STAT_NAMES`` order; the scorer's own printing is silenced), and ``per_class_ap()`` gives
+    AP per category.
     """
 
-    def __init__(self, coco_gt: COCO, iou_type: str = "bbox", backend: str = AUTO_BACKEND):
-        if iou_type != "bbox":
-            raise ValueError(f"only iou_type='bbox' is supported, not {iou_type!r}")
+    def __init__(self, coco_gt: COCO, backend: str = AUTO_BACKEND):
         self.coco_gt = coco_gt
-        self.iou_type = iou_type
         # The library that scores (``auto`` resolved), see :func:`resolve_backend`.
         self.backend = resolve_backend(backend)
         self.results: list[dict[str, Any]] = []
-        self.summary = ""
         self.stats: np.ndarray | None = None
         self.coco_eval: Any = None
         self._img_ids = set(coco_gt.getImgIds())
@@ -175,31 +171,26 @@ class CocoEvaluator:
         if not self.results:
             self.coco_eval = None
             self.stats = np.zeros(len(STAT_NAMES))
-            self.summary = "no detections: every COCO metric is 0"
             return self.stats.copy()
         if self.backend == "pycocotools":
-            self.coco_eval, self.summary = self._evaluate_pycocotools()
+            self.coco_eval = self._evaluate_pycocotools()
         else:
-            self.coco_eval, self.summary = self._evaluate_faster()
+            self.coco_eval = self._evaluate_faster()
         self.stats = np.asarray(self.coco_eval.stats[: len(STAT_NAMES)], dtype=np.float64)
         return self.stats.copy()
 
-    def _evaluate_pycocotools(self) -> tuple[COCOeval, str]:
+    def _evaluate_pycocotools(self) -> COCOeval:
         with contextlib.redirect_stdout(io.StringIO()):
             coco_dt = self.coco_gt.loadRes(self.results)
-            coco_eval = COCOeval(self.coco_gt, coco_dt, self.iou_type)
+            coco_eval = COCOeval(self.coco_gt, coco_dt, "bbox")
             coco_eval.evaluate()
             coco_eval.accumulate()
-        summary = io.StringIO()
-        with contextlib.redirect_stdout(summary):
-            coco_eval.summarize()
-        return coco_eval, summary.getvalue().rstrip()
+            coco_eval.summarize()  # fills coco_eval.stats
+        return coco_eval
 
-    def _evaluate_faster(self) -> tuple[Any, str]:
+    def _evaluate_faster(self) -> Any:
         from faster_coco_eval import COCO as FasterCOCO
         from faster_coco_eval import COCOeval_faster
-
-        lines: list[str] = []
 
         def quiet(*args: Any) -> None:
             pass
@@ -208,12 +199,11 @@ class CocoEvaluator:
         # those belong to the pycocotools ground truth.
         gt = FasterCOCO(self.coco_gt.dataset, use_deepcopy=True, print_function=quiet)
         dt = gt.loadRes(self.results)
-        coco_eval = COCOeval_faster(gt, dt, self.iou_type, print_function=quiet)
+        coco_eval = COCOeval_faster(gt, dt, "bbox", print_function=quiet)
         coco_eval.evaluate()
         coco_eval.accumulate()
-        coco_eval.print_function = lambda *args: lines.append(" ".join(str(a) for a in args))
         coco_eval.summarize()
-        return coco_eval, "\n".join(lines)
+        return coco_eval
 
     def per_class_ap(self) -> dict[int, tuple[float, float]]:
         """``{category id: (AP@0.5:0.95, AP@0.5)}`` over all areas at 100 detections per image.

@@ -48,11 +48,8 @@ class _CocoIndexable(Protocol):
     def coco_index(self, i: int) -> tuple[np.ndarray, tuple[int, int]]: ...
 
 
-def _resolve_num_classes(dataset: Any, num_classes: int | None) -> int | None:
-    if num_classes is not None:
-        return int(num_classes)
-    nc = getattr(dataset, "nc", None)
-    return int(nc) if nc is not None else None
+def _resolve_num_classes(dataset: Any, num_classes: int | None) -> int:
+    return int(num_classes if num_classes is not None else dataset.nc)
 
 
 def coco_dict_from_dataset(
@@ -66,8 +63,7 @@ def coco_dict_from_dataset(
     Args:
         dataset: provides ``len()``, ``img_files`` and ``coco_index(i) -> (labels, (h0, w0))``
             with ``labels (n, 5)`` = class, cx, cy, w, h normalised.
-        num_classes: categories ``0 .. num_classes - 1``; default ``dataset.nc`` when present,
-            else the largest class id + 1.
+        num_classes: categories ``0 .. num_classes - 1``; default ``dataset.nc``.
         image_ids: the image id of each dataset index (distinct); default the index.
 
     Returns:
@@ -88,7 +84,6 @@ def coco_dict_from_dataset(
     ids = list(range(len(dataset))) if image_ids is None else [int(i) for i in image_ids]
     images: list[dict] = []
     annotations: list[dict] = []
-    max_class = -1
     for i in range(len(dataset)):
         labels, (h0, w0) = dataset.coco_index(i)
         images.append(
@@ -104,10 +99,7 @@ def coco_dict_from_dataset(
             continue
         cls = labels[:, 0].astype(np.int64)
         _check_classes(cls, nc, dataset.img_files[i])
-        max_class = max(max_class, int(cls.max()))
         annotations += _annotations(labels, cls, (h0, w0), ids[i], len(annotations) + 1)
-    if nc is None:
-        nc = max(max_class + 1, 1)
     categories = [{"id": c, "name": str(c), "supercategory": "none"} for c in range(nc)]
     return {
         "info": {"description": "ground truth built from the dataset"},
@@ -117,9 +109,9 @@ def coco_dict_from_dataset(
     }
 
 
-def _check_classes(cls: np.ndarray, nc: int | None, path: str) -> None:
+def _check_classes(cls: np.ndarray, nc: int, path: str) -> None:
     """Raises DatasetError for a class id outside ``0 .. nc - 1``."""
-    if nc is not None and (cls.min() < 0 or cls.max() >= nc):
+    if cls.min() < 0 or cls.max() >= nc:
         bad = int(cls[(cls < 0) | (cls >= nc)][0])
         raise DatasetError(
             f"class id {bad} in the labels is outside 0..{nc - 1} ({nc} classes); "

@@ -7,7 +7,7 @@ the number in their file name (``000000397133.jpg`` -> 397133) and uses 80 of 91
 (``COCO80_TO_91``); :func:`to_official_coco_ids` rewrites detections (and ground truth) to those
 ids so that pycocotools can score them against the official file directly. A dataset made by
 ``tools/coco2yolo.py`` names its ``coco_ids.json`` (class -> category id, image path -> image
-id of the source JSON) in its data.yaml; :func:`read_coco_id_map` reads it and
+id of the source JSON) in its data.yaml; :func:`read_coco_ids` reads it and
 :func:`source_image_ids` gives the image ids the evaluation then uses (``coco_gt.py``), and the
 same rewrites give the source JSON's category ids.
 """
@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -148,15 +148,7 @@ class CocoIdMap:
     images: dict[str, int] = field(default_factory=dict)  # map-relative image path -> image id
 
     def to_json(self) -> str:
-        return json.dumps(
-            {
-                "category_ids": self.category_ids,
-                "names": self.names,
-                "splits": self.splits,
-                "sources": self.sources,
-                "images": self.images,
-            }
-        )
+        return json.dumps(asdict(self))
 
 
 def read_coco_ids(map_path: str | os.PathLike[str]) -> CocoIdMap:
@@ -178,13 +170,6 @@ def read_coco_ids(map_path: str | os.PathLike[str]) -> CocoIdMap:
         raise ConfigError(f"not an id map of tools/coco2yolo.py ({e})", map_path) from e
 
 
-def read_coco_id_map(map_path: str | os.PathLike[str]) -> tuple[list[int], dict[str, int]]:
-    """The source JSON's category id of each class, and the image id of each image path
-    (relative to the map's folder), from ``coco_ids.json`` (:func:`read_coco_ids`)."""
-    id_map = read_coco_ids(map_path)
-    return id_map.category_ids, id_map.images
-
-
 def source_image_ids(
     map_path: str | os.PathLike[str], img_files: Sequence[str]
 ) -> tuple[list[int] | None, str | None]:
@@ -195,7 +180,7 @@ def source_image_ids(
     Raises:
         ConfigError: the map cannot be read.
     """
-    _, by_path = read_coco_id_map(map_path)
+    by_path = read_coco_ids(map_path).images
     root = Path(map_path).resolve().parent
     ids = []
     for f in img_files:
@@ -236,14 +221,7 @@ def gt_to_official_coco_ids(
     return {
         **gt,
         "images": [{**im, "id": image_ids[im["id"]]} for im in gt["images"]],
-        "annotations": [
-            {
-                **a,
-                "image_id": image_ids[a["image_id"]],
-                "category_id": category_ids[a["category_id"]],
-            }
-            for a in gt["annotations"]
-        ],
+        "annotations": to_official_coco_ids(gt["annotations"], image_ids, category_ids),
         "categories": [
             {
                 **c,

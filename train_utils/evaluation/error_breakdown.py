@@ -45,6 +45,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -295,9 +296,7 @@ def error_breakdown(
             images without detections may be absent, ids absent from ``gt`` are ignored.
     """
     e = _collect(gt, dets, pos_iou, bg_iou, max_dets)
-    n_gt: dict[int, int] = {}
-    for c in e.gt_cls.tolist():
-        n_gt[c] = n_gt.get(c, 0) + 1
+    n_gt = Counter(e.gt_cls.tolist())
     is_tp = e.err == _TP
     ap50 = _mean_ap(e.cls, e.score, is_tp, n_gt)
 
@@ -311,10 +310,8 @@ def error_breakdown(
         to_tp = hit & fixable if kind in (CLS, LOC) else np.zeros_like(hit)
         keep = ~hit | to_tp
         cls = np.where(to_tp, e.fix_cls, e.cls)
-        counts = dict(n_gt)
-        if kind == MISSED:
-            for c in e.gt_cls[e.missed].tolist():
-                counts[c] -= 1
+        # A class left without labels drops out of the Counter: _mean_ap treats it as 0 labels.
+        counts = n_gt - Counter(e.gt_cls[e.missed].tolist()) if kind == MISSED else n_gt
         return _mean_ap(cls[keep], e.score[keep], (is_tp | to_tp)[keep], counts)
 
     # Fixing can only raise the AP; max() keeps float noise from showing as a negative gain.
@@ -325,9 +322,7 @@ def error_breakdown(
     # Special errors: every false positive scored below every true positive (perfect
     # precision), and every unmatched label gone (perfect recall).
     dap[FALSE_POS] = _mean_ap(e.cls, is_tp.astype(np.float64), is_tp, n_gt) - ap50
-    fewer = dict(n_gt)
-    for c in e.gt_cls[e.unmatched].tolist():
-        fewer[c] -= 1
+    fewer = n_gt - Counter(e.gt_cls[e.unmatched].tolist())
     dap[FALSE_NEG] = _mean_ap(e.cls, e.score, is_tp, fewer) - ap50
     counts[FALSE_POS] = int((~is_tp).sum())
     counts[FALSE_NEG] = int(e.unmatched.sum())

@@ -17,6 +17,7 @@ import cv2
 import numpy as np
 
 from build_utils.atomic import atomic_write, reported_write
+from build_utils.boxes import xywhn2xyxy
 from build_utils.errors import OutputError
 from train_utils.evaluation.metrics import ClassMetrics
 
@@ -170,12 +171,8 @@ def batch_to_images(
     for i in range(min(len(imgs), MOSAIC_MAX_IMAGES)):
         out_imgs.append(np.ascontiguousarray(imgs[i].transpose(1, 2, 0)[:, :, ::-1]))
         t = targets[targets[:, 0] == i]
-        cx, cy, bw, bh = t[:, 2] * w, t[:, 3] * h, t[:, 4] * w, t[:, 5] * h
-        out_boxes.append(
-            np.stack(
-                (cx - bw / 2, cy - bh / 2, cx + bw / 2, cy + bh / 2, np.ones(len(t)), t[:, 1]), 1
-            )
-        )
+        xyxy = xywhn2xyxy(t[:, 2:6], w, h)
+        out_boxes.append(np.concatenate((xyxy, np.ones((len(t), 1)), t[:, 1:2]), 1))
     return out_imgs, out_boxes
 
 

@@ -43,7 +43,6 @@ from train_utils.evolve.search import (
     evaluated_epochs,
     log_row,
     scored_row,
-    started_hyp,
 )
 from train_utils.evolve.space import fitness
 
@@ -69,7 +68,7 @@ class EvolutionSearcher(Searcher):
         if not self.todo:
             return Searcher.FINISHED
         index = self.todo.pop(0)
-        hyp = started_hyp(self.search, index) or self.search.hyp_of(index)
+        hyp = self.search.hyp_of(index)
         self.trials[trial_id] = (index, hyp)
         return {"candidate": index, "hyp": hyp}
 

@@ -154,9 +154,8 @@ def plot_search(path: Path, rows: Sequence[Row], space: SearchSpace) -> None:
     keys = [k for k, g in space.genes.items() if g.gain > 0]
     cols = 5
     n = len(keys) + 1
-    fig, axes = plt.subplots(
-        -(-n // cols), cols, figsize=(3 * cols, 2.6 * -(-n // cols)), squeeze=False
-    )
+    grid_rows = -(-n // cols)
+    fig, axes = plt.subplots(grid_rows, cols, figsize=(3 * cols, 2.6 * grid_rows), squeeze=False)
     best = best_row(scored)
     fit = [r.fitness for r in scored]
     for ax, key in zip(axes.flat, keys, strict=False):

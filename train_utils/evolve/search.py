@@ -60,18 +60,17 @@ from train_utils.stop_signals import StopSignals
 
 logger = logging.getLogger(__name__)
 
-SEARCH_FILE = SEARCH_RECORD
 LOG_NAME = "evolve.log"
 DEFAULT_NAME = "evolve"  # runs/evolve, runs/evolve2, ... (YOLOv5: runs/evolve/exp)
 SCHEMA = 1
-# Flags that belong to this invocation, not to the search a --resume continues (a requeued
-# job's Ray head has another --address).
 # The flags of a search alone (without one they would do nothing).
 SEARCH_FLAGS = ("evolve_space", "evolve_backend", "address", "trial_resources")
 # What a continued search may be given anew: where and how long it runs, how it is reported.
 RESUME_MAY_CHANGE = frozenset(
     {"time_budget", "device", "workers", "tracker", "log_interval", "trial_resources"}
 )
+# Flags that belong to this invocation, not to the search a --resume continues (a requeued
+# job's Ray head has another --address).
 OWN_FLAGS = frozenset(
     {"resume", "exist_ok", "output_dir", "project", "name", "given", "local_rank", "evolve"}
     | {"address"}
@@ -110,6 +109,11 @@ class Search:
         ]
 
     def hyp_of(self, index: int) -> dict[str, Any]:
+        """Candidate ``index``'s hyp: the one it started with when an earlier attempt saved a
+        ``last.pt`` (its run's hyp.yaml: it continues with it), else a new one."""
+        folder = self.candidate_folder(index)
+        if (folder / "last.pt").is_file() and (folder / "hyp.yaml").is_file():
+            return load_hyp(folder / "hyp.yaml")
         return next_candidate(
             self.config.hyp, self.scored(index), self.space, self.config.seed, index
         )
@@ -162,17 +166,17 @@ def _resumed_search_folder(args: argparse.Namespace) -> Path | None:
     else:
         path = Path(args.resume)
         path = path if path.is_dir() else path.parent
-    return path if (path / SEARCH_FILE).is_file() else None
+    return path if (path / SEARCH_RECORD).is_file() else None
 
 
 def _newest_search(runs: Path) -> Path | None:
     """Bare ``--resume``: the search under ``runs`` written to last, when that was after the
     newest ``runs/*/last.pt`` of a plain run (which bare ``--resume`` continues otherwise)."""
     times: dict[Path, float] = {}
-    for mark in (f"*/{SEARCH_FILE}", f"*/{record.CSV_NAME}", "*/candidate-*/last.pt"):
+    for mark in (f"*/{SEARCH_RECORD}", f"*/{record.CSV_NAME}", "*/candidate-*/last.pt"):
         for path in runs.glob(mark):
             folder = path.parent.parent if path.name == "last.pt" else path.parent
-            if (folder / SEARCH_FILE).is_file():
+            if (folder / SEARCH_RECORD).is_file():
                 times[folder] = max(times.get(folder, 0.0), path.stat().st_mtime)
     if not times:
         return None
@@ -228,7 +232,7 @@ def _record_of(args: argparse.Namespace, config: TrainConfig, space: SearchSpace
 
 def _take_search_settings(args: argparse.Namespace, folder: Path) -> dict[str, Any]:
     """``--resume <search>``: the search's flags for every flag not typed; its record."""
-    saved = load_yaml(folder / SEARCH_FILE, "search record")
+    saved = load_yaml(folder / SEARCH_RECORD, "search record")
     parts = ("args", "hyp", "space")
     if (
         not isinstance(saved, dict)
@@ -238,7 +242,7 @@ def _take_search_settings(args: argparse.Namespace, folder: Path) -> dict[str, A
     ):
         raise ConfigError(
             f"not a search record of this version (schema {SCHEMA}: {', '.join(parts)}, evolve)",
-            folder / SEARCH_FILE,
+            folder / SEARCH_RECORD,
         )
     parser = get_args_parser()
     fields = {
@@ -270,9 +274,8 @@ def _refuse_changed_flags(args: argparse.Namespace, saved: Mapping[str, Any], fo
         )
 
 
-def settle(args: argparse.Namespace) -> tuple[Search, dict[str, Any] | None]:
-    """Check everything and decide the search (nothing written yet): the continued search's
-    record, else None."""
+def settle(args: argparse.Namespace) -> Search:
+    """Check everything and decide the search (nothing written yet)."""
     folder = _resumed_search_folder(args)
     saved = _take_search_settings(args, folder) if folder is not None else None
     if saved is None and args.resume is not None and args.evolve is not None:
@@ -286,11 +289,11 @@ def settle(args: argparse.Namespace) -> tuple[Search, dict[str, Any] | None]:
         args.name = DEFAULT_NAME
     config = build_config(args)
     if saved is None:
-        space = load_space(repo_default(args.evolve_space, DEFAULT_SPACE), HYP_SPECS)
+        space = load_space(repo_default(args.evolve_space, DEFAULT_SPACE))
         record_text = dump_yaml(_record_of(args, config, space))
     else:
         space = SearchSpace.from_dict(saved["space"])
-        record_path = config.output_dir / SEARCH_FILE
+        record_path = config.output_dir / SEARCH_RECORD
         config.hyp = {
             k: check_hyp_value(k, saved["hyp"][k], record_path, None) if k in saved["hyp"] else v
             for k, v in config.hyp.items()
@@ -299,7 +302,7 @@ def settle(args: argparse.Namespace) -> tuple[Search, dict[str, Any] | None]:
     search = Search(config.output_dir, config, space, args.evolve, args.evolve_backend)
     search.record_text = record_text
     search.address, search.trial_resources = args.address, args.trial_resources
-    return search, saved
+    return search
 
 
 def claim(search: Search, exist_ok: bool, dist: DistInfo) -> RunFolder | None:
@@ -312,7 +315,7 @@ def claim(search: Search, exist_ok: bool, dist: DistInfo) -> RunFolder | None:
             )
             search.folder = held.path
             if search.record_text is not None:
-                write_text(search.folder / SEARCH_FILE, search.record_text)
+                write_text(search.folder / SEARCH_RECORD, search.record_text)
             search.rows = record.read_rows(
                 search.folder / record.CSV_NAME, {k: HYP_SPECS[k].kind for k in search.hyp_keys}
             )
@@ -334,7 +337,7 @@ def evolve(args: argparse.Namespace, dist: DistInfo | None) -> None:
     """Run (or continue) the search ``args`` describe on this process's share of the work
     (``dist`` None: one process, on the search's ``--device``)."""
     exist_ok = bool(args.exist_ok)
-    search, _ = settle(args)
+    search = settle(args)
     if dist is not None and dist.distributed and search.backend == "ray":
         raise ConfigError(
             "--evolve-backend ray starts its own processes (--trial-resources): run it from "
@@ -413,16 +416,7 @@ def _next_step(search: Search) -> tuple[int, dict[str, Any], float | None] | Non
             len(done),
         )
         return None
-    return index, started_hyp(search, index) or search.hyp_of(index), share
-
-
-def started_hyp(search: Search, index: int) -> dict[str, Any] | None:
-    """The hyp candidate ``index`` started with, when an earlier attempt saved a ``last.pt``
-    (its run's hyp.yaml): it continues with it."""
-    folder = search.candidate_folder(index)
-    if not (folder / "last.pt").is_file() or not (folder / "hyp.yaml").is_file():
-        return None
-    return load_hyp(folder / "hyp.yaml")
+    return index, search.hyp_of(index), share
 
 
 def _budget_share(search: Search, index: int) -> float | None:

@@ -62,7 +62,7 @@ def fitness(metrics: Mapping[str, float]) -> float:
     return sum(w * float(metrics[k]) for k, w in FITNESS_WEIGHTS.items())
 
 
-def load_space(path: str | Path, hyp_specs: Mapping[str, Any]) -> SearchSpace:
+def load_space(path: str | Path) -> SearchSpace:
     """Read and check a search-space file (``cfg/evolve.yaml``'s layout). Every problem is one
     :class:`ConfigError` naming the file and line, before any candidate trains."""
     doc = compose_yaml(path, "search space")
@@ -73,20 +73,13 @@ def load_space(path: str | Path, hyp_specs: Mapping[str, Any]) -> SearchSpace:
     keys_node = next((v for k, v in root.value if k.value == "keys"), None)
     if isinstance(keys_node, yaml.MappingNode):
         lines.update({f"keys.{k.value}": k.start_mark.line + 1 for k, _ in keys_node.value})
-
-    def where(key: str) -> int | None:
-        return lines.get(key)
-
-    return _space_of(doc.value(), path, where, hyp_specs)
+    return _space_of(doc.value(), path, lines.get)
 
 
-def _space_of(
-    d: Any, source: Any, line: Any, hyp_specs: Mapping[str, Any] | None = None
-) -> SearchSpace:
-    if hyp_specs is None:
-        from train_utils.config import HYP_SPECS
+def _space_of(d: Any, source: Any, line: Any) -> SearchSpace:
+    # Imported here: train_utils.config imports this module (DEFAULT_SPACE).
+    from train_utils.config import HYP_SPECS
 
-        hyp_specs = HYP_SPECS
     if not isinstance(d, Mapping):
         raise ConfigError("expected 'keys:' (key: [gain, lower, upper]) and the settings", source)
     unknown = [k for k in d if k not in ("keys", "mutation_probability", "sigma")]
@@ -110,7 +103,7 @@ def _space_of(
     keys = d.get("keys")
     if not isinstance(keys, Mapping) or not keys:
         raise ConfigError("'keys:' must map hyp keys to [gain, lower, upper]", source, line("keys"))
-    genes = {str(k): _gene(k, v, hyp_specs, source, line(f"keys.{k}")) for k, v in keys.items()}
+    genes = {str(k): _gene(k, v, HYP_SPECS, source, line(f"keys.{k}")) for k, v in keys.items()}
     if not any(g.gain > 0 for g in genes.values()):
         raise ConfigError("every gain is 0: nothing would be searched", source, line("keys"))
     return SearchSpace(genes, float(p), float(sigma))

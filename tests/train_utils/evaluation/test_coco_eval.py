@@ -99,15 +99,14 @@ def test_coco_dict_contents(dataset):
 
 def test_file_names_are_absolute(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    ds = FakeDataset([[]], [(10, 10)], root="rel/images")
+    ds = FakeDataset([[]], [(10, 10)], nc=1, root="rel/images")
     d = coco_dict_from_dataset(ds)
     assert d["images"][0]["file_name"] == str(tmp_path / "rel/images/img0.jpg")
 
 
 def test_category_count_sources(dataset):
     assert len(coco_dict_from_dataset(dataset, num_classes=6)["categories"]) == 6
-    del dataset.nc
-    assert len(coco_dict_from_dataset(dataset)["categories"]) == 3  # max class id + 1
+    assert len(coco_dict_from_dataset(dataset)["categories"]) == 4  # dataset.nc
 
 
 def test_class_outside_num_classes_is_a_dataset_error(dataset):
@@ -203,7 +202,6 @@ def test_perfect_predictions(dataset, capsys):
     stats = evaluator.evaluate()
     assert stats.shape == (12,)
     assert stats[0] == pytest.approx(1.0) and stats[1] == pytest.approx(1.0)
-    assert "Average Precision" in evaluator.summary
     assert capsys.readouterr().out == "", "pycocotools output must be captured, not printed"
     per_class = evaluator.per_class_ap()
     assert per_class[0] == pytest.approx((1.0, 1.0)) and per_class[2] == pytest.approx((1.0, 1.0))
@@ -229,7 +227,6 @@ def test_zero_detections(dataset):
     evaluator.update([])
     stats = evaluator.evaluate()
     assert stats.tolist() == [0.0] * 12
-    assert "no detections" in evaluator.summary
     per_class = evaluator.per_class_ap()
     assert per_class[0] == (0.0, 0.0) and math.isnan(per_class[3][0])
 
@@ -380,7 +377,6 @@ def test_faster_coco_eval_matches_pycocotools(case, dataset):
         evaluator.update(results)
         stats[backend] = evaluator.evaluate()
         per_class[backend] = evaluator.per_class_ap()
-        assert "Average Precision" in evaluator.summary
     assert 0.05 < stats["pycocotools"][0] < 1  # a case where a difference would show
     np.testing.assert_allclose(stats["faster-coco-eval"], stats["pycocotools"], rtol=0, atol=1e-6)
     assert per_class["faster-coco-eval"].keys() == per_class["pycocotools"].keys()

@@ -22,7 +22,7 @@ KINDS = {k: HYP_SPECS[k].kind for k in BASE}
 
 
 def test_the_shipped_space_loads_and_every_bound_holds_cfg_hyp() -> None:
-    s = load_space(SHIPPED, HYP_SPECS)
+    s = load_space(SHIPPED)
     assert (s.mutation_probability, s.sigma) == (0.8, 0.2)
     # YOLOv5's gains: iou_t, fl_gamma and fliplr are never mutated, momentum at 0.3.
     assert {k for k, g in s.genes.items() if g.gain == 0} == {"iou_t", "fl_gamma", "fliplr"}
@@ -55,7 +55,7 @@ def test_a_bad_space_is_one_line_naming_file_and_line(
     path = tmp_path / "space.yaml"
     path.write_text(text)
     with pytest.raises(ConfigError) as e:
-        load_space(path, HYP_SPECS)
+        load_space(path)
     assert message in str(e.value)
     if line is not None:
         assert f"{path}:{line}" in str(e.value)
@@ -90,7 +90,7 @@ class _LegacyStream:
 
 
 def test_mutation_is_yolov5s_and_stays_in_bounds() -> None:
-    s = load_space(SHIPPED, HYP_SPECS)
+    s = load_space(SHIPPED)
     genes = {k: (g.gain, g.lower, g.upper) for k, g in s.genes.items()}
     for seed in range(20):
         ours = space.mutate(BASE, s, np.random.default_rng(seed))
@@ -119,7 +119,7 @@ def test_parent_is_drawn_from_the_five_best_by_fitness() -> None:
 
 
 def test_a_candidate_depends_only_on_seed_index_and_the_rows_before_it() -> None:
-    s = load_space(SHIPPED, HYP_SPECS)
+    s = load_space(SHIPPED)
     scored = [(BASE, 0.2), (space.mutate(BASE, s, np.random.default_rng(9)), 0.3)]
     assert space.next_candidate(BASE, scored, s, seed=0, index=0) == BASE
     first = space.next_candidate(BASE, scored, s, seed=0, index=2)
