@@ -592,55 +592,6 @@ def box_candidates(
     )
 
 
-def mosaic4(
-    images: Sequence[np.ndarray],
-    boxes: Sequence[np.ndarray],
-    size: int,
-    rng: np.random.Generator,
-    params: AffineParams = AffineParams(),
-) -> tuple[np.ndarray, np.ndarray]:
-    """Four-image mosaic followed by a random affine, ``size x size`` output.
-
-    Args:
-        images: four ``(h, w, 3) uint8`` images (any size).
-        boxes: four ``(n, 5)`` class + xyxy arrays in pixels of their image.
-
-    Returns:
-        ``(img (size, size, 3) uint8, boxes (m, 5) class + xyxy output pixels)`` with boxes that
-        became too small or too thin dropped.
-    """
-    extents = mosaic_layout([(im.shape[1], im.shape[0]) for im in images], size, rng)
-    M = random_affine_matrix(rng, (size, size), (size, size), params)
-    tiles = [Tile(im, b, e) for im, b, e in zip(images, boxes, extents)]
-    img, out, area0 = compose(tiles, (2 * size, 2 * size), M, (size, size))
-    return img, out[box_candidates(out[:, 1:5], area0)]
-
-
-def random_affine(
-    img: np.ndarray,
-    boxes: np.ndarray,
-    rng: np.random.Generator,
-    params: AffineParams,
-    out_size: tuple[int, int] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Random rotation, scale, shear and translation about the image centre.
-
-    Args:
-        img: ``(h, w, 3) uint8``.
-        boxes: ``(n, 5)`` class + xyxy pixels.
-        out_size: ``(W, H)`` of the output, default the input size.
-
-    Returns:
-        ``(img, boxes (m, 5))`` with boxes transformed (bounding box of the mapped corners),
-        clipped to the output and filtered by :func:`box_candidates`.
-    """
-    h, w = img.shape[:2]
-    out_size = out_size or (w, h)
-    M = random_affine_matrix(rng, (w / 2, h / 2), out_size, params)
-    out, b, area0 = compose([Tile(img, boxes, (0.0, 0.0, float(w), float(h)))], (w, h), M, out_size)
-    return out, b[box_candidates(b[:, 1:5], area0)]
-
-
 # ---------------------------------------------------------------------------------------------
 # Flips and colour
 
@@ -688,12 +639,3 @@ def apply_hsv_lut(img: np.ndarray, lut: np.ndarray) -> np.ndarray:
     hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
     hsv = cv2.LUT(hsv, lut, dst=hsv)
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=hsv)
-
-
-def augment_hsv(
-    img: np.ndarray, hgain: float, sgain: float, vgain: float, rng: np.random.Generator
-) -> None:
-    """Random HSV gains (see :func:`hsv_lut`) applied in place to a BGR ``(H, W, 3) uint8``."""
-    lut = hsv_lut(hgain, sgain, vgain, rng)
-    if lut is not None:
-        img[...] = apply_hsv_lut(img, lut)
