@@ -322,7 +322,7 @@ class LoadImagesAndLabels(Dataset):
         )
         is_main = rank in (-1, 0)
 
-        files, _ = collect_image_files(path)
+        files = collect_image_files(path)
         if not files:
             raise DatasetError(f"no images ({', '.join(IMG_FORMATS)}) found", _describe(path))
         # Beside the list or folder the user named, never derived from an entry (see cache_place).
