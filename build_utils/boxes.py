@@ -28,14 +28,13 @@ def _empty_like(x: ArrayT) -> ArrayT:
     return x.clone() if isinstance(x, torch.Tensor) else np.copy(x)
 
 
-def xywhn2xyxy(x: ArrayT, w: float, h: float, padw: float = 0.0, padh: float = 0.0) -> ArrayT:
-    """(N, 4) normalised cxcywh -> (N, 4) absolute xyxy in an image of size (w, h) placed at an
-    offset of (padw, padh) pixels (letterbox padding or a mosaic tile's origin)."""
+def xywhn2xyxy(x: ArrayT, w: float, h: float) -> ArrayT:
+    """(N, 4) normalised cxcywh -> (N, 4) absolute xyxy in an image of size (w, h)."""
     y = _empty_like(x)
-    y[:, 0] = w * (x[:, 0] - x[:, 2] / 2) + padw
-    y[:, 1] = h * (x[:, 1] - x[:, 3] / 2) + padh
-    y[:, 2] = w * (x[:, 0] + x[:, 2] / 2) + padw
-    y[:, 3] = h * (x[:, 1] + x[:, 3] / 2) + padh
+    y[:, 0] = w * (x[:, 0] - x[:, 2] / 2)
+    y[:, 1] = h * (x[:, 1] - x[:, 3] / 2)
+    y[:, 2] = w * (x[:, 0] + x[:, 2] / 2)
+    y[:, 3] = h * (x[:, 1] + x[:, 3] / 2)
     return y
 
 

@@ -498,20 +498,14 @@ class LoadImagesAndLabels(Dataset):
         self._npy_files = None
         self._init_mosaic_buffer(self._mosaic_buffer_size)
 
-    def cache_in_ram(self, is_main: bool = True, check_memory: bool = True) -> None:
-        """Fill the RAM image cache now (for a dataset built without one).
-
-        ``check_memory=False`` when the caller already decided it fits (see
-        :func:`~build_utils.image_cache.check_ram_cache_fits`), e.g. once per node for all its
-        processes.
-        """
-        self._cache_in_ram(is_main, check_memory)
+    def cache_in_ram(self, is_main: bool = True) -> None:
+        """Fill the RAM image cache now (for a dataset built without one)."""
+        self._cache_in_ram(is_main)
         self._init_mosaic_buffer(self._mosaic_buffer_size)
 
-    def _cache_in_ram(self, is_main: bool, check_memory: bool = True) -> None:
+    def _cache_in_ram(self, is_main: bool) -> None:
         need = self.ram_cache_bytes()
-        if check_memory:
-            check_ram_cache_fits(need, len(self), self.ram_cache_copies)
+        check_ram_cache_fits(need, len(self), self.ram_cache_copies)
         self._imgs = fill_ram(self._decode_for_cache, len(self), need, is_main)
 
     # ---- image access -------------------------------------------------------------------------

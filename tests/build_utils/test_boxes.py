@@ -34,7 +34,7 @@ def test_conversion_round_trips(lib):
 def test_xywhn2xyxy_golden():
     x = np.array([[10.0, 20.0, 4.0, 6.0]])
     assert xywhn2xyxy(x, 1, 1).tolist() == [[8.0, 17.0, 12.0, 23.0]]
-    assert xywhn2xyxy(x, 2, 3, 5, 7).tolist() == [[21.0, 58.0, 29.0, 76.0]]
+    assert xywhn2xyxy(x, 2, 3).tolist() == [[16.0, 51.0, 24.0, 69.0]]
 
 
 # ---------------------------------------------------------------------------------- IoU

@@ -551,9 +551,9 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
         a = plain[i][0]
         assert torch.equal(a, ram[i][0]) and torch.equal(a, disk[i][0])
         assert torch.equal(a, disk2[i][0])
-    # Filled later (as build_train_data does after its once-per-node memory check): the same.
+    # Filled later (as bench/bench_scale.py does): the same.
     later = LoadImagesAndLabels(lst, 96)
-    later.cache_in_ram(check_memory=False)
+    later.cache_in_ram()
     assert later.ram_cache_bytes() == ram.ram_cache_bytes() > 0
     for i in range(len(plain)):
         assert torch.equal(plain[i][0], later[i][0])
