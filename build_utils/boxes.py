@@ -106,12 +106,8 @@ def clip_coords(boxes: ArrayT, shape_hw: tuple[int, int] | tuple[float, float]) 
     """
     h, w = shape_hw[0], shape_hw[1]
     y = _empty_like(boxes)
-    if isinstance(boxes, torch.Tensor):
-        y[:, [0, 2]] = boxes[:, [0, 2]].clamp(0, w)
-        y[:, [1, 3]] = boxes[:, [1, 3]].clamp(0, h)
-    else:
-        y[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w)
-        y[:, [1, 3]] = boxes[:, [1, 3]].clip(0, h)
+    y[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w)  # Tensor.clip is clamp
+    y[:, [1, 3]] = boxes[:, [1, 3]].clip(0, h)
     return y
 
 
