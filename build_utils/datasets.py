@@ -257,7 +257,6 @@ class LoadImagesAndLabels(Dataset):
             memory; refused when they would not fit) or ``"disk"`` (``.npy`` files in
             ``<stem>.img<img_size>/`` beside the label cache).
         single_cls: fold every class into class 0.
-        pad: extra rect padding in units of 32 px.
         rank: DDP rank; progress bars and the summary only on rank -1/0.
         nc: number of classes; label lines with class ids ``>= nc`` are dropped (with None,
             only negative or fractional ids are).
@@ -296,7 +295,6 @@ class LoadImagesAndLabels(Dataset):
         rect: bool = False,
         cache_images: bool | str | None = False,
         single_cls: bool = False,
-        pad: float = 0.0,
         rank: int = -1,
         *,
         nc: int | None = None,
@@ -314,7 +312,6 @@ class LoadImagesAndLabels(Dataset):
         self.mosaic = augment and not rect and bool(self.hyp.get("mosaic", True))
         self.single_cls = single_cls
         self.nc = nc
-        self.pad = pad
         self.rank = rank
         self.ram_cache_copies = ram_cache_copies
         self._affine = AffineParams(
@@ -442,9 +439,7 @@ class LoadImagesAndLabels(Dataset):
         self.labels = [self.labels[i] for i in order]
         self.shapes = self.shapes[order]
         shapes = rect_batch_shapes(ar[order], self.batch_size)
-        self.batch_shapes = (
-            np.ceil(shapes * self.img_size / GRID + self.pad).astype(np.int64) * GRID
-        )
+        self.batch_shapes = np.ceil(shapes * self.img_size / GRID).astype(np.int64) * GRID
 
     def _hash_content(self) -> str:
         h = hashlib.sha256(f"single_cls={self.single_cls}|nc={self.nc}\n".encode())
