@@ -394,9 +394,6 @@ class DarknetDetections(Dataset):
     def __len__(self) -> int:
         return len(self.images)
 
-    def __getitems__(self, keys: Sequence[DarknetKey]) -> list[tuple]:
-        return [self[k] for k in keys]
-
     def __getitem__(self, key: DarknetKey) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
         key = DarknetKey(*key)
         unreadable: list[str] = []
