@@ -32,7 +32,7 @@ from build_utils.atomic import write_text
 from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
-from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
+from build_utils.safe_yaml import dump_yaml, parse_yaml, short_repr, short_text
 
 LOGGER = logging.getLogger(__name__)
 # The repeated [net] keys already reported by this process, as (cfg, line, key): one run reads
@@ -1239,9 +1239,7 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _data_yaml_values(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """A data.yaml's known keys: their values and lines (unknown keys named in one warning)."""
-    if not os.path.lexists(path):
-        raise ConfigError("data.yaml not found", path)
-    doc = compose_yaml(path, "data.yaml")
+    doc = parse_yaml(_read_text(path, "data.yaml"), path)
     root = doc.root
     if root is None or root.id != "mapping":
         line = root.start_mark.line + 1 if root is not None else None
