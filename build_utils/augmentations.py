@@ -97,20 +97,16 @@ def letterbox_geometry(
     shape0: tuple[int, int],
     new_shape: int | tuple[int, int] = 416,
     auto: bool = False,
-    scale_fill: bool = False,
     scale_up: bool = True,
-    stride: int = GRID,
     max_ratio: float | None = None,
 ) -> LetterboxGeometry:
     """Compute the letterbox placement of an image of size ``shape0 = (h0, w0)``.
 
     Args:
         new_shape: target ``(H, W)`` or one side for a square.
-        auto: pad only up to the next multiple of ``stride`` instead of the full ``new_shape``
-            (minimum rectangle, for inference).
-        scale_fill: stretch to ``new_shape`` without keeping the aspect ratio (no padding).
+        auto: pad only up to the next multiple of :data:`GRID` instead of the full
+            ``new_shape`` (minimum rectangle, for inference).
         scale_up: allow enlarging; when False images are only shrunk (better mAP at test time).
-        stride: the multiple used by ``auto``.
         max_ratio: an upper bound on the scale (the dataset caps it so that the long side is at
             most ``img_size`` even when a rect batch shape has room for more).
     """
@@ -124,11 +120,9 @@ def letterbox_geometry(
     if max_ratio is not None:
         r = min(r, max_ratio)
     w, h = max(1, round(w0 * r)), max(1, round(h0 * r))
-    if scale_fill:
-        w, h = W, H
     dw, dh = W - w, H - h
-    if auto and not scale_fill:
-        dw, dh = dw % stride, dh % stride
+    if auto:
+        dw, dh = dw % GRID, dh % GRID
     # Same split as ultralytics/yolov3: the odd pixel of padding goes right/bottom.
     left, top = round(dw / 2 - 0.1), round(dh / 2 - 0.1)
     return LetterboxGeometry((w / w0, h / h0), (w, h), (left, top), (h + dh, w + dw))
@@ -164,13 +158,10 @@ def resize_into(src: np.ndarray, dst: np.ndarray, interpolation: int | None = No
 def letterbox(
     img: np.ndarray,
     new_shape: int | tuple[int, int] = 416,
-    color: tuple[int, int, int] = PAD_COLOR,
     auto: bool = False,
-    scale_fill: bool = False,
     scale_up: bool = True,
-    stride: int = GRID,
 ) -> tuple[np.ndarray, tuple[float, float], tuple[int, int]]:
-    """Resize keeping the aspect ratio and pad with ``color`` (see :func:`letterbox_geometry`).
+    """Resize keeping the aspect ratio and pad with grey (see :func:`letterbox_geometry`).
 
     Args:
         img: ``(h0, w0, 3) uint8``.
@@ -179,8 +170,8 @@ def letterbox(
         ``(img (H, W, 3), ratio (w / w0, h / h0), pad (left, top))``: a point ``(x, y)`` of the
         original (continuous pixels) lands at ``(x * ratio[0] + left, y * ratio[1] + top)``.
     """
-    g = letterbox_geometry(img.shape[:2], new_shape, auto, scale_fill, scale_up, stride)
-    out = filled((g.shape[0], g.shape[1]), color)
+    g = letterbox_geometry(img.shape[:2], new_shape, auto, scale_up)
+    out = filled((g.shape[0], g.shape[1]), PAD_COLOR)
     (w, h), (left, top) = g.new_unpad, g.pad
     resize_into(img, out[top : top + h, left : left + w])
     return out, g.ratio, g.pad
@@ -389,7 +380,6 @@ def compose(
     canvas_size: tuple[int, int],
     M: np.ndarray,
     out_size: tuple[int, int],
-    interpolation: int = cv2.INTER_LINEAR,
     color: Callable[[np.ndarray], np.ndarray] | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Place tiles on a canvas and map the canvas to the output with the affine ``M``.
@@ -429,14 +419,14 @@ def compose(
     for t, rect, plan in zip(tiles, rects, plans):
         if plan is None:
             continue
-        _paste(t.img, plan, target, color if on_crops else None, interpolation)
+        _paste(t.img, plan, target, color if on_crops else None)
         if len(t.boxes) == 0:
             continue
         boxes, area0 = _tile_boxes(t, rect, plan, det, warp, out_size)
         all_boxes.append(boxes)
         all_area0.append(area0)
 
-    out = _warp_target(target, warp, out_size, interpolation, fill)
+    out = _warp_target(target, warp, out_size, fill)
     if color is not None and not on_crops:
         out = color(out)
     if not all_boxes:
@@ -500,14 +490,15 @@ def _paste(
     plan: _TilePlan,
     target: np.ndarray,
     color: Callable[[np.ndarray], np.ndarray] | None,
-    interpolation: int,
 ) -> None:
     """Resize the planned crop of ``img`` (colour-transformed first when ``color`` is given)
     into its place in ``target``."""
     sx1, sy1, sx2, sy2 = plan.src
     dx1, dy1, dx2, dy2 = plan.dst
     crop = img[sy1:sy2, sx1:sx2]
-    resize_into(color(crop) if color is not None else crop, target[dy1:dy2, dx1:dx2], interpolation)
+    resize_into(
+        color(crop) if color is not None else crop, target[dy1:dy2, dx1:dx2], cv2.INTER_LINEAR
+    )
 
 
 def _tile_boxes(
@@ -547,7 +538,6 @@ def _warp_target(
     target: np.ndarray,
     warp: np.ndarray | None,
     out_size: tuple[int, int],
-    interpolation: int,
     fill: tuple[int, int, int],
 ) -> np.ndarray:
     """The output image: ``target`` itself without ``warp``, else ``target`` warped to
@@ -561,19 +551,13 @@ def _warp_target(
         target,
         _to_pixel_centre_matrix(warp),
         (out_w, out_h),
-        flags=interpolation,
+        flags=cv2.INTER_LINEAR,
         borderMode=cv2.BORDER_CONSTANT,
         borderValue=fill,
     )
 
 
-def box_candidates(
-    boxes: np.ndarray,
-    area0: np.ndarray,
-    min_side: float = BOX_MIN_SIDE_PX,
-    min_area_ratio: float = BOX_MIN_AREA_RATIO,
-    max_aspect: float = BOX_MAX_ASPECT,
-) -> np.ndarray:
+def box_candidates(boxes: np.ndarray, area0: np.ndarray) -> np.ndarray:
     """Mask ``(n,) bool`` of boxes worth keeping after an augmentation.
 
     Args:
@@ -585,60 +569,11 @@ def box_candidates(
     aspect = np.maximum(w / (h + _EPS), h / (w + _EPS))
     return (
         (area0 > 0)
-        & (w > min_side)
-        & (h > min_side)
-        & (w * h > min_area_ratio * area0 - _EPS)
-        & (aspect < max_aspect)
+        & (w > BOX_MIN_SIDE_PX)
+        & (h > BOX_MIN_SIDE_PX)
+        & (w * h > BOX_MIN_AREA_RATIO * area0 - _EPS)
+        & (aspect < BOX_MAX_ASPECT)
     )
-
-
-def mosaic4(
-    images: Sequence[np.ndarray],
-    boxes: Sequence[np.ndarray],
-    size: int,
-    rng: np.random.Generator,
-    params: AffineParams = AffineParams(),
-) -> tuple[np.ndarray, np.ndarray]:
-    """Four-image mosaic followed by a random affine, ``size x size`` output.
-
-    Args:
-        images: four ``(h, w, 3) uint8`` images (any size).
-        boxes: four ``(n, 5)`` class + xyxy arrays in pixels of their image.
-
-    Returns:
-        ``(img (size, size, 3) uint8, boxes (m, 5) class + xyxy output pixels)`` with boxes that
-        became too small or too thin dropped.
-    """
-    extents = mosaic_layout([(im.shape[1], im.shape[0]) for im in images], size, rng)
-    M = random_affine_matrix(rng, (size, size), (size, size), params)
-    tiles = [Tile(im, b, e) for im, b, e in zip(images, boxes, extents)]
-    img, out, area0 = compose(tiles, (2 * size, 2 * size), M, (size, size))
-    return img, out[box_candidates(out[:, 1:5], area0)]
-
-
-def random_affine(
-    img: np.ndarray,
-    boxes: np.ndarray,
-    rng: np.random.Generator,
-    params: AffineParams,
-    out_size: tuple[int, int] | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Random rotation, scale, shear and translation about the image centre.
-
-    Args:
-        img: ``(h, w, 3) uint8``.
-        boxes: ``(n, 5)`` class + xyxy pixels.
-        out_size: ``(W, H)`` of the output, default the input size.
-
-    Returns:
-        ``(img, boxes (m, 5))`` with boxes transformed (bounding box of the mapped corners),
-        clipped to the output and filtered by :func:`box_candidates`.
-    """
-    h, w = img.shape[:2]
-    out_size = out_size or (w, h)
-    M = random_affine_matrix(rng, (w / 2, h / 2), out_size, params)
-    out, b, area0 = compose([Tile(img, boxes, (0.0, 0.0, float(w), float(h)))], (w, h), M, out_size)
-    return out, b[box_candidates(b[:, 1:5], area0)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -688,12 +623,3 @@ def apply_hsv_lut(img: np.ndarray, lut: np.ndarray) -> np.ndarray:
     hsv = cv2.cvtColor(img, cv2.COLOR_BGR2HSV)
     hsv = cv2.LUT(hsv, lut, dst=hsv)
     return cv2.cvtColor(hsv, cv2.COLOR_HSV2BGR, dst=hsv)
-
-
-def augment_hsv(
-    img: np.ndarray, hgain: float, sgain: float, vgain: float, rng: np.random.Generator
-) -> None:
-    """Random HSV gains (see :func:`hsv_lut`) applied in place to a BGR ``(H, W, 3) uint8``."""
-    lut = hsv_lut(hgain, sgain, vgain, rng)
-    if lut is not None:
-        img[...] = apply_hsv_lut(img, lut)

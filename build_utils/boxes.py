@@ -28,34 +28,13 @@ def _empty_like(x: ArrayT) -> ArrayT:
     return x.clone() if isinstance(x, torch.Tensor) else np.copy(x)
 
 
-def xywh2xyxy(x: ArrayT) -> ArrayT:
-    """(N, 4) cxcywh -> (N, 4) xyxy, same units."""
+def xywhn2xyxy(x: ArrayT, w: float, h: float) -> ArrayT:
+    """(N, 4) normalised cxcywh -> (N, 4) absolute xyxy in an image of size (w, h)."""
     y = _empty_like(x)
-    y[:, 0] = x[:, 0] - x[:, 2] / 2
-    y[:, 1] = x[:, 1] - x[:, 3] / 2
-    y[:, 2] = x[:, 0] + x[:, 2] / 2
-    y[:, 3] = x[:, 1] + x[:, 3] / 2
-    return y
-
-
-def xyxy2xywh(x: ArrayT) -> ArrayT:
-    """(N, 4) xyxy -> (N, 4) cxcywh, same units."""
-    y = _empty_like(x)
-    y[:, 0] = (x[:, 0] + x[:, 2]) / 2
-    y[:, 1] = (x[:, 1] + x[:, 3]) / 2
-    y[:, 2] = x[:, 2] - x[:, 0]
-    y[:, 3] = x[:, 3] - x[:, 1]
-    return y
-
-
-def xywhn2xyxy(x: ArrayT, w: float, h: float, padw: float = 0.0, padh: float = 0.0) -> ArrayT:
-    """(N, 4) normalised cxcywh -> (N, 4) absolute xyxy in an image of size (w, h) placed at an
-    offset of (padw, padh) pixels (letterbox padding or a mosaic tile's origin)."""
-    y = _empty_like(x)
-    y[:, 0] = w * (x[:, 0] - x[:, 2] / 2) + padw
-    y[:, 1] = h * (x[:, 1] - x[:, 3] / 2) + padh
-    y[:, 2] = w * (x[:, 0] + x[:, 2] / 2) + padw
-    y[:, 3] = h * (x[:, 1] + x[:, 3] / 2) + padh
+    y[:, 0] = w * (x[:, 0] - x[:, 2] / 2)
+    y[:, 1] = h * (x[:, 1] - x[:, 3] / 2)
+    y[:, 2] = w * (x[:, 0] + x[:, 2] / 2)
+    y[:, 3] = h * (x[:, 1] + x[:, 3] / 2)
     return y
 
 
@@ -78,19 +57,6 @@ def xyxy2xywhn(x: ArrayT, w: float, h: float) -> ArrayT:
 # diverged predictions that would otherwise suppress everything around them.
 MIN_WH = 2.0
 MAX_WH = 4096.0
-
-
-def box_iou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
-    """Pairwise IoU.
-
-    Args:
-        boxes1: (N, 4) xyxy, any units.
-        boxes2: (M, 4) xyxy, same units.
-
-    Returns:
-        (N, M) IoU matrix.
-    """
-    return torchvision.ops.box_iou(boxes1, boxes2)
 
 
 def wh_iou(wh1: ArrayT, wh2: ArrayT) -> ArrayT:
@@ -140,12 +106,8 @@ def clip_coords(boxes: ArrayT, shape_hw: tuple[int, int] | tuple[float, float]) 
     """
     h, w = shape_hw[0], shape_hw[1]
     y = _empty_like(boxes)
-    if isinstance(boxes, torch.Tensor):
-        y[:, [0, 2]] = boxes[:, [0, 2]].clamp(0, w)
-        y[:, [1, 3]] = boxes[:, [1, 3]].clamp(0, h)
-    else:
-        y[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w)
-        y[:, [1, 3]] = boxes[:, [1, 3]].clip(0, h)
+    y[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w)  # Tensor.clip is clamp
+    y[:, [1, 3]] = boxes[:, [1, 3]].clip(0, h)
     return y
 
 

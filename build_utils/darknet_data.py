@@ -27,12 +27,12 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset, Sampler
 
-from build_utils.darknet_augment import CropDraws, DarknetCrop, crop_truths, jitter_crop
-from build_utils.datasets import ImageUnreadable, LoadImagesAndLabels, SubstitutePath
+from build_utils.augmentations import GRID
+from build_utils.darknet_augment import CropDraws, DarknetCrop, crop_truths, f32, jitter_crop
+from build_utils.datasets import SEED_MASK, ImageUnreadable, LoadImagesAndLabels, SubstitutePath
 from build_utils.errors import DatasetError
 from build_utils.parse_config import DEFAULT_CLASSES, DEFAULT_MAX_BOXES, Block, c_float, layer_error
 
-f32 = np.float32
 # train_detector's multi-scale rule (``random`` of the last [yolo] layer): a new size every
 # RANDOM_PERIOD iterations, the largest one at the start and for the last RANDOM_LAST ones;
 # random=1 means a factor of RANDOM_DEFAULT_COEF.
@@ -40,11 +40,8 @@ RANDOM_PERIOD = 10
 RANDOM_LAST = 100
 RANDOM_DEFAULT_COEF = 1.4
 DEFAULT_RESIZE_STEP = 32
-# The model's sides are multiples of its largest stride, 32 for every Darknet cfg here.
-SIZE_MULTIPLE = 32
 # Distinct first words of the seeds of the loader's streams, so that none repeats another.
 _STREAM_IMAGES, _STREAM_SAMPLE, _STREAM_SIZE = 1, 2, 3
-SEED_MASK = 2**64 - 1
 GREY_LEVELS = 255
 
 
@@ -100,10 +97,10 @@ class DarknetLoaderSettings:
                 net, f"hue={net['hue']} must be in [-1, 1] (a shift of the hue)", "hue"
             )
         step = int(net.get("resize_step", DEFAULT_RESIZE_STEP))
-        if step < SIZE_MULTIPLE or step % SIZE_MULTIPLE:
+        if step < GRID or step % GRID:
             raise layer_error(net, f"resize_step={step} must be a multiple of 32", "resize_step")
         for key in ("width", "height"):
-            if int(net.get(key, 0)) % SIZE_MULTIPLE or int(net.get(key, 0)) < SIZE_MULTIPLE:
+            if int(net.get(key, 0)) % GRID or int(net.get(key, 0)) < GRID:
                 raise layer_error(net, f"{key}={net.get(key)} must be a multiple of 32", key)
         return cls(
             width=int(net["width"]),
@@ -396,9 +393,6 @@ class DarknetDetections(Dataset):
 
     def __len__(self) -> int:
         return len(self.images)
-
-    def __getitems__(self, keys: Sequence[DarknetKey]) -> list[tuple]:
-        return [self[k] for k in keys]
 
     def __getitem__(self, key: DarknetKey) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
         key = DarknetKey(*key)

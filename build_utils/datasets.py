@@ -257,7 +257,6 @@ class LoadImagesAndLabels(Dataset):
             memory; refused when they would not fit) or ``"disk"`` (``.npy`` files in
             ``<stem>.img<img_size>/`` beside the label cache).
         single_cls: fold every class into class 0.
-        pad: extra rect padding in units of 32 px.
         rank: DDP rank; progress bars and the summary only on rank -1/0.
         nc: number of classes; label lines with class ids ``>= nc`` are dropped (with None,
             only negative or fractional ids are).
@@ -296,7 +295,6 @@ class LoadImagesAndLabels(Dataset):
         rect: bool = False,
         cache_images: bool | str | None = False,
         single_cls: bool = False,
-        pad: float = 0.0,
         rank: int = -1,
         *,
         nc: int | None = None,
@@ -314,7 +312,6 @@ class LoadImagesAndLabels(Dataset):
         self.mosaic = augment and not rect and bool(self.hyp.get("mosaic", True))
         self.single_cls = single_cls
         self.nc = nc
-        self.pad = pad
         self.rank = rank
         self.ram_cache_copies = ram_cache_copies
         self._affine = AffineParams(
@@ -322,7 +319,7 @@ class LoadImagesAndLabels(Dataset):
         )
         is_main = rank in (-1, 0)
 
-        files, _ = collect_image_files(path)
+        files = collect_image_files(path)
         if not files:
             raise DatasetError(f"no images ({', '.join(IMG_FORMATS)}) found", _describe(path))
         # Beside the list or folder the user named, never derived from an entry (see cache_place).
@@ -442,9 +439,7 @@ class LoadImagesAndLabels(Dataset):
         self.labels = [self.labels[i] for i in order]
         self.shapes = self.shapes[order]
         shapes = rect_batch_shapes(ar[order], self.batch_size)
-        self.batch_shapes = (
-            np.ceil(shapes * self.img_size / GRID + self.pad).astype(np.int64) * GRID
-        )
+        self.batch_shapes = np.ceil(shapes * self.img_size / GRID).astype(np.int64) * GRID
 
     def _hash_content(self) -> str:
         h = hashlib.sha256(f"single_cls={self.single_cls}|nc={self.nc}\n".encode())
@@ -498,20 +493,14 @@ class LoadImagesAndLabels(Dataset):
         self._npy_files = None
         self._init_mosaic_buffer(self._mosaic_buffer_size)
 
-    def cache_in_ram(self, is_main: bool = True, check_memory: bool = True) -> None:
-        """Fill the RAM image cache now (for a dataset built without one).
-
-        ``check_memory=False`` when the caller already decided it fits (see
-        :func:`~build_utils.image_cache.check_ram_cache_fits`), e.g. once per node for all its
-        processes.
-        """
-        self._cache_in_ram(is_main, check_memory)
+    def cache_in_ram(self, is_main: bool = True) -> None:
+        """Fill the RAM image cache now (for a dataset built without one)."""
+        self._cache_in_ram(is_main)
         self._init_mosaic_buffer(self._mosaic_buffer_size)
 
-    def _cache_in_ram(self, is_main: bool, check_memory: bool = True) -> None:
+    def _cache_in_ram(self, is_main: bool) -> None:
         need = self.ram_cache_bytes()
-        if check_memory:
-            check_ram_cache_fits(need, len(self), self.ram_cache_copies)
+        check_ram_cache_fits(need, len(self), self.ram_cache_copies)
         self._imgs = fill_ram(self._decode_for_cache, len(self), need, is_main)
 
     # ---- image access -------------------------------------------------------------------------

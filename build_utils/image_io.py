@@ -85,16 +85,6 @@ def is_image_file(path: str | os.PathLike[str]) -> bool:
     return os.path.splitext(os.fspath(path))[1].lower() in IMG_FORMATS
 
 
-def read_file_bytes(path: str | os.PathLike[str]) -> np.ndarray:
-    """The raw bytes of an image file as a ``(n,) uint8`` array (works for non-ASCII paths on
-    Windows), checked as :func:`read_image_data` does.
-
-    Raises:
-        DatasetError: the file must not or cannot be read (its reason).
-    """
-    return read_image_data(path)[0]
-
-
 def file_stamp(path: str | os.PathLike[str]) -> str:
     """``"size:mtime_ns"`` of a file for cache keys (a rewritten file gets a new stamp), or
     ``"-"`` when it cannot be read (a missing label file is a valid state, not an error)."""

@@ -1,7 +1,8 @@
 """The files of a detection dataset and their checked labels, cached.
 
 Which images: :func:`collect_image_files` turns a ``.txt`` list, a folder, an image or a list of
-these into image paths in dataset order, plus a short name (``stem``) for the cache files.
+these into image paths in dataset order; :func:`cache_place` gives their cache files a short
+name (``stem``).
 
 Where the labels are: every image ``.../images/.../x.jpg`` has its labels in
 ``.../labels/.../x.txt`` (the *last* ``images`` folder of the path becomes ``labels``; with no
@@ -151,8 +152,8 @@ def read_image_list(path: Path) -> list[str]:
 
 def collect_image_files(
     path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
-) -> tuple[list[str], str]:
-    """Image paths (absolute, in dataset order) and a short name for cache files.
+) -> list[str]:
+    """Image paths (absolute, in dataset order); their caches' name is :func:`cache_place`'s.
 
     ``path`` is a ``.txt`` list of images, a folder (searched recursively, sorted), a single
     image, or a list of any of these.
@@ -162,19 +163,15 @@ def collect_image_files(
     """
     sources = list(path) if isinstance(path, list | tuple) else [path]
     files: list[str] = []
-    stems: list[str] = []
     for src in sources:
         p = Path(os.fspath(src)).expanduser()
         if p.is_dir():
             files += list_images(p)
-            stems.append(p.parent.name if p.name == "images" and p.parent.name else p.name)
         elif p.suffix.lower() == ".txt" and os.path.lexists(p):
             files += read_image_list(p)
-            stems.append(p.stem)
         elif is_image_file(p) and os.path.lexists(p):
             # Whatever it is (a FIFO, a link loop), check_file says why it is not usable.
             files.append(os.path.abspath(p))
-            stems.append(p.stem)
         elif not p.exists():
             raise DatasetError(
                 "image list or folder not found; check the path (and the "
@@ -187,11 +184,7 @@ def collect_image_files(
                 f"image ({', '.join(IMG_FORMATS)})",
                 p,
             )
-    stem = "+".join(stems) or "dataset"
-    if len(stem) > _MAX_STEM_CHARS:
-        digest = hashlib.sha1(stem.encode()).hexdigest()[:8]
-        stem = f"{stems[0][:40]}+{len(stems) - 1}-{digest}"
-    return files, stem
+    return files
 
 
 def cache_place(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Path:

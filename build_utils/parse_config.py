@@ -32,7 +32,7 @@ from build_utils.atomic import write_text
 from build_utils.checks import is_int, shown
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, read_config_text
-from build_utils.safe_yaml import compose_yaml, dump_yaml, short_repr, short_text
+from build_utils.safe_yaml import dump_yaml, parse_yaml, short_repr, short_text
 
 LOGGER = logging.getLogger(__name__)
 # The repeated [net] keys already reported by this process, as (cfg, line, key): one run reads
@@ -44,21 +44,6 @@ Block = dict[str, Any]
 
 # Value kinds of the cfg keys.
 INT, FLOAT, INTS, NUMS, STR = "int", "float", "ints", "nums", "str"
-
-# Canonical section names, with the aliases Darknet's own parser accepts.
-SECTION_ALIASES: dict[str, str] = {
-    "net": "net",
-    "network": "net",
-    "convolutional": "convolutional",
-    "conv": "convolutional",
-    "maxpool": "maxpool",
-    "max": "maxpool",
-    "upsample": "upsample",
-    "route": "route",
-    "shortcut": "shortcut",
-    "yolo": "yolo",
-    "dropout": "dropout",
-}
 
 # Activation names accepted in [convolutional] and [shortcut]. models/layers.py maps each one to a
 # module (a test checks both lists agree); the names are Darknet's plus `silu`, PyTorch's name
@@ -161,27 +146,19 @@ _NET_KEYS: dict[str, str] = {
 # layer before it; stopbackward=N > 1 does so for the first N iterations (models/darknet.py).
 _LAYER_KEYS: dict[str, str] = {"stopbackward": INT}
 
+# The window of [convolutional] and [maxpool].
+_WINDOW_KEYS: dict[str, str] = {"size": INT, "stride": INT, "stride_x": INT, "stride_y": INT}
 _CONV_KEYS: dict[str, str] = {
     "batch_normalize": INT,
     "filters": INT,
-    "size": INT,
-    "stride": INT,
-    "stride_x": INT,
-    "stride_y": INT,
+    **_WINDOW_KEYS,
     "pad": INT,
     "padding": INT,
     "groups": INT,
     "activation": STR,
     **_LAYER_KEYS,
 }
-_MAXPOOL_KEYS: dict[str, str] = {
-    "size": INT,
-    "stride": INT,
-    "stride_x": INT,
-    "stride_y": INT,
-    "padding": INT,
-    **_LAYER_KEYS,
-}
+_MAXPOOL_KEYS: dict[str, str] = {**_WINDOW_KEYS, "padding": INT, **_LAYER_KEYS}
 _UPSAMPLE_KEYS: dict[str, str] = {"stride": INT, **_LAYER_KEYS}
 _ROUTE_KEYS: dict[str, str] = {"layers": INTS, "groups": INT, "group_id": INT, **_LAYER_KEYS}
 _SHORTCUT_KEYS: dict[str, str] = {
@@ -247,6 +224,13 @@ KEYS: dict[str, dict[str, str]] = {
     "yolo": _YOLO_KEYS,
     "dropout": _DROPOUT_KEYS,
 }
+# Section names: the canonical ones (KEYS) and the aliases Darknet's own parser accepts.
+SECTION_ALIASES: dict[str, str] = {
+    **{name: name for name in KEYS},
+    "network": "net",
+    "conv": "convolutional",
+    "max": "maxpool",
+}
 
 # Darknet options that change what a layer computes but that this implementation does not
 # implement. They are accepted only with their neutral value (shown), so that a file using them
@@ -301,6 +285,12 @@ INPUT_CHANNELS = 3  # the data loader feeds RGB images (build_utils/datasets.py)
 C_INT = (-(2**31), 2**31 - 1)
 
 _POSITIVE_SIDE = (1, MAX_LAYER_STRIDE)
+_WINDOW_BOUNDS = {
+    "size": (1, MAX_KERNEL),
+    "stride": _POSITIVE_SIDE,
+    "stride_x": _POSITIVE_SIDE,
+    "stride_y": _POSITIVE_SIDE,
+}
 BOUNDS: dict[str, dict[str, tuple[int, int]]] = {
     "net": {
         "width": (1, MAX_NET_SIDE),
@@ -309,22 +299,13 @@ BOUNDS: dict[str, dict[str, tuple[int, int]]] = {
     "convolutional": {
         "batch_normalize": (0, 1),
         "filters": (1, MAX_FILTERS),
-        "size": (1, MAX_KERNEL),
-        "stride": _POSITIVE_SIDE,
-        "stride_x": _POSITIVE_SIDE,
-        "stride_y": _POSITIVE_SIDE,
+        **_WINDOW_BOUNDS,
         "pad": (0, 1),  # a flag in Darknet: 1 = "same" padding (size // 2)
         "padding": (0, MAX_KERNEL),
         "groups": (1, MAX_FILTERS),
         "stopbackward": (0, C_INT[1]),
     },
-    "maxpool": {
-        "size": (1, MAX_KERNEL),
-        "stride": _POSITIVE_SIDE,
-        "stride_x": _POSITIVE_SIDE,
-        "stride_y": _POSITIVE_SIDE,
-        "padding": (0, 2 * MAX_KERNEL - 2),
-    },
+    "maxpool": {**_WINDOW_BOUNDS, "padding": (0, 2 * MAX_KERNEL - 2)},
     "upsample": {"stride": _POSITIVE_SIDE},
     "route": {"groups": (1, MAX_FILTERS), "group_id": (0, MAX_FILTERS - 1)},
     "yolo": {
@@ -1258,9 +1239,7 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 def _data_yaml_values(path: Path) -> tuple[dict[str, Any], dict[str, int]]:
     """A data.yaml's known keys: their values and lines (unknown keys named in one warning)."""
-    if not os.path.lexists(path):
-        raise ConfigError("data.yaml not found", path)
-    doc = compose_yaml(path, "data.yaml")
+    doc = parse_yaml(_read_text(path, "data.yaml"), path)
     root = doc.root
     if root is None or root.id != "mapping":
         line = root.start_mark.line + 1 if root is not None else None

@@ -140,11 +140,6 @@ class ShardedEvalBatchSampler(Sampler[list[int]]):
     def __len__(self) -> int:
         return len(self.batches)
 
-    @property
-    def num_images(self) -> int:
-        """Number of images this rank evaluates."""
-        return sum(len(b) for b in self.batches)
-
 
 class DistributedBatchSampler(Sampler[list[int]]):
     """Training batch sampler for one rank: same step count on every rank, reshuffled per epoch.

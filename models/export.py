@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torchvision
 from torch import nn
 
 from build_utils.atomic import (
@@ -48,7 +49,7 @@ from build_utils.atomic import (
     reported_write,
     temp_path,
 )
-from build_utils.boxes import box_iou, non_max_suppression
+from build_utils.boxes import non_max_suppression
 from build_utils.errors import ConfigError
 from models.darknet import Darknet
 from models.tta import model_stride
@@ -564,7 +565,7 @@ def _found(want: torch.Tensor, got: torch.Tensor) -> int:
     with IoU >= :data:`SAME_BOX_IOU`."""
     if len(want) == 0 or len(got) == 0:
         return 0
-    iou = box_iou(want[:, :4], got[:, :4])
+    iou = torchvision.ops.box_iou(want[:, :4], got[:, :4])
     same = want[:, 5:6] == got[:, 5].unsqueeze(0)
     return int(((iou >= SAME_BOX_IOU) & same).any(1).sum())
 

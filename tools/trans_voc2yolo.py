@@ -71,7 +71,7 @@ from build_utils.image_io import (
     orient_boxes,
     oriented_size,
     raw_image_size,
-    read_file_bytes,
+    read_image_data,
 )
 from build_utils.labels import yolo_txt_lines
 from build_utils.limits import (
@@ -211,7 +211,7 @@ def _upright_size(xml_path: Path, image: Path | None, notes: list[str]) -> tuple
         notes.append(f"{xml_path}: image {image} is unreadable")
         return None, 1
     try:
-        orientation = exif_orientation(read_file_bytes(image))
+        orientation = exif_orientation(read_image_data(image)[0])
     except DatasetError:
         orientation = 1
     return raw, orientation

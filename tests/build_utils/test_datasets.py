@@ -397,8 +397,6 @@ def test_rect_batches_sorted_by_aspect_ratio(tmp_path):
     # batch 0: h/w 1/3 and 1/2 -> [0.5, 1] * 128 -> (64, 128); batch 1: 1/2, 1 -> (128, 128);
     # batch 2: 1.5, 2 -> [1, 1/1.5] -> (128, 96)
     np.testing.assert_array_equal(d.batch_shapes, [[64, 128], [128, 128], [128, 96]])
-    padded = LoadImagesAndLabels(lst, 128, batch_size=2, rect=True, pad=0.5)
-    np.testing.assert_array_equal(padded.batch_shapes, [[96, 160], [160, 160], [160, 128]])
     batch = LoadImagesAndLabels.collate_fn([d[4], d[5]])
     assert batch[0].shape == (2, 3, 128, 96)
 
@@ -551,9 +549,9 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
         a = plain[i][0]
         assert torch.equal(a, ram[i][0]) and torch.equal(a, disk[i][0])
         assert torch.equal(a, disk2[i][0])
-    # Filled later (as build_train_data does after its once-per-node memory check): the same.
+    # Filled later (as bench/bench_scale.py does): the same.
     later = LoadImagesAndLabels(lst, 96)
-    later.cache_in_ram(check_memory=False)
+    later.cache_in_ram()
     assert later.ram_cache_bytes() == ram.ram_cache_bytes() > 0
     for i in range(len(plain)):
         assert torch.equal(plain[i][0], later[i][0])

@@ -265,7 +265,7 @@ def test_a_folder_scan_with_link_loops_ends_and_lists_the_loop_named_like_an_ima
     good_jpeg(d / "a.jpg")
     (d / "back").symlink_to(d)  # a folder loop: never followed
     (d / "loop.jpg").symlink_to("loop.jpg")
-    files, _ = collect_image_files(d)
+    files = collect_image_files(d)
     assert [Path(f).name for f in files] == ["a.jpg", "loop.jpg"]
 
 
@@ -353,5 +353,5 @@ def test_a_folder_scan_enters_linked_folders_once(tmp_path):
     (d / "cam1").symlink_to(part)
     (d / "cam1_again").symlink_to(part)
     (d / "up").symlink_to(tmp_path)  # a loop through the parent: ends
-    files, _ = collect_image_files(d)
+    files = collect_image_files(d)
     assert files == [str(d / "a.jpg"), str(d / "cam1" / "b.jpg")]

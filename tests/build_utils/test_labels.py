@@ -38,10 +38,9 @@ def test_label_path_replaces_only_the_last_images_folder():
 def test_collect_image_files_names_the_cache_after_the_list(make_shapes_data):
     root = make_shapes_data(n_train=2, n_val=1).parent
     lst = root / "train.txt"
-    files, stem = collect_image_files(lst)
-    assert stem == "train" and len(files) == 2
-    files, stem = collect_image_files([lst, root / "train" / "images"])
-    assert stem == "train+train" and len(files) == 4
+    assert cache_place(lst).name == "train" and len(collect_image_files(lst)) == 2
+    both = [lst, root / "train" / "images"]
+    assert cache_place(both).name == "train+train" and len(collect_image_files(both)) == 4
 
 
 def test_a_list_written_on_windows_is_named_in_one_warning(tmp_path, caplog):
@@ -52,7 +51,7 @@ def test_a_list_written_on_windows_is_named_in_one_warning(tmp_path, caplog):
     lst = tmp_path / "train.txt"
     lst.write_text("data\\obj\\x.jpg\r\ndata\\obj\\y.jpg\r\na\\b.jpg\r\n")
     with caplog.at_level(logging.WARNING):
-        files, _ = collect_image_files(lst)
+        files = collect_image_files(lst)
     assert files[2] == str(tmp_path / "a\\b.jpg")
     assert [r.getMessage() for r in caplog.records] == [
         f"{lst}: 2 path(s) not found are written with Windows separators (backslashes), such as "
@@ -73,7 +72,7 @@ def test_a_darknet_list_read_from_the_current_folder_is_reported_once(
     monkeypatch.chdir(tmp_path)
     with caplog.at_level(logging.WARNING):
         for _ in range(2):
-            assert collect_image_files(lst)[0] == [str(tmp_path / "data" / "obj" / "x.jpg")]
+            assert collect_image_files(lst) == [str(tmp_path / "data" / "obj" / "x.jpg")]
     assert [r.getMessage() for r in caplog.records] == [
         f"{lst}: 1 relative path(s) exist only relative to the current directory, not to the "
         "list's folder; used them that way"
@@ -171,7 +170,7 @@ def test_parse_label_text_rules():
 
 
 def _shapes_files(root: Path) -> tuple[list[str], list[str]]:
-    files, _ = collect_image_files(root / "train.txt")
+    files = collect_image_files(root / "train.txt")
     return files, [img2label_path(f) for f in files]
 
 
