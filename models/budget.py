@@ -196,8 +196,6 @@ def available_memory(device: Any = None) -> tuple[int, str]:
         return value, MEMORY_ENV
     dev_type = getattr(device, "type", None) or (str(device).split(":")[0] if device else "cpu")
     if dev_type == "cuda":
-        import torch
-
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free on {device}"
     return _ram_available(), "RAM available (MemAvailable)"
