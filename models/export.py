@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -442,12 +443,6 @@ def _runtime_message(text: str) -> str:
     return (said or lines or ["(no message)"])[0]
 
 
-def _run_openvino(folder: Path, x: np.ndarray) -> np.ndarray:
-    # Checked in f32, the precision of the IR: OpenVINO would otherwise compute in bf16 on
-    # CPUs that have it, whose rounding no float32 tolerance covers (openvino_deployment).
-    return _run_openvino_in(folder, x, "f32")
-
-
 def _openvino_deployment(folder: Path, x: np.ndarray, want: np.ndarray) -> str | None:
     """What a deployment compiled with OpenVINO's defaults gets on this CPU, when that is not
     the f32 the export was checked in: its detections after NMS against PyTorch's."""
@@ -518,7 +513,10 @@ FORMATS: dict[str, ExportFormat] = {
             "openvino",
             lambda stem: f"{stem}{OPENVINO_FOLDER_SUFFIX}",
             _write_openvino,
-            _run_openvino,
+            # Checked in f32, the precision of the IR: OpenVINO would otherwise compute in bf16
+            # on CPUs that have it, whose rounding no float32 tolerance covers (see
+            # _openvino_deployment).
+            functools.partial(_run_openvino_in, precision="f32"),
             ("openvino",),
             ("openvino",),
             _openvino_deployment,
