@@ -116,10 +116,6 @@ def _checked(model: Darknet, img_size: int | tuple[int, int]) -> tuple[int, int]
     return h, w
 
 
-def _channels(model: Darknet) -> int:
-    return int(model.hyperparams.get("channels", 3))
-
-
 def export_metadata(
     model: Darknet, img_size: int | tuple[int, int], names: list[str] | None = None
 ) -> dict[str, Any]:
@@ -198,7 +194,7 @@ def _begin(
     path = Path(path)
     make_output_dir(path.parent, OUTPUT_FLAG)
     dtype = torch.float16 if half else torch.float32
-    return path, torch.zeros(1, _channels(model), h, w, dtype=dtype)
+    return path, torch.zeros(1, int(model.hyperparams.get("channels", 3)), h, w, dtype=dtype)
 
 
 def _write_file(path: Path, data: bytes | memoryview) -> None:
