@@ -198,14 +198,10 @@ def available_memory(device: Any = None) -> tuple[int, str]:
     if dev_type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free on {device}"
-    return _ram_available(), "RAM available (MemAvailable)"
-
-
-def _ram_available() -> int:
     available = available_memory_bytes()  # MemAvailable, the same figure the RAM cache uses
-    if available is not None:
-        return available
-    return 1 << 62  # unknown: no refusal
+    if available is None:
+        available = 1 << 62  # unknown: no refusal
+    return available, "RAM available (MemAvailable)"
 
 
 def check_model_fits(
