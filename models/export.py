@@ -108,14 +108,6 @@ def hw(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(img_size[0]), int(img_size[1])
 
 
-def _checked(model: Darknet, img_size: int | tuple[int, int]) -> tuple[int, int]:
-    h, w = hw(img_size)
-    stride = model_stride(model)
-    if h % stride or w % stride:
-        raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
-    return h, w
-
-
 def export_metadata(
     model: Darknet, img_size: int | tuple[int, int], names: list[str] | None = None
 ) -> dict[str, Any]:
@@ -190,7 +182,10 @@ def _begin(
     """What every export starts with: the image size checked against the model's strides, the
     output's folder made, and the input to trace with, (1, C, H, W) zeros (float16 when
     ``half``)."""
-    h, w = _checked(model, img_size)
+    h, w = hw(img_size)
+    stride = model_stride(model)
+    if h % stride or w % stride:
+        raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
     path = Path(path)
     make_output_dir(path.parent, OUTPUT_FLAG)
     dtype = torch.float16 if half else torch.float32
