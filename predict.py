@@ -384,9 +384,6 @@ class Saver:
         frame's labels never replace an image's."""
         return _unique(f"{Path(video).as_posix()}_{number}", self._stems_taken)
 
-    def draw(self, img: np.ndarray, det: torch.Tensor) -> np.ndarray:
-        return draw_detections(img, det, self.names, self.style)
-
     def _make(self, folder: Path, root: Path) -> Path:
         """Create ``folder`` (below ``root``), remembering which of its folders are new."""
         new = [p for p in (folder, *folder.parents) if p.is_relative_to(root) and p != root]
@@ -847,7 +844,7 @@ def _predict_frames(
         number += 1
         det = predictor(frame)
         if saver.save_drawn:
-            video.write(saver.draw(frame, det))
+            video.write(draw_detections(frame, det, saver.names, saver.style))
         frames += 1
         saver.save(frame, det, saver.frame_stem(name, number))
         print(f"{source} frame {number}: {len(det)} detections")
@@ -918,7 +915,7 @@ def predict_image(predictor: Predictor, saver: Saver, path: Path, stem: Path) ->
     # Not with_suffix: a stem may hold dots of its own (img.v2.jpg -> stem img.v2).
     target = saver.out_dir / stem.parent / (stem.name + path.suffix)
     if saver.save_drawn:
-        write_image(target, saver.draw(img, det), OUTPUT_FLAG)
+        write_image(target, draw_detections(img, det, saver.names, saver.style), OUTPUT_FLAG)
     saver.save(img, det, stem)
     return True
 

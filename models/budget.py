@@ -196,18 +196,12 @@ def available_memory(device: Any = None) -> tuple[int, str]:
         return value, MEMORY_ENV
     dev_type = getattr(device, "type", None) or (str(device).split(":")[0] if device else "cpu")
     if dev_type == "cuda":
-        import torch
-
         free, _ = torch.cuda.mem_get_info(device)
         return int(free), f"free on {device}"
-    return _ram_available(), "RAM available (MemAvailable)"
-
-
-def _ram_available() -> int:
     available = available_memory_bytes()  # MemAvailable, the same figure the RAM cache uses
-    if available is not None:
-        return available
-    return 1 << 62  # unknown: no refusal
+    if available is None:
+        available = 1 << 62  # unknown: no refusal
+    return available, "RAM available (MemAvailable)"
 
 
 def check_model_fits(

@@ -516,8 +516,7 @@ class Darknet(nn.Module):
         stopped = range(self._frozen_end + 1)  # stopbackward=1 stays frozen whatever the mode
         self.frozen = self._without_heads(set(frozen_layer_indices(self, mode)) | set(stopped))
         for i in self.frozen:
-            for p in self.module_list[i].parameters():
-                p.requires_grad_(False)
+            self.module_list[i].requires_grad_(False)
         self.train(self.training)
         if self.frozen:
             LOGGER.info("freeze %s: %s", mode, describe_frozen(self))

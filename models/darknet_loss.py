@@ -443,10 +443,6 @@ def _with_distance_terms(
     return tuple(torch.where(g.no_overlap, t, v) for v, t in zip(p, terms))
 
 
-def _finite_or_zero(t: torch.Tensor) -> torch.Tensor:
-    return torch.where(torch.isfinite(t), t, torch.zeros_like(t))
-
-
 # ---------------------------------------------------------------------------------------------
 # The layer
 
@@ -533,7 +529,8 @@ def _box_delta(
     d = dx_box_iou(pred, truth, spec.iou_loss)
     if not spec.new_coords:
         d = torch.cat((d[:, 0:2], d[:, 2:4] * torch.exp(out[:, 2:4])), -1)
-    d = _finite_or_zero(d * normalizer[:, None])
+    d = d * normalizer[:, None]
+    d = torch.where(torch.isfinite(d), d, torch.zeros_like(d))
     if math.isfinite(spec.max_delta):
         d = d.clamp(-spec.max_delta, spec.max_delta)
     return d, iou, giou

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
+import functools
 import importlib.util
 import io
 import json
@@ -108,18 +109,6 @@ def hw(img_size: int | tuple[int, int] | list[int]) -> tuple[int, int]:
     return int(img_size[0]), int(img_size[1])
 
 
-def _checked(model: Darknet, img_size: int | tuple[int, int]) -> tuple[int, int]:
-    h, w = hw(img_size)
-    stride = model_stride(model)
-    if h % stride or w % stride:
-        raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
-    return h, w
-
-
-def _channels(model: Darknet) -> int:
-    return int(model.hyperparams.get("channels", 3))
-
-
 def export_metadata(
     model: Darknet, img_size: int | tuple[int, int], names: list[str] | None = None
 ) -> dict[str, Any]:
@@ -194,11 +183,14 @@ def _begin(
     """What every export starts with: the image size checked against the model's strides, the
     output's folder made, and the input to trace with, (1, C, H, W) zeros (float16 when
     ``half``)."""
-    h, w = _checked(model, img_size)
+    h, w = hw(img_size)
+    stride = model_stride(model)
+    if h % stride or w % stride:
+        raise ConfigError(f"--img-size {h} {w}: both sides must be multiples of {stride}")
     path = Path(path)
     make_output_dir(path.parent, OUTPUT_FLAG)
     dtype = torch.float16 if half else torch.float32
-    return path, torch.zeros(1, _channels(model), h, w, dtype=dtype)
+    return path, torch.zeros(1, int(model.hyperparams.get("channels", 3)), h, w, dtype=dtype)
 
 
 def _write_file(path: Path, data: bytes | memoryview) -> None:
@@ -443,12 +435,6 @@ def _runtime_message(text: str) -> str:
     return (said or lines or ["(no message)"])[0]
 
 
-def _run_openvino(folder: Path, x: np.ndarray) -> np.ndarray:
-    # Checked in f32, the precision of the IR: OpenVINO would otherwise compute in bf16 on
-    # CPUs that have it, whose rounding no float32 tolerance covers (openvino_deployment).
-    return _run_openvino_in(folder, x, "f32")
-
-
 def _openvino_deployment(folder: Path, x: np.ndarray, want: np.ndarray) -> str | None:
     """What a deployment compiled with OpenVINO's defaults gets on this CPU, when that is not
     the f32 the export was checked in: its detections after NMS against PyTorch's."""
@@ -519,7 +505,10 @@ FORMATS: dict[str, ExportFormat] = {
             "openvino",
             lambda stem: f"{stem}{OPENVINO_FOLDER_SUFFIX}",
             _write_openvino,
-            _run_openvino,
+            # Checked in f32, the precision of the IR: OpenVINO would otherwise compute in bf16
+            # on CPUs that have it, whose rounding no float32 tolerance covers (see
+            # _openvino_deployment).
+            functools.partial(_run_openvino_in, precision="f32"),
             ("openvino",),
             ("openvino",),
             _openvino_deployment,

@@ -215,11 +215,9 @@ def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> CocoId
     conversion of this split wrote are removed (nothing else is)."""
     fresh = CocoIdMap(coco.category_ids, coco.names)
     try:
-        entries = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+        entries = sorted(p.name for p in out.iterdir())
     except OSError as e:
         raise ConfigError(f"--out cannot be listed ({e.strerror or e})", out) from e
-    if out.exists() and not out.is_dir():
-        raise ConfigError("--out is a file, not a folder", out)
     if not entries:
         return fresh
     map_path = out / COCO_IDS_FILE

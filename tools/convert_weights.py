@@ -92,11 +92,6 @@ def _paths(args: argparse.Namespace) -> tuple[Path | None, Path, Path | None]:
     return args.cfg, Path(args.weights), args.output
 
 
-def _fits(dst: Path, wanted: str) -> bool:
-    suffix = dst.suffix.lower()
-    return suffix == wanted or (wanted == PT_SUFFIX and suffix == ".pth")
-
-
 def convert(
     cfg: Path | None,
     src: Path,
@@ -117,8 +112,9 @@ def convert(
         dst = src.with_suffix(DARKNET_SUFFIX if to_darknet else PT_SUFFIX)
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConfigError(f"the output {dst} is the source itself; choose another name")
-    wanted = DARKNET_SUFFIX if to_darknet else PT_SUFFIX
-    if dst.suffix.lower() in (DARKNET_SUFFIX, PT_SUFFIX, ".pth") and not _fits(dst, wanted):
+    wanted = (DARKNET_SUFFIX,) if to_darknet else (PT_SUFFIX, ".pth")
+    suffix = dst.suffix.lower()
+    if suffix in (DARKNET_SUFFIX, PT_SUFFIX, ".pth") and suffix not in wanted:
         raise ConfigError(
             f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
             f"in .weights and the other in .pt or .pth"

@@ -91,14 +91,14 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     return parser
 
 
-def layer_input_shape(blocks: list[Block], layer: int) -> tuple[int, int, int]:
-    """(channels, h, w) of what ``[yolo]`` layer ``layer`` receives at the cfg's size."""
-    net = blocks[0]
-    size = (int(net.get("height", 416)), int(net.get("width", 416)))
+def layer_input_shape(
+    blocks: list[Block], layer: int, size: tuple[int, int]
+) -> tuple[int, int, int]:
+    """(channels, h, w) of what ``[yolo]`` layer ``layer`` receives at the cfg's ``size``."""
     est = estimate_model(blocks, size)
     if est.size_mismatch is not None:
         raise est.size_mismatch
-    return est.layers[layer - 1].shape if layer > 0 else (int(net.get("channels", 3)), *size)
+    return est.layers[layer - 1].shape if layer > 0 else (int(blocks[0].get("channels", 3)), *size)
 
 
 def read_truths(path: str, batch: int) -> torch.Tensor:
@@ -146,7 +146,9 @@ def yolo_command(args: argparse.Namespace) -> int:
         raise ConfigError(f"--layer {args.layer} is not a [yolo] layer (those are: {yolos})")
     reads = {"the --cfg": args.cfg, "the --input": args.input, "the --truths": args.truths}
     check_new_outputs([args.out], "--out", args.exist_ok, reads)
-    c, h, w = layer_input_shape(blocks, args.layer)
+    net = blocks[0]
+    size = (int(net.get("height", 416)), int(net.get("width", 416)))  # Darknet's net.h, net.w
+    c, h, w = layer_input_shape(blocks, args.layer, size)
     per_image = c * h * w
     data = read_limited_bytes(args.input, MAX_WEIGHTS_BYTES, "--input")
     if not data or len(data) % (per_image * FLOAT_BYTES):
@@ -159,10 +161,7 @@ def yolo_command(args: argparse.Namespace) -> int:
         np.frombuffer(data, dtype="<f4").astype(np.float32).reshape(batch, c, h, w)
     )
     truths = read_truths(args.truths, batch)
-    net = blocks[0]
-    result = yolo_delta(
-        x, truths, specs[args.layer], (int(net.get("height", 416)), int(net.get("width", 416)))
-    )
+    result = yolo_delta(x, truths, specs[args.layer], size)
     with reported_write(args.out, "--out"), atomic_write(args.out, "wb") as f:
         f.write(result.delta.numpy().astype("<f4").tobytes())
     print(f"cost {float(result.cost):.9g} count {int(result.count)} images {batch}")

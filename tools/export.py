@@ -161,18 +161,17 @@ def _load(
 ) -> tuple[Darknet, list[str] | None, str, Path, tuple[int, int]]:
     """The model (eval mode, CPU), its class names (None: not known), the exports' stem, the
     weights' folder (or the current one) and the input (H, W)."""
-    if args.img_size is not None:
-        checked_hw(args.img_size)
+    given = checked_hw(args.img_size) if args.img_size is not None else None
     if not args.weights:
         if args.cfg is None:
             raise ConfigError("pass --weights (a checkpoint carries its cfg) or --cfg")
-        size = checked_hw(args.img_size or [DEFAULT_SIDE])
+        size = given or hw(DEFAULT_SIDE)
         blocks = parse_model_cfg(args.cfg)
         check_model_fits(blocks, size)  # the export traces one image
         model = Darknet(blocks, img_size=size).eval()
         return model, None, Path(args.cfg).stem, Path("."), size
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
-    size = checked_hw(args.img_size or [weights.run.get("img_size") or DEFAULT_SIDE])
+    size = given or checked_hw([weights.run.get("img_size") or DEFAULT_SIDE])
     model = model_from_weights(weights, args.cfg, None, size).eval()
     stem, home = Path(args.weights).stem, Path(args.weights).parent
     return model, weights.names, stem, home, size
