@@ -40,6 +40,7 @@ from build_utils.augmentations import GRID  # noqa: E402
 from build_utils.checks import check_at_least  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
+from build_utils.labels import collect_image_files  # noqa: E402
 from data.make_shapes import make_dataset  # noqa: E402
 from train_utils.cli import (  # noqa: E402
     HelpFormatter,
@@ -47,7 +48,7 @@ from train_utils.cli import (  # noqa: E402
     check_time_budget,
     run_script,
 )
-from train_utils.config import build_config, load_data_config  # noqa: E402
+from train_utils.config import DataSource, build_config, load_data_config  # noqa: E402
 from train_utils.config import get_args_parser as train_parser  # noqa: E402
 from train_utils.distributed.devices import select_device  # noqa: E402
 from train_utils.distributed.process_group import DistInfo  # noqa: E402
@@ -219,7 +220,7 @@ def train_argv(args: argparse.Namespace) -> tuple[list[str], Path]:
 
 
 def evaluate_and_predict(
-    out: Path, weights: Path, valid: str, device: torch.device
+    out: Path, weights: Path, valid: DataSource, device: torch.device
 ) -> tuple[dict[str, float], Path]:
     """validation.py's stats of ``weights`` (written to ``out/val_stats.json``) and
     predict.py's pictures of the first validation images (``out/predictions``)."""
@@ -239,10 +240,9 @@ def evaluate_and_predict(
     )
     if code:
         raise SystemExit(code)
-    val_list = Path(valid).read_text().split()[:N_PREDICT_IMAGES]
-    list_dir = Path(valid).parent
+    # The images as training read them: a list (comments, relative entries), a folder, or both.
+    sources = collect_image_files(valid)[:N_PREDICT_IMAGES]
     pred_dir = out / "predictions"
-    sources = [str(p if Path(p).is_absolute() else list_dir / p) for p in val_list]
     argv = ["--weights", str(weights), "--source", *sources, "--output", str(pred_dir)]
     code = predict.main([*argv, "--device", str(device)])
     if code:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 
 from tools import demo
 from train_utils.reporting import RESULTS_HEADER, write_results
@@ -117,3 +118,41 @@ def test_the_logged_training_command_pastes_as_it_is(tmp_path, monkeypatch) -> N
     assert argv[argv.index("--device") + 1] == "cpu" and argv[argv.index("--amp") + 1] == "off"
     parsed = demo.train_parser().parse_args(argv)
     assert (parsed.device, parsed.amp, parsed.output_dir) == ("cpu", "off", "runs/demo")
+
+
+@pytest.mark.parametrize("kind", ["folder", "list with a comment", "two lists"])
+def test_the_pictures_come_from_the_validation_images_however_named(
+    kind: str, tmp_path: Path, monkeypatch
+) -> None:
+    """Was: the validation source read as one ``.txt`` list split on whitespace, so a folder
+    (``valid: images/val``) or data.yaml's list of sources ended the demo with a traceback after
+    training, and a comment line became a source."""
+    folder = tmp_path / "images" / "val"
+    folder.mkdir(parents=True)
+    for name in ("a.jpg", "b.jpg"):
+        (folder / name).write_bytes(b"")  # only named: validation and predict are stand-ins
+    listed = tmp_path / "val.txt"
+    listed.write_text("# the validation images\nimages/val/a.jpg\n")
+    other = tmp_path / "more.txt"
+    other.write_text("images/val/b.jpg\n")
+    valid = {"folder": folder, "list with a comment": listed, "two lists": (listed, other)}[kind]
+    expected = {
+        "folder": ["a.jpg", "b.jpg"],
+        "list with a comment": ["a.jpg"],
+        "two lists": ["a.jpg", "b.jpg"],
+    }[kind]
+    sources: list[str] = []
+
+    def fake_validation(argv: list[str]) -> int:
+        Path(argv[argv.index("--json-out") + 1]).write_text('{"mAP50": 0.5}')
+        return 0
+
+    def fake_predict(argv: list[str]) -> int:
+        sources.extend(argv[argv.index("--source") + 1 : argv.index("--output")])
+        return 0
+
+    monkeypatch.setattr(demo.validation, "main", fake_validation)
+    monkeypatch.setattr(demo.predict, "main", fake_predict)
+    stats, _ = demo.evaluate_and_predict(tmp_path, tmp_path / "best.pt", valid, torch.device("cpu"))
+    assert stats == {"mAP50": 0.5}
+    assert sources == [str(folder / name) for name in expected]
