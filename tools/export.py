@@ -63,7 +63,7 @@ from train_utils.cli import (
     run_script,
     switch,
 )
-from train_utils.load_model import model_from_weights
+from train_utils.load_model import default_img_size, model_from_weights
 
 LOGGER = logging.getLogger(__name__)
 
@@ -91,7 +91,10 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         nargs="+",
         default=None,
         metavar="N",
-        help=f"input H [W] in pixels (default: the checkpoint's run's side, else {DEFAULT_SIDE})",
+        help=(
+            "input H [W] in pixels (default: the checkpoint's run's side; a Darknet .weights: "
+            f"its cfg's [net] side, as predict.py runs it; a cfg alone: {DEFAULT_SIDE})"
+        ),
     )
     parser.add_argument(
         "--include",
@@ -171,7 +174,8 @@ def _load(
         model = Darknet(blocks, img_size=size).eval()
         return model, None, Path(args.cfg).stem, Path("."), size
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
-    size = given or checked_hw([weights.run.get("img_size") or DEFAULT_SIDE])
+    # As predict.py and validation.py run them: a .weights file at its cfg's [net] side.
+    size = given or checked_hw([weights.run.get("img_size") or default_img_size(weights, args.cfg)])
     model = model_from_weights(weights, args.cfg, None, size).eval()
     stem, home = Path(args.weights).stem, Path(args.weights).parent
     return model, weights.names, stem, home, size

@@ -13,9 +13,10 @@ import torch
 from build_utils.parse_config import parse_model_cfg
 from models.darknet import Darknet
 from models.export import FORMATS, export_onnx, hw
-from models.weights import load_darknet_weights
+from models.weights import load_darknet_weights, save_weights
 from tools import convert_weights, export, make_cfg
-from train_utils.checkpoint import load_state_dict_file, load_weights, save_weights_pt
+from train_utils.checkpoint import load_state_dict_file, load_weights, read_weights, save_weights_pt
+from train_utils.load_model import default_img_size
 
 REPO = Path(__file__).resolve().parents[2]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
@@ -449,3 +450,23 @@ def test_export_into_a_file_is_one_line(tiny_pt, tmp_path, capsys):
     assert export.main([*argv, "--include", "torchscript", "-o", str(results)]) == 2
     assert f"{results} is a file where a folder should be" in one_error_line(capsys)
     assert results.read_text() == "epoch\n"
+
+
+def test_export_of_darknet_weights_runs_at_the_cfg_size_as_predict_does(tmp_path):
+    """Was: a ``.weights`` file exported at 416 whatever its cfg's ``[net]`` said, while
+    predict.py and validation.py run it at that size (as Darknet does): the export's fixed
+    input differed from the model the user had checked."""
+    cfg = tmp_path / "tiny-320.cfg"
+    text = TINY.read_text()
+    for key in ("width", "height"):
+        text = text.replace(f"\n{key}=416\n", f"\n{key}=320\n")
+    cfg.write_text(text)
+    weights = tmp_path / "tiny.weights"
+    save_weights(Darknet(cfg), weights)
+    args = export.get_args_parser().parse_args(["--weights", str(weights), "--cfg", str(cfg)])
+    assert export._load(args)[4] == (320, 320)
+    assert default_img_size(read_weights(weights), cfg) == 320  # predict's and validation's
+    pt = tmp_path / "tiny.pt"
+    save_weights_pt(Darknet(cfg), pt)  # no run: the cfg's nominal size is not a trained one
+    args = export.get_args_parser().parse_args(["--weights", str(pt), "--cfg", str(cfg)])
+    assert export._load(args)[4] == (512, 512)
