@@ -264,6 +264,11 @@ def _take_the_run_files(args: argparse.Namespace, run: Mapping[str, Any], folder
     if "cfg" not in given:
         saved = Path(str(run.get("cfg", "")))
         args.cfg = str(saved if saved.is_file() else folder / RUN_CFG_NAME)
+        if not Path(args.cfg).is_file():  # the checkpoint moved away from its run's files
+            raise ConfigError(
+                f"--resume {args.resume}: the run's cfg is neither at {saved} nor beside the "
+                f"checkpoint ({folder / RUN_CFG_NAME}); pass the cfg it trained with to --cfg"
+            )
     data = run.get("data")
     if "data" not in given and isinstance(data, dict) and isinstance(data.get("path"), str):
         args.data = data["path"]

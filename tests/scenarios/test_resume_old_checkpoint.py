@@ -54,3 +54,19 @@ def test_a_checkpoint_of_main_at_74e09e9_resumes_as_that_code_continued(
         assert float(rows[0][name]) == pytest.approx(value, rel=1e-4), name
     last = torch.load(run / "last.pt", map_location="cpu", weights_only=True)
     assert (last["version"], last["epoch"]) == (CHECKPOINT_VERSION, 1)
+
+
+def test_a_checkpoint_moved_away_from_its_run_files_asks_for_its_cfg(
+    tmp_path: Path, monkeypatch, capsys
+) -> None:
+    """Was: ``model.cfg: model cfg not found; pass an existing .cfg to --cfg``, naming a file the
+    user never gave. (Any checkpoint does; this file's is at hand.)"""
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(FIXTURE / "epoch0.pt", tmp_path)
+    assert train.main(["--resume", "epoch0.pt"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == (
+        "error: --resume epoch0.pt: the run's cfg is neither at micro.cfg nor beside the "
+        "checkpoint (model.cfg); pass the cfg it trained with to --cfg"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["epoch0.pt"]
