@@ -29,7 +29,7 @@ from build_utils.parse_config import parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
 from models.darknet import FREEZE_MODES, layer_list
 from train_utils.autobatch import AUTO_BATCH
-from train_utils.checkpoint import weights_kind
+from train_utils.checkpoint import MAX_EPOCH, weights_kind
 from train_utils.cli import (
     DEFAULT_EVAL_CONF,
     DEFAULT_EVAL_IOU,
@@ -60,6 +60,9 @@ NOMINAL_BATCH_SIZE = 64  # ultralytics/yolov3 accumulates gradients up to this m
 MULTI_SCALE_RANGE = (0.67, 1.5)  # multi-scale training samples sides in this fraction of img-size
 DEFAULT_EPOCHS = 30
 SEED_MAX = 2**63 - 1  # torch.manual_seed's largest; numpy takes any seed >= 0
+# The largest --nbs (images) and --accumulate (batches) of one optimizer step: far beyond any
+# dataset, and small enough that the loss's division by them stays a float operation.
+MAX_STEP_SIZE = 100_000_000
 DEFAULT_CFG = "cfg/yolov3-spp.cfg"
 DEFAULT_DATA = "data/my_data.data"
 DEFAULT_HYP = "cfg/hyp.yaml"
@@ -716,16 +719,10 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     check_time_budget(args.time_budget)
     if args.batch_size != AUTO_BATCH:  # -1: the largest that fits (train_utils/autobatch.py)
         check_at_least({"--batch-size": args.batch_size}, 1)
-    check_at_least(
-        {
-            "--epochs": args.epochs,
-            "--nbs": args.nbs,
-            "--eval-interval": args.eval_interval,
-            "--log-interval": args.log_interval,
-            "--accumulate": args.accumulate,
-        },
-        1,
-    )
+    # At most what a checkpoint may record: a run that starts can always be resumed.
+    check_at_least({"--epochs": args.epochs}, 1, MAX_EPOCH)
+    check_at_least({"--nbs": args.nbs, "--accumulate": args.accumulate}, 1, MAX_STEP_SIZE)
+    check_at_least({"--eval-interval": args.eval_interval, "--log-interval": args.log_interval}, 1)
     check_at_least({"--patience": args.patience, "--workers": args.workers}, 0)
     check_at_least({"--save-period": args.save_period}, -1)
     check_at_least({"--seed": args.seed}, 0, SEED_MAX)

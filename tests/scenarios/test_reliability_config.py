@@ -219,6 +219,23 @@ CASES: dict[str, Case] = {
         "train", lambda f: ["--batch-size", "0"], lambda f: ["--batch-size must be >= 1, got 0"]
     ),
     "epochs 0": Case("train", lambda f: ["--epochs", "0"], lambda f: ["--epochs must be >= 1"]),
+    # Was: accepted, and the checkpoint it wrote could never be resumed (planned_epochs).
+    "epochs beyond a checkpoint's": Case(
+        "train",
+        lambda f: ["--epochs", "100000001"],
+        lambda f: ["--epochs must be in [1, 100000000], got 100000001"],
+    ),
+    # Was: OverflowError (a traceback) at the first loss divided by the accumulation.
+    "nbs huge": Case(
+        "train",
+        lambda f: ["--nbs", "9" * 20],
+        lambda f: ["--nbs must be in [1, 100000000], got 999999999999... (20 digits)"],
+    ),
+    "accumulate huge": Case(
+        "train",
+        lambda f: ["--accumulate", "9" * 20],
+        lambda f: ["--accumulate must be in [1, 100000000], got 999999999999... (20 digits)"],
+    ),
     # ---- --weights
     "weights not found": Case(
         "train",
