@@ -12,6 +12,8 @@ Writes::
     ROOT/train.txt ROOT/val.txt         image lists, paths relative to ROOT
     ROOT/shapes.names                   one class name per line
     ROOT/shapes.data                    Darknet-style dataset file (classes, train, valid, names)
+    ROOT/make_shapes.json               the generator's arguments, written first: the mark of a
+                                        dataset this tool made, the only kind --exist-ok replaces
 
 Every image is generated from its own random stream seeded by (seed, split, index), so the output
 is identical for a seed whatever the number of worker processes.
@@ -20,6 +22,7 @@ is identical for a seed whatever the number of worker processes.
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -39,7 +42,7 @@ from build_utils.atomic import check_new_outputs
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.labels import yolo_txt_lines
-from train_utils.cli import path_arg, run_script
+from train_utils.cli import check_img_size_limit, path_arg, run_script
 
 CLASS_NAMES = ("circle", "square", "triangle", "star", "cross", "diamond", "hexagon", "bar")
 # The demo's and the CLI's default: the first five. The others make harder sets (--classes 8).
@@ -60,6 +63,8 @@ PARALLEL_THRESHOLD = 64
 # pool starts, and each worker a process.
 MAX_IMAGES_PER_SPLIT = 1_000_000
 MAX_WORKERS = 256
+# Written first into every dataset make_dataset makes; --exist-ok replaces only a folder holding it.
+STAMP_NAME = "make_shapes.json"
 
 
 @dataclass(frozen=True)
@@ -270,6 +275,26 @@ def _write_one(job: tuple[Path, str, int, int, int, bool, GeneratorOptions]) -> 
     return f"{split}/images/{name}.jpg"
 
 
+def check_options(
+    img_size_range: tuple[int, int], n_classes: int, obj_size_range: tuple[float, float]
+) -> None:
+    """Raise ``ValueError`` for options :func:`make_dataset` cannot draw with (before anything
+    is written or removed)."""
+    if not 1 <= n_classes <= len(CLASS_NAMES):
+        raise ValueError(f"n_classes must be in 1..{len(CLASS_NAMES)}, got {n_classes}")
+    if img_size_range[0] < 32 or img_size_range[1] < img_size_range[0]:
+        raise ValueError(f"bad image size range {img_size_range}: need 32 <= min <= max")
+    min_side, max_frac = obj_size_range
+    if not 0 < max_frac <= 1:
+        raise ValueError(f"the largest object side must be a fraction in (0, 1], got {max_frac}")
+    largest = max_frac * img_size_range[0]  # on the smallest images
+    if not 0 < min_side <= largest:
+        raise ValueError(
+            f"the smallest object side must be in (0, {largest:g}] px ({max_frac:g} x the "
+            f"smallest image side {img_size_range[0]}), got {min_side:g}"
+        )
+
+
 def make_dataset(
     out: Path | str,
     n_train: int,
@@ -284,23 +309,16 @@ def make_dataset(
     """Write the shapes dataset under ``out`` and return the path of its ``shapes.data`` file.
 
     ``obj_size_range`` is (minimum side in pixels, maximum side as a fraction of the image's short
-    side). ``workers`` defaults to the number of CPUs.
+    side). ``workers`` defaults to the number of CPUs. :data:`STAMP_NAME` is written before any
+    image, so that a set cut short is known as this tool's too.
     """
-    if not 1 <= n_classes <= len(CLASS_NAMES):
-        raise ValueError(f"n_classes must be in 1..{len(CLASS_NAMES)}, got {n_classes}")
-    if img_size_range[0] < 32 or img_size_range[1] < img_size_range[0]:
-        raise ValueError(f"bad image size range {img_size_range}: need 32 <= min <= max")
-    min_side, max_frac = obj_size_range
-    if not 0 < max_frac <= 1:
-        raise ValueError(f"the largest object side must be a fraction in (0, 1], got {max_frac}")
-    largest = max_frac * img_size_range[0]  # on the smallest images
-    if not 0 < min_side <= largest:
-        raise ValueError(
-            f"the smallest object side must be in (0, {largest:g}] px ({max_frac:g} x the "
-            f"smallest image side {img_size_range[0]}), got {min_side:g}"
-        )
+    check_options(img_size_range, n_classes, obj_size_range)
     root = Path(out)
     opts = GeneratorOptions(tuple(img_size_range), tuple(obj_size_range), n_classes)
+    root.mkdir(parents=True, exist_ok=True)
+    recipe = dict(n_train=n_train, n_val=n_val, img_size_range=list(img_size_range), seed=seed)
+    recipe.update(voc=voc, n_classes=n_classes, obj_size_range=list(obj_size_range))
+    (root / STAMP_NAME).write_text(json.dumps(recipe, sort_keys=True) + "\n")
     for split in SPLITS:
         for sub in ("images", "labels") + (("Annotations",) if voc else ()):
             (root / split / sub).mkdir(parents=True, exist_ok=True)
@@ -367,38 +385,69 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     parser.add_argument(
         "--exist-ok",
         action="store_true",
-        help="replace a dataset made in --out before (its train/ and val/ folders are removed "
-        "first, so that no image of the old set stays)",
+        help="replace a dataset this tool made in --out before (its train/ and val/ folders are "
+        f"removed first, so that no image of the old set stays); a folder without {STAMP_NAME} "
+        "is refused",
     )
     return parser
 
 
 # What make_dataset writes in --out (the docstring's layout).
-OUTPUTS = ("train", "val", "train.txt", "val.txt", "shapes.names", "shapes.data")
+OUTPUTS = ("train", "val", "train.txt", "val.txt", "shapes.names", "shapes.data", STAMP_NAME)
+
+
+def check_replaceable(out: Path) -> None:
+    """--exist-ok's guard: whatever of :data:`OUTPUTS` is in ``out`` must belong to a dataset
+    this tool made (``out`` holds :data:`STAMP_NAME`), with train/ and val/ real folders (they
+    are removed, not written through). Anything else is the user's: refused, never replaced.
+
+    Raises:
+        ConfigError: naming the paths in the way.
+    """
+    taken = [out / name for name in OUTPUTS if (out / name).exists() or (out / name).is_symlink()]
+    stamp = out / STAMP_NAME
+    if taken and not stamp.is_file():
+        them = "them" if len(taken) > 1 else "it"
+        raise ConfigError(
+            f"--out {out} holds {', '.join(map(str, taken))} but no {STAMP_NAME}: not a dataset "
+            f"made by data/make_shapes.py, the only kind --exist-ok replaces; move {them} away "
+            "or choose another --out"
+        )
+    for folder in (out / split for split in SPLITS):
+        if folder.is_symlink() or (folder.exists() and not folder.is_dir()):
+            kind = "a symbolic link" if folder.is_symlink() else "a file"
+            raise ConfigError(
+                f"{folder} is {kind}, not a folder data/make_shapes.py made; move it away or "
+                "choose another --out"
+            )
 
 
 def make_shapes(args: argparse.Namespace) -> None:
     # At least one image each: training refuses an empty split (an empty val too, --notest or not).
     check_at_least({"--n-train": args.n_train, "--n-val": args.n_val}, 1, MAX_IMAGES_PER_SPLIT)
     check_at_least({"--workers": args.workers}, 1, MAX_WORKERS)
-    check_new_outputs([args.out / name for name in OUTPUTS], "--out", args.exist_ok)
-    for split in ("train", "val"):
-        if (args.out / split).is_dir() and not (args.out / split).is_symlink():
-            shutil.rmtree(args.out / split)
+    check_img_size_limit(max(args.img_size), "--img-size")
+    obj_size_range = (args.min_obj_size, args.max_obj_frac)
     try:
-        data = make_dataset(
-            args.out,
-            args.n_train,
-            args.n_val,
-            args.img_size,
-            args.seed,
-            args.voc,
-            args.classes,
-            (args.min_obj_size, args.max_obj_frac),
-            args.workers,
-        )
+        check_options(args.img_size, args.classes, obj_size_range)
     except ValueError as e:  # make_dataset's checks of its arguments, worded for a caller
         raise ConfigError(str(e)) from e
+    check_new_outputs([args.out / name for name in OUTPUTS], "--out", args.exist_ok)
+    check_replaceable(args.out)
+    for split in SPLITS:
+        if (args.out / split).is_dir():
+            shutil.rmtree(args.out / split)
+    data = make_dataset(
+        args.out,
+        args.n_train,
+        args.n_val,
+        args.img_size,
+        args.seed,
+        args.voc,
+        args.classes,
+        obj_size_range,
+        args.workers,
+    )
     print(f"wrote {args.n_train} train + {args.n_val} val images; dataset file: {data}")
 
 

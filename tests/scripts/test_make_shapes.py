@@ -12,6 +12,7 @@ import pytest
 from data.make_shapes import (
     CLASS_NAMES,
     DEFAULT_CLASSES,
+    STAMP_NAME,
     GeneratorOptions,
     main,
     make_dataset,
@@ -173,6 +174,68 @@ def test_cli_never_writes_over_a_dataset_unasked(tmp_path, capsys):
     assert len(list((out / "train" / "images").iterdir())) == 2
     assert len(list((out / "train" / "labels").iterdir())) == 2
     assert len((out / "train.txt").read_text().split()) == 2
+
+
+def test_cli_limits_the_image_side(tmp_path, capsys):
+    """Was: --img-size 99999,99999 asked numpy for 27.9 GiB, then a traceback. Now the limit on
+    an image side every --img-size has (YOLO_MAX_IMG_SIZE), before anything is written."""
+    out = tmp_path / "o"
+    argv = ["--out", str(out), "--n-train", "2", "--n-val", "2", "--workers", "1"]
+    for sizes in ("99999,99999", "64,99999", "99999,64"):
+        assert main([*argv, "--img-size", sizes]) == 2
+        assert capsys.readouterr().err == (
+            "error: --img-size 99999 is larger than the limit 8192 (pixels per side of "
+            "--img-size); set YOLO_MAX_IMG_SIZE to raise it\n"
+        )
+    assert not out.exists()
+
+
+def test_exist_ok_replaces_only_a_dataset_this_tool_made(tmp_path, capsys):
+    """Was: --exist-ok removed any train/ and val/ in --out, a user's images and notes with
+    them. Now only a folder holding the tool's stamp is replaced; anything else is named."""
+    out = tmp_path / "userds"
+    (out / "train" / "images").mkdir(parents=True)
+    (out / "val").mkdir()
+    (out / "train" / "images" / "mine.jpg").write_text("x\n")
+    (out / "val" / "notes.txt").write_text("x\n")
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    argv = ["--out", str(out), "--n-train", "4", "--n-val", "2", "--img-size", "64,96"]
+    assert main([*argv, "--workers", "1", "--exist-ok"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out {out} holds {out / 'train'}, {out / 'val'} but no {STAMP_NAME}: not a "
+        "dataset made by data/make_shapes.py, the only kind --exist-ok replaces; move them away "
+        "or choose another --out\n"
+    )
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
+    assert (out / "train" / "images" / "mine.jpg").read_text() == "x\n"
+    assert (out / "val" / "notes.txt").read_text() == "x\n"
+
+    # A dataset it made, whose train/ is now a link to the user's folder: never written through.
+    made = tmp_path / "made"
+    assert main(["--out", str(made), *argv[2:], "--workers", "1"]) == 0
+    capsys.readouterr()
+    mine = tmp_path / "mine"
+    (made / "train").rename(mine)
+    (made / "train").symlink_to(mine)
+    listed = sorted(mine.rglob("*"))
+    assert main(["--out", str(made), *argv[2:], "--workers", "1", "--exist-ok"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: {made / 'train'} is a symbolic link, not a folder data/make_shapes.py made; "
+        "move it away or choose another --out\n"
+    )
+    assert sorted(mine.rglob("*")) == listed
+
+
+def test_exist_ok_checks_the_options_before_removing_the_old_set(tmp_path, capsys):
+    """Was: --exist-ok removed the old images, then found --classes 9 wrong: no set at all."""
+    out = tmp_path / "shapes"
+    argv = ["--out", str(out), "--n-train", "2", "--n-val", "1", "--workers", "1"]
+    assert main(argv) == 0
+    before = sorted(p.relative_to(out) for p in out.rglob("*"))
+    capsys.readouterr()
+    assert main([*argv, "--exist-ok", "--classes", "9"]) == 2
+    assert capsys.readouterr().err == "error: n_classes must be in 1..8, got 9\n"
+    assert sorted(p.relative_to(out) for p in out.rglob("*")) == before
 
 
 def test_the_extra_classes_have_their_own_box_shapes():
