@@ -150,7 +150,7 @@ def run(config: TrainConfig, dist: DistInfo, signals: StopSignals | None = None)
             if claim is not None:
                 claim.log()
             return _train(config, dist, t_start, signals or StopSignals())
-    except Exception:
+    except (Exception, KeyboardInterrupt):  # Ctrl-C while starting leaves no run behind either
         if claim is not None:
             claim.set_aside_failed_start()
         raise

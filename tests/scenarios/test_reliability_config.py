@@ -30,6 +30,7 @@ from data.make_shapes import make_dataset
 from models.darknet import Darknet, model_blocks_for
 from models.weights import save_weights
 from tools import convert_weights, kmeans_anchors, make_cfg
+from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
 
 REPO = Path(__file__).resolve().parents[2]
@@ -608,6 +609,27 @@ def test_a_failed_start_frees_the_run_name(env, console, tmp_path):
     err = console.readouterr().err
     assert sorted(p.name for p in project.iterdir()) == ["e5"], err
     assert (project / "e5" / "last.pt").is_file() and "--resume continues" not in err
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_starting_frees_the_run_name(env, console, tmp_path, monkeypatch):
+    """Was: Ctrl-C before the first checkpoint (here: while the data is read) left runs/e6
+    holding only train.log: ``--resume`` found nothing there, and the next run of that name,
+    told runs/e6 held a run, wrote runs/e62. Now as a failed start: set aside, name free."""
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    project = tmp_path / "runs"
+    argv = ["--project", str(project), "--name", "e6"]
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_module, "_train_data", interrupted)
+        assert train_script.main(train_argv(env["data"], None, *argv, epochs=1)) == 130
+    console.readouterr()
+    (failed,) = (project / "e6").glob("failed-*")
+    assert (failed / "train.log").is_file() and not (project / "e6" / "train.log").exists()
+    assert train_script.main(train_argv(env["data"], None, *argv, epochs=1, img=64)) == 0
+    assert sorted(p.name for p in project.iterdir()) == ["e6"], console.readouterr().err
 
 
 def test_resume_of_a_named_run_without_a_checkpoint_says_so(env, console, tmp_path):
