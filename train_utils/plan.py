@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from build_utils.checks import is_real
+from build_utils.checks import is_int, is_real
 from train_utils.checkpoint import MAX_EPOCH, bad_value, damaged, record_int, record_real
 
 logger = logging.getLogger(__name__)
@@ -224,15 +224,26 @@ class EpochPlan:
         self.epoch_s = [float(t) for t in ckpt.get("epoch_seconds") or []]
         if ckpt.get("eval_seconds") is not None:
             self.eval_s = float(ckpt["eval_seconds"])
-        saved_budget_s = ((ckpt.get("config") or {}).get("time_budget") or 0) * 60.0
+        saved = ckpt.get("config") or {}
+        saved_budget_s = (saved.get("time_budget") or 0) * 60.0
         finished = start_epoch >= self.epochs
-        if self.spent_before_s >= self.budget_s or (finished and saved_budget_s == self.budget_s):
+        # Stopped by its --epochs cap, not by the budget, and given a higher cap now.
+        cap = saved.get("epochs")
+        more_epochs = (
+            finished
+            and is_int(cap)
+            and start_epoch >= cap
+            and (self.max_epochs is None or self.max_epochs > cap)
+        )
+        if self.spent_before_s >= self.budget_s or (
+            finished and saved_budget_s == self.budget_s and not more_epochs
+        ):
             # Spent, or stopped where its next epoch would not have fitted this same budget.
             self.epochs = start_epoch
             logger.info("the checkpoint already spent the --time-budget; nothing to do")
-        elif self.epoch_s and saved_budget_s != self.budget_s:
+        elif self.epoch_s and (saved_budget_s != self.budget_s or more_epochs):
             self.epochs = self._plan_from(start_epoch)
-        elif finished and saved_budget_s < self.budget_s:
+        elif finished and (saved_budget_s < self.budget_s or more_epochs):
             self.epochs = start_epoch + 1
 
     def _plan_from(self, start_epoch: int) -> int:

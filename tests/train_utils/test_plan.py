@@ -305,3 +305,20 @@ def test_an_interrupted_budget_run_keeps_its_plan_and_times() -> None:
 def test_damaged_plan_times_are_one_line(key, value) -> None:
     with pytest.raises(CheckpointError, match=f"the checkpoint is damaged: {key} "):
         EpochPlan.check_state({key: value}, "last.pt")
+
+
+def test_a_budget_run_stopped_by_its_epochs_cap_trains_on_with_a_higher_cap() -> None:
+    """Was: ``--time-budget 10 --epochs 1``, then ``--resume --epochs 3``: "the checkpoint
+    already spent the --time-budget; nothing to do" after 6 s of the 10 minutes."""
+    ckpt = {
+        "planned_epochs": 1,
+        "budget_spent_s": 6.0,
+        "epoch_seconds": [5.0],
+        "eval_seconds": 1.0,
+        "config": {"time_budget": 10.0, "epochs": 1},
+    }
+    # No cap now: what the 594 s left fit at 5 s an epoch and 1 s its evaluation (98 more).
+    for cap, epochs in ((3, 3), (1, 1), (None, 99)):
+        plan = EpochPlan(epochs=cap or 300, budget_s=600.0, max_epochs=cap)
+        plan.load_state_dict(ckpt, start_epoch=1)
+        assert plan.epochs == epochs, cap
