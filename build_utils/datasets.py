@@ -30,6 +30,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from functools import partial
@@ -204,8 +205,16 @@ def log_unreadable(epoch: int | None, split: str, paths: Sequence[str], rank: in
 
 def worker_init_fn(worker_id: int) -> None:
     """``DataLoader(worker_init_fn=...)``: one OpenCV thread per worker process (the workers are
-    the parallelism; OpenCV's own pool in each would oversubscribe the cores)."""
+    the parallelism; OpenCV's own pool in each would oversubscribe the cores).
+
+    Ctrl-C and SIGTERM reach a worker too when they are sent to the process group (a terminal,
+    ``timeout``, a scheduler): the worker ignores them and the training process, which saves
+    and stops, ends its workers. A worker killed by the signal instead made the loader print
+    "Exception ignored ... DataLoader worker (pid N) is killed by signal" after the run's
+    "interrupted" line. (A worker whose process dies exits on its own: PyTorch's watchdog.)"""
     cv2.setNumThreads(0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def rect_batch_shapes(aspect: np.ndarray, batch_size: int) -> np.ndarray:

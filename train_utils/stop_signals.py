@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -89,9 +90,20 @@ class StopSignals:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
             wanted.append(signal.SIGINT)
         previous = {s: signal.signal(s, self._handle) for s in wanted if s is not None}
+        previous_hook = sys.unraisablehook
+
+        def quiet_interrupts(unraisable: Any) -> None:
+            # A KeyboardInterrupt raised inside a __del__ or weakref callback: kept in
+            # self.interrupted and raised again at the next stop point, not printed as a
+            # traceback after the run's "interrupted" line.
+            if not isinstance(unraisable.exc_value, KeyboardInterrupt):
+                previous_hook(unraisable)
+
+        sys.unraisablehook = quiet_interrupts
         try:
             yield
         finally:
+            sys.unraisablehook = previous_hook
             for s, handler in previous.items():
                 signal.signal(s, handler)
 

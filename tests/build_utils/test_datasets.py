@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import struct
 from pathlib import Path
 
@@ -719,3 +720,16 @@ def test_dataloader_with_workers(shapes_data):
         assert ((targets[:, 1] >= 0) & (targets[:, 1] < 5)).all()
         seen += len(paths)
     assert seen == len(d)
+
+
+def test_a_worker_leaves_ctrl_c_and_sigterm_to_the_training_process() -> None:
+    """Was: a process-group SIGTERM killed the workers, and the loader printed "Exception
+    ignored ... DataLoader worker (pid N) is killed by signal: Terminated" after the run's
+    "interrupted" line."""
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        worker_init_fn(0)
+        assert {s: signal.getsignal(s) for s in before} == dict.fromkeys(before, signal.SIG_IGN)
+    finally:
+        for s, handler in before.items():
+            signal.signal(s, handler)
