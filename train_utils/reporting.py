@@ -80,6 +80,8 @@ TIMING_COLUMNS = ("train_seconds", "data_wait_s", "compute_s", "data_wait_share"
 # the model could train faster with a faster data pipeline. Darknet warns when loading takes
 # longer than training (a share of 0.5); from 0.3 on, the knobs below already pay.
 DATA_WAIT_WARN_SHARE = 0.3
+RESULTS_PLOT = "results.png"  # ResultsCsv's curves
+TENSORBOARD_FILES = "events.out.tfevents.*"  # the names SummaryWriter gives its files (a glob)
 # The run's small text files an external tracker keeps with its pictures.
 RUN_TEXT_FILES = ("results.csv", "per_class.csv", "args.yaml", "hyp.yaml", "model.cfg")
 
@@ -202,7 +204,7 @@ class ResultsCsv(Tracker):
         row = {"epoch": epoch, **{k: v for k, v in metrics.items() if k in RESULTS_HEADER}}
         write_results(self.path, [*read_results(self.path), row])
         if self.plots:
-            plot_results(self.path, self.out / "results.png")
+            plot_results(self.path, self.out / RESULTS_PLOT)
 
 
 class TensorBoard(Tracker):

@@ -9,10 +9,11 @@ refreshed for :data:`FOREIGN_STALE_S` seconds; an earlier attempt of the same SL
 torchrun rendezvous (:func:`job_id`) at once. A live lock stops the second run with one line
 naming its holder.
 
-A folder that holds a previous run (:data:`RUN_FILES`) is never written over by accident:
-``--name x`` / ``--output-dir x`` then writes ``x2``, ``x3``, ... (YOLOv5's ``increment_path``),
-``--resume`` continues the run in it, and ``--exist-ok`` reuses it after moving the previous
-run's files into ``x/replaced-<time>/`` (nothing is deleted or mixed).
+A folder that holds a previous run (:data:`RUN_FILES`), or any other file a run writes
+(:func:`is_run_write`: its pictures, ``model.cfg``, ...; perhaps the user's own), is never written
+over by accident: ``--name x`` / ``--output-dir x`` then writes ``x2``, ``x3``, ... (YOLOv5's
+``increment_path``), ``--resume`` continues the run in it, and ``--exist-ok`` reuses it after
+moving the previous run's files into ``x/replaced-<time>/`` (nothing is deleted or mixed).
 
 Only rank 0 calls :func:`claim_run_folder`; the trainer shares its answer with every rank.
 """
@@ -29,12 +30,18 @@ import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
 from build_utils.atomic import TEMP_SUFFIX, write_error
 from build_utils.errors import ConfigError
 from build_utils.safe_yaml import load_yaml
+from train_utils.evaluation.coco_gt import CACHE_FILES
+from train_utils.evaluation.report import REPORT_FILES
+from train_utils.reporting import RESULTS_PLOT, TENSORBOARD_FILES
+from train_utils.run_pictures import LABELS_FILE, TRAIN_BATCH_FILES
+from train_utils.trackers import RECORD_NAME
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +53,24 @@ RUN_ARGS_NAME = "args.yaml"  # the run's resolved arguments (reporting.write_run
 SEARCH_RECORD = "search.yaml"  # an --evolve search's folder (train_utils/evolve/search.py)
 # The files by which a folder holds a run (or a search) that must not be written over.
 RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log", SEARCH_RECORD)
-# Other files a run writes under fixed names: a folder holding them (a user's own model.cfg or
-# hyp.yaml, say: perhaps this run's --cfg) is not written over either.
-RUN_WRITES = (RUN_CFG_NAME, RUN_HYP_NAME, RUN_ARGS_NAME, "per_class.csv")
-RUN_OUTPUTS = RUN_FILES + RUN_WRITES  # a folder holding any of these gets the next number
+# Other files a run writes under fixed names or globs, as named where they are written: a folder
+# holding them (a user's own model.cfg or labels.png, say: perhaps this run's --cfg) is not
+# written over either.
+RUN_WRITES = (
+    RUN_CFG_NAME,  # with args.yaml and hyp.yaml: reporting.write_run_files
+    RUN_HYP_NAME,
+    RUN_ARGS_NAME,
+    *REPORT_FILES,  # each evaluation's per_class.csv and pictures
+    LABELS_FILE,
+    *TRAIN_BATCH_FILES,
+    RESULTS_PLOT,
+    TENSORBOARD_FILES,
+    CACHE_FILES,  # the validation set's COCO ground truth
+    RECORD_NAME,  # --tracker's run ids
+)
 # The checkpoints a run writes (train_utils/rounds.save_on_main; .weights: --recipe darknet).
 RUN_CHECKPOINT = re.compile(r"(last|best)\.(pt|weights)|epoch\d+\.pt")
+WRITES_NAMED = 5  # a folder's files a run writes that a note names (then "and N more")
 REPLACED_PREFIX = "replaced-"  # --exist-ok moves a previous run into <run>/replaced-<time>/
 FAILED_PREFIX = "failed-"  # a start that failed before its first checkpoint: <run>/failed-<time>/
 MOVED_PREFIXES = (REPLACED_PREFIX, FAILED_PREFIX)
@@ -184,6 +203,39 @@ def holds_run(folder: Path, names: tuple[str, ...] = RUN_FILES) -> bool:
     return False
 
 
+def is_run_write(name: str) -> bool:
+    """Whether a run writes a file called ``name`` into its folder (:data:`RUN_FILES`,
+    :data:`RUN_WRITES`, :data:`RUN_CHECKPOINT`)."""
+    if RUN_CHECKPOINT.fullmatch(name):
+        return True
+    return any(fnmatchcase(name, pattern) for pattern in RUN_FILES + RUN_WRITES)
+
+
+def run_writes_in(folder: Path) -> list[str]:
+    """The names of the files in ``folder`` that a run writes (:func:`is_run_write`), in the
+    order of :data:`RUN_FILES` and :data:`RUN_WRITES`; empty files do not count (as in
+    :func:`holds_run`). Nothing when ``folder`` cannot be listed (not there, unreadable: claiming
+    it says why)."""
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return []
+    found = []
+    for entry in entries:
+        try:
+            if is_run_write(entry.name) and entry.is_file() and entry.stat().st_size > 0:
+                found.append(entry.name)
+        except OSError:
+            continue  # gone since the listing
+    patterns = RUN_FILES + RUN_WRITES
+
+    def order(name: str) -> tuple[int, str]:
+        first = next((i for i, p in enumerate(patterns) if fnmatchcase(name, p)), len(patterns))
+        return first, name
+
+    return sorted(found, key=order)
+
+
 def check_not_a_run_file(path: Path, flag: str, instead: Path) -> None:
     """Refuse an output ``path`` that is a file a training run wrote (a checkpoint such as its
     resumable ``last.pt``, its ``results.csv``, ...) in a folder that holds that run by its
@@ -194,7 +246,7 @@ def check_not_a_run_file(path: Path, flag: str, instead: Path) -> None:
         ConfigError: ``path`` exists and is one of the run's files.
     """
     path = Path(path)
-    if path.name not in RUN_OUTPUTS and not RUN_CHECKPOINT.fullmatch(path.name):
+    if not is_run_write(path.name):
         return
     others = tuple(name for name in RUN_FILES if name != path.name)
     if path.exists() and holds_run(path.parent, others):
@@ -229,7 +281,7 @@ def _numbered(base: Path) -> Path:
         candidate = base.with_name(f"{base.name}{n}")
         if not candidate.exists():
             return candidate
-        free = not holds_run(candidate, RUN_OUTPUTS) and not (candidate / LOCK_NAME).exists()
+        free = not run_writes_in(candidate) and not (candidate / LOCK_NAME).exists()
         if candidate.is_dir() and free:
             return candidate
     raise ConfigError(f"{base}2 ... {base}{MAX_NUMBER} all hold runs; choose another --name")
@@ -425,7 +477,10 @@ def _choose_folder(
     live = holder is not None and not is_stale(holder)
     if live and not auto_named:
         raise _refusal(base, holder)
-    if resume or exist_ok or not base.is_dir() or not (live or holds_run(base, RUN_OUTPUTS)):
+    if resume or exist_ok or not base.is_dir():
+        return base
+    written = run_writes_in(base)
+    if not (live or written):
         return base
     folder = _numbered(base)
     if live:
@@ -433,7 +488,10 @@ def _choose_folder(
     elif holds_run(base):
         why = "holds a previous run (never overwritten)"
     else:
-        why = f"holds files a run writes ({', '.join(RUN_WRITES)}: never overwritten)"
+        names = ", ".join(written[:WRITES_NAMED])
+        if len(written) > WRITES_NAMED:
+            names += f" and {len(written) - WRITES_NAMED} more"
+        why = f"holds files a run writes ({names}: never overwritten)"
     note = f"{base} {why}; this run writes {folder}"
     if not live:
         note += f" (--resume continues {base}, --exist-ok reuses it)"
@@ -485,7 +543,7 @@ def claim_run_folder(
         raise write_error(e, folder, RUN_FOLDER_FLAGS, folder=True) from e
     claim = RunFolder(folder, notes, found=found)
     try:
-        if exist_ok and not resume and holds_run(folder, RUN_OUTPUTS):
+        if exist_ok and not resume and run_writes_in(folder):
             claim.moved_to = move_previous_run(folder)
             notes.append(f"--exist-ok: the previous run in {folder} was moved to {claim.moved_to}")
     except OSError as e:

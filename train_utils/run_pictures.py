@@ -23,6 +23,8 @@ from train_utils.evaluation.plots import batch_to_images, plot_images, plot_labe
 logger = logging.getLogger(__name__)
 
 TRAIN_BATCHES_DRAWN = 3  # train_batch0.jpg .. train_batch2.jpg
+LABELS_FILE = "labels.png"
+TRAIN_BATCH_FILES = tuple(f"train_batch{i}.jpg" for i in range(TRAIN_BATCHES_DRAWN))
 
 
 def plot_dataset_labels(dataset: Any, names: Sequence[str], out_dir: Path) -> None:
@@ -31,9 +33,9 @@ def plot_dataset_labels(dataset: Any, names: Sequence[str], out_dir: Path) -> No
     if labels is None:
         return
     try:
-        plot_labels(labels, names, out_dir / "labels.png")
+        plot_labels(labels, names, out_dir / LABELS_FILE)
     except Exception as e:  # pictures are a convenience; training goes on without them
-        logger.warning("could not draw %s: %s", out_dir / "labels.png", e)
+        logger.warning("could not draw %s: %s", out_dir / LABELS_FILE, e)
 
 
 class _FirstBatches:
@@ -57,7 +59,7 @@ class _FirstBatches:
 
     def _draw(self, i: int, batch: Sequence[Any]) -> None:
         imgs, targets, paths = batch[0], batch[1], batch[2]
-        path = self.out_dir / f"train_batch{i}.jpg"
+        path = self.out_dir / TRAIN_BATCH_FILES[i]
         try:
             images, boxes = batch_to_images(_numpy(imgs), _numpy(targets))
             plot_images(images, boxes, self.names, path, [Path(p).name for p in paths])

@@ -194,6 +194,68 @@ def test_a_folder_holding_files_a_run_writes_is_not_written_over(tmp_path):
     claim.release()
 
 
+# A file of each name or glob a run writes besides RUN_FILES (run_folder.RUN_WRITES, checkpoints).
+PICTURES_AND_OTHERS = [
+    "labels.png",
+    "results.png",
+    "confusion_matrix.png",
+    "F1_curve.png",
+    "train_batch2.jpg",
+    "val_batch0_pred.jpg",
+    "events.out.tfevents.1795777144.vm.4102.0",
+    "coco_gt_0123abcd.json",
+    "trackers.json",
+    "epoch3.pt",
+    "last.weights",
+]
+
+
+@pytest.mark.parametrize("name", PICTURES_AND_OTHERS)
+def test_a_folder_holding_a_picture_or_other_file_a_run_writes_is_not_written_over(tmp_path, name):
+    """Was: only model.cfg, hyp.yaml, args.yaml, per_class.csv and the run's own files counted;
+    a folder holding the user's labels.png (or results.png, an events file, ...) had it replaced
+    by the run's, without a word."""
+    base = tmp_path / "u"
+    base.mkdir()
+    (base / name).write_text("mine\n")
+    claim = claim_run_folder(base, resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "u2"
+    assert claim.notes == [
+        f"{base} holds files a run writes ({name}: never overwritten); this run writes "
+        f"{tmp_path / 'u2'} (--resume continues {base}, --exist-ok reuses it)"
+    ]
+    claim.release()
+    assert _snapshot(base) == {name: b"mine\n"}
+    # The next number is not one holding such a file either.
+    claim = claim_run_folder(base, resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "u2"  # empty but for what this test left: free
+    claim.release()
+    (tmp_path / "u2" / name).write_text("mine too\n")
+    claim = claim_run_folder(base, resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "u3"
+    claim.release()
+    # --exist-ok: the folder itself, the file moved aside first (as for model.cfg).
+    claim = claim_run_folder(base, resume=False, exist_ok=True)
+    assert claim.path == base and (claim.moved_to / name).read_text() == "mine\n"
+    assert claim.notes == [f"--exist-ok: the previous run in {base} was moved to {claim.moved_to}"]
+    claim.release()
+
+
+def test_a_note_names_the_first_files_a_run_writes_and_counts_the_rest(tmp_path):
+    base = tmp_path / "u"
+    base.mkdir()
+    for name in PICTURES_AND_OTHERS:
+        (base / name).write_text("mine\n")
+    (base / "empty.png").write_text("")
+    (base / "train_batch9.jpg").write_text("a batch a run never draws")
+    claim = claim_run_folder(base, resume=False, exist_ok=False)
+    assert claim.notes[0].startswith(
+        f"{base} holds files a run writes (confusion_matrix.png, F1_curve.png, "
+        "val_batch0_pred.jpg, labels.png, train_batch2.jpg and 6 more: never overwritten); "
+    )
+    claim.release()
+
+
 # ---- through the trainer and train.py -------------------------------------------------------
 
 
@@ -271,6 +333,31 @@ def test_a_name_in_use_never_overwrites_the_run_there(make_shapes_data, tmp_path
     assert "the previous run" not in (moved / "train.log").read_text()
     assert "--exist-ok: the previous run" in (copy / "train.log").read_text()
     assert not (copy / LOCK_NAME).exists()
+
+
+@pytest.mark.slow
+def test_train_py_never_replaces_a_users_pictures(make_shapes_data, tmp_path, console):
+    """The defect as found: --output-dir u holding the user's labels.png, results.png,
+    confusion_matrix.png, train_batch0.jpg and PR_curve.png exited 0 with the run's pictures in
+    their place. Now the run writes u2 and says so; u is as it was."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    base = tmp_path / "u"
+    base.mkdir()
+    names = ("labels.png", "results.png", "confusion_matrix.png", "train_batch0.jpg")
+    for name in (*names, "PR_curve.png"):
+        (base / name).write_text("mine\n")
+    before = _snapshot(base)
+    assert train_script.main(train_argv(data, base, img=IMG, epochs=1, plots=True)) == 0
+    note = (
+        f"{base} holds files a run writes (confusion_matrix.png, PR_curve.png, labels.png, "
+        f"train_batch0.jpg, results.png: never overwritten); this run writes {tmp_path / 'u2'} "
+        f"(--resume continues {base}, --exist-ok reuses it)"
+    )
+    assert note in console.readouterr().err
+    assert _snapshot(base) == before
+    written = {p.name for p in (tmp_path / "u2").iterdir()}
+    assert {*names, "PR_curve.png", "last.pt", "train.log"} <= written
+    assert note in (tmp_path / "u2" / "train.log").read_text()
 
 
 @pytest.mark.slow

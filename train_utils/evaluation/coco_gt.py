@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 # Bump when the layout of the cached dict changes, so that old cache files are not reused.
 CACHE_VERSION = 1
 CACHE_PREFIX = "coco_gt_"
+CACHE_FILES = f"{CACHE_PREFIX}*.json"  # the cache files' names (a glob)
 
 
 class _CocoIndexable(Protocol):
