@@ -50,7 +50,13 @@ import cv2
 import numpy as np
 import torch
 
-from build_utils.atomic import fsync_dir, make_output_dir, reported_write, temp_path
+from build_utils.atomic import (
+    check_not_over_sources,
+    fsync_dir,
+    make_output_dir,
+    reported_write,
+    temp_path,
+)
 from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.checks import check_at_least, check_fractions
@@ -591,44 +597,6 @@ def _refuse_if_nothing_readable(outputs: Sequence[Output]) -> None:
         raise ConfigError(f"--source: nothing readable to predict on: {problems[0]}{more}")
 
 
-def _resolved(path: str | Path) -> Path:
-    """``path`` with symbolic links resolved as far as they go: ``Path.resolve`` raises on a
-    link loop, which is a source to skip with its reason, not a traceback."""
-    return Path(os.path.realpath(path))
-
-
-def check_not_over_sources(
-    out_dir: Path, sources: Sequence[str], outputs: Sequence[Output]
-) -> None:
-    """Refuse an output folder that is a source folder, lies inside one, or holds a source file
-    (paths compared resolved, so symbolic links count as what they point to).
-
-    Raises:
-        ConfigError: the output would be written over or among what is read.
-    """
-    out = _resolved(out_dir)
-    for s in sources:
-        if is_camera(s) or is_stream(s):
-            continue
-        src = _resolved(s)
-        if src.is_dir() and out.is_relative_to(src):
-            where = "is" if out == src else "is inside"
-            raise ConfigError(
-                f"--output {out_dir} {where} --source {s}: the predictions would be written "
-                "among the images they are made from; choose an --output outside it"
-            )
-        if src.is_relative_to(out):
-            raise ConfigError(
-                f"--output {out_dir} holds --source {s}: the predictions could overwrite it; "
-                "choose another --output"
-            )
-    for o in outputs:  # a symbolic link in a source folder may point into the output folder
-        if isinstance(o.source, Path) and _resolved(o.source).is_relative_to(out):
-            raise ConfigError(
-                f"--output {out_dir} holds {o.source} (a source image); choose another --output"
-            )
-
-
 def choose_output_dir(
     requested: Path, exist_ok: bool, sources: Sequence[str], outputs: Sequence[Output]
 ) -> tuple[Path, bool]:
@@ -638,20 +606,25 @@ def choose_output_dir(
     ``exp2``.
 
     Raises:
-        ConfigError: the folder overlaps a source (see :func:`check_not_over_sources`), or a
-            file stands where it should be.
+        ConfigError: the folder is, lies inside or holds a source (see
+            :func:`~build_utils.atomic.check_not_over_sources`), or a file stands where it
+            should be.
         OutputError: it cannot be created (a read-only place, a full disk).
     """
-    check_not_over_sources(requested, sources, outputs)
+    read = {f"--source {s}": s for s in sources if not (is_camera(s) or is_stream(s))}
+    images = [o.source for o in outputs if isinstance(o.source, Path)]
     # A file where the folder should be is reported by make_output_dir, as every write is.
     out = first_free_folder(requested, exist_ok)
+    for folder in dict.fromkeys((requested, out)):
+        check_not_over_sources(
+            folder, OUTPUT_FLAG, read, images, "the predictions", "a source image"
+        )
     if out != requested:
         logger.info(
             "--output %s already holds files; writing to %s (--exist-ok to write into it)",
             requested,
             out,
         )
-    check_not_over_sources(out, sources, outputs)
     created = not out.exists()
     return make_output_dir(out, OUTPUT_FLAG), created
 

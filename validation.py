@@ -28,7 +28,9 @@ validation images with labels and predictions (``--no-plots`` skips the pictures
 ``--save-txt`` one YOLO ``.txt`` per image in ``--save-dir/labels``. ``--project/--name`` folders
 are numbered as YOLOv5's; with ``--exist-ok`` the previous report there is first moved into
 ``replaced-<time>/``. An existing ``--json-out`` file, ``--save-json`` file or report in a
-``--save-dir`` is replaced only with ``--exist-ok``.
+``--save-dir`` is replaced only with ``--exist-ok``; never, not even then, a file validation
+reads (the weights, cfg, dataset file and the files it names), a training run's file or folder,
+or the images and labels it scores (a report folder may neither be, lie inside nor hold them).
 
 ``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
 ``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
@@ -51,7 +53,15 @@ from typing import Any
 
 import torch
 
-from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
+from build_utils.atomic import (
+    check_apart,
+    check_new_outputs,
+    check_not_an_input,
+    check_not_over_sources,
+    check_output_place,
+    make_output_dir,
+    write_text,
+)
 from build_utils.checks import check_at_least, check_fractions
 from build_utils.datasets import UnreadableImages, log_unreadable
 from build_utils.errors import CheckpointError, ConfigError
@@ -108,7 +118,13 @@ from train_utils.evaluation.report import REPORT_FILES, write_eval_report
 from train_utils.evaluation.speed import measure_speed
 from train_utils.load_model import default_img_size, model_from_weights
 from train_utils.precision import InferencePrecision, replay_precision
-from train_utils.run_folder import REPLACED_PREFIX, RUN_FILES, holds_run, move_previous_run
+from train_utils.run_folder import (
+    REPLACED_PREFIX,
+    RUN_FILES,
+    check_not_a_run_file,
+    holds_run,
+    move_previous_run,
+)
 
 logger = logging.getLogger("validation")
 
@@ -380,17 +396,57 @@ def report_place(args: argparse.Namespace) -> Path | None:
     return requested
 
 
+def _refuse_a_run_folder(folder: str | Path, flag: str) -> None:
+    """A report never writes into a training run's folder (nor an --evolve search's)."""
+    if Path(folder).is_dir() and holds_run(Path(folder)):
+        raise ConfigError(
+            f"{flag} {folder} holds a training run or search ({', '.join(RUN_FILES)}), which a "
+            f"report never writes into: choose another {flag}"
+        )
+
+
+def json_folder(args: argparse.Namespace, requested: Path | None) -> Path | None:
+    """--save-json's folder when it is known before the evaluation (a bare --save-json goes
+    into the report folder, numbered only then under --project/--name); None otherwise."""
+    if args.save_json is True:
+        return Path(args.save_dir) if requested is None else None
+    return None if args.save_json is None else Path(args.save_json)
+
+
+def json_files(args: argparse.Namespace, requested: Path | None) -> dict[Path, str]:
+    """The JSON files this validation writes, when known before the evaluation -> the flag."""
+    files = {}
+    folder = json_folder(args, requested)
+    if folder is not None:
+        names = [GT_JSON, PRED_JSON, *([SOURCE_STATS_JSON] if args.coco_gt else [])]
+        files.update({folder / name: "--save-json" for name in names})
+    if args.json_out:
+        files[Path(args.json_out)] = "--json-out"
+    return files
+
+
+def files_read(args: argparse.Namespace, data: DataConfig | None = None) -> dict[str, Any]:
+    """The files this validation reads, as messages name them -> path (None: not given):
+    before the weights are read, those on the command line; with ``data``, every one."""
+    reads = {
+        "the --weights file": args.weights,
+        "the --cfg file": args.cfg,
+        "the --data file": args.data if data is None else data.path,
+        "the --coco-gt file": args.coco_gt,
+    }
+    for key, path in data.files if data is not None else ():
+        what = f"the '{key}' file of {data.path}"
+        reads[f"{what} ({path})" if what in reads else what] = path
+    return reads
+
+
 def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
-    """Before the evaluation: a place no write could use, a JSON file that exists (without
-    --exist-ok) or is the weights, and an --exist-ok that would move a training run aside."""
+    """Before the weights are read: a place no write could use, a file that exists (without
+    --exist-ok), a training run's folder or file, and an --exist-ok that would move a training
+    run aside. What the data name is checked once they are read (:func:`check_not_over_inputs`)."""
     if requested is None:
         check_output_place(args.save_dir, "--save-dir", folder=True)
-        if Path(args.save_dir).is_dir() and holds_run(Path(args.save_dir)):
-            raise ConfigError(
-                f"--save-dir {args.save_dir} holds a training run or search "
-                f"({', '.join(RUN_FILES)}), "
-                "whose report this one would replace: choose another --save-dir"
-            )
+        _refuse_a_run_folder(args.save_dir, "--save-dir")
         # Used as given, but a report there (or a user's files of the same names) is not
         # replaced unasked (was: per_class.csv and errors.json written over without a word).
         reports = [Path(args.save_dir) / name for name in REPORT_NAMES]
@@ -400,18 +456,49 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
             f"--exist-ok would move the previous report in {requested} aside, and it holds a "
             f"training run ({', '.join(RUN_FILES)}): choose another --name for the report"
         )
-    reads = {"the --weights file": args.weights}
-    json_dir = args.save_json
-    if json_dir is True:  # bare: the report folder, when it is known now
-        json_dir = args.save_dir if requested is None else None
-    if json_dir is not None:
-        check_output_place(json_dir, "--save-json", folder=True)
-        names = [GT_JSON, PRED_JSON, *([SOURCE_STATS_JSON] if args.coco_gt else [])]
-        outputs = [Path(json_dir) / n for n in names]
-        check_new_outputs(outputs, "--save-json", args.exist_ok, reads)
+    folder = json_folder(args, requested)
+    if folder is not None:
+        check_output_place(folder, "--save-json", folder=True)
+        _refuse_a_run_folder(folder, "--save-json")
     if args.json_out:
-        check_output_place(args.json_out, "--json-out")
-        check_new_outputs([args.json_out], "--json-out", args.exist_ok, reads)
+        json_out = Path(args.json_out)
+        check_not_a_run_file(json_out, "--json-out", json_out.with_suffix(".json"))
+    for path, flag in json_files(args, requested).items():
+        check_output_place(path, flag)
+        check_new_outputs([path], flag, args.exist_ok, files_read(args))
+
+
+def check_not_over_inputs(
+    args: argparse.Namespace, requested: Path | None, data: DataConfig, dataset: Any
+) -> None:
+    """Once the data are read, before the evaluation (on every rank): no output is a file this
+    tool reads (the weights, cfg, dataset file and every file it names, --coco-gt's file) or
+    lies among the images and labels it scores, and the report folder neither is, lies inside
+    nor holds them (nor, when --exist-ok would move what it holds aside, a file read)."""
+    reads = files_read(args, data)
+    scored = {
+        **{f"the images scored in {d}": d for d in {Path(f).parent for f in dataset.img_files}},
+        **{f"the labels scored in {d}": d for d in {Path(f).parent for f in dataset.label_files}},
+    }
+    for path, flag in json_files(args, requested).items():
+        check_not_an_input(path, flag, reads)
+        check_apart({flag: path}, scored.values(), "the images or labels scored in")
+    # Files read that a write could replace: in labels/ (--save-txt), or in a report folder
+    # whose previous contents --exist-ok moves aside.
+    at_risk = {f"{what} {path}": path for what, path in reads.items() if path is not None}
+    if requested is None:
+        flag, folders = "--save-dir", [Path(args.save_dir)]
+        for name in REPORT_NAMES:
+            check_not_an_input(folders[0] / name, flag, reads)
+        if args.save_txt:
+            check_not_over_sources(folders[0] / LABELS_DIR, flag, at_risk, (), "--save-txt")
+    else:
+        flag, folders = "--project/--name", [requested, first_free_folder(requested, args.exist_ok)]
+        if args.exist_ok:
+            scored.update(at_risk)
+    scored_files = [*dataset.img_files, *dataset.label_files]
+    for folder in dict.fromkeys(folders):
+        check_not_over_sources(folder, flag, scored, scored_files, "the report", "a file scored")
 
 
 @dataclass
@@ -431,7 +518,9 @@ class Evaluation:
     source_gt: Any
 
 
-def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evaluation:
+def prepare(
+    args: argparse.Namespace, weights: WeightsFile, dist: Any, requested: Path | None
+) -> Evaluation:
     device = dist.device
     data = load_data_config(args.data, args.single_cls)
     opts = evaluation_options(args, weights, device, dist.is_main)
@@ -439,6 +528,7 @@ def prepare(args: argparse.Namespace, weights: WeightsFile, dist: Any) -> Evalua
     dataset = make_eval_dataset(
         data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
     )
+    check_not_over_inputs(args, requested, data, dataset)
     if args.batch_size > len(dataset):
         # As YOLOv5: one batch holds every image either way (the same rect shape, the same
         # scores), and the model's memory check is then made for the images there are.
@@ -564,7 +654,7 @@ def validate(args: argparse.Namespace) -> None:
     resolve_settings(args, weights)
     dist = init_distributed_mode(args)
     try:
-        ev = prepare(args, weights, dist)
+        ev = prepare(args, weights, dist, requested)
         if args.task == "speed":
             report_speed(args, ev, dist.is_main)
         else:

@@ -213,6 +213,51 @@ def check_apart(
                 )
 
 
+def resolved(path: str | os.PathLike[str]) -> Path:
+    """``path`` with symbolic links resolved as far as they go: ``Path.resolve`` raises on a
+    link loop, which a caller reports as a path to skip, not a traceback."""
+    return Path(os.path.realpath(path))
+
+
+def check_not_over_sources(
+    out_dir: str | os.PathLike[str],
+    flag: str,
+    sources: Mapping[str, str | os.PathLike[str]],
+    files: Iterable[str | os.PathLike[str]] = (),
+    written: str = "the outputs",
+    file_kind: str = "a file read",
+) -> None:
+    """Refuse an output folder ``out_dir`` (chosen by ``flag``) that is one of the folders
+    among ``sources`` (how the message names each -> path), lies inside one, or holds one of
+    them or one of ``files`` (each file read, as ``file_kind``: a symbolic link in a source
+    folder may point into the output folder). ``written``: what the tool writes there. Paths
+    are compared resolved, so symbolic links count as what they point to.
+
+    Raises:
+        ConfigError: the output would be written over or among what is read.
+    """
+    out = resolved(out_dir)
+    for name, source in sources.items():
+        src = resolved(source)
+        if src.is_dir() and out.is_relative_to(src):
+            where = "is" if out == src else "is inside"
+            raise ConfigError(
+                f"{flag} {out_dir} {where} {name}: {written} would be written among the files "
+                "read; choose a place outside it"
+            )
+        if src.is_relative_to(out):
+            raise ConfigError(
+                f"{flag} {out_dir} holds {name}, which {written} could replace; "
+                f"choose another {flag}"
+            )
+    for f in files:
+        if resolved(f).is_relative_to(out):
+            raise ConfigError(
+                f"{flag} {out_dir} holds {f} ({file_kind}), which {written} could replace; "
+                f"choose another {flag}"
+            )
+
+
 def check_new_outputs(
     paths: Iterable[str | os.PathLike[str]],
     flag: str,

@@ -25,7 +25,7 @@ from build_utils.augmentations import GRID  # every input side must be a multipl
 from build_utils.checks import check_at_least, check_choice, check_fractions
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
-from build_utils.parse_config import parse_data_cfg, parse_model_cfg
+from build_utils.parse_config import DATA_PATH_KEYS, parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
 from models.darknet import FREEZE_MODES, layer_list
 from train_utils.autobatch import AUTO_BATCH
@@ -229,8 +229,10 @@ DataSource = Path | tuple[Path, ...]
 @dataclass(frozen=True)
 class DataConfig:
     """A validated ``.data`` or ``data.yaml`` file: class count and names, the train and val
-    images (one source, or several from a data.yaml list), and ``coco_ids``: the file of
-    ``tools/coco2yolo.py`` mapping classes and images back to their COCO JSON's ids (None)."""
+    images (one source, or several from a data.yaml list), ``coco_ids``: the file of
+    ``tools/coco2yolo.py`` mapping classes and images back to their COCO JSON's ids (None), and
+    ``files``: (key, path) of every file or folder the dataset file names (image lists and
+    folders, names file, ``coco_ids``), which a tool that reads the data must not write over."""
 
     path: Path
     nc: int
@@ -238,6 +240,7 @@ class DataConfig:
     train: DataSource
     valid: DataSource
     coco_ids: Path | None = None
+    files: tuple[tuple[str, Path], ...] = ()
 
 
 def _sources(value: str | list[str]) -> DataSource:
@@ -273,7 +276,15 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
     if single_cls:
         nc, names = 1, ["object"]
     coco_ids = Path(d["coco_ids"]) if d.get("coco_ids") else None
-    return DataConfig(path, nc, names, _sources(d["train"]), _sources(d["valid"]), coco_ids)
+    files = tuple(
+        (key, Path(value))
+        for key in (*DATA_PATH_KEYS, "coco_ids")
+        if key != "backup"  # Darknet's own output folder, not read
+        for value in (d[key] if isinstance(d.get(key), list) else [d.get(key)])
+        if isinstance(value, str)
+    )
+    train, valid = _sources(d["train"]), _sources(d["valid"])
+    return DataConfig(path, nc, names, train, valid, coco_ids, files)
 
 
 def repo_default(value: str, default: str) -> str:

@@ -447,7 +447,7 @@ def test_exist_ok_never_moves_a_training_run(shapes_data, weights5, tmp_path, ca
         [line] = capsys.readouterr().err.splitlines()
         assert line == (
             f"error: --save-dir {run} holds a training run or search (last.pt, best.pt, "
-            "results.csv, train.log, search.yaml), whose report this one would replace: choose "
+            "results.csv, train.log, search.yaml), which a report never writes into: choose "
             "another --save-dir"
         )
     assert sorted(p.name for p in run.iterdir()) == ["last.pt"]
@@ -476,6 +476,117 @@ def test_json_outputs_are_kept_unless_exist_ok(shapes_data, weights5, tmp_path, 
     assert validation.main([*base, *extra]) == 0
     assert "mAP50" in json.loads(stats.read_text())
     assert isinstance(json.loads((js / "predictions.json").read_text()), list)
+
+
+def _files(root: Path) -> dict[str, bytes]:
+    """Every file under ``root`` and its bytes, but the label cache that reading the data makes."""
+    files = sorted(p for p in root.rglob("*") if p.is_file() and ".cache" not in p.name)
+    return {str(p.relative_to(root)): p.read_bytes() for p in files}
+
+
+def _error_line(capsys) -> str:
+    """The one error line on stderr (the first run on a dataset also draws a progress bar)."""
+    [line] = [x for x in capsys.readouterr().err.splitlines() if x.startswith("error")]
+    return line
+
+
+def test_no_output_replaces_a_file_read_or_a_training_run(
+    make_shapes_data, weights5, tmp_path, capsys
+):
+    """Was: exit 0, --json-out naming the .data file (or a file it names) replaced it with
+    JSON stats, --json-out runs/x/last.pt replaced the run's checkpoint, and --save-json runs/x
+    wrote into the run's folder (while --save-dir runs/x was refused). Now one line each, even
+    with --exist-ok, and every file as it was."""
+    data = make_shapes_data(n_train=4, n_val=4)
+    root = data.parent
+    run = tmp_path / "runs" / "t1"
+    run.mkdir(parents=True)
+    (run / "last.pt").write_bytes(b"a run")
+    (run / "results.csv").write_text("epoch\n0\n")
+    before = {**_files(root), **_files(run)}
+    base = _argv(data, weights5, "--save-dir", str(tmp_path / "v"), "--exist-ok")
+    cases = [
+        (["--json-out", str(data)], f"--json-out {data} is the --data file this tool reads"),
+        (
+            ["--json-out", str(root / "shapes.names")],
+            f"--json-out {root / 'shapes.names'} is the 'names' file of {data} this tool reads",
+        ),
+        (
+            ["--json-out", str(root / "val.txt")],
+            f"--json-out {root / 'val.txt'} is the 'valid' file of {data} this tool reads",
+        ),
+        (
+            ["--json-out", str(run / "last.pt")],
+            f"--json-out {run / 'last.pt'} is a file of the training run in {run}, which is "
+            "never replaced (not even with --exist-ok)",
+        ),
+        (
+            ["--save-json", str(run)],
+            f"--save-json {run} holds a training run or search (last.pt, best.pt, results.csv, "
+            "train.log, search.yaml), which a report never writes into: choose another "
+            "--save-json",
+        ),
+    ]
+    for extra, message in cases:
+        assert validation.main([*base, *extra]) == 2, extra
+        line = _error_line(capsys)
+        assert line.startswith(f"error: {message}"), line
+        assert {**_files(root), **_files(run)} == before, extra
+        assert sorted(p.name for p in run.iterdir()) == ["last.pt", "results.csv"]
+    assert not (tmp_path / "v").exists()
+
+
+def test_a_report_folder_over_the_scored_images_is_refused(
+    make_shapes_data, weights5, tmp_path, capsys
+):
+    """Was: --save-dir d/val --save-txt --exist-ok replaced the ground-truth labels in
+    d/val/labels with predictions, and --project d --name val --exist-ok moved d/val/images and
+    labels into d/val/replaced-<time>/ (val.txt then pointing at missing files). Now a report
+    folder that is, lies inside or holds the images or labels scored is refused, as
+    predict.py refuses an --output over its --source: one line, even with --exist-ok."""
+    data = make_shapes_data(n_train=4, n_val=4)
+    root = data.parent
+    val = (root / "val").resolve()
+    before = _files(root)
+    held = "which the report could replace"
+    cases = [
+        (
+            ["--save-dir", str(root / "val"), "--save-txt"],
+            f"--save-dir {root / 'val'} holds the images scored in {val / 'images'}, {held}; "
+            "choose another --save-dir",
+        ),
+        (
+            ["--project", str(root), "--name", "val"],
+            f"--project/--name {root / 'val'} holds the images scored in {val / 'images'}, "
+            f"{held}; choose another --project/--name",
+        ),
+        (
+            ["--save-dir", str(root / "val" / "labels")],
+            f"--save-dir {root / 'val' / 'labels'} is the labels scored in {val / 'labels'}: the "
+            "report would be written among the files read; choose a place outside it",
+        ),
+        (
+            ["--save-dir", str(tmp_path / "r"), "--save-json", str(root / "val" / "labels")],
+            f"--save-json {root / 'val' / 'labels' / 'ground_truth.json'} lies in the images or "
+            f"labels scored in {val / 'labels'}; choose a place outside it",
+        ),
+    ]
+    for extra, message in cases:
+        assert validation.main([*_argv(data, weights5, *extra), "--exist-ok"]) == 2, extra
+        assert _error_line(capsys) == f"error: {message}"
+        assert _files(root) == before, extra
+    assert not (tmp_path / "r").exists()
+    # A report folder whose previous contents --exist-ok would move aside holds the weights.
+    weights = tmp_path / "mine" / "w.pt"
+    weights.parent.mkdir()
+    shutil.copy(weights5, weights)
+    argv = _argv(data, weights, "--project", str(tmp_path), "--name", "mine", "--exist-ok")
+    assert validation.main(argv) == 2
+    assert _error_line(capsys) == (
+        f"error: --project/--name {weights.parent} holds the --weights file {weights}, which the "
+        "report could replace; choose another --project/--name"
+    )
+    assert sorted(p.name for p in weights.parent.iterdir()) == ["w.pt"]
 
 
 def test_a_torchscript_export_as_weights_is_one_plain_line(shapes_data, weights5, tmp_path):
