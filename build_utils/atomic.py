@@ -184,6 +184,12 @@ def check_not_an_input(
             raise ConfigError(f"{flag} {out} is {what} this tool reads; choose another file")
 
 
+def resolved(path: str | os.PathLike[str]) -> Path:
+    """``path`` with symbolic links resolved as far as they go: ``Path.resolve`` raises on a
+    link loop, which a caller reports as a path to skip, not a traceback."""
+    return Path(os.path.realpath(path))
+
+
 def check_apart(
     outputs: Mapping[str, str | os.PathLike[str] | None],
     folders: Iterable[str | os.PathLike[str]],
@@ -197,26 +203,20 @@ def check_apart(
     Raises:
         ConfigError: two outputs are one file, or an output lies in one of ``folders``.
     """
-    folders = [(folder, Path(folder).resolve()) for folder in folders]
+    folders = [(folder, resolved(folder)) for folder in folders]
     seen: dict[Path, str] = {}
     for flag, out in outputs.items():
         if out is None:
             continue
-        place = Path(out).resolve()
+        place = resolved(out)
         if place in seen:
             raise ConfigError(f"{flag} {out} is also {seen[place]}; choose another file")
         seen[place] = flag
-        for folder, resolved in folders:
-            if place.is_relative_to(resolved):
+        for folder, real in folders:
+            if place.is_relative_to(real):
                 raise ConfigError(
                     f"{flag} {out} lies in {what} {folder}; choose a place outside it"
                 )
-
-
-def resolved(path: str | os.PathLike[str]) -> Path:
-    """``path`` with symbolic links resolved as far as they go: ``Path.resolve`` raises on a
-    link loop, which a caller reports as a path to skip, not a traceback."""
-    return Path(os.path.realpath(path))
 
 
 def check_not_over_sources(

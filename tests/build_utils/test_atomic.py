@@ -122,3 +122,15 @@ def test_outputs_stay_apart_from_each_other_and_from_the_folders_a_tool_fills(tm
     with pytest.raises(ConfigError, match=rf"^--report {inside} lies in the labels {labels}; "):
         check_apart({"--names-out": None, "--report": inside}, [labels], "the labels")
     assert list(labels.iterdir()) == []
+
+
+def test_an_output_on_a_link_loop_is_no_traceback(tmp_path):
+    """Was: RuntimeError "Symlink loop" from Path.resolve (a traceback); the loop is left to the
+    write, which names it in one line."""
+    (tmp_path / "a").symlink_to(tmp_path / "b")
+    (tmp_path / "b").symlink_to(tmp_path / "a")
+    labels = tmp_path / "labels"
+    labels.mkdir()
+    check_apart({"--json-out": tmp_path / "a"}, [labels], "the labels")
+    with pytest.raises(ConfigError, match=r"^--report .*/a is also --json-out; choose"):
+        check_apart({"--json-out": tmp_path / "a", "--report": tmp_path / "a"}, [], "the labels")
