@@ -414,13 +414,20 @@ def json_folder(args: argparse.Namespace, requested: Path | None) -> Path | None
 
 
 def json_files(args: argparse.Namespace, requested: Path | None) -> dict[Path, str]:
-    """The JSON files this validation writes, when known before the evaluation -> the flag."""
+    """The JSON files this validation writes, when known before the evaluation -> the flag.
+
+    Raises:
+        ConfigError: --json-out is one of --save-json's files.
+    """
     files = {}
     folder = json_folder(args, requested)
     if folder is not None:
         names = [GT_JSON, PRED_JSON, *([SOURCE_STATS_JSON] if args.coco_gt else [])]
         files.update({folder / name: "--save-json" for name in names})
     if args.json_out:
+        # Was: --json-out onto predictions.json replaced the predictions without a word.
+        saved = {f"--save-json's {path.name}": path for path in files}
+        check_apart({**saved, "--json-out": args.json_out}, (), "")
         files[Path(args.json_out)] = "--json-out"
     return files
 

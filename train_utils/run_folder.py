@@ -51,6 +51,8 @@ RUN_HYP_NAME = "hyp.yaml"  # the hyperparameters as the run read them
 LOCK_NAME = "run.lock"
 RUN_ARGS_NAME = "args.yaml"  # the run's resolved arguments (reporting.write_run_files)
 SEARCH_RECORD = "search.yaml"  # an --evolve search's folder (train_utils/evolve/search.py)
+# A search's other files (train_utils/evolve/record.py): its rows, best hyp, plot and log.
+SEARCH_WRITES = ("evolve.csv", "hyp_evolve.yaml", "evolve.png", "evolve.log")
 # The files by which a folder holds a run (or a search) that must not be written over.
 RUN_FILES = ("last.pt", "best.pt", "results.csv", "train.log", SEARCH_RECORD)
 # Other files a run writes under fixed names or globs, as named where they are written: a folder
@@ -67,6 +69,7 @@ RUN_WRITES = (
     TENSORBOARD_FILES,
     CACHE_FILES,  # the validation set's COCO ground truth
     RECORD_NAME,  # --tracker's run ids
+    *SEARCH_WRITES,
 )
 # The checkpoints a run writes (train_utils/rounds.save_on_main; .weights: --recipe darknet).
 RUN_CHECKPOINT = re.compile(r"(last|best)\.(pt|weights)|epoch\d+\.pt")

@@ -472,6 +472,13 @@ def test_json_outputs_are_kept_unless_exist_ok(shapes_data, weights5, tmp_path, 
         assert taken.read_text() == "mine" and not (tmp_path / "v").exists()
     assert validation.main([*base, "--json-out", str(weights5)]) == 2
     assert "is the --weights file this tool reads" in capsys.readouterr().err
+    # Was: --json-out onto --save-json's predictions.json replaced the predictions (exit 0).
+    onto = ["--save-json", str(js), "--json-out", str(js / "sub" / ".." / "predictions.json")]
+    assert validation.main([*base, *onto, "--exist-ok"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --json-out {js / 'sub' / '..' / 'predictions.json'} is also --save-json's "
+        "predictions.json; choose another file\n"
+    )
     extra = ["--json-out", str(stats), "--save-json", str(js), "--exist-ok"]
     assert validation.main([*base, *extra]) == 0
     assert "mAP50" in json.loads(stats.read_text())

@@ -207,6 +207,8 @@ PICTURES_AND_OTHERS = [
     "trackers.json",
     "epoch3.pt",
     "last.weights",
+    "evolve.csv",  # an --evolve search's (was: a user's evolve.csv read as the search's rows)
+    "evolve.log",
 ]
 
 
@@ -251,7 +253,7 @@ def test_a_note_names_the_first_files_a_run_writes_and_counts_the_rest(tmp_path)
     claim = claim_run_folder(base, resume=False, exist_ok=False)
     assert claim.notes[0].startswith(
         f"{base} holds files a run writes (confusion_matrix.png, F1_curve.png, "
-        "val_batch0_pred.jpg, labels.png, train_batch2.jpg and 6 more: never overwritten); "
+        "val_batch0_pred.jpg, labels.png, train_batch2.jpg and 8 more: never overwritten); "
     )
     claim.release()
 

@@ -17,11 +17,10 @@ from build_utils.atomic import atomic_write, reported_write, write_text
 from build_utils.errors import ConfigError
 from build_utils.safe_yaml import dump_yaml
 from train_utils.evolve.space import FITNESS_WEIGHTS, SearchSpace
-from train_utils.run_folder import RUN_FOLDER_FLAGS
+from train_utils.run_folder import RUN_FOLDER_FLAGS, SEARCH_WRITES
 
-CSV_NAME = "evolve.csv"
-BEST_HYP_NAME = "hyp_evolve.yaml"
-PLOT_NAME = "evolve.png"
+# Named where every run's file names are (a folder holding them is a search's, not free).
+CSV_NAME, BEST_HYP_NAME, PLOT_NAME, LOG_NAME = SEARCH_WRITES
 DONE, FAILED, STOPPED_EARLY = "done", "failed", "stopped early"
 METRICS = tuple(FITNESS_WEIGHTS)
 HEAD = ("candidate", "status", "fitness", *METRICS, "epochs", "seconds", "run", "reason")

@@ -60,7 +60,6 @@ from train_utils.stop_signals import StopSignals
 
 logger = logging.getLogger(__name__)
 
-LOG_NAME = "evolve.log"
 DEFAULT_NAME = "evolve"  # runs/evolve, runs/evolve2, ... (YOLOv5: runs/evolve/exp)
 SCHEMA = 1
 # The flags of a search alone (without one they would do nothing).
@@ -347,7 +346,7 @@ def evolve(args: argparse.Namespace, dist: DistInfo | None) -> None:
         dist = DistInfo.single(select_device(search.config.device))
     held = claim(search, exist_ok, dist)
     try:
-        handler = run_log_handler(search.folder / LOG_NAME) if dist.is_main else None
+        handler = run_log_handler(search.folder / record.LOG_NAME) if dist.is_main else None
         with logging_to(handler):
             if held is not None:
                 held.log()
