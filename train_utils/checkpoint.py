@@ -538,7 +538,7 @@ def weights_kind(path: str | Path) -> str:
     except OSError as e:
         raise CheckpointError(f"cannot read the weights file ({e.strerror or e})", path) from e
     suffix = path.suffix.lower()
-    if head[:4] == _ZIP_MAGIC and _is_torchscript(path):
+    if head[:4] == _ZIP_MAGIC and _is_torchscript(_zip_names(path)):
         raise CheckpointError(
             "a TorchScript export, which torch.jit.load runs (no script here loads one); pass "
             "the .pt checkpoint it was exported from",
@@ -569,14 +569,24 @@ def weights_kind(path: str | Path) -> str:
     return "darknet"
 
 
-def _is_torchscript(path: Path) -> bool:
-    """Whether a zip file is a TorchScript archive (``torch.jit.save``: compiled code and
-    constants beside the data), from its central directory only."""
+def _zip_names(path: Path) -> list[str]:
+    """The member names of a ``torch.save`` zip, from its central directory only, which is the
+    file's last part: a truncated copy (an interrupted download or ``cp``) has none and is
+    refused here, before a script makes its run folder (was: train.py made one, then failed).
+
+    Raises:
+        CheckpointError: the central directory cannot be read.
+    """
     try:
         with zipfile.ZipFile(path) as z:
-            names = z.namelist()
-    except (OSError, zipfile.BadZipFile, ValueError):
-        return False  # load_checkpoint words what is wrong with it
+            return z.namelist()
+    except (OSError, zipfile.BadZipFile, ValueError) as e:
+        raise CheckpointError(_corrupt_message(e), path) from e
+
+
+def _is_torchscript(names: list[str]) -> bool:
+    """Whether a zip's members are a TorchScript archive's (``torch.jit.save``: compiled code
+    and constants beside the data)."""
     return any(n.endswith("/constants.pkl") or "/code/" in n for n in names)
 
 

@@ -250,7 +250,7 @@ CASES: dict[str, Case] = {
             f"{f['truncated_pt']}: cannot read checkpoint: the file is truncated, "
             "corrupt or not a PyTorch checkpoint"
         ],
-        early=False,
+        # Was: found once the run folder was made (its train.log set aside in failed-<time>/).
     ),
     "weights text file .pt": Case(
         "train",
