@@ -31,14 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import check_new_outputs, make_output_dir, reported_write
+from build_utils.atomic import make_output_dir, reported_write
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from models.weights import darknet_header, save_weights
 from train_utils.checkpoint import read_weights, save_weights_pt
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, path_arg, run_script
 from train_utils.load_model import model_from_weights
-from train_utils.run_folder import check_not_a_run_file
+from train_utils.run_folder import check_new_file
 
 PT_SUFFIX = ".pt"
 DARKNET_SUFFIX = ".weights"
@@ -119,8 +119,7 @@ def convert(
             f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
             f"in .weights and the other in .pt or .pth"
         )
-    check_not_a_run_file(dst, OUTPUT_FLAG, dst.with_name(f"{dst.stem}-converted{dst.suffix}"))
-    check_new_outputs([dst], OUTPUT_FLAG, exist_ok, {"the cfg": cfg})
+    check_new_file(dst, OUTPUT_FLAG, exist_ok, {"the cfg": cfg}, "converted")
     model = model_from_weights(weights, cfg, None, img_size=416)
     make_output_dir(dst.parent, OUTPUT_FLAG)
     if to_darknet:

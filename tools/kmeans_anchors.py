@@ -44,7 +44,6 @@ from build_utils.anchors import (
 )
 from build_utils.atomic import (
     check_apart,
-    check_new_outputs,
     check_output_place,
     make_output_dir,
     write_text,
@@ -57,6 +56,7 @@ from build_utils.limits import MAX_TEXT_BYTES, check_config_file, read_config_te
 from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
 from train_utils.cli import HelpFormatter, check_img_size_limit, path_arg, run_script
+from train_utils.run_folder import check_new_file
 
 LOGGER = logging.getLogger("kmeans_anchors")
 # Upper bound of --generations: the search runs them all, so a mistyped count would not end.
@@ -204,7 +204,7 @@ def fit_anchors(args: argparse.Namespace) -> None:
         # Never over a file this tool reads (was: --out-cfg my.data replaced the .data), nor
         # over any other file without --exist-ok.
         reads = {"--cfg that": args.cfg, "--data that": args.data, "the image list that": source}
-        check_new_outputs([args.out_cfg], "--out-cfg", args.exist_ok, reads)
+        check_new_file(args.out_cfg, "--out-cfg", args.exist_ok, reads)
         check_output_place(args.out_cfg, "--out-cfg")  # also when it exists: a folder
         # Nor among the images and labels it reads (was: --out-cfg <labels>/x.txt --exist-ok
         # replaced a training label with a cfg).

@@ -170,6 +170,27 @@ def test_make_cfg_new_coords_needs_a_conv(tmp_path, capsys):
     assert not (tmp_path / "o.cfg").exists()
 
 
+def test_make_cfg_never_replaces_a_runs_model_cfg(tmp_path, capsys):
+    """Was: -o runs/demo/model.cfg --exist-ok replaced a training run's own cfg. A run's file
+    (results.csv and last.pt beside it) is refused with one line, with or without --exist-ok,
+    as convert_weights.py and validation.py refuse it."""
+    run = tmp_path / "demo"
+    run.mkdir()
+    (run / "results.csv").write_text("epoch,mAP50\n0,0.5\n")
+    (run / "last.pt").write_bytes(b"checkpoint")
+    model_cfg = run / "model.cfg"
+    model_cfg.write_text(NANO.read_text())
+    before = model_cfg.read_bytes()
+    for extra in ([], ["--exist-ok"]):
+        assert make_cfg.main([str(NANO), "--classes", "3", "-o", str(model_cfg), *extra]) == 2
+        assert one_error_line(capsys) == (
+            f"error: --output {model_cfg} is a file of the training run in {run}, which is never "
+            f"replaced (not even with --exist-ok); choose another --output, e.g. "
+            f"{run / 'model-new.cfg'}\n"
+        )
+        assert model_cfg.read_bytes() == before
+
+
 # --------------------------------------------------------------------------------------------
 # convert_weights
 
