@@ -106,19 +106,21 @@ def convert(
     whatever ``src`` is (Darknet's ``partial``)."""
     weights = read_weights(src, trust=trust)
     to_darknet = weights.kind == "torch" or cutoff is not None
+    wanted = (DARKNET_SUFFIX,) if to_darknet else (PT_SUFFIX, ".pth")
+    suffix = dst.suffix.lower() if dst is not None else wanted[0]
+    # Any name given (was: only .weights/.pt/.pth names were checked, so -o my.cfg --exist-ok
+    # wrote Darknet weights over a cfg); with --cutoff also Darknet's darknet53.conv.74.
+    if suffix not in wanted and not (cutoff is not None and suffix[1:].isdigit()):
+        raise ConfigError(
+            f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
+            f"in .weights and the other in .pt or .pth"
+        )
     if dst is None and cutoff is not None:
         dst = src.with_name(f"{src.stem}.conv.{cutoff - 1}")
     elif dst is None:
         dst = src.with_suffix(DARKNET_SUFFIX if to_darknet else PT_SUFFIX)
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConfigError(f"the output {dst} is the source itself; choose another name")
-    wanted = (DARKNET_SUFFIX,) if to_darknet else (PT_SUFFIX, ".pth")
-    suffix = dst.suffix.lower()
-    if suffix in (DARKNET_SUFFIX, PT_SUFFIX, ".pth") and suffix not in wanted:
-        raise ConfigError(
-            f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
-            f"in .weights and the other in .pt or .pth"
-        )
     check_new_file(dst, OUTPUT_FLAG, exist_ok, {"the cfg": cfg}, "converted")
     model = model_from_weights(weights, cfg, None, img_size=416)
     make_output_dir(dst.parent, OUTPUT_FLAG)
