@@ -61,8 +61,8 @@ from build_utils.augmentations import letterbox
 from build_utils.boxes import non_max_suppression, scale_coords
 from build_utils.checks import check_at_least, check_fractions
 from build_utils.errors import ConfigError, DatasetError, OutputError
-from build_utils.image_io import IMG_FORMATS, is_image_file, list_files, read_image
-from build_utils.labels import read_image_list
+from build_utils.image_io import IMG_FORMATS, is_image_file, list_files, list_images, read_image
+from build_utils.labels import img2label_path, read_image_list
 from build_utils.limits import file_problem
 from build_utils.parse_config import (
     load_class_names,
@@ -109,6 +109,7 @@ logger = logging.getLogger("predict")
 VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv"}
 STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
 OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
+LABELS_DIR = "labels"  # --save-txt's files, in the output folder
 DEFAULT_PROJECT = "runs/predict"  # --name alone: runs/predict/NAME (--output's default folder)
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
 # The frame rates OpenCV's mp4v writer opens a file at (measured: 0.002 and 65535 open, 0.001
@@ -376,7 +377,7 @@ class Saver:
         self.save_conf, self.save_crop = save_conf, save_crop
         # Folders this run created, parents first (those left empty go again at the end).
         self._made: list[Path] = []
-        self.txt_dir = self._make(out_dir / "labels", out_dir) if save_txt else None
+        self.txt_dir = self._make(out_dir / LABELS_DIR, out_dir) if save_txt else None
         self._class_folders: dict[int, str] = {}
         self._folders_taken: set[str] = set()
         self._crops_taken: dict[str, set[str]] = {}
@@ -597,8 +598,30 @@ def _refuse_if_nothing_readable(outputs: Sequence[Output]) -> None:
         raise ConfigError(f"--source: nothing readable to predict on: {problems[0]}{more}")
 
 
+def check_not_a_datasets_labels(out: Path) -> None:
+    """Refuse ``--save-txt`` into ``out`` when ``out/labels`` holds the label files of images
+    in ``out/images``: a dataset's ground truth, which predictions must never replace, not even
+    with ``--exist-ok`` (was: ``--output d/val --exist-ok --save-txt`` replaced them).
+
+    Raises:
+        ConfigError: ``out/labels`` pairs with ``out/images``.
+    """
+    labels, images = out / LABELS_DIR, out / "images"
+    if not (labels.is_dir() and images.is_dir()):
+        return
+    if any(Path(img2label_path(f)).is_file() for f in list_images(images)):
+        raise ConfigError(
+            f"{OUTPUT_FLAG} {out}: {labels} holds the labels of the images in {images} (a "
+            f"dataset's), which --save-txt would replace; choose another {OUTPUT_FLAG}"
+        )
+
+
 def choose_output_dir(
-    requested: Path, exist_ok: bool, sources: Sequence[str], outputs: Sequence[Output]
+    requested: Path,
+    exist_ok: bool,
+    sources: Sequence[str],
+    outputs: Sequence[Output],
+    save_txt: bool = False,
 ) -> tuple[Path, bool]:
     """Create and return the folder this run writes, and whether it was new: ``requested``,
     or when it already holds files (an earlier run's predictions) and not ``exist_ok``, the
@@ -619,6 +642,8 @@ def choose_output_dir(
         check_not_over_sources(
             folder, OUTPUT_FLAG, read, images, "the predictions", "a source image"
         )
+    if save_txt:
+        check_not_a_datasets_labels(out)
     if out != requested:
         logger.info(
             "--output %s already holds files; writing to %s (--exist-ok to write into it)",
@@ -923,7 +948,9 @@ def predict(args: argparse.Namespace) -> None:
     captures = open_live_sources(outputs)
     try:
         predictor, names = make_predictor(args)
-        out_dir, created = choose_output_dir(requested, args.exist_ok, args.source, outputs)
+        out_dir, created = choose_output_dir(
+            requested, args.exist_ok, args.source, outputs, args.save_txt
+        )
         logger.info("%s", predictor.precision.describe())
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
         planned = [o.stem.as_posix() for o in outputs]

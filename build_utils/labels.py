@@ -187,6 +187,22 @@ def collect_image_files(
     return files
 
 
+def data_folders(
+    path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
+) -> tuple[list[Path], list[Path]]:
+    """The folders that hold the images of ``path`` (as :func:`collect_image_files` takes it)
+    and those that hold their label files (:func:`img2label_path`), each once, in dataset order:
+    what a tool that reads the dataset must not write into.
+
+    Raises:
+        DatasetError: as :func:`collect_image_files`.
+    """
+    images = collect_image_files(path)
+    image_dirs = dict.fromkeys(Path(f).parent for f in images)
+    label_dirs = dict.fromkeys(Path(img2label_path(f)).parent for f in images)
+    return list(image_dirs), list(label_dirs)
+
+
 def cache_place(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]]) -> Path:
     """Where the caches of the dataset ``path`` (as :func:`collect_image_files` takes it) live,
     as ``folder / stem``; callers add ``.cache.npz``, ``.cache_report.txt``, ``.img<size>``.

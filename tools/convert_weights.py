@@ -31,14 +31,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import check_new_outputs, make_output_dir, reported_write
+from build_utils.atomic import make_output_dir, reported_write
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from models.weights import darknet_header, save_weights
 from train_utils.checkpoint import read_weights, save_weights_pt
 from train_utils.cli import HelpFormatter, add_model_flag, add_weights_flags, path_arg, run_script
 from train_utils.load_model import model_from_weights
-from train_utils.run_folder import check_not_a_run_file
+from train_utils.run_folder import check_new_file
 
 PT_SUFFIX = ".pt"
 DARKNET_SUFFIX = ".weights"
@@ -106,21 +106,22 @@ def convert(
     whatever ``src`` is (Darknet's ``partial``)."""
     weights = read_weights(src, trust=trust)
     to_darknet = weights.kind == "torch" or cutoff is not None
+    wanted = (DARKNET_SUFFIX,) if to_darknet else (PT_SUFFIX, ".pth")
+    suffix = dst.suffix.lower() if dst is not None else wanted[0]
+    # Any name given (was: only .weights/.pt/.pth names were checked, so -o my.cfg --exist-ok
+    # wrote Darknet weights over a cfg); with --cutoff also Darknet's darknet53.conv.74.
+    if suffix not in wanted and not (cutoff is not None and suffix[1:].isdigit()):
+        raise ConfigError(
+            f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
+            f"in .weights and the other in .pt or .pth"
+        )
     if dst is None and cutoff is not None:
         dst = src.with_name(f"{src.stem}.conv.{cutoff - 1}")
     elif dst is None:
         dst = src.with_suffix(DARKNET_SUFFIX if to_darknet else PT_SUFFIX)
     if dst.exists() and dst.resolve() == src.resolve():
         raise ConfigError(f"the output {dst} is the source itself; choose another name")
-    wanted = (DARKNET_SUFFIX,) if to_darknet else (PT_SUFFIX, ".pth")
-    suffix = dst.suffix.lower()
-    if suffix in (DARKNET_SUFFIX, PT_SUFFIX, ".pth") and suffix not in wanted:
-        raise ConfigError(
-            f"cannot convert '{src.name}' ({weights.kind}) to '{dst.name}': one file must end "
-            f"in .weights and the other in .pt or .pth"
-        )
-    check_not_a_run_file(dst, OUTPUT_FLAG, dst.with_name(f"{dst.stem}-converted{dst.suffix}"))
-    check_new_outputs([dst], OUTPUT_FLAG, exist_ok, {"the cfg": cfg})
+    check_new_file(dst, OUTPUT_FLAG, exist_ok, {"the cfg": cfg}, "converted")
     model = model_from_weights(weights, cfg, None, img_size=416)
     make_output_dir(dst.parent, OUTPUT_FLAG)
     if to_darknet:

@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np
 import torch
 
-from build_utils.atomic import atomic_write, check_new_outputs, reported_write
+from build_utils.atomic import atomic_write, reported_write
 from build_utils.checks import check_at_least
 from build_utils.errors import ConfigError
 from build_utils.limits import (
@@ -45,6 +45,7 @@ from models.budget import estimate_model
 from models.darknet_loss import TRUTH_FIELDS, yolo_delta, yolo_specs
 from train_utils.cli import HelpFormatter, run_script
 from train_utils.darknet_schedule import DarknetSettings, GlibcRandom, current_rate
+from train_utils.run_folder import check_new_file
 
 LOGGER = logging.getLogger(__name__)
 
@@ -145,7 +146,7 @@ def yolo_command(args: argparse.Namespace) -> int:
         yolos = ", ".join(map(str, specs)) or "none"
         raise ConfigError(f"--layer {args.layer} is not a [yolo] layer (those are: {yolos})")
     reads = {"the --cfg": args.cfg, "the --input": args.input, "the --truths": args.truths}
-    check_new_outputs([args.out], "--out", args.exist_ok, reads)
+    check_new_file(args.out, "--out", args.exist_ok, reads)
     net = blocks[0]
     size = (int(net.get("height", 416)), int(net.get("width", 416)))  # Darknet's net.h, net.w
     c, h, w = layer_input_shape(blocks, args.layer, size)

@@ -42,14 +42,21 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
-from build_utils.atomic import check_new_outputs, check_output_place, make_output_dir, write_text
+from build_utils.atomic import (
+    check_apart,
+    check_output_place,
+    make_output_dir,
+    write_text,
+)
 from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
+from build_utils.labels import data_folders
 from build_utils.limits import MAX_TEXT_BYTES, check_config_file, read_config_text
 from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
 from train_utils.cli import HelpFormatter, check_img_size_limit, path_arg, run_script
+from train_utils.run_folder import check_new_file
 
 LOGGER = logging.getLogger("kmeans_anchors")
 # Upper bound of --generations: the search runs them all, so a mistyped count would not end.
@@ -197,8 +204,12 @@ def fit_anchors(args: argparse.Namespace) -> None:
         # Never over a file this tool reads (was: --out-cfg my.data replaced the .data), nor
         # over any other file without --exist-ok.
         reads = {"--cfg that": args.cfg, "--data that": args.data, "the image list that": source}
-        check_new_outputs([args.out_cfg], "--out-cfg", args.exist_ok, reads)
+        check_new_file(args.out_cfg, "--out-cfg", args.exist_ok, reads)
         check_output_place(args.out_cfg, "--out-cfg")  # also when it exists: a folder
+        # Nor among the images and labels it reads (was: --out-cfg <labels>/x.txt --exist-ok
+        # replaced a training label with a cfg).
+        images, labels = data_folders(source)
+        check_apart({"--out-cfg": args.out_cfg}, images + labels, "the dataset's folder")
     # The label cache is keyed by the class count as well: read it with the .data's (or
     # --classes), as training does, so that the cache written here is the one training reuses.
     wh = label_wh(source, args.img_size, int(data["classes"]) if data else args.classes)

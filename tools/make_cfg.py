@@ -31,7 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from build_utils.atomic import check_new_outputs, make_output_dir
+from build_utils.atomic import make_output_dir
 from build_utils.checks import check_real
 from build_utils.errors import ConfigError
 from build_utils.parse_config import (
@@ -45,6 +45,7 @@ from build_utils.parse_config import (
     write_model_cfg,
 )
 from train_utils.cli import HelpFormatter, path_arg, run_script
+from train_utils.run_folder import check_new_file
 
 # --width rounds filter counts up to a multiple of this (channel counts that vectorise well,
 # and even ones for [route] groups=2).
@@ -157,7 +158,7 @@ def make_cfg(
         what.append(f"{nc} classes")
         stem += f"-{nc}cls"
     out = output if output is not None else cfg.with_name(f"{stem}.cfg")
-    check_new_outputs([out], "--output", exist_ok, {"the cfg": cfg, **(reads or {})})
+    check_new_file(out, "--output", exist_ok, {"the cfg": cfg, **(reads or {})})
     make_output_dir(out.parent, "--output")
     header = f"{cfg.name} rewritten for {', '.join(what)} by tools/make_cfg.py"
     write_model_cfg(blocks, out, header, "--output")

@@ -21,9 +21,11 @@ from typing import Any
 
 import yaml
 
+from build_utils.atomic import check_not_over_sources
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.checks import check_at_least, check_choice, check_fractions
 from build_utils.errors import ConfigError
+from build_utils.labels import data_folders
 from build_utils.limits import MAX_WEIGHTS_BYTES, check_config_file
 from build_utils.parse_config import DATA_PATH_KEYS, parse_data_cfg, parse_model_cfg
 from build_utils.safe_yaml import compose_yaml, short_repr, short_text
@@ -755,6 +757,7 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     data = load_data_config(args.data, args.single_cls)
     hyp = load_hyp(args.hyp)
     output_dir, auto_named = run_folder_of(args) if resumed is None else (resumed, False)
+    check_run_folder_apart(output_dir, data, run_folder_flag(args, resumed))
     derived = {
         "cfg": cfg,
         "data": data,
@@ -832,6 +835,32 @@ def run_folder_of(args: argparse.Namespace) -> tuple[Path, bool]:
     if args.name:
         return run_name_folder(RUNS_DIR, args.name), False
     return RUNS_DIR / time.strftime("%Y%m%d-%H%M%S"), True
+
+
+def run_folder_flag(args: argparse.Namespace, resumed: Path | None) -> str:
+    """The option that chose the run folder, as messages name it."""
+    if resumed is not None:
+        return "--resume"
+    if args.output_dir:
+        return "--output-dir"
+    return "--project/--name" if getattr(args, "project", "") else "--name"
+
+
+def check_run_folder_apart(folder: Path, data: DataConfig, flag: str) -> None:
+    """Refuse a run folder that is, lies inside or holds a folder of the dataset's train or val
+    images or labels: the run's pictures and checkpoints would land among them, and the next
+    run would train on its own plots (was: accepted, as validation.py and predict.py refuse).
+
+    Raises:
+        ConfigError: the folder and the dataset's folders overlap.
+        DatasetError: an image list or folder of ``data`` cannot be read.
+    """
+    folders: dict[str, Path] = {}
+    for split, source in (("train", data.train), ("val", data.valid)):
+        images, labels = data_folders(source)
+        folders.update({f"the {split} images' folder {d}": d for d in images})
+        folders.update({f"the {split} labels' folder {d}": d for d in labels})
+    check_not_over_sources(folder, flag, folders, (), "the run's files")
 
 
 def multi_scale_bounds(img_size: int) -> tuple[int, int]:

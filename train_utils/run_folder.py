@@ -34,7 +34,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from build_utils.atomic import TEMP_SUFFIX, write_error
+from build_utils.atomic import TEMP_SUFFIX, check_new_outputs, write_error
 from build_utils.errors import ConfigError
 from build_utils.safe_yaml import load_yaml
 from train_utils.evaluation.coco_gt import CACHE_FILES
@@ -257,6 +257,28 @@ def check_not_a_run_file(path: Path, flag: str, instead: Path) -> None:
             f"{flag} {path} is a file of the training run in {path.parent}, which is never "
             f"replaced (not even with --exist-ok); choose another {flag}, e.g. {instead}"
         )
+
+
+def check_new_file(
+    path: Path,
+    flag: str,
+    exist_ok: bool,
+    inputs: Mapping[str, str | os.PathLike[str] | None] | None = None,
+    tag: str = "new",
+) -> None:
+    """The output check of a tool that writes one file ``path`` (chosen by ``flag``): never a
+    training run's file (:func:`check_not_a_run_file`, not even with ``--exist-ok``; the
+    message suggests ``<stem>-<tag><suffix>`` instead), then
+    :func:`~build_utils.atomic.check_new_outputs` (not one of ``inputs``, writable, and not
+    there unless ``exist_ok``).
+
+    Raises:
+        ConfigError: ``path`` is a run's file, an input, or exists without ``exist_ok``.
+        OutputError: its place cannot be written.
+    """
+    path = Path(path)
+    check_not_a_run_file(path, flag, path.with_name(f"{path.stem}-{tag}{path.suffix}"))
+    check_new_outputs([path], flag, exist_ok, inputs)
 
 
 class FolderInUse(ConfigError):

@@ -657,6 +657,47 @@ def test_kmeans_anchors_never_writes_over_what_it_reads(
     assert {p: p.read_bytes() for p in names.values()} == before
 
 
+@pytest.mark.parametrize("name", ["labels/train_000000.txt", "images/train_000000.jpg"])
+def test_kmeans_anchors_never_writes_into_the_datasets_folders(
+    name, make_shapes_data, tmp_path, capsys
+):
+    """Was: --out-cfg <train labels>/train_000000.txt --exist-ok replaced a training label it had
+    just read with a cfg (an image alike). The dataset's image and label folders are refused as
+    its other inputs are: one line, exit 2, the file unchanged."""
+    data = make_shapes_data(n_train=4, n_val=1)
+    out = data.parent / "train" / name
+    before = out.read_bytes()
+    argv = ["--data", str(data), "--cfg", str(NANO_CFG), "--out-cfg", str(out), "--exist-ok"]
+    assert kmeans_anchors.main([*argv, "--img-size", "64", "--generations", "3"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out-cfg {out} lies in the dataset's folder {out.parent}; choose a place "
+        "outside it\n"
+    )
+    assert out.read_bytes() == before
+
+
+def test_kmeans_anchors_never_replaces_a_runs_model_cfg(make_shapes_data, tmp_path, capsys):
+    """Was: --out-cfg runs/demo/model.cfg --exist-ok replaced a training run's own cfg. Now one
+    line, with or without --exist-ok, as tools/make_cfg.py and convert_weights.py say it."""
+    data = make_shapes_data(n_train=4, n_val=1)
+    run = tmp_path / "demo"
+    run.mkdir()
+    (run / "results.csv").write_text("epoch,mAP50\n0,0.5\n")
+    (run / "last.pt").write_bytes(b"checkpoint")
+    model_cfg = run / "model.cfg"
+    model_cfg.write_text(NANO_CFG.read_text())
+    before = model_cfg.read_bytes()
+    argv = ["--data", str(data), "--cfg", str(NANO_CFG), "--out-cfg", str(model_cfg)]
+    for extra in ([], ["--exist-ok"]):
+        assert kmeans_anchors.main([*argv, "--img-size", "64", "--generations", "3", *extra]) == 2
+        assert capsys.readouterr().err == (
+            f"error: --out-cfg {model_cfg} is a file of the training run in {run}, which is "
+            f"never replaced (not even with --exist-ok); choose another --out-cfg, e.g. "
+            f"{run / 'model-new.cfg'}\n"
+        )
+        assert model_cfg.read_bytes() == before
+
+
 def test_kmeans_anchors_keeps_an_existing_out_cfg(make_shapes_data, tmp_path, capsys):
     """Was: --out-cfg X replaced whatever X was; now one line unless --exist-ok."""
     data = make_shapes_data(n_train=4, n_val=1)

@@ -80,6 +80,26 @@ def test_save_txt_conf_and_classes(checkpoint, shapes_data, tmp_path):
     assert len(first.split()) == 5
 
 
+def test_save_txt_never_replaces_a_datasets_labels(checkpoint, make_shapes_data, tmp_path, capsys):
+    """Was: --output d/val --exist-ok --save-txt (--exist-ok moves nothing aside: same names
+    are replaced) wrote predictions over the dataset's ground truth d/val/labels/val_000001.txt.
+    A labels folder that holds the labels of the images beside it is refused, even with
+    --exist-ok: one line, exit 2, the labels byte for byte as they were."""
+    split = make_shapes_data(n_train=1, n_val=2).parent / "val"
+    source = tmp_path / "imgs" / "val_000001.jpg"
+    source.parent.mkdir()
+    shutil.copy(split / "images" / "val_000001.jpg", source)
+    before = {p: p.read_bytes() for p in split.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert _main(checkpoint, split, "--source", str(source), "--exist-ok", "--save-txt") == 2
+    assert capsys.readouterr().err == (
+        f"error: --output {split}: {split / 'labels'} holds the labels of the images in "
+        f"{split / 'images'} (a dataset's), which --save-txt would replace; choose another "
+        "--output\n"
+    )
+    assert {p: p.read_bytes() for p in split.rglob("*") if p.is_file()} == before
+
+
 def test_save_conf_without_save_txt_says_it_is_ignored(checkpoint, shapes_data, tmp_path, caplog):
     """Was: silently ignored (as YOLOv5 does); now one warning line, and nothing else changes."""
     image = str(sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0])

@@ -170,6 +170,27 @@ def test_make_cfg_new_coords_needs_a_conv(tmp_path, capsys):
     assert not (tmp_path / "o.cfg").exists()
 
 
+def test_make_cfg_never_replaces_a_runs_model_cfg(tmp_path, capsys):
+    """Was: -o runs/demo/model.cfg --exist-ok replaced a training run's own cfg. A run's file
+    (results.csv and last.pt beside it) is refused with one line, with or without --exist-ok,
+    as convert_weights.py and validation.py refuse it."""
+    run = tmp_path / "demo"
+    run.mkdir()
+    (run / "results.csv").write_text("epoch,mAP50\n0,0.5\n")
+    (run / "last.pt").write_bytes(b"checkpoint")
+    model_cfg = run / "model.cfg"
+    model_cfg.write_text(NANO.read_text())
+    before = model_cfg.read_bytes()
+    for extra in ([], ["--exist-ok"]):
+        assert make_cfg.main([str(NANO), "--classes", "3", "-o", str(model_cfg), *extra]) == 2
+        assert one_error_line(capsys) == (
+            f"error: --output {model_cfg} is a file of the training run in {run}, which is never "
+            f"replaced (not even with --exist-ok); choose another --output, e.g. "
+            f"{run / 'model-new.cfg'}\n"
+        )
+        assert model_cfg.read_bytes() == before
+
+
 # --------------------------------------------------------------------------------------------
 # convert_weights
 
@@ -214,16 +235,18 @@ def test_convert_weights_round_trip_keeps_the_darknet_header(tiny_pt, tmp_path, 
     run_ckpt = torch.load(tiny_pt, map_location="cpu", weights_only=True)
     run_ckpt["seen"] = 640  # as a --recipe darknet run's last.pt records it
     torch.save(run_ckpt, tmp_path / "run.pt")
-    assert convert_weights.main([str(TINY), str(tmp_path / "run.pt"), str(tmp_path / "r.w")]) == 0
-    assert np.fromfile(tmp_path / "r.w", dtype="<i8", count=1, offset=12)[0] == 640
+    run_argv = [str(TINY), str(tmp_path / "run.pt"), str(tmp_path / "r.weights")]
+    assert convert_weights.main(run_argv) == 0
+    assert np.fromfile(tmp_path / "r.weights", dtype="<i8", count=1, offset=12)[0] == 640
     run_ckpt["seen"] = -1
     torch.save(run_ckpt, tmp_path / "bad.pt")
     capsys.readouterr()
-    assert convert_weights.main([str(TINY), str(tmp_path / "bad.pt"), str(tmp_path / "x.w")]) == 2
+    bad_argv = [str(TINY), str(tmp_path / "bad.pt"), str(tmp_path / "x.weights")]
+    assert convert_weights.main(bad_argv) == 2
     assert one_error_line(capsys) == (
         f"error: {tmp_path / 'bad.pt'}: 'seen' is -1, not a count of images\n"
     )
-    assert not (tmp_path / "x.w").exists()
+    assert not (tmp_path / "x.weights").exists()
 
 
 def test_convert_weights_takes_a_bare_source_with_output(tiny_pt, tmp_path, capsys):
@@ -281,6 +304,22 @@ def test_convert_weights_errors(tiny_pt, tmp_path, capsys):
     assert convert_weights.main([str(TINY), str(short), str(tmp_path / "y.pt")]) == 2
     assert "truncated" in one_error_line(capsys)
     assert not (tmp_path / "y.pt").exists()
+
+
+@pytest.mark.parametrize("extra", [[], ["--exist-ok"]])
+def test_convert_weights_writes_only_the_other_formats_suffix(extra, tiny_pt, tmp_path, capsys):
+    """Was: -o my.cfg --exist-ok wrote Darknet binary weights over a cfg (only .weights, .pt and
+    .pth names were checked). A checkpoint now converts only to a .weights name, whatever is
+    there: one line, exit 2, the file unchanged."""
+    cfg = tmp_path / "my.cfg"
+    cfg.write_text(TINY.read_text())
+    before = cfg.read_bytes()
+    assert convert_weights.main(["--weights", str(tiny_pt), "-o", str(cfg), *extra]) == 2
+    assert one_error_line(capsys) == (
+        "error: cannot convert 'tiny.pt' (torch) to 'my.cfg': one file must end in .weights and "
+        "the other in .pt or .pth\n"
+    )
+    assert cfg.read_bytes() == before
 
 
 def test_convert_weights_never_replaces_a_runs_checkpoint(tiny_pt, tmp_path, capsys):

@@ -225,3 +225,43 @@ def test_run_folder_hyp_is_what_the_user_gave(trained, repo_root):
     assert ckpt["hyp"] == given
     assert ckpt["hyp_scaled"] == scale_loss_gains(given, 5, IMG)
     assert ckpt["hyp_scaled"]["cls"] != given["cls"]
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_run_folder_among_the_datasets_images_or_labels_is_refused(make_shapes_data, capsys):
+    """Was: --output-dir d/train/images was accepted (exit 0): the run wrote its pictures and
+    checkpoints among the training images, and the next run trained on its own plots as
+    background images. A run folder that is, lies inside or holds a train or val images or
+    labels folder (--output-dir or --project/--name) is now one line, exit 2, nothing written."""
+    data = make_shapes_data()
+    root = data.parent
+    before = _files(root)
+    cases = [
+        (
+            ["--output-dir", str(root / "train" / "images")],
+            f"--output-dir {root / 'train' / 'images'} is the train images' folder "
+            f"{root / 'train' / 'images'}: the run's files would be written among the files "
+            "read; choose a place outside it",
+        ),
+        (
+            ["--project", str(root / "val" / "labels"), "--name", "exp"],
+            f"--project/--name {root / 'val' / 'labels' / 'exp'} is inside the val labels' "
+            f"folder {root / 'val' / 'labels'}: the run's files would be written among the "
+            "files read; choose a place outside it",
+        ),
+        (
+            ["--project", str(root), "--name", "val"],
+            f"--project/--name {root / 'val'} holds the val images' folder "
+            f"{root / 'val' / 'images'}, which the run's files could replace; choose another "
+            "--project/--name",
+        ),
+    ]
+    for where, line in cases:
+        capsys.readouterr()
+        assert train_script.main(train_argv(data, None, *where, img=64)) == 2
+        assert capsys.readouterr().err == f"error: {line}\n"
+        assert _files(root) == before
