@@ -467,6 +467,29 @@ def test_verify_catches_a_wrong_export(tmp_path):
     assert not moved.ok and moved.worst > 1
 
 
+def test_a_size_the_memory_cannot_hold_is_refused_before_tracing(
+    weights, tmp_path, monkeypatch, capsys
+):
+    """Was: --img-size 8192 traced for minutes until the kernel's OOM killer ended it; now the
+    memory the trace, conversion and check need (models/budget.py) is one line, exit 2, with
+    nothing written. YOLO_MEMORY_AVAILABLE is the way past an estimate that errs."""
+    monkeypatch.setenv("YOLO_MEMORY_AVAILABLE", str(16 << 30))  # a 16 GiB machine
+    traced = []
+    monkeypatch.setattr(model_export, "_tracing", lambda *a: traced.append(a))
+    out = tmp_path / "out"
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", "8192", "-o", str(out)]
+    assert export.main(argv) == 2
+    err = one_error_line(capsys)
+    assert re.fullmatch(
+        r"error: .*yolov3-tiny.cfg:\d+: \[\w+\] layer \d+: the model does not fit: about "
+        r"[\d.]+ GiB needed up to this layer \(export, trace and check, 8192x8192 px\), 16 GiB "
+        r"YOLO_MEMORY_AVAILABLE; use a smaller model, image size or batch \(the need is an "
+        r"estimate: set YOLO_MEMORY_AVAILABLE to override the measurement\)\n",
+        err,
+    ), err
+    assert traced == [] and not out.exists()
+
+
 def test_half_without_cpu_float16_is_one_line(tmp_path, monkeypatch, capsys):
     """A torch whose CPU has no float16 convolution (before 2.1) gets one line, not a trace."""
     real = Darknet.forward
