@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -217,11 +218,19 @@ def check_export(name: str, model: Darknet, path: Path, images: torch.Tensor, ha
         LOGGER.error("%s not checked: %s", name, a.unavailable)
         return f"{name} ({a.unavailable})"
     LOGGER.info(
-        "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); %s",
+        "%s %s PyTorch %s the tolerance %g relative + %g absolute: %s (max abs difference "
+        "%.2e); %s",
         name,
         "matches" if a.ok else "DIFFERS FROM",
-        a.max_abs,
+        "within" if a.ok else "beyond",
         a.tolerance,
+        a.tolerance,
+        # Which part of the tolerance a value uses: the relative part lets large values (box
+        # sides in pixels) differ by more than the absolute part alone.
+        f"the largest difference is {a.worst:.0%} of what it allows"
+        if math.isfinite(a.worst)
+        else "the output's shape differs",
+        a.max_abs,
         f"{a.found} of its {a.detections} detections after NMS found"
         if a.detections
         else f"no detections above conf {NMS_CONF} on the sample images to compare",
