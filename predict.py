@@ -212,13 +212,7 @@ def _add_detection_flags(p: argparse.ArgumentParser) -> None:
         "the output video has the source's frame rate / N",
     )
     add_augment_flag(p)
-    p.add_argument(
-        "--half",
-        action="store_true",
-        help="fp16 weights and inputs (CUDA only), instead of the run's autocast; --amp is "
-        "autocast",
-    )
-    add_precision_flags(p, None, " (default: as the checkpoint's run)")
+    add_precision_flags(p, None, " (default: as the checkpoint's run)", half=True)
 
 
 def get_parser() -> argparse.ArgumentParser:

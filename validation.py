@@ -117,7 +117,7 @@ from train_utils.evaluation.options import MAX_DET, EvalOptions, eval_options
 from train_utils.evaluation.report import REPORT_FILES, write_eval_report
 from train_utils.evaluation.speed import measure_speed
 from train_utils.load_model import default_img_size, model_from_weights
-from train_utils.precision import InferencePrecision, replay_precision
+from train_utils.precision import inference_precision, replay_precision
 from train_utils.run_folder import (
     REPLACED_PREFIX,
     RUN_FILES,
@@ -161,7 +161,7 @@ def _add_evaluation_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--max-det", type=int, default=MAX_DET, help="detections kept per image")
     switch(g, "--multi-label", True, "one detection per class above threshold for each box")
     add_augment_flag(g)
-    add_precision_flags(g, None, RUN_HINT)
+    add_precision_flags(g, None, RUN_HINT, half=True)
     g.add_argument(
         "--task",
         default="val",
@@ -275,17 +275,19 @@ def evaluation_options(
     amp, channels_last, why = replay_precision(
         weights.precision, weights.run.get("amp"), args.amp, args.channels_last, device
     )
-    logger.info("%s", InferencePrecision(torch.float32, amp, why).describe(channels_last))
+    precision = inference_precision(amp, why, args.half, args.amp, device)
+    logger.info("%s", precision.describe(channels_last))
     return eval_options(
         vars(args),
         device,
-        amp,
+        precision.autocast,
         channels_last,
         is_main,
         multi_label=args.multi_label,
         max_det=args.max_det,
         single_cls=bool(args.single_cls),
         augment=args.augment,
+        dtype=precision.weights,
     )
 
 
@@ -293,12 +295,13 @@ def build_model(
     args: argparse.Namespace,
     weights: WeightsFile,
     nc: int,
-    device: torch.device,
-    channels_last: bool,
+    opts: EvalOptions,
     data_nc: int | None = None,
 ) -> Darknet:
     """The model of ``weights`` with ``nc`` classes (1 under --single-cls), or under
-    --single-cls with the .data's ``data_nc`` classes, on ``device``, in eval mode."""
+    --single-cls with the .data's ``data_nc`` classes, on the device and in the dtype and
+    memory format of ``opts``, in eval mode."""
+    device = opts.device  # where the memory check counts
     try:
         model = model_from_weights(weights, args.cfg, nc, args.img_size, args.batch_size, device)
     except CheckpointError:
@@ -311,8 +314,8 @@ def build_model(
             weights, args.cfg, data_nc, args.img_size, args.batch_size, device
         )
         logger.info("--single-cls: the model's %d classes are scored as one class", model.nc)
-    model.to(device).eval()
-    if channels_last:
+    model.to(device, opts.dtype).eval()
+    if opts.channels_last:
         model.to(memory_format=torch.channels_last)
     return model
 
@@ -546,7 +549,7 @@ def prepare(
             len(dataset),
         )
         args.batch_size = len(dataset)
-    model = build_model(args, weights, data.nc, device, opts.channels_last, data_nc)
+    model = build_model(args, weights, data.nc, opts, data_nc)
     gt_ids = eval_image_ids(data, dataset.img_files)
     coco_ids = json_ids(args, data, dataset.img_files, gt_ids) if args.save_json else None
     source_gt = None

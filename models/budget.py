@@ -52,6 +52,12 @@ TRAIN_COPIES_PER_PARAM = 5
 # Activations without a saved copy for backward (a convolution's output feeds BatchNorm, whose
 # output an in-place activation overwrites): 1 + BatchNorm + activation.
 _ACTIVATIONS_SAVING_INPUT = frozenset({"mish", "swish", "silu", "elu", "selu", "gelu"})
+# Exporting (tools/export.py) holds several sets of one image's inference activations at once:
+# the tracer's run, the converter's graph and, while checking, PyTorch's and the runtime's runs
+# of the sample batch. The largest peak measured over the estimate (bench/README.md "Export
+# memory"), rounded up.
+EXPORT_ACTIVATION_COPIES = 8
+EXPORT_PARAM_COPIES = 5  # the weights, the traced and serialized graph, the runtime's copy
 # Overrides the measured memory (bytes), e.g. on a machine with swap, or to test.
 MEMORY_ENV = "YOLO_MEMORY_AVAILABLE"
 
@@ -213,6 +219,7 @@ def check_model_fits(
     params_only: bool = False,
     share: int = 1,
     amp: torch.dtype | None = None,
+    export: bool = False,
 ) -> ModelEstimate:
     """Refuse, in one line, a model that cannot fit the memory of ``device``.
 
@@ -222,7 +229,9 @@ def check_model_fits(
     alone (building the model on the CPU, before the size and batch are known). ``share``
     processes use the same memory alike (the DDP ranks of a node training on its CPU): each
     gets its part. ``amp``: the autocast dtype the model runs under (None: float32), which sets
-    the bytes of every activation (see the module docstring).
+    the bytes of every activation (see the module docstring). ``export``: what exporting one
+    image's graph and checking it needs (:data:`EXPORT_ACTIVATION_COPIES` times the inference
+    activations, :data:`EXPORT_PARAM_COPIES` of the parameters).
 
     Returns:
         The estimate, when it fits.
@@ -237,12 +246,15 @@ def check_model_fits(
     avail, what = available_memory(device)
     if share > 1:
         avail, what = avail // share, f"{what}, shared by {share} processes"
-    param_bytes = FLOAT_BYTES * (TRAIN_COPIES_PER_PARAM if training else 1)
+    copies = EXPORT_ACTIVATION_COPIES if export else batch
+    param_bytes = FLOAT_BYTES * (
+        TRAIN_COPIES_PER_PARAM if training else EXPORT_PARAM_COPIES if export else 1
+    )
     if training and amp is not None and not params_only:
         # Autocast casts each weight once per step and keeps the copy for the backward pass.
         param_bytes += activation_bytes(amp)
     total, live_peak = 0, 0
-    mode = "training" if training else "inference"
+    mode = "training" if training else "export, trace and check" if export else "inference"
     for cost in est.layers:
         if not params_only and 0 in cost.shape[1:]:
             raise _layer_error(
@@ -258,13 +270,14 @@ def check_model_fits(
             total += batch * cost.train_bytes
             needed = total
         else:
-            live_peak = max(live_peak, batch * cost.live_bytes)
+            live_peak = max(live_peak, copies * cost.live_bytes)
             needed = total + live_peak
         if needed > avail:
             scope = (
                 f"{est.params:,} parameters in all"
                 if params_only
-                else f"{mode}, batch {batch}, {hw[0]}x{hw[1]} px{_amp_note(amp)}"
+                else f"{mode}, {'' if export else f'batch {batch}, '}{hw[0]}x{hw[1]} px"
+                f"{_amp_note(amp)}"
             )
             raise _layer_error(
                 blocks,
@@ -299,6 +312,8 @@ def describe(est: ModelEstimate, batch: int = 1) -> str:
 
 
 __all__ = [
+    "EXPORT_ACTIVATION_COPIES",
+    "EXPORT_PARAM_COPIES",
     "LayerCost",
     "ModelEstimate",
     "activation_bytes",

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import sys
 from pathlib import Path
 
@@ -36,7 +37,6 @@ import torch
 from build_utils.atomic import check_new_outputs, make_output_dir
 from build_utils.augmentations import letterbox
 from build_utils.errors import ConfigError
-from build_utils.parse_config import parse_model_cfg
 from data.make_shapes import GeneratorOptions, render_image
 from models.budget import check_model_fits
 from models.darknet import Darknet
@@ -169,9 +169,7 @@ def _load(
         if args.cfg is None:
             raise ConfigError("pass --weights (a checkpoint carries its cfg) or --cfg")
         size = given or hw(DEFAULT_SIDE)
-        blocks = parse_model_cfg(args.cfg)
-        check_model_fits(blocks, size)  # the export traces one image
-        model = Darknet(blocks, img_size=size).eval()
+        model = Darknet(args.cfg, img_size=size).eval()
         return model, None, Path(args.cfg).stem, Path("."), size
     weights = read_weights(args.weights, trust=args.trust_checkpoint)
     # As predict.py and validation.py run them: a .weights file at its cfg's [net] side.
@@ -220,11 +218,19 @@ def check_export(name: str, model: Darknet, path: Path, images: torch.Tensor, ha
         LOGGER.error("%s not checked: %s", name, a.unavailable)
         return f"{name} ({a.unavailable})"
     LOGGER.info(
-        "%s %s PyTorch: max abs difference %.2e (tolerance %g relative and absolute); %s",
+        "%s %s PyTorch %s the tolerance %g relative + %g absolute: %s (max abs difference "
+        "%.2e); %s",
         name,
         "matches" if a.ok else "DIFFERS FROM",
-        a.max_abs,
+        "within" if a.ok else "beyond",
         a.tolerance,
+        a.tolerance,
+        # Which part of the tolerance a value uses: the relative part lets large values (box
+        # sides in pixels) differ by more than the absolute part alone.
+        f"the largest difference is {a.worst:.0%} of what it allows"
+        if math.isfinite(a.worst)
+        else "the output's shape differs",
+        a.max_abs,
         f"{a.found} of its {a.detections} detections after NMS found"
         if a.detections
         else f"no detections above conf {NMS_CONF} on the sample images to compare",
@@ -237,6 +243,9 @@ def check_export(name: str, model: Darknet, path: Path, images: torch.Tensor, ha
 def export(args: argparse.Namespace) -> int:
     formats = check_formats(args)
     model, names, stem, home, (h, w) = _load(args)
+    # Before tracing: an export at a size the RAM cannot hold would run for minutes and end in
+    # the kernel's OOM killer (models/budget.py).
+    check_model_fits([model.hyperparams, *model.module_defs], (h, w), export=True)
     metadata = export_metadata(model, (h, w), names)
     targets = _targets(args, formats, stem, home)
     make_output_dir(targets[0].parent, OUTPUT_FLAG)

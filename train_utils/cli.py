@@ -261,8 +261,18 @@ AMP_HELP = (
 )
 
 
-def add_precision_flags(g: ArgGroup, amp_default: str | None, run_hint: str = "") -> None:
-    """``--amp`` (one meaning in every script) and ``--channels-last``."""
+def add_precision_flags(
+    g: ArgGroup, amp_default: str | None, run_hint: str = "", half: bool = False
+) -> None:
+    """``--amp`` (one meaning in every script) and ``--channels-last``; with ``half``, the
+    inference scripts' ``--half`` (:func:`~train_utils.precision.inference_precision`)."""
+    if half:
+        g.add_argument(
+            "--half",
+            action="store_true",
+            help="fp16 weights and inputs (CUDA only), instead of the run's autocast; --amp is "
+            "autocast",
+        )
     g.add_argument(
         "--amp",
         nargs="?",

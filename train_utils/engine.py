@@ -495,7 +495,7 @@ def predict_batches(model: nn.Module, loader: Iterable, opts: EvalOptions) -> li
     for imgs, _, _, shapes, indices in tqdm(
         loader, desc="eval", disable=not opts.show_progress, leave=False, dynamic_ncols=True
     ):
-        imgs = to_model_input(imgs, opts.device, opts.channels_last)
+        imgs = to_model_input(imgs, opts.device, opts.channels_last, opts.dtype)
         with autocast_context(opts.device, opts.amp):
             det = detect(model, imgs, opts.augment)
         outputs = opts.nms(det)

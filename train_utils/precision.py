@@ -281,9 +281,10 @@ class InferencePrecision:
 def inference_precision(
     amp: torch.dtype | None, why: str, half: bool, amp_flag: str | None, device: torch.device
 ) -> InferencePrecision:
-    """What ``predict.py`` computes in: the autocast ``amp`` that :func:`replay_precision`
-    chose (``why``: its reason) for a float32 model, or with ``--half`` float16 weights and
-    inputs and no autocast (:func:`half_model_autocast`, ``amp_flag``: the ``--amp`` typed).
+    """What ``predict.py`` and ``validation.py`` compute in: the autocast ``amp`` that
+    :func:`replay_precision` chose (``why``: its reason) for a float32 model, or with ``--half``
+    float16 weights and inputs and no autocast (:func:`half_model_autocast`, ``amp_flag``: the
+    ``--amp`` typed).
 
     Raises:
         ConfigError: ``--half`` off CUDA, or with an ``--amp`` of another dtype.

@@ -13,6 +13,8 @@ import torch
 from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg, parse_model_cfg_text
 from models.budget import (
+    EXPORT_ACTIVATION_COPIES,
+    EXPORT_PARAM_COPIES,
     MEMORY_ENV,
     activation_bytes,
     available_memory,
@@ -165,6 +167,24 @@ def test_activations_refused_at_the_size_and_batch(monkeypatch):
     with pytest.raises(ConfigError, match=r"YOLO_MEMORY_AVAILABLE, shared by 2 processes;"):
         check_model_fits(blocks, 640, batch=16, training=True, share=2)
     assert available_memory() == (need, MEMORY_ENV)
+
+
+def test_an_export_counts_its_trace_conversion_and_check(monkeypatch):
+    """An export holds several sets of one image's activations and copies of the weights at
+    once (tools/export.py; bench/README.md "Export memory"): its need is those copies of the
+    inference estimate of batch 1."""
+    blocks = parse_model_cfg(NANO_CFG)
+    est = estimate_model(blocks, (640, 640))
+    need = est.params * 4 * EXPORT_PARAM_COPIES
+    need += EXPORT_ACTIVATION_COPIES * est.live_bytes_per_image()
+    monkeypatch.setenv(MEMORY_ENV, str(need - 1))
+    check_model_fits(blocks, 640)  # inference alone fits
+    with pytest.raises(
+        ConfigError, match=r"\(export, trace and check, 640x640 px\), .* YOLO_MEMORY"
+    ):
+        check_model_fits(blocks, 640, export=True)
+    monkeypatch.setenv(MEMORY_ENV, str(need))
+    check_model_fits(blocks, 640, export=True)  # exactly enough
 
 
 def test_an_input_too_small_for_the_downsampling_is_named():

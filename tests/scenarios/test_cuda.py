@@ -155,6 +155,36 @@ def test_channels_last_autocast_forward_matches_fp32(amp: torch.dtype) -> None:
     assert min(errors) > AUTOCAST_MIN_ERROR, errors  # autocast did compute in bf16/fp16
 
 
+def test_validation_half_scores_as_fp32(shapes_data, tmp_path) -> None:
+    """validation.py --half (predict.py's flag): fp16 weights and inputs on CUDA, the run's bf16
+    autocast not replayed; the 12 COCO stats within 0.01 of float32's."""
+    import json
+
+    from conftest import validation_argv
+
+    import validation
+    from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes
+    from train_utils.checkpoint import save_checkpoint
+
+    torch.manual_seed(0)
+    model = Darknet(rewrite_cfg_classes(parse_model_cfg(NANO_CFG), 5), img_size=128)
+    with torch.no_grad():
+        for i in model.yolo_layers:  # confident boxes, class 0
+            model.module_list[i - 1].Conv2d.bias.view(3, -1)[:, 4:6] = 3.0
+    ckpt = tmp_path / "w.pt"
+    record = {"amp": "bfloat16", "channels_last": True}
+    save_checkpoint({"model": model.state_dict(), "epoch": -1, "precision": record}, ckpt)
+    stats = {}
+    for name, flags in {"half": ["--half"], "fp32": ["--amp", "off"]}.items():
+        argv = validation_argv(NANO_CFG, shapes_data, ckpt, *flags, device="cuda")
+        argv += ["--json-out", str(tmp_path / f"{name}.json"), "--save-dir", str(tmp_path / name)]
+        assert validation.main(argv) == 0
+        stats[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    assert stats["half"].keys() == stats["fp32"].keys()
+    for key, value in stats["fp32"].items():
+        assert abs(stats["half"][key] - value) <= 0.01, (key, stats)
+
+
 def test_predict_half_after_a_bf16_run(tmp_path) -> None:
     """predict.py --half on a checkpoint whose run evaluated in bf16 (the default on a GPU
     with bf16): fp16 weights and inputs, the run's autocast not replayed (was: BatchNorm got

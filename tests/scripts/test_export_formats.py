@@ -184,11 +184,24 @@ def test_onnx_and_torchscript_agree_with_pytorch(weights, tmp_path):
 
 
 @needs_ort
-def test_half_onnx_and_torchscript(weights, tmp_path):
-    """float16 end to end on the CPU (ONNX's grid is counted in float32: Range has no float16)."""
+def test_half_onnx_and_torchscript(weights, tmp_path, caplog):
+    """float16 end to end on the CPU (ONNX's grid is counted in float32: Range has no float16).
+    The log says which tolerance each format is within, and how much of it is used: a max abs
+    difference above 0.01 passes by the relative part (box sides in pixels)."""
     out = tmp_path / "half"
     argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
-    assert export.main([*argv, "--include", "onnx", "torchscript", "--half"]) == 0
+    with caplog.at_level("INFO"):
+        assert export.main([*argv, "--include", "onnx", "torchscript", "--half"]) == 0
+    checked = [r.getMessage() for r in caplog.records if "PyTorch" in r.getMessage()]
+    assert [line.split()[0] for line in checked] == ["onnx", "torchscript"]
+    for line in checked:
+        assert re.fullmatch(
+            r"\w+ matches PyTorch within the tolerance 0.01 relative \+ 0.01 absolute: the "
+            r"largest difference is (\d+)% of what it allows \(max abs difference \S+\); "
+            r"\d+ of its \d+ detections after NMS found",
+            line,
+        ), line
+        assert int(re.search(r"(\d+)% of", line)[1]) <= 100
     x = picture()
     want = pytorch_output(x)
     onnx_out = run_onnx(out / "best.onnx", x)
@@ -301,6 +314,26 @@ def test_a_reduced_default_precision_is_reported_with_its_detections(
             "MaxPool; "
             "for float32 compile with {'INFERENCE_PRECISION_HINT': 'f32'} (README: Export)"
         )
+
+
+@needs_openvino
+def test_a_reduced_default_precision_without_detections_says_so(tmp_path, monkeypatch, caplog):
+    """A model that detects nothing on the sample images (random weights): the warning says
+    that only the raw outputs were compared, not "0 of 0 detections are found"."""
+    fake = RecordingOpenVINO(default="bf16")
+    monkeypatch.setattr(model_export, "_import_openvino", lambda: fake)
+    argv = ["--cfg", str(TINY), "--img-size", str(IMG), "-o", str(tmp_path), "--include"]
+    with caplog.at_level("INFO"):
+        assert export.main([*argv, "openvino"]) == 0
+    lines = [r.getMessage() for r in caplog.records if r.name == "tools.export"]
+    assert lines[1].endswith("; no detections above conf 0.25 on the sample images to compare")
+    assert re.fullmatch(
+        r"openvino: OpenVINO computes in bf16 on this CPU unless told otherwise: at bf16 the "
+        r"sample images give no PyTorch detections above conf 0.25, so only the raw outputs were "
+        r"compared \(max abs difference \S+\); for float32 compile with "
+        r"\{'INFERENCE_PRECISION_HINT': 'f32'\} \(README: Export\)",
+        lines[2],
+    ), lines[2]
 
 
 @needs_openvino
@@ -465,6 +498,29 @@ def test_verify_catches_a_wrong_export(tmp_path):
         other.module_list[other.yolo_layers[0] - 1].Conv2d.bias[0] += 1e-2
     moved = model_export.verify(fmt, other, path, images, half=False)
     assert not moved.ok and moved.worst > 1
+
+
+def test_a_size_the_memory_cannot_hold_is_refused_before_tracing(
+    weights, tmp_path, monkeypatch, capsys
+):
+    """Was: --img-size 8192 traced for minutes until the kernel's OOM killer ended it; now the
+    memory the trace, conversion and check need (models/budget.py) is one line, exit 2, with
+    nothing written. YOLO_MEMORY_AVAILABLE is the way past an estimate that errs."""
+    monkeypatch.setenv("YOLO_MEMORY_AVAILABLE", str(16 << 30))  # a 16 GiB machine
+    traced = []
+    monkeypatch.setattr(model_export, "_tracing", lambda *a: traced.append(a))
+    out = tmp_path / "out"
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", "8192", "-o", str(out)]
+    assert export.main(argv) == 2
+    err = one_error_line(capsys)
+    assert re.fullmatch(
+        r"error: .*yolov3-tiny.cfg:\d+: \[\w+\] layer \d+: the model does not fit: about "
+        r"[\d.]+ GiB needed up to this layer \(export, trace and check, 8192x8192 px\), 16 GiB "
+        r"YOLO_MEMORY_AVAILABLE; use a smaller model, image size or batch \(the need is an "
+        r"estimate: set YOLO_MEMORY_AVAILABLE to override the measurement\)\n",
+        err,
+    ), err
+    assert traced == [] and not out.exists()
 
 
 def test_half_without_cpu_float16_is_one_line(tmp_path, monkeypatch, capsys):

@@ -136,6 +136,20 @@ def test_save_conf_without_save_txt_says_it_is_ignored(shapes_data, weights5, tm
     assert not (save / "labels").exists()
 
 
+def test_half_is_predicts_flag(shapes_data, weights5, tmp_path, capsys):
+    """Was: --half was rejected by argparse (exit 2), though YOLOv5's val.py takes it; now it is
+    predict.py's flag (fp16 weights and inputs, CUDA only): on the CPU predict's one line, exit
+    2, before the dataset is read."""
+    parse = validation.get_parser().parse_args
+    assert parse(["--weights", "w.pt", "--half"]).half is True
+    assert parse(["--weights", "w.pt"]).half is False
+    argv = _argv(shapes_data, weights5, "--half", "--save-dir", str(tmp_path / "v"))
+    assert validation.main(argv) == 2
+    err = capsys.readouterr().err.splitlines()
+    assert err[-1] == "error: --half needs a CUDA device, not cpu; on CPU use --amp (bf16)"
+    assert not (tmp_path / "v").exists()
+
+
 def test_task_speed(shapes_data, weights5, tmp_path, caplog):
     caplog.set_level(logging.INFO)
     argv = _argv(shapes_data, weights5, "--task", "speed", "--save-dir", str(tmp_path / "v"))

@@ -38,6 +38,7 @@ class EvalOptions:
             model): class-agnostic NMS, then every detection is class 0.
         augment: test-time augmentation (``models.tta``: scales 1, 0.83 flipped, 0.67);
             ``validation.py --augment`` only, never the evaluation inside training.
+        dtype: the model's weights and its inputs (``validation.py --half``: float16).
     """
 
     device: torch.device
@@ -52,6 +53,7 @@ class EvalOptions:
     per_class: bool = False
     single_cls: bool = False
     augment: bool = False
+    dtype: torch.dtype = torch.float32
 
     def nms(self, det: torch.Tensor) -> list[torch.Tensor]:
         """Non-maximum suppression of raw detections ``det`` (bs, n, 5 + nc) as these options
@@ -80,8 +82,8 @@ def eval_options(
     (``run`` = the run's config) and ``validation.py`` (``run`` = the checkpoint's run config
     with the flags given on top), so both score with the same thresholds, backend, precision
     and memory format. ``nms`` may set ``multi_label``/``max_det``/``single_cls``/``augment``
-    (``validation.py`` flags). The COCO backend is resolved here, once per run, and logged:
-    ``auto`` becomes the library that will score.
+    and ``dtype`` (``validation.py`` flags). The COCO backend is resolved here, once per run,
+    and logged: ``auto`` becomes the library that will score.
 
     Raises:
         ConfigError: ``coco_backend`` names faster-coco-eval and it is not installed (before

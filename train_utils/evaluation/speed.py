@@ -56,7 +56,7 @@ def measure_speed(model: nn.Module, loader: Iterable, opts: EvalOptions) -> Spee
     for batch in loader:
         imgs = batch[0]
         t0 = _sync(opts.device)
-        x = to_model_input(imgs, opts.device, opts.channels_last)
+        x = to_model_input(imgs, opts.device, opts.channels_last, opts.dtype)
         t1 = _sync(opts.device)
         with autocast_context(opts.device, opts.amp):
             det = detect(model, x, opts.augment)
