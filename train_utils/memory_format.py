@@ -8,7 +8,7 @@ the model: a small cfg can train faster in channels_last while YOLOv3-SPP trains
 train steps (forward, loss-like reduction, backward) of each format on this model, image size
 and batch, and keeps the faster. The decision is cached (JSON, keyed by cfg text, size, batch,
 threads, precision, CPU model and torch version) so that the next run of the same setting pays
-nothing.
+nothing; a noisy timing (a busy machine) decides its own run only, and the next run times again.
 """
 
 from __future__ import annotations
@@ -125,6 +125,11 @@ class StepTiming:
     spread: float
     steps: int
 
+    @property
+    def steady(self) -> bool:
+        """Whether the steps agreed well enough (:data:`NOISY_SPREAD`) to be cached."""
+        return self.spread <= NOISY_SPREAD
+
 
 def time_variants(
     model: nn.Module,
@@ -186,18 +191,17 @@ def time_train_step(
     device: torch.device,
     channels_last: bool,
     steps: int = ROUNDS,
-) -> float:
-    """Median seconds of ``steps`` fp32 train steps in one format (see :func:`time_variants`)."""
+) -> StepTiming:
+    """``steps`` fp32 train steps in one format (see :func:`time_variants`)."""
     variant = (channels_last, None)
-    timings = time_variants(model, img_size, batch_size, device, [variant], steps, steps)
-    return timings[variant].seconds
+    return time_variants(model, img_size, batch_size, device, [variant], steps, steps)[variant]
 
 
 def choose_channels_last(
     forced: bool | None,
     device: torch.device,
     key: str,
-    measure: Callable[[bool], float],
+    measure: Callable[[bool], StepTiming],
     cache: Path | None = None,
 ) -> MemoryFormatChoice:
     """The memory format for this run.
@@ -206,8 +210,9 @@ def choose_channels_last(
         forced: ``--channels-last`` (True) / ``--no-channels-last`` (False), or None for auto.
         device: where training runs; CUDA always takes channels_last.
         key: :func:`cache_key` of the setting.
-        measure: seconds per train step in a format (``True`` = channels_last); called only
-            when the cache has no entry for ``key``.
+        measure: the train step's timing in a format (``True`` = channels_last); called only
+            when the cache has no steady entry for ``key``. A noisy timing decides this run
+            but is not cached: the next run times again.
         cache: the JSON cache file, or None to neither read nor write one.
     """
     if forced is not None:
@@ -220,16 +225,24 @@ def choose_channels_last(
         if isinstance(entry, dict):
             try:
                 t_nchw, t_nhwc = float(entry["contiguous_s"]), float(entry["channels_last_s"])
+                # Entries without a spread predate the check: possibly noisy, timed again.
+                cached = float(entry["spread"]) <= NOISY_SPREAD
             except (KeyError, TypeError, ValueError):
-                pass
-            else:
+                cached = False
+            if cached:
                 return MemoryFormatChoice(
                     decide(t_nchw, t_nhwc), f"timed earlier (cache {cache})", t_nchw, t_nhwc
                 )
-    t_nchw, t_nhwc = measure(False), measure(True)
-    if cache is not None:
-        _write_cache(cache, key, {"contiguous_s": t_nchw, "channels_last_s": t_nhwc})
-    return MemoryFormatChoice(decide(t_nchw, t_nhwc), "timed now", t_nchw, t_nhwc)
+    nchw, nhwc = measure(False), measure(True)
+    t_nchw, t_nhwc = nchw.seconds, nhwc.seconds
+    reason = "timed now"
+    if not (nchw.steady and nhwc.steady):
+        reason = "timed now on a busy machine: not cached, the next run times again"
+    elif cache is not None:
+        spread = max(nchw.spread, nhwc.spread)
+        entry = {"contiguous_s": t_nchw, "channels_last_s": t_nhwc, "spread": spread}
+        _write_cache(cache, key, entry)
+    return MemoryFormatChoice(decide(t_nchw, t_nhwc), reason, t_nchw, t_nhwc)
 
 
 def step_seconds(choice: MemoryFormatChoice, forced: bool | None) -> float:
@@ -283,14 +296,14 @@ def choose_format_and_precision(
     variants = [(cl, dtype) for dtype in dtypes for cl in (False, True)]
     timings: dict[Variant, StepTiming] = {}
 
-    def measure_in(dtype: torch.dtype | None) -> Callable[[bool], float]:
-        def measure(channels_last: bool) -> float:
+    def measure_in(dtype: torch.dtype | None) -> Callable[[bool], StepTiming]:
+        def measure(channels_last: bool) -> StepTiming:
             if not timings:
                 # The probe's forward passes must not move the run's random streams.
                 with torch.random.fork_rng(devices=[]):
                     timings.update(time_variants(model, img_size, batch_size, device, variants))
                 logger.info(describe_timings(timings))
-            return timings[(channels_last, dtype)].seconds
+            return timings[(channels_last, dtype)]
 
         return measure
 
@@ -317,7 +330,7 @@ def describe_timings(timings: dict[Variant, StepTiming]) -> str:
     """One log line: how the train step was timed and how steady the timings were."""
     steps = max(t.steps for t in timings.values())
     spread = max(t.spread for t in timings.values())
-    steady = "steady" if spread <= NOISY_SPREAD else "noisy: the machine was busy"
+    steady = "steady" if all(t.steady for t in timings.values()) else "noisy: the machine was busy"
     return (
         f"timed {len(timings)} train-step variants, {steps} interleaved steps each: medians "
         f"compared, spread up to {spread:.0%} ({steady})"

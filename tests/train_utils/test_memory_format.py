@@ -14,6 +14,7 @@ from build_utils.parse_config import format_model_cfg
 from models.darknet import Darknet, model_blocks_for
 from train_utils import memory_format
 from train_utils.memory_format import (
+    StepTiming,
     cache_key,
     choose_channels_last,
     decide,
@@ -26,15 +27,17 @@ CPU = torch.device("cpu")
 
 
 class Timer:
-    """A fake ``measure``: fixed seconds per format, counting its calls."""
+    """A fake ``measure``: fixed seconds per format (their steps spreading by ``spread``),
+    counting its calls."""
 
-    def __init__(self, contiguous_s: float, channels_last_s: float):
+    def __init__(self, contiguous_s: float, channels_last_s: float, spread: float = 0.1):
         self.times = {False: contiguous_s, True: channels_last_s}
+        self.spread = spread
         self.calls: list[bool] = []
 
-    def __call__(self, channels_last: bool) -> float:
+    def __call__(self, channels_last: bool) -> StepTiming:
         self.calls.append(channels_last)
-        return self.times[channels_last]
+        return StepTiming(self.times[channels_last], self.spread, 5)
 
 
 def test_the_faster_format_wins_and_a_tie_stays_contiguous() -> None:
@@ -86,6 +89,29 @@ def test_the_cache_spares_the_second_timing(tmp_path: Path) -> None:
     assert len(damaged.calls) == 2 and "a" in json.loads(cache.read_text())
 
 
+def test_a_noisy_timing_decides_its_run_but_is_not_cached(tmp_path: Path) -> None:
+    """A busy machine's figures (the tester's: 466 ms fp32 vs 285 ms bf16, spread 846%) choose
+    this run's format only; the next run times again, and its steady figures are cached."""
+    cache = tmp_path / "memory_format.json"
+    busy = Timer(0.466, 0.5, spread=8.46)
+    choice = choose_channels_last(None, CPU, "a", busy, cache)
+    assert not choice.channels_last and len(busy.calls) == 2
+    assert choice.reason == "timed now on a busy machine: not cached, the next run times again"
+    assert not cache.exists()
+    quiet = Timer(0.101, 0.066)
+    assert choose_channels_last(None, CPU, "a", quiet, cache).channels_last
+    assert len(quiet.calls) == 2
+    entry = json.loads(cache.read_text())["a"]
+    assert entry == {"contiguous_s": 0.101, "channels_last_s": 0.066, "spread": 0.1}
+    cached = choose_channels_last(None, CPU, "a", Timer(9.0, 9.0), cache)
+    assert cached.channels_last and "cache" in cached.reason
+    # An entry cached before the spread was recorded may be noisy: timed again.
+    cache.write_text(json.dumps({"a": {"contiguous_s": 0.466, "channels_last_s": 0.5}}))
+    again = Timer(0.101, 0.066)
+    assert choose_channels_last(None, CPU, "a", again, cache).channels_last
+    assert len(again.calls) == 2 and json.loads(cache.read_text())["a"]["spread"] == 0.1
+
+
 def test_cache_key_names_what_the_timing_depends_on() -> None:
     key = cache_key("[net]\n", 320, 4, None)
     assert "img320" in key and "batch4" in key and "fp32" in key
@@ -99,7 +125,7 @@ def test_timing_probe_leaves_the_model_alone(repo_root, single_thread) -> None:
     model = Darknet(blocks, img_size=(64, 64))
     before = {k: v.clone() for k, v in model.state_dict().items()}
     for channels_last in (False, True):
-        seconds = time_train_step(model, 64, 2, CPU, channels_last, steps=1)
+        seconds = time_train_step(model, 64, 2, CPU, channels_last, steps=1).seconds
         assert 0 < seconds < 60
     after = model.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)  # BN statistics included
