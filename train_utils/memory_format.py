@@ -38,6 +38,10 @@ ROUNDS = 5  # timed train steps per variant, interleaved, after one untimed warm
 MAX_ROUNDS = 15  # steps per variant at most, while the machine is too busy to time it
 # A variant's steps spreading by more than this fraction of their median: time more of them.
 NOISY_SPREAD = 0.5
+# Seconds of timing (warm-up included) after which no further round starts: a big model on a
+# busy CPU is decided from the rounds done by then (at least one), and they are not cached
+# unless steady. The flags that force a format and precision skip the timing altogether.
+TIMING_CAP_S = 30.0
 CACHE_ENV = "YOLO_CACHE_DIR"
 CACHE_FILE = "memory_format.json"
 
@@ -127,8 +131,9 @@ class StepTiming:
 
     @property
     def steady(self) -> bool:
-        """Whether the steps agreed well enough (:data:`NOISY_SPREAD`) to be cached."""
-        return self.spread <= NOISY_SPREAD
+        """Whether the steps agreed well enough (:data:`NOISY_SPREAD`) to be cached; one step
+        alone (cut short by :data:`TIMING_CAP_S`) cannot tell."""
+        return self.steps >= 2 and self.spread <= NOISY_SPREAD
 
 
 def time_variants(
@@ -139,14 +144,19 @@ def time_variants(
     variants: Sequence[Variant],
     rounds: int = ROUNDS,
     max_rounds: int = MAX_ROUNDS,
+    cap_s: float = TIMING_CAP_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict[Variant, StepTiming]:
     """Time forward+backward passes of copies of ``model`` (training mode, a random batch) in
     each of ``variants``, interleaved: round after round, one step of each variant, so that a
     burst of load from another process falls on all of them alike. After one untimed warm-up
     step each, ``rounds`` rounds; while some variant's steps spread by more than
     :data:`NOISY_SPREAD` of their median (a busy machine), ``rounds`` more, up to
-    ``max_rounds`` in all. Each variant's time is the median of its steps, which one slow step
-    cannot move. The model itself is left untouched."""
+    ``max_rounds`` in all. No round starts once ``cap_s`` seconds (of ``clock``) have passed
+    since the start: the timings are then those of the rounds done, at least one, and a line
+    says so. Each variant's time is the median of its steps, which one slow step cannot move.
+    The model itself is left untouched."""
+    start = clock()
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(batch_size, 3, img_size, img_size, generator=gen).to(device)
     formats = {cl for cl, _ in variants}
@@ -162,9 +172,20 @@ def time_variants(
         for _ in range(rounds):
             for cl, amp in variants:
                 samples[(cl, amp)].append(_timed_step(probes[cl], inputs[cl], device, amp))
+            capped = clock() - start >= cap_s
+            if capped:
+                break
         timings = {v: _summary(times) for v, times in samples.items()}
-        done = len(samples[variants[0]]) >= max_rounds
-        if done or max(t.spread for t in timings.values()) <= NOISY_SPREAD:
+        steps = len(samples[variants[0]])
+        if capped and steps < max_rounds:
+            logger.info(
+                "timing stopped at its %.0f s cap after %d step(s) of each variant: decided "
+                "from them",
+                cap_s,
+                steps,
+            )
+            return timings
+        if steps >= max_rounds or all(t.steady for t in timings.values()):
             return timings
 
 
@@ -237,7 +258,8 @@ def choose_channels_last(
     t_nchw, t_nhwc = nchw.seconds, nhwc.seconds
     reason = "timed now"
     if not (nchw.steady and nhwc.steady):
-        reason = "timed now on a busy machine: not cached, the next run times again"
+        why = "on a busy machine" if min(nchw.steps, nhwc.steps) > 1 else "in one step each"
+        reason = f"timed now {why}: not cached, the next run times again"
     elif cache is not None:
         spread = max(nchw.spread, nhwc.spread)
         entry = {"contiguous_s": t_nchw, "channels_last_s": t_nhwc, "spread": spread}
@@ -299,6 +321,15 @@ def choose_format_and_precision(
     def measure_in(dtype: torch.dtype | None) -> Callable[[bool], StepTiming]:
         def measure(channels_last: bool) -> StepTiming:
             if not timings:
+                logger.info(
+                    "timing %scontiguous vs channels_last train steps at %d px, batch %d: two "
+                    "steps of each at least, no new round after %.0f s (cached for later runs "
+                    "of this setting)",
+                    "fp32 vs bf16 autocast, " if cpu_auto_bf16 else "",
+                    img_size,
+                    batch_size,
+                    TIMING_CAP_S,
+                )
                 # The probe's forward passes must not move the run's random streams.
                 with torch.random.fork_rng(devices=[]):
                     timings.update(time_variants(model, img_size, batch_size, device, variants))
@@ -330,7 +361,12 @@ def describe_timings(timings: dict[Variant, StepTiming]) -> str:
     """One log line: how the train step was timed and how steady the timings were."""
     steps = max(t.steps for t in timings.values())
     spread = max(t.spread for t in timings.values())
-    steady = "steady" if all(t.steady for t in timings.values()) else "noisy: the machine was busy"
+    if all(t.steady for t in timings.values()):
+        steady = "steady"
+    elif steps < 2:
+        steady = "one step each: not cached"
+    else:
+        steady = "noisy: the machine was busy"
     return (
         f"timed {len(timings)} train-step variants, {steps} interleaved steps each: medians "
         f"compared, spread up to {spread:.0%} ({steady})"

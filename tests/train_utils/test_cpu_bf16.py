@@ -158,6 +158,15 @@ def test_auto_trains_in_bf16_where_it_is_timed_faster(
         [(a, f) for a in (None, torch.bfloat16) for f in (False, True)], key=str
     )
     assert any("precision bf16" in r.getMessage() for r in caplog.records)
+    # Said before the wait: what is timed, and that it is once per setting.
+    assert any(
+        r.getMessage().startswith(
+            "timing fp32 vs bf16 autocast, contiguous vs channels_last train steps at 64 px, "
+            "batch 2:"
+        )
+        and r.getMessage().endswith("(cached for later runs of this setting)")
+        for r in caplog.records
+    )
 
 
 def test_auto_stays_fp32_where_bf16_is_not_faster(native_bf16_cpu, make_shapes_data, tmp_path):

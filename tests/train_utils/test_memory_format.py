@@ -187,3 +187,70 @@ def test_a_busy_machine_is_timed_longer_and_said_so(monkeypatch, repo_root) -> N
         "timed 1 train-step variants, 15 interleaved steps each: medians compared, spread up to "
         "200% (noisy: the machine was busy)"
     )
+
+
+def _lines(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == memory_format.__name__]
+
+
+class FakeClock:
+    """``time.monotonic`` for :func:`memory_format.time_variants`: it moves only by the
+    seconds of the (scripted) steps."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_the_timing_stops_at_its_cap_and_says_so(monkeypatch, repo_root, caplog) -> None:
+    """A big model on a busy CPU (the tester's yolov3-spp at 320 px: still timing after 140 s):
+    no round starts after the cap; the rounds done decide, and a single step is not cached."""
+    model = Darknet(model_blocks_for(repo_root / "cfg" / "yolov3-spp-nano.cfg", 3), img_size=64)
+    clock = FakeClock()
+    variants = [(False, None), (True, None)]
+    fake = ScriptedSteps({v: [9.0, 9.0, 3.0, 9.0, 9.0] for v in variants})
+
+    def step(*args) -> float:
+        seconds = fake(*args)
+        clock.now += seconds
+        return seconds
+
+    monkeypatch.setattr(memory_format, "_timed_step", step)
+    with caplog.at_level("INFO", logger=memory_format.__name__):
+        timings = memory_format.time_variants(model, 64, 2, CPU, variants, 5, 15, 30.0, clock)
+    # Warm-up (18 s) and one round (36 s) pass the 30 s cap: nothing more is timed.
+    assert len(fake.calls) == 4 and clock.now == 36.0
+    assert timings[(False, None)] == memory_format.StepTiming(9.0, 0.0, 1)
+    assert not timings[(False, None)].steady
+    assert _lines(caplog) == [
+        "timing stopped at its 30 s cap after 1 step(s) of each variant: decided from them"
+    ]
+    assert memory_format.describe_timings(timings).endswith("(one step each: not cached)")
+
+    # Noisy rounds are re-timed only until the cap: two rounds here, not fifteen.
+    caplog.clear()
+    noisy = ScriptedSteps({v: [1.0, 1.0, 3.0, 1.0, 1.0, 1.0] + [1.0] * 10 for v in variants})
+
+    def noisy_step(*args) -> float:
+        clock.now += 1.0
+        return noisy(*args)
+
+    monkeypatch.setattr(memory_format, "_timed_step", noisy_step)
+    clock.now = 0.0
+    with caplog.at_level("INFO", logger=memory_format.__name__):
+        timings = memory_format.time_variants(model, 64, 2, CPU, variants, 5, 15, 12.0, clock)
+    assert timings[(False, None)].steps == 5 and clock.now == 12.0
+    assert "after 5 step(s)" in _lines(caplog)[0]
+
+
+def test_a_one_step_timing_is_used_but_not_cached(tmp_path: Path) -> None:
+    class OneStep(Timer):
+        def __call__(self, channels_last: bool) -> StepTiming:
+            return StepTiming(self.times[channels_last], 0.0, 1)
+
+    cache = tmp_path / "memory_format.json"
+    choice = choose_channels_last(None, CPU, "a", OneStep(2.0, 1.0), cache)
+    assert choice.channels_last and not cache.exists()
+    assert choice.reason == "timed now in one step each: not cached, the next run times again"
