@@ -30,7 +30,13 @@ import torch
 from torch import nn
 
 from build_utils.atomic import atomic_write
-from train_utils.precision import AmpChoice, autocast_context, choose_cpu_amp, describe_amp
+from train_utils.precision import (
+    AmpChoice,
+    InferencePrecision,
+    autocast_context,
+    choose_cpu_amp,
+    describe_amp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -308,9 +314,11 @@ def choose_format_and_precision(
     (``amp_mode``) resolved to bf16 on a CPU, fp32 is timed too and bf16 kept only when clearly
     faster (:func:`train_utils.precision.choose_cpu_amp`), unless a resumed run's ``recorded``
     precision decides. Every variant the decision may need is timed in one interleaved
-    measurement (:func:`time_variants`), the first time one is needed.
+    measurement (:func:`time_variants`), the first time one is needed. The precision is one
+    log line whichever way it was decided.
     """
     cpu_auto_bf16 = amp_mode == "auto" and device.type == "cpu" and amp == torch.bfloat16
+    said = cpu_auto_bf16  # the timed choice or the resumed run's: describe_amp's line
     if cpu_auto_bf16 and recorded is not None:
         amp, cpu_auto_bf16 = recorded.amp, False
         logger.info(describe_amp(recorded))
@@ -353,6 +361,9 @@ def choose_format_and_precision(
         choice = formats[amp] if forced is None else None  # timed above: not twice
     if choice is None:
         choice = format_in(amp, forced)
+    if not said:
+        why = f"--amp {amp_mode}"
+        logger.info(InferencePrecision(torch.float32, amp, why).describe(choice.channels_last))
     logger.info(describe(choice))
     return choice.channels_last, amp
 

@@ -176,12 +176,25 @@ def test_auto_stays_fp32_where_bf16_is_not_faster(native_bf16_cpu, make_shapes_d
     assert _recorded_amp(tmp_path / "slow") is None
 
 
-def test_flags_bypass_the_timing(native_bf16_cpu, make_shapes_data, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("flag", "recorded", "line"),
+    [
+        ("off", None, "precision: full (float32) (--amp off), channels_last"),
+        ("bf16", "bfloat16", "precision: bfloat16 autocast (--amp bf16), channels_last"),
+    ],
+)
+def test_flags_bypass_the_timing_and_say_so(
+    native_bf16_cpu, make_shapes_data, tmp_path, flag, recorded, line
+) -> None:
+    """Was: --amp bf16/off printed no precision line at all (--amp auto did). Now one line, on
+    the console and in train.log, as validation.py and predict.py write it."""
     data = make_shapes_data(n_train=4, n_val=2)
-    steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)
-    run_training(train_argv(data, tmp_path / "off", "--amp", "off", img=64, batch=2))
-    assert _recorded_amp(tmp_path / "off") is None
-    assert {a for a, _ in steps.calls} == {None}  # only the format was timed
+    steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)  # channels_last 0.9x: the faster format
+    run_training(train_argv(data, tmp_path / flag, "--amp", flag, img=64, batch=2))
+    assert _recorded_amp(tmp_path / flag) == recorded
+    assert {a for a, _ in steps.calls} == {dtype_from_name(recorded)}  # only the format timed
+    log = (tmp_path / flag / "train.log").read_text()
+    assert log.count(line) == 1 and log.count("precision") == 1
 
 
 def test_forced_bf16_without_bf16_kernels_trains_and_records_fp32(
