@@ -945,7 +945,8 @@ def predict(args: argparse.Namespace) -> None:
         out_dir, created = choose_output_dir(
             requested, args.exist_ok, args.source, outputs, args.save_txt
         )
-        logger.info("%s", predictor.precision.describe())
+        # predict.py runs contiguous inputs (to_model_input's default), whatever the run did.
+        logger.info("%s", predictor.precision.describe(channels_last=False))
         style = DrawStyle(args.line_thickness, args.hide_labels, args.hide_conf)
         planned = [o.stem.as_posix() for o in outputs]
         saver = Saver(

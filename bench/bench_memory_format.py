@@ -48,7 +48,7 @@ def bench_one(name: str, cfg: Path, size: int, batch: int, repeat: int) -> dict:
     best = {False: float("inf"), True: float("inf")}
     for _ in range(repeat):
         for channels_last in (False, True):
-            t = time_train_step(model, size, batch, cpu, channels_last, steps=1)
+            t = time_train_step(model, size, batch, cpu, channels_last, steps=1).seconds
             best[channels_last] = min(best[channels_last], t)
     auto = best[choice.channels_last]
     return {

@@ -8,7 +8,7 @@ the model: a small cfg can train faster in channels_last while YOLOv3-SPP trains
 train steps (forward, loss-like reduction, backward) of each format on this model, image size
 and batch, and keeps the faster. The decision is cached (JSON, keyed by cfg text, size, batch,
 threads, precision, CPU model and torch version) so that the next run of the same setting pays
-nothing.
+nothing; a noisy timing (a busy machine) decides its own run only, and the next run times again.
 """
 
 from __future__ import annotations
@@ -30,7 +30,13 @@ import torch
 from torch import nn
 
 from build_utils.atomic import atomic_write
-from train_utils.precision import AmpChoice, autocast_context, choose_cpu_amp, describe_amp
+from train_utils.precision import (
+    AmpChoice,
+    InferencePrecision,
+    autocast_context,
+    choose_cpu_amp,
+    describe_amp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +44,10 @@ ROUNDS = 5  # timed train steps per variant, interleaved, after one untimed warm
 MAX_ROUNDS = 15  # steps per variant at most, while the machine is too busy to time it
 # A variant's steps spreading by more than this fraction of their median: time more of them.
 NOISY_SPREAD = 0.5
+# Seconds of timing (warm-up included) after which no further round starts: a big model on a
+# busy CPU is decided from the rounds done by then (at least one), and they are not cached
+# unless steady. The flags that force a format and precision skip the timing altogether.
+TIMING_CAP_S = 30.0
 CACHE_ENV = "YOLO_CACHE_DIR"
 CACHE_FILE = "memory_format.json"
 
@@ -125,6 +135,12 @@ class StepTiming:
     spread: float
     steps: int
 
+    @property
+    def steady(self) -> bool:
+        """Whether the steps agreed well enough (:data:`NOISY_SPREAD`) to be cached; one step
+        alone (cut short by :data:`TIMING_CAP_S`) cannot tell."""
+        return self.steps >= 2 and self.spread <= NOISY_SPREAD
+
 
 def time_variants(
     model: nn.Module,
@@ -134,14 +150,19 @@ def time_variants(
     variants: Sequence[Variant],
     rounds: int = ROUNDS,
     max_rounds: int = MAX_ROUNDS,
+    cap_s: float = TIMING_CAP_S,
+    clock: Callable[[], float] = time.monotonic,
 ) -> dict[Variant, StepTiming]:
     """Time forward+backward passes of copies of ``model`` (training mode, a random batch) in
     each of ``variants``, interleaved: round after round, one step of each variant, so that a
     burst of load from another process falls on all of them alike. After one untimed warm-up
     step each, ``rounds`` rounds; while some variant's steps spread by more than
     :data:`NOISY_SPREAD` of their median (a busy machine), ``rounds`` more, up to
-    ``max_rounds`` in all. Each variant's time is the median of its steps, which one slow step
-    cannot move. The model itself is left untouched."""
+    ``max_rounds`` in all. No round starts once ``cap_s`` seconds (of ``clock``) have passed
+    since the start: the timings are then those of the rounds done, at least one, and a line
+    says so. Each variant's time is the median of its steps, which one slow step cannot move.
+    The model itself is left untouched."""
+    start = clock()
     gen = torch.Generator().manual_seed(0)
     x = torch.rand(batch_size, 3, img_size, img_size, generator=gen).to(device)
     formats = {cl for cl, _ in variants}
@@ -157,9 +178,20 @@ def time_variants(
         for _ in range(rounds):
             for cl, amp in variants:
                 samples[(cl, amp)].append(_timed_step(probes[cl], inputs[cl], device, amp))
+            capped = clock() - start >= cap_s
+            if capped:
+                break
         timings = {v: _summary(times) for v, times in samples.items()}
-        done = len(samples[variants[0]]) >= max_rounds
-        if done or max(t.spread for t in timings.values()) <= NOISY_SPREAD:
+        steps = len(samples[variants[0]])
+        if capped and steps < max_rounds:
+            logger.info(
+                "timing stopped at its %.0f s cap after %d step(s) of each variant: decided "
+                "from them",
+                cap_s,
+                steps,
+            )
+            return timings
+        if steps >= max_rounds or all(t.steady for t in timings.values()):
             return timings
 
 
@@ -186,18 +218,17 @@ def time_train_step(
     device: torch.device,
     channels_last: bool,
     steps: int = ROUNDS,
-) -> float:
-    """Median seconds of ``steps`` fp32 train steps in one format (see :func:`time_variants`)."""
+) -> StepTiming:
+    """``steps`` fp32 train steps in one format (see :func:`time_variants`)."""
     variant = (channels_last, None)
-    timings = time_variants(model, img_size, batch_size, device, [variant], steps, steps)
-    return timings[variant].seconds
+    return time_variants(model, img_size, batch_size, device, [variant], steps, steps)[variant]
 
 
 def choose_channels_last(
     forced: bool | None,
     device: torch.device,
     key: str,
-    measure: Callable[[bool], float],
+    measure: Callable[[bool], StepTiming],
     cache: Path | None = None,
 ) -> MemoryFormatChoice:
     """The memory format for this run.
@@ -206,8 +237,9 @@ def choose_channels_last(
         forced: ``--channels-last`` (True) / ``--no-channels-last`` (False), or None for auto.
         device: where training runs; CUDA always takes channels_last.
         key: :func:`cache_key` of the setting.
-        measure: seconds per train step in a format (``True`` = channels_last); called only
-            when the cache has no entry for ``key``.
+        measure: the train step's timing in a format (``True`` = channels_last); called only
+            when the cache has no steady entry for ``key``. A noisy timing decides this run
+            but is not cached: the next run times again.
         cache: the JSON cache file, or None to neither read nor write one.
     """
     if forced is not None:
@@ -220,16 +252,25 @@ def choose_channels_last(
         if isinstance(entry, dict):
             try:
                 t_nchw, t_nhwc = float(entry["contiguous_s"]), float(entry["channels_last_s"])
+                # Entries without a spread predate the check: possibly noisy, timed again.
+                cached = float(entry["spread"]) <= NOISY_SPREAD
             except (KeyError, TypeError, ValueError):
-                pass
-            else:
+                cached = False
+            if cached:
                 return MemoryFormatChoice(
                     decide(t_nchw, t_nhwc), f"timed earlier (cache {cache})", t_nchw, t_nhwc
                 )
-    t_nchw, t_nhwc = measure(False), measure(True)
-    if cache is not None:
-        _write_cache(cache, key, {"contiguous_s": t_nchw, "channels_last_s": t_nhwc})
-    return MemoryFormatChoice(decide(t_nchw, t_nhwc), "timed now", t_nchw, t_nhwc)
+    nchw, nhwc = measure(False), measure(True)
+    t_nchw, t_nhwc = nchw.seconds, nhwc.seconds
+    reason = "timed now"
+    if not (nchw.steady and nhwc.steady):
+        why = "on a busy machine" if min(nchw.steps, nhwc.steps) > 1 else "in one step each"
+        reason = f"timed now {why}: not cached, the next run times again"
+    elif cache is not None:
+        spread = max(nchw.spread, nhwc.spread)
+        entry = {"contiguous_s": t_nchw, "channels_last_s": t_nhwc, "spread": spread}
+        _write_cache(cache, key, entry)
+    return MemoryFormatChoice(decide(t_nchw, t_nhwc), reason, t_nchw, t_nhwc)
 
 
 def step_seconds(choice: MemoryFormatChoice, forced: bool | None) -> float:
@@ -273,9 +314,11 @@ def choose_format_and_precision(
     (``amp_mode``) resolved to bf16 on a CPU, fp32 is timed too and bf16 kept only when clearly
     faster (:func:`train_utils.precision.choose_cpu_amp`), unless a resumed run's ``recorded``
     precision decides. Every variant the decision may need is timed in one interleaved
-    measurement (:func:`time_variants`), the first time one is needed.
+    measurement (:func:`time_variants`), the first time one is needed. The precision is one
+    log line whichever way it was decided.
     """
     cpu_auto_bf16 = amp_mode == "auto" and device.type == "cpu" and amp == torch.bfloat16
+    said = cpu_auto_bf16  # the timed choice or the resumed run's: describe_amp's line
     if cpu_auto_bf16 and recorded is not None:
         amp, cpu_auto_bf16 = recorded.amp, False
         logger.info(describe_amp(recorded))
@@ -283,14 +326,23 @@ def choose_format_and_precision(
     variants = [(cl, dtype) for dtype in dtypes for cl in (False, True)]
     timings: dict[Variant, StepTiming] = {}
 
-    def measure_in(dtype: torch.dtype | None) -> Callable[[bool], float]:
-        def measure(channels_last: bool) -> float:
+    def measure_in(dtype: torch.dtype | None) -> Callable[[bool], StepTiming]:
+        def measure(channels_last: bool) -> StepTiming:
             if not timings:
+                logger.info(
+                    "timing %scontiguous vs channels_last train steps at %d px, batch %d: two "
+                    "steps of each at least, no new round after %.0f s (cached for later runs "
+                    "of this setting)",
+                    "fp32 vs bf16 autocast, " if cpu_auto_bf16 else "",
+                    img_size,
+                    batch_size,
+                    TIMING_CAP_S,
+                )
                 # The probe's forward passes must not move the run's random streams.
                 with torch.random.fork_rng(devices=[]):
                     timings.update(time_variants(model, img_size, batch_size, device, variants))
                 logger.info(describe_timings(timings))
-            return timings[(channels_last, dtype)].seconds
+            return timings[(channels_last, dtype)]
 
         return measure
 
@@ -309,6 +361,9 @@ def choose_format_and_precision(
         choice = formats[amp] if forced is None else None  # timed above: not twice
     if choice is None:
         choice = format_in(amp, forced)
+    if not said:
+        why = f"--amp {amp_mode}"
+        logger.info(InferencePrecision(torch.float32, amp, why).describe(choice.channels_last))
     logger.info(describe(choice))
     return choice.channels_last, amp
 
@@ -317,7 +372,12 @@ def describe_timings(timings: dict[Variant, StepTiming]) -> str:
     """One log line: how the train step was timed and how steady the timings were."""
     steps = max(t.steps for t in timings.values())
     spread = max(t.spread for t in timings.values())
-    steady = "steady" if spread <= NOISY_SPREAD else "noisy: the machine was busy"
+    if all(t.steady for t in timings.values()):
+        steady = "steady"
+    elif steps < 2:
+        steady = "one step each: not cached"
+    else:
+        steady = "noisy: the machine was busy"
     return (
         f"timed {len(timings)} train-step variants, {steps} interleaved steps each: medians "
         f"compared, spread up to {spread:.0%} ({steady})"

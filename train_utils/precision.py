@@ -256,7 +256,7 @@ def _mode_for_another_device(run_amp: str | None) -> str:
 
 @dataclass(frozen=True)
 class InferencePrecision:
-    """How an evaluation or a prediction computes: ``weights``, the dtype of the model's
+    """How a run, an evaluation or a prediction computes: ``weights``, the dtype of the model's
     parameters and of its input; ``autocast``, the dtype autocast computes in (None: none);
     ``why``, where that came from (a flag, the run's record)."""
 
@@ -264,18 +264,17 @@ class InferencePrecision:
     autocast: torch.dtype | None
     why: str
 
-    def describe(self, channels_last: bool | None = None) -> str:
-        """The log line: ``precision: bfloat16 autocast (the run's bfloat16), contiguous``."""
+    def describe(self, channels_last: bool) -> str:
+        """The log line every script writes: ``precision: bfloat16 autocast (the run's
+        bfloat16), contiguous``."""
         if self.weights != torch.float32:
             what = f"{dtype_name(self.weights)} weights and inputs"
         elif self.autocast is not None:
             what = f"{dtype_name(self.autocast)} autocast"
         else:
             what = "full (float32)"
-        layout = ""
-        if channels_last is not None:
-            layout = ", channels_last" if channels_last else ", contiguous"
-        return f"precision: {what} ({self.why}){layout}"
+        layout = "channels_last" if channels_last else "contiguous"
+        return f"precision: {what} ({self.why}), {layout}"
 
 
 def inference_precision(

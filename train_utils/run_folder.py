@@ -348,9 +348,10 @@ class RunFolder:
             with contextlib.suppress(OSError):
                 os.utime(self.lock)
 
-    def set_aside_failed_start(self) -> None:
+    def set_aside_failed_start(self, what: str = "failed") -> None:
         """After a start that failed before its first checkpoint (an empty dataset, a model that
-        does not fit): move what it wrote (train.log, args.yaml, ...) into ``failed-<time>/``,
+        does not fit) or was interrupted (``what``: "was interrupted"): move what it wrote
+        (train.log, args.yaml, ...) into ``failed-<time>/``,
         so that the folder holds no run, the next run of the same name writes it and nothing
         offers it to ``--resume``. Only what this start wrote moves (never what the folder held
         when it was claimed); a folder with a ``last.pt`` is a run: left as it is."""
@@ -369,8 +370,9 @@ class RunFolder:
             logger.warning("%s: could not move the failed start's files aside: %s", self.path, e)
             return
         logger.warning(
-            "the run failed before its first checkpoint; its files are in %s, and %s is free for "
+            "the run %s before its first checkpoint; its files are in %s, and %s is free for "
             "the next run",
+            what,
             moved,
             self.path,
         )

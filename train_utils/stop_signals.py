@@ -74,7 +74,8 @@ class StopSignals:
             self._deferring = False
         if self._pending is not None:
             logger.warning(
-                "signal %d received during the epoch's writes: stopping after them", self._pending
+                "signal %d received during writes that must finish: stopping after them",
+                self._pending,
             )
             self.interrupted, self._pending = self._pending, None
             raise KeyboardInterrupt

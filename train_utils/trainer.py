@@ -107,30 +107,41 @@ def seed_all(seed: int) -> None:
 
 def run(config: TrainConfig, dist: DistInfo, signals: StopSignals | None = None) -> RunSummary:
     """Train according to ``config`` on this process's share of the work (see module docstring);
-    ``signals``: a caller's (an ``--evolve`` search's), so that a Ctrl-C in the run is its too."""
+    ``signals``: a caller's (an ``--evolve`` search's), so that a Ctrl-C in the run is its too.
+    SIGTERM acts as Ctrl-C from before the run folder is claimed: either leaves no lock."""
     t_start = time.time()
     # A bad YOLO_THREADS, limit or YOLO_MEMORY_AVAILABLE stops the run before it claims (and
     # leaves behind) a run folder.
     check_environment()
+    signals = signals or StopSignals()
+    with signals.installed():
+        return _claim_and_train(config, dist, t_start, signals)
+
+
+def _claim_and_train(
+    config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSignals
+) -> RunSummary:
     claim, log_handler, error = None, None, None
-    if dist.is_main:
-        try:
-            claim = claim_run_folder(
-                config.output_dir,
-                resume=resume.resumes_in_place(config.resume, config.output_dir),
-                exist_ok=config.exist_ok,
-                auto_named=config.auto_named,
-            )
-            log_handler = run_log_handler(claim.path / "train.log")
-        except YoloError as e:
-            error = e
-            if claim is not None:
-                claim.release()
-                claim = None
-    # Collective: a folder rank 0 may not write (a live run holds it, a full disk) stops every
-    # rank with the same line, instead of leaving the others waiting in the next collective.
-    raise_if_any_rank_failed(error, "claiming the run folder")
     try:
+        if dist.is_main:
+            try:
+                with signals.deferred():  # a signal mid-claim waits until the lock is held
+                    claim = claim_run_folder(
+                        config.output_dir,
+                        resume=resume.resumes_in_place(config.resume, config.output_dir),
+                        exist_ok=config.exist_ok,
+                        auto_named=config.auto_named,
+                    )
+                log_handler = run_log_handler(claim.path / "train.log")
+            except YoloError as e:
+                error = e
+                if claim is not None:
+                    claim.release()
+                    claim = None
+        # Collective: a folder rank 0 may not write (a live run holds it, a full disk) stops
+        # every rank with the same line, instead of leaving the others waiting in the next
+        # collective.
+        raise_if_any_rank_failed(error, "claiming the run folder")
         # A --weights inside a folder whose previous run --exist-ok moved aside moved with it.
         # So does a checkpoint --resume goes back to (resumes_in_place) with --exist-ok; only
         # then is rank 0's path sent (each rank reads its own --resume, see SHARED_STORAGE_HINT).
@@ -149,10 +160,11 @@ def run(config: TrainConfig, dist: DistInfo, signals: StopSignals | None = None)
         with logging_to(log_handler):
             if claim is not None:
                 claim.log()
-            return _train(config, dist, t_start, signals or StopSignals())
-    except (Exception, KeyboardInterrupt):  # Ctrl-C while starting leaves no run behind either
+            return _train(config, dist, t_start, signals)
+    except (Exception, KeyboardInterrupt) as e:  # Ctrl-C while starting leaves no run either
         if claim is not None:
-            claim.set_aside_failed_start()
+            interrupted = isinstance(e, KeyboardInterrupt)
+            claim.set_aside_failed_start("was interrupted" if interrupted else "failed")
         raise
     finally:
         if claim is not None:
@@ -208,8 +220,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSig
     run = Run(config, dist, state, hyp, cfg_text, plan, train_data, opts, eval_opts)
     darknet = isinstance(state, DarknetState)
     try:
-        with signals.installed():
-            (_train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
+        (_train_iterations if darknet else _train_epochs)(run, reporter, loop, signals)
         seconds = time.time() - t_start
         epochs_run = loop.epoch + 1 - start_epoch
         # Before close(): the external trackers record the run's files, then end it finished.

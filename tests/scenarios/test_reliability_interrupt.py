@@ -26,6 +26,7 @@ from conftest import train_argv, worker_cmd
 import train as train_script
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
+from train_utils.memory_format import CACHE_ENV
 from train_utils.plan import EpochPlan
 
 REPO = Path(__file__).resolve().parents[2]
@@ -108,6 +109,29 @@ def start(tmp_path):
         if run.proc.poll() is None:
             run.proc.kill()
             run.proc.wait()
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_before_training_removes_the_lock(
+    make_shapes_data, tmp_path, start, monkeypatch, signum
+) -> None:
+    """Was: SIGTERM during the start-up timing (the run folder locked, nothing trained) exited
+    143 without a word and left run.lock behind. Now SIGTERM acts as Ctrl-C from the moment the
+    lock is taken: one line, exit 130, no lock, what the start wrote set aside in failed-*/."""
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))  # no cached timing to skip the park
+    data = make_shapes_data(n_train=4, n_val=2)
+    out = tmp_path / "run"
+    run = start(data, out, "park-in-timing")
+    run.wait_for_marker()
+    assert (out / "run.lock").is_file()
+    run.proc.send_signal(signum)
+    rc, log = run.finish()
+    assert rc == 130, log[-3000:]
+    assert not (out / "run.lock").exists()
+    line = f"the run was interrupted before its first checkpoint; its files are in {out}"
+    assert line in log and "Traceback" not in log
+    (failed,) = out.glob("failed-*")
+    assert (failed / "train.log").is_file() and not (out / "train.log").exists()
 
 
 @pytest.mark.slow

@@ -409,13 +409,14 @@ def test_a_camera_that_gives_nothing_writes_nothing(checkpoint, tmp_path, monkey
 
 
 def test_the_replayed_precision_is_logged(checkpoint, tmp_path, caplog):
-    """As validation.py does: the autocast dtype (or none) and where it came from."""
+    """As validation.py does: the autocast dtype (or none), where it came from and the memory
+    format (predict.py's inputs are contiguous)."""
     image = _image(tmp_path / "x.jpg", 80)
     caplog.set_level("INFO")
     assert _main(checkpoint, tmp_path / "o", "--source", str(image)) == 0
-    assert "precision: full (float32) (--amp auto)" in caplog.text
+    assert "precision: full (float32) (--amp auto), contiguous" in caplog.text
     assert _main(checkpoint, tmp_path / "o2", "--source", str(image), "--amp", "off") == 0
-    assert "precision: full (float32) (--amp off)" in caplog.text
+    assert "precision: full (float32) (--amp off), contiguous" in caplog.text
 
 
 def test_a_sub_folder_of_which_nothing_was_read_leaves_no_empty_folders(checkpoint, tmp_path):

@@ -158,6 +158,15 @@ def test_auto_trains_in_bf16_where_it_is_timed_faster(
         [(a, f) for a in (None, torch.bfloat16) for f in (False, True)], key=str
     )
     assert any("precision bf16" in r.getMessage() for r in caplog.records)
+    # Said before the wait: what is timed, and that it is once per setting.
+    assert any(
+        r.getMessage().startswith(
+            "timing fp32 vs bf16 autocast, contiguous vs channels_last train steps at 64 px, "
+            "batch 2:"
+        )
+        and r.getMessage().endswith("(cached for later runs of this setting)")
+        for r in caplog.records
+    )
 
 
 def test_auto_stays_fp32_where_bf16_is_not_faster(native_bf16_cpu, make_shapes_data, tmp_path):
@@ -167,12 +176,25 @@ def test_auto_stays_fp32_where_bf16_is_not_faster(native_bf16_cpu, make_shapes_d
     assert _recorded_amp(tmp_path / "slow") is None
 
 
-def test_flags_bypass_the_timing(native_bf16_cpu, make_shapes_data, tmp_path) -> None:
+@pytest.mark.parametrize(
+    ("flag", "recorded", "line"),
+    [
+        ("off", None, "precision: full (float32) (--amp off), channels_last"),
+        ("bf16", "bfloat16", "precision: bfloat16 autocast (--amp bf16), channels_last"),
+    ],
+)
+def test_flags_bypass_the_timing_and_say_so(
+    native_bf16_cpu, make_shapes_data, tmp_path, flag, recorded, line
+) -> None:
+    """Was: --amp bf16/off printed no precision line at all (--amp auto did). Now one line, on
+    the console and in train.log, as validation.py and predict.py write it."""
     data = make_shapes_data(n_train=4, n_val=2)
-    steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)
-    run_training(train_argv(data, tmp_path / "off", "--amp", "off", img=64, batch=2))
-    assert _recorded_amp(tmp_path / "off") is None
-    assert {a for a, _ in steps.calls} == {None}  # only the format was timed
+    steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)  # channels_last 0.9x: the faster format
+    run_training(train_argv(data, tmp_path / flag, "--amp", flag, img=64, batch=2))
+    assert _recorded_amp(tmp_path / flag) == recorded
+    assert {a for a, _ in steps.calls} == {dtype_from_name(recorded)}  # only the format timed
+    log = (tmp_path / flag / "train.log").read_text()
+    assert log.count(line) == 1 and log.count("precision") == 1
 
 
 def test_forced_bf16_without_bf16_kernels_trains_and_records_fp32(

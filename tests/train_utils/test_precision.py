@@ -237,9 +237,9 @@ def test_half_replaces_the_replayed_autocast():
     weights and inputs and no autocast, and says that the run's autocast is not replayed."""
     p = precision.inference_precision(torch.bfloat16, BF16_RUN, True, None, CUDA)
     assert (p.weights, p.autocast) == (torch.float16, None)
-    assert p.describe() == (
+    assert p.describe(channels_last=False) == (
         "precision: float16 weights and inputs (--half; the run's bfloat16 autocast is not "
-        "replayed)"
+        "replayed), contiguous"
     )
     plain = precision.inference_precision(torch.bfloat16, BF16_RUN, False, None, CUDA)
     assert (plain.weights, plain.autocast) == (torch.float32, torch.bfloat16)

@@ -4,8 +4,10 @@ writes a marker file, so the test signals it from outside, or sends SIGKILL to i
 
 The environment chooses the hook:
     REL_POINT   park-mid-epoch (after the first batch of epoch REL_EPOCH has trained, wait
-                REL_PARK_S seconds), kill-in-eval (before the NMS of the first validation
-                batch), kill-in-save (half-way through writing a checkpoint),
+                REL_PARK_S seconds), park-in-timing (in the start-up timing of the memory
+                format, the run folder locked, nothing trained: wait REL_PARK_S),
+                kill-in-eval (before the NMS of the first validation batch), kill-in-save
+                (half-way through writing a checkpoint),
                 signal-at-write (send REL_SIGNAL to itself at the epoch-end write REL_WRITE
                 of epoch REL_EPOCH), or none
     REL_MARKER  the file written when the point is reached
@@ -31,7 +33,7 @@ from pathlib import Path
 import torch
 
 import train
-from train_utils import checkpoint, reporting, rounds, trainer
+from train_utils import checkpoint, memory_format, reporting, rounds, trainer
 from train_utils.evaluation.options import EvalOptions
 
 
@@ -85,6 +87,17 @@ def _park_mid_epoch(marker: Path, epoch_to_stop: int, park_s: float) -> None:
         return real_train(*args, **kwargs)
 
     trainer.train_one_epoch = train_one_epoch
+
+
+def _park_in_timing(marker: Path, park_s: float) -> None:
+    """Instead of timing the train-step variants, wait for the test's signal."""
+
+    def time_variants(*args, **kwargs):
+        marker.write_text("timing")
+        _park(park_s)
+        raise AssertionError("the test's signal never came")
+
+    memory_format.time_variants = time_variants
 
 
 def _kill_in_eval(marker: Path) -> None:
@@ -168,6 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     marker = Path(os.environ["REL_MARKER"])
     if point == "park-mid-epoch":
         _park_mid_epoch(marker, int(os.environ["REL_EPOCH"]), float(os.environ["REL_PARK_S"]))
+    elif point == "park-in-timing":
+        _park_in_timing(marker, float(os.environ["REL_PARK_S"]))
     elif point == "kill-in-eval":
         _kill_in_eval(marker)
     elif point == "kill-in-save":
