@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_utils.atomic import check_apart, check_new_outputs, make_output_dir, write_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
-from build_utils.labels import parse_label_text
+from build_utils.labels import list_entry_problem, parse_label_text
 from build_utils.limits import (
     MAX_IMAGE_BYTES,
     MAX_LABEL_BYTES,
@@ -86,17 +86,20 @@ def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
     images_dir = labels_dir.parent / "images"
     if not images_dir.is_dir():
         raise DatasetError(f"{name} images folder not found beside the labels", images_dir)
+    found = list_images(images_dir)
     images, bad = [], []
-    for p in list_images(images_dir):
-        # A FIFO, link loop or 40 GB file named x.jpg is no image: reported, not listed.
-        problem = file_problem(p, MAX_IMAGE_BYTES)
+    for p in found:
+        # A FIFO, link loop or 40 GB file named x.jpg is no image; a name the list cannot hold
+        # would make the list unreadable: each is reported, not listed.
+        problem = file_problem(p, MAX_IMAGE_BYTES) or list_entry_problem(p)
         if problem is None:
             images.append(Path(p))
         else:
             bad.append(f"{p}: not listed: {problem}")
     if not images:
         raise DatasetError(f"no images in the {name} split", images_dir)
-    stems = {p.relative_to(images_dir).with_suffix("") for p in images}
+    # Every image found, listed or not: the label file of an image left out is no orphan.
+    stems = {Path(p).relative_to(images_dir).with_suffix("") for p in found}
     n_labels = n_objects = n_neg = 0
     for img in images:
         label = labels_dir / img.relative_to(images_dir).with_suffix(".txt")

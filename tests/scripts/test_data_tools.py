@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+from conftest import give_non_utf8_name
 
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -573,6 +575,29 @@ def test_calculate_dataset_refuses_a_split_without_objects(make_shapes_data, tmp
     assert rc == 2
     assert "val split has no objects" in capsys.readouterr().err
     assert calculate_dataset.main(["--names", str(root / "shapes.names")]) == 2
+
+
+def test_calculate_dataset_leaves_out_an_image_whose_name_a_list_cannot_hold(
+    make_shapes_data, tmp_path, caplog
+):
+    """Was: an image named b"bad\\xe9name.jpg" was a UnicodeEncodeError traceback writing the
+    list, and an empty --out-dir. Lists are read as UTF-8 (a list holding such a name is refused
+    whole), so the image is left out with its reason and its label file is no orphan."""
+    root = make_shapes_data(n_train=3, n_val=2).parent
+    bad = give_non_utf8_name(root / "train" / "images" / "train_000000.jpg")
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO):
+        rc = calculate_dataset.main(
+            ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(out)]
+        )
+    assert rc == 0
+    lines = (out / "my_train_data.txt").read_text(encoding="utf-8").split()
+    assert [Path(x).name for x in lines] == ["train_000001.jpg", "train_000002.jpg"]
+    messages = [r.getMessage() for r in caplog.records]
+    why = "its name is not UTF-8 (byte 0xe9), which an image list cannot hold; rename it"
+    assert f"{bad}: not listed: {why}" in messages
+    assert messages[0].startswith("train: 2 images, 2 label files,")
+    assert " 0 label files without an image, 1 bad lines" in messages[0]
 
 
 # ---------------------------------------------------------------------------------------------
