@@ -819,3 +819,13 @@ def test_kmeans_anchors_img_size_is_limited(tmp_path, capsys):
         "error: --img-size 65536 is larger than the limit 8192 (pixels per side of --img-size); "
         "set YOLO_MAX_IMG_SIZE to raise it"
     )
+
+
+@pytest.mark.parametrize("size", ["-5", "0", "31"])
+def test_kmeans_anchors_too_small_img_size_names_the_flag(tmp_path, capsys, size):
+    """Was: "img_size must be an integer >= 32" (the loader's argument, not the flag)."""
+    rc = kmeans_anchors.main(["--list", str(tmp_path / "train.txt"), "--img-size", size])
+    assert rc == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --img-size must be >= 32, got {size}"
+    )
