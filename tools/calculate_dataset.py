@@ -36,7 +36,9 @@ from build_utils.labels import list_entry_problem, parse_label_text
 from build_utils.limits import (
     MAX_IMAGE_BYTES,
     MAX_LABEL_BYTES,
+    MAX_TEXT_BYTES,
     UnusableFile,
+    check_config_file,
     file_problem,
     read_data_file,
 )
@@ -194,8 +196,8 @@ def write_dataset_files(args: argparse.Namespace) -> None:
     out_dir = args.out_dir or args.root or train_labels.parent.parent
     names = load_class_names(args.names)
     nc = len(names)
-    if args.cfg is not None and not args.cfg.is_file():
-        raise ConfigError("model cfg not found", args.cfg)
+    if args.cfg is not None:  # before the splits are scanned: a device or folder, one line
+        check_config_file(args.cfg, MAX_TEXT_BYTES, "model cfg")
     train_list = out_dir / f"{args.name}_train_data.txt"
     val_list = out_dir / f"{args.name}_val_data.txt"
     data = out_dir / f"{args.name}_data.data"

@@ -564,6 +564,18 @@ def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
     assert len(LoadImagesAndLabels(d["valid"], 64, nc=5)) == 2
 
 
+def test_calculate_dataset_names_a_cfg_that_is_no_regular_file(make_shapes_data, tmp_path, capsys):
+    """Was: --cfg /dev/zero said "model cfg not found"; now the kind of file, as every input."""
+    root = make_shapes_data(n_train=2, n_val=1).parent
+    out = tmp_path / "out"
+    argv = ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(out)]
+    assert calculate_dataset.main([*argv, "--cfg", "/dev/zero"]) == 2
+    assert capsys.readouterr().err == (
+        "error: /dev/zero: model cfg: a character device, not a regular file\n"
+    )
+    assert not out.exists()
+
+
 def test_calculate_dataset_refuses_a_split_without_objects(make_shapes_data, tmp_path, capsys):
     data = make_shapes_data(n_train=4, n_val=2)
     root = data.parent
