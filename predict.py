@@ -650,7 +650,16 @@ def choose_output_dir(
 
 def open_capture(source: str | Path) -> cv2.VideoCapture:
     """A ``cv2.VideoCapture`` of a video file, a camera index or a stream URL."""
-    return cv2.VideoCapture(int(source) if is_camera(str(source)) else str(source))
+    # OpenCV logs its own WARN lines for a camera that does not open ("can't open camera by
+    # index"); :func:`open_video` says it in one line instead. Its errors still show; the
+    # user's level comes back after the open.
+    log = cv2.utils.logging
+    level = log.getLogLevel()
+    log.setLogLevel(min(level, log.LOG_LEVEL_ERROR))
+    try:
+        return cv2.VideoCapture(int(source) if is_camera(str(source)) else str(source))
+    finally:
+        log.setLogLevel(level)
 
 
 def capture_name(source: str | Path) -> str:

@@ -38,12 +38,14 @@ def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
 
 
-def _open_temp(tmp: Path, mode: str, encoding: str | None, newline: str | None) -> IO[Any]:
+def _open_temp(
+    tmp: Path, mode: str, encoding: str | None, errors: str | None, newline: str | None
+) -> IO[Any]:
     # open() rather than tempfile.mkstemp: the file gets the usual umask permissions, not 0600.
     # "x" refuses to reuse an existing name instead of writing into another writer's file.
     if mode == "wb":
         return open(tmp, "xb")
-    return open(tmp, "x", encoding=encoding, newline=newline)
+    return open(tmp, "x", encoding=encoding, errors=errors, newline=newline)
 
 
 def fsync_dir(directory: Path) -> None:
@@ -65,6 +67,7 @@ def atomic_write(
     mode: str = "wb",
     *,
     encoding: str | None = "utf-8",
+    errors: str | None = None,
     newline: str | None = None,
     fsync: bool = True,
     durable_dir: bool = False,
@@ -73,8 +76,9 @@ def atomic_write(
 
     Args:
         path: the file to create or replace; its folder must exist.
-        mode: ``"wb"`` (binary) or ``"w"`` (text, with ``encoding`` and ``newline`` as for
-            :func:`open`; ``newline=""`` for the csv module).
+        mode: ``"wb"`` (binary) or ``"w"`` (text, with ``encoding``, ``errors`` and ``newline``
+            as for :func:`open`; ``newline=""`` for the csv module; ``errors="surrogateescape"``
+            writes a file name that is not UTF-8 as its bytes on disk).
         fsync: flush the data to the disk before the rename, so that a power cut cannot leave
             an empty file under the new name. Off only for files that are cheap to rebuild and
             written by the thousand (the ``.npy`` image cache).
@@ -89,7 +93,7 @@ def atomic_write(
         raise ValueError(f"atomic_write mode must be one of {_MODES}, got {mode!r}")
     path = Path(path)
     tmp = temp_path(path)
-    f = _open_temp(tmp, mode, encoding, newline)
+    f = _open_temp(tmp, mode, encoding, errors, newline)
     try:
         with f:
             yield f

@@ -453,7 +453,7 @@ class LoadImagesAndLabels(Dataset):
     def _hash_content(self) -> str:
         h = hashlib.sha256(f"single_cls={self.single_cls}|nc={self.nc}\n".encode())
         for f, s, lb in zip(self.img_files, self.shapes, self.labels):
-            h.update(f"{f}|{int(s[0])}x{int(s[1])}\n".encode())
+            h.update(os.fsencode(f"{f}|{int(s[0])}x{int(s[1])}\n"))  # bytes of any name
             h.update(np.ascontiguousarray(lb, dtype=np.float32).tobytes())
         return h.hexdigest()
 

@@ -112,7 +112,8 @@ def npy_cache_files(img_files: Sequence[str], img_size: int, folder: Path) -> li
     modification time and ``img_size``, so an edited image is cached again."""
     names = []
     for f in img_files:
-        digest = hashlib.sha1(f"{f}|{file_stamp(f)}|{img_size}".encode()).hexdigest()
+        # fsencode: a name that is not UTF-8 hashes as its bytes (str.encode would raise).
+        digest = hashlib.sha1(os.fsencode(f"{f}|{file_stamp(f)}|{img_size}")).hexdigest()
         names.append(folder / f"{digest[:NPY_NAME_CHARS]}.npy")
     return names
 

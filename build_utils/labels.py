@@ -150,6 +150,21 @@ def read_image_list(path: Path) -> list[str]:
     return out
 
 
+def list_entry_problem(path: str) -> str | None:
+    """Why ``path`` cannot be written into an image list, or None: :func:`read_image_list` reads
+    a list as UTF-8 text, so a name that is not UTF-8 (its odd bytes read as lone surrogates,
+    ``bad\\udce9.jpg``) would make the whole list unreadable. Loaders given a folder use such
+    a file; only a list cannot name it."""
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError as e:
+        byte = ord(path[e.start]) - 0xDC00  # surrogateescape keeps byte b as U+DC00 + b
+        return (
+            f"its name is not UTF-8 (byte 0x{byte:02x}), which an image list cannot hold; rename it"
+        )
+    return None
+
+
 def collect_image_files(
     path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]],
 ) -> list[str]:
@@ -228,7 +243,7 @@ def cache_place(path: str | os.PathLike[str] | Sequence[str | os.PathLike[str]])
     stems = [s or "dataset" for s in stems]  # "/" has no name
     stem = "+".join(stems)
     if len(stem) > _MAX_STEM_CHARS:
-        digest = hashlib.sha1(stem.encode()).hexdigest()[:8]
+        digest = hashlib.sha1(os.fsencode(stem)).hexdigest()[:8]  # any folder name's bytes
         stem = f"{stems[0][:40]}+{len(stems) - 1}-{digest}"
     return places[0].parent / stem
 
@@ -432,7 +447,9 @@ def label_cache_key(img_files: Sequence[str], label_files: Sequence[str], nc: in
     """
     h = hashlib.blake2b(f"v{CACHE_VERSION}|nc={nc}\n".encode(), digest_size=_DIGEST_BYTES)
     for img, lbl in zip(img_files, label_files):
-        h.update(f"{img}|{file_stamp(img)}|{lbl}|{label_file_digest(lbl)}\n".encode())
+        # os.fsencode: a name that is not UTF-8 (``b"bad\xe9.jpg"`` reads as a lone surrogate)
+        # hashes as its bytes on disk instead of failing to encode.
+        h.update(os.fsencode(f"{img}|{file_stamp(img)}|{lbl}|{label_file_digest(lbl)}\n"))
     return h.hexdigest()
 
 
@@ -681,9 +698,11 @@ def load_label_cache(path: Path, key: str, nc: int | None = None) -> LabelCache 
 
 def write_report(path: Path, header: str, lines: Sequence[str], warn: bool = True) -> None:
     """Write the per-file problem list; a failure is only a warning (``warn``: else a debug
-    line, where the cache's warning has already named the unwritable folder)."""
+    line, where the cache's warning has already named the unwritable folder). A file name that
+    is not UTF-8 is written as its bytes on disk (``surrogateescape``), so the report names the
+    very file; nothing reads the report back."""
     try:
-        with atomic_write(path, "w") as f:
+        with atomic_write(path, "w", errors="surrogateescape") as f:
             f.write(f"# {header}\n")
             f.writelines(line + "\n" for line in lines)
     except OSError as e:

@@ -126,6 +126,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # ---------------------------------------------------------------- command lines of short runs
 
 
+def give_non_utf8_name(image: Path) -> Path:
+    """Rename ``image`` and its label file (``images`` -> ``labels``, ``.txt``) to ``bad\\xe9name``:
+    a name that is not UTF-8, as Python sees it (``bad\\udce9name``). Skips the test where the
+    file system refuses such names (macOS, Windows)."""
+    stem = os.fsdecode(b"bad\xe9name")
+    label = image.parent.parent / "labels" / f"{image.stem}.txt"
+    new = image.with_name(stem + image.suffix)
+    try:
+        image.rename(new)
+    except OSError as e:
+        pytest.skip(f"this file system refuses names that are not UTF-8 ({e})")
+    label.rename(label.with_name(f"{stem}.txt"))
+    return new
+
+
 def train_argv(
     data: Path,
     out: Path | None,

@@ -32,11 +32,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from build_utils.atomic import check_apart, check_new_outputs, make_output_dir, write_text
 from build_utils.errors import ConfigError, DatasetError
 from build_utils.image_io import list_images
-from build_utils.labels import parse_label_text
+from build_utils.labels import list_entry_problem, parse_label_text
 from build_utils.limits import (
     MAX_IMAGE_BYTES,
     MAX_LABEL_BYTES,
+    MAX_TEXT_BYTES,
     UnusableFile,
+    check_config_file,
     file_problem,
     read_data_file,
 )
@@ -86,17 +88,20 @@ def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
     images_dir = labels_dir.parent / "images"
     if not images_dir.is_dir():
         raise DatasetError(f"{name} images folder not found beside the labels", images_dir)
+    found = list_images(images_dir)
     images, bad = [], []
-    for p in list_images(images_dir):
-        # A FIFO, link loop or 40 GB file named x.jpg is no image: reported, not listed.
-        problem = file_problem(p, MAX_IMAGE_BYTES)
+    for p in found:
+        # A FIFO, link loop or 40 GB file named x.jpg is no image; a name the list cannot hold
+        # would make the list unreadable: each is reported, not listed.
+        problem = file_problem(p, MAX_IMAGE_BYTES) or list_entry_problem(p)
         if problem is None:
             images.append(Path(p))
         else:
             bad.append(f"{p}: not listed: {problem}")
     if not images:
         raise DatasetError(f"no images in the {name} split", images_dir)
-    stems = {p.relative_to(images_dir).with_suffix("") for p in images}
+    # Every image found, listed or not: the label file of an image left out is no orphan.
+    stems = {Path(p).relative_to(images_dir).with_suffix("") for p in found}
     n_labels = n_objects = n_neg = 0
     for img in images:
         label = labels_dir / img.relative_to(images_dir).with_suffix(".txt")
@@ -191,8 +196,8 @@ def write_dataset_files(args: argparse.Namespace) -> None:
     out_dir = args.out_dir or args.root or train_labels.parent.parent
     names = load_class_names(args.names)
     nc = len(names)
-    if args.cfg is not None and not args.cfg.is_file():
-        raise ConfigError("model cfg not found", args.cfg)
+    if args.cfg is not None:  # before the splits are scanned: a device or folder, one line
+        check_config_file(args.cfg, MAX_TEXT_BYTES, "model cfg")
     train_list = out_dir / f"{args.name}_train_data.txt"
     val_list = out_dir / f"{args.name}_val_data.txt"
     data = out_dir / f"{args.name}_data.data"

@@ -42,12 +42,8 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
-from build_utils.atomic import (
-    check_apart,
-    check_output_place,
-    make_output_dir,
-    write_text,
-)
+from build_utils.atomic import check_apart, check_output_place, make_output_dir, write_text
+from build_utils.augmentations import GRID
 from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
@@ -166,6 +162,8 @@ def check_args(args: argparse.Namespace) -> None:
     if not 0 < args.iou_t < 1:
         raise ConfigError(f"--iou-t must be in (0, 1), got {args.iou_t}")
     check_img_size_limit(args.img_size)
+    # Any size the loader takes (not only multiples of GRID), checked here to name the flag.
+    check_at_least({"--img-size": args.img_size}, GRID)
     check_at_least({"--num": args.num, "--classes": args.classes}, 1)
     check_at_least({"--seed": args.seed}, 0)
     check_at_least({"--generations": args.generations}, 0, MAX_GENERATIONS)

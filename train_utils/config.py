@@ -744,9 +744,11 @@ def build_config(args: argparse.Namespace) -> TrainConfig:
     args.cfg = repo_default(args.cfg, DEFAULT_CFG)
     args.hyp = repo_default(args.hyp, DEFAULT_HYP)
     cfg = Path(args.cfg)
-    if not cfg.is_file():
+    if not os.path.lexists(cfg):
         raise ConfigError("model cfg not found; pass an existing .cfg to --cfg", cfg)
-    # The cfg's values (bounds, [net] channels) are checked before a run folder is claimed.
+    # Anything else that is no regular file (a device, FIFO, folder) is named by parse_model_cfg's
+    # file check. The cfg's values (bounds, [net] channels) are checked before a run folder is
+    # claimed.
     apply_recipe(args, parse_model_cfg(cfg))
     if args.weights and not Path(args.weights).exists():
         raise ConfigError("weights file not found; check --weights", args.weights)

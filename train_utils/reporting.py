@@ -540,7 +540,9 @@ def run_log_handler(path: Path) -> logging.FileHandler:
         OutputError: the file cannot be opened for writing.
     """
     with reported_write(path, OUTPUT_FLAG):
-        return RunLogHandler(path)
+        # backslashreplace, as on the console: a file name that is not UTF-8 shows as
+        # bad\udce9.jpg instead of failing the line (and with it the rest of the log).
+        return RunLogHandler(path, encoding="utf-8", errors="backslashreplace")
 
 
 @contextlib.contextmanager

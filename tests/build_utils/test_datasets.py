@@ -12,7 +12,7 @@ import cv2
 import numpy as np
 import pytest
 import torch
-from conftest import CountingArray
+from conftest import CountingArray, give_non_utf8_name
 from torch.utils.data import DataLoader
 
 from build_utils import atomic as atomic_mod
@@ -559,6 +559,20 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
     monkeypatch.setattr(cache_mod, "available_memory_bytes", lambda: 1000)
     with pytest.raises(DatasetError, match="cache_images='disk'"):
         LoadImagesAndLabels(lst, 96, cache_images="ram")
+
+
+def test_a_file_name_that_is_not_utf8_is_loaded_and_cached_on_disk(tmp_path):
+    """Was: UnicodeEncodeError hashing such a name (b"bad\\xe9name.png") for the dataset's
+    content hash and its .npy cache file. Now both hash its bytes and the image is used."""
+    lst = small_dataset(tmp_path, n=2)
+    folder = lst.parent / "train" / "images"
+    bad = give_non_utf8_name(folder / "im0.png")
+    plain = LoadImagesAndLabels(folder, 96)
+    disk = LoadImagesAndLabels(folder, 96, cache_images="disk")
+    assert disk.img_files == [str(bad), str(folder / "im1.png")]
+    assert len(list(disk.cache_path.parent.glob("train.img96/*.npy"))) == 2
+    assert disk.content_hash == plain.content_hash
+    assert torch.equal(plain[0][0], disk[0][0]) and len(plain[0][1]) > 0
 
 
 def _tree(root: Path) -> set[str]:

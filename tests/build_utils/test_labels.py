@@ -9,14 +9,18 @@ from pathlib import Path
 
 import cv2
 import numpy as np
+import pytest
+from conftest import give_non_utf8_name
 
 from build_utils import atomic as atomic_mod
 from build_utils import labels as labels_mod
+from build_utils.errors import ConfigError
 from build_utils.labels import (
     build_label_cache,
     cache_place,
     collect_image_files,
     img2label_path,
+    list_entry_problem,
     load_label_cache,
     load_labels,
     parse_label_text,
@@ -41,6 +45,39 @@ def test_collect_image_files_names_the_cache_after_the_list(make_shapes_data):
     assert cache_place(lst).name == "train" and len(collect_image_files(lst)) == 2
     both = [lst, root / "train" / "images"]
     assert cache_place(both).name == "train+train" and len(collect_image_files(both)) == 4
+
+
+def test_a_file_name_that_is_not_utf8_is_checked_cached_and_reported(make_shapes_data):
+    """Was: an image named b"bad\\xe9name.jpg" (bad\\udce9name to Python) crashed
+    label_cache_key with UnicodeEncodeError, and the report could not hold its name. Now the key
+    hashes its bytes, the cache keeps and reloads it, and the report names it by its bytes."""
+    root = make_shapes_data(n_train=2, n_val=1).parent
+    folder = root / "train" / "images"
+    bad = give_non_utf8_name(sorted(folder.iterdir())[0])
+    with open(img2label_path(str(bad)), "a") as f:
+        f.write("9 0.5 0.5 0.1 0.1\n")
+    files = collect_image_files(folder)
+    label_files = [img2label_path(f) for f in files]
+    cache_path, report = root / "t.cache.npz", root / "t.cache_report.txt"
+    cache = load_labels(files, label_files, 5, cache_path, report)
+    assert cache.files[0] == str(bad) and cache.ok.tolist() == [True, True]
+    again = load_label_cache(cache_path, labels_mod.label_cache_key(files, label_files, 5), 5)
+    assert again is not None and again.files == files
+    line = report.read_bytes().splitlines()[1]
+    assert line.startswith(os.fsencode(img2label_path(str(bad))) + b":")
+    assert line.endswith(b": dropped: class id 9 outside [0, 5): '9 0.5 0.5 0.1 0.1'")
+
+
+def test_a_name_that_is_not_utf8_cannot_be_a_list_entry(tmp_path):
+    """Lists are read as UTF-8 text, so a name that is not UTF-8 is refused as an entry."""
+    assert list_entry_problem("/d/x.jpg") is None
+    assert list_entry_problem(os.fsdecode(b"/d/bad\xe9name.jpg")) == (
+        "its name is not UTF-8 (byte 0xe9), which an image list cannot hold; rename it"
+    )
+    lst = tmp_path / "train.txt"
+    lst.write_bytes(b"bad\xe9name.jpg\n")
+    with pytest.raises(ConfigError, match="image list is not UTF-8 text"):
+        collect_image_files(lst)
 
 
 def test_a_list_written_on_windows_is_named_in_one_warning(tmp_path, caplog):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import struct
 import sys
 from pathlib import Path
@@ -10,6 +11,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
+from conftest import give_non_utf8_name
 
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -562,6 +564,18 @@ def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
     assert len(LoadImagesAndLabels(d["valid"], 64, nc=5)) == 2
 
 
+def test_calculate_dataset_names_a_cfg_that_is_no_regular_file(make_shapes_data, tmp_path, capsys):
+    """Was: --cfg /dev/zero said "model cfg not found"; now the kind of file, as every input."""
+    root = make_shapes_data(n_train=2, n_val=1).parent
+    out = tmp_path / "out"
+    argv = ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(out)]
+    assert calculate_dataset.main([*argv, "--cfg", "/dev/zero"]) == 2
+    assert capsys.readouterr().err == (
+        "error: /dev/zero: model cfg: a character device, not a regular file\n"
+    )
+    assert not out.exists()
+
+
 def test_calculate_dataset_refuses_a_split_without_objects(make_shapes_data, tmp_path, capsys):
     data = make_shapes_data(n_train=4, n_val=2)
     root = data.parent
@@ -573,6 +587,29 @@ def test_calculate_dataset_refuses_a_split_without_objects(make_shapes_data, tmp
     assert rc == 2
     assert "val split has no objects" in capsys.readouterr().err
     assert calculate_dataset.main(["--names", str(root / "shapes.names")]) == 2
+
+
+def test_calculate_dataset_leaves_out_an_image_whose_name_a_list_cannot_hold(
+    make_shapes_data, tmp_path, caplog
+):
+    """Was: an image named b"bad\\xe9name.jpg" was a UnicodeEncodeError traceback writing the
+    list, and an empty --out-dir. Lists are read as UTF-8 (a list holding such a name is refused
+    whole), so the image is left out with its reason and its label file is no orphan."""
+    root = make_shapes_data(n_train=3, n_val=2).parent
+    bad = give_non_utf8_name(root / "train" / "images" / "train_000000.jpg")
+    out = tmp_path / "out"
+    with caplog.at_level(logging.INFO):
+        rc = calculate_dataset.main(
+            ["--root", str(root), "--names", str(root / "shapes.names"), "--out-dir", str(out)]
+        )
+    assert rc == 0
+    lines = (out / "my_train_data.txt").read_text(encoding="utf-8").split()
+    assert [Path(x).name for x in lines] == ["train_000001.jpg", "train_000002.jpg"]
+    messages = [r.getMessage() for r in caplog.records]
+    why = "its name is not UTF-8 (byte 0xe9), which an image list cannot hold; rename it"
+    assert f"{bad}: not listed: {why}" in messages
+    assert messages[0].startswith("train: 2 images, 2 label files,")
+    assert " 0 label files without an image, 1 bad lines" in messages[0]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -834,4 +871,14 @@ def test_kmeans_anchors_img_size_is_limited(tmp_path, capsys):
     assert rc == 2 and err[-1] == (
         "error: --img-size 65536 is larger than the limit 8192 (pixels per side of --img-size); "
         "set YOLO_MAX_IMG_SIZE to raise it"
+    )
+
+
+@pytest.mark.parametrize("size", ["-5", "0", "31"])
+def test_kmeans_anchors_too_small_img_size_names_the_flag(tmp_path, capsys, size):
+    """Was: "img_size must be an integer >= 32" (the loader's argument, not the flag)."""
+    rc = kmeans_anchors.main(["--list", str(tmp_path / "train.txt"), "--img-size", size])
+    assert rc == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: --img-size must be >= 32, got {size}"
     )

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import predict
+from build_utils.errors import ConfigError
 from build_utils.parse_config import parse_model_cfg, rewrite_cfg_classes, write_model_cfg
 from models.darknet import Darknet
 from train_utils.checkpoint import save_checkpoint
@@ -162,6 +163,18 @@ def test_camera_or_stream_that_cannot_open(checkpoint, tmp_path, monkeypatch, ca
     assert _main(checkpoint, tmp_path / "o", "--source", "rtsp://127.0.0.1:9/none") == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
     assert "rtsp://127.0.0.1:9/none: cannot open the stream" in err
+
+
+def test_a_camera_that_does_not_exist_is_one_line_without_opencvs_warnings(capfd):
+    """Was: OpenCV's own "[ WARN:0@3.141] global cap_v4l.cpp ... can't open camera by index"
+    lines on stderr before the project's error. Now they are silenced for the open, and
+    OpenCV's log level is the user's again afterwards."""
+    log = cv2.utils.logging
+    level = log.getLogLevel()
+    with pytest.raises(ConfigError, match="--source 99: cannot open camera 99; check"):
+        predict.open_video("99")
+    assert capfd.readouterr().err == ""
+    assert log.getLogLevel() == level
 
 
 def test_flag_errors(checkpoint, tmp_path, capsys):

@@ -188,6 +188,22 @@ def test_workers_default_is_left_to_the_node(shapes_data, repo_root):
         build_config(get_args_parser().parse_args([*base, "--workers", "-1"]))
 
 
+def test_a_cfg_that_is_no_regular_file_is_named_as_such(shapes_data, tmp_path):
+    """Was: --cfg /dev/zero (or a folder) said "model cfg not found"; every other input names
+    the kind of file. A missing cfg keeps its hint."""
+    parser = get_args_parser()
+
+    def error(cfg: str) -> str:
+        with pytest.raises(ConfigError) as e:
+            build_config(parser.parse_args(["--data", str(shapes_data), "--cfg", cfg]))
+        return str(e.value)
+
+    assert error("/dev/zero") == "/dev/zero: model cfg: a character device, not a regular file"
+    assert error(str(tmp_path)) == f"{tmp_path}: model cfg: a folder, not a file"
+    missing = tmp_path / "nope.cfg"
+    assert error(str(missing)) == f"{missing}: model cfg not found; pass an existing .cfg to --cfg"
+
+
 def test_default_cfg_and_hyp_are_found_from_any_working_folder(tmp_path, monkeypatch):
     """``python ~/yolo/train.py`` run from a data folder: the default --hyp/--cfg are the shipped
     files (YOLOv5 resolves its defaults against its root); a path the user typed is kept, and a
