@@ -126,6 +126,15 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 # ---------------------------------------------------------------- command lines of short runs
 
 
+def run_with_model_cfg(folder: Path, cfg_text: str) -> Path:
+    """A training run's folder (results.csv and last.pt) holding ``model.cfg``; its path."""
+    folder.mkdir()
+    (folder / "results.csv").write_text("epoch,mAP50\n0,0.5\n")
+    (folder / "last.pt").write_bytes(b"checkpoint")
+    (folder / "model.cfg").write_text(cfg_text)
+    return folder / "model.cfg"
+
+
 def give_non_utf8_name(image: Path) -> Path:
     """Rename ``image`` and its label file (``images`` -> ``labels``, ``.txt``) to ``bad\\xe9name``:
     a name that is not UTF-8, as Python sees it (``bad\\udce9name``). Skips the test where the

@@ -11,7 +11,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from conftest import give_non_utf8_name
+from conftest import give_non_utf8_name, run_with_model_cfg
 
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -717,12 +717,8 @@ def test_kmeans_anchors_never_replaces_a_runs_model_cfg(make_shapes_data, tmp_pa
     """Was: --out-cfg runs/demo/model.cfg --exist-ok replaced a training run's own cfg. Now one
     line, with or without --exist-ok, as tools/make_cfg.py and convert_weights.py say it."""
     data = make_shapes_data(n_train=4, n_val=1)
-    run = tmp_path / "demo"
-    run.mkdir()
-    (run / "results.csv").write_text("epoch,mAP50\n0,0.5\n")
-    (run / "last.pt").write_bytes(b"checkpoint")
-    model_cfg = run / "model.cfg"
-    model_cfg.write_text(NANO_CFG.read_text())
+    model_cfg = run_with_model_cfg(tmp_path / "demo", NANO_CFG.read_text())
+    run = model_cfg.parent
     before = model_cfg.read_bytes()
     argv = ["--data", str(data), "--cfg", str(NANO_CFG), "--out-cfg", str(model_cfg)]
     for extra in ([], ["--exist-ok"]):

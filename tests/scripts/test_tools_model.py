@@ -9,6 +9,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from conftest import run_with_model_cfg
 
 from build_utils.parse_config import parse_model_cfg
 from models.darknet import Darknet
@@ -174,12 +175,8 @@ def test_make_cfg_never_replaces_a_runs_model_cfg(tmp_path, capsys):
     """Was: -o runs/demo/model.cfg --exist-ok replaced a training run's own cfg. A run's file
     (results.csv and last.pt beside it) is refused with one line, with or without --exist-ok,
     as convert_weights.py and validation.py refuse it."""
-    run = tmp_path / "demo"
-    run.mkdir()
-    (run / "results.csv").write_text("epoch,mAP50\n0,0.5\n")
-    (run / "last.pt").write_bytes(b"checkpoint")
-    model_cfg = run / "model.cfg"
-    model_cfg.write_text(NANO.read_text())
+    model_cfg = run_with_model_cfg(tmp_path / "demo", NANO.read_text())
+    run = model_cfg.parent
     before = model_cfg.read_bytes()
     for extra in ([], ["--exist-ok"]):
         assert make_cfg.main([str(NANO), "--classes", "3", "-o", str(model_cfg), *extra]) == 2
