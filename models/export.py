@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import ctypes
 import dataclasses
 import functools
 import importlib.util
@@ -398,11 +399,39 @@ class RuntimeUnavailable(Exception):
     wrong export); the message is one line."""
 
 
+class _SignalStack(ctypes.Structure):
+    """libc's ``stack_t``, as ``sigaltstack(2)`` reads and writes it."""
+
+    _fields_ = [("sp", ctypes.c_void_p), ("flags", ctypes.c_int), ("size", ctypes.c_size_t)]
+
+
+@contextlib.contextmanager
+def openvino_core() -> Iterator[Any]:
+    """An OpenVINO ``Core``; on leaving, the calling thread's alternate signal stack is put back.
+
+    OpenVINO's CPU plugin gives the thread a signal stack of its own for each compiled model and
+    puts back the one it found when that model goes: two freed in the order they were made
+    leave the thread on the first one's freed stack, and the next signal handled there (a
+    child's SIGCHLD, which torch's DataLoader handles) kills the process with SIGSEGV (a pytest
+    worker, on AVX512-BF16 CPUs, once a failed test's traceback had kept a model alive). With
+    the caller's stack back on leaving, every later model finds, and puts back, that one.
+    """
+    libc = ctypes.CDLL(None) if os.name == "posix" else None
+    sigaltstack = getattr(libc, "sigaltstack", None)
+    saved = _SignalStack()
+    kept = sigaltstack is not None and sigaltstack(None, ctypes.byref(saved)) == 0
+    try:
+        yield _import_openvino().Core()
+    finally:
+        if kept:
+            sigaltstack(ctypes.byref(saved), None)
+
+
 def openvino_default_precision() -> str:
     """The precision OpenVINO's CPU plugin computes in when a deployment does not choose one:
     ``f32``, or ``bf16`` on CPUs with bf16 arithmetic (AVX512-BF16, AMX), ``f16`` on some ARM."""
-    ov = _import_openvino()
-    return str(ov.Core().get_property("CPU", PRECISION_HINT).to_string())
+    with openvino_core() as core:
+        return str(core.get_property("CPU", PRECISION_HINT).to_string())
 
 
 def _run_openvino_in(folder: Path, x: np.ndarray, precision: str | None) -> np.ndarray:
@@ -411,15 +440,14 @@ def _run_openvino_in(folder: Path, x: np.ndarray, precision: str | None) -> np.n
     Raises:
         RuntimeUnavailable: OpenVINO cannot compile or run the model on this CPU.
     """
-    ov = _import_openvino()
     config = {} if precision is None else {PRECISION_HINT: precision}
     try:
-        core = ov.Core()
-        compiled = core.compile_model(
-            core.read_model(str(folder / f"{ir_stem(folder)}.xml")), "CPU", config
-        )
-        out = compiled(x.astype(np.float32))[compiled.output(0)]
-        return np.asarray(out, dtype=np.float32)
+        with openvino_core() as core:
+            compiled = core.compile_model(
+                core.read_model(str(folder / f"{ir_stem(folder)}.xml")), "CPU", config
+            )
+            out = compiled(x.astype(np.float32))[compiled.output(0)]
+            return np.asarray(out, dtype=np.float32)
     except RuntimeError as e:
         # Only the message is kept: OpenVINO's objects must not outlive the call in a traceback.
         why = _runtime_message(str(e))

@@ -15,6 +15,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import cv2
@@ -143,8 +145,14 @@ def run_openvino(folder: Path, x: np.ndarray) -> tuple[np.ndarray, set[str], dic
     """The output, the element types of the IR's weight constants and its metadata."""
     import openvino as ov
 
-    core = ov.Core()
-    ir = core.read_model(str(folder / "best.xml"), str(folder / "best.bin"))
+    # The stack guard of the export's own runs (test_openvino_leaves_the_signal_stack_...).
+    with model_export.openvino_core() as core:
+        ir = core.read_model(str(folder / "best.xml"), str(folder / "best.bin"))
+        # In f32, as the export checks itself: OpenVINO's default on a CPU with bf16
+        # arithmetic is bf16, whose rounding no float32 tolerance covers.
+        compiled = core.compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
+        assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
+        out = compiled({"images": x})[compiled.output("detections")]
     types = {
         op.get_output_element_type(0).get_type_name()
         for op in ir.get_ops()
@@ -154,11 +162,7 @@ def run_openvino(folder: Path, x: np.ndarray) -> tuple[np.ndarray, set[str], dic
     }
     info = ir.get_rt_info()["model_info"]
     meta = {k: json.loads(ir.get_rt_info(["model_info", k]).astype(str)) for k in info}
-    # In f32, as the export checks itself: OpenVINO's default on a CPU with bf16 arithmetic is
-    # bf16, whose rounding no float32 tolerance covers.
-    compiled = core.compile_model(ir, "CPU", {"INFERENCE_PRECISION_HINT": "f32"})
-    assert compiled.get_property("INFERENCE_PRECISION_HINT") == ov.Type.f32
-    return compiled({"images": x})[compiled.output("detections")], types, meta
+    return out, types, meta
 
 
 # ---- each format in its own runtime -----------------------------------------------------------
@@ -547,3 +551,52 @@ def test_onnxruntime_telemetry_is_off(monkeypatch):
     monkeypatch.delenv("ORT_DISABLE_TELEMETRY", raising=False)
     model_export._import_onnxruntime()
     assert os.environ["ORT_DISABLE_TELEMETRY"] == "1"
+
+
+# A child process with faulthandler's alternate signal stack (pytest enables it) and a Python
+# SIGCHLD handler (torch's DataLoader leaves one): two compiled models, each from its own
+# ``openvino_core()`` (argv[1] "kept") or a bare ``Core()`` ("bare"), freed in the order they
+# were made, then a child process that ends; prints whether the stack is the one it started on.
+_COMPILES_FREED_FIRST_IN_FIRST_OUT = """
+import ctypes, faulthandler, signal, subprocess, sys
+import openvino as ov, torch
+from models import export
+def stack():
+    s = export._SignalStack()
+    ctypes.CDLL(None).sigaltstack(None, ctypes.byref(s))
+    return s.sp, s.size
+faulthandler.enable()
+signal.signal(signal.SIGCHLD, lambda *args: None)
+before = stack()
+net = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.MaxPool2d(2)).eval()
+ir = ov.convert_model(net, example_input=torch.zeros(1, 3, 32, 32))
+f32, models = {"INFERENCE_PRECISION_HINT": "f32"}, []
+for _ in range(2):
+    if sys.argv[1] == "kept":
+        with export.openvino_core() as core:
+            models.append((core, core.compile_model(ir, "CPU", f32)))
+    else:
+        core = ov.Core()
+        models.append((core, core.compile_model(ir, "CPU", f32)))
+del core
+while models:
+    models.pop(0)
+subprocess.run(["true"], check=True)
+print(stack() == before)
+"""
+
+
+@needs_openvino
+@pytest.mark.skipif(os.name != "posix", reason="sigaltstack(2) is POSIX")
+def test_openvino_leaves_the_signal_stack_as_it_found_it(tmp_path):
+    """Was: the pytest worker running tests/scripts/test_gpu_check.py died of SIGSEGV on
+    AVX512-BF16 CPUs once this file had run in it (the export's bf16 compile failed there, and
+    pytest kept the failed test's traceback, and with it OpenVINO's objects). OpenVINO's CPU
+    plugin gives the thread a signal stack for each compiled model and puts back the one it
+    found when the model goes; freed first-in first-out, the thread is left on the first one's
+    freed stack, and the next signal handled there (a child's SIGCHLD) kills the process. On an
+    AVX512-BF16 AMD EPYC (Zen 4) the bare sequence below dies so (SIGSEGV, measured); through
+    ``openvino_core()`` every model finds and puts back the caller's stack."""
+    cmd = [sys.executable, "-c", _COMPILES_FREED_FIRST_IN_FIRST_OUT, "kept"]
+    done = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert (done.returncode, done.stdout.strip()) == (0, "True"), done.stderr[-2000:]
