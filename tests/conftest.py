@@ -25,7 +25,7 @@ import logging
 import subprocess
 import sys
 import time
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -121,6 +121,20 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         return rank.get(item.nodeid.split("::", 1)[0], len(rank))
 
     items.sort(key=key)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo) -> Iterator[None]:
+    """A report's captured output naming a file whose name is not UTF-8 (the byte 0xe9 read as
+    the lone surrogate U+DCE9) carries it escaped (``\\udce9``): pytest-xdist sends reports to
+    the controller as UTF-8, and a lone surrogate in one stopped the whole run (INTERNALERROR)."""
+    outcome = yield
+    report = outcome.get_result()
+    report.sections = [(title, _utf8(text)) for title, text in report.sections]
+
+
+def _utf8(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 # ---------------------------------------------------------------- command lines of short runs

@@ -21,7 +21,7 @@ from typing import Any
 
 import yaml
 
-from build_utils.atomic import check_not_over_sources
+from build_utils.atomic import check_apart
 from build_utils.augmentations import GRID  # every input side must be a multiple of it
 from build_utils.checks import check_at_least, check_choice, check_fractions
 from build_utils.errors import ConfigError
@@ -849,20 +849,20 @@ def run_folder_flag(args: argparse.Namespace, resumed: Path | None) -> str:
 
 
 def check_run_folder_apart(folder: Path, data: DataConfig, flag: str) -> None:
-    """Refuse a run folder that is, lies inside or holds a folder of the dataset's train or val
-    images or labels: the run's pictures and checkpoints would land among them, and the next
-    run would train on its own plots (was: accepted, as validation.py and predict.py refuse).
+    """Refuse a run folder that is or lies inside a folder of the dataset's train or val images
+    or labels: the run's pictures and checkpoints would land among them, and the next run would
+    train on its own plots (was: accepted, as validation.py and predict.py refuse). A run
+    folder that holds them (a split's folder, a project's root) writes beside them: allowed.
 
     Raises:
-        ConfigError: the folder and the dataset's folders overlap.
+        ConfigError: the run folder is or lies inside one of the dataset's folders.
         DatasetError: an image list or folder of ``data`` cannot be read.
     """
-    folders: dict[str, Path] = {}
-    for split, source in (("train", data.train), ("val", data.valid)):
+    folders = []
+    for source in (data.train, data.valid):
         images, labels = data_folders(source)
-        folders.update({f"the {split} images' folder {d}": d for d in images})
-        folders.update({f"the {split} labels' folder {d}": d for d in labels})
-    check_not_over_sources(folder, flag, folders, (), "the run's files")
+        folders += images + labels
+    check_apart({flag: folder}, folders, "the dataset's image or label folder")
 
 
 def multi_scale_bounds(img_size: int) -> tuple[int, int]:

@@ -35,7 +35,12 @@ from train_utils.distributed.comm import broadcast_object, raise_if_any_rank_fai
 from train_utils.distributed.node import processes_per_node
 from train_utils.distributed.process_group import DistInfo
 from train_utils.memory_format import choose_format_and_precision
-from train_utils.precision import dtype_from_name, dtype_name, recorded_cpu_amp
+from train_utils.precision import (
+    dtype_from_name,
+    dtype_name,
+    recorded_channels_last,
+    recorded_cpu_amp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -189,7 +194,7 @@ def _memory_format(
 ) -> tuple[bool, torch.dtype | None]:
     """Whether to train in channels_last, and in which autocast dtype: decided on rank 0
     (:func:`~train_utils.memory_format.choose_format_and_precision`; a resumed run keeps the
-    precision its checkpoint records) and shared."""
+    precision and memory format its checkpoint records) and shared."""
     choice = None
     if dist.is_main:
         channels_last, amp = choose_format_and_precision(
@@ -202,6 +207,7 @@ def _memory_format(
             config.channels_last,
             cfg_text,
             recorded_cpu_amp(ckpt),
+            recorded_channels_last(ckpt),
         )
         choice = (channels_last, dtype_name(amp))
     # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).

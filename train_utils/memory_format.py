@@ -306,6 +306,7 @@ def choose_format_and_precision(
     forced: bool | None,
     cfg_text: str,
     recorded: AmpChoice | None = None,
+    recorded_format: bool | None = None,
 ) -> tuple[bool, torch.dtype | None]:
     """Whether a run trains in channels_last, and in which autocast dtype (rank 0 decides).
 
@@ -313,7 +314,8 @@ def choose_format_and_precision(
     the faster for this model, size and batch, timed (or cached). Where ``--amp auto``
     (``amp_mode``) resolved to bf16 on a CPU, fp32 is timed too and bf16 kept only when clearly
     faster (:func:`train_utils.precision.choose_cpu_amp`), unless a resumed run's ``recorded``
-    precision decides. Every variant the decision may need is timed in one interleaved
+    precision decides; on a CPU a resumed run's ``recorded_format`` decides the format unless
+    a flag forces one. Every variant the decision may need is timed in one interleaved
     measurement (:func:`time_variants`), the first time one is needed. The precision is one
     log line whichever way it was decided.
     """
@@ -347,6 +349,8 @@ def choose_format_and_precision(
         return measure
 
     def format_in(dtype: torch.dtype | None, forced: bool | None) -> MemoryFormatChoice:
+        if forced is None and recorded_format is not None and device.type == "cpu":
+            return MemoryFormatChoice(recorded_format, "the resumed run trained so")
         key = cache_key(cfg_text, img_size, batch_size, dtype)
         return choose_channels_last(forced, device, key, measure_in(dtype), cache_path())
 

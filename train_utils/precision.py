@@ -358,6 +358,15 @@ def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:
     return AmpChoice(amp, f"the resumed run trained in {'fp32' if amp is None else 'bf16'}")
 
 
+def recorded_channels_last(ckpt: Mapping[str, Any] | None) -> bool | None:
+    """The memory format a resumed run trained in, from its checkpoint's
+    :func:`precision_record` (the two formats round differently: a resumed run that re-timed
+    and chose the other would not continue the same computation), or None when not recorded."""
+    record = (ckpt or {}).get("precision")
+    kept = record.get("channels_last") if isinstance(record, dict) else None
+    return kept if isinstance(kept, bool) else None
+
+
 def describe_amp(choice: AmpChoice) -> str:
     """One log line: the CPU precision of ``--amp auto`` and the figures behind it."""
     name = "bf16 autocast" if choice.amp is not None else "fp32"

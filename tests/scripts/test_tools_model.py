@@ -454,21 +454,23 @@ def test_tools_refuse_an_existing_output_unless_exist_ok(tiny_pt, tmp_path, caps
     """Was: make_cfg -o X and convert_weights -o X wrote over whatever X was (a run's
     results.csv, an earlier output). Now one line naming it, the file kept, unless --exist-ok;
     a default output (beside the source) follows the same rule."""
-    results = tmp_path / "results.csv"
-    results.write_text("epoch,mAP50\n0,0.5\n")
-    calls = {
-        "make_cfg": lambda *a: make_cfg.main([str(TINY), "--classes", "3", *a]),
-        "convert_weights": lambda *a: convert_weights.main(
-            ["--weights", str(tiny_pt), "--cfg", str(TINY), *a]
+    calls = {  # each with a name it may write (convert_weights: the other format's suffix)
+        "make_cfg": (
+            tmp_path / "results.csv",
+            lambda *a: make_cfg.main([str(TINY), "--classes", "3", *a]),
+        ),
+        "convert_weights": (
+            tmp_path / "mine.weights",
+            lambda *a: convert_weights.main(["--weights", str(tiny_pt), "--cfg", str(TINY), *a]),
         ),
     }
-    for tool, call in calls.items():
-        assert call("-o", str(results)) == 2, tool
+    for tool, (taken, call) in calls.items():
+        taken.write_text("epoch,mAP50\n0,0.5\n")
+        assert call("-o", str(taken)) == 2, tool
         line = one_error_line(capsys)
-        assert f"{results} already exists; pass --exist-ok to replace, or choose another" in line
-        assert results.read_text() == "epoch,mAP50\n0,0.5\n", tool
-        assert call("-o", str(results), "--exist-ok") == 0, tool
-        results.write_text("epoch,mAP50\n0,0.5\n")
+        assert f"{taken} already exists; pass --exist-ok to replace, or choose another" in line
+        assert taken.read_text() == "epoch,mAP50\n0,0.5\n", tool
+        assert call("-o", str(taken), "--exist-ok") == 0, tool
         capsys.readouterr()
     default = tiny_pt.with_suffix(".weights")
     default.write_bytes(b"mine")

@@ -235,29 +235,22 @@ def _files(folder: Path) -> dict[str, bytes]:
 def test_run_folder_among_the_datasets_images_or_labels_is_refused(make_shapes_data, capsys):
     """Was: --output-dir d/train/images was accepted (exit 0): the run wrote its pictures and
     checkpoints among the training images, and the next run trained on its own plots as
-    background images. A run folder that is, lies inside or holds a train or val images or
-    labels folder (--output-dir or --project/--name) is now one line, exit 2, nothing written."""
+    background images. A run folder that is or lies inside a train or val images or labels
+    folder (--output-dir or --project/--name) is now one line, exit 2, nothing written; one
+    that holds them (d/val, beside its images/ and labels/) is a place like any other."""
     data = make_shapes_data()
     root = data.parent
     before = _files(root)
     cases = [
         (
             ["--output-dir", str(root / "train" / "images")],
-            f"--output-dir {root / 'train' / 'images'} is the train images' folder "
-            f"{root / 'train' / 'images'}: the run's files would be written among the files "
-            "read; choose a place outside it",
+            f"--output-dir {root / 'train' / 'images'} lies in the dataset's image or label "
+            f"folder {root / 'train' / 'images'}; choose a place outside it",
         ),
         (
             ["--project", str(root / "val" / "labels"), "--name", "exp"],
-            f"--project/--name {root / 'val' / 'labels' / 'exp'} is inside the val labels' "
-            f"folder {root / 'val' / 'labels'}: the run's files would be written among the "
-            "files read; choose a place outside it",
-        ),
-        (
-            ["--project", str(root), "--name", "val"],
-            f"--project/--name {root / 'val'} holds the val images' folder "
-            f"{root / 'val' / 'images'}, which the run's files could replace; choose another "
-            "--project/--name",
+            f"--project/--name {root / 'val' / 'labels' / 'exp'} lies in the dataset's image or "
+            f"label folder {root / 'val' / 'labels'}; choose a place outside it",
         ),
     ]
     for where, line in cases:
