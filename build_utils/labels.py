@@ -207,12 +207,19 @@ def data_folders(
 ) -> tuple[list[Path], list[Path]]:
     """The folders that hold the images of ``path`` (as :func:`collect_image_files` takes it)
     and those that hold their label files (:func:`img2label_path`), each once, in dataset order:
-    what a tool that reads the dataset must not write into.
+    what a tool that reads the dataset must not write into. A folder source is itself and its
+    labels' counterpart (a later scan takes anything written inside it), not scanned; lists and
+    single images name their images' folders.
 
     Raises:
         DatasetError: as :func:`collect_image_files`.
     """
-    images = collect_image_files(path)
+    sources = list(path) if isinstance(path, list | tuple) else [path]
+    images: list[str] = []
+    for src in sources:
+        p = Path(os.fspath(src)).expanduser()
+        # A file inside the folder maps to its labels' folder as every image in it does.
+        images += [os.path.join(p, "x.jpg")] if p.is_dir() else collect_image_files(p)
     image_dirs = dict.fromkeys(Path(f).parent for f in images)
     label_dirs = dict.fromkeys(Path(img2label_path(f)).parent for f in images)
     return list(image_dirs), list(label_dirs)
