@@ -1,31 +1,9 @@
 """``make gpu-check``: what only a GPU can check and measure, in one command, into one report.
 
-Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<size>``):
-
-- ``env``: torch, CUDA, cuDNN and driver versions, the GPUs (name, memory, count), the CPU model
-  and usable cores, the Python packages of requirements.txt that are missing;
-- ``cuda-tests``: ``pytest -m "cuda and not slow"`` over the test files that mark CUDA tests,
-  with ``YOLO_REQUIRE_CUDA=1`` (a CUDA test that cannot run fails instead of skipping);
-- ``eval``: a short training run on the GPU with ``--amp auto``, then ``validation.py`` on its
-  ``last.pt``: the 12 COCO stats the run logged and those validation.py reports must agree
-  within ``MAP_TOLERANCE``; validation.py with ``--amp off`` must agree with the autocast one
-  within ``MAP_TOLERANCE`` too, and the boxes ``last.pt`` decodes under autocast at 608 px must
-  be those of the same raw outputs decoded in float32 (``DECODE_TOLERANCE_PX``);
-- ``ddp``: ``torchrun train_multi_GPU.py`` (NCCL, the DDP wrapper, SyncBatchNorm, barriers and
-  the gathered evaluation) on generated shapes data, with 2 processes when 2 GPUs are visible and
-  1 on a single GPU; the mAP the ranks logged must agree with ``validation.py`` of the saved
-  weights in one process;
-- ``train-416``, ``train-608``: the YOLOv3-SPP train step (``bench_model.bench_variants``) in
-  fp32 and in the dtype ``--amp auto`` picks, contiguous and channels_last, at the plan's batch
-  64 or the largest half of it that fits, each figure against the targets of bench/README.md
-  "GPU plan" (met / x% of target);
-- ``data``: the mosaic training loader (``bench_data.measure``) at 416 and 640 with one worker
-  per usable core: img/s, img/s per worker and per CPU core, and the workers the train step of
-  the GPU needs;
-- ``cuda-slow-tests`` and ``compile-416`` (only with ``--compile``, last): the CUDA tests marked
-  slow (training under ``--compile``), then the trainer's ``--compile`` configuration (AMP,
-  channels_last) under ``torch.compile``, its compile time apart, against train-416's eager
-  figure. They do not fit the default budget with the others (``--budget-s 800`` does).
+Steps, in this order (``--steps`` picks some; ``train`` names every ``train-<size>``): ``env``,
+``cuda-tests``, ``eval``, ``ddp``, ``train-416``, ``train-608``, ``data``, and with ``--compile``
+``cuda-slow-tests`` and ``compile-416``. What each runs, measures and checks: bench/README.md
+"make gpu-check" (its table); the tolerances and targets are this module's constants.
 
 The checks come first and the measurements after, so that a short budget leaves out a
 measurement. Each step runs in a child process with its own time limit, so that a step that
@@ -393,8 +371,7 @@ def step_env(ctx: StepContext) -> None:
         figures["bf16"] = cuda_has_native_bf16()
         figures["bf16_emulated"] = torch.cuda.is_bf16_supported(including_emulation=True)
         figures["driver"] = _driver_version()
-    amp = resolve_amp("auto", device)
-    figures["amp_auto"] = AMP_NAMES.get(amp, "off") if amp is not None else "off"
+    figures["amp_auto"] = AMP_NAMES.get(resolve_amp("auto", device), "off")
     packages, missing = _requirements()
     figures["packages"] = packages
     figures["missing_packages"] = missing
@@ -533,8 +510,7 @@ def step_train(ctx: StepContext, size: int, which: str = "eager") -> None:
     s, device = ctx.settings, ctx.device
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed sizes, as the trainer sets it
-    amp = resolve_amp("auto", device)
-    amp_name = AMP_NAMES.get(amp) if amp is not None else None
+    amp_name = AMP_NAMES.get(resolve_amp("auto", device))
     cfg = REPO / s.train_cfg
     flops = bench_model.count_flops(Darknet(cfg), size, train=True)
     gpu = _gpu_name(device)
@@ -1224,9 +1200,8 @@ def machine_summary(device: torch.device) -> dict[str, Any]:
     """The report header's machine: device names, versions, CPU."""
     info = common.machine_description(device)
     if device.type == "cuda":
-        n = torch.cuda.device_count()
-        name = torch.cuda.get_device_name(device)
-        described = f"{name} x {n}"
+        name = info["gpu"]
+        described = f"{name} x {torch.cuda.device_count()}"
     else:
         name, described = "cpu", f"CPU only ({info['cpu']})"
     return {
