@@ -52,6 +52,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from operator import itemgetter
 from pathlib import Path
 from typing import Any
 
@@ -503,13 +504,11 @@ def run_gather(spec: dict[str, Any], nproc: int) -> list[dict[str, Any]]:
     return rows
 
 
-def best_of(repeat: int, measure: Callable[[], Any], seconds: Callable[[Any], float]) -> Any:
+def best_of(
+    repeat: int, measure: Callable[[], Any], seconds: Callable[[Any], float] = itemgetter("seconds")
+) -> Any:
     """The fastest of ``repeat`` runs of ``measure`` (other processes only ever slow one down)."""
     return min((measure() for _ in range(repeat)), key=seconds)
-
-
-def _seconds(row: dict[str, Any]) -> float:
-    return row["seconds"]
 
 
 def growth(rows: list[dict[str, Any]], key: str, per: str, group: Sequence[str]) -> None:
@@ -537,7 +536,7 @@ def scan_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> lis
         print(f"scan {n}: data in {time.perf_counter() - t0:.1f} s", file=sys.stderr)
         for phase in ("cold", "warm"):
             child = {**spec, "kind": "scan", "images": str(images), "n": n, "phase": phase}
-            rows.append(best_of(args.repeat, lambda c=child: run_child(c), _seconds))
+            rows.append(best_of(args.repeat, lambda c=child: run_child(c)))
             print(f"scan {n} {phase}: {rows[-1]['seconds']:.1f} s", file=sys.stderr)
     growth(rows, "cpu_s", "images", ("phase",))
     return rows
@@ -550,7 +549,7 @@ def eval_rows(args: argparse.Namespace, work: Path, spec: dict[str, Any]) -> dic
         sized = {**spec, "n": n, "dets_per_image": args.dets_per_image}
         for what in ("metrics", *args.backends) if "eval" in args.only else ():
             child = {**sized, "kind": "eval", "what": what}
-            results["eval"].append(best_of(args.repeat, lambda c=child: run_child(c), _seconds))
+            results["eval"].append(best_of(args.repeat, lambda c=child: run_child(c)))
             print(f"eval {n} {what}: {results['eval'][-1]['seconds']:.1f} s", file=sys.stderr)
         if "gather" in args.only:
             child = {**sized, "kind": "gather", "out": str(work / f"gather{n}")}

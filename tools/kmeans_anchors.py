@@ -71,7 +71,7 @@ def write_anchors_into_cfg(src: Path, dst: Path, anchors: np.ndarray) -> int:
     Raises:
         ConfigError: no ``[yolo]`` section, or one whose ``num`` differs from the anchor count.
     """
-    lines = _read_cfg(src).splitlines()
+    lines = read_config_text(src, MAX_TEXT_BYTES, "model cfg").splitlines()
     section, changed = "", 0
     for i, line in enumerate(lines):
         stripped = line.strip()
@@ -96,11 +96,6 @@ def write_anchors_into_cfg(src: Path, dst: Path, anchors: np.ndarray) -> int:
     return changed
 
 
-def _read_cfg(cfg: Path) -> str:
-    """The cfg's text: a regular file within MAX_TEXT_BYTES, UTF-8, or one ConfigError line."""
-    return read_config_text(cfg, MAX_TEXT_BYTES, "model cfg")
-
-
 def _num(value: str, cfg: Path, line: int) -> int:
     """A ``[yolo] num=`` value (a trailing ``# comment`` allowed) as an integer."""
     text = value.split("#")[0].strip()
@@ -114,8 +109,8 @@ def _num(value: str, cfg: Path, line: int) -> int:
 
 def cfg_anchor_count(cfg: Path) -> int | None:
     """The ``num`` of the first ``[yolo]`` section, if any."""
-    section = ""
-    for number, line in enumerate(_read_cfg(cfg).splitlines(), 1):
+    section, text = "", read_config_text(cfg, MAX_TEXT_BYTES, "model cfg")
+    for number, line in enumerate(text.splitlines(), 1):
         s = line.strip()
         if s.startswith("["):
             section = s.strip("[]").strip().lower()
