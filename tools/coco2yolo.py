@@ -50,7 +50,6 @@ from build_utils.checks import check_folder, finite_float, is_int
 from build_utils.errors import ConfigError
 from build_utils.image_io import check_image, is_image_file
 from build_utils.labels import img2label_path, yolo_txt_lines
-from build_utils.limits import MAX_IMAGE_BYTES, file_problem
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_repr, short_text
 from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
@@ -286,10 +285,8 @@ def convert(
             report.lines.append(f"{where}: skipped: not an image file name")
             report.skipped_images += 1
             continue
-        problem = file_problem(src, MAX_IMAGE_BYTES)
-        size = None
-        if problem is None:
-            size, problem = check_image(src)
+        # check_image refuses a FIFO, device, folder or oversized file before reading it.
+        size, problem = check_image(src)
         if size is None:
             report.lines.append(f"{where}: skipped: {problem}")
             report.skipped_images += 1
