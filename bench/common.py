@@ -82,8 +82,7 @@ def machine_description(device: torch.device) -> dict[str, Any]:
 
 
 def machine_info(**settings: Any) -> dict[str, Any]:
-    """The ``info`` of a report: the CPU (model, the ISA flags that decide bf16 speed, what
-    oneDNN reports), usable cores and torch's version, then the run's ``settings``."""
+    """A report's ``info``: :func:`machine_description` of the CPU, usable cores, ``settings``."""
     machine = platform.processor() or platform.machine()
     cpu = machine_description(torch.device("cpu"))
     return {**cpu, "machine": machine, "cores": usable_cpus(), **settings}

@@ -1021,12 +1021,10 @@ def run_step(
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     base["duration_s"] = round(time.perf_counter() - t0, 1)
-    body: dict[str, Any] = {}
-    if result.is_file():
-        try:
-            body = json.loads(result.read_text())
-        except (OSError, json.JSONDecodeError):
-            body = {}
+    try:
+        body = json.loads(result.read_text())
+    except (OSError, json.JSONDecodeError):  # OSError: the step wrote none
+        body = {}
     base["figures"] = body.get("figures", {})
     tail = _tail(log)
     if timed_out and cut is not None:
