@@ -46,6 +46,7 @@ from build_utils.augmentations import (
     GRID,
     PAD_COLOR,
     AffineParams,
+    LetterboxGeometry,
     Tile,
     affine_scale,
     apply_hsv_lut,
@@ -461,8 +462,7 @@ class LoadImagesAndLabels(Dataset):
         """(w, h) of image ``i`` in the image cache: long side at most img_size, never larger
         than the original (small images are enlarged later, on the fly)."""
         w0, h0 = (int(v) for v in self.shapes[i])
-        r = min(1.0, self.img_size / max(w0, h0))
-        return max(1, round(w0 * r)), max(1, round(h0 * r))
+        return letterbox_geometry((h0, w0), self.img_size, scale_up=False).new_unpad
 
     def _cached_shape(self, i: int) -> tuple[int, int, int]:
         """``(h, w, 3)``: the array shape of image ``i`` in the image cache."""
@@ -640,17 +640,24 @@ class LoadImagesAndLabels(Dataset):
         shapes = ((h0, w0), ((r, r), (left, top)))
         return img, boxes[box_candidates(boxes[:, 1:5], area0)], shapes
 
-    def _load_letterboxed(self, index: int) -> tuple[np.ndarray, np.ndarray, tuple]:
-        H, W = self._target_shape(index)
+    def _letterbox(self, index: int) -> tuple[LetterboxGeometry, tuple]:
+        """Where image ``index`` lands in its evaluation letterbox (long side at most
+        ``img_size``), and the sample's ``shapes`` (see :meth:`__getitem__`)."""
         w0, h0 = (int(v) for v in self.shapes[index])
-        g = letterbox_geometry((h0, w0), (H, W), max_ratio=self.img_size / max(h0, w0))
+        g = letterbox_geometry(
+            (h0, w0), self._target_shape(index), max_ratio=self.img_size / max(h0, w0)
+        )
+        return g, ((h0, w0), (g.ratio[::-1], g.pad))
+
+    def _load_letterboxed(self, index: int) -> tuple[np.ndarray, np.ndarray, tuple]:
+        g, shapes = self._letterbox(index)
         (w, h), (left, top) = g.new_unpad, g.pad
-        src = self.load_image(index, min(w / w0, h / h0))
-        out = filled((H, W), PAD_COLOR)
+        src = self.load_image(index, min(g.ratio))
+        out = filled(g.shape, PAD_COLOR)
         resize_into(src, out[top : top + h, left : left + w])
         boxes = self._boxes_px(index, w, h)
         boxes[:, 1:] += (left, top, left, top)
-        return out, boxes, ((h0, w0), ((h / h0, w / w0), (left, top)))
+        return out, boxes, shapes
 
     def __getitem__(
         self, index: int | SampleKey
@@ -735,12 +742,8 @@ class LoadImagesAndLabels(Dataset):
         self, index: int, unreadable: Sequence[str]
     ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
         """An evaluation sample of padding colour and no boxes in place of image ``index``."""
-        H, W = self._target_shape(index)
-        w0, h0 = (int(v) for v in self.shapes[index])
-        g = letterbox_geometry((h0, w0), (H, W), max_ratio=self.img_size / max(h0, w0))
-        (w, h), pad = g.new_unpad, g.pad
-        img = filled((H, W), PAD_COLOR)
-        shapes = ((h0, w0), ((h / h0, w / w0), pad))
+        g, shapes = self._letterbox(index)
+        img = filled(g.shape, PAD_COLOR)
         path = SubstitutePath(self.img_files[index], unreadable)
         return torch.from_numpy(_to_chw_rgb(img)), torch.zeros((0, 6)), path, shapes, index
 
