@@ -562,10 +562,8 @@ class LoadImagesAndLabels(Dataset):
 
     def _boxes_px(self, i: int, w: int, h: int) -> np.ndarray:
         """Labels of image ``i`` as ``(n, 5)`` class + xyxy pixels of an image of size (w, h)."""
-        lb = self.labels[i].astype(np.float64)
-        out = np.empty_like(lb)
-        out[:, 0] = lb[:, 0]
-        out[:, 1:] = xywhn2xyxy(lb[:, 1:], w, h)
+        out = self.labels[i].astype(np.float64)
+        out[:, 1:] = xywhn2xyxy(out[:, 1:], w, h)  # a new array, read before it is written
         return out
 
     def _rng(self) -> np.random.Generator:
