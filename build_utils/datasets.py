@@ -48,15 +48,14 @@ from build_utils.augmentations import (
     AffineParams,
     LetterboxGeometry,
     Tile,
-    affine_scale,
     apply_hsv_lut,
     box_candidates,
     compose,
+    decode_zoom,
     filled,
     flip_lr,
     flip_ud,
     hsv_lut,
-    is_axis_aligned,
     letterbox_geometry,
     mosaic_layout,
     random_affine_matrix,
@@ -608,7 +607,7 @@ class LoadImagesAndLabels(Dataset):
             ids = [index] + [int(i) for i in rng.integers(0, len(self), 3)]
         extents = mosaic_layout([(int(w), int(h)) for w, h in self.shapes[ids]], s, rng)
         M = random_affine_matrix(rng, (s, s), (s, s), self._affine)
-        zoom = affine_scale(M) if is_axis_aligned(M) else 1.0
+        zoom = decode_zoom(M)
         tiles = []
         for i, e in zip(ids, extents):
             img = self._buffered_image(i, (e[2] - e[0]) / int(self.shapes[i][0]) * zoom)
@@ -631,7 +630,7 @@ class LoadImagesAndLabels(Dataset):
         left, top = (W - w0 * r) / 2, (H - h0 * r) / 2
         extent = (left, top, left + w0 * r, top + h0 * r)
         M = random_affine_matrix(rng, (W / 2, H / 2), (W, H), self._affine)
-        zoom = affine_scale(M) if is_axis_aligned(M) else 1.0
+        zoom = decode_zoom(M)
         img = self.load_image(index, r * zoom)
         tile = Tile(img, self._boxes_px(index, img.shape[1], img.shape[0]), extent)
         img, boxes, area0 = compose([tile], (W, H), M, (W, H), color=color)
@@ -674,13 +673,9 @@ class LoadImagesAndLabels(Dataset):
         return self._sample_or_substitute(index, lambda i: self._rng())
 
     def __getitems__(self, indices: Sequence[int | SampleKey]) -> list[tuple]:
-        """A batch of samples (the DataLoader's fetcher calls this with a batch sampler's batch).
-
-        A batch of :class:`~build_utils.samplers.SampleKey` is a pure function of its keys: each
-        sample's generator is seeded from its key, the mosaic buffer starts empty, and with the
-        buffer on the mosaics' extra images are drawn from the batch's own images (decoded for
-        the batch anyway). Plain indices are loaded one by one as by ``dataset[i]``.
-        """
+        """A batch of samples (the DataLoader's fetcher calls this with a batch sampler's batch):
+        a batch of :class:`~build_utils.samplers.SampleKey` as a pure function of its keys (see
+        the module docstring), plain indices one by one as by ``dataset[i]``."""
         if not indices or not isinstance(indices[0], SampleKey):
             return [self[int(i)] for i in indices]
         keys = [SampleKey(*k) for k in indices]
