@@ -439,11 +439,10 @@ def label_cache_key(img_files: Sequence[str], label_files: Sequence[str], nc: in
     times, the label files' bytes (:func:`label_file_digest`) and the class count.
 
     Labels are hashed by content because a size and a time say nothing when a label is edited
-    and its time put back (``touch -r``, a copy with ``cp -p``, a checkout); labels are small.
-    Images keep the cheap stamp: hashing them would cost as much as checking them. Label files
-    are small, so hashing them costs little next to the stamps (``docs/RELIABILITY.md``); a
-    thread pool was no faster, so the files are read in order.
-    """
+    and its time put back (``touch -r``, a copy with ``cp -p``, a checkout); they are small, so
+    that costs little next to the stamps (``docs/RELIABILITY.md``; a thread pool was no faster,
+    so the files are read in order). Images keep the cheap stamp: hashing them would cost as
+    much as checking them."""
     h = hashlib.blake2b(f"v{CACHE_VERSION}|nc={nc}\n".encode(), digest_size=_DIGEST_BYTES)
     for img, lbl in zip(img_files, label_files):
         # os.fsencode: a name that is not UTF-8 (``b"bad\xe9.jpg"`` reads as a lone surrogate)
