@@ -352,8 +352,9 @@ class LoadImagesAndLabels(Dataset):
         # Indices found unreadable mid-run (see _sample_or_substitute): since the start of the
         # keyed batch, so that a batch stays a pure function of its keys and the files present.
         self._unreadable: set[int] = set()
+        self._mosaic_buffer_size = mosaic_buffer
         self._cache_images(mode, place.with_name(f"{stem}.img{img_size}"), is_main)
-        self._init_mosaic_buffer(mosaic_buffer)
+        self._init_mosaic_buffer()
 
     # ---- construction steps -------------------------------------------------------------------
 
@@ -413,7 +414,7 @@ class LoadImagesAndLabels(Dataset):
         self._imgs: list[np.ndarray] | SharedImages | None = None
         self._npy_files: list[Path] | None = None
         if mode == "ram":
-            self._cache_in_ram(is_main)
+            self.cache_in_ram(is_main)
         elif mode == "disk":
             self._npy_files = cache_on_disk(
                 self._decode_for_cache,
@@ -424,10 +425,10 @@ class LoadImagesAndLabels(Dataset):
                 [self._cached_shape(i) for i in range(len(self))],
             )
 
-    def _init_mosaic_buffer(self, size: int | None) -> None:
-        """An empty mosaic buffer of ``size`` images (None: a default from the batch size);
-        off without mosaics and with the RAM cache, which holds every image already."""
-        self._mosaic_buffer_size = size
+    def _init_mosaic_buffer(self) -> None:
+        """An empty mosaic buffer of ``mosaic_buffer`` images (None: a default from the batch
+        size); off without mosaics and with the RAM cache, which holds every image already."""
+        size = self._mosaic_buffer_size
         if size is None:
             size = min(
                 max(MOSAIC_BUFFER_BATCHES * self.batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX
@@ -499,17 +500,14 @@ class LoadImagesAndLabels(Dataset):
             raise ValueError(f"{len(images)} cached images for a dataset of {len(self)}")
         self._imgs = images
         self._npy_files = None
-        self._init_mosaic_buffer(self._mosaic_buffer_size)
+        self._init_mosaic_buffer()
 
     def cache_in_ram(self, is_main: bool = True) -> None:
-        """Fill the RAM image cache now (for a dataset built without one)."""
-        self._cache_in_ram(is_main)
-        self._init_mosaic_buffer(self._mosaic_buffer_size)
-
-    def _cache_in_ram(self, is_main: bool) -> None:
+        """Fill the RAM image cache now (refused when it would not fit)."""
         need = self.ram_cache_bytes()
         check_ram_cache_fits(need, len(self), self.ram_cache_copies)
         self._imgs = fill_ram(self._decode_for_cache, len(self), need, is_main)
+        self._init_mosaic_buffer()
 
     # ---- image access -------------------------------------------------------------------------
 
