@@ -716,12 +716,6 @@ _UNSAVED_MAX = 4
 _unsaved: dict[tuple[str, str], LabelCache] = {}
 
 
-def _remember_unsaved(cache_path: Path, key: str, cache: LabelCache) -> None:
-    _unsaved[(str(cache_path), key)] = cache
-    while len(_unsaved) > _UNSAVED_MAX:
-        del _unsaved[next(iter(_unsaved))]
-
-
 def load_labels(
     img_files: list[str],
     label_files: list[str],
@@ -754,5 +748,7 @@ def load_labels(
         saved = save_label_cache(cache_path, key, cache)
         write_report(report_path, cache.summary(), cache.report, warn=saved)
         if not saved:
-            _remember_unsaved(cache_path, key, cache)
+            _unsaved[(str(cache_path), key)] = cache
+            while len(_unsaved) > _UNSAVED_MAX:
+                del _unsaved[next(iter(_unsaved))]  # the oldest
     return cache
