@@ -382,15 +382,10 @@ def parse_label_text(
 
 
 def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
-    """Check one image and its label file (see :func:`parse_label_text`).
-
-    Nothing is opened that is not a regular file within its limit (stat first, see
-    :mod:`build_utils.limits`): an image that is a FIFO, device, socket, folder, link loop, over
-    :data:`~build_utils.limits.MAX_IMAGE_BYTES` or declaring more pixels than
-    :data:`~build_utils.limits.MAX_IMAGE_PIXELS` is excluded with that reason
-    (:func:`~build_utils.image_io.check_image`), and so is an image whose label file is such a
-    thing or over :data:`~build_utils.limits.MAX_LABEL_BYTES` (its objects are unknown). A label
-    file that does not exist means no objects."""
+    """Check one image and its label file (see :func:`parse_label_text`). The image is excluded,
+    with the reason, when :func:`~build_utils.image_io.check_image` refuses it or its label file
+    is not a regular UTF-8 file within :data:`~build_utils.limits.MAX_LABEL_BYTES` (its objects
+    are unknown); a label file that does not exist means no objects."""
     empty = np.zeros((0, LABEL_FIELDS), np.float32)
     if not is_image_file(img_path):
         # A /dev/zero in a list is "a character device", whatever its name says (check_image
