@@ -235,9 +235,11 @@ def mosaic_layout(
     return extents
 
 
-def affine_scale(M: np.ndarray) -> float:
-    """Largest linear zoom of the ``(3, 3)`` affine ``M`` (output pixels per canvas pixel)."""
-    return float(np.linalg.norm(M[:2, :2], ord=2))
+def decode_zoom(M: np.ndarray) -> float:
+    """Output pixels per canvas pixel a tile's source is needed at under the ``(3, 3)`` affine
+    ``M``: its largest linear zoom when tiles are resized straight into the output
+    (:func:`is_axis_aligned`), else 1 (the canvas is drawn at its own scale, then warped)."""
+    return float(np.linalg.norm(M[:2, :2], ord=2)) if is_axis_aligned(M) else 1.0
 
 
 def is_axis_aligned(M: np.ndarray) -> bool:

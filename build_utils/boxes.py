@@ -99,11 +99,8 @@ def paired_giou(boxes1: torch.Tensor, boxes2: torch.Tensor) -> torch.Tensor:
 
 
 def clip_coords(boxes: ArrayT, shape_hw: tuple[int, int] | tuple[float, float]) -> ArrayT:
-    """Clip (N, 4) xyxy pixel boxes to an image of ``shape_hw = (height, width)``.
-
-    Returns a new array of the input's type; the input is not modified (unlike ultralytics/yolov3,
-    which clipped in place).
-    """
+    """Clip (N, 4) xyxy pixel boxes to an image of ``shape_hw = (height, width)``, into a new
+    array (ultralytics/yolov3 clipped in place)."""
     h, w = shape_hw[0], shape_hw[1]
     y = _empty_like(boxes)
     y[:, [0, 2]] = boxes[:, [0, 2]].clip(0, w)  # Tensor.clip is clamp

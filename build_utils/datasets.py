@@ -46,16 +46,16 @@ from build_utils.augmentations import (
     GRID,
     PAD_COLOR,
     AffineParams,
+    LetterboxGeometry,
     Tile,
-    affine_scale,
     apply_hsv_lut,
     box_candidates,
     compose,
+    decode_zoom,
     filled,
     flip_lr,
     flip_ud,
     hsv_lut,
-    is_axis_aligned,
     letterbox_geometry,
     mosaic_layout,
     random_affine_matrix,
@@ -352,8 +352,9 @@ class LoadImagesAndLabels(Dataset):
         # Indices found unreadable mid-run (see _sample_or_substitute): since the start of the
         # keyed batch, so that a batch stays a pure function of its keys and the files present.
         self._unreadable: set[int] = set()
+        self._mosaic_buffer_size = mosaic_buffer
         self._cache_images(mode, place.with_name(f"{stem}.img{img_size}"), is_main)
-        self._init_mosaic_buffer(mosaic_buffer)
+        self._init_mosaic_buffer()
 
     # ---- construction steps -------------------------------------------------------------------
 
@@ -413,7 +414,7 @@ class LoadImagesAndLabels(Dataset):
         self._imgs: list[np.ndarray] | SharedImages | None = None
         self._npy_files: list[Path] | None = None
         if mode == "ram":
-            self._cache_in_ram(is_main)
+            self.cache_in_ram(is_main)
         elif mode == "disk":
             self._npy_files = cache_on_disk(
                 self._decode_for_cache,
@@ -424,10 +425,10 @@ class LoadImagesAndLabels(Dataset):
                 [self._cached_shape(i) for i in range(len(self))],
             )
 
-    def _init_mosaic_buffer(self, size: int | None) -> None:
-        """An empty mosaic buffer of ``size`` images (None: a default from the batch size);
-        off without mosaics and with the RAM cache, which holds every image already."""
-        self._mosaic_buffer_size = size
+    def _init_mosaic_buffer(self) -> None:
+        """An empty mosaic buffer of ``mosaic_buffer`` images (None: a default from the batch
+        size); off without mosaics and with the RAM cache, which holds every image already."""
+        size = self._mosaic_buffer_size
         if size is None:
             size = min(
                 max(MOSAIC_BUFFER_BATCHES * self.batch_size, MOSAIC_BUFFER_MIN), MOSAIC_BUFFER_MAX
@@ -461,8 +462,7 @@ class LoadImagesAndLabels(Dataset):
         """(w, h) of image ``i`` in the image cache: long side at most img_size, never larger
         than the original (small images are enlarged later, on the fly)."""
         w0, h0 = (int(v) for v in self.shapes[i])
-        r = min(1.0, self.img_size / max(w0, h0))
-        return max(1, round(w0 * r)), max(1, round(h0 * r))
+        return letterbox_geometry((h0, w0), self.img_size, scale_up=False).new_unpad
 
     def _cached_shape(self, i: int) -> tuple[int, int, int]:
         """``(h, w, 3)``: the array shape of image ``i`` in the image cache."""
@@ -500,17 +500,14 @@ class LoadImagesAndLabels(Dataset):
             raise ValueError(f"{len(images)} cached images for a dataset of {len(self)}")
         self._imgs = images
         self._npy_files = None
-        self._init_mosaic_buffer(self._mosaic_buffer_size)
+        self._init_mosaic_buffer()
 
     def cache_in_ram(self, is_main: bool = True) -> None:
-        """Fill the RAM image cache now (for a dataset built without one)."""
-        self._cache_in_ram(is_main)
-        self._init_mosaic_buffer(self._mosaic_buffer_size)
-
-    def _cache_in_ram(self, is_main: bool) -> None:
+        """Fill the RAM image cache now (refused when it would not fit)."""
         need = self.ram_cache_bytes()
         check_ram_cache_fits(need, len(self), self.ram_cache_copies)
         self._imgs = fill_ram(self._decode_for_cache, len(self), need, is_main)
+        self._init_mosaic_buffer()
 
     # ---- image access -------------------------------------------------------------------------
 
@@ -562,10 +559,8 @@ class LoadImagesAndLabels(Dataset):
 
     def _boxes_px(self, i: int, w: int, h: int) -> np.ndarray:
         """Labels of image ``i`` as ``(n, 5)`` class + xyxy pixels of an image of size (w, h)."""
-        lb = self.labels[i].astype(np.float64)
-        out = np.empty_like(lb)
-        out[:, 0] = lb[:, 0]
-        out[:, 1:] = xywhn2xyxy(lb[:, 1:], w, h)
+        out = self.labels[i].astype(np.float64)
+        out[:, 1:] = xywhn2xyxy(out[:, 1:], w, h)  # a new array, read before it is written
         return out
 
     def _rng(self) -> np.random.Generator:
@@ -610,7 +605,7 @@ class LoadImagesAndLabels(Dataset):
             ids = [index] + [int(i) for i in rng.integers(0, len(self), 3)]
         extents = mosaic_layout([(int(w), int(h)) for w, h in self.shapes[ids]], s, rng)
         M = random_affine_matrix(rng, (s, s), (s, s), self._affine)
-        zoom = affine_scale(M) if is_axis_aligned(M) else 1.0
+        zoom = decode_zoom(M)
         tiles = []
         for i, e in zip(ids, extents):
             img = self._buffered_image(i, (e[2] - e[0]) / int(self.shapes[i][0]) * zoom)
@@ -633,24 +628,31 @@ class LoadImagesAndLabels(Dataset):
         left, top = (W - w0 * r) / 2, (H - h0 * r) / 2
         extent = (left, top, left + w0 * r, top + h0 * r)
         M = random_affine_matrix(rng, (W / 2, H / 2), (W, H), self._affine)
-        zoom = affine_scale(M) if is_axis_aligned(M) else 1.0
+        zoom = decode_zoom(M)
         img = self.load_image(index, r * zoom)
         tile = Tile(img, self._boxes_px(index, img.shape[1], img.shape[0]), extent)
         img, boxes, area0 = compose([tile], (W, H), M, (W, H), color=color)
         shapes = ((h0, w0), ((r, r), (left, top)))
         return img, boxes[box_candidates(boxes[:, 1:5], area0)], shapes
 
-    def _load_letterboxed(self, index: int) -> tuple[np.ndarray, np.ndarray, tuple]:
-        H, W = self._target_shape(index)
+    def _letterbox(self, index: int) -> tuple[LetterboxGeometry, tuple]:
+        """Where image ``index`` lands in its evaluation letterbox (long side at most
+        ``img_size``), and the sample's ``shapes`` (see :meth:`__getitem__`)."""
         w0, h0 = (int(v) for v in self.shapes[index])
-        g = letterbox_geometry((h0, w0), (H, W), max_ratio=self.img_size / max(h0, w0))
+        g = letterbox_geometry(
+            (h0, w0), self._target_shape(index), max_ratio=self.img_size / max(h0, w0)
+        )
+        return g, ((h0, w0), (g.ratio[::-1], g.pad))
+
+    def _load_letterboxed(self, index: int) -> tuple[np.ndarray, np.ndarray, tuple]:
+        g, shapes = self._letterbox(index)
         (w, h), (left, top) = g.new_unpad, g.pad
-        src = self.load_image(index, min(w / w0, h / h0))
-        out = filled((H, W), PAD_COLOR)
+        src = self.load_image(index, min(g.ratio))
+        out = filled(g.shape, PAD_COLOR)
         resize_into(src, out[top : top + h, left : left + w])
         boxes = self._boxes_px(index, w, h)
         boxes[:, 1:] += (left, top, left, top)
-        return out, boxes, ((h0, w0), ((h / h0, w / w0), (left, top)))
+        return out, boxes, shapes
 
     def __getitem__(
         self, index: int | SampleKey
@@ -669,13 +671,9 @@ class LoadImagesAndLabels(Dataset):
         return self._sample_or_substitute(index, lambda i: self._rng())
 
     def __getitems__(self, indices: Sequence[int | SampleKey]) -> list[tuple]:
-        """A batch of samples (the DataLoader's fetcher calls this with a batch sampler's batch).
-
-        A batch of :class:`~build_utils.samplers.SampleKey` is a pure function of its keys: each
-        sample's generator is seeded from its key, the mosaic buffer starts empty, and with the
-        buffer on the mosaics' extra images are drawn from the batch's own images (decoded for
-        the batch anyway). Plain indices are loaded one by one as by ``dataset[i]``.
-        """
+        """A batch of samples (the DataLoader's fetcher calls this with a batch sampler's batch):
+        a batch of :class:`~build_utils.samplers.SampleKey` as a pure function of its keys (see
+        the module docstring), plain indices one by one as by ``dataset[i]``."""
         if not indices or not isinstance(indices[0], SampleKey):
             return [self[int(i)] for i in indices]
         keys = [SampleKey(*k) for k in indices]
@@ -735,12 +733,8 @@ class LoadImagesAndLabels(Dataset):
         self, index: int, unreadable: Sequence[str]
     ) -> tuple[torch.Tensor, torch.Tensor, str, Any, int]:
         """An evaluation sample of padding colour and no boxes in place of image ``index``."""
-        H, W = self._target_shape(index)
-        w0, h0 = (int(v) for v in self.shapes[index])
-        g = letterbox_geometry((h0, w0), (H, W), max_ratio=self.img_size / max(h0, w0))
-        (w, h), pad = g.new_unpad, g.pad
-        img = filled((H, W), PAD_COLOR)
-        shapes = ((h0, w0), ((h / h0, w / w0), pad))
+        g, shapes = self._letterbox(index)
+        img = filled(g.shape, PAD_COLOR)
         path = SubstitutePath(self.img_files[index], unreadable)
         return torch.from_numpy(_to_chw_rgb(img)), torch.zeros((0, 6)), path, shapes, index
 

@@ -13,23 +13,16 @@ missing label file means an image without objects.
 
 Checking and caching (:func:`load_labels`). Every image is decoded once (in a thread pool) and
 every label line parsed once; the result (sizes, labels, what was wrong) goes to
-``<stem>.cache.npz`` beside the list file or folder the user named (:func:`cache_place`:
-``data/train.txt`` -> ``data/train.cache.npz``; a folder ``d/val`` -> ``d/val.cache.npz``;
-``d/train/images`` -> ``d/train/train.cache.npz``), never at a place derived from a list's
-entries, which may point anywhere. ``stem`` is the list's or folder's name, so train and val
-never share a cache. The key (:func:`label_cache_key`) hashes the image and label file names,
-the images' sizes and modification times, the bytes of every label file (blake2b; a label edited
-with its size and time kept is read again) and the class count: any change rebuilds the cache.
-A corrupt cache, or one whose arrays disagree with each other (:func:`cache_disagreement`), is
-rebuilt with a warning; a read-only folder only costs a warning. A per-file list of problems goes
-to ``<stem>.cache_report.txt`` beside it. Bad images are excluded and bad label lines dropped
-(rules in :func:`parse_label_text`); the caller decides what an empty result means.
-Nothing that is not a regular file within its limit is opened (a FIFO, device, folder or
-link loop named like an image or label, a 40 GB sparse file, a PNG declaring more pixels
-than :data:`~build_utils.limits.MAX_IMAGE_PIXELS`): such an image is excluded with the
-reason (:func:`check_file`). No pickle anywhere (``np.savez``, loaded with
-``allow_pickle=False``). The cache holds every listed file in list order, so one cache serves
-every later order (e.g. the rect sort).
+``<stem>.cache.npz`` beside the list file or folder the user named (:func:`cache_place`), never
+at a place derived from a list's entries, which may point anywhere; train and val never share a
+cache. Any change to the files or the class count changes its key (:func:`label_cache_key`) and
+rebuilds it. A corrupt cache, or one whose arrays disagree with each other
+(:func:`cache_disagreement`), is rebuilt with a warning; a read-only folder only costs a warning.
+A per-file list of problems goes to ``<stem>.cache_report.txt`` beside it. Bad images are
+excluded and bad label lines dropped (rules in :func:`parse_label_text`, :func:`check_file`:
+nothing that is not a regular file within its limit is opened); the caller decides what an empty
+result means. No pickle anywhere (``np.savez``, loaded with ``allow_pickle=False``). The cache
+holds every listed file in list order, so one cache serves every later order (e.g. the rect sort).
 """
 
 from __future__ import annotations
@@ -389,24 +382,18 @@ def parse_label_text(
 
 
 def check_file(img_path: str, label_path: str, nc: int | None) -> FileCheck:
-    """Check one image and its label file (see :func:`parse_label_text`).
-
-    Nothing is opened that is not a regular file within its limit (stat first, see
-    :mod:`build_utils.limits`): an image that is a FIFO, device, socket, folder, link loop, over
-    :data:`~build_utils.limits.MAX_IMAGE_BYTES` or declaring more pixels than
-    :data:`~build_utils.limits.MAX_IMAGE_PIXELS` is excluded with that reason
-    (:func:`~build_utils.image_io.check_image`), and so is an image whose label file is such a
-    thing or over :data:`~build_utils.limits.MAX_LABEL_BYTES` (its objects are unknown). A label
-    file that does not exist means no objects."""
+    """Check one image and its label file (see :func:`parse_label_text`). The image is excluded,
+    with the reason, when :func:`~build_utils.image_io.check_image` refuses it or its label file
+    is not a regular UTF-8 file within :data:`~build_utils.limits.MAX_LABEL_BYTES` (its objects
+    are unknown); a label file that does not exist means no objects."""
     empty = np.zeros((0, LABEL_FIELDS), np.float32)
-    kind = file_problem(img_path, None)
-    if kind is not None and kind != "file not found":
-        # A /dev/zero in a list is "a character device", whatever its name says.
-        return FileCheck(None, empty, "missing", kind)
     if not is_image_file(img_path):
-        return FileCheck(
-            None, empty, "missing", f"not an image file type (supported: {', '.join(IMG_FORMATS)})"
-        )
+        # A /dev/zero in a list is "a character device", whatever its name says (check_image
+        # says what is wrong with a file named like an image).
+        kind = file_problem(img_path, None)
+        if kind is None or kind == "file not found":
+            kind = f"not an image file type (supported: {', '.join(IMG_FORMATS)})"
+        return FileCheck(None, empty, "missing", kind)
     size, reason = check_image(img_path)
     if size is None:
         return FileCheck(None, empty, "missing", reason or "unreadable image")
@@ -447,11 +434,10 @@ def label_cache_key(img_files: Sequence[str], label_files: Sequence[str], nc: in
     times, the label files' bytes (:func:`label_file_digest`) and the class count.
 
     Labels are hashed by content because a size and a time say nothing when a label is edited
-    and its time put back (``touch -r``, a copy with ``cp -p``, a checkout); labels are small.
-    Images keep the cheap stamp: hashing them would cost as much as checking them. Label files
-    are small, so hashing them costs little next to the stamps (``docs/RELIABILITY.md``); a
-    thread pool was no faster, so the files are read in order.
-    """
+    and its time put back (``touch -r``, a copy with ``cp -p``, a checkout); they are small, so
+    that costs little next to the stamps (``docs/RELIABILITY.md``; a thread pool was no faster,
+    so the files are read in order). Images keep the cheap stamp: hashing them would cost as
+    much as checking them."""
     h = hashlib.blake2b(f"v{CACHE_VERSION}|nc={nc}\n".encode(), digest_size=_DIGEST_BYTES)
     for img, lbl in zip(img_files, label_files):
         # os.fsencode: a name that is not UTF-8 (``b"bad\xe9.jpg"`` reads as a lone surrogate)
@@ -725,12 +711,6 @@ _UNSAVED_MAX = 4
 _unsaved: dict[tuple[str, str], LabelCache] = {}
 
 
-def _remember_unsaved(cache_path: Path, key: str, cache: LabelCache) -> None:
-    _unsaved[(str(cache_path), key)] = cache
-    while len(_unsaved) > _UNSAVED_MAX:
-        del _unsaved[next(iter(_unsaved))]
-
-
 def load_labels(
     img_files: list[str],
     label_files: list[str],
@@ -763,5 +743,7 @@ def load_labels(
         saved = save_label_cache(cache_path, key, cache)
         write_report(report_path, cache.summary(), cache.report, warn=saved)
         if not saved:
-            _remember_unsaved(cache_path, key, cache)
+            _unsaved[(str(cache_path), key)] = cache
+            while len(_unsaved) > _UNSAVED_MAX:
+                del _unsaved[next(iter(_unsaved))]  # the oldest
     return cache

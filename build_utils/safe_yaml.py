@@ -242,15 +242,15 @@ class YamlDocument:
             return None
         try:
             return self._loader.construct_object(node, deep=True)
-        except _Refused as e:
-            raise ConfigError(e.message, self.path, e.line) from None
-        except yaml.YAMLError as e:
+        except (_Refused, yaml.YAMLError) as e:
             raise _yaml_error(e, self.path) from None
 
 
-def _yaml_error(e: yaml.YAMLError, path: str) -> ConfigError:
-    """PyYAML's error as one line: its context and problem (``str(e)`` spans several lines,
-    with a snippet of the text), at the problem's line."""
+def _yaml_error(e: _Refused | yaml.YAMLError, path: str) -> ConfigError:
+    """A refused document, or PyYAML's error as one line: its context and problem (``str(e)``
+    spans several lines, with a snippet of the text), at the problem's line."""
+    if isinstance(e, _Refused):
+        return ConfigError(e.message, path, e.line)
     mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
     parts = [getattr(e, "context", None), getattr(e, "problem", None)]
     problem = ", ".join(p for p in parts if p) or type(e).__name__
@@ -271,9 +271,7 @@ def parse_yaml(text: str, path: str | os.PathLike[str] = "<yaml text>") -> YamlD
     loader = _BoundedLoader(text)
     try:
         root = loader.get_single_node()
-    except _Refused as e:
-        raise ConfigError(e.message, path, e.line) from None
-    except yaml.YAMLError as e:
+    except (_Refused, yaml.YAMLError) as e:
         raise _yaml_error(e, path) from None
     return YamlDocument(root, path, loader)
 
