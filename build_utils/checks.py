@@ -19,6 +19,8 @@ from build_utils.errors import ConfigError
 
 SHOWN_CHARS = 40  # a value in an error line is cut to this many characters
 SHOWN_DIGITS = 12  # a long integer in an error line is cut to this many digits
+BIG_INT_BITS = 14_000  # about 4200 digits: str() refuses ints past 4300 (sys.int_info)
+LOG10_2 = 0.30103  # decimal digits per bit
 
 
 def is_int(value: Any) -> bool:
@@ -49,6 +51,8 @@ def shown(value: Any, limit: int = SHOWN_CHARS) -> str:
         dtype = str(value.dtype).removeprefix("torch.")
         return f"(a {dtype} tensor of shape {tuple(value.shape)})"
     if is_int(value):
+        if value.bit_length() > BIG_INT_BITS:  # str() refuses it (sys.int_info's digit limit)
+            return f"(an integer of about {int(value.bit_length() * LOG10_2)} digits)"
         text = str(value)
         return (
             text if len(text) <= SHOWN_DIGITS else f"{text[:SHOWN_DIGITS]}... ({len(text)} digits)"

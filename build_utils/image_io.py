@@ -40,7 +40,13 @@ from PIL import Image
 from tqdm import tqdm
 
 from build_utils.errors import DatasetError
-from build_utils.limits import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, UnusableFile, open_data_file
+from build_utils.limits import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    UnusableFile,
+    open_data_file,
+    read_up_to,
+)
 
 # Image file types the datasets accept; compared case-insensitively.
 IMG_FORMATS: tuple[str, ...] = (".bmp", ".jpeg", ".jpg", ".png", ".tif", ".tiff", ".webp")
@@ -211,7 +217,7 @@ def read_image_data(path: str | os.PathLike[str]) -> tuple[np.ndarray, tuple[int
                 if problem is not None:
                     raise DatasetError(problem, path)
             f.seek(0)
-            data = f.read(MAX_IMAGE_BYTES.value() + 1)
+            data = read_up_to(f, MAX_IMAGE_BYTES.value())
     except UnusableFile as e:
         reason = str(e)
         raise DatasetError(

@@ -57,6 +57,7 @@ from build_utils.limits import (
     open_data_file,
     read_config_text,
     read_data_file,
+    read_up_to,
 )
 from build_utils.parse_config import beside_or_cwd
 from build_utils.safe_yaml import short_text
@@ -420,8 +421,7 @@ def label_file_digest(path: str) -> str:
     a non-blocking open, and ``fstat`` again (a FIFO swapped in after the stat is not read)."""
     try:
         with open_data_file(path, MAX_LABEL_BYTES) as f:
-            # The size from fstat, not the limit: read(n) allocates n bytes up front.
-            data = f.read(os.fstat(f.fileno()).st_size + 1)
+            data = read_up_to(f, MAX_LABEL_BYTES.value())
     except UnusableFile as e:
         return f"!{e}"
     except OSError as e:

@@ -246,6 +246,13 @@ def open_data_file(path: str | os.PathLike[str], limit: Limit | None) -> BinaryI
         raise
 
 
+def read_up_to(f: BinaryIO, cap: int) -> bytes:
+    """At most ``cap + 1`` bytes of open file ``f`` (one more than ``cap`` tells a file that grew
+    past it), asking for no more than its size + 1: ``read(n)`` reserves n bytes up front, and
+    reserving a whole limit per image fails where memory is not overcommitted."""
+    return f.read(min(os.fstat(f.fileno()).st_size, cap) + 1)
+
+
 def read_data_file(path: str | os.PathLike[str], limit: Limit) -> bytes:
     """The bytes of data file ``path`` (an image, a label file), read only through
     :func:`open_data_file`; at most ``limit + 1`` bytes are read, so a file that grows while
@@ -257,7 +264,7 @@ def read_data_file(path: str | os.PathLike[str], limit: Limit) -> bytes:
     cap = limit.value()
     with open_data_file(path, limit) as f:
         try:
-            data = f.read(cap + 1)
+            data = read_up_to(f, cap)
         except OSError as e:
             raise UnusableFile(f"cannot read: {e.strerror or e}") from e
     if len(data) > cap:

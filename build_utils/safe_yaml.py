@@ -38,6 +38,7 @@ from yaml.reader import Reader
 from yaml.resolver import Resolver
 from yaml.scanner import Scanner
 
+from build_utils.checks import BIG_INT_BITS, LOG10_2
 from build_utils.errors import ConfigError
 from build_utils.limits import MAX_TEXT_BYTES, MAX_YAML_NODES, read_config_text
 
@@ -83,7 +84,6 @@ _repr.maxstring = _repr.maxother = MAX_VALUE_CHARS - 20
 _repr.maxlong = 40
 _repr.maxlist = _repr.maxtuple = _repr.maxdict = _repr.maxset = 6
 _repr.maxlevel = 3
-_BIG_INT_BITS = 14_000  # about 4200 digits: str() refuses ints past 4300 (sys.int_info)
 
 
 def short_text(text: str, limit: int = MAX_VALUE_CHARS) -> str:
@@ -98,8 +98,8 @@ def short_repr(value: Any, limit: int = MAX_VALUE_CHARS) -> str:
     the whole repr of a huge value: a 400-digit integer is ``12345...(400 digits)``, a list its
     first items. Integers past Python's 4300-digit ``str`` limit are described, not printed."""
     if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
-        if value.bit_length() > _BIG_INT_BITS:
-            return f"an integer of about {int(value.bit_length() * 0.30103)} digits"
+        if value.bit_length() > BIG_INT_BITS:
+            return f"an integer of about {int(value.bit_length() * LOG10_2)} digits"
         digits = str(abs(value))
         sign = "-" if value < 0 else ""
         return f"{sign}{digits[:12]}...({len(digits)} digits)"

@@ -33,6 +33,7 @@ def test_numbers_are_ints_and_finite_reals_never_booleans(value, is_int, is_real
 
 def test_values_are_shown_short_on_one_line():
     assert checks.shown(10**400) == "100000000000... (401 digits)"
+    assert checks.shown(10**5000) == "(an integer of about 5000 digits)"  # past str()'s limit
     assert checks.shown("a\nb  c") == "'a\\nb c'"
     assert checks.shown("x" * 100) == "'" + "x" * 39 + "..."
     assert checks.shown(torch.zeros(2, 3, dtype=torch.int64)) == "(a int64 tensor of shape (2, 3))"

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -148,3 +150,25 @@ def test_a_malformed_limit_setting_stops_validation_and_predict_before_they_load
     assert module.main(argv) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["error: YOLO_MAX_IMAGE_PIXELS='abc' must be a positive whole number (pixels)"]
+
+
+def test_reading_a_small_image_reserves_its_size_not_the_limit(tmp_path: Path):
+    """read(n) reserves n bytes up front: reading each image with the 512 MiB image limit as n
+    failed under an address-space cap (as where memory is not overcommitted). A child process
+    with 256 MiB of address space to spare reads a 1 KiB image, its labels and a data file."""
+    image = tmp_path / "a.jpg"
+    image.write_bytes(b"\xff\xd8" + bytes(1022))
+    (tmp_path / "a.txt").write_text("0 0.5 0.5 0.1 0.1\n")
+    code = f"""
+import resource
+from build_utils import image_io, labels, limits
+with open('/proc/self/statm') as f:
+    pages = int(f.read().split()[0])
+spare = 256 << 20
+resource.setrlimit(resource.RLIMIT_AS, (pages * resource.getpagesize() + spare,) * 2)
+assert len(limits.read_data_file({str(image)!r}, limits.MAX_IMAGE_BYTES)) == 1024
+image_io.read_image_data({str(image)!r})
+labels.label_file_digest({str(tmp_path / "a.txt")!r})
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
