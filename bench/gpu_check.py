@@ -1229,13 +1229,15 @@ def require_cuda() -> None:
 
 def get_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="gpu_check.py", description=__doc__.split("\n\n")[0].strip("`")
+        prog="gpu_check.py", description=__doc__.split("\n\n")[0].replace("``", "")
     )
     p.add_argument(
         "--steps",
         nargs="+",
         default=None,
-        help="run only these steps (names as listed above, comma or space separated)",
+        help="run only these steps, comma or space separated: "
+        + ", ".join(spec.name for spec in step_specs(Settings(compile=True)))
+        + " ('train' names every train-<size>)",
     )
     p.add_argument("--quick", action="store_true", help="416 only, shorter runs")
     p.add_argument(
