@@ -9,28 +9,10 @@
     python predict.py --weights best.pt --source rtsp://host/stream --classes 0 2 --save-txt
 
 A checkpoint written by train.py carries its cfg and class names, so ``--weights`` alone is
-enough; state_dicts and Darknet ``.weights`` need ``--cfg`` and ``--names``/``--data``.
-Each image's detections are printed (class, confidence, xyxy box in original pixels) and the
-drawn image is saved under ``--output`` with the same name (videos, cameras and streams as
-``<name>.mp4``); ``--save-txt`` also writes ``--output/labels/<name>.txt`` (YOLO format:
-``class cx cy w h`` normalised, ``+ conf`` with ``--save-conf``; video frames as
-``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C; every camera and
-stream is opened before anything is written, and a run that could read no image or frame at all
-is one line (exit 2) that leaves no output folder. The precision (the run's autocast, or
-``--half``'s float16 weights instead) is logged.
-
-YOLOv5's extras: ``--save-crop`` cuts each box from the original picture into
-``OUTPUT/crops/<class>/<name>.jpg``; ``--hide-labels``, ``--hide-conf``, ``--line-thickness``
-change the drawing; ``--vid-stride N`` predicts every N-th frame (the output video at the
-source's frame rate / N); ``--augment`` is test-time augmentation (``models/tta.py``).
-
-predict.py never writes over what it reads or what an earlier run wrote (:func:`plan_outputs`,
-:func:`choose_output_dir`): an output folder that is, lies inside or holds a source is refused;
-an image found in a source folder keeps its path inside that folder, under a sub-folder named
-after the folder when several sources are given (``a/``, ``a_2/`` for a second folder named
-``a``); a name still taken twice (``x.jpg`` and ``x.png`` would share ``labels/x.txt``) gets
-``_2``, ``_3``; and an ``--output`` folder that already holds files becomes ``OUTPUT2``,
-``OUTPUT3``, ... (YOLOv5's ``exp2``) unless ``--exist-ok``.
+enough; state_dicts and Darknet ``.weights`` need ``--cfg`` and ``--names``/``--data``. Each
+image's detections are printed (class, confidence, xyxy box in original pixels) and drawn under
+``--output``. The flags, the files written and what predict.py never writes over: README
+"predict.py", :func:`plan_outputs` and :func:`choose_output_dir`.
 """
 
 from __future__ import annotations
