@@ -248,30 +248,26 @@ def draw_detections(
     return out
 
 
+@dataclass(eq=False)
 class Predictor:
     """A model plus the letterbox/NMS/rescale steps around it, for BGR images of any size."""
 
-    def __init__(
-        self,
-        model: Darknet,
-        device: torch.device,
-        img_size: int,
-        conf_thres: float,
-        iou_thres: float,
-        max_det: int,
-        agnostic: bool,
-        precision: InferencePrecision | None = None,
-        classes: Sequence[int] | None = None,
-        augment: bool = False,
-    ):
+    model: Darknet
+    device: torch.device
+    img_size: int
+    conf_thres: float
+    iou_thres: float
+    max_det: int
+    agnostic: bool
+    precision: InferencePrecision | None = None  # None: float32, no autocast
+    classes: Sequence[int] | None = None
+    augment: bool = False
+
+    def __post_init__(self) -> None:
         # One dtype for the weights and the input, and the autocast decided with it
         # (inference_precision): --half never meets a replayed bf16 autocast.
-        precision = precision or InferencePrecision(torch.float32, None, "float32")
-        self.model = model.to(device, precision.weights).eval()
-        self.device, self.img_size, self.precision = device, img_size, precision
-        self.conf_thres, self.iou_thres = conf_thres, iou_thres
-        self.max_det, self.agnostic, self.classes = max_det, agnostic, classes
-        self.augment = augment
+        self.precision = self.precision or InferencePrecision(torch.float32, None, "float32")
+        self.model = self.model.to(self.device, self.precision.weights).eval()
 
     @torch.no_grad()
     def __call__(self, img: np.ndarray) -> torch.Tensor:
@@ -728,15 +724,15 @@ def predict_video(
     predictor: Predictor,
     source: str | Path,
     saver: Saver,
-    stem: Path | None = None,
+    stem: Path,
     vid_stride: int = 1,
     cap: cv2.VideoCapture | None = None,
 ) -> int:
     """Detect in frames 1, 1 + ``vid_stride``, ... of a video file, camera or stream (``cap``:
     already opened, see :func:`open_live_sources`) and write them to ``<stem>.mp4`` at the
     source's frame rate / ``vid_stride`` (so the video lasts as long as the source); ``stem``:
-    the output path relative to OUTPUT, default :func:`capture_name`. Labels and crops of a
-    frame are named ``<stem>_<frame number>`` (see :meth:`Saver.frame_stem`).
+    the output path relative to OUTPUT. Labels and crops of a frame are named
+    ``<stem>_<frame number>`` (see :meth:`Saver.frame_stem`).
     Returns the number of frames predicted.
 
     Raises:
@@ -746,8 +742,7 @@ def predict_video(
     cap = cap if cap is not None else open_video(source)
     if cap is None:
         return 0
-    name = stem if stem is not None else capture_name(source)
-    target = saver.out_dir / f"{name}.mp4"
+    target = saver.out_dir / f"{stem}.mp4"
     # Written under a hidden temporary name (ending .mp4: OpenCV picks the container by it) and
     # renamed onto ``target`` at the end, so an --exist-ok run that fails midway leaves the old
     # video whole; a Ctrl-C (a camera's usual end) keeps the frames so far.
@@ -755,7 +750,7 @@ def predict_video(
     video = _VideoOut(tmp, target, output_fps(cap.get(cv2.CAP_PROP_FPS), vid_stride))
     finished = False
     try:
-        frames = _predict_frames(predictor, cap, source, saver, name, vid_stride, video)
+        frames = _predict_frames(predictor, cap, source, saver, stem, vid_stride, video)
         finished = True
     except KeyboardInterrupt:
         finished = True
