@@ -75,7 +75,7 @@ from train_utils.cli import (
 )
 from train_utils.distributed.devices import select_device
 from train_utils.evaluation.detection_files import write_yolo_txt
-from train_utils.evaluation.plots import class_colour, write_image
+from train_utils.evaluation.plots import BOX_THICKNESS, DrawStyle, draw_detections, write_image
 from train_utils.load_model import default_img_size, model_from_weights
 from train_utils.precision import (
     InferencePrecision,
@@ -97,7 +97,6 @@ DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame ra
 # The frame rates OpenCV's mp4v writer opens a file at (measured: 0.002 and 65535 open, 0.001
 # and 65536 do not; some RTSP streams report their 90 kHz clock as the rate).
 MIN_VIDEO_FPS, MAX_VIDEO_FPS = 0.01, 65535.0
-BOX_THICKNESS = 2  # default --line-thickness, pixels
 MAX_LINE_THICKNESS = 32767  # OpenCV's own limit (it raises beyond it)
 # --save-crop grows each box as YOLOv5's save_one_box does: sides x1.02 plus 10 px in all
 # (5 px a side), so a crop keeps the object's edge that a tight box may cut; then clipped.
@@ -206,48 +205,6 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclass(frozen=True)
-class DrawStyle:
-    """How boxes are drawn: ``thickness`` (pixels, ``--line-thickness``), and whether the
-    label shows the class name (``--hide-labels``) and the confidence (``--hide-conf``)."""
-
-    thickness: int = BOX_THICKNESS
-    hide_labels: bool = False
-    hide_conf: bool = False
-
-
-def draw_detections(
-    img: np.ndarray, det: torch.Tensor, names: Sequence[str], style: DrawStyle = DrawStyle()
-) -> np.ndarray:
-    """Draw ``det`` ((n, 6) xyxy original pixels, conf, cls) on a copy of BGR ``img``."""
-    out = img.copy()
-    scale = max(0.4, min(out.shape[:2]) / 800)
-    for x1, y1, x2, y2, conf, cls in det.tolist():
-        c = int(cls)
-        colour = class_colour(c)
-        p1, p2 = (round(x1), round(y1)), (round(x2), round(y2))
-        cv2.rectangle(out, p1, p2, colour, style.thickness, cv2.LINE_AA)
-        if style.hide_labels:
-            continue
-        label = str(names[c] if c < len(names) else c)
-        if not style.hide_conf:
-            label += f" {conf:.2f}"
-        (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
-        top = max(p1[1], th + base)
-        cv2.rectangle(out, (p1[0], top - th - base), (p1[0] + tw, top), colour, -1)
-        cv2.putText(
-            out,
-            label,
-            (p1[0], top - base),
-            cv2.FONT_HERSHEY_SIMPLEX,
-            scale,
-            (255, 255, 255),
-            1,
-            cv2.LINE_AA,
-        )
-    return out
-
-
 @dataclass(eq=False)
 class Predictor:
     """A model plus the letterbox/NMS/rescale steps around it, for BGR images of any size."""
@@ -336,7 +293,7 @@ class Saver:
         self,
         out_dir: Path,
         names: Sequence[str],
-        style: DrawStyle = DrawStyle(),
+        style: DrawStyle = DrawStyle(),  # noqa: B008 (frozen: one shared default is safe)
         save_txt: bool = False,
         save_conf: bool = False,
         save_crop: bool = False,
