@@ -9,28 +9,10 @@
     python predict.py --weights best.pt --source rtsp://host/stream --classes 0 2 --save-txt
 
 A checkpoint written by train.py carries its cfg and class names, so ``--weights`` alone is
-enough; state_dicts and Darknet ``.weights`` need ``--cfg`` and ``--names``/``--data``.
-Each image's detections are printed (class, confidence, xyxy box in original pixels) and the
-drawn image is saved under ``--output`` with the same name (videos, cameras and streams as
-``<name>.mp4``); ``--save-txt`` also writes ``--output/labels/<name>.txt`` (YOLO format:
-``class cx cy w h`` normalised, ``+ conf`` with ``--save-conf``; video frames as
-``<name>_<frame>.txt``). A camera or stream runs until it ends or Ctrl-C; every camera and
-stream is opened before anything is written, and a run that could read no image or frame at all
-is one line (exit 2) that leaves no output folder. The precision (the run's autocast, or
-``--half``'s float16 weights instead) is logged.
-
-YOLOv5's extras: ``--save-crop`` cuts each box from the original picture into
-``OUTPUT/crops/<class>/<name>.jpg``; ``--hide-labels``, ``--hide-conf``, ``--line-thickness``
-change the drawing; ``--vid-stride N`` predicts every N-th frame (the output video at the
-source's frame rate / N); ``--augment`` is test-time augmentation (``models/tta.py``).
-
-predict.py never writes over what it reads or what an earlier run wrote (:func:`plan_outputs`,
-:func:`choose_output_dir`): an output folder that is, lies inside or holds a source is refused;
-an image found in a source folder keeps its path inside that folder, under a sub-folder named
-after the folder when several sources are given (``a/``, ``a_2/`` for a second folder named
-``a``); a name still taken twice (``x.jpg`` and ``x.png`` would share ``labels/x.txt``) gets
-``_2``, ``_3``; and an ``--output`` folder that already holds files becomes ``OUTPUT2``,
-``OUTPUT3``, ... (YOLOv5's ``exp2``) unless ``--exist-ok``.
+enough; state_dicts and Darknet ``.weights`` need ``--cfg`` and ``--names``/``--data``. Each
+image's detections are printed (class, confidence, xyxy box in original pixels) and drawn under
+``--output``. The flags, the files written and what predict.py never writes over: README
+"predict.py", :func:`plan_outputs` and :func:`choose_output_dir`.
 """
 
 from __future__ import annotations
@@ -93,7 +75,7 @@ from train_utils.cli import (
 )
 from train_utils.distributed.devices import select_device
 from train_utils.evaluation.detection_files import write_yolo_txt
-from train_utils.evaluation.plots import class_colour, write_image
+from train_utils.evaluation.plots import BOX_THICKNESS, DrawStyle, draw_detections, write_image
 from train_utils.load_model import default_img_size, model_from_weights
 from train_utils.precision import (
     InferencePrecision,
@@ -115,7 +97,6 @@ DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame ra
 # The frame rates OpenCV's mp4v writer opens a file at (measured: 0.002 and 65535 open, 0.001
 # and 65536 do not; some RTSP streams report their 90 kHz clock as the rate).
 MIN_VIDEO_FPS, MAX_VIDEO_FPS = 0.01, 65535.0
-BOX_THICKNESS = 2  # default --line-thickness, pixels
 MAX_LINE_THICKNESS = 32767  # OpenCV's own limit (it raises beyond it)
 # --save-crop grows each box as YOLOv5's save_one_box does: sides x1.02 plus 10 px in all
 # (5 px a side), so a crop keeps the object's edge that a tight box may cut; then clipped.
@@ -224,72 +205,26 @@ def get_parser() -> argparse.ArgumentParser:
     return p
 
 
-@dataclass(frozen=True)
-class DrawStyle:
-    """How boxes are drawn: ``thickness`` (pixels, ``--line-thickness``), and whether the
-    label shows the class name (``--hide-labels``) and the confidence (``--hide-conf``)."""
-
-    thickness: int = BOX_THICKNESS
-    hide_labels: bool = False
-    hide_conf: bool = False
-
-
-def draw_detections(
-    img: np.ndarray, det: torch.Tensor, names: Sequence[str], style: DrawStyle = DrawStyle()
-) -> np.ndarray:
-    """Draw ``det`` ((n, 6) xyxy original pixels, conf, cls) on a copy of BGR ``img``."""
-    out = img.copy()
-    scale = max(0.4, min(out.shape[:2]) / 800)
-    for x1, y1, x2, y2, conf, cls in det.tolist():
-        c = int(cls)
-        colour = class_colour(c)
-        p1, p2 = (round(x1), round(y1)), (round(x2), round(y2))
-        cv2.rectangle(out, p1, p2, colour, style.thickness, cv2.LINE_AA)
-        if style.hide_labels:
-            continue
-        label = str(names[c] if c < len(names) else c)
-        if not style.hide_conf:
-            label += f" {conf:.2f}"
-        (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
-        top = max(p1[1], th + base)
-        cv2.rectangle(out, (p1[0], top - th - base), (p1[0] + tw, top), colour, -1)
-        cv2.putText(
-            out,
-            label,
-            (p1[0], top - base),
-            cv2.FONT_HERSHEY_SIMPLEX,
-            scale,
-            (255, 255, 255),
-            1,
-            cv2.LINE_AA,
-        )
-    return out
-
-
+@dataclass(eq=False)
 class Predictor:
     """A model plus the letterbox/NMS/rescale steps around it, for BGR images of any size."""
 
-    def __init__(
-        self,
-        model: Darknet,
-        device: torch.device,
-        img_size: int,
-        conf_thres: float,
-        iou_thres: float,
-        max_det: int,
-        agnostic: bool,
-        precision: InferencePrecision | None = None,
-        classes: Sequence[int] | None = None,
-        augment: bool = False,
-    ):
+    model: Darknet
+    device: torch.device
+    img_size: int
+    conf_thres: float
+    iou_thres: float
+    max_det: int
+    agnostic: bool
+    precision: InferencePrecision | None = None  # None: float32, no autocast
+    classes: Sequence[int] | None = None
+    augment: bool = False
+
+    def __post_init__(self) -> None:
         # One dtype for the weights and the input, and the autocast decided with it
         # (inference_precision): --half never meets a replayed bf16 autocast.
-        precision = precision or InferencePrecision(torch.float32, None, "float32")
-        self.model = model.to(device, precision.weights).eval()
-        self.device, self.img_size, self.precision = device, img_size, precision
-        self.conf_thres, self.iou_thres = conf_thres, iou_thres
-        self.max_det, self.agnostic, self.classes = max_det, agnostic, classes
-        self.augment = augment
+        self.precision = self.precision or InferencePrecision(torch.float32, None, "float32")
+        self.model = self.model.to(self.device, self.precision.weights).eval()
 
     @torch.no_grad()
     def __call__(self, img: np.ndarray) -> torch.Tensor:
@@ -358,7 +293,7 @@ class Saver:
         self,
         out_dir: Path,
         names: Sequence[str],
-        style: DrawStyle = DrawStyle(),
+        style: DrawStyle = DrawStyle(),  # noqa: B008 (frozen: one shared default is safe)
         save_txt: bool = False,
         save_conf: bool = False,
         save_crop: bool = False,
@@ -746,15 +681,15 @@ def predict_video(
     predictor: Predictor,
     source: str | Path,
     saver: Saver,
-    stem: Path | None = None,
+    stem: Path,
     vid_stride: int = 1,
     cap: cv2.VideoCapture | None = None,
 ) -> int:
     """Detect in frames 1, 1 + ``vid_stride``, ... of a video file, camera or stream (``cap``:
     already opened, see :func:`open_live_sources`) and write them to ``<stem>.mp4`` at the
     source's frame rate / ``vid_stride`` (so the video lasts as long as the source); ``stem``:
-    the output path relative to OUTPUT, default :func:`capture_name`. Labels and crops of a
-    frame are named ``<stem>_<frame number>`` (see :meth:`Saver.frame_stem`).
+    the output path relative to OUTPUT. Labels and crops of a frame are named
+    ``<stem>_<frame number>`` (see :meth:`Saver.frame_stem`).
     Returns the number of frames predicted.
 
     Raises:
@@ -764,8 +699,7 @@ def predict_video(
     cap = cap if cap is not None else open_video(source)
     if cap is None:
         return 0
-    name = stem if stem is not None else capture_name(source)
-    target = saver.out_dir / f"{name}.mp4"
+    target = saver.out_dir / f"{stem}.mp4"
     # Written under a hidden temporary name (ending .mp4: OpenCV picks the container by it) and
     # renamed onto ``target`` at the end, so an --exist-ok run that fails midway leaves the old
     # video whole; a Ctrl-C (a camera's usual end) keeps the frames so far.
@@ -773,7 +707,7 @@ def predict_video(
     video = _VideoOut(tmp, target, output_fps(cap.get(cv2.CAP_PROP_FPS), vid_stride))
     finished = False
     try:
-        frames = _predict_frames(predictor, cap, source, saver, name, vid_stride, video)
+        frames = _predict_frames(predictor, cap, source, saver, stem, vid_stride, video)
         finished = True
     except KeyboardInterrupt:
         finished = True

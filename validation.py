@@ -12,32 +12,12 @@ else pycocotools: the same numbers), per-class table, error breakdown.
     torchrun --nproc_per_node=2 validation.py ...     # each process scores a disjoint shard
 
 A checkpoint written by train.py describes its run, and every setting not given on the command
-line is the run's: cfg, dataset, image size, batch size (rectangular batches are shaped per
-batch), thresholds, COCO backend, and the autocast dtype and memory format the run evaluated
-in. So ``validation.py --weights best.pt`` scores exactly as the evaluation inside training did
-and gives the mAP the run logged for that epoch. A flag overrides the run's value (and a line
-says so). Darknet ``.weights`` and bare state_dicts carry nothing: they need ``--cfg`` and
-``--data``, and get the training-time evaluation's defaults (rectangular letterboxed batches,
-conf 0.001, NMS IoU 0.6, multi-label, at most 300 detections per image).
-
-Beside the 12 COCO numbers it writes into ``--save-dir`` a per-class table (``per_class.csv``,
-also logged), the TIDE error breakdown (``errors.json``, also logged: how many false positives
-are classification, localisation, both, duplicate and background errors, how many labels were
-missed, and the AP50 each type costs), the confusion matrix, the P/R/F1/PR curves and the first
-validation images with labels and predictions (``--no-plots`` skips the pictures), and with
-``--save-txt`` one YOLO ``.txt`` per image in ``--save-dir/labels``. ``--project/--name`` folders
-are numbered as YOLOv5's; with ``--exist-ok`` the previous report there is first moved into
-``replaced-<time>/``. An existing ``--json-out`` file, ``--save-json`` file or report in a
-``--save-dir`` is replaced only with ``--exist-ok``; never, not even then, a file validation
-reads (the weights, cfg, dataset file and the files it names), a training run's file or folder,
-or the images and labels it scores (a report folder may neither be, lie inside nor hold them).
-
-``--save-json`` ids: on COCO itself (80 classes and numeric file names such as
-``000000397133.jpg``) image ids are the file numbers and category ids the official 91-id
-numbering, so ``predictions.json`` scores directly against ``instances_val2017.json``; on a
-dataset converted by ``tools/coco2yolo.py`` (its data.yaml names ``coco_ids``) they are the ids
-of the source JSON, which pycocotools scores them against; on other data they are the dataset
-index and the class id. ``--coco-ids``/``--no-coco-ids`` override the detection.
+line is the run's (:data:`RUN_SETTINGS`, the autocast dtype and memory format it evaluated in),
+so ``validation.py --weights best.pt`` gives the mAP the run logged for that epoch; a flag
+overrides the run's value (and a line says so). Darknet ``.weights`` and bare state_dicts carry
+nothing: they need ``--cfg`` and ``--data``. The report folder's files, the ``--save-json`` ids
+(:func:`json_ids`) and what validation never writes over (:func:`check_outputs`,
+:func:`check_not_over_inputs`): README "validation.py".
 """
 
 from __future__ import annotations

@@ -7,17 +7,10 @@
 
 The model is read once (``--weights`` alone for a checkpoint train.py wrote; Darknet ``.weights``
 need ``--cfg``; without ``--weights`` the cfg's random initialisation is exported, for tests) and
-written once per format at ``--img-size H [W]``, named as YOLOv5 names them, beside the weights
-unless ``--output DIR``: ``best.onnx``, ``best.torchscript`` and the folder
-``best_openvino_model/`` (``best.xml``, ``best.bin``). An existing export is never replaced without
-``--exist-ok``, nor an OpenVINO folder that holds other files than these (nothing is written then);
-every output is written under a temporary name and renamed into place. Each export is then loaded
-in its own runtime (onnxruntime, ``torch.jit.load``, OpenVINO on the CPU) and run on two sample
-images (drawn shapes, letterboxed) next to PyTorch float32 (``--no-verify`` skips it): every
-decoded value agrees within 1e-4 relative and absolute (1e-2 with ``--half``), and the detections
-after NMS are counted. All formats take ``images`` (batch, 3, H, W) RGB in [0, 1] and return
-``detections`` (batch, N, 5 + nc) before NMS (see models/export.py); ``--half`` makes ONNX and
-TorchScript float16 throughout and stores OpenVINO's weights in float16.
+written once per format, named as YOLOv5 names them, beside the weights unless ``--output DIR``;
+each export is then run in its own runtime on two sample images next to PyTorch float32
+(``--no-verify`` skips it). The graph every format holds: models/export.py; the formats, file
+names, tolerances and what is never replaced: README "Export".
 """
 
 from __future__ import annotations

@@ -172,23 +172,20 @@ class CocoEvaluator:
             self.coco_eval = None
             self.stats = np.zeros(len(STAT_NAMES))
             return self.stats.copy()
-        if self.backend == "pycocotools":
-            self.coco_eval = self._evaluate_pycocotools()
-        else:
-            self.coco_eval = self._evaluate_faster()
-        self.stats = np.asarray(self.coco_eval.stats[: len(STAT_NAMES)], dtype=np.float64)
-        return self.stats.copy()
-
-    def _evaluate_pycocotools(self) -> COCOeval:
+        # Both libraries run the same three steps; pycocotools prints as it goes.
         with contextlib.redirect_stdout(io.StringIO()):
-            coco_dt = self.coco_gt.loadRes(self.results)
-            coco_eval = COCOeval(self.coco_gt, coco_dt, "bbox")
+            if self.backend == "pycocotools":
+                coco_eval = COCOeval(self.coco_gt, self.coco_gt.loadRes(self.results), "bbox")
+            else:
+                coco_eval = self._faster_coco_eval()
             coco_eval.evaluate()
             coco_eval.accumulate()
             coco_eval.summarize()  # fills coco_eval.stats
-        return coco_eval
+        self.coco_eval = coco_eval
+        self.stats = np.asarray(coco_eval.stats[: len(STAT_NAMES)], dtype=np.float64)
+        return self.stats.copy()
 
-    def _evaluate_faster(self) -> Any:
+    def _faster_coco_eval(self) -> Any:
         from faster_coco_eval import COCO as FasterCOCO
         from faster_coco_eval import COCOeval_faster
 
@@ -199,11 +196,7 @@ class CocoEvaluator:
         # those belong to the pycocotools ground truth.
         gt = FasterCOCO(self.coco_gt.dataset, use_deepcopy=True, print_function=quiet)
         dt = gt.loadRes(self.results)
-        coco_eval = COCOeval_faster(gt, dt, "bbox", print_function=quiet)
-        coco_eval.evaluate()
-        coco_eval.accumulate()
-        coco_eval.summarize()
-        return coco_eval
+        return COCOeval_faster(gt, dt, "bbox", print_function=quiet)
 
     def per_class_ap(self) -> dict[int, tuple[float, float]]:
         """``{category id: (AP@0.5:0.95, AP@0.5)}`` over all areas at 100 detections per image.

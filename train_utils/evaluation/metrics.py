@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
+from torchvision.ops import box_iou
 
 MATCH_IOU = 0.5  # IoU at which a detection counts as a true positive (curves, AP50)
 CONFUSION_CONF = 0.25  # detections below this confidence stay out of the confusion matrix
@@ -28,15 +30,10 @@ EPS = 1e-16
 
 
 def box_iou_np(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """IoU of ``a (n, 4)`` and ``b (m, 4)`` xyxy boxes -> ``(n, m)``."""
-    a = np.asarray(a, dtype=np.float64).reshape(-1, 4)
-    b = np.asarray(b, dtype=np.float64).reshape(-1, 4)
-    iw = np.minimum(a[:, None, 2], b[None, :, 2]) - np.maximum(a[:, None, 0], b[None, :, 0])
-    ih = np.minimum(a[:, None, 3], b[None, :, 3]) - np.maximum(a[:, None, 1], b[None, :, 1])
-    inter = np.maximum(iw, 0) * np.maximum(ih, 0)
-    area_a = (a[:, 2] - a[:, 0]) * (a[:, 3] - a[:, 1])
-    area_b = (b[:, 2] - b[:, 0]) * (b[:, 3] - b[:, 1])
-    return inter / (area_a[:, None] + area_b[None, :] - inter + EPS)
+    """IoU of ``a (n, 4)`` and ``b (m, 4)`` xyxy boxes -> ``(n, m)`` float64: torchvision's,
+    0 (not NaN) for two empty boxes."""
+    a, b = (torch.from_numpy(np.asarray(x, dtype=np.float64).reshape(-1, 4)) for x in (a, b))
+    return box_iou(a, b).nan_to_num_(0.0).numpy()
 
 
 def match_detections(

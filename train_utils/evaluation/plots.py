@@ -1,15 +1,16 @@
 """Pictures of a dataset and of an evaluation: label statistics, image mosaics with boxes,
-the confusion matrix and the P/R/F1 curves.
+the confusion matrix and the P/R/F1 curves; and the boxes predict.py draws.
 
-Pure drawing: every function takes arrays and a path and writes one file. Nothing here uses a
-random number generator (training numerics must not depend on whether pictures are drawn).
-Charts use matplotlib's Agg backend, image mosaics OpenCV.
+Pure drawing: every ``plot_*`` function takes arrays and a path and writes one file. Nothing
+here uses a random number generator (training numerics must not depend on whether pictures are
+drawn). Charts use matplotlib's Agg backend, image mosaics OpenCV.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from train_utils.evaluation.metrics import ClassMetrics
 
 MOSAIC_CELL = 320  # pixels of the longer side of each image in a mosaic
 MOSAIC_MAX_IMAGES = 16
-BOX_THICKNESS = 2
+BOX_THICKNESS = 2  # pixels (predict.py's default --line-thickness)
 DPI = 100
 CURVE_FILES = ("PR_curve.png", "F1_curve.png", "P_curve.png", "R_curve.png")  # plot_curves
 MAX_CURVE_LEGEND = 10  # classes named in a curve's legend; more are drawn grey and unnamed
@@ -79,6 +80,50 @@ def _name(names: Sequence[str], c: int) -> str:
     return names[c] if 0 <= c < len(names) else str(c)
 
 
+@dataclass(frozen=True)
+class DrawStyle:
+    """How boxes are drawn: ``thickness`` (pixels, predict.py's ``--line-thickness``), and
+    whether the label shows the class name (``--hide-labels``) and the confidence
+    (``--hide-conf``)."""
+
+    thickness: int = BOX_THICKNESS
+    hide_labels: bool = False
+    hide_conf: bool = False
+
+
+def draw_detections(
+    img: np.ndarray, det: Any, names: Sequence[str], style: DrawStyle = DrawStyle()
+) -> np.ndarray:
+    """Draw ``det`` ((n, 6) array or tensor: xyxy in ``img``'s pixels, conf, cls) on a copy of
+    BGR ``img``: predict.py's pictures and the cells of :func:`plot_images`."""
+    out = img.copy()
+    scale = max(0.4, min(out.shape[:2]) / 800)
+    for x1, y1, x2, y2, conf, cls in det.tolist():
+        c = int(cls)
+        colour = class_colour(c)
+        p1, p2 = (round(x1), round(y1)), (round(x2), round(y2))
+        cv2.rectangle(out, p1, p2, colour, style.thickness, cv2.LINE_AA)
+        if style.hide_labels:
+            continue
+        label = _name(names, c)
+        if not style.hide_conf:
+            label += f" {conf:.2f}"
+        (tw, th), base = cv2.getTextSize(label, cv2.FONT_HERSHEY_SIMPLEX, scale, 1)
+        top = max(p1[1], th + base)
+        cv2.rectangle(out, (p1[0], top - th - base), (p1[0] + tw, top), colour, -1)
+        cv2.putText(
+            out,
+            label,
+            (p1[0], top - base),
+            cv2.FONT_HERSHEY_SIMPLEX,
+            scale,
+            (255, 255, 255),
+            1,
+            cv2.LINE_AA,
+        )
+    return out
+
+
 def plot_labels(labels: Sequence[np.ndarray], names: Sequence[str], path: Path) -> None:
     """``labels.png``: instances per class, box centres and box sizes.
 
@@ -127,21 +172,9 @@ def plot_images(
         h, w = img.shape[:2]
         s = MOSAIC_CELL / max(h, w)
         cell = cv2.resize(img, (max(1, round(w * s)), max(1, round(h * s))))
-        for x1, y1, x2, y2, conf, c in np.asarray(det, dtype=np.float64).reshape(-1, 6).tolist():
-            colour = class_colour(int(c))
-            p1, p2 = (round(x1 * s), round(y1 * s)), (round(x2 * s), round(y2 * s))
-            cv2.rectangle(cell, p1, p2, colour, BOX_THICKNESS, cv2.LINE_AA)
-            text = _name(names, int(c)) + (f" {conf:.2f}" if show_conf else "")
-            cv2.putText(
-                cell,
-                text,
-                (p1[0], max(p1[1] - 3, 10)),
-                cv2.FONT_HERSHEY_SIMPLEX,
-                0.4,
-                colour,
-                1,
-                cv2.LINE_AA,
-            )
+        det = np.array(det, dtype=np.float64).reshape(-1, 6)
+        det[:, :4] *= s
+        cell = draw_detections(cell, det, names, DrawStyle(hide_conf=not show_conf))
         if titles is not None and k < len(titles):
             cv2.putText(
                 cell, titles[k][:40], (3, 12), cv2.FONT_HERSHEY_SIMPLEX, 0.4, (255, 255, 255), 1
