@@ -144,17 +144,18 @@ def read_image_list(path: Path) -> list[str]:
     return out
 
 
-def list_entry_problem(path: str) -> str | None:
-    """Why ``path`` cannot be written into an image list, or None: :func:`read_image_list` reads
-    a list as UTF-8 text, so a name that is not UTF-8 (its odd bytes read as lone surrogates,
-    ``bad\\udce9.jpg``) would make the whole list unreadable. Loaders given a folder use such
-    a file; only a list cannot name it."""
+def list_entry_problem(path: str, holder: str = "an image list") -> str | None:
+    """Why ``path`` cannot be written into an image list (or another ``holder`` read as UTF-8
+    text, a ``.data`` file), or None: :func:`read_image_list` reads a list as UTF-8 text, so a
+    name that is not UTF-8 (its odd bytes read as lone surrogates, ``bad\\udce9.jpg``) would
+    make the whole list unreadable. Loaders given a folder use such a file; only a list cannot
+    name it."""
     try:
         path.encode("utf-8")
     except UnicodeEncodeError as e:
         byte = ord(path[e.start]) - 0xDC00  # surrogateescape keeps byte b as U+DC00 + b
         return (
-            f"its name is not UTF-8 (byte 0x{byte:02x}), which an image list cannot hold; rename it"
+            f"its name is not UTF-8 (byte 0x{byte:02x}), which {holder} cannot hold; rename it"
         )
     return None
 

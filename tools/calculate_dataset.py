@@ -135,15 +135,17 @@ def write_list(path: Path, images: Sequence[Path]) -> None:
     write_text(path, text, OUT_FLAG)
 
 
-def write_data_file(path: Path, nc: int, train: Path, valid: Path, names: Path) -> None:
-    """Darknet ``.data`` with paths relative to its folder."""
-    base = path.parent.resolve()
-
-    def rel(p: Path) -> str:
-        return Path(os.path.relpath(p.resolve(), base)).as_posix()
-
-    text = f"classes={nc}\ntrain={rel(train)}\nvalid={rel(valid)}\nnames={rel(names)}\n"
-    write_text(path, text, OUT_FLAG)
+def data_file_text(path: Path, nc: int, train: Path, valid: Path, names: Path) -> str:
+    """Darknet ``.data`` text with paths relative to its folder; ConfigError for a path that is
+    not UTF-8 (a ``--names`` or ``--name`` read from a non-UTF-8 name), which it cannot hold."""
+    text = f"classes={nc}\n"
+    for key, p in {"train": train, "valid": valid, "names": names}.items():
+        rel = Path(os.path.relpath(p.resolve(), path.parent.resolve())).as_posix()
+        problem = list_entry_problem(rel, "a .data file")
+        if problem:
+            raise ConfigError(f"{key}={rel}: {problem}", path)
+        text += f"{key}={rel}\n"
+    return text
 
 
 def write_cfg(template: Path, nc: int, out: Path) -> None:
@@ -206,6 +208,7 @@ def write_dataset_files(args: argparse.Namespace) -> None:
         written.append(out_dir / f"{args.name}_{args.cfg.stem}.cfg")
     reads = {"the --names file": args.names, "the --cfg": args.cfg}
     check_new_outputs(written, OUT_FLAG, args.exist_ok, reads)
+    data_text = data_file_text(data, nc, train_list, val_list, args.names)
     folders = [
         d for labels in (train_labels, val_labels) for d in (labels, labels.parent / "images")
     ]
@@ -215,7 +218,7 @@ def write_dataset_files(args: argparse.Namespace) -> None:
     make_output_dir(out_dir, OUT_FLAG)
     write_list(train_list, splits[0].images)
     write_list(val_list, splits[1].images)
-    write_data_file(data, nc, train_list, val_list, args.names)
+    write_text(data, data_text, OUT_FLAG)
     if args.cfg is not None:
         write_cfg(args.cfg, nc, written[-1])
     LOGGER.info("%d classes; wrote %s", nc, ", ".join(str(p) for p in written))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import struct
 import sys
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import cv2
 import numpy as np
 import pytest
-from conftest import give_non_utf8_name, run_with_model_cfg
+from conftest import give_non_utf8_name, run_script, run_with_model_cfg
 
 from build_utils.datasets import LoadImagesAndLabels
 from build_utils.parse_config import parse_data_cfg, parse_model_cfg
@@ -610,6 +611,31 @@ def test_calculate_dataset_leaves_out_an_image_whose_name_a_list_cannot_hold(
     assert f"{bad}: not listed: {why}" in messages
     assert messages[0].startswith("train: 2 images, 2 label files,")
     assert " 0 label files without an image, 1 bad lines" in messages[0]
+
+
+def test_calculate_dataset_refuses_a_names_path_or_prefix_the_data_file_cannot_hold(
+    make_shapes_data, tmp_path
+):
+    """Was: a --names file or a --name prefix with a non-UTF-8 name was a UnicodeEncodeError
+    traceback writing the .data file, after both lists were written. Now one line, exit 2,
+    before anything is written (run as a process: its stderr escapes the odd byte)."""
+    root = make_shapes_data(n_train=3, n_val=2).parent
+    names = root / os.fsdecode(b"bad\xe9.names")
+    try:
+        names.write_bytes((root / "shapes.names").read_bytes())
+    except OSError as e:
+        pytest.skip(f"this file system refuses names that are not UTF-8 ({e})")
+    script, flags = "tools/calculate_dataset.py", ["--root", str(root), "--out-dir"]
+    done = run_script(script, [*flags, str(tmp_path / "a"), "--names", str(names)])
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    why = "its name is not UTF-8 (byte 0xe9), which a .data file cannot hold; rename it"
+    assert f"names=../shapes/bad\\udce9.names: {why}" in done.stderr
+    good = str(root / "shapes.names")
+    argv = [*flags, str(tmp_path / "b"), "--names", good, "--name", os.fsdecode(b"my\xe9")]
+    done = run_script(script, argv)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr
+    assert f"train=my\\udce9_train_data.txt: {why}" in done.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 # ---------------------------------------------------------------------------------------------
