@@ -316,6 +316,8 @@ def make_dataset(
     root = Path(out)
     opts = GeneratorOptions(tuple(img_size_range), tuple(obj_size_range), n_classes)
     root.mkdir(parents=True, exist_ok=True)
+    data_file = root / "shapes.data"
+    data_file.unlink(missing_ok=True)  # written last: it marks a whole set (tools/demo.py)
     recipe = dict(n_train=n_train, n_val=n_val, img_size_range=list(img_size_range), seed=seed)
     recipe.update(voc=voc, n_classes=n_classes, obj_size_range=list(obj_size_range))
     (root / STAMP_NAME).write_text(json.dumps(recipe, sort_keys=True) + "\n")
@@ -332,7 +334,6 @@ def make_dataset(
             rel_paths = [_write_one(j) for j in jobs]
         (root / f"{split}.txt").write_text("".join(p + "\n" for p in rel_paths))
     (root / "shapes.names").write_text("".join(n + "\n" for n in CLASS_NAMES[:n_classes]))
-    data_file = root / "shapes.data"
     data_file.write_text(
         f"classes={n_classes}\ntrain=train.txt\nvalid=val.txt\nnames=shapes.names\n"
     )

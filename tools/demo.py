@@ -41,7 +41,7 @@ from build_utils.checks import check_at_least  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
 from build_utils.errors import ConfigError  # noqa: E402
 from build_utils.labels import collect_image_files  # noqa: E402
-from data.make_shapes import make_dataset  # noqa: E402
+from data.make_shapes import STAMP_NAME, make_dataset  # noqa: E402
 from train_utils.cli import (  # noqa: E402
     HelpFormatter,
     check_environment,
@@ -140,20 +140,25 @@ def first_crossing(results: Path, target: float) -> tuple[int, float] | None:
 
 
 def ensure_demo_dataset(root: Path) -> Path:
-    """Generate the shapes dataset unless an identical one is already there."""
-    stamp = root / "dataset.json"
-    wanted = json.dumps(
-        {k: list(v) if isinstance(v, tuple) else v for k, v in DEMO_DATASET.items()}, sort_keys=True
-    )
-    if stamp.is_file() and stamp.read_text() == wanted and (root / "shapes.data").is_file():
-        logger.info("using the existing demo dataset in %s", root)
-        return root / "shapes.data"
+    """Generate the shapes dataset unless a whole one of the demo's recipe is already there: the
+    recipe make_shapes records first (:data:`STAMP_NAME`), and its ``shapes.data``, written last
+    (so that a set cut short, or replaced with ``make_shapes.py --exist-ok``, is made again)."""
+    stamp = root / STAMP_NAME
+    wanted = {k: list(v) if isinstance(v, tuple) else v for k, v in DEMO_DATASET.items()}
+    if stamp.is_file() and (root / "shapes.data").is_file():
+        try:
+            made = json.loads(stamp.read_text())
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            made = None
+        if made == {**wanted, "voc": False}:
+            logger.info("using the existing demo dataset in %s", root)
+            return root / "shapes.data"
     if stamp.is_file():
-        # Made by an older recipe: start afresh so that no stale image or cache stays behind.
+        # Another recipe, or cut short: start afresh so that no stale image or cache stays behind.
+        logger.info("%s holds a shapes set of another recipe or cut short: making it again", root)
         shutil.rmtree(root)
     t0 = time.time()
     data = make_dataset(root, **DEMO_DATASET)
-    stamp.write_text(wanted)
     logger.info(
         "generated %d + %d shapes images in %s (%.1f s)",
         DEMO_DATASET["n_train"],

@@ -156,3 +156,27 @@ def test_the_pictures_come_from_the_validation_images_however_named(
     stats, _ = demo.evaluate_and_predict(tmp_path, tmp_path / "best.pt", valid, torch.device("cpu"))
     assert stats == {"mAP50": 0.5}
     assert sources == [str(folder / name) for name in expected]
+
+
+def test_demo_dataset_is_reused_only_whole_and_of_the_demo_recipe(tmp_path, monkeypatch):
+    """The demo reuses demo_data/shapes when make_shapes' own record (make_shapes.json) holds
+    the demo's recipe and shapes.data (written last) is there. Was: the demo kept a record of its
+    own, which ``make_shapes.py --exist-ok`` over that folder left in place, so the demo trained
+    on a set of another recipe as its own."""
+    from data.make_shapes import make_dataset
+
+    monkeypatch.setattr(demo, "DEMO_DATASET", {**demo.DEMO_DATASET, "n_train": 2, "n_val": 1})
+    made = []
+    monkeypatch.setattr(
+        demo, "make_dataset", lambda *a, **k: made.append(1) or make_dataset(*a, **k)
+    )
+    root = tmp_path / "shapes"
+    data = demo.ensure_demo_dataset(root)
+    assert demo.ensure_demo_dataset(root) == data and len(made) == 1  # reused
+    make_dataset(root, n_train=3, n_val=1, seed=5)  # as make_shapes.py --exist-ok writes it
+    demo.ensure_demo_dataset(root)
+    assert len(made) == 2 and len((root / "train.txt").read_text().split()) == 2
+    (root / "shapes.data").unlink()  # a set cut short
+    demo.ensure_demo_dataset(root)
+    assert len(made) == 3 and (root / "shapes.data").is_file()
+    assert json.loads((root / "make_shapes.json").read_text())["n_train"] == 2
