@@ -316,10 +316,10 @@ BOUNDS: dict[str, dict[str, tuple[int, int]]] = {
 }
 # Entries of a [route] layers= / [shortcut] from= list [4, SPP and CSP routes].
 MAX_ROUTE_INPUTS = 64
-# Float keys the model computes with: (lowest exclusive, highest).
-FLOAT_BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
-    "net": {"bn_eps": (0.0, 1.0)},
-    "yolo": {"scale_x_y": (0.0, 16.0)},  # [2.0, Scaled-YOLOv4's heads]
+# Float keys the model computes with: each must be positive, and at most this.
+POSITIVE_FLOAT_MAX: dict[str, dict[str, float]] = {
+    "net": {"bn_eps": 1.0},
+    "yolo": {"scale_x_y": 16.0},  # [2.0, Scaled-YOLOv4's heads]
 }
 
 # Keys holding file paths in a .data file, resolved by parse_data_cfg.
@@ -677,14 +677,14 @@ def _check_bounds(block: Block) -> None:
                 f"{key} lists {len(values)} layers, over the limit: allowed 1..{MAX_ROUTE_INPUTS}",
                 key,
             )
-        # The lowest float values are checked with the layer (validate_model_cfg).
-        flo, fhi = FLOAT_BOUNDS.get(section, {}).get(key, (None, None))
-        if fhi is not None and isinstance(value, (int, float)) and value > fhi:
-            raise layer_error(
-                block,
-                f"{key}={shown(value)} is over the limit: allowed ({flo:g}, {fhi:g}]",
-                key,
-            )
+        fhi = POSITIVE_FLOAT_MAX.get(section, {}).get(key)
+        if fhi is not None and isinstance(value, (int, float)):
+            if value <= 0:
+                raise layer_error(block, f"{key}={value} must be positive", key)
+            if value > fhi:
+                raise layer_error(
+                    block, f"{key}={shown(value)} is over the limit: allowed (0, {fhi:g}]", key
+                )
     if section == "net" and block.get("channels", INPUT_CHANNELS) != INPUT_CHANNELS:
         raise layer_error(
             block,
@@ -732,8 +732,6 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
         raise layer_error(blocks[0], "the cfg defines no layers after [net]")
     for block in blocks:
         _check_bounds(block)
-    if blocks[0].get("bn_eps", 1.0) <= 0:
-        raise layer_error(blocks[0], f"bn_eps={blocks[0]['bn_eps']} must be positive", "bn_eps")
     if blocks[0].get("bn_eps", 1.0) < MIN_BN_EPS:
         # Below float32's smallest normal number it rounds to 0 (1e-320) or loses its digits:
         # a channel of constant values is then 0/0 and the model outputs NaN, silently.
@@ -852,9 +850,6 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
                 "mask",
             )
     nc = block.get("classes", DEFAULT_CLASSES)
-    scale = block.get("scale_x_y", 1.0)
-    if scale <= 0:
-        raise layer_error(block, f"scale_x_y={scale} must be positive", "scale_x_y")
     new_coords = block.get("new_coords", 0)
     if new_coords not in (0, 1):
         raise layer_error(block, f"new_coords={new_coords} must be 0 or 1", "new_coords")
@@ -995,12 +990,6 @@ def data_yaml_text(
     return f"# {header}; path is this file's folder\n" + dump_yaml(doc)
 
 
-def is_data_yaml(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names an ultralytics ``data.yaml`` (by its extension) rather than a
-    Darknet ``.data`` file."""
-    return Path(path).suffix.lower() in DATA_YAML_SUFFIXES
-
-
 def _not_a_data_line(line: str, path: Path, number: int) -> ConfigError:
     """The error for a ``.data`` line that is no ``key=value``, naming the file it looks like."""
     if line.startswith("["):
@@ -1052,7 +1041,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         ConfigError: naming the file and line (or the missing key).
     """
     path = Path(path)
-    if is_data_yaml(path):
+    if path.suffix.lower() in DATA_YAML_SUFFIXES:
         return parse_data_yaml(path)
     if path.suffix.lower() in WEIGHTS_SUFFIXES:
         raise ConfigError(
