@@ -43,6 +43,7 @@ from build_utils.parse_config import (
     maxpool_params,
     stride_pair,
 )
+from models.layers import DarknetMaxPool
 
 FLOAT_BYTES = 4  # float32: parameters, their copies, and activations without autocast
 INDEX_BYTES = 8  # max-pool indices saved for backward are int64
@@ -143,12 +144,10 @@ def estimate_model(
             extra_train = (copies - 1) * c * h * w * act_bytes
         elif kind == "maxpool":
             size, sy, sx, padding = maxpool_params(mdef)
-            before = padding // 2
-            oh = max(0, (h + padding - size) // sy + 1)
-            ow = max(0, (w + padding - size) // sx + 1)
-            if padding % 2 or before > size // 2:  # asymmetric: a padded copy of the input
+            pool = DarknetMaxPool(size, (sy, sx), padding)
+            if not pool.symmetric():  # a padded copy of the input
                 extra_train += c * (h + padding) * (w + padding) * act_bytes
-            h, w = oh, ow
+            h, w = max(0, pool.out_size(h, 0)), max(0, pool.out_size(w, 1))
             extra_train += c * h * w * INDEX_BYTES
         elif kind == "upsample":
             s = mdef.get("stride", DEFAULT_UPSAMPLE_STRIDE)
