@@ -374,17 +374,6 @@ _CONVERTERS: dict[str, tuple[Callable[[str], Any], str]] = {
 }
 
 
-def _auto_value(text: str) -> Any:
-    for kind in (INT, FLOAT, NUMS):
-        try:
-            value = _CONVERTERS[kind][0](text)
-        except ValueError:
-            continue
-        if kind != NUMS or value:
-            return value
-    return text
-
-
 def _convert(kind: str, text: str, key: str, section: str, path: str, line: int) -> Any:
     func, what = _CONVERTERS[kind]
     try:
@@ -539,7 +528,10 @@ def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
 def _neutral_value(key: str, value: str, section: str, path: str, number: int) -> Any:
     """A Darknet option this implementation only accepts at its neutral value."""
     neutral = UNSUPPORTED[section][key]
-    parsed = _auto_value(value)
+    try:
+        parsed = _to_num(value)
+    except ValueError:  # a word ("none"), or a list, which no neutral value is
+        parsed = value
     if parsed != neutral:
         raise ConfigError(
             f"key {_quoted(f'{key}={value}')} in [{section}] is a Darknet option this "
