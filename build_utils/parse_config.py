@@ -642,8 +642,9 @@ def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
 
 
 def _check_bounds(block: Block) -> None:
-    """Every numeric value of ``block`` inside its bounds (:data:`BOUNDS`, else a C ``int``);
-    a value below the lowest says ``must be at least``, above the highest names the range.
+    """Every numeric value of ``block`` inside its bounds (:data:`BOUNDS`, else a C ``int``;
+    :data:`POSITIVE_FLOAT_MAX`); a value below the lowest says ``must be at least`` (``must be
+    positive``), above the highest names the range.
     This is the one check of the integer keys' lowest values (sizes, strides and filters at
     least 1, paddings at least 0): the checks by layer below only add what relates keys."""
     section = block["type"]
