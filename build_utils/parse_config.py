@@ -342,10 +342,6 @@ _COMMENT_CHARS = ("#", ";")
 # Values
 
 
-def _to_int(text: str) -> int:
-    return int(text, 10)
-
-
 def _to_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -355,7 +351,7 @@ def _to_float(text: str) -> float:
 
 def _to_num(text: str) -> int | float:
     try:
-        return _to_int(text)
+        return int(text)
     except ValueError:
         return _to_float(text)
 
@@ -366,9 +362,9 @@ def _split_list(text: str) -> list[str]:
 
 
 _CONVERTERS: dict[str, tuple[Callable[[str], Any], str]] = {
-    INT: (_to_int, "an integer"),
+    INT: (int, "an integer"),
     FLOAT: (_to_float, "a finite number"),
-    INTS: (lambda t: [_to_int(p) for p in _split_list(t)], "a comma-separated list of integers"),
+    INTS: (lambda t: [int(p) for p in _split_list(t)], "a comma-separated list of integers"),
     NUMS: (lambda t: [_to_num(p) for p in _split_list(t)], "a comma-separated list of numbers"),
     STR: (str, "a string"),
 }
@@ -1059,7 +1055,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         lines[key] = number
         if key == "classes":
             try:
-                out[key] = _to_int(value)
+                out[key] = int(value)
             except ValueError as e:
                 raise ConfigError(
                     f"classes={_quoted(value)} must be an integer number of classes", path, number
