@@ -308,16 +308,3 @@ def describe(est: ModelEstimate, batch: int = 1) -> str:
         f"{format_bytes(batch * est.train_bytes_per_image())} training, "
         f"{format_bytes(batch * est.live_bytes_per_image())} inference"
     )
-
-
-__all__ = [
-    "EXPORT_ACTIVATION_COPIES",
-    "EXPORT_PARAM_COPIES",
-    "LayerCost",
-    "ModelEstimate",
-    "activation_bytes",
-    "available_memory",
-    "check_model_fits",
-    "describe",
-    "estimate_model",
-]

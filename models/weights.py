@@ -31,15 +31,6 @@ from build_utils.parse_config import head_conv_index
 from models.darknet import Darknet
 from models.layers import WeightedFeatureFusion
 
-__all__ = [
-    "DARKNET_VERSION",
-    "DARKNET_VERSION_LIMIT",
-    "darknet_header",
-    "load_darknet_weights",
-    "save_weights",
-    "seen_is_int64",
-]
-
 LOGGER = logging.getLogger(__name__)
 
 # Header written by save_weights: version 0.2.0, the first with a 64-bit `seen`.
