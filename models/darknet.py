@@ -297,10 +297,9 @@ class Darknet(nn.Module):
         super().__init__()
         if isinstance(cfg, (str, os.PathLike)):
             blocks = parse_model_cfg(cfg)
-            self.cfg_path: str | None = str(Path(cfg))
         else:
             blocks = validate_model_cfg(copy.deepcopy(list(cfg)))
-            self.cfg_path = blocks[0].get("_path")
+        self.cfg_path: str | None = blocks[0].get("_path")
         # None: 416, a nominal size nobody asked for (FLOPs, export); the feature map sizes are
         # only held to a size the caller will run at.
         size = DEFAULT_IMG_SIZE if img_size is None else img_size
@@ -628,13 +627,11 @@ def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
     """Parse ``cfg`` (a file, or blocks already parsed) and, when its heads are for another
     class count, rewrite them for ``nc``."""
     blocks = cfg if isinstance(cfg, list) else parse_model_cfg(cfg)
-    if isinstance(cfg, list):
-        cfg = blocks[0].get("_path", "the cfg")
     cfg_nc = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
     if cfg_nc != [nc]:
         LOGGER.warning(
             "%s has classes=%s but the dataset has %d; rewriting the heads for %d classes",
-            cfg,
+            blocks[0].get("_path", "the cfg"),
             ",".join(map(str, cfg_nc)),
             nc,
             nc,
