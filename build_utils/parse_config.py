@@ -939,14 +939,6 @@ def _quoted(value: str, head: int = 48, tail: int = 24) -> str:
     return repr(f"{value[:head]}...{value[-tail:]}")
 
 
-def _resolve_data_path(value: str, data_dir: Path) -> str:
-    p = Path(value).expanduser()
-    if p.is_absolute():
-        return str(p)
-    beside = data_dir / p
-    return str(beside) if beside.exists() else str(p)
-
-
 def split_role(split: str, flag: str = "--split") -> str:
     """The data.yaml key of a split name: train, val or test by its start (val2017 -> val).
 
@@ -1080,8 +1072,10 @@ def _data_path_value(key: str, value: str, path: Path, number: int) -> str:
     """A path key of a ``.data`` file resolved (see :func:`parse_data_cfg`), refused when it is
     not a usable path or, not found, is written with Windows separators."""
     try:
-        resolved = _resolve_data_path(value, path.parent)
-        missing = not Path(resolved).exists()
+        p = Path(value).expanduser()
+        if not p.is_absolute() and (path.parent / p).exists():
+            p = path.parent / p
+        missing = not p.exists()
     except OSError as e:  # e.g. a name too long for the file system
         raise ConfigError(
             f"{key}={_quoted(value)} is not a usable path ({e.strerror or e})", path, number
@@ -1095,7 +1089,7 @@ def _data_path_value(key: str, value: str, path: Path, number: int) -> str:
             path,
             number,
         )
-    return resolved
+    return str(p)
 
 
 def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) -> list[str]:
