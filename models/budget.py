@@ -134,13 +134,12 @@ def estimate_model(
             k, filters, groups = cd["size"], cd["filters"], cd["groups"]
             sy, sx = stride_pair(mdef, CONV_DEFAULTS["stride"])
             pad = k // 2 if cd["pad"] else cd["padding"]
-            bn = bool(mdef.get("batch_normalize", 0))
+            bn = bool(cd["batch_normalize"])
             params = filters * (c // max(1, groups)) * k * k + (2 * filters if bn else filters)
             c, h, w = filters, _out_side(h, k, pad, sy), _out_side(w, k, pad, sx)
             if k > 1:  # a convolution backend's reordered (padded, blocked) copy of its input
                 workspace = c * h * w * act_bytes
-            act = mdef.get("activation", "logistic")
-            copies = 1 + bn + (act in _ACTIVATIONS_SAVING_INPUT)
+            copies = 1 + bn + (cd["activation"] in _ACTIVATIONS_SAVING_INPUT)
             extra_train = (copies - 1) * c * h * w * act_bytes
         elif kind == "maxpool":
             size, sy, sx, padding = maxpool_params(mdef)
