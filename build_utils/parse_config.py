@@ -316,10 +316,10 @@ BOUNDS: dict[str, dict[str, tuple[int, int]]] = {
 }
 # Entries of a [route] layers= / [shortcut] from= list [4, SPP and CSP routes].
 MAX_ROUTE_INPUTS = 64
-# Float keys the model computes with: (lowest exclusive, highest).
-FLOAT_BOUNDS: dict[str, dict[str, tuple[float, float]]] = {
-    "net": {"bn_eps": (0.0, 1.0)},
-    "yolo": {"scale_x_y": (0.0, 16.0)},  # [2.0, Scaled-YOLOv4's heads]
+# Float keys the model computes with: each must be positive, and at most this.
+POSITIVE_FLOAT_MAX: dict[str, dict[str, float]] = {
+    "net": {"bn_eps": 1.0},
+    "yolo": {"scale_x_y": 16.0},  # [2.0, Scaled-YOLOv4's heads]
 }
 
 # Keys holding file paths in a .data file, resolved by parse_data_cfg.
@@ -342,10 +342,6 @@ _COMMENT_CHARS = ("#", ";")
 # Values
 
 
-def _to_int(text: str) -> int:
-    return int(text, 10)
-
-
 def _to_float(text: str) -> float:
     value = float(text)
     if not math.isfinite(value):
@@ -355,7 +351,7 @@ def _to_float(text: str) -> float:
 
 def _to_num(text: str) -> int | float:
     try:
-        return _to_int(text)
+        return int(text)
     except ValueError:
         return _to_float(text)
 
@@ -366,23 +362,12 @@ def _split_list(text: str) -> list[str]:
 
 
 _CONVERTERS: dict[str, tuple[Callable[[str], Any], str]] = {
-    INT: (_to_int, "an integer"),
+    INT: (int, "an integer"),
     FLOAT: (_to_float, "a finite number"),
-    INTS: (lambda t: [_to_int(p) for p in _split_list(t)], "a comma-separated list of integers"),
+    INTS: (lambda t: [int(p) for p in _split_list(t)], "a comma-separated list of integers"),
     NUMS: (lambda t: [_to_num(p) for p in _split_list(t)], "a comma-separated list of numbers"),
     STR: (str, "a string"),
 }
-
-
-def _auto_value(text: str) -> Any:
-    for kind in (INT, FLOAT, NUMS):
-        try:
-            value = _CONVERTERS[kind][0](text)
-        except ValueError:
-            continue
-        if kind != NUMS or value:
-            return value
-    return text
 
 
 def _convert(kind: str, text: str, key: str, section: str, path: str, line: int) -> Any:
@@ -539,7 +524,10 @@ def _add_key_line(block: Block, line: str, path: str, number: int) -> None:
 def _neutral_value(key: str, value: str, section: str, path: str, number: int) -> Any:
     """A Darknet option this implementation only accepts at its neutral value."""
     neutral = UNSUPPORTED[section][key]
-    parsed = _auto_value(value)
+    try:
+        parsed = _to_num(value)
+    except ValueError:  # a word ("none"), or a list, which no neutral value is
+        parsed = value
     if parsed != neutral:
         raise ConfigError(
             f"key {_quoted(f'{key}={value}')} in [{section}] is a Darknet option this "
@@ -650,8 +638,9 @@ def head_conv_index(blocks: list[Block], yolo_index: int) -> int | None:
 
 
 def _check_bounds(block: Block) -> None:
-    """Every numeric value of ``block`` inside its bounds (:data:`BOUNDS`, else a C ``int``);
-    a value below the lowest says ``must be at least``, above the highest names the range.
+    """Every numeric value of ``block`` inside its bounds (:data:`BOUNDS`, else a C ``int``;
+    :data:`POSITIVE_FLOAT_MAX`); a value below the lowest says ``must be at least`` (``must be
+    positive``), above the highest names the range.
     This is the one check of the integer keys' lowest values (sizes, strides and filters at
     least 1, paddings at least 0): the checks by layer below only add what relates keys."""
     section = block["type"]
@@ -677,14 +666,14 @@ def _check_bounds(block: Block) -> None:
                 f"{key} lists {len(values)} layers, over the limit: allowed 1..{MAX_ROUTE_INPUTS}",
                 key,
             )
-        # The lowest float values are checked with the layer (validate_model_cfg).
-        flo, fhi = FLOAT_BOUNDS.get(section, {}).get(key, (None, None))
-        if fhi is not None and isinstance(value, (int, float)) and value > fhi:
-            raise layer_error(
-                block,
-                f"{key}={shown(value)} is over the limit: allowed ({flo:g}, {fhi:g}]",
-                key,
-            )
+        fhi = POSITIVE_FLOAT_MAX.get(section, {}).get(key)
+        if fhi is not None and isinstance(value, (int, float)):
+            if value <= 0:
+                raise layer_error(block, f"{key}={value} must be positive", key)
+            if value > fhi:
+                raise layer_error(
+                    block, f"{key}={shown(value)} is over the limit: allowed (0, {fhi:g}]", key
+                )
     if section == "net" and block.get("channels", INPUT_CHANNELS) != INPUT_CHANNELS:
         raise layer_error(
             block,
@@ -732,8 +721,6 @@ def validate_model_cfg(blocks: list[Block]) -> list[Block]:
         raise layer_error(blocks[0], "the cfg defines no layers after [net]")
     for block in blocks:
         _check_bounds(block)
-    if blocks[0].get("bn_eps", 1.0) <= 0:
-        raise layer_error(blocks[0], f"bn_eps={blocks[0]['bn_eps']} must be positive", "bn_eps")
     if blocks[0].get("bn_eps", 1.0) < MIN_BN_EPS:
         # Below float32's smallest normal number it rounds to 0 (1e-320) or loses its digits:
         # a channel of constant values is then 0/0 and the model outputs NaN, silently.
@@ -852,9 +839,6 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
                 "mask",
             )
     nc = block.get("classes", DEFAULT_CLASSES)
-    scale = block.get("scale_x_y", 1.0)
-    if scale <= 0:
-        raise layer_error(block, f"scale_x_y={scale} must be positive", "scale_x_y")
     new_coords = block.get("new_coords", 0)
     if new_coords not in (0, 1):
         raise layer_error(block, f"new_coords={new_coords} must be 0 or 1", "new_coords")
@@ -955,14 +939,6 @@ def _quoted(value: str, head: int = 48, tail: int = 24) -> str:
     return repr(f"{value[:head]}...{value[-tail:]}")
 
 
-def _resolve_data_path(value: str, data_dir: Path) -> str:
-    p = Path(value).expanduser()
-    if p.is_absolute():
-        return str(p)
-    beside = data_dir / p
-    return str(beside) if beside.exists() else str(p)
-
-
 def split_role(split: str, flag: str = "--split") -> str:
     """The data.yaml key of a split name: train, val or test by its start (val2017 -> val).
 
@@ -993,12 +969,6 @@ def data_yaml_text(
     doc["names"] = dict(enumerate(names))
     doc.update(extra or {})
     return f"# {header}; path is this file's folder\n" + dump_yaml(doc)
-
-
-def is_data_yaml(path: str | os.PathLike[str]) -> bool:
-    """Whether ``path`` names an ultralytics ``data.yaml`` (by its extension) rather than a
-    Darknet ``.data`` file."""
-    return Path(path).suffix.lower() in DATA_YAML_SUFFIXES
 
 
 def _not_a_data_line(line: str, path: Path, number: int) -> ConfigError:
@@ -1052,7 +1022,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         ConfigError: naming the file and line (or the missing key).
     """
     path = Path(path)
-    if is_data_yaml(path):
+    if path.suffix.lower() in DATA_YAML_SUFFIXES:
         return parse_data_yaml(path)
     if path.suffix.lower() in WEIGHTS_SUFFIXES:
         raise ConfigError(
@@ -1077,7 +1047,7 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
         lines[key] = number
         if key == "classes":
             try:
-                out[key] = _to_int(value)
+                out[key] = int(value)
             except ValueError as e:
                 raise ConfigError(
                     f"classes={_quoted(value)} must be an integer number of classes", path, number
@@ -1102,8 +1072,10 @@ def _data_path_value(key: str, value: str, path: Path, number: int) -> str:
     """A path key of a ``.data`` file resolved (see :func:`parse_data_cfg`), refused when it is
     not a usable path or, not found, is written with Windows separators."""
     try:
-        resolved = _resolve_data_path(value, path.parent)
-        missing = not Path(resolved).exists()
+        p = Path(value).expanduser()
+        if not p.is_absolute() and (path.parent / p).exists():
+            p = path.parent / p
+        missing = not p.exists()
     except OSError as e:  # e.g. a name too long for the file system
         raise ConfigError(
             f"{key}={_quoted(value)} is not a usable path ({e.strerror or e})", path, number
@@ -1117,7 +1089,7 @@ def _data_path_value(key: str, value: str, path: Path, number: int) -> str:
             path,
             number,
         )
-    return resolved
+    return str(p)
 
 
 def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) -> list[str]:

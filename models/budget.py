@@ -43,6 +43,7 @@ from build_utils.parse_config import (
     maxpool_params,
     stride_pair,
 )
+from models.layers import DarknetMaxPool
 
 FLOAT_BYTES = 4  # float32: parameters, their copies, and activations without autocast
 INDEX_BYTES = 8  # max-pool indices saved for backward are int64
@@ -133,22 +134,19 @@ def estimate_model(
             k, filters, groups = cd["size"], cd["filters"], cd["groups"]
             sy, sx = stride_pair(mdef, CONV_DEFAULTS["stride"])
             pad = k // 2 if cd["pad"] else cd["padding"]
-            bn = bool(mdef.get("batch_normalize", 0))
+            bn = bool(cd["batch_normalize"])
             params = filters * (c // max(1, groups)) * k * k + (2 * filters if bn else filters)
             c, h, w = filters, _out_side(h, k, pad, sy), _out_side(w, k, pad, sx)
             if k > 1:  # a convolution backend's reordered (padded, blocked) copy of its input
                 workspace = c * h * w * act_bytes
-            act = mdef.get("activation", "logistic")
-            copies = 1 + bn + (act in _ACTIVATIONS_SAVING_INPUT)
+            copies = 1 + bn + (cd["activation"] in _ACTIVATIONS_SAVING_INPUT)
             extra_train = (copies - 1) * c * h * w * act_bytes
         elif kind == "maxpool":
             size, sy, sx, padding = maxpool_params(mdef)
-            before = padding // 2
-            oh = max(0, (h + padding - size) // sy + 1)
-            ow = max(0, (w + padding - size) // sx + 1)
-            if padding % 2 or before > size // 2:  # asymmetric: a padded copy of the input
+            pool = DarknetMaxPool(size, (sy, sx), padding)
+            if not pool.symmetric():  # a padded copy of the input
                 extra_train += c * (h + padding) * (w + padding) * act_bytes
-            h, w = oh, ow
+            h, w = max(0, pool.out_size(h, 0)), max(0, pool.out_size(w, 1))
             extra_train += c * h * w * INDEX_BYTES
         elif kind == "upsample":
             s = mdef.get("stride", DEFAULT_UPSAMPLE_STRIDE)
@@ -309,16 +307,3 @@ def describe(est: ModelEstimate, batch: int = 1) -> str:
         f"{format_bytes(batch * est.train_bytes_per_image())} training, "
         f"{format_bytes(batch * est.live_bytes_per_image())} inference"
     )
-
-
-__all__ = [
-    "EXPORT_ACTIVATION_COPIES",
-    "EXPORT_PARAM_COPIES",
-    "LayerCost",
-    "ModelEstimate",
-    "activation_bytes",
-    "available_memory",
-    "check_model_fits",
-    "describe",
-    "estimate_model",
-]

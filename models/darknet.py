@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 from torch import nn
+from torch.nn.utils.fusion import fuse_conv_bn_eval
 from torch.utils.flop_counter import FlopCounterMode
 
 from build_utils.errors import ConfigError
@@ -48,6 +49,7 @@ from build_utils.parse_config import (
     yolo_mask,
 )
 from models.budget import check_model_fits
+from models.darknet_bn import DARKNET_BN_EPS
 from models.layers import (
     DarknetMaxPool,
     FeatureConcat,
@@ -62,10 +64,9 @@ LOGGER = logging.getLogger(__name__)
 # BatchNorm running-statistics momentum of ultralytics/yolov3 (training only).
 BN_MOMENTUM = 0.03
 # BatchNorm epsilon. Darknet normalises with (x - mean) / sqrt(var + 1e-5) (src/blas.c
-# normalize_cpu), so that is the default: official .weights then give Darknet's numbers. The
-# ultralytics/yolov3 trained its .pt checkpoints with 1e-4; a cfg with `bn_eps=0.0001` in [net]
-# (or Darknet(..., bn_eps=1e-4)) reproduces those exactly.
-DARKNET_BN_EPS = 1e-5
+# normalize_cpu), so DARKNET_BN_EPS is the default: official .weights then give Darknet's numbers.
+# The ultralytics/yolov3 trained its .pt checkpoints with 1e-4; a cfg with `bn_eps=0.0001` in
+# [net] (or Darknet(..., bn_eps=1e-4)) reproduces those exactly.
 ULTRALYTICS_BN_EPS = 1e-4
 # Darknet's default [net] batch: stopbackward=N counts iterations of this many images.
 DEFAULT_NET_BATCH = 1
@@ -86,13 +87,12 @@ Stride = tuple[float, float]
 class _State:
     """What a builder knows about the network built so far."""
 
-    blocks: list[Block]  # all blocks, [net] first
     index: int  # index of the layer being built (module_list index)
     channels: list[int]  # output channels of each layer built so far
     strides: list[Stride]  # cumulative downsampling of each layer built so far
     in_channels: int  # channels of this layer's input
     in_stride: Stride  # downsampling of this layer's input
-    bn_eps: float = DARKNET_BN_EPS
+    bn_eps: float
 
 
 @dataclass
@@ -297,10 +297,9 @@ class Darknet(nn.Module):
         super().__init__()
         if isinstance(cfg, (str, os.PathLike)):
             blocks = parse_model_cfg(cfg)
-            self.cfg_path: str | None = str(Path(cfg))
         else:
             blocks = validate_model_cfg(copy.deepcopy(list(cfg)))
-            self.cfg_path = blocks[0].get("_path")
+        self.cfg_path: str | None = blocks[0].get("_path")
         # None: 416, a nominal size nobody asked for (FLOPs, export); the feature map sizes are
         # only held to a size the caller will run at.
         size = DEFAULT_IMG_SIZE if img_size is None else img_size
@@ -353,7 +352,7 @@ class Darknet(nn.Module):
         net = blocks[0]
         in_channels = net.get("channels", 3)
         module_list = nn.ModuleList()
-        st = _State(blocks, 0, [], [], in_channels, (1.0, 1.0), self.bn_eps)
+        st = _State(0, [], [], in_channels, (1.0, 1.0), self.bn_eps)
         referenced: set[int] = set()
         for i, mdef in enumerate(blocks[1:]):
             st.index = i
@@ -427,7 +426,9 @@ class Darknet(nn.Module):
                 if not (isinstance(m, nn.Sequential) and hasattr(m, "BatchNorm2d")):
                     continue
                 seq = nn.Sequential()
-                seq.add_module("Conv2d", fuse_conv_and_bn(m.Conv2d, m.BatchNorm2d))
+                # eval(): the library refuses modules in training mode; these are replaced.
+                conv = fuse_conv_bn_eval(m.Conv2d.eval(), m.BatchNorm2d.eval())
+                seq.add_module("Conv2d", conv)
                 if hasattr(m, "activation"):
                     seq.add_module("activation", m.activation)
                 self.module_list[i] = seq
@@ -622,37 +623,15 @@ def describe_frozen(model: Darknet) -> str:
     )
 
 
-@torch.no_grad()
-def fuse_conv_and_bn(conv: nn.Conv2d, bn: nn.BatchNorm2d) -> nn.Conv2d:
-    """A Conv2d (with bias) computing ``bn(conv(x))`` with ``bn`` in eval mode."""
-    fused = nn.Conv2d(
-        conv.in_channels,
-        conv.out_channels,
-        kernel_size=conv.kernel_size,
-        stride=conv.stride,
-        padding=conv.padding,
-        dilation=conv.dilation,
-        groups=conv.groups,
-        bias=True,
-    ).to(device=conv.weight.device, dtype=conv.weight.dtype)
-    scale = bn.weight / torch.sqrt(bn.running_var + bn.eps)
-    fused.weight.copy_(conv.weight * scale.view(-1, 1, 1, 1))
-    conv_bias = conv.bias if conv.bias is not None else torch.zeros_like(bn.running_mean)
-    fused.bias.copy_(bn.bias + (conv_bias - bn.running_mean) * scale)
-    return fused
-
-
 def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
     """Parse ``cfg`` (a file, or blocks already parsed) and, when its heads are for another
     class count, rewrite them for ``nc``."""
     blocks = cfg if isinstance(cfg, list) else parse_model_cfg(cfg)
-    if isinstance(cfg, list):
-        cfg = blocks[0].get("_path", "the cfg")
     cfg_nc = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
     if cfg_nc != [nc]:
         LOGGER.warning(
             "%s has classes=%s but the dataset has %d; rewriting the heads for %d classes",
-            cfg,
+            blocks[0].get("_path", "the cfg"),
             ",".join(map(str, cfg_nc)),
             nc,
             nc,

@@ -75,10 +75,10 @@ class DarknetMaxPool(nn.Module):
             kernel_size=size,
             stride=self.stride if sy != sx else sy,
             # MaxPool2d's own padding is -inf too, but only symmetric and at most size // 2.
-            padding=self.before if self._symmetric() else 0,
+            padding=self.before if self.symmetric() else 0,
         )
 
-    def _symmetric(self) -> bool:
+    def symmetric(self) -> bool:
         # An even padding p puts p / 2 pixels on each side: then MaxPool2d's output count
         # (n + p - size) // stride + 1 and window positions are Darknet's, on every input size.
         return self.padding % 2 == 0 and self.before <= self.size // 2
@@ -89,7 +89,7 @@ class DarknetMaxPool(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """(bs, c, h, w) -> (bs, c, out_size(h, 0), out_size(w, 1))."""
-        if self._symmetric():
+        if self.symmetric():
             return self.pool(x)
         h, w = x.shape[-2:]
         # Padding after the image: whatever the last window needs beyond it (negative: the

@@ -31,23 +31,13 @@ from build_utils.parse_config import head_conv_index
 from models.darknet import Darknet
 from models.layers import WeightedFeatureFusion
 
-__all__ = [
-    "DARKNET_VERSION",
-    "DARKNET_VERSION_LIMIT",
-    "darknet_header",
-    "load_darknet_weights",
-    "save_weights",
-    "seen_is_int64",
-]
-
 LOGGER = logging.getLogger(__name__)
 
 # Header written by save_weights: version 0.2.0, the first with a 64-bit `seen`.
 DARKNET_VERSION = (0, 2, 0)
 _HEADER_INTS = 3
-DARKNET_VERSION_LIMIT = (
-    1000  # Darknet: versions >= 1000 mark transposed (old) files with int32 seen
-)
+# Darknet: versions >= 1000 mark transposed (old) files with int32 seen.
+DARKNET_VERSION_LIMIT = 1000
 
 
 def darknet_header(ckpt: Mapping[str, Any], path: str | Path) -> tuple[tuple[int, ...], int]:

@@ -41,7 +41,7 @@ from build_utils.limits import (
     read_limited_bytes,
 )
 from build_utils.parse_config import Block, parse_model_cfg
-from models.budget import estimate_model
+from models.budget import FLOAT_BYTES, estimate_model
 from models.darknet_loss import TRUTH_FIELDS, yolo_delta, yolo_specs
 from train_utils.cli import HelpFormatter, run_script
 from train_utils.darknet_schedule import DarknetSettings, GlibcRandom, current_rate
@@ -49,7 +49,6 @@ from train_utils.run_folder import check_new_file
 
 LOGGER = logging.getLogger(__name__)
 
-FLOAT_BYTES = 4
 # --iterations: Darknet's cfgs train at most a few hundred thousand (yolov4: 500500).
 MAX_ITERATIONS = 10_000_000
 TRUTH_COLUMNS = 1 + TRUTH_FIELDS  # image, x, y, w, h, class
