@@ -212,8 +212,7 @@ def train_darknet_iterations(
     subdivisions = settings.subdivisions
     nb = (last - first + 1) * subdivisions
     meter = _LossMeter(nb, f"iterations {first}-{last}", opts, DARKNET_NONFINITE_ADVICE)
-    clock = _WaitClock(opts.device)
-    batches = iter(clock.batches(loader))
+    batches = iter(meter.clock.batches(loader))
     parts = torch.full((3,), math.nan, device=opts.device)
     state.optimizer.zero_grad(set_to_none=True)
     for k in range(first, last + 1):
@@ -236,10 +235,7 @@ def train_darknet_iterations(
         state.optimizer.zero_grad(set_to_none=True)
         state.averager.update(model, k)
         adapt_threads(opts.device)
-    meter.close()
-    wait = torch.tensor([clock.seconds()], device=opts.device, dtype=meter.sums.dtype)
-    *means, data_wait = all_reduce_mean(torch.cat([meter.sums / max(nb, 1), wait])).tolist()
-    return EpochStats(*means, lr=meter.lr, images=meter.images, data_wait_s=data_wait)
+    return meter.finish()
 
 
 def train_one_epoch(
@@ -259,10 +255,9 @@ def train_one_epoch(
     nb = len(loader)
     base_lrs = state.scheduler.get_last_lr()
     meter = _LossMeter(nb, f"epoch {epoch}", opts)
-    clock = _WaitClock(opts.device)
     img_size = None
     state.optimizer.zero_grad(set_to_none=True)
-    for i, (imgs, targets, paths, _, _) in enumerate(clock.batches(loader)):
+    for i, (imgs, targets, paths, _, _) in enumerate(meter.clock.batches(loader)):
         if opts.multi_scale is not None and (img_size is None or i % opts.accumulate == 0):
             img_size = multi_scale_size(opts.multi_scale, opts.seed, epoch, i // opts.accumulate)
         imgs, targets = _prepare_batch(imgs, targets, img_size, opts)
@@ -276,11 +271,7 @@ def train_one_epoch(
             _optimizer_step(state)
         meter.add(losses, paths, imgs.shape, lr)
         adapt_threads(opts.device)
-    meter.close()
-    wait = torch.tensor([clock.seconds()], device=opts.device, dtype=meter.sums.dtype)
-    # One collective for both: the wait rides along with the mean losses.
-    *means, data_wait = all_reduce_mean(torch.cat([meter.sums / max(nb, 1), wait])).tolist()
-    return EpochStats(*means, lr=meter.lr, images=meter.images, data_wait_s=data_wait)
+    return meter.finish()
 
 
 class _WaitClock:
@@ -419,11 +410,12 @@ def _optimizer_step(state: TrainState) -> None:
 
 
 class _LossMeter:
-    """Running loss sums, the finiteness check every ``log_interval`` iterations and the bar
-    (``where``: its words for the span, "epoch 3")."""
+    """Running loss sums, the finiteness check every ``log_interval`` iterations, the bar
+    (``where``: its words for the span, "epoch 3") and the loader's wait (``clock``)."""
 
     def __init__(self, nb: int, where: str, opts: TrainOptions, advice: str = NONFINITE_ADVICE):
         self.nb, self.where, self.opts, self.advice = nb, where, opts, advice
+        self.clock = _WaitClock(opts.device)
         self.sums = torch.zeros(4, device=opts.device)
         self.finite_flags: list[torch.Tensor] = []
         self.pending_paths: list[list[str]] = []
@@ -468,8 +460,14 @@ class _LossMeter:
             refresh=False,
         )
 
-    def close(self) -> None:
+    def finish(self) -> EpochStats:
+        """Collective. Close the bar; the span's mean losses and data wait over all ranks."""
         self.pbar.close()
+        wait = torch.tensor([self.clock.seconds()], device=self.opts.device, dtype=self.sums.dtype)
+        # One collective for both: the wait rides along with the mean losses.
+        local = torch.cat([self.sums / max(self.nb, 1), wait])
+        *means, data_wait = all_reduce_mean(local).tolist()
+        return EpochStats(*means, lr=self.lr, images=self.images, data_wait_s=data_wait)
 
 
 def _check_finite(

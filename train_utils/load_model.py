@@ -38,8 +38,7 @@ from train_utils.memory_format import choose_format_and_precision
 from train_utils.precision import (
     dtype_from_name,
     dtype_name,
-    recorded_channels_last,
-    recorded_cpu_amp,
+    recorded_precision,
 )
 
 logger = logging.getLogger(__name__)
@@ -206,8 +205,7 @@ def _memory_format(
             config.amp,
             config.channels_last,
             cfg_text,
-            recorded_cpu_amp(ckpt),
-            recorded_channels_last(ckpt),
+            *recorded_precision(ckpt),
         )
         choice = (channels_last, dtype_name(amp))
     # Collective: every rank takes rank 0's format and precision (only rank 0 timed them).

@@ -347,24 +347,20 @@ def choose_cpu_amp(fp32_s: float, bf16_s: float) -> AmpChoice:
     return AmpChoice(None, f"bf16 not {BF16_MIN_SPEEDUP:.2f}x faster", fp32_s, bf16_s)
 
 
-def recorded_cpu_amp(ckpt: Mapping[str, Any] | None) -> AmpChoice | None:
-    """The precision a resumed run trained in, from its checkpoint's :func:`precision_record`
-    (so that resuming continues the same computation), or None when not resuming or not
-    recorded as fp32/bf16."""
+def recorded_precision(ckpt: Mapping[str, Any] | None) -> tuple[AmpChoice | None, bool | None]:
+    """The CPU precision and the memory format a resumed run trained in, from its checkpoint's
+    :func:`precision_record`, so that resuming continues the same computation (the two formats
+    round differently too: a resumed run that re-timed and chose the other would not). Each is
+    None when not resuming or not recorded (the precision: not as fp32/bf16)."""
     record = (ckpt or {}).get("precision")
-    if not isinstance(record, dict) or record.get("amp", "") not in (None, "bfloat16"):
-        return None
+    record = record if isinstance(record, dict) else {}
+    kept = record.get("channels_last")
+    channels_last = kept if isinstance(kept, bool) else None
+    if record.get("amp", "") not in (None, "bfloat16"):
+        return None, channels_last
     amp = dtype_from_name(record["amp"])
-    return AmpChoice(amp, f"the resumed run trained in {'fp32' if amp is None else 'bf16'}")
-
-
-def recorded_channels_last(ckpt: Mapping[str, Any] | None) -> bool | None:
-    """The memory format a resumed run trained in, from its checkpoint's
-    :func:`precision_record` (the two formats round differently: a resumed run that re-timed
-    and chose the other would not continue the same computation), or None when not recorded."""
-    record = (ckpt or {}).get("precision")
-    kept = record.get("channels_last") if isinstance(record, dict) else None
-    return kept if isinstance(kept, bool) else None
+    why = f"the resumed run trained in {'fp32' if amp is None else 'bf16'}"
+    return AmpChoice(amp, why), channels_last
 
 
 def describe_amp(choice: AmpChoice) -> str:

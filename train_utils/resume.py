@@ -327,13 +327,6 @@ def load(config: TrainConfig, model: nn.Module, dist: DistInfo) -> dict[str, Any
     return ckpt
 
 
-def training_weights(ckpt: Mapping[str, Any]) -> Any:
-    """The weights resuming continues from: the raw training weights (``train_model``), not
-    their EMA (``model``, the weights to use), when the checkpoint has them."""
-    weights = ckpt.get("train_model")
-    return ckpt.get("model") if weights is None else weights
-
-
 def check_resumable(
     ckpt: Mapping[str, Any],
     model_state: Mapping[str, torch.Tensor],
@@ -352,7 +345,10 @@ def check_resumable(
             naming the field).
     """
     check_training_state(ckpt, path)
-    weights = training_weights(ckpt)
+    # Resuming continues the raw training weights (``train_model``), not their EMA (``model``,
+    # the weights to use), when the checkpoint has them.
+    weights = ckpt.get("train_model")
+    weights = ckpt.get("model") if weights is None else weights
     if not is_state_dict(weights):
         raise CheckpointError(f"'model' is not a state_dict of tensors; {USE_WEIGHTS}", path)
     saved = strip_prefixes(weights)
@@ -438,11 +434,11 @@ def restore_state(
         if ckpt.get("darknet_ema") is not None:
             with state_loading("Darknet EMA", path):
                 state.averager.load_state_dict(ckpt["darknet_ema"])
-        return LoopState.from_checkpoint(ckpt, path)
-    load_scheduler_state(state.scheduler, ckpt["scheduler"], state.optimizer, path)
-    load_scaler_state(state.scaler, ckpt.get("scaler"), path)
-    if state.ema is not None:
-        state.ema.load_state_dict(ckpt, model, path)
+    else:
+        load_scheduler_state(state.scheduler, ckpt["scheduler"], state.optimizer, path)
+        load_scaler_state(state.scaler, ckpt.get("scaler"), path)
+        if state.ema is not None:
+            state.ema.load_state_dict(ckpt, model, path)
     return LoopState.from_checkpoint(ckpt, path)
 
 
@@ -531,18 +527,17 @@ def _follow_this_run(
         ckpt.get("world_size", "?"),
         saved,
         lr0,
-        _saved_accumulate(ckpt),
+        _saved_accumulate(saved_config, ckpt.get("world_size", 1)),
         accumulate_steps(config.nbs, config.batch_size, dist.world_size, config.accumulate),
     )
 
 
-def _saved_accumulate(ckpt: Mapping[str, Any]) -> int:
-    saved = ckpt.get("config") or {}
+def _saved_accumulate(saved: Mapping[str, Any], world_size: Any) -> int:
     try:
         return accumulate_steps(
             int(saved["nbs"]),
             int(saved["batch_size"]),
-            int(ckpt.get("world_size", 1)),
+            int(world_size),
             saved.get("accumulate"),
         )
     except (KeyError, TypeError, ValueError):
