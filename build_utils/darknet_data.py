@@ -31,7 +31,7 @@ from build_utils.augmentations import GRID
 from build_utils.darknet_augment import CropDraws, DarknetCrop, crop_truths, f32, jitter_crop
 from build_utils.datasets import SEED_MASK, ImageUnreadable, LoadImagesAndLabels, SubstitutePath
 from build_utils.errors import DatasetError
-from build_utils.parse_config import DEFAULT_CLASSES, DEFAULT_MAX_BOXES, Block, c_float, layer_error
+from build_utils.parse_config import DEFAULT_MAX_BOXES, Block, c_float, layer_error, yolo_classes
 
 # train_detector's multi-scale rule (``random`` of the last [yolo] layer): a new size every
 # RANDOM_PERIOD iterations, the largest one at the start and for the last RANDOM_LAST ones;
@@ -105,7 +105,7 @@ class DarknetLoaderSettings:
         return cls(
             width=int(net["width"]),
             height=int(net["height"]),
-            classes=int(yolo.get("classes", DEFAULT_CLASSES)),
+            classes=yolo_classes(yolo),
             max_boxes=int(yolo.get("max", DEFAULT_MAX_BOXES)),
             jitter=jitter,
             resize=resize,

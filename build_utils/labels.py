@@ -154,9 +154,7 @@ def list_entry_problem(path: str, holder: str = "an image list") -> str | None:
         path.encode("utf-8")
     except UnicodeEncodeError as e:
         byte = ord(path[e.start]) - 0xDC00  # surrogateescape keeps byte b as U+DC00 + b
-        return (
-            f"its name is not UTF-8 (byte 0x{byte:02x}), which {holder} cannot hold; rename it"
-        )
+        return f"its name is not UTF-8 (byte 0x{byte:02x}), which {holder} cannot hold; rename it"
     return None
 
 

@@ -588,6 +588,11 @@ def yolo_mask(block: Block) -> list[int]:
     return list(range(len(block["anchors"]) // 2))
 
 
+def yolo_classes(block: Block) -> int:
+    """A ``[yolo]`` block's class count: its ``classes``, or Darknet's default."""
+    return int(block.get("classes", DEFAULT_CLASSES))
+
+
 # Darknet's defaults (src/parser.c) for keys a layer may omit, for every reader of the blocks
 # (the model builder, its memory estimate, the Darknet loss and loader, the checks here): they
 # are not filled into the blocks, so that write_model_cfg writes back what was read.
@@ -838,7 +843,7 @@ def _check_yolo(blocks: list[Block], index: int) -> None:
                 f"mask index {m} is outside the {n_anchors} anchors (valid: 0..{n_anchors - 1})",
                 "mask",
             )
-    nc = block.get("classes", DEFAULT_CLASSES)
+    nc = yolo_classes(block)
     new_coords = block.get("new_coords", 0)
     if new_coords not in (0, 1):
         raise layer_error(block, f"new_coords={new_coords} must be 0 or 1", "new_coords")

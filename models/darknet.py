@@ -34,7 +34,6 @@ from torch.utils.flop_counter import FlopCounterMode
 from build_utils.errors import ConfigError
 from build_utils.parse_config import (
     CONV_DEFAULTS,
-    DEFAULT_CLASSES,
     DEFAULT_DROPOUT,
     DEFAULT_UPSAMPLE_STRIDE,
     Block,
@@ -46,6 +45,7 @@ from build_utils.parse_config import (
     rewrite_cfg_classes,
     stride_pair,
     validate_model_cfg,
+    yolo_classes,
     yolo_mask,
 )
 from models.budget import check_model_fits
@@ -198,7 +198,7 @@ def _build_dropout(mdef: Block, st: _State) -> _Built:
 
 def _build_yolo(mdef: Block, st: _State) -> _Built:
     mask = yolo_mask(mdef)
-    nc = mdef.get("classes", DEFAULT_CLASSES)
+    nc = yolo_classes(mdef)
     anchors = torch.tensor(mdef["anchors"], dtype=torch.float32).view(-1, 2)[mask]
     sy, sx = st.in_stride
     if sy != sx or sy < 1:
@@ -541,13 +541,20 @@ FREEZE_MODES = ("none", "backbone", "all-but-heads")
 MAX_FREEZE_INDEX = 100_000  # a layer index in a freeze list (cfgs have hundreds of layers)
 
 
+def head_layers(model: Darknet, yolo_index: int) -> range:
+    """Layer indices of the head at ``yolo_index``: its feeding convolution, any [dropout] in
+    between (:func:`~build_utils.parse_config.head_conv_index`) and the [yolo] layer itself."""
+    conv = head_conv_index([{"type": "net"}, *model.module_defs], yolo_index + 1)
+    return range(yolo_index - 1 if conv is None else conv - 1, yolo_index + 1)
+
+
 def backbone_end(model: Darknet) -> int:
     """Index of the last backbone layer: the last [shortcut] before the first head (Darknet-53
     ends there: layer 74 of yolov3.cfg, ultralytics/yolov3's magic number), or, for networks without
     residual blocks, the layer before the first [route]; never the convolution that feeds a
     head or anything after it (yolov3-tiny: layer 14, Darknet's ``yolov3-tiny.conv.15``)."""
     first_yolo = min(model.yolo_layers)
-    last_allowed = first_yolo - 2  # first_yolo - 1 is the head's own convolution
+    last_allowed = head_layers(model, first_yolo)[0] - 1  # not the head's own convolution
     defs = model.module_defs
     shortcuts = [i for i in range(first_yolo) if defs[i]["type"] == "shortcut"]
     if shortcuts:
@@ -593,7 +600,7 @@ def frozen_layer_indices(model: Darknet, mode: str) -> list[int]:
     if mode == "all-but-heads":
         # The convolutions feeding the heads train; the heads themselves hold no parameters
         # and must stay in training mode (see Darknet.freeze).
-        trained = {i - 1 for i in model.yolo_layers} | set(model.yolo_layers)
+        trained = {j for i in model.yolo_layers for j in head_layers(model, i)}
         return [i for i in range(len(model.module_list)) if i not in trained]
     raise ConfigError(
         f"unknown freeze mode {mode!r}; use one of {', '.join(FREEZE_MODES)} or layer indices "
@@ -627,7 +634,7 @@ def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
     """Parse ``cfg`` (a file, or blocks already parsed) and, when its heads are for another
     class count, rewrite them for ``nc``."""
     blocks = cfg if isinstance(cfg, list) else parse_model_cfg(cfg)
-    cfg_nc = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
+    cfg_nc = sorted({yolo_classes(b) for b in blocks if b["type"] == "yolo"})
     if cfg_nc != [nc]:
         LOGGER.warning(
             "%s has classes=%s but the dataset has %d; rewriting the heads for %d classes",

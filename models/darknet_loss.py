@@ -59,6 +59,7 @@ from build_utils.parse_config import (
     c_float,
     layer_error,
     to_c_float,
+    yolo_classes,
     yolo_mask,
 )
 
@@ -139,7 +140,7 @@ class YoloLossSpec:
         """
         flat = block["anchors"]
         anchors = tuple((float(flat[k]), float(flat[k + 1])) for k in range(0, len(flat), 2))
-        classes = int(block.get("classes", DEFAULT_CLASSES))
+        classes = yolo_classes(block)
         for key, names in (("iou_loss", IOU_LOSSES), ("iou_thresh_kind", IOU_THRESH_KINDS)):
             value = block.get(key)
             if value is not None and value not in names:

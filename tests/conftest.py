@@ -178,13 +178,16 @@ def train_argv(
     workers: int | None = 0,
     device: str | None = "cpu",
     plots: bool = False,
+    channels_last: bool | None = False,
 ) -> list[str]:
     """``train.py``'s arguments for a short CPU run of ``cfg`` on ``data`` into ``out``.
 
     The defaults are the tests' common run: yolov3-spp-nano, cfg/hyp.yaml, 1 epoch, batch 4 at
     128 px, no multi-scale, no DataLoader workers, no pictures (``--noplots``: drawing them is
     most of such a run's time, see bench/README.md "Test suite"; ``plots=True`` for the tests
-    that look at them). A keyword
+    that look at them), contiguous memory (``--no-channels-last``: the timed choice is not
+    cached on a busy machine, so two runs that tests compare bit for bit could each choose
+    another format, whose rounding differs; ``channels_last=None`` for the timed choice). A keyword
     set to None leaves its flag out (the parser's default). ``extra`` comes last, so a flag there
     also wins over an earlier one.
     """
@@ -205,6 +208,8 @@ def train_argv(
             argv += [flag, str(value)]
     if multi_scale is not None:
         argv.append("--multi-scale" if multi_scale else "--no-multi-scale")
+    if channels_last is not None:
+        argv.append("--channels-last" if channels_last else "--no-channels-last")
     if not plots:
         argv.append("--noplots")
     return [*argv, *extra]

@@ -14,7 +14,12 @@ import torch
 from build_utils.augmentations import GRID
 from build_utils.darknet_data import DarknetLoaderSettings
 from build_utils.errors import CheckpointError, ConfigError
-from build_utils.parse_config import format_model_cfg, parse_model_cfg, parse_model_cfg_text
+from build_utils.parse_config import (
+    format_model_cfg,
+    parse_model_cfg,
+    parse_model_cfg_text,
+    yolo_classes,
+)
 from models.budget import check_model_fits
 from models.budget import describe as describe_estimate
 from models.darknet import Darknet, model_blocks_for
@@ -84,7 +89,7 @@ def model_from_weights(
     if nc is not None and cfg is None:
         # The cfg a checkpoint carries is the one its weights were trained with: its heads
         # cannot take another class count (YOLOv5's val.py says the same).
-        trained = sorted({int(b["classes"]) for b in blocks if b["type"] == "yolo"})
+        trained = sorted({yolo_classes(b) for b in blocks if b["type"] == "yolo"})
         if trained != [nc]:
             raise CheckpointError(
                 f"trained for {','.join(map(str, trained))} classes, but the class names given "

@@ -479,6 +479,19 @@ def test_cfg_classes_disagreeing_with_the_data_are_rewritten_not_fatal(env, capl
     assert {int(b["classes"]) for b in blocks if b["type"] == "yolo"} == {NC}
 
 
+def test_a_head_without_classes_has_darknets_20_and_is_rewritten(tmp_path, caplog):
+    """Was: a [yolo] block without classes= (Darknet's default, 20) passed the parser, then
+    model_blocks_for raised KeyError: 'classes' (a traceback from train.py)."""
+    text = NANO.read_text().replace("classes=80\n", "")
+    text = text.replace("filters=255\n", "filters=75\n")  # 3 * (20 + 5)
+    cfg = tmp_path / "no-classes.cfg"
+    cfg.write_text(text)
+    with caplog.at_level(logging.WARNING):
+        blocks = model_blocks_for(cfg, NC)
+    assert f"has classes=20 but the dataset has {NC}; rewriting the heads" in caplog.text
+    assert Darknet(blocks, img_size=(64, 64)).nc == NC
+
+
 @pytest.mark.slow
 def test_entry_point_process_exits_2_with_one_line(env, tmp_path):
     """The same contract at the process level: exit status 2, stderr exactly one line."""

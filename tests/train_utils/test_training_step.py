@@ -243,6 +243,23 @@ def test_backbone_end_is_darknet53s_last_shortcut() -> None:
         tiny.freeze("neck")
 
 
+def test_a_dropout_before_a_head_leaves_the_heads_convolution_training(tmp_path) -> None:
+    """Was: all-but-heads and backbone took the layer just before a [yolo] for its convolution;
+    with a [dropout] in between (as head_conv_index allows) the head's convolution was frozen
+    and the dropout trained."""
+    text = (REPO / "cfg" / "yolov3-tiny.cfg").read_text()
+    text = text.replace("[yolo]", "[dropout]\nprobability=0.1\n\n[yolo]")
+    cfg = tmp_path / "tiny-dropout.cfg"
+    cfg.write_text(text)
+    model = Darknet(cfg)
+    assert min(model.yolo_layers) == 17 and model.module_defs[16]["type"] == "dropout"
+    trained = {j for i in model.yolo_layers for j in (i - 2, i - 1, i)}  # conv, dropout, yolo
+    assert set(frozen_layer_indices(model, "all-but-heads")) == (
+        set(range(len(model.module_list))) - trained
+    )
+    assert backbone_end(model) == 14  # as yolov3-tiny's: layers 0-14, not its head conv (15)
+
+
 def test_frozen_batchnorm_stays_in_eval_and_keeps_its_statistics() -> None:
     torch.manual_seed(0)
     model = Darknet(NANO, img_size=SIDE)
