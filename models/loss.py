@@ -187,76 +187,55 @@ def build_targets(
     """
     if len(preds) != len(model.yolo_layers):
         raise ValueError(f"{len(preds)} prediction heads for {len(model.yolo_layers)} YOLO layers")
-    nt = targets.shape[0]
     out = []
     for pi, layer_index in zip(preds, model.yolo_layers):
         head = model.module_list[layer_index]
         anchors = head.anchor_vec  # (na, 2) grid units
-        na = anchors.shape[0]
         ny, nx = pi.shape[2], pi.shape[3]
         # Boxes to grid units (Python-scalar products: no host-to-device copy of a gain tensor).
         t = targets.clone()
         t[:, 2:6:2] *= nx
         t[:, 3:6:2] *= ny
         if getattr(head, "new_coords", False):
-            scale_x_y = getattr(head, "scale_x_y", 1.0)
-            out.append(_new_coords_targets(t, anchors, nx, ny, scale_x_y, anchor_t))
-            continue
-
-        # All na * nt pairs, anchor-major (ultralytics/yolov3's order: it decides duplicate cells).
-        valid = (wh_iou(anchors.to(t.dtype), t[:, 4:6]) > iou_t).reshape(-1)
-        a = torch.arange(na, device=targets.device).repeat_interleave(nt)
-        t = t.repeat(na, 1)
-
-        b = t[:, 0].long()
-        c = t[:, 1].long()
-        gxy = t[:, 2:4]
-        gwh = t[:, 4:6]
-        gi = gxy[:, 0].long().clamp(0, nx - 1)
-        gj = gxy[:, 1].long().clamp(0, ny - 1)
-        # ultralytics/yolov3 clamps the cell in place before taking the offset, so a centre at the
-        # border gets offset 1.0 in the last cell; same here.
-        offset = gxy - torch.stack((gi, gj), 1).to(gxy.dtype)
-        out.append(
-            LayerTargets(
-                tcls=c,
-                tbox=torch.cat((offset, gwh), 1),
-                indices=(b, a, gj, gi),
-                anchors=anchors[a],
-                valid=valid,
-            )
-        )
+            ratio = t[None, :, 4:6] / anchors[:, None].to(t.dtype)  # (na, nt, 2)
+            fits = torch.max(ratio, 1 / ratio).amax(2) < anchor_t
+            neighbours = getattr(head, "scale_x_y", 1.0) >= NEIGHBOUR_MIN_SCALE_XY
+        else:
+            fits = wh_iou(anchors.to(t.dtype), t[:, 4:6]) > iou_t
+            neighbours = False
+        out.append(_layer_targets(t, anchors, nx, ny, fits, neighbours))
     return out
 
 
-def _new_coords_targets(
+def _layer_targets(
     t: torch.Tensor,
     anchors: torch.Tensor,
     nx: int,
     ny: int,
-    scale_x_y: float,
-    anchor_t: float = ANCHOR_RATIO_MAX,
+    fits: torch.Tensor,
+    neighbours: bool,
 ) -> LayerTargets:
-    """:func:`build_targets` for one ``new_coords`` head; ``t`` (nt, 6) already in grid units,
-    ``anchors`` (na, 2) grid units."""
+    """:func:`build_targets` for one head: ``t`` (nt, 6) already in grid units, ``anchors``
+    (na, 2) grid units, ``fits`` (na, nt) the pairs that pass the anchor test; ``neighbours``:
+    also the two neighbouring cells nearest to each centre (``new_coords`` with a reaching
+    ``scale_x_y``)."""
     nt, na = t.shape[0], anchors.shape[0]
-    ratio = t[None, :, 4:6] / anchors[:, None].to(t.dtype)  # (na, nt, 2)
-    fits = torch.max(ratio, 1 / ratio).amax(2) < anchor_t  # (na, nt)
+    # All na * nt pairs, anchor-major (ultralytics/yolov3's order: it decides duplicate cells).
     a = torch.arange(na, device=t.device).repeat_interleave(nt)
-    t = t.repeat(na, 1)  # (na * nt, 6), anchor-major as for the other heads
+    t = t.repeat(na, 1)
     gxy = t[:, 2:4]
-    size = torch.tensor([nx, ny], dtype=gxy.dtype, device=gxy.device)
-    gxy_inv = size - gxy  # distance to the right and bottom borders
-    if scale_x_y >= NEIGHBOUR_MIN_SCALE_XY:
+    if neighbours:
         g = NEIGHBOUR_MARGIN
+        size = torch.tensor([nx, ny], dtype=gxy.dtype, device=gxy.device)
+        gxy_inv = size - gxy  # distance to the right and bottom borders
         left, above = ((gxy % 1 < g) & (gxy > 1)).unbind(1)
         right, below = ((gxy_inv % 1 < g) & (gxy_inv > 1)).unbind(1)
         cells = torch.stack((torch.ones_like(left), left, above, right, below))  # (5, P)
-    else:
-        g = 0.0
+        offsets = torch.tensor(_CELL_OFFSETS, dtype=gxy.dtype, device=gxy.device) * g
+    else:  # the centre cell alone (zeros made on the device: no host-to-device copy)
         cells = torch.ones(1, gxy.shape[0], dtype=torch.bool, device=gxy.device)
+        offsets = torch.zeros(1, 2, dtype=gxy.dtype, device=gxy.device)
     n_cells = cells.shape[0]
-    offsets = torch.tensor(_CELL_OFFSETS[:n_cells], dtype=gxy.dtype, device=gxy.device) * g
     valid = (cells & fits.reshape(1, -1)).reshape(-1)
     gxy_all = gxy.repeat(n_cells, 1)  # (n_cells * P, 2), cell-major
     gij = (gxy_all - offsets.repeat_interleave(gxy.shape[0], 0)).long()
@@ -264,6 +243,8 @@ def _new_coords_targets(
     gj = gij[:, 1].clamp(0, ny - 1)
     t = t.repeat(n_cells, 1)
     a = a.repeat(n_cells)
+    # ultralytics/yolov3 clamps the cell in place before taking the offset, so a centre at the
+    # border gets offset 1.0 in the last cell; same here.
     offset = gxy_all - torch.stack((gi, gj), 1).to(gxy.dtype)
     return LayerTargets(
         tcls=t[:, 1].long(),
