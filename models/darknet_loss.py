@@ -406,14 +406,10 @@ def _with_distance_terms(
 ) -> tuple[torch.Tensor, ...]:
     """DIoU's centre-distance partials added to the x, y, w, h ones (and CIoU's aspect term)."""
     px, py, pw, ph = g.pred.unbind(-1)
-    tx, ty, tw, th = g.truth.unbind(-1)
+    tx, ty, _, _ = g.truth.unbind(-1)
     zero = torch.zeros_like(px)
     s = (px - tx) ** 2 + (py - ty) ** 2
-    c_t = torch.minimum(py - ph / 2, ty - th / 2)
-    c_b = torch.maximum(py + ph / 2, ty + th / 2)
-    c_l = torch.minimum(px - pw / 2, tx - tw / 2)
-    c_r = torch.maximum(px + pw / 2, tx + tw / 2)
-    cw, ch = c_r - c_l, c_b - c_t
+    cw, ch = _enclosing(g.pred, g.truth)
     c = cw * cw + ch * ch
     one, half = torch.ones_like(px), torch.full_like(px, 0.5)
     dct_dy = torch.where(g.pred_t < g.t_top, one, zero)
@@ -601,30 +597,6 @@ def _best_truth_iou(
         best[s : s + step] = iou.amax(-1)
         best_t[s : s + step] = iou.argmax(-1)  # the first maximum, as Darknet's strict '>'
     return best, best_t
-
-
-def yolo_delta(
-    x: torch.Tensor,
-    truths: torch.Tensor,
-    spec: YoloLossSpec,
-    net_size: tuple[int, int],
-) -> YoloDelta:
-    """Darknet's ``forward_yolo_layer`` in training mode for one ``[yolo]`` layer.
-
-    Args:
-        x: (B, na * (5 + classes), h, w) the layer's input as Darknet sees it: the output of the
-            layer below (for ``new_coords`` heads, after that conv's logistic activation).
-        truths: (B, T, 5) per image x, y, w, h (normalized, centre and size) and class; an
-            image's list ends at its first row with ``x == 0`` (zero padding); at most
-            ``spec.max_boxes`` are read.
-        spec: the layer's keys.
-        net_size: (height, width) of the network input in pixels (Darknet's ``net.h, net.w``).
-
-    Returns:
-        :class:`YoloDelta` (``delta`` in ``x``'s layout and dtype). No autograd graph.
-    """
-    with torch.no_grad():
-        return _yolo_delta(x.detach(), truths.detach(), spec, net_size)
 
 
 @dataclass
@@ -832,9 +804,24 @@ def _write_assignments(lay: _Layer, pairs: _Pairs) -> tuple[torch.Tensor, torch.
     return iou_loss, iou_sum
 
 
-def _yolo_delta(
+@torch.no_grad()
+def yolo_delta(
     x: torch.Tensor, truths: torch.Tensor, spec: YoloLossSpec, net_size: tuple[int, int]
 ) -> YoloDelta:
+    """Darknet's ``forward_yolo_layer`` in training mode for one ``[yolo]`` layer.
+
+    Args:
+        x: (B, na * (5 + classes), h, w) the layer's input as Darknet sees it: the output of the
+            layer below (for ``new_coords`` heads, after that conv's logistic activation).
+        truths: (B, T, 5) per image x, y, w, h (normalized, centre and size) and class; an
+            image's list ends at its first row with ``x == 0`` (zero padding); at most
+            ``spec.max_boxes`` are read.
+        spec: the layer's keys.
+        net_size: (height, width) of the network input in pixels (Darknet's ``net.h, net.w``).
+
+    Returns:
+        :class:`YoloDelta` (``delta`` in ``x``'s layout and dtype). No autograd graph.
+    """
     bsz, channels, h, w = x.shape
     na, no = spec.na, spec.outputs_per_anchor
     if channels != na * no:
