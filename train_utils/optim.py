@@ -86,8 +86,12 @@ def build_optimizer(
     )
 
 
-def cosine_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int], float]:
-    """Cosine decay from 1 to ``lrf`` over ``epochs``, as a LambdaLR multiplier.
+def lr_lambda(
+    epochs: int | Callable[[], int], lrf: float, schedule: str = "cosine"
+) -> Callable[[int], float]:
+    """The LambdaLR multiplier of ``schedule``: from 1 to ``lrf`` over ``epochs``, then ``lrf``;
+    a cosine (ultralytics/yolov3's default) or straight (YOLOv5's ``--linear-lr``,
+    ``(1 - x / epochs) * (1 - lrf) + lrf``).
 
     ``epochs`` may be a callable read at every step: a ``--time-budget`` run re-plans its epoch
     count as it goes, and the rest of the curve stretches or shrinks to end at the new count.
@@ -95,17 +99,8 @@ def cosine_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int]
     total = epochs if callable(epochs) else (lambda: epochs)
 
     def f(epoch: int) -> float:
-        return ((1 + math.cos(min(epoch, total()) * math.pi / total())) / 2) * (1 - lrf) + lrf
-
-    return f
-
-
-def linear_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int], float]:
-    """YOLOv5's ``--linear-lr`` multiplier ``(1 - x / epochs) * (1 - lrf) + lrf``: straight from
-    1 to ``lrf`` over ``epochs`` (read at every step, as :func:`cosine_lambda`), then ``lrf``."""
-    total = epochs if callable(epochs) else (lambda: epochs)
-
-    def f(epoch: int) -> float:
+        if schedule == "cosine":
+            return ((1 + math.cos(min(epoch, total()) * math.pi / total())) / 2) * (1 - lrf) + lrf
         return (1 - min(epoch, total()) / total()) * (1 - lrf) + lrf
 
     return f
@@ -124,8 +119,7 @@ def build_scheduler(
     a resumed run's schedule follows its own ``--epochs``/plan and its own ``lr_schedule``
     (one of :data:`LR_SCHEDULES`, checked by :func:`train_utils.config.build_config`).
     """
-    curve = cosine_lambda if schedule == "cosine" else linear_lambda
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, curve(epochs, lrf))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(epochs, lrf, schedule))
 
 
 # ---- saved state (--resume) ------------------------------------------------------------
@@ -165,14 +159,14 @@ def load_optimizer_state(
     The optimizer holds every parameter of the model, frozen or not (:func:`build_optimizer`),
     so its state fits whatever ``--freeze-layers`` the resumed run uses. Checkpoints of older
     versions held only the trainable parameters: their state is put back at the positions of
-    this run's trainable parameters when the counts agree (the same freeze as then).
+    this run's trainable parameters when the counts agree (the same freeze as then). ``saved``
+    has passed :func:`check_optimizer_state` (``--resume`` checks it before restoring).
 
     Raises:
         CheckpointError: the state is another kind of optimizer's (SGD momentum cannot become
             Adam moments), or it does not fit this model's parameters.
     """
     weights_hint = f"or start a new run from these weights with --weights {path or 'last.pt'}"
-    check_optimizer_state(saved, path)
     saved_kind, kind = optimizer_kind(saved), optimizer_kind(optimizer)
     if saved_kind is not None and kind is not None and saved_kind != kind:
         raise CheckpointError(
@@ -343,12 +337,11 @@ def load_scheduler_state(
 def load_scaler_state(
     scaler: torch.amp.GradScaler | None, saved: Any, path: str | Path | None = None
 ) -> None:
-    """Continue a checkpoint's fp16 loss scale (``saved`` None or empty: the run had none)."""
-    if saved:
-        check_scaler_state(saved, path)
-        if scaler is not None:
-            with state_loading("AMP scaler", path):
-                scaler.load_state_dict(saved)
+    """Continue a checkpoint's fp16 loss scale checked by :func:`check_scaler_state` (``saved``
+    None or empty: the run had none)."""
+    if saved and scaler is not None:
+        with state_loading("AMP scaler", path):
+            scaler.load_state_dict(saved)
 
 
 def check_scaler_state(saved: Any, path: str | Path | None = None) -> None:
