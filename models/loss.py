@@ -31,7 +31,7 @@ data-dependent shape, no ``.item()`` and no host synchronisation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -74,6 +74,8 @@ NEIGHBOUR_MIN_SCALE_XY = 2.0
 # its few positives (the small objects) pull least on the shared gain.
 OBJ_BALANCE_3_HEADS = (4.0, 1.0, 0.4)
 OBJ_BALANCE = (4.0, 1.0, 0.25, 0.06, 0.02)
+# An element-wise loss of (logits, targets in [0, 1]), both of one shape, in that shape.
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Centre cell, then the neighbours to the left, above, to the right, below (x, y offsets).
 _CELL_OFFSETS = ((0, 0), (1, 0), (0, 1), (-1, 0), (0, -1))
 
@@ -137,31 +139,6 @@ def objectness_balance(strides: Sequence[float]) -> list[float]:
 def smooth_bce(eps: float = 0.0) -> tuple[float, float]:
     """Positive and negative BCE targets for label smoothing ``eps`` (arXiv:1902.04103 eq. 3)."""
     return 1.0 - 0.5 * eps, 0.5 * eps
-
-
-class FocalLoss(nn.Module):
-    """Focal loss (arXiv:1708.02002) around an element-wise ``nn.BCEWithLogitsLoss``.
-
-    ``loss = bce * alpha_t * (1 - p_t) ** gamma`` with ``p_t = p`` where the target is 1 and
-    ``1 - p`` where it is 0 (``p = sigmoid(logit)``); soft targets interpolate linearly.
-    The result is element-wise: reduction is left to the caller.
-    """
-
-    def __init__(self, loss_fcn: nn.BCEWithLogitsLoss, gamma: float, alpha: float = FOCAL_ALPHA):
-        super().__init__()
-        if loss_fcn.reduction != "none":
-            raise ValueError("FocalLoss needs an element-wise loss (reduction='none')")
-        self.loss_fcn = loss_fcn
-        self.gamma = gamma
-        self.alpha = alpha
-
-    def forward(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
-        """``pred``: logits, ``true``: targets in [0, 1], same shape; returns that shape."""
-        loss = self.loss_fcn(pred, true)
-        pred_prob = torch.sigmoid(pred)
-        p_t = true * pred_prob + (1 - true) * (1 - pred_prob)
-        alpha_factor = true * self.alpha + (1 - true) * (1 - self.alpha)
-        return loss * alpha_factor * (1.0 - p_t) ** self.gamma
 
 
 def build_targets(
@@ -335,7 +312,7 @@ def _assigned_losses(
     lt: LayerTargets,
     head: nn.Module,
     tobj: torch.Tensor,
-    criterion_cls: nn.Module,
+    criterion_cls: Criterion,
     smooth: tuple[float, float],
     nc: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -368,14 +345,26 @@ def _assigned_losses(
     return box, cls, tobj
 
 
-def _criterion(pos_weight: float, fl_gamma: float, device: torch.device) -> nn.Module:
-    """Element-wise BCE with logits (``reduction="none"``), inside a focal loss when
-    ``fl_gamma > 0``."""
+def _criterion(pos_weight: float, fl_gamma: float, device: torch.device) -> Criterion:
+    """Element-wise BCE with logits (``reduction="none"``), inside a focal loss
+    (arXiv:1708.02002) when ``fl_gamma > 0``: ``bce * alpha_t * (1 - p_t) ** fl_gamma`` with
+    ``p_t = p`` where the target is 1 and ``1 - p`` where it is 0 (``p = sigmoid(logit)``,
+    ``alpha_t`` likewise :data:`FOCAL_ALPHA` or ``1 -`` it); soft targets interpolate linearly."""
     # torch.full fills on the device; torch.tensor([...]) would copy from the host.
     bce = nn.BCEWithLogitsLoss(
         pos_weight=torch.full((1,), float(pos_weight), device=device), reduction="none"
     )
-    return FocalLoss(bce, fl_gamma) if fl_gamma > 0 else bce
+    if fl_gamma <= 0:
+        return bce
+
+    def focal(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+        loss = bce(pred, true)
+        pred_prob = torch.sigmoid(pred)
+        p_t = true * pred_prob + (1 - true) * (1 - pred_prob)
+        alpha_factor = true * FOCAL_ALPHA + (1 - true) * (1 - FOCAL_ALPHA)
+        return loss * alpha_factor * (1.0 - p_t) ** fl_gamma
+
+    return focal
 
 
 def _objectness_targets(tobj: torch.Tensor, lt: LayerTargets, score: torch.Tensor) -> torch.Tensor:
