@@ -136,11 +136,6 @@ def objectness_balance(strides: Sequence[float]) -> list[float]:
     return [weights[min(distinct.index(s), len(weights) - 1)] for s in strides]
 
 
-def smooth_bce(eps: float = 0.0) -> tuple[float, float]:
-    """Positive and negative BCE targets for label smoothing ``eps`` (arXiv:1902.04103 eq. 3)."""
-    return 1.0 - 0.5 * eps, 0.5 * eps
-
-
 def build_targets(
     preds: Sequence[torch.Tensor],
     targets: torch.Tensor,
@@ -264,7 +259,7 @@ def compute_loss(
             ``iou_t`` (anchor assignment threshold), ``fl_gamma`` (focal loss when > 0),
             optionally ``obj_balance`` (per-head objectness weights when true).
         label_smoothing: eps in [0, 1): class BCE targets ``1 - eps/2`` for the target's class
-            and ``eps/2`` for the others (:func:`smooth_bce`); 0 keeps them one-hot.
+            and ``eps/2`` for the others (arXiv:1902.04103 eq. 3); 0 keeps them one-hot.
 
     Returns:
         ``{"box_loss", "obj_loss", "cls_loss"}``: 0-dim tensors, already multiplied by their
@@ -282,7 +277,7 @@ def compute_loss(
     layer_targets = build_targets(preds, targets, model, hyp["iou_t"], anchor_t)
     criterion_cls = _criterion(hyp["cls_pw"], hyp["fl_gamma"], device)
     criterion_obj = _criterion(hyp["obj_pw"], hyp["fl_gamma"], device)
-    cp, cn = smooth_bce(label_smoothing)
+    cp, cn = 1.0 - 0.5 * label_smoothing, 0.5 * label_smoothing
     nc = model.nc
     heads = [model.module_list[i] for i in model.yolo_layers]
     if hyp.get("obj_balance", False):
