@@ -880,10 +880,9 @@ def darknet_yolo_loss(
     x: torch.Tensor, truths: torch.Tensor, spec: YoloLossSpec, net_size: tuple[int, int]
 ) -> torch.Tensor:
     """The layer's cost as a differentiable scalar whose gradient with respect to ``x`` is
-    Darknet's ``-l.delta`` (see :func:`yolo_delta` for the arguments). Computed in float32 at
-    least (an autocast float16 ``x`` is promoted)."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    return _DarknetYolo.apply(xf, truths, spec, tuple(net_size))
+    Darknet's ``-l.delta`` (see :func:`yolo_delta` for the arguments), in ``x``'s dtype (the
+    trainer hands over float32 predictions)."""
+    return _DarknetYolo.apply(x, truths, spec, tuple(net_size))
 
 
 def head_input(p: torch.Tensor, spec: YoloLossSpec) -> torch.Tensor:
