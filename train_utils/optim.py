@@ -4,8 +4,7 @@ checkpoint holds of them is checked here before it is loaded (``--resume``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -383,58 +382,31 @@ def place_state_like_params(optimizer: torch.optim.Optimizer) -> int:
     ``foreach``, ``capturable``) are this run's. Returns how many tensors were moved.
     """
     moved = 0
-    for state, key, value, want in _state_tensors(optimizer):
-        if not _is_in_place(value, want):
-            state[key] = _place(value, want)
-            moved += 1
-    return moved
-
-
-@dataclass(frozen=True)
-class _Placement:
-    device: torch.device
-    dtype: torch.dtype
-    strides: tuple[int, ...] | None  # None: any layout
-    like: torch.Tensor | None  # the parameter to copy the layout of
-
-
-def _state_tensors(
-    optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[dict[str, Any], str, torch.Tensor, _Placement]]:
-    """(its parameter's state, key, tensor, where it belongs) of every state tensor."""
     for group in optimizer.param_groups:
         step_on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             state = optimizer.state.get(p) or {}
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor):
-                    yield state, key, value, _placement(key, value, p, step_on_device)
+                    placed = _placed(key, value, p, step_on_device)
+                    if placed is not value:
+                        state[key] = placed
+                        moved += 1
+    return moved
 
 
-def _placement(key: str, value: torch.Tensor, p: torch.Tensor, step_on_device: bool) -> _Placement:
+def _placed(key: str, value: torch.Tensor, p: torch.Tensor, step_on_device: bool) -> torch.Tensor:
+    """State tensor ``value`` of parameter ``p`` where it belongs: ``value`` itself when it is
+    there already (``Tensor.to`` returns itself then), else a copy."""
     if key == "step":
         if step_on_device:
-            return _Placement(p.device, DEVICE_STEP_DTYPE, None, None)
-        return _Placement(torch.device("cpu"), value.dtype, None, None)
+            return value.to(device=p.device, dtype=DEVICE_STEP_DTYPE)
+        return value.to(device="cpu")
     if value.shape != p.shape:
         # Not a per-element state: only its device follows the parameter.
-        return _Placement(p.device, value.dtype, None, None)
+        return value.to(device=p.device)
     dtype = p.dtype if value.is_floating_point() else value.dtype
-    return _Placement(p.device, dtype, tuple(p.stride()), p)
-
-
-def _is_in_place(value: torch.Tensor, want: _Placement) -> bool:
-    return (
-        value.device == want.device
-        and value.dtype == want.dtype
-        and (want.strides is None or tuple(value.stride()) == want.strides)
-    )
-
-
-def _place(value: torch.Tensor, want: _Placement) -> torch.Tensor:
-    if want.like is None:
-        return value.to(device=want.device, dtype=want.dtype)
+    if value.device == p.device and value.dtype == dtype and value.stride() == p.stride():
+        return value
     # empty_like keeps a dense parameter's strides (channels_last included); copy_ converts.
-    placed = torch.empty_like(want.like, dtype=want.dtype)
-    placed.copy_(value)
-    return placed
+    return torch.empty_like(p, dtype=dtype).copy_(value)
