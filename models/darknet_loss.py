@@ -203,13 +203,11 @@ class YoloDelta(NamedTuple):
         delta: (batch, na * (5 + classes), h, w), Darknet's ``l.delta`` (minus the gradient).
         cost: scalar tensor, Darknet's ``*l.cost``.
         count: assignments made (truth-anchor pairs), Darknet's ``count``.
-        iou_sum: sum of the IoU of the assigned predictions with their truths.
     """
 
     delta: torch.Tensor
     cost: torch.Tensor
     count: torch.Tensor
-    iou_sum: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -763,23 +761,20 @@ def _assignments(
     )
 
 
-def _write_assignments(lay: _Layer, pairs: _Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+def _write_assignments(lay: _Layer, pairs: _Pairs) -> torch.Tensor:
     """The deltas of every assignment, as Darknet writes them one after another: box deltas
     add up; objectness is the last writer's (``objectness_smooth``: the first's, only where
     still 0); the first writer of a cell writes every class, later ones their own class.
 
     Returns:
-        The sum of the assignments' IoU losses (``1 - GIoU`` for giou, else ``1 - IoU``) and
-        of their IoUs.
+        The sum of the assignments' IoU losses (``1 - GIoU`` for giou, else ``1 - IoU``).
     """
     spec, ok, cell = lay.spec, pairs.ok, pairs.cell
     out = torch.cat((lay.out, lay.out.new_zeros(1, lay.out.shape[1])))[cell]
     cm = lay.multipliers(pairs.cls)
     bd, iou, giou = _box_delta(lay, pairs.truth, out, pairs, cm)
     lay.d_box.index_add_(0, cell, bd)  # pairs that are not assignments go to the dump row
-    zero = torch.zeros_like(iou)
-    iou_loss = torch.where(ok, 1 - giou if spec.iou_loss == "giou" else 1 - iou, zero).sum()
-    iou_sum = torch.where(ok, iou, zero).sum()
+    iou_loss = torch.where(ok, 1 - giou if spec.iou_loss == "giou" else 1 - iou, 0.0).sum()
 
     big = torch.iinfo(torch.long).max
     first = torch.full_like(lay.written, big, dtype=torch.long)
@@ -801,7 +796,7 @@ def _write_assignments(lay: _Layer, pairs: _Pairs) -> tuple[torch.Tensor, torch.
     again = ok & ~full
     value = _class_again(out[:, 5:], pairs.cls, spec, lay.cm)
     lay.d_cls.index_put_((torch.where(again, cell, dump), pairs.cls), value)
-    return iou_loss, iou_sum
+    return iou_loss
 
 
 @torch.no_grad()
@@ -835,7 +830,7 @@ def yolo_delta(
     lay = _layer(x, spec, net_size)
     _prediction_pass(lay, tbox, used, class_id)
     pairs = _assignments(lay, tbox, used, class_id)
-    iou_loss, iou_sum = _write_assignments(lay, pairs)
+    iou_loss = _write_assignments(lay, pairs)
     d_box, d_obj, d_cls = lay.d_box[:-1], lay.d_obj[:-1], lay.d_cls[:-1]
     # Step 3: box deltas of a shared anchor averaged over the classes trained there.
     if spec.iou_thresh < 1:
@@ -854,7 +849,7 @@ def yolo_delta(
         non_box = (delta.view(bsz, na, no, h, w)[:, :, 4:] ** 2).sum()
         mean_iou_loss = iou_loss / count.clamp(min=1).to(x.dtype)
         cost = spec.iou_normalizer * mean_iou_loss + spec.obj_normalizer * non_box
-    return YoloDelta(delta.contiguous(), cost, count, iou_sum)
+    return YoloDelta(delta.contiguous(), cost, count)
 
 
 # ---------------------------------------------------------------------------------------------
