@@ -90,9 +90,9 @@ class _YoloModel(Protocol):
 
 class LayerTargets(NamedTuple):
     """Targets of one head for every (anchor, target) pair, anchor-major: pair ``p`` is anchor
-    ``p // nt`` with target row ``p % nt``. ``P = na * nt``. For a ``new_coords`` head, the
-    pairs come once per candidate cell (centre, left, above, right, below), cell-major:
-    ``P = 5 * na * nt``.
+    ``p // nt`` with target row ``p % nt``. ``P = na * nt``. For a ``new_coords`` head that
+    reaches the neighbouring cells, the pairs come once per candidate cell (centre, left, above,
+    right, below), cell-major: ``P = 5 * na * nt``.
 
     Attributes:
         tcls: (P,) int64 class id.
