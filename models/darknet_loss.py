@@ -204,13 +204,11 @@ class YoloDelta(NamedTuple):
         delta: (batch, na * (5 + classes), h, w), Darknet's ``l.delta`` (minus the gradient).
         cost: scalar tensor, Darknet's ``*l.cost``.
         count: assignments made (truth-anchor pairs), Darknet's ``count``.
-        iou_sum: sum of the IoU of the assigned predictions with their truths.
     """
 
     delta: torch.Tensor
     cost: torch.Tensor
     count: torch.Tensor
-    iou_sum: torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -407,14 +405,10 @@ def _with_distance_terms(
 ) -> tuple[torch.Tensor, ...]:
     """DIoU's centre-distance partials added to the x, y, w, h ones (and CIoU's aspect term)."""
     px, py, pw, ph = g.pred.unbind(-1)
-    tx, ty, tw, th = g.truth.unbind(-1)
+    tx, ty, _, _ = g.truth.unbind(-1)
     zero = torch.zeros_like(px)
     s = (px - tx) ** 2 + (py - ty) ** 2
-    c_t = torch.minimum(py - ph / 2, ty - th / 2)
-    c_b = torch.maximum(py + ph / 2, ty + th / 2)
-    c_l = torch.minimum(px - pw / 2, tx - tw / 2)
-    c_r = torch.maximum(px + pw / 2, tx + tw / 2)
-    cw, ch = c_r - c_l, c_b - c_t
+    cw, ch = _enclosing(g.pred, g.truth)
     c = cw * cw + ch * ch
     one, half = torch.ones_like(px), torch.full_like(px, 0.5)
     dct_dy = torch.where(g.pred_t < g.t_top, one, zero)
@@ -604,30 +598,6 @@ def _best_truth_iou(
     return best, best_t
 
 
-def yolo_delta(
-    x: torch.Tensor,
-    truths: torch.Tensor,
-    spec: YoloLossSpec,
-    net_size: tuple[int, int],
-) -> YoloDelta:
-    """Darknet's ``forward_yolo_layer`` in training mode for one ``[yolo]`` layer.
-
-    Args:
-        x: (B, na * (5 + classes), h, w) the layer's input as Darknet sees it: the output of the
-            layer below (for ``new_coords`` heads, after that conv's logistic activation).
-        truths: (B, T, 5) per image x, y, w, h (normalized, centre and size) and class; an
-            image's list ends at its first row with ``x == 0`` (zero padding); at most
-            ``spec.max_boxes`` are read.
-        spec: the layer's keys.
-        net_size: (height, width) of the network input in pixels (Darknet's ``net.h, net.w``).
-
-    Returns:
-        :class:`YoloDelta` (``delta`` in ``x``'s layout and dtype). No autograd graph.
-    """
-    with torch.no_grad():
-        return _yolo_delta(x.detach(), truths.detach(), spec, net_size)
-
-
 @dataclass
 class _Layer:
     """One layer's predictions, flattened to one row per (image, anchor, cell), and its delta
@@ -792,23 +762,20 @@ def _assignments(
     )
 
 
-def _write_assignments(lay: _Layer, pairs: _Pairs) -> tuple[torch.Tensor, torch.Tensor]:
+def _write_assignments(lay: _Layer, pairs: _Pairs) -> torch.Tensor:
     """The deltas of every assignment, as Darknet writes them one after another: box deltas
     add up; objectness is the last writer's (``objectness_smooth``: the first's, only where
     still 0); the first writer of a cell writes every class, later ones their own class.
 
     Returns:
-        The sum of the assignments' IoU losses (``1 - GIoU`` for giou, else ``1 - IoU``) and
-        of their IoUs.
+        The sum of the assignments' IoU losses (``1 - GIoU`` for giou, else ``1 - IoU``).
     """
     spec, ok, cell = lay.spec, pairs.ok, pairs.cell
     out = torch.cat((lay.out, lay.out.new_zeros(1, lay.out.shape[1])))[cell]
     cm = lay.multipliers(pairs.cls)
     bd, iou, giou = _box_delta(lay, pairs.truth, out, pairs, cm)
     lay.d_box.index_add_(0, cell, bd)  # pairs that are not assignments go to the dump row
-    zero = torch.zeros_like(iou)
-    iou_loss = torch.where(ok, 1 - giou if spec.iou_loss == "giou" else 1 - iou, zero).sum()
-    iou_sum = torch.where(ok, iou, zero).sum()
+    iou_loss = torch.where(ok, 1 - giou if spec.iou_loss == "giou" else 1 - iou, 0.0).sum()
 
     big = torch.iinfo(torch.long).max
     first = torch.full_like(lay.written, big, dtype=torch.long)
@@ -830,12 +797,27 @@ def _write_assignments(lay: _Layer, pairs: _Pairs) -> tuple[torch.Tensor, torch.
     again = ok & ~full
     value = _class_again(out[:, 5:], pairs.cls, spec, lay.cm)
     lay.d_cls.index_put_((torch.where(again, cell, dump), pairs.cls), value)
-    return iou_loss, iou_sum
+    return iou_loss
 
 
-def _yolo_delta(
+@torch.no_grad()
+def yolo_delta(
     x: torch.Tensor, truths: torch.Tensor, spec: YoloLossSpec, net_size: tuple[int, int]
 ) -> YoloDelta:
+    """Darknet's ``forward_yolo_layer`` in training mode for one ``[yolo]`` layer.
+
+    Args:
+        x: (B, na * (5 + classes), h, w) the layer's input as Darknet sees it: the output of the
+            layer below (for ``new_coords`` heads, after that conv's logistic activation).
+        truths: (B, T, 5) per image x, y, w, h (normalized, centre and size) and class; an
+            image's list ends at its first row with ``x == 0`` (zero padding); at most
+            ``spec.max_boxes`` are read.
+        spec: the layer's keys.
+        net_size: (height, width) of the network input in pixels (Darknet's ``net.h, net.w``).
+
+    Returns:
+        :class:`YoloDelta` (``delta`` in ``x``'s layout and dtype). No autograd graph.
+    """
     bsz, channels, h, w = x.shape
     na, no = spec.na, spec.outputs_per_anchor
     if channels != na * no:
@@ -849,7 +831,7 @@ def _yolo_delta(
     lay = _layer(x, spec, net_size)
     _prediction_pass(lay, tbox, used, class_id)
     pairs = _assignments(lay, tbox, used, class_id)
-    iou_loss, iou_sum = _write_assignments(lay, pairs)
+    iou_loss = _write_assignments(lay, pairs)
     d_box, d_obj, d_cls = lay.d_box[:-1], lay.d_obj[:-1], lay.d_cls[:-1]
     # Step 3: box deltas of a shared anchor averaged over the classes trained there.
     if spec.iou_thresh < 1:
@@ -868,7 +850,7 @@ def _yolo_delta(
         non_box = (delta.view(bsz, na, no, h, w)[:, :, 4:] ** 2).sum()
         mean_iou_loss = iou_loss / count.clamp(min=1).to(x.dtype)
         cost = spec.iou_normalizer * mean_iou_loss + spec.obj_normalizer * non_box
-    return YoloDelta(delta.contiguous(), cost, count, iou_sum)
+    return YoloDelta(delta.contiguous(), cost, count)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -894,10 +876,9 @@ def darknet_yolo_loss(
     x: torch.Tensor, truths: torch.Tensor, spec: YoloLossSpec, net_size: tuple[int, int]
 ) -> torch.Tensor:
     """The layer's cost as a differentiable scalar whose gradient with respect to ``x`` is
-    Darknet's ``-l.delta`` (see :func:`yolo_delta` for the arguments). Computed in float32 at
-    least (an autocast float16 ``x`` is promoted)."""
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    return _DarknetYolo.apply(xf, truths, spec, tuple(net_size))
+    Darknet's ``-l.delta`` (see :func:`yolo_delta` for the arguments), in ``x``'s dtype (the
+    trainer hands over float32 predictions)."""
+    return _DarknetYolo.apply(x, truths, spec, tuple(net_size))
 
 
 def head_input(p: torch.Tensor, spec: YoloLossSpec) -> torch.Tensor:

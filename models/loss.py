@@ -31,7 +31,7 @@ data-dependent shape, no ``.item()`` and no host synchronisation.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -74,6 +74,8 @@ NEIGHBOUR_MIN_SCALE_XY = 2.0
 # its few positives (the small objects) pull least on the shared gain.
 OBJ_BALANCE_3_HEADS = (4.0, 1.0, 0.4)
 OBJ_BALANCE = (4.0, 1.0, 0.25, 0.06, 0.02)
+# An element-wise loss of (logits, targets in [0, 1]), both of one shape, in that shape.
+Criterion = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 # Centre cell, then the neighbours to the left, above, to the right, below (x, y offsets).
 _CELL_OFFSETS = ((0, 0), (1, 0), (0, 1), (-1, 0), (0, -1))
 
@@ -88,9 +90,9 @@ class _YoloModel(Protocol):
 
 class LayerTargets(NamedTuple):
     """Targets of one head for every (anchor, target) pair, anchor-major: pair ``p`` is anchor
-    ``p // nt`` with target row ``p % nt``. ``P = na * nt``. For a ``new_coords`` head, the
-    pairs come once per candidate cell (centre, left, above, right, below), cell-major:
-    ``P = 5 * na * nt``.
+    ``p // nt`` with target row ``p % nt``. ``P = na * nt``. For a ``new_coords`` head that
+    reaches the neighbouring cells, the pairs come once per candidate cell (centre, left, above,
+    right, below), cell-major: ``P = 5 * na * nt``.
 
     Attributes:
         tcls: (P,) int64 class id.
@@ -134,36 +136,6 @@ def objectness_balance(strides: Sequence[float]) -> list[float]:
     return [weights[min(distinct.index(s), len(weights) - 1)] for s in strides]
 
 
-def smooth_bce(eps: float = 0.0) -> tuple[float, float]:
-    """Positive and negative BCE targets for label smoothing ``eps`` (arXiv:1902.04103 eq. 3)."""
-    return 1.0 - 0.5 * eps, 0.5 * eps
-
-
-class FocalLoss(nn.Module):
-    """Focal loss (arXiv:1708.02002) around an element-wise ``nn.BCEWithLogitsLoss``.
-
-    ``loss = bce * alpha_t * (1 - p_t) ** gamma`` with ``p_t = p`` where the target is 1 and
-    ``1 - p`` where it is 0 (``p = sigmoid(logit)``); soft targets interpolate linearly.
-    The result is element-wise: reduction is left to the caller.
-    """
-
-    def __init__(self, loss_fcn: nn.BCEWithLogitsLoss, gamma: float, alpha: float = FOCAL_ALPHA):
-        super().__init__()
-        if loss_fcn.reduction != "none":
-            raise ValueError("FocalLoss needs an element-wise loss (reduction='none')")
-        self.loss_fcn = loss_fcn
-        self.gamma = gamma
-        self.alpha = alpha
-
-    def forward(self, pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
-        """``pred``: logits, ``true``: targets in [0, 1], same shape; returns that shape."""
-        loss = self.loss_fcn(pred, true)
-        pred_prob = torch.sigmoid(pred)
-        p_t = true * pred_prob + (1 - true) * (1 - pred_prob)
-        alpha_factor = true * self.alpha + (1 - true) * (1 - self.alpha)
-        return loss * alpha_factor * (1.0 - p_t) ** self.gamma
-
-
 def build_targets(
     preds: Sequence[torch.Tensor],
     targets: torch.Tensor,
@@ -187,76 +159,55 @@ def build_targets(
     """
     if len(preds) != len(model.yolo_layers):
         raise ValueError(f"{len(preds)} prediction heads for {len(model.yolo_layers)} YOLO layers")
-    nt = targets.shape[0]
     out = []
     for pi, layer_index in zip(preds, model.yolo_layers):
         head = model.module_list[layer_index]
         anchors = head.anchor_vec  # (na, 2) grid units
-        na = anchors.shape[0]
         ny, nx = pi.shape[2], pi.shape[3]
         # Boxes to grid units (Python-scalar products: no host-to-device copy of a gain tensor).
         t = targets.clone()
         t[:, 2:6:2] *= nx
         t[:, 3:6:2] *= ny
         if getattr(head, "new_coords", False):
-            scale_x_y = getattr(head, "scale_x_y", 1.0)
-            out.append(_new_coords_targets(t, anchors, nx, ny, scale_x_y, anchor_t))
-            continue
-
-        # All na * nt pairs, anchor-major (ultralytics/yolov3's order: it decides duplicate cells).
-        valid = (wh_iou(anchors.to(t.dtype), t[:, 4:6]) > iou_t).reshape(-1)
-        a = torch.arange(na, device=targets.device).repeat_interleave(nt)
-        t = t.repeat(na, 1)
-
-        b = t[:, 0].long()
-        c = t[:, 1].long()
-        gxy = t[:, 2:4]
-        gwh = t[:, 4:6]
-        gi = gxy[:, 0].long().clamp(0, nx - 1)
-        gj = gxy[:, 1].long().clamp(0, ny - 1)
-        # ultralytics/yolov3 clamps the cell in place before taking the offset, so a centre at the
-        # border gets offset 1.0 in the last cell; same here.
-        offset = gxy - torch.stack((gi, gj), 1).to(gxy.dtype)
-        out.append(
-            LayerTargets(
-                tcls=c,
-                tbox=torch.cat((offset, gwh), 1),
-                indices=(b, a, gj, gi),
-                anchors=anchors[a],
-                valid=valid,
-            )
-        )
+            ratio = t[None, :, 4:6] / anchors[:, None].to(t.dtype)  # (na, nt, 2)
+            fits = torch.max(ratio, 1 / ratio).amax(2) < anchor_t
+            neighbours = getattr(head, "scale_x_y", 1.0) >= NEIGHBOUR_MIN_SCALE_XY
+        else:
+            fits = wh_iou(anchors.to(t.dtype), t[:, 4:6]) > iou_t
+            neighbours = False
+        out.append(_layer_targets(t, anchors, nx, ny, fits, neighbours))
     return out
 
 
-def _new_coords_targets(
+def _layer_targets(
     t: torch.Tensor,
     anchors: torch.Tensor,
     nx: int,
     ny: int,
-    scale_x_y: float,
-    anchor_t: float = ANCHOR_RATIO_MAX,
+    fits: torch.Tensor,
+    neighbours: bool,
 ) -> LayerTargets:
-    """:func:`build_targets` for one ``new_coords`` head; ``t`` (nt, 6) already in grid units,
-    ``anchors`` (na, 2) grid units."""
+    """:func:`build_targets` for one head: ``t`` (nt, 6) already in grid units, ``anchors``
+    (na, 2) grid units, ``fits`` (na, nt) the pairs that pass the anchor test; ``neighbours``:
+    also the two neighbouring cells nearest to each centre (``new_coords`` with a reaching
+    ``scale_x_y``)."""
     nt, na = t.shape[0], anchors.shape[0]
-    ratio = t[None, :, 4:6] / anchors[:, None].to(t.dtype)  # (na, nt, 2)
-    fits = torch.max(ratio, 1 / ratio).amax(2) < anchor_t  # (na, nt)
+    # All na * nt pairs, anchor-major (ultralytics/yolov3's order: it decides duplicate cells).
     a = torch.arange(na, device=t.device).repeat_interleave(nt)
-    t = t.repeat(na, 1)  # (na * nt, 6), anchor-major as for the other heads
+    t = t.repeat(na, 1)
     gxy = t[:, 2:4]
-    size = torch.tensor([nx, ny], dtype=gxy.dtype, device=gxy.device)
-    gxy_inv = size - gxy  # distance to the right and bottom borders
-    if scale_x_y >= NEIGHBOUR_MIN_SCALE_XY:
+    if neighbours:
         g = NEIGHBOUR_MARGIN
+        size = torch.tensor([nx, ny], dtype=gxy.dtype, device=gxy.device)
+        gxy_inv = size - gxy  # distance to the right and bottom borders
         left, above = ((gxy % 1 < g) & (gxy > 1)).unbind(1)
         right, below = ((gxy_inv % 1 < g) & (gxy_inv > 1)).unbind(1)
         cells = torch.stack((torch.ones_like(left), left, above, right, below))  # (5, P)
-    else:
-        g = 0.0
+        offsets = torch.tensor(_CELL_OFFSETS, dtype=gxy.dtype, device=gxy.device) * g
+    else:  # the centre cell alone (zeros made on the device: no host-to-device copy)
         cells = torch.ones(1, gxy.shape[0], dtype=torch.bool, device=gxy.device)
+        offsets = torch.zeros(1, 2, dtype=gxy.dtype, device=gxy.device)
     n_cells = cells.shape[0]
-    offsets = torch.tensor(_CELL_OFFSETS[:n_cells], dtype=gxy.dtype, device=gxy.device) * g
     valid = (cells & fits.reshape(1, -1)).reshape(-1)
     gxy_all = gxy.repeat(n_cells, 1)  # (n_cells * P, 2), cell-major
     gij = (gxy_all - offsets.repeat_interleave(gxy.shape[0], 0)).long()
@@ -264,6 +215,8 @@ def _new_coords_targets(
     gj = gij[:, 1].clamp(0, ny - 1)
     t = t.repeat(n_cells, 1)
     a = a.repeat(n_cells)
+    # ultralytics/yolov3 clamps the cell in place before taking the offset, so a centre at the
+    # border gets offset 1.0 in the last cell; same here.
     offset = gxy_all - torch.stack((gi, gj), 1).to(gxy.dtype)
     return LayerTargets(
         tcls=t[:, 1].long(),
@@ -306,7 +259,7 @@ def compute_loss(
             ``iou_t`` (anchor assignment threshold), ``fl_gamma`` (focal loss when > 0),
             optionally ``obj_balance`` (per-head objectness weights when true).
         label_smoothing: eps in [0, 1): class BCE targets ``1 - eps/2`` for the target's class
-            and ``eps/2`` for the others (:func:`smooth_bce`); 0 keeps them one-hot.
+            and ``eps/2`` for the others (arXiv:1902.04103 eq. 3); 0 keeps them one-hot.
 
     Returns:
         ``{"box_loss", "obj_loss", "cls_loss"}``: 0-dim tensors, already multiplied by their
@@ -324,7 +277,7 @@ def compute_loss(
     layer_targets = build_targets(preds, targets, model, hyp["iou_t"], anchor_t)
     criterion_cls = _criterion(hyp["cls_pw"], hyp["fl_gamma"], device)
     criterion_obj = _criterion(hyp["obj_pw"], hyp["fl_gamma"], device)
-    cp, cn = smooth_bce(label_smoothing)
+    cp, cn = 1.0 - 0.5 * label_smoothing, 0.5 * label_smoothing
     nc = model.nc
     heads = [model.module_list[i] for i in model.yolo_layers]
     if hyp.get("obj_balance", False):
@@ -354,7 +307,7 @@ def _assigned_losses(
     lt: LayerTargets,
     head: nn.Module,
     tobj: torch.Tensor,
-    criterion_cls: nn.Module,
+    criterion_cls: Criterion,
     smooth: tuple[float, float],
     nc: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -387,14 +340,26 @@ def _assigned_losses(
     return box, cls, tobj
 
 
-def _criterion(pos_weight: float, fl_gamma: float, device: torch.device) -> nn.Module:
-    """Element-wise BCE with logits (``reduction="none"``), inside a focal loss when
-    ``fl_gamma > 0``."""
+def _criterion(pos_weight: float, fl_gamma: float, device: torch.device) -> Criterion:
+    """Element-wise BCE with logits (``reduction="none"``), inside a focal loss
+    (arXiv:1708.02002) when ``fl_gamma > 0``: ``bce * alpha_t * (1 - p_t) ** fl_gamma`` with
+    ``p_t = p`` where the target is 1 and ``1 - p`` where it is 0 (``p = sigmoid(logit)``,
+    ``alpha_t`` likewise :data:`FOCAL_ALPHA` or ``1 -`` it); soft targets interpolate linearly."""
     # torch.full fills on the device; torch.tensor([...]) would copy from the host.
     bce = nn.BCEWithLogitsLoss(
         pos_weight=torch.full((1,), float(pos_weight), device=device), reduction="none"
     )
-    return FocalLoss(bce, fl_gamma) if fl_gamma > 0 else bce
+    if fl_gamma <= 0:
+        return bce
+
+    def focal(pred: torch.Tensor, true: torch.Tensor) -> torch.Tensor:
+        loss = bce(pred, true)
+        pred_prob = torch.sigmoid(pred)
+        p_t = true * pred_prob + (1 - true) * (1 - pred_prob)
+        alpha_factor = true * FOCAL_ALPHA + (1 - true) * (1 - FOCAL_ALPHA)
+        return loss * alpha_factor * (1.0 - p_t) ** fl_gamma
+
+    return focal
 
 
 def _objectness_targets(tobj: torch.Tensor, lt: LayerTargets, score: torch.Tensor) -> torch.Tensor:

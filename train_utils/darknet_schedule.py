@@ -6,18 +6,9 @@ An iteration is one update: ``subdivisions`` forward/backward passes of ``batch 
 images each, their gradients summed, then one :meth:`DarknetSGD.step`. Darknet counts images
 (``*net.seen``); its iteration number is ``seen / batch``, and the rate of an update is taken
 after that iteration's images are counted, so update ``k`` (from 1) uses :func:`current_rate`
-at ``k``. tests/train_utils/test_darknet_schedule.py checks the rates of every policy and three
-updates against the built Darknet.
-
-Per iteration ``k = 1, 2, ...`` (the trainer's loop)::
-
-    for s in range(settings.subdivisions):
-        loss, _ = darknet_loss(model(imgs[s]), truths[s], specs, img_size)  # models/darknet_loss
-        loss.backward()                      # summed over images, not averaged
-    optimizer.set_rate(current_rate(settings, k))
-    optimizer.step()
-    optimizer.zero_grad()
-    ema.update(model, k)                      # when settings.ema_alpha
+at ``k``. :func:`train_utils.engine.train_darknet_iterations` is the loop that drives them.
+tests/train_utils/test_darknet_schedule.py checks the rates of every policy and three updates
+against the built Darknet.
 
 Values are rounded to float32 where Darknet keeps a C ``float`` and computed in double where it
 calls ``pow``/``exp``/``cos``, so the rates equal Darknet's to the last bit.
@@ -240,11 +231,6 @@ class GlibcRandom:
         return self._next_word() >> 1
 
 
-def rand_uniform_01(rand: Callable[[], int]) -> float:
-    """Darknet's ``rand_uniform(0, 1)`` from a ``rand()``: ``(float)rand() / RAND_MAX``."""
-    return to_c_float(np.float32(rand()) / np.float32(RAND_MAX))
-
-
 def current_rate(
     settings: DarknetSettings, batch_num: int, rand: Callable[[], int] | None = None
 ) -> float:
@@ -281,8 +267,9 @@ def current_rate(
         base = float(f32(1) - f32(batch_num) / f32(s.max_batches))
         return to_c_float(lr * _c_pow(base, s.power))
     if s.policy == "random":
-        draw = rand if rand is not None else (lambda: random.randint(0, RAND_MAX))
-        return to_c_float(lr * _c_pow(rand_uniform_01(draw), s.power))
+        draw = rand() if rand is not None else random.randint(0, RAND_MAX)
+        uniform = to_c_float(f32(draw) / f32(RAND_MAX))  # Darknet's rand_uniform(0, 1)
+        return to_c_float(lr * _c_pow(uniform, s.power))
     if s.policy == "sigmoid":
         exponent = float(f32(s.gamma) * f32(batch_num - s.step))
         return to_c_float(lr * (1.0 / (1.0 + _c_exp(exponent))))

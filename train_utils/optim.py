@@ -4,8 +4,7 @@ checkpoint holds of them is checked here before it is loaded (``--resume``)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -86,8 +85,12 @@ def build_optimizer(
     )
 
 
-def cosine_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int], float]:
-    """Cosine decay from 1 to ``lrf`` over ``epochs``, as a LambdaLR multiplier.
+def lr_lambda(
+    epochs: int | Callable[[], int], lrf: float, schedule: str = "cosine"
+) -> Callable[[int], float]:
+    """The LambdaLR multiplier of ``schedule``: from 1 to ``lrf`` over ``epochs``, then ``lrf``;
+    a cosine (ultralytics/yolov3's default) or straight (YOLOv5's ``--linear-lr``,
+    ``(1 - x / epochs) * (1 - lrf) + lrf``).
 
     ``epochs`` may be a callable read at every step: a ``--time-budget`` run re-plans its epoch
     count as it goes, and the rest of the curve stretches or shrinks to end at the new count.
@@ -95,17 +98,8 @@ def cosine_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int]
     total = epochs if callable(epochs) else (lambda: epochs)
 
     def f(epoch: int) -> float:
-        return ((1 + math.cos(min(epoch, total()) * math.pi / total())) / 2) * (1 - lrf) + lrf
-
-    return f
-
-
-def linear_lambda(epochs: int | Callable[[], int], lrf: float) -> Callable[[int], float]:
-    """YOLOv5's ``--linear-lr`` multiplier ``(1 - x / epochs) * (1 - lrf) + lrf``: straight from
-    1 to ``lrf`` over ``epochs`` (read at every step, as :func:`cosine_lambda`), then ``lrf``."""
-    total = epochs if callable(epochs) else (lambda: epochs)
-
-    def f(epoch: int) -> float:
+        if schedule == "cosine":
+            return ((1 + math.cos(min(epoch, total()) * math.pi / total())) / 2) * (1 - lrf) + lrf
         return (1 - min(epoch, total()) / total()) * (1 - lrf) + lrf
 
     return f
@@ -124,8 +118,7 @@ def build_scheduler(
     a resumed run's schedule follows its own ``--epochs``/plan and its own ``lr_schedule``
     (one of :data:`LR_SCHEDULES`, checked by :func:`train_utils.config.build_config`).
     """
-    curve = cosine_lambda if schedule == "cosine" else linear_lambda
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, curve(epochs, lrf))
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(epochs, lrf, schedule))
 
 
 # ---- saved state (--resume) ------------------------------------------------------------
@@ -165,14 +158,14 @@ def load_optimizer_state(
     The optimizer holds every parameter of the model, frozen or not (:func:`build_optimizer`),
     so its state fits whatever ``--freeze-layers`` the resumed run uses. Checkpoints of older
     versions held only the trainable parameters: their state is put back at the positions of
-    this run's trainable parameters when the counts agree (the same freeze as then).
+    this run's trainable parameters when the counts agree (the same freeze as then). ``saved``
+    has passed :func:`check_optimizer_state` (``--resume`` checks it before restoring).
 
     Raises:
         CheckpointError: the state is another kind of optimizer's (SGD momentum cannot become
             Adam moments), or it does not fit this model's parameters.
     """
     weights_hint = f"or start a new run from these weights with --weights {path or 'last.pt'}"
-    check_optimizer_state(saved, path)
     saved_kind, kind = optimizer_kind(saved), optimizer_kind(optimizer)
     if saved_kind is not None and kind is not None and saved_kind != kind:
         raise CheckpointError(
@@ -343,12 +336,11 @@ def load_scheduler_state(
 def load_scaler_state(
     scaler: torch.amp.GradScaler | None, saved: Any, path: str | Path | None = None
 ) -> None:
-    """Continue a checkpoint's fp16 loss scale (``saved`` None or empty: the run had none)."""
-    if saved:
-        check_scaler_state(saved, path)
-        if scaler is not None:
-            with state_loading("AMP scaler", path):
-                scaler.load_state_dict(saved)
+    """Continue a checkpoint's fp16 loss scale checked by :func:`check_scaler_state` (``saved``
+    None or empty: the run had none)."""
+    if saved and scaler is not None:
+        with state_loading("AMP scaler", path):
+            scaler.load_state_dict(saved)
 
 
 def check_scaler_state(saved: Any, path: str | Path | None = None) -> None:
@@ -390,58 +382,31 @@ def place_state_like_params(optimizer: torch.optim.Optimizer) -> int:
     ``foreach``, ``capturable``) are this run's. Returns how many tensors were moved.
     """
     moved = 0
-    for state, key, value, want in _state_tensors(optimizer):
-        if not _is_in_place(value, want):
-            state[key] = _place(value, want)
-            moved += 1
-    return moved
-
-
-@dataclass(frozen=True)
-class _Placement:
-    device: torch.device
-    dtype: torch.dtype
-    strides: tuple[int, ...] | None  # None: any layout
-    like: torch.Tensor | None  # the parameter to copy the layout of
-
-
-def _state_tensors(
-    optimizer: torch.optim.Optimizer,
-) -> Iterator[tuple[dict[str, Any], str, torch.Tensor, _Placement]]:
-    """(its parameter's state, key, tensor, where it belongs) of every state tensor."""
     for group in optimizer.param_groups:
         step_on_device = bool(group.get("fused") or group.get("capturable"))
         for p in group["params"]:
             state = optimizer.state.get(p) or {}
             for key, value in list(state.items()):
                 if isinstance(value, torch.Tensor):
-                    yield state, key, value, _placement(key, value, p, step_on_device)
+                    placed = _placed(key, value, p, step_on_device)
+                    if placed is not value:
+                        state[key] = placed
+                        moved += 1
+    return moved
 
 
-def _placement(key: str, value: torch.Tensor, p: torch.Tensor, step_on_device: bool) -> _Placement:
+def _placed(key: str, value: torch.Tensor, p: torch.Tensor, step_on_device: bool) -> torch.Tensor:
+    """State tensor ``value`` of parameter ``p`` where it belongs: ``value`` itself when it is
+    there already (``Tensor.to`` returns itself then), else a copy."""
     if key == "step":
         if step_on_device:
-            return _Placement(p.device, DEVICE_STEP_DTYPE, None, None)
-        return _Placement(torch.device("cpu"), value.dtype, None, None)
+            return value.to(device=p.device, dtype=DEVICE_STEP_DTYPE)
+        return value.to(device="cpu")
     if value.shape != p.shape:
         # Not a per-element state: only its device follows the parameter.
-        return _Placement(p.device, value.dtype, None, None)
+        return value.to(device=p.device)
     dtype = p.dtype if value.is_floating_point() else value.dtype
-    return _Placement(p.device, dtype, tuple(p.stride()), p)
-
-
-def _is_in_place(value: torch.Tensor, want: _Placement) -> bool:
-    return (
-        value.device == want.device
-        and value.dtype == want.dtype
-        and (want.strides is None or tuple(value.stride()) == want.strides)
-    )
-
-
-def _place(value: torch.Tensor, want: _Placement) -> torch.Tensor:
-    if want.like is None:
-        return value.to(device=want.device, dtype=want.dtype)
+    if value.device == p.device and value.dtype == dtype and value.stride() == p.stride():
+        return value
     # empty_like keeps a dense parameter's strides (channels_last included); copy_ converts.
-    placed = torch.empty_like(want.like, dtype=want.dtype)
-    placed.copy_(value)
-    return placed
+    return torch.empty_like(p, dtype=dtype).copy_(value)

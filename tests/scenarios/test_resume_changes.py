@@ -15,7 +15,7 @@ from models.darknet import Darknet
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import load_hyp
-from train_utils.optim import build_optimizer, cosine_lambda, load_optimizer_state
+from train_utils.optim import build_optimizer, load_optimizer_state, lr_lambda
 
 IMG = 64
 
@@ -189,7 +189,7 @@ def test_a_longer_plan_trains_at_its_own_rate_from_the_first_resumed_epoch(
     monkeypatch.setattr(trainer_module, "train_one_epoch", record)
     run_training(_argv(shapes_data, run, "--resume", str(run / "last.pt"), epochs=3))
     hyp = load_hyp(HYP_YAML)
-    schedule = cosine_lambda(3, hyp["lrf"])
+    schedule = lr_lambda(3, hyp["lrf"])
     assert sorted(seen) == [1, 2]
     for epoch, lr in seen.items():
         assert lr == pytest.approx(hyp["lr0"] * schedule(epoch), rel=1e-12), epoch

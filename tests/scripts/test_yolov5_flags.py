@@ -24,7 +24,7 @@ from train_utils.checkpoint import load_checkpoint, save_checkpoint
 from train_utils.cli import parse_args
 from train_utils.config import build_config, get_args_parser, load_hyp
 from train_utils.distributed.process_group import DistInfo
-from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda, optimizer_kind
+from train_utils.optim import build_optimizer, build_scheduler, lr_lambda, optimizer_kind
 from train_utils.rounds import keeps_epoch
 from train_utils.trainer import run
 
@@ -148,7 +148,7 @@ def test_linear_schedule_is_yolov5s_and_cosine_is_unchanged():
         x = min(epoch, epochs)
         assert linear.get_last_lr()[0] == pytest.approx(lr0 * ((1 - x / epochs) * (1 - lrf) + lrf))
         # The default is the lineage's cosine, bit for bit.
-        assert cosine.get_last_lr()[0] == lr0 * cosine_lambda(epochs, lrf)(epoch)
+        assert cosine.get_last_lr()[0] == lr0 * lr_lambda(epochs, lrf)(epoch)
         cos = ((1 + math.cos(x * math.pi / epochs)) / 2) * (1 - lrf) + lrf
         assert cosine.get_last_lr()[0] == pytest.approx(lr0 * cos)
         opt_linear.step(), opt_cosine.step()  # no gradients: only the scheduler's order matters

@@ -18,7 +18,7 @@ from train_utils import rounds
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import build_config, get_args_parser
 from train_utils.evaluation.coco_eval import STAT_NAMES
-from train_utils.optim import build_scheduler, cosine_lambda
+from train_utils.optim import build_scheduler, lr_lambda
 from train_utils.plan import FITNESS_KEY, EpochPlan, epochs_within_budget, evaluated
 
 
@@ -129,12 +129,12 @@ def test_a_resume_follows_the_budget_it_is_given() -> None:
 
 def test_stretched_cosine_ends_at_lrf() -> None:
     total = [10]
-    f = cosine_lambda(lambda: total[0], 0.1)
+    f = lr_lambda(lambda: total[0], 0.1)
     assert f(0) == 1.0 and f(10) == pytest.approx(0.1)
     before = f(3)
     total[0] = 5  # the budget turned out shorter: the curve shrinks from here on
     assert f(3) < before and f(5) == pytest.approx(0.1)
-    assert cosine_lambda(10, 0.1)(5) == pytest.approx(0.55)
+    assert lr_lambda(10, 0.1)(5) == pytest.approx(0.55)
     # The closure is not saved in the scheduler's state (resume follows the new plan).
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
     assert build_scheduler(opt, lambda: 3, 0.1).state_dict()["lr_lambdas"] == [None]

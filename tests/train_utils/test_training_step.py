@@ -23,7 +23,7 @@ from train_utils.engine import (
     train_one_epoch,
     warmup_lr,
 )
-from train_utils.optim import build_optimizer, build_scheduler, cosine_lambda
+from train_utils.optim import build_optimizer, build_scheduler, lr_lambda
 
 REPO = Path(__file__).resolve().parents[2]
 NANO = REPO / "cfg" / "yolov3-spp-nano.cfg"
@@ -151,7 +151,7 @@ def test_warm_up_and_bias_warm_up_inside_train_one_epoch(hyp) -> None:
     assert rec.lrs[0]["weights"] == pytest.approx(0.01 * WARMUP_START_FACTOR)
     assert rec.lrs[0]["bias"] == pytest.approx(0.1)
     # After warm-up: the scheduled rate of epoch 1, for every group.
-    sched = 0.01 * cosine_lambda(3, hyp["lrf"])(1)
+    sched = 0.01 * lr_lambda(3, hyp["lrf"])(1)
     assert rec.lrs[-1] == pytest.approx({"bn": sched, "weights": sched, "bias": sched})
 
 
@@ -181,7 +181,7 @@ def test_an_epoch_waits_for_the_device_only_to_log_and_at_its_end(hyp) -> None:
 
 
 def test_cosine_schedule() -> None:
-    f = cosine_lambda(10, 0.1)
+    f = lr_lambda(10, 0.1)
     assert f(0) == 1.0 and f(10) == pytest.approx(0.1) and f(5) == pytest.approx(0.55)
     opt = torch.optim.SGD([nn.Parameter(torch.zeros(1))], lr=0.2)
     sched = build_scheduler(opt, 10, 0.1)
