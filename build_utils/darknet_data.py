@@ -150,9 +150,9 @@ def _random_coef(random: float) -> float:
 
 def rand_scale(rng: np.random.Generator, s: float) -> float:
     """Darknet's ``rand_scale(s)``: uniform between 1 and ``s``, then that or its inverse with
-    equal odds."""
-    lo, hi = sorted((1.0, float(s)))
-    scale = float(f32(rng.random()) * f32(hi - lo) + f32(lo))
+    equal odds; in C's float arithmetic (``s`` is a float there, and so is ``max - min``)."""
+    lo, hi = sorted((f32(1.0), f32(s)))
+    scale = float(f32(rng.random()) * (hi - lo) + lo)
     return scale if rng.integers(2) else float(f32(1) / f32(scale))
 
 

@@ -122,6 +122,17 @@ def test_rand_scale_draws_between_the_factor_and_its_inverse():
     values = np.array([rand_scale(rng, 1.5) for _ in range(2000)])
     assert values.min() >= 1 / 1.5 - 1e-6 and values.max() <= 1.5 + 1e-6
     assert 0.45 < (values > 1).mean() < 0.55
+    # C's float arithmetic: rand_coef 1.4f - 1.0f is 0.39999998f, not f32(1.4 - 1.0) =
+    # 0.40000001f, and one draw in eight came out one float step apart (was: 1.3651023).
+
+    class Draw:  # a random_float of 0.91275555 and the scale itself, not its inverse
+        def random(self) -> float:
+            return 0.91275554895401
+
+        def integers(self, n: int) -> int:
+            return 1
+
+    assert rand_scale(Draw(), 1.4) == 1.3651021718978882
 
 
 def test_batches_of_a_range_replay_the_whole_run():
