@@ -62,7 +62,8 @@ class Run:
             REL_PARK_S=str(PARK_SECONDS),
         )
         cmd = worker_cmd("interrupted_train") if point else [sys.executable, str(REPO / "train.py")]
-        argv = [*cmd, *train_argv(data, out, *extra, **RUN)]
+        timed = point == "park-in-timing"  # the memory format timed, not given: it parks there
+        argv = [*cmd, *train_argv(data, out, *extra, **RUN, channels_last=None if timed else False)]
         self.proc = warm_python.start(argv, cwd=tmp, env=env, merge_stderr=True)
 
     def wait_for_marker(self, timeout: float = 240) -> None:
