@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
+from torch.utils.data.dataloader import _MultiProcessingDataLoaderIter
 
 from build_utils.darknet_data import DarknetBatches, DarknetDetections, DarknetLoaderSettings
 from build_utils.datasets import LoadImagesAndLabels, worker_init_fn
@@ -91,6 +92,28 @@ class TrainData:
     coco_gt: Any | None
     n_train: int
     n_val: int
+
+    def __post_init__(self) -> None:
+        # The trainer wraps val_loader (UnreadableImages); the loaders themselves are closed.
+        self._loaders = (self.train_loader, self.val_loader)
+
+    def close(self) -> None:
+        """End both loaders' persistent worker processes now (:func:`shut_down_workers`)."""
+        for loader in self._loaders:
+            shut_down_workers(loader)
+
+
+def shut_down_workers(loader: DataLoader) -> None:
+    """End ``loader``'s persistent worker processes now, as PyTorch does when its iterator is
+    freed. An iterator still referenced when the interpreter exits (a reference cycle, which
+    the collector does not free before the exit hooks) leaves them to multiprocessing's exit
+    hook, which sends SIGTERM, which the workers ignore (``worker_init_fn``), and then waits
+    for them forever: a finished or interrupted run hung at exit. PyTorch has no public call
+    for this; PyTorch Lightning shuts persistent workers down the same way."""
+    iterator = getattr(loader, "_iterator", None)
+    if isinstance(iterator, _MultiProcessingDataLoaderIter):
+        iterator._shutdown_workers()
+    loader._iterator = None
 
 
 def build_train_data(config: TrainConfig, dist: DistInfo, hyp: dict[str, Any]) -> TrainData:

@@ -239,6 +239,7 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSig
         raise
     finally:
         reporter.close()
+        train_data.close()
     return RunSummary(config.output_dir, epochs_run, loop.best, loop.last_stats, seconds)
 
 

@@ -66,3 +66,34 @@ def test_a_per_process_ram_cache_counts_the_processes_of_the_node(shapes_data, m
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "8")
     with pytest.raises(DatasetError, match=r"x 8 process\(es\)"):
         make_eval_dataset(lst, 96, 4, nc=3, cache_images="ram")
+
+
+def test_a_run_ends_its_loaders_workers_even_when_something_still_holds_them(
+    shapes_data, tmp_path, monkeypatch
+):
+    """Was: a DataLoader iterator still referenced at exit (a reference cycle) left its
+    persistent workers to multiprocessing's exit hook, whose SIGTERM they ignore: the process
+    hung at exit after "done" or "interrupted" (seen with --recipe darknet). The trainer now ends
+    the workers itself; here something keeps the loaders alive after the run."""
+    import multiprocessing
+
+    from conftest import run_training
+
+    from train_utils import trainer
+    from train_utils.data_loaders import shut_down_workers
+
+    held = []
+
+    def build_and_hold(*args, **kwargs):
+        held.append(build_train_data(*args, **kwargs))
+        return held[-1]
+
+    monkeypatch.setattr(trainer, "build_train_data", build_and_hold)
+    try:
+        run_training(train_argv(shapes_data, tmp_path / "run", workers=1, batch=2, img=64))
+        assert held and held[0].train_loader._iterator is None
+        assert multiprocessing.active_children() == []
+    finally:  # a failure here must not leave this pytest process hanging at its exit
+        for data in held:
+            shut_down_workers(data.train_loader)
+            shut_down_workers(data.val_loader)
