@@ -411,21 +411,27 @@ class EpochReporter:
         if not last.is_file():
             logger.warning("interrupted in %s %d; nothing is saved in %s", unit, epoch, self.out)
             return
-        if completed:
+        if unfinished_saved:  # first: the start it saved counts as "completed" too
+            where = (
+                f"in epoch {epoch} before any epoch"
+                if unit == "epoch"
+                else "before the first round of iterations (--eval-iterations)"
+            )
+            again = f"epoch {epoch}" if unit == "epoch" else "that round"
+            logger.warning(
+                "interrupted %s completed; its part-trained weights are saved in %s; continue "
+                "with --resume (%s is trained again from them)",
+                where,
+                last,
+                again,
+            )
+        elif completed:
             logger.warning(
                 "interrupted after %s %d, which is complete and saved in %s; continue with "
                 "--resume",
                 unit,
                 epoch,
                 last,
-            )
-        elif unfinished_saved:
-            logger.warning(
-                "interrupted in epoch %d before any epoch completed; its part-trained weights "
-                "are saved in %s; continue with --resume (epoch %d is trained again from them)",
-                epoch,
-                last,
-                epoch,
             )
         else:
             # --recipe darknet saves every --eval-iterations, not after each iteration.

@@ -575,6 +575,9 @@ def test_darknet_rounds_are_iterations_and_have_no_loss_parts(tmp_path, caplog):
         (tmp_path / "last.pt").write_bytes(b"saved")
         reporter.interrupted(8, completed=True)
         reporter.interrupted(9)
+        # Was: 'interrupted after iteration 0, which is complete and saved' when Ctrl-C came
+        # before the first round ended and the start's part-trained weights were saved.
+        reporter.interrupted(0, unfinished_saved=True, completed=True)
     reporter.close()
     [row] = read_results(tmp_path / "results.csv")
     assert (row["box_loss"], row["obj_loss"], row["cls_loss"], row["loss"]) == ("", "", "", "17.5")
@@ -582,6 +585,12 @@ def test_darknet_rounds_are_iterations_and_have_no_loss_parts(tmp_path, caplog):
     assert "loss 17.5000, lr" in text and "nan" not in text.lower()
     assert f"interrupted after iteration 8, which is complete and saved in {tmp_path}" in text
     assert "interrupted in iteration 9; the last round is in" in text
+    assert (
+        "interrupted before the first round of iterations (--eval-iterations) completed; its "
+        f"part-trained weights are saved in {tmp_path / 'last.pt'}; continue with --resume (that "
+        "round is trained again from them)"
+    ) in text
+    assert "after iteration 0" not in text
     assert "epoch" not in "".join(
         r.getMessage() for r in caplog.records if "interrupted" in r.getMessage()
     )
