@@ -133,12 +133,16 @@ class DarknetSettings:
         ints = {f.name: int(net.get(f.name, f.default)) for f in fields(cls) if f.type == "int"}
         ints["sgdr_cycle"] = int(net.get("sgdr_cycle", ints["max_batches"]))
         batch, subdivisions = ints["batch"], ints["subdivisions"]
-        if subdivisions < 1 or batch < subdivisions:
+        if subdivisions < 1:
+            raise layer_error(
+                net, f"subdivisions={subdivisions} must be at least 1", "subdivisions"
+            )
+        if batch < subdivisions:
             raise layer_error(
                 net,
-                f"batch={batch} must be at least subdivisions={subdivisions} >= 1 (each pass "
-                "trains batch / subdivisions images)",
-                "subdivisions" if subdivisions < 1 else "batch",
+                f"batch={batch} must be at least subdivisions={subdivisions} (each pass trains "
+                "batch / subdivisions images)",
+                "batch",
             )
         steps = tuple(int(s) for s in net.get("steps", ()))  # Darknet's atoi
         scales = c_floats(net, "scales")
@@ -160,9 +164,8 @@ class DarknetSettings:
                 f"got {sgdr_cycle} and {sgdr_mult}",
                 "sgdr_cycle" if sgdr_cycle < 1 else "sgdr_mult",
             )
-        for key in ("burn_in", "max_batches"):
-            if ints[key] < 0:
-                raise layer_error(net, f"{key}={ints[key]} must be at least 0", key)
+        if ints["burn_in"] < 0:  # max_batches: the recipe's one range check (darknet_recipe)
+            raise layer_error(net, f"burn_in={ints['burn_in']} must be at least 0", "burn_in")
         # The float keys likewise, as Darknet reads them (float32).
         reals = {f.name: c_float(net, f.name, f.default) for f in fields(cls) if f.type == "float"}
         _check_reals(net, reals, scales)

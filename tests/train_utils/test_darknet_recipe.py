@@ -116,6 +116,7 @@ def test_unknown_keys_are_refused_with_their_line():
     [
         ("batch=1\nsubdivisions=1", "batch=1 trains one image an iteration"),
         ("max_batches=0", "max_batches=0 must be in 1..100000000"),
+        ("max_batches=-5", "max_batches=-5 must be in 1..100000000"),
         ("policy=cosine", "policy=cosine is not one of"),
     ],
 )
