@@ -387,8 +387,8 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
         "--exist-ok",
         action="store_true",
         help="replace a dataset this tool made in --out before (its train/ and val/ folders are "
-        f"removed first, so that no image of the old set stays); a folder without {STAMP_NAME} "
-        "is refused",
+        f"removed first, so that no image of the old set stays); a folder that holds any of "
+        f"its files or folders but no {STAMP_NAME} is refused",
     )
     return parser
 
