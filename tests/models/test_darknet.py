@@ -752,3 +752,19 @@ def test_info_restores_training_mode():
     model.train()
     model.info(64)
     assert model.training
+
+
+def test_the_lineages_imports_from_models_work_and_load_lazily():
+    """``from models import Darknet`` is how ultralytics/yolov3 and the tutorial's yolov3_spp
+    scripts import the model: kept, without importing every submodule for ``models.loss``."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; import models.loss; assert 'models.weights' not in sys.modules; "
+        "from models import Darknet, YOLOLayer, load_darknet_weights, save_weights; "
+        "from models.darknet import Darknet as D; assert Darknet is D"
+    )
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
