@@ -142,6 +142,11 @@ def native_bf16_cpu(monkeypatch, tmp_path):
     return timings
 
 
+def _argv(data: Path, out: Path, *extra: str, epochs: int = 1) -> list[str]:
+    """train_argv of these runs: 64 px, batch 2, and the memory format timed (not given)."""
+    return train_argv(data, out, *extra, img=64, batch=2, epochs=epochs, channels_last=None)
+
+
 def _recorded_amp(out: Path) -> str | None:
     return torch.load(out / "last.pt", weights_only=True)["precision"]["amp"]
 
@@ -152,7 +157,7 @@ def test_auto_trains_in_bf16_where_it_is_timed_faster(
     data = make_shapes_data(n_train=4, n_val=2)
     steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)
     with caplog.at_level(logging.INFO, logger=memory_format.__name__):
-        run_training(train_argv(data, tmp_path / "fast", img=64, batch=2, channels_last=None))
+        run_training(_argv(data, tmp_path / "fast"))
     assert _recorded_amp(tmp_path / "fast") == "bfloat16"
     # Both precisions in both formats, once each: the format follows from the same timings.
     assert sorted(steps.calls, key=str) == sorted(
@@ -173,7 +178,7 @@ def test_auto_trains_in_bf16_where_it_is_timed_faster(
 def test_auto_stays_fp32_where_bf16_is_not_faster(native_bf16_cpu, make_shapes_data, tmp_path):
     data = make_shapes_data(n_train=4, n_val=2)
     native_bf16_cpu(fp32_s=1.0, bf16_s=0.95)
-    run_training(train_argv(data, tmp_path / "slow", img=64, batch=2, channels_last=None))
+    run_training(_argv(data, tmp_path / "slow"))
     assert _recorded_amp(tmp_path / "slow") is None
 
 
@@ -191,9 +196,7 @@ def test_flags_bypass_the_timing_and_say_so(
     the console and in train.log, as validation.py and predict.py write it."""
     data = make_shapes_data(n_train=4, n_val=2)
     steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)  # channels_last 0.9x: the faster format
-    run_training(
-        train_argv(data, tmp_path / flag, "--amp", flag, img=64, batch=2, channels_last=None)
-    )
+    run_training(_argv(data, tmp_path / flag, "--amp", flag))
     assert _recorded_amp(tmp_path / flag) == recorded
     assert {a for a, _ in steps.calls} == {dtype_from_name(recorded)}  # only the format timed
     log = (tmp_path / flag / "train.log").read_text()
@@ -207,9 +210,7 @@ def test_forced_bf16_without_bf16_kernels_trains_and_records_fp32(
     fp32 runs, so fp32 is recorded, and a bf16 CPU evaluating the checkpoint replays fp32."""
     monkeypatch.setattr(precision, "cpu_bf16_is_fast", lambda: False)
     data = make_shapes_data(n_train=4, n_val=2)
-    run_training(
-        train_argv(data, tmp_path / "forced", "--amp", "bf16", img=64, batch=2, channels_last=None)
-    )
+    run_training(_argv(data, tmp_path / "forced", "--amp", "bf16"))
     assert _recorded_amp(tmp_path / "forced") is None
 
 
@@ -219,23 +220,12 @@ def test_a_resumed_run_keeps_its_precision(
     data = make_shapes_data(n_train=4, n_val=2)
     out = tmp_path / "run"
     native_bf16_cpu(fp32_s=1.0, bf16_s=0.5)
-    run_training(train_argv(data, out, img=64, batch=2, channels_last=None, epochs=1))
+    run_training(_argv(data, out, epochs=1))
     assert _recorded_amp(out) == "bfloat16"
     # Another day, bf16 times slower (and the cache is gone): the resumed run stays in bf16.
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache2"))
     steps = native_bf16_cpu(fp32_s=0.5, bf16_s=1.0)
-    run_training(
-        train_argv(
-            data,
-            out,
-            "--resume",
-            str(out / "last.pt"),
-            img=64,
-            batch=2,
-            channels_last=None,
-            epochs=2,
-        )
-    )
+    run_training(_argv(data, out, "--resume", str(out / "last.pt"), epochs=2))
     ckpt = torch.load(out / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["precision"]["amp"] == "bfloat16"
     assert steps.calls == []  # its format is the run's too (test_..._keeps_its_memory_format)
@@ -251,22 +241,11 @@ def test_a_resumed_run_keeps_its_memory_format(
     data = make_shapes_data(n_train=4, n_val=2)
     out = tmp_path / "run"
     native_bf16_cpu(fp32_s=1.0, bf16_s=0.5, channels_last_x=0.5)
-    run_training(train_argv(data, out, img=64, batch=2, channels_last=None, epochs=1))
+    run_training(_argv(data, out, epochs=1))
     assert torch.load(out / "last.pt", weights_only=True)["precision"]["channels_last"] is True
     monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache2"))
     steps = native_bf16_cpu(fp32_s=1.0, bf16_s=0.5, channels_last_x=2.0)  # contiguous faster now
-    run_training(
-        train_argv(
-            data,
-            out,
-            "--resume",
-            str(out / "last.pt"),
-            img=64,
-            batch=2,
-            channels_last=None,
-            epochs=2,
-        )
-    )
+    run_training(_argv(data, out, "--resume", str(out / "last.pt"), epochs=2))
     ckpt = torch.load(out / "last.pt", weights_only=True)
     assert ckpt["epoch"] == 1 and ckpt["precision"]["channels_last"] is True
     assert steps.calls == []  # precision and format both the run's: nothing timed
