@@ -235,7 +235,7 @@ def train_darknet_iterations(
         state.optimizer.zero_grad(set_to_none=True)
         state.averager.update(model, k)
         adapt_threads(opts.device)
-    return meter.finish()
+    return meter.finish()  # Collective: the mean losses and data wait over all ranks
 
 
 def train_one_epoch(
@@ -271,7 +271,7 @@ def train_one_epoch(
             _optimizer_step(state)
         meter.add(losses, paths, imgs.shape, lr)
         adapt_threads(opts.device)
-    return meter.finish()
+    return meter.finish()  # Collective: the mean losses and data wait over all ranks
 
 
 class _WaitClock:
