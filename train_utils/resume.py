@@ -211,7 +211,8 @@ def settings_of_resumed_run(
         else f"in a new folder beside {folder} (its later epochs are kept)"
     )
     logger.info(
-        "--resume %s: continuing that run %s with its own arguments (cfg %s, data %s)",
+        "--resume %s: continuing that run %s with its own arguments for the flags not given "
+        "(cfg %s, data %s)",
         path,
         where,
         args.cfg,
