@@ -84,6 +84,7 @@ from train_utils.precision import (
     replay_precision,
     to_model_input,
 )
+from train_utils.run_folder import check_not_a_run_file
 from train_utils.threads import adapt_threads
 
 logger = logging.getLogger("predict")
@@ -545,6 +546,30 @@ def check_not_a_datasets_labels(out: Path) -> None:
         )
 
 
+def check_not_over_kept_files(out: Path, outputs: Sequence[Output]) -> None:
+    """Refuse a picture that would replace a file predictions must never replace, not even with
+    ``--exist-ok``: a training run's own file (``train_batch0.jpg``, ``results.png`` in a folder
+    holding that run) or a dataset's image (one whose label file exists). Was: ``--exist-ok``
+    into ``images/train`` replaced the training images with drawn ones.
+
+    Raises:
+        ConfigError: naming the first such file.
+    """
+    for o in outputs:
+        if not (isinstance(o.source, Path) and is_image_file(o.source)):
+            continue  # a video's or stream's stem.mp4: no run or dataset file has that name
+        target = out / f"{o.stem.as_posix()}{o.source.suffix}"
+        if not target.is_file():
+            continue
+        check_not_a_run_file(target, OUTPUT_FLAG, out.with_name(f"{out.name}-predict"))
+        if Path(img2label_path(str(target))).is_file():
+            raise ConfigError(
+                f"{OUTPUT_FLAG} {out}: {target} is a dataset's image (its labels are in "
+                f"{img2label_path(str(target))}), which a drawn picture would replace; choose "
+                f"another {OUTPUT_FLAG}"
+            )
+
+
 def choose_output_dir(
     requested: Path,
     exist_ok: bool,
@@ -573,6 +598,7 @@ def choose_output_dir(
         )
     if save_txt:
         check_not_a_datasets_labels(out)
+    check_not_over_kept_files(out, outputs)
     if out != requested:
         logger.info(
             "--output %s already holds files; writing to %s (--exist-ok to write into it)",

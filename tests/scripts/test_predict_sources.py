@@ -101,6 +101,38 @@ def test_save_txt_never_replaces_a_datasets_labels(checkpoint, make_shapes_data,
     assert {p: p.read_bytes() for p in split.rglob("*") if p.is_file()} == before
 
 
+def test_exist_ok_never_draws_over_a_datasets_images_or_a_runs_pictures(
+    checkpoint, make_shapes_data, tmp_path, capsys
+):
+    """Was: --exist-ok into a dataset's images folder replaced its training images with drawn
+    ones, and into a run folder its train_batch0.jpg. Both refused: one line, exit 2, every
+    byte kept. Predictions of other names into a run folder are still written."""
+    images = make_shapes_data(n_train=1, n_val=2).parent / "val" / "images"
+    source = tmp_path / "imgs" / "val_000001.jpg"
+    source.parent.mkdir()
+    shutil.copy(images / "val_000001.jpg", source)
+    before = {p: p.read_bytes() for p in images.parent.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert _main(checkpoint, images, "--source", str(source), "--exist-ok") == 2
+    label = images.parent / "labels" / "val_000001.txt"
+    assert capsys.readouterr().err == (
+        f"error: --output {images}: {images / 'val_000001.jpg'} is a dataset's image (its labels "
+        f"are in {label}), which a drawn picture would replace; choose another --output\n"
+    )
+    assert {p: p.read_bytes() for p in images.parent.rglob("*") if p.is_file()} == before
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "results.csv").write_text("epoch\n0\n")
+    (run / "train_batch0.jpg").write_bytes(b"the run's picture")
+    shutil.copy(source, tmp_path / "imgs" / "train_batch0.jpg")
+    argv = ["--source", str(tmp_path / "imgs" / "train_batch0.jpg"), "--exist-ok"]
+    assert _main(checkpoint, run, *argv) == 2
+    assert "is a file of the training run" in capsys.readouterr().err
+    assert (run / "train_batch0.jpg").read_bytes() == b"the run's picture"
+    assert _main(checkpoint, run, "--source", str(source), "--exist-ok") == 0
+    assert (run / "val_000001.jpg").is_file()
+
+
 def test_save_conf_without_save_txt_says_it_is_ignored(checkpoint, shapes_data, tmp_path, caplog):
     """Was: silently ignored (as YOLOv5 does); now one warning line, and nothing else changes."""
     image = str(sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0])
