@@ -377,9 +377,20 @@ def _import_onnxruntime():
     return ort
 
 
+def _path_or_bytes(path: Path) -> str | bytes:
+    """``path`` as the runtimes take it, or the file's bytes where it is not UTF-8: onnxruntime
+    and TorchScript's loader take a path only as a UTF-8 ``str`` (a non-UTF-8 folder was a
+    TypeError traceback after the file was written)."""
+    try:
+        str(path).encode("utf-8")
+    except UnicodeEncodeError:
+        return path.read_bytes()
+    return str(path)
+
+
 def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
     ort = _import_onnxruntime()
-    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(_path_or_bytes(path), providers=["CPUExecutionProvider"])
     dtype = np.float16 if session.get_inputs()[0].type == "tensor(float16)" else np.float32
     (got,) = session.run(None, {INPUT_NAME: x.astype(dtype)})
     return got.astype(np.float32)
@@ -388,7 +399,10 @@ def _run_onnx(path: Path, x: np.ndarray) -> np.ndarray:
 def _run_torchscript(path: Path, x: np.ndarray) -> np.ndarray:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit.load's deprecation notice
-        module = torch.jit.load(str(path), map_location="cpu")
+        source = _path_or_bytes(path)
+        module = torch.jit.load(
+            io.BytesIO(source) if isinstance(source, bytes) else source, map_location="cpu"
+        )
     dtype = next(module.parameters()).dtype
     with torch.no_grad():
         return module(torch.from_numpy(x).to(dtype)).float().numpy()

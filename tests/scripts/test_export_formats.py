@@ -188,6 +188,22 @@ def test_onnx_and_torchscript_agree_with_pytorch(weights, tmp_path):
 
 
 @needs_ort
+def test_exports_into_a_folder_whose_name_is_not_utf8_are_checked(weights, tmp_path, caplog):
+    """Was: a TypeError traceback (exit 1) from onnxruntime's and TorchScript's loaders after the
+    file was written: both take a path only as UTF-8 text; the check now hands them the bytes."""
+    out = tmp_path / os.fsdecode(b"exp\xff")
+    try:
+        out.mkdir()
+    except OSError as e:
+        pytest.skip(f"this file system refuses names that are not UTF-8 ({e})")
+    argv = ["--weights", str(weights), "--cfg", str(TINY), "--img-size", str(IMG), "-o", str(out)]
+    with caplog.at_level("INFO"):
+        assert export.main([*argv, "--include", "onnx", "torchscript", "--exist-ok"]) == 0
+    checked = [r.getMessage() for r in caplog.records if "matches PyTorch" in r.getMessage()]
+    assert [m.split()[0] for m in checked] == ["onnx", "torchscript"]
+
+
+@needs_ort
 def test_half_onnx_and_torchscript(weights, tmp_path, caplog):
     """float16 end to end on the CPU (ONNX's grid is counted in float32: Range has no float16).
     The log says which tolerance each format is within, and how much of it is used: a max abs
