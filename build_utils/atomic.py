@@ -324,12 +324,15 @@ def make_output_dir(path: str | os.PathLike[str], flag: str | None = None) -> Pa
     return path
 
 
-def write_text(path: str | os.PathLike[str], text: str, flag: str | None = None) -> None:
-    """Write ``text`` (UTF-8) to the user-chosen ``path`` atomically.
+def write_text(
+    path: str | os.PathLike[str], text: str, flag: str | None = None, errors: str = "strict"
+) -> None:
+    """Write ``text`` (UTF-8) to the user-chosen ``path`` atomically; ``errors="surrogateescape"``
+    for a report naming files, whose names that are not UTF-8 are then written as their bytes.
 
     Raises:
         OutputError: it cannot be written (``flag``: the option that chose it); the previous
             file stays as it was.
     """
-    with reported_write(path, flag), atomic_write(path, "w") as f:
+    with reported_write(path, flag), atomic_write(path, "w", errors=errors) as f:
         f.write(text)

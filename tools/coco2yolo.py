@@ -394,7 +394,8 @@ def coco_to_yolo(args: argparse.Namespace) -> None:
     )
     write_text(out / DATA_YAML, yaml_text, "--out")
     report_path = out / f"coco2yolo_{split}_report.txt"
-    write_text(report_path, report_text(report.summary(), report.lines), "--out")
+    text = report_text(report.summary(), report.lines)
+    write_text(report_path, text, "--out", errors="surrogateescape")  # names as on disk
     LOGGER.info(
         "%s; %d classes; %s (report: %s)",
         report.summary(),

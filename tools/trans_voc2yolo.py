@@ -552,14 +552,20 @@ def voc_to_yolo(args: argparse.Namespace) -> None:
             args.one_based,
         )
     written = []
-    for path, text, flag in (
-        (outputs.names, "".join(n + "\n" for n in names), "--names-out"),
-        (outputs.data_yaml, data_yaml, "--out"),
-        (outputs.report, report_text(report.summary(), report.lines), "--report"),
+    # The report names files as they are on disk, a name that is not UTF-8 too.
+    for path, text, flag, errors in (
+        (outputs.names, "".join(n + "\n" for n in names), "--names-out", "strict"),
+        (outputs.data_yaml, data_yaml, "--out", "strict"),
+        (
+            outputs.report,
+            report_text(report.summary(), report.lines),
+            "--report",
+            "surrogateescape",
+        ),
     ):
         if path is not None:
             make_output_dir(path.parent, flag)
-            write_text(path, text, flag)
+            write_text(path, text, flag, errors)
             written.append(str(path))
     LOGGER.info("%s; %d classes; wrote %s", report.summary(), len(names), ", ".join(written))
 

@@ -98,6 +98,23 @@ def test_voc_to_yolo_reproduces_the_generator_labels(make_shapes_data, tmp_path)
     assert (out / "train" / "voc2yolo_report.txt").read_text().startswith("# 10 XML files")
 
 
+def test_voc_report_names_an_xml_file_whose_name_is_not_utf8(make_shapes_data, tmp_path):
+    """Was: a UnicodeEncodeError traceback writing the report, after the labels and the names
+    file were written (so the same command then refused: names file exists). The report now
+    names the file by its bytes on disk."""
+    root = make_shapes_data(n_train=2, n_val=1, voc=True).parent / "train"
+    xml = root / "Annotations" / "train_000001.xml"
+    odd = xml.with_name(os.fsdecode(b"odd\xff.xml"))
+    try:
+        xml.rename(odd)
+    except OSError as e:
+        pytest.skip(f"this file system refuses names that are not UTF-8 ({e})")
+    argv = ["--xml-dir", str(root / "Annotations"), "--img-dir", str(root / "images")]
+    assert trans_voc2yolo.main([*argv, "--label-dir", str(tmp_path / "labels")]) == 0
+    report = (tmp_path / "voc2yolo_report.txt").read_bytes()
+    assert b"odd\xff.xml: no image odd\xff.* in " in report
+
+
 def test_voc_problems_are_handled_and_reported(tmp_path, capsys):
     xml_dir, img_dir, label_dir = tmp_path / "Annotations", tmp_path / "images", tmp_path / "labels"
     xml_dir.mkdir()
