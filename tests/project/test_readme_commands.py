@@ -6,7 +6,8 @@ program) are parsed into commands: backslash continuations joined, comments drop
 line), run as a subprocess in its own working folder that holds what the README's placeholder
 paths name:
 
-- ``mydata/mydata.data``, ``d.data``, ``my.data``, ``data/coco.data``: a tiny shapes dataset
+- ``mydata/mydata.data``, ``mydata/my_data.data`` (calculate_dataset's name), ``d.data``,
+  ``my.data``, ``data/coco.data``: a tiny shapes dataset
   (4 train / 4 val images of 64 px, 5 classes), built once per session;
 - ``runs/mydata/`` (``best.pt``, ``last.pt``, ``model.cfg``): one tiny run (1 epoch), trained
   once per session; ``best.pt`` and ``weights/yolov3-spp.pt`` are copies of its ``best.pt``;
@@ -376,6 +377,7 @@ def tiny_data(tmp_path_factory: pytest.TempPathFactory) -> Path:
         root, 4, 4, img_size_range=(64, 64), seed=0, obj_size_range=(12.0, 0.6), workers=1
     )
     shutil.copy(data, root / "mydata.data")
+    shutil.copy(data, root / "my_data.data")  # as tools/calculate_dataset.py --name my names it
     # The same data as YOLOv5 describes it (README "Coming from YOLOv5/YOLOv8").
     names = (root / "shapes.names").read_text().split()
     (root / "data.yaml").write_text(f"train: train/images\nval: val/images\nnames: {names}\n")
