@@ -555,6 +555,11 @@ def check_not_over_kept_files(out: Path, outputs: Sequence[Output]) -> None:
     Raises:
         ConfigError: naming the first such file.
     """
+    if not out.is_dir():
+        return
+    with os.scandir(out) as entries:
+        if next(entries, None) is None:
+            return  # an empty folder (no --exist-ok into files): no stat per source image
     for o in outputs:
         if not (isinstance(o.source, Path) and is_image_file(o.source)):
             continue  # a video's or stream's stem.mp4: no run or dataset file has that name
