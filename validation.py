@@ -7,6 +7,7 @@ else pycocotools: the same numbers), per-class table, error breakdown.
     python validation.py ... --save-json out/ --json-out stats.json
     python validation.py ... --save-json out/ --coco-gt instances_val.json  # + the source JSON
     python validation.py ... --save-txt --save-conf --save-dir runs/val/exp
+    python validation.py ... --task test                     # the data's test split instead
     python validation.py ... --task speed --batch-size 1      # ms per image for each step
     python validation.py ... --augment                       # test-time augmentation (3 passes)
     torchrun --nproc_per_node=2 validation.py ...     # each process scores a disjoint shard
@@ -145,9 +146,10 @@ def _add_evaluation_flags(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--task",
         default="val",
-        choices=("val", "speed"),
-        help="val: COCO mAP, per-class table and pictures; speed: ms per image of "
-        "pre-process, inference and NMS",
+        choices=("val", "test", "train", "speed"),
+        help="val: COCO mAP, per-class table and pictures of the data's val images; test, "
+        "train: the same for that split (YOLOv5's val.py --task); speed: ms per image of "
+        "pre-process, inference and NMS on the val images",
     )
 
 
@@ -516,7 +518,7 @@ def prepare(
     opts = evaluation_options(args, weights, device, dist.is_main)
     data_nc = load_data_config(args.data).nc if args.single_cls else data.nc
     dataset = make_eval_dataset(
-        data.valid, args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
+        data.split(args.task), args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
     )
     check_not_over_inputs(args, requested, data, dataset)
     if args.batch_size > len(dataset):
@@ -609,8 +611,9 @@ def score_and_report(
     if not dist.is_main:
         return
     logger.info(
-        "%d images, conf %.3g, NMS IoU %.2f, img %d%s, weights %s, scored by %s\n%s",
+        "%d %s images, conf %.3g, NMS IoU %.2f, img %d%s, weights %s, scored by %s\n%s",
         len(ev.dataset),
+        args.task,
         args.conf_thres,
         args.iou_thres,
         args.img_size,

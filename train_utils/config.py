@@ -231,8 +231,9 @@ DataSource = Path | tuple[Path, ...]
 @dataclass(frozen=True)
 class DataConfig:
     """A validated ``.data`` or ``data.yaml`` file: class count and names, the train and val
-    images (one source, or several from a data.yaml list), ``coco_ids``: the file of
-    ``tools/coco2yolo.py`` mapping classes and images back to their COCO JSON's ids (None), and
+    images (one source, or several from a data.yaml list), ``test`` when it names one,
+    ``coco_ids``: the file of ``tools/coco2yolo.py`` mapping classes and images back to their
+    COCO JSON's ids (None), and
     ``files``: (key, path) of every file or folder the dataset file names (image lists and
     folders, names file, ``coco_ids``), which a tool that reads the data must not write over."""
 
@@ -243,6 +244,26 @@ class DataConfig:
     valid: DataSource
     coco_ids: Path | None = None
     files: tuple[tuple[str, Path], ...] = ()
+    test: DataSource | None = None
+
+    def split(self, task: str) -> DataSource:
+        """The images of ``validation.py --task`` (train, val or test; YOLOv5's ``val.py``)."""
+        if task != "test":
+            return self.train if task == "train" else self.valid
+        if self.test is None:
+            raise ConfigError(
+                "--task test: the dataset file names no test split (test: in a data.yaml, "
+                "test= in a .data file)",
+                self.path,
+            )
+        for source in (self.test,) if isinstance(self.test, Path) else self.test:
+            if not source.exists():
+                raise ConfigError(
+                    f"--task test: 'test' points to {short_text(str(source))}, which does not "
+                    "exist",
+                    self.path,
+                )
+        return self.test
 
 
 def _sources(value: str | list[str]) -> DataSource:
@@ -251,7 +272,8 @@ def _sources(value: str | list[str]) -> DataSource:
 
 def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
     """Resolve a ``.data`` or ``data.yaml`` file (``build_utils.parse_config.parse_data_cfg``)
-    and check that its train and val sources exist."""
+    and check that its train and val sources exist (test: when scored, :meth:`DataConfig.split`;
+    YOLOv5's coco.yaml names a test-dev2017.txt few have)."""
     path = Path(path)
     if not path.is_file():
         what = "is a folder, not a dataset file" if path.is_dir() else "dataset file not found"
@@ -286,7 +308,8 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
         if isinstance(value, str)
     )
     train, valid = _sources(d["train"]), _sources(d["valid"])
-    return DataConfig(path, nc, names, train, valid, coco_ids, files)
+    test = _sources(d["test"]) if d.get("test") else None
+    return DataConfig(path, nc, names, train, valid, coco_ids, files, test)
 
 
 def repo_default(value: str, default: str) -> str:

@@ -164,6 +164,49 @@ def test_task_speed(shapes_data, weights5, tmp_path, caplog):
     assert line.endswith(", test-time augmentation")  # the setting beside the number
 
 
+def _stats_json(argv: list[str], out: Path) -> list[float]:
+    report = ["--json-out", str(out), "--save-dir", str(out.with_suffix("")), "--no-plots"]
+    assert validation.main([*argv, *report]) == 0
+    return list(json.loads(out.read_text()).values())
+
+
+def test_task_test_and_train_score_that_split_as_yolov5s_val_py(
+    shapes_data, weights5, tmp_path, caplog, capsys
+):
+    root = shapes_data.parent
+    names = (root / "shapes.names").read_text().split()
+    both = tmp_path / "both.yaml"
+    both.write_text(
+        f"path: {root}\ntrain: train.txt\nval: val.txt\ntest: train.txt\nnames: {names}\n"
+    )
+    # The same images as val of another data.yaml: an independent reference for the scores.
+    swapped = tmp_path / "swapped.yaml"
+    swapped.write_text(f"path: {root}\ntrain: val.txt\nval: train.txt\nnames: {names}\n")
+    caplog.set_level(logging.INFO)
+    test = _stats_json(_argv(both, weights5, "--task", "test"), tmp_path / "test.json")
+    assert any(r.getMessage().startswith("24 test images") for r in caplog.records)
+    train = _stats_json(_argv(both, weights5, "--task", "train"), tmp_path / "train.json")
+    reference = _stats_json(_argv(swapped, weights5), tmp_path / "reference.json")
+    val = _stats_json(_argv(both, weights5), tmp_path / "val.json")
+    assert test == train == reference != val
+    capsys.readouterr()
+    # A .data file without test=: one line, exit 2.
+    argv = _argv(shapes_data, weights5, "--task", "test", "--save-dir", str(tmp_path / "v"))
+    assert validation.main(argv) == 2
+    line = _error_line(capsys)
+    assert "--task test: the dataset file names no test split" in line
+    assert str(shapes_data) in line
+    # A test split that is not there (YOLOv5's coco.yaml names test-dev2017.txt) stops only
+    # --task test, not a training or --task val of the same file.
+    (tmp_path / "gone.yaml").write_text(
+        both.read_text().replace("test: train.txt", "test: gone.txt")
+    )
+    argv = _argv(tmp_path / "gone.yaml", weights5, "--save-dir", str(tmp_path / "v"))
+    assert validation.main([*argv, "--task", "test"]) == 2
+    assert f"'test' points to {root / 'gone.txt'}, which does not exist" in _error_line(capsys)
+    assert validation.main([*argv, "--no-plots"]) == 0
+
+
 @pytest.fixture(scope="module")
 def coco_like(shapes_data, tmp_path_factory) -> Path:
     """The shapes validation images renamed like COCO's val2017, with an 80-class .data file."""
