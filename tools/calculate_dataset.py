@@ -3,8 +3,10 @@
     python tools/calculate_dataset.py --root my_yolo_dataset --names my_yolo_dataset/voc.names \\
         --cfg cfg/yolov3-spp.cfg
 
-reads ``ROOT/train/labels`` and ``ROOT/val/labels`` (or ``--train-labels``/``--val-labels``), lists
-the images of the sibling ``images`` folders and writes into ``--out-dir`` (default ROOT)::
+reads ``ROOT/train/labels`` and ``ROOT/val/labels``, or YOLOv5's ``ROOT/labels/train`` and
+``ROOT/labels/val`` (or ``--train-labels``/``--val-labels``), lists the images of the matching
+``images`` folders (``train/images``; ``images/train``) and writes into ``--out-dir`` (default
+ROOT)::
 
     my_train_data.txt my_val_data.txt   image paths, relative to the list's folder
     my_data.data                        classes, train, valid, names (paths relative to it)
@@ -74,8 +76,24 @@ class SplitSummary:
         )
 
 
+def split_labels(root: Path, split: str) -> Path:
+    """The label folder of ``split`` under ``--root``: ``ROOT/split/labels``, or YOLOv5's
+    ``ROOT/labels/split`` where only that exists."""
+    ours, yolov5 = root / split / "labels", root / "labels" / split
+    return yolov5 if not ours.is_dir() and yolov5.is_dir() else ours
+
+
+def images_of(labels_dir: Path) -> Path:
+    """The image folder whose files ``labels_dir`` labels, as the loader pairs them
+    (:func:`~build_utils.labels.img2label_path`): ``split/images`` beside ``split/labels``, or
+    ``images/split`` for YOLOv5's ``labels/split``."""
+    beside = labels_dir.parent / "images"
+    yolov5 = labels_dir.parent.parent / "images" / labels_dir.name
+    return yolov5 if labels_dir.parent.name == "labels" and not beside.is_dir() else beside
+
+
 def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
-    """Images of ``labels_dir/../images`` and the check of their labels.
+    """Images of :func:`images_of` ``labels_dir`` and the check of their labels.
 
     Raises:
         DatasetError: missing folders or no images.
@@ -85,9 +103,9 @@ def scan_split(name: str, labels_dir: Path, nc: int) -> SplitSummary:
     # list_images gives absolute paths; a relative --root must be made absolute the same way
     # (abspath, no symlink resolution) for the relative_to below to hold.
     labels_dir = Path(os.path.abspath(labels_dir))
-    images_dir = labels_dir.parent / "images"
+    images_dir = images_of(labels_dir)
     if not images_dir.is_dir():
-        raise DatasetError(f"{name} images folder not found beside the labels", images_dir)
+        raise DatasetError(f"{name} images folder of {labels_dir} not found", images_dir)
     found = list_images(images_dir)
     images, bad = [], []
     for p in found:
@@ -159,7 +177,11 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         description=__doc__.split("\n\n")[0], add_help=add_help, formatter_class=HelpFormatter
     )
-    p.add_argument("--root", type=path_arg, help="dataset root with train/labels and val/labels")
+    p.add_argument(
+        "--root",
+        type=path_arg,
+        help="dataset root with train/labels and val/labels, or labels/train and labels/val",
+    )
     p.add_argument("--train-labels", type=path_arg, help="training label folder")
     p.add_argument("--val-labels", type=path_arg, help="validation label folder")
     p.add_argument("--names", type=path_arg, required=True, help="class names file (.names)")
@@ -187,8 +209,8 @@ def report_splits(splits: list[SplitSummary], labels: dict[str, Path]) -> None:
 
 
 def write_dataset_files(args: argparse.Namespace) -> None:
-    train_labels = args.train_labels or (args.root / "train" / "labels" if args.root else None)
-    val_labels = args.val_labels or (args.root / "val" / "labels" if args.root else None)
+    train_labels = args.train_labels or (split_labels(args.root, "train") if args.root else None)
+    val_labels = args.val_labels or (split_labels(args.root, "val") if args.root else None)
     if train_labels is None or val_labels is None:
         raise ConfigError("give --root, or both --train-labels and --val-labels")
     if not args.name or Path(args.name).name != args.name:
@@ -209,9 +231,7 @@ def write_dataset_files(args: argparse.Namespace) -> None:
     reads = {"the --names file": args.names, "the --cfg": args.cfg}
     check_new_outputs(written, OUT_FLAG, args.exist_ok, reads)
     data_text = data_file_text(data, nc, train_list, val_list, args.names)
-    folders = [
-        d for labels in (train_labels, val_labels) for d in (labels, labels.parent / "images")
-    ]
+    folders = [d for labels in (train_labels, val_labels) for d in (labels, images_of(labels))]
     check_apart({OUT_FLAG: train_list}, folders, "a split's label or image folder")
     splits = [scan_split("train", train_labels, nc), scan_split("val", val_labels, nc)]
     report_splits(splits, {"train": train_labels, "val": val_labels})

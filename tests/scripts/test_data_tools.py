@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 import struct
 import sys
 from pathlib import Path
@@ -580,6 +581,32 @@ def test_calculate_dataset_with_a_relative_root(make_shapes_data, monkeypatch):
     train = LoadImagesAndLabels(d["train"], 64, nc=5)
     assert train.img_files == LoadImagesAndLabels(root / "train.txt", 64, nc=5).img_files
     assert len(LoadImagesAndLabels(d["valid"], 64, nc=5)) == 2
+
+
+def test_calculate_dataset_reads_yolov5s_images_split_and_labels_split_layout(
+    make_shapes_data, tmp_path
+):
+    """``--root`` of YOLOv5's layout (``images/train``, ``labels/train``): the same images and
+    labels, by the loader, as the generator's own lists of the same files."""
+    root = make_shapes_data(n_train=6, n_val=3).parent
+    reference = {
+        split: LoadImagesAndLabels(root / f"{split}.txt", 64, nc=5) for split in ("train", "val")
+    }
+    y = tmp_path / "y"
+    for split in ("train", "val"):
+        for kind in ("images", "labels"):
+            (y / kind).mkdir(parents=True, exist_ok=True)
+            shutil.copytree(root / split / kind, y / kind / split)
+    assert calculate_dataset.main(["--root", str(y), "--names", str(root / "shapes.names")]) == 0
+    d = parse_data_cfg(y / "my_data.data")
+    for split, key in (("train", "train"), ("val", "valid")):
+        ours, ref = LoadImagesAndLabels(d[key], 64, nc=5), reference[split]
+        assert [Path(f).relative_to(y / "images" / split) for f in ours.img_files] == [
+            Path(f).relative_to(root / split / "images") for f in ref.img_files
+        ]
+        assert len(ours.labels) == len(ref.labels) > 0
+        for a, b in zip(ours.labels, ref.labels, strict=True):
+            np.testing.assert_array_equal(a, b)
 
 
 def test_calculate_dataset_names_a_cfg_that_is_no_regular_file(make_shapes_data, tmp_path, capsys):
