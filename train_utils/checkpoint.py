@@ -521,10 +521,14 @@ def _is_darknet_version(head: bytes) -> bool:
     return all(0 <= int(v) <= hi for v, hi in zip(version, _DARKNET_MAX_VERSION))
 
 
-def weights_kind(path: str | Path) -> str:
+WANTED = "a .pt checkpoint (a run's last.pt or best.pt) or Darknet .weights"
+
+
+def weights_kind(path: str | Path, wanted: str = WANTED) -> str:
     """What a weights file is, from its content and (case-insensitively) its name: ``"torch"``
     (a ``torch.save`` zip or a legacy pickle), ``"darknet"`` (``.weights`` and Darknet's backbone
-    files ``*.conv.N``, or any other file that is neither) or ``"onnx"``.
+    files ``*.conv.N``, or any other file that is neither) or ``"onnx"``. ``wanted``: what the
+    error for a file of another kind (text, an image) asks for instead.
 
     Raises:
         CheckpointError: the file is missing, is not a regular file, or is an ONNX model (which
@@ -562,8 +566,7 @@ def weights_kind(path: str | Path) -> str:
     what = _not_weights(head)
     if what is not None:
         raise CheckpointError(
-            f"not a weights file but {what}; pass a .pt checkpoint (a run's last.pt or best.pt) "
-            f"or Darknet .weights",
+            f"not a weights file but {what}; pass {wanted}",
             path,
         )
     return "darknet"
@@ -638,14 +641,15 @@ class WeightsFile:
     precision: dict[str, Any]
 
 
-def read_weights(path: str | Path, trust: bool = False) -> WeightsFile:
-    """Open ``path`` once for any script: the one reader of what a weights file carries.
+def read_weights(path: str | Path, trust: bool = False, wanted: str = WANTED) -> WeightsFile:
+    """Open ``path`` once for any script: the one reader of what a weights file carries
+    (``wanted``: as :func:`weights_kind`).
 
     Raises:
         CheckpointError: see :func:`weights_kind` and :func:`load_checkpoint`.
     """
     path = Path(path)
-    kind = weights_kind(path)
+    kind = weights_kind(path, wanted)
     if kind == "darknet":
         return WeightsFile(path, kind, None, None, None, {}, {})
     ckpt = load_checkpoint(path, trust=trust)

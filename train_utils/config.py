@@ -245,6 +245,7 @@ class DataConfig:
     coco_ids: Path | None = None
     files: tuple[tuple[str, Path], ...] = ()
     test: DataSource | None = None
+    backup: Path | None = None  # Darknet's weights folder (a .data's backup=), not used here
 
     def split(self, task: str) -> DataSource:
         """The images of ``validation.py --task`` (train, val or test; YOLOv5's ``val.py``)."""
@@ -309,7 +310,8 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
     )
     train, valid = _sources(d["train"]), _sources(d["valid"])
     test = _sources(d["test"]) if d.get("test") else None
-    return DataConfig(path, nc, names, train, valid, coco_ids, files, test)
+    backup = Path(d["backup"]) if d.get("backup") else None
+    return DataConfig(path, nc, names, train, valid, coco_ids, files, test, backup)
 
 
 def repo_default(value: str, default: str) -> str:

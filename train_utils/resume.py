@@ -180,7 +180,7 @@ def settings_of_resumed_run(
     try:
         if not path.is_file():
             raise CheckpointError("no checkpoint there; give the path of a run's last.pt", path)
-        weights = read_weights(path, args.trust_checkpoint)
+        weights = read_weights(path, args.trust_checkpoint, "a run's last.pt")
         if weights.kind != "torch" or weights.ckpt is None:
             raise CheckpointError(
                 "not a checkpoint but Darknet .weights (--weights starts a new run from them)",

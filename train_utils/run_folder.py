@@ -521,7 +521,8 @@ def _choose_folder(
         why = f"holds files a run writes ({names}: never overwritten)"
     note = f"{base} {why}; this run writes {folder}"
     if not live:
-        note += f" (--resume continues {base}, --exist-ok reuses it)"
+        resumable = any((base / name).is_file() for name in ("last.pt", SEARCH_RECORD))
+        note += f" ({f'--resume continues {base}, ' if resumable else ''}--exist-ok reuses it)"
     notes.append(note)
     return folder
 

@@ -433,6 +433,13 @@ def _log_start(
     """Rank 0's lines at the start: the run, and the cfg's training keys (their table under
     ``--recipe darknet``, a note that they are unused otherwise)."""
     blocks = [model.hyperparams, *model.module_defs]
+    if config.data.backup is not None:  # a Darknet user looks there for the weights
+        logger.info(
+            "%s: backup=%s is not used: the weights are saved in the run folder %s",
+            config.data.path,
+            config.data.backup,
+            config.output_dir,
+        )
     if isinstance(state, DarknetState):
         s = state.settings
         logger.info(

@@ -68,7 +68,14 @@ def full_run(shapes_data, tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        run_training(recipe_argv(shapes_data, tmp / "full", cfg))
+        # The data as a Darknet user writes it: with backup=, Darknet's weights folder.
+        root = shapes_data.parent
+        data = tmp / "darknet.data"
+        data.write_text(
+            f"classes=5\ntrain={root}/train.txt\nvalid={root}/val.txt\n"
+            f"names={root}/shapes.names\nbackup={tmp}/backup/\n"
+        )
+        run_training(recipe_argv(data, tmp / "full", cfg))
     finally:
         torch.set_num_threads(n)
     return tmp, cfg
@@ -101,6 +108,8 @@ def test_trains_with_the_cfgs_keys_and_writes_darknet_weights(full_run):
     assert re.search(r"\[yolo\] iou_loss\s+mse\s+default\s+honoured", log)
     assert "does not implement these keys" in log and "mosaic=1" in log
     assert "done: 6 iterations" in log
+    assert f"backup={tmp}/backup is not used: the weights are saved in the run folder {out}" in log
+    assert not (tmp / "backup").exists()
     # Darknet's cost has no box/obj/cls parts: left out, not written as NaN.
     assert "nan" not in log.lower() and all(r["box_loss"] == "" for r in rows)
     assert all(float(r["loss"]) > 0 for r in rows)

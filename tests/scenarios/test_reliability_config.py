@@ -599,6 +599,8 @@ def test_resume_of_something_else_writes_nothing_beside_it(env, console, tmp_pat
         err = console.readouterr().err
         assert err.startswith(f"error: --resume: {thing}: not a weights file but "), err
         assert "weights_only" not in err and err.count("\n") == 1, err
+        # What --resume takes (was: "or Darknet .weights", which --resume then refuses).
+        assert err.endswith("; pass a run's last.pt\n") and ".weights" not in err, err
     assert sorted(p.relative_to(data_dir) for p in data_dir.rglob("*")) == before
 
 

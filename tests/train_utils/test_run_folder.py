@@ -140,6 +140,7 @@ def test_a_folder_holding_a_run_gets_the_next_free_number(tmp_path):
     for name in ("x", "x2"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "results.csv").write_text("epoch\n0\n")
+    (base / "last.pt").write_bytes(b"a checkpoint")  # what --resume would continue
     (tmp_path / "x3").mkdir()  # empty: free
     claim = claim_run_folder(base, resume=False, exist_ok=False)
     assert claim.path == tmp_path / "x3"
@@ -224,7 +225,7 @@ def test_a_folder_holding_a_picture_or_other_file_a_run_writes_is_not_written_ov
     assert claim.path == tmp_path / "u2"
     assert claim.notes == [
         f"{base} holds files a run writes ({name}: never overwritten); this run writes "
-        f"{tmp_path / 'u2'} (--resume continues {base}, --exist-ok reuses it)"
+        f"{tmp_path / 'u2'} (--exist-ok reuses it)"  # no last.pt: nothing to --resume
     ]
     claim.release()
     assert _snapshot(base) == {name: b"mine\n"}
@@ -353,7 +354,7 @@ def test_train_py_never_replaces_a_users_pictures(make_shapes_data, tmp_path, co
     note = (
         f"{base} holds files a run writes (confusion_matrix.png, PR_curve.png, labels.png, "
         f"train_batch0.jpg, results.png: never overwritten); this run writes {tmp_path / 'u2'} "
-        f"(--resume continues {base}, --exist-ok reuses it)"
+        "(--exist-ok reuses it)"
     )
     assert note in console.readouterr().err
     assert _snapshot(base) == before
