@@ -184,7 +184,9 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSig
     plan = _epoch_plan(config, t_start)
     state, loop = _start_state(model, config, hyp, dist, amp, plan, ckpt, cfg_text)
     start_epoch = loop.epoch + 1
-    state.model = wrap_for_training(model, dist, config.compile, config.sync_bn)
+    # --recipe darknet turns SyncBatchNorm off: Darknet's BatchNorm statistics are per process.
+    off = "--recipe darknet (Darknet's BatchNorm)" if config.recipe == "darknet" else "--no-sync-bn"
+    state.model = wrap_for_training(model, dist, config.compile, config.sync_bn, off)
 
     train_data = _train_data(config, dist, hyp, state)
     plan.eval_share = train_data.n_val / max(train_data.n_train, 1)

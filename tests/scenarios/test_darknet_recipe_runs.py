@@ -188,6 +188,7 @@ def test_two_gloo_processes(full_run, shapes_data):
     log = (out / "train.log").read_text()
     assert "device cpu x 2 process(es) | 6 iterations of 2 x 2 images a process" in log
     assert log.count("done: 6 iterations") == 1
+    assert "SyncBatchNorm skipped: --recipe darknet (Darknet's BatchNorm)" in log
     ckpt = load_checkpoint(out / "last.pt")
     # Each process trains the cfg's batch; Darknet multiplies the rate by the processes.
     lr = float(read_results(out / "results.csv")[-1]["lr"])

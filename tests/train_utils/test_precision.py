@@ -189,6 +189,9 @@ def test_sync_batchnorm_only_on_cuda_without_compile():
     assert not sync and "pytorch#161302" in why and "--batch-size >= 8 per GPU" in why
     sync, why = use_sync_batchnorm(CPU, False)
     assert not sync and "CUDA modules only" in why
+    # Turned off: the flag or the recipe that did it is named, on any device.
+    assert use_sync_batchnorm(CUDA, False, False) == (False, "--no-sync-bn")
+    assert use_sync_batchnorm(CPU, False, False, "--recipe darknet") == (False, "--recipe darknet")
 
 
 def _half_conv_bn(device: torch.device) -> torch.nn.Module:

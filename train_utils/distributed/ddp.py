@@ -23,17 +23,17 @@ logger = logging.getLogger(__name__)
 
 
 def use_sync_batchnorm(
-    device: torch.device, compile_model: bool, wanted: bool = True
+    device: torch.device, compile_model: bool, wanted: bool = True, off: str = "--no-sync-bn"
 ) -> tuple[bool, str]:
-    """Whether DDP training converts BatchNorm to SyncBatchNorm (``wanted``: ``--sync-bn``),
-    and if not, why.
+    """Whether DDP training converts BatchNorm to SyncBatchNorm (``wanted``: ``--sync-bn``; else
+    ``off`` says what turned it off), and if not, why.
 
     SyncBatchNorm supports CUDA only. Under ``torch.compile`` it graph-breaks at every layer or
     fails to compile (pytorch#161302, #107372, #156680), while compile + DDP with plain BatchNorm
     works: with ``--compile`` the safe combination is DDP + compile + per-GPU BatchNorm.
     """
     if not wanted:
-        return False, "--no-sync-bn"
+        return False, off
     if device.type != "cuda":
         return False, "it supports CUDA modules only (running on CPU)"
     if compile_model:
@@ -46,13 +46,17 @@ def use_sync_batchnorm(
 
 
 def wrap_for_training(
-    model: nn.Module, dist: DistInfo, compile_model: bool = False, sync_bn: bool = True
+    model: nn.Module,
+    dist: DistInfo,
+    compile_model: bool = False,
+    sync_bn: bool = True,
+    sync_bn_off: str = "--no-sync-bn",
 ) -> nn.Module:
-    """DDP (with SyncBatchNorm on CUDA when ``sync_bn``) under a process group, then
-    torch.compile when ``compile_model``."""
+    """DDP (with SyncBatchNorm on CUDA when ``sync_bn``; ``sync_bn_off``: what turned it off)
+    under a process group, then torch.compile when ``compile_model``."""
     wrapped: nn.Module = model
     if dist.distributed:
-        sync_bn, why_not = use_sync_batchnorm(dist.device, compile_model, sync_bn)
+        sync_bn, why_not = use_sync_batchnorm(dist.device, compile_model, sync_bn, sync_bn_off)
         if sync_bn:
             # Converts in place: the BatchNorm2d modules inside ``model`` are replaced.
             wrapped = nn.SyncBatchNorm.convert_sync_batchnorm(model)
