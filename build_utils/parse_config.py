@@ -22,6 +22,7 @@ import copy
 import logging
 import math
 import os
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -1126,16 +1127,31 @@ def _check_names_file(out: dict[str, Any], lines: dict[str, int], path: Path) ->
 
 def load_class_names(path: str | os.PathLike[str]) -> list[str]:
     """Class names of a ``.names`` file: one per line, surrounding spaces stripped, blank lines
-    skipped (a trailing newline is common).
+    skipped (a trailing newline is common). A blank line between names and a name given twice
+    are warned about: Darknet reads a blank line as a class named "", so the classes after it
+    are numbered one lower here than there.
 
     Raises:
         ConfigError: missing or unreadable file, or no names in it.
     """
     path = Path(path)
     text = _read_text(path, "class names file")
-    names = [line.strip() for line in text.splitlines() if line.strip()]
+    lines = [line.strip() for line in text.splitlines()]
+    names = [line for line in lines if line]
     if not names:
         raise ConfigError("class names file lists no names", path)
+    last = max(k for k, line in enumerate(lines) if line)
+    blank = [k + 1 for k, line in enumerate(lines[:last]) if not line]
+    if blank:
+        LOGGER.warning(
+            "%s: blank line(s) %s between names skipped: class ids follow the names (Darknet "
+            'would read each as a class named "")',
+            path,
+            ", ".join(map(str, blank[:5])),
+        )
+    twice = sorted(n for n, count in Counter(names).items() if count > 1)
+    if twice:
+        LOGGER.warning("%s: names given more than once: %s", path, ", ".join(twice[:5]))
     return names
 
 

@@ -703,10 +703,19 @@ def test_weights_given_as_data_are_named(tmp_path):
         )
 
 
-def test_load_class_names(tmp_path):
+def test_load_class_names(tmp_path, caplog):
     path = tmp_path / "c.names"
     path.write_bytes(b"person \r\n\r\ntraffic light\r\n  dog\r\n\r\n")
     assert load_class_names(path) == ["person", "traffic light", "dog"]
+    # The blank line 2 between names: Darknet would number traffic light 2, not 1.
+    assert caplog.messages == [
+        f"{path}: blank line(s) 2 between names skipped: class ids follow the names (Darknet "
+        'would read each as a class named "")'
+    ]
+    caplog.clear()
+    path.write_text("cat\ndog\ncat\n\n\n")  # blank lines at the end: nothing to say of them
+    assert load_class_names(path) == ["cat", "dog", "cat"]
+    assert caplog.messages == [f"{path}: names given more than once: cat"]
 
 
 def test_load_class_names_errors(tmp_path):
