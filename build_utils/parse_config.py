@@ -1080,6 +1080,18 @@ def _data_path_value(key: str, value: str, path: Path, number: int) -> str:
     try:
         p = Path(value).expanduser()
         if not p.is_absolute() and (path.parent / p).exists():
+            if p.exists() and not p.samefile(path.parent / p):
+                # Darknet reads it from the current folder: the user may mean that one.
+                LOGGER.warning(
+                    "%s:%d: %s=%s is read beside the .data file (%s), not from the current "
+                    "folder, which has another %s",
+                    path,
+                    number,
+                    key,
+                    short_text(value),
+                    path.parent / p,
+                    short_text(value),
+                )
             p = path.parent / p
         missing = not p.exists()
     except OSError as e:  # e.g. a name too long for the file system

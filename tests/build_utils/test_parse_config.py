@@ -623,6 +623,31 @@ def test_parse_data_cfg_relative_to_data_folder(tmp_path, monkeypatch):
     assert data["eval"] == "coco"
 
 
+def test_a_path_found_both_beside_the_data_and_in_the_current_folder_is_warned_of(
+    tmp_path, monkeypatch, caplog
+):
+    """Darknet reads `train=dk/train.txt` from the current folder; here the one beside the .data
+    file wins, and when both exist (and differ) the log says which was read."""
+    (tmp_path / "dk" / "dk").mkdir(parents=True)
+    (tmp_path / "dk" / "train.txt").write_text("24 images\n")
+    (tmp_path / "dk" / "dk" / "train.txt").write_text("4 images\n")
+    path = make_data(
+        tmp_path / "dk", "classes=2\ntrain=dk/train.txt\nvalid=dk/train.txt\nnames=my.names\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    assert Path(parse_data_cfg(path)["train"]) == tmp_path / "dk" / "dk" / "train.txt"
+    beside = tmp_path / "dk" / "dk" / "train.txt"
+    assert caplog.messages == [
+        f"{path}:{n}: {key}=dk/train.txt is read beside the .data file ({beside}), not from the "
+        "current folder, which has another dk/train.txt"
+        for n, key in ((2, "train"), (3, "valid"))
+    ]
+    caplog.clear()
+    monkeypatch.chdir(tmp_path / "dk")  # the same file either way: nothing to say
+    parse_data_cfg(path)
+    assert caplog.messages == []
+
+
 def test_parse_data_cfg_relative_to_cwd(tmp_path, monkeypatch):
     (tmp_path / "data").mkdir()
     (tmp_path / "data" / "my.names").write_text("a\nb\n")
