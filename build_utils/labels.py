@@ -115,16 +115,25 @@ def read_image_list(path: Path) -> list[str]:
     when the labels are (:func:`check_file`), never opened here."""
     text = read_config_text(path, MAX_LIST_BYTES, "image list")
     base = path.parent
-    out, from_cwd, windows = [], 0, []
+    out, from_cwd, windows, beside = [], 0, [], []
     for line in text.splitlines():
         line = line.strip()
         if not line or line.startswith("#"):
             continue
         p = beside_or_cwd(line, base)
-        from_cwd += p != base / Path(line).expanduser()  # found only from the current folder
+        if p != base / Path(line).expanduser():
+            from_cwd += 1  # found only from the current folder
+        elif not Path(line).expanduser().is_absolute():
+            beside.append((len(out), line))
         if os.sep == "/" and "\\" in line and not p.exists():  # a Darknet list from Windows
             windows.append(line)
         out.append(os.path.abspath(p))
+    if from_cwd:
+        # A list of current-folder paths: one found nowhere is named there too, where the
+        # others were found (was: beside the list, a place nobody looked).
+        for k, line in beside:
+            if not os.path.lexists(out[k]):
+                out[k] = os.path.abspath(Path(line).expanduser())
     if windows:
         LOGGER.warning(
             "%s: %d path(s) not found are written with Windows separators (backslashes), such "

@@ -116,6 +116,23 @@ def test_a_darknet_list_read_from_the_current_folder_is_reported_once(
     ]
 
 
+def test_a_missing_entry_of_a_current_folder_list_is_named_where_the_others_were_found(
+    tmp_path, monkeypatch
+):
+    """Was: data/obj/gone.jpg of a list whose entries are found from the current folder was
+    reported as data/data/obj/gone.jpg (beside the list), a place nobody looked."""
+    (tmp_path / "data" / "obj").mkdir(parents=True)
+    (tmp_path / "data" / "obj" / "x.jpg").write_bytes(b"")
+    lst = tmp_path / "data" / "train.txt"
+    lst.write_text("data/obj/x.jpg\ndata/obj/gone.jpg\n")
+    monkeypatch.chdir(tmp_path)
+    obj = tmp_path / "data" / "obj"
+    assert collect_image_files(lst) == [str(obj / "x.jpg"), str(obj / "gone.jpg")]
+    # A list of paths beside it keeps naming a missing one beside it.
+    lst.write_text("obj/x.jpg\nobj/gone.jpg\n")
+    assert collect_image_files(lst) == [str(obj / "x.jpg"), str(obj / "gone.jpg")]
+
+
 def test_cache_place_is_beside_what_the_user_named_never_an_entry(tmp_path, monkeypatch):
     """Caches go beside the list file or folder named, whatever the list's entries say: a list
     whose entries traverse (``../../x``) does not move the cache there."""
