@@ -196,6 +196,13 @@ class DarknetState:
         }
 
 
+def iterations_name(first: int, last: int, subdivisions: int) -> str:
+    """A round of ``--recipe darknet`` as its progress bar and stop message name it: the bar
+    and a stop's "batch i/n" count mini-batches, ``subdivisions`` to an iteration."""
+    each = f" ({subdivisions} mini-batches each)" if subdivisions > 1 else ""
+    return f"iterations {first}-{last}{each}"
+
+
 def train_darknet_iterations(
     state: DarknetState, loader: Iterable, first: int, last: int, opts: TrainOptions
 ) -> EpochStats:
@@ -211,7 +218,9 @@ def train_darknet_iterations(
     settings, model = state.settings, state.model_without_ddp
     subdivisions = settings.subdivisions
     nb = (last - first + 1) * subdivisions
-    meter = _LossMeter(nb, f"iterations {first}-{last}", opts, DARKNET_NONFINITE_ADVICE)
+    meter = _LossMeter(
+        nb, iterations_name(first, last, subdivisions), opts, DARKNET_NONFINITE_ADVICE
+    )
     batches = iter(meter.clock.batches(loader))
     parts = torch.full((3,), math.nan, device=opts.device)
     state.optimizer.zero_grad(set_to_none=True)

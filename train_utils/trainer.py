@@ -54,6 +54,7 @@ from train_utils.engine import (
     DarknetState,
     TrainOptions,
     TrainState,
+    iterations_name,
     train_darknet_iterations,
     train_one_epoch,
 )
@@ -344,7 +345,8 @@ def _train_iterations(
         unreadable = UnreadableImages(
             reporter.watch_batches(run.train_data.train_loader, first - 1, config.data.names)
         )
-        where = (f"iterations {first}-{last}", f"iteration {first - 1}")
+        running = iterations_name(first, last, state.settings.subdivisions)
+        where = (running, f"iteration {first - 1}")
         loader = StopPoints(unreadable, signals, first, dist, config.output_dir / "last.pt", where)
         stats = train_darknet_iterations(state, loader, first, last, run.opts)
         log_unreadable(last, "train", unreadable.take(), rank)

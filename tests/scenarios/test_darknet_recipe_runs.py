@@ -22,7 +22,7 @@ from tools.make_cfg import make_cfg
 from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint
 from train_utils.darknet_schedule import DarknetSettings, current_rate
-from train_utils.engine import NonFiniteLossError
+from train_utils.engine import NonFiniteLossError, iterations_name
 from train_utils.reporting import TIMING_COLUMNS
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("single_thread")]
@@ -162,10 +162,12 @@ def test_a_diverging_rate_names_the_iterations_and_the_cfgs_rate(shapes_data, tm
     with pytest.raises(NonFiniteLossError) as e:
         run_training(recipe_argv(shapes_data, tmp_path / "run", cfg))
     assert re.fullmatch(
-        r"non-finite loss in iterations 1-3; offending batch: \S+\.\w+, \S+\.\w+\. Lower the "
+        r"non-finite loss in iterations 1-3 \(2 mini-batches each\); offending batch: "
+        r"\S+\.\w+, \S+\.\w+\. Lower the "
         r"cfg's learning_rate \(or lengthen its burn_in\), or check these images' labels",
         str(e.value),
     )
+    assert iterations_name(1, 3, 1) == "iterations 1-3"  # without subdivisions: no more said
 
 
 def test_weights_seen_continues_the_count_and_clear_restarts(full_run, shapes_data):
