@@ -506,8 +506,11 @@ class SilentReporter:
     def watch_batches(self, loader: Any, *args: Any) -> Any:
         return loader
 
-    def interrupted(self, epoch: int, *args: Any) -> None:
-        logger.warning("interrupted in %s %d", self.unit, epoch)
+    def interrupted(
+        self, epoch: int, unfinished_saved: bool = False, completed: bool = False
+    ) -> None:
+        # Rank 0's words without its file: "after" when the signal came between two rounds.
+        logger.warning("interrupted %s %s %d", "after" if completed else "in", self.unit, epoch)
 
 
 def make_reporter(

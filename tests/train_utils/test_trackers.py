@@ -221,6 +221,15 @@ def test_other_ranks_start_no_tracker(tmp_path):
     assert list(tmp_path.iterdir()) == []  # no store, no record, no run folder files
 
 
+def test_other_ranks_word_an_interruption_as_rank_0_does(tmp_path, caplog):
+    """Was: "interrupted in iteration 60" beside rank 0's "interrupted after iteration 60,
+    which is complete and saved"."""
+    reporter = make_reporter(False, tmp_path / "run", 0, unit="iteration")
+    reporter.interrupted(60, completed=True)
+    reporter.interrupted(61)
+    assert caplog.messages == ["interrupted after iteration 60", "interrupted in iteration 61"]
+
+
 class _Failing(Tracker):
     name = "flaky"
 
