@@ -205,9 +205,16 @@ def settings_of_resumed_run(
     take_from_run(args, run, settings, f"--resume {path}")
     check_choices(parser, args)
     _take_the_run_files(args, run, folder)
+    in_place = resumes_in_place(str(path), folder)
+    if not in_place and _finished(weights.ckpt, args):
+        # A new folder for no training (was: runs/x2 with a best.pt and no last.pt).
+        raise ConfigError(
+            f"--resume {path}: that checkpoint already finished all {args.epochs} epochs: "
+            "nothing to resume; pass --epochs N to train it longer"
+        )
     where = (
         f"in {folder}"
-        if resumes_in_place(str(path), folder)
+        if in_place
         else f"in a new folder beside {folder} (its later epochs are kept)"
     )
     logger.info(
@@ -219,6 +226,15 @@ def settings_of_resumed_run(
         args.data,
     )
     return folder
+
+
+def _finished(ckpt: Mapping[str, Any], args: argparse.Namespace) -> bool:
+    """The default recipe's checkpoint has trained all of ``--epochs`` (without a time budget,
+    which decides the length as it runs)."""
+    epoch = ckpt.get("epoch")
+    if (ckpt.get("recipe") or "default") != "default" or args.time_budget is not None:
+        return False
+    return isinstance(epoch, int) and isinstance(args.epochs, int) and epoch + 1 >= args.epochs
 
 
 def check_results_are_its_own(ckpt: Mapping[str, Any], path: Path) -> None:

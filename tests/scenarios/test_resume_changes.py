@@ -11,6 +11,7 @@ import torch
 from conftest import HYP_YAML, NANO_CFG, read_results, run_training, train_argv
 
 import train as train_script
+from build_utils.errors import ConfigError
 from models.darknet import Darknet
 from train_utils import trainer as trainer_module
 from train_utils.checkpoint import load_checkpoint
@@ -196,13 +197,26 @@ def test_a_longer_plan_trains_at_its_own_rate_from_the_first_resumed_epoch(
 
 
 @pytest.mark.slow
-def test_an_earlier_epoch_resumed_into_a_new_folder_keeps_its_history(shapes_data, tmp_path):
+def test_an_earlier_epoch_resumed_into_a_new_folder_keeps_its_history(
+    shapes_data, tmp_path, monkeypatch
+):
     """--resume of epoch0.pt beside a later last.pt writes run2 (the later epochs kept), which
-    starts with epoch 0's results row and best.pt (was: neither)."""
+    starts with epoch 0's results row and best.pt (was: neither). A checkpoint that finished
+    its epochs makes no such folder: there is nothing to train in it (was: run2 with a best.pt
+    and no last.pt)."""
     run = tmp_path / "run"
     run_training(_argv(shapes_data, run, "--save-period", "1", epochs=2))
     first = read_results(run / "results.csv")
-    run_training(["--resume", str(run / "epoch0.pt"), "--epochs", "1", "--device", "cpu"])
+    with pytest.raises(ConfigError, match="already finished all 2 epochs: nothing to resume"):
+        run_training(["--resume", str(run / "epoch1.pt"), "--device", "cpu"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt  # as epoch 1 starts: what run2 holds before it trains
+
+    monkeypatch.setattr(trainer_module, "train_one_epoch", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        run_training(["--resume", str(run / "epoch0.pt"), "--device", "cpu"])
     new = tmp_path / "run2"
     assert read_results(new / "results.csv") == first[:1]
     assert load_checkpoint(new / "best.pt")["epoch"] == 0
