@@ -541,6 +541,8 @@ def weights_kind(path: str | Path, wanted: str = WANTED) -> str:
             head = f.read(_DARKNET_VERSION_BYTES)
     except OSError as e:
         raise CheckpointError(f"cannot read the weights file ({e.strerror or e})", path) from e
+    if not head:  # before a run folder is made, as for a truncated file (was: after)
+        raise CheckpointError(f"an empty file (0 bytes), not weights; pass {wanted}", path)
     suffix = path.suffix.lower()
     if head[:4] == _ZIP_MAGIC and _is_torchscript(_zip_names(path)):
         raise CheckpointError(

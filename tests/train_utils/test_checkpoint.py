@@ -297,8 +297,10 @@ def test_a_fifo_named_pt_is_refused_without_opening_it(tmp_path: Path) -> None:
             lambda p: torch.jit.save(torch.jit.script(nn.Linear(2, 2)), str(p)),
             "a TorchScript export, which torch.jit.load runs",
         ),
+        # Refused before train.py makes a run folder (was: after, leaving failed-<time>/).
+        (lambda p: p.write_bytes(b""), "an empty file (0 bytes), not weights; pass a .pt"),
     ],
-    ids=["jpeg", "png", "text", "torchscript"],
+    ids=["jpeg", "png", "text", "torchscript", "empty"],
 )
 def test_what_is_not_a_weights_file_says_what_it_is(tmp_path: Path, make, said: str) -> None:
     """--weights or --resume given an image, a .data file or an export: one line naming what it
