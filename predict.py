@@ -126,7 +126,8 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--names",
         default=None,
-        help=".names file, one class per line (default: the checkpoint's names, else class ids)",
+        help=".names file, one class per line, or a data.yaml's names (default: the checkpoint's "
+        "names, else class ids)",
     )
 
 

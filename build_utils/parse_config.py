@@ -1143,10 +1143,15 @@ def load_class_names(path: str | os.PathLike[str]) -> list[str]:
     are warned about: Darknet reads a blank line as a class named "", so the classes after it
     are numbered one lower here than there.
 
+    A data.yaml (``.yaml``/``.yml``) gives its ``names``, as YOLOv5 users keep them (was: each
+    of its lines taken as a name).
+
     Raises:
         ConfigError: missing or unreadable file, or no names in it.
     """
     path = Path(path)
+    if path.suffix.lower() in DATA_YAML_SUFFIXES:
+        return _yaml_class_names(*_data_yaml_values(path), path)
     text = _read_text(path, "class names file")
     lines = [line.strip() for line in text.splitlines()]
     names = [line for line in lines if line]

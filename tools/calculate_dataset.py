@@ -184,7 +184,12 @@ def get_args_parser(add_help: bool = True) -> argparse.ArgumentParser:
     )
     p.add_argument("--train-labels", type=path_arg, help="training label folder")
     p.add_argument("--val-labels", type=path_arg, help="validation label folder")
-    p.add_argument("--names", type=path_arg, required=True, help="class names file (.names)")
+    p.add_argument(
+        "--names",
+        type=path_arg,
+        required=True,
+        help="class names file (.names), or a data.yaml whose names it takes",
+    )
     p.add_argument("--cfg", type=path_arg, help="model cfg to rewrite for the class count")
     p.add_argument("--out-dir", type=path_arg, help="where to write the files (default: --root)")
     p.add_argument("--name", default="my", help="prefix of the written files")

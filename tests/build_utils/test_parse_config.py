@@ -743,6 +743,23 @@ def test_load_class_names(tmp_path, caplog):
     assert caplog.messages == [f"{path}: names given more than once: cat"]
 
 
+def test_load_class_names_of_a_data_yaml_are_its_names(tmp_path):
+    """YOLOv5 users keep the names in data.yaml; --names data.yaml gave every line of it as a
+    name (calculate_dataset then wrote classes=10 for 5 classes)."""
+    as_dict = tmp_path / "d.yaml"
+    as_dict.write_text(
+        "path: ../set\ntrain: images/train\nval: images/val\n"
+        "names:\n  0: circle\n  1: square\n  2: star\n"
+    )
+    assert load_class_names(as_dict) == ["circle", "square", "star"]
+    as_list = tmp_path / "l.yml"
+    as_list.write_text("names: [circle, square]\nnc: 2\n")
+    assert load_class_names(as_list) == ["circle", "square"]
+    as_list.write_text("names: [circle, square]\nnc: 3\n")
+    with pytest.raises(ConfigError, match="nc"):
+        load_class_names(as_list)
+
+
 def test_load_class_names_errors(tmp_path):
     (tmp_path / "empty.names").write_text("\n \n")
     with pytest.raises(ConfigError, match="lists no names"):

@@ -597,8 +597,12 @@ def test_calculate_dataset_reads_yolov5s_images_split_and_labels_split_layout(
         for kind in ("images", "labels"):
             (y / kind).mkdir(parents=True, exist_ok=True)
             shutil.copytree(root / split / kind, y / kind / split)
-    assert calculate_dataset.main(["--root", str(y), "--names", str(root / "shapes.names")]) == 0
+    # The names from YOLOv5's data.yaml, as that user keeps them.
+    names = (root / "shapes.names").read_text().split()
+    (y / "data.yaml").write_text(f"train: images/train\nval: images/val\nnames: {names}\n")
+    assert calculate_dataset.main(["--root", str(y), "--names", str(y / "data.yaml")]) == 0
     d = parse_data_cfg(y / "my_data.data")
+    assert d["classes"] == 5 and d["class_names"] == names
     for split, key in (("train", "train"), ("val", "valid")):
         ours, ref = LoadImagesAndLabels(d[key], 64, nc=5), reference[split]
         assert [Path(f).relative_to(y / "images" / split) for f in ours.img_files] == [
