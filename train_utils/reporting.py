@@ -405,6 +405,9 @@ class EpochReporter:
         ``unfinished_saved``: no epoch was completed, and last.pt holds the part-trained
         weights of ``epoch``; ``completed``: ``epoch`` itself was completed and saved (the
         signal came between two epochs)."""
+        # Here, not at the top: run_folder imports this module's file names.
+        from train_utils.run_folder import resume_command
+
         self.status = KILLED
         last = self.out / "last.pt"
         unit = self.unit
@@ -420,24 +423,30 @@ class EpochReporter:
             again = f"epoch {epoch}" if unit == "epoch" else "that round"
             logger.warning(
                 "interrupted %s completed; its part-trained weights are saved in %s; continue "
-                "with --resume (%s is trained again from them)",
+                "with %s (%s is trained again from them)",
                 where,
                 last,
+                resume_command(last),
                 again,
             )
         elif completed:
             logger.warning(
-                "interrupted after %s %d, which is complete and saved in %s; continue with "
-                "--resume",
+                "interrupted after %s %d, which is complete and saved in %s; continue with %s",
                 unit,
                 epoch,
                 last,
+                resume_command(last),
             )
         else:
             # --recipe darknet saves every --eval-iterations, not after each iteration.
             saved = "last completed epoch is saved" if unit == "epoch" else "the last round is"
             logger.warning(
-                "interrupted in %s %d; %s in %s; continue with --resume", unit, epoch, saved, last
+                "interrupted in %s %d; %s in %s; continue with %s",
+                unit,
+                epoch,
+                saved,
+                last,
+                resume_command(last),
             )
 
     def stopped_on_request(self, why: str) -> None:

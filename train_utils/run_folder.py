@@ -46,6 +46,15 @@ from train_utils.trackers import RECORD_NAME
 logger = logging.getLogger(__name__)
 
 RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
+
+
+def resume_command(last: Path) -> str:
+    """The flag that continues the run whose checkpoint is ``last``: bare ``--resume`` finds
+    ``runs/*/last.pt`` only (the newest), so a run elsewhere (``--project``, ``--output-dir``)
+    is named by its path."""
+    return "--resume" if last.parent.parent.resolve() == RUNS_DIR.resolve() else f"--resume {last}"
+
+
 RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
 RUN_HYP_NAME = "hyp.yaml"  # the hyperparameters as the run read them
 LOCK_NAME = "run.lock"

@@ -17,6 +17,7 @@ from typing import Any
 from build_utils.errors import RunStopped
 from train_utils.distributed.comm import all_reduce_flag
 from train_utils.distributed.process_group import DistInfo
+from train_utils.run_folder import resume_command
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +147,8 @@ class StopPoints:
                 self.signals.raise_if_interrupted()
                 raise RunStopped(
                     f"SIGUSR1 (stop requested) in {self.running} before batch {i}/{n}: "
-                    f"{self.saved} is the last in {self.last}; continue with --resume "
+                    f"{self.saved} is the last in {self.last}; continue with "
+                    f"{resume_command(self.last)} "
                     f"({self.running} will be trained again)"
                 )
             yield batch

@@ -31,6 +31,7 @@ from train_utils.run_folder import (
     folder_of_launch,
     launch_id,
     read_lock,
+    resume_command,
 )
 
 IMG = 64
@@ -502,3 +503,16 @@ def test_a_hostile_args_yaml_is_not_a_run_of_ours(tmp_path):
     assert folder_of_launch(tmp_path / "x", me) == tmp_path / "x5"
     assert time.monotonic() - start < 2
     assert not (tmp_path / "pwned").exists()
+
+
+def test_the_resume_hint_names_the_checkpoint_where_bare_resume_would_not_find_it(
+    tmp_path, monkeypatch
+):
+    """Bare --resume looks for runs/*/last.pt; a run of --project runs/train was told
+    "continue with --resume", which then found nothing."""
+    monkeypatch.chdir(tmp_path)
+    assert resume_command(Path("runs/exp/last.pt")) == "--resume"
+    assert resume_command(tmp_path / "runs" / "exp" / "last.pt") == "--resume"
+    deeper = Path("runs/train/exp3/last.pt")
+    assert resume_command(deeper) == f"--resume {deeper}"
+    assert resume_command(tmp_path / "x" / "last.pt") == f"--resume {tmp_path / 'x' / 'last.pt'}"

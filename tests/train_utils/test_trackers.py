@@ -596,8 +596,8 @@ def test_darknet_rounds_are_iterations_and_have_no_loss_parts(tmp_path, caplog):
     assert "interrupted in iteration 9; the last round is in" in text
     assert (
         "interrupted before the first round of iterations (--eval-iterations) completed; its "
-        f"part-trained weights are saved in {tmp_path / 'last.pt'}; continue with --resume (that "
-        "round is trained again from them)"
+        f"part-trained weights are saved in {tmp_path / 'last.pt'}; continue with --resume "
+        f"{tmp_path / 'last.pt'} (that round is trained again from them)"
     ) in text
     assert "after iteration 0" not in text
     assert "epoch" not in "".join(
