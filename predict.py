@@ -57,6 +57,7 @@ from train_utils.checkpoint import (
     read_weights,
 )
 from train_utils.cli import (
+    DEFAULT_RUN_NAME,
     HelpFormatter,
     add_augment_flag,
     add_device_flags,
@@ -93,7 +94,7 @@ VIDEO_SUFFIXES = {".mp4", ".avi", ".mov", ".mkv", ".m4v", ".mpg", ".mpeg", ".wmv
 STREAM_PREFIXES = ("rtsp://", "rtmp://", "http://", "https://")
 OUTPUT_FLAG = "--output"  # the option that chose where pictures go, named in write errors
 LABELS_DIR = "labels"  # --save-txt's files, in the output folder
-DEFAULT_PROJECT = "runs/predict"  # --name alone: runs/predict/NAME (--output's default folder)
+DEFAULT_PROJECT = "runs/predict"  # --name alone: runs/predict/NAME; nothing named: .../exp
 DEFAULT_FPS = 25.0  # for output videos of sources that do not report a frame rate
 # The frame rates OpenCV's mp4v writer opens a file at (measured: 0.002 and 65535 open, 0.001
 # and 65536 do not; some RTSP streams report their 90 kHz clock as the rate).
@@ -134,9 +135,10 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
 def _add_output_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--output",
-        default="runs/predict",
+        default=None,
         help="folder for the drawn images/videos; one that already holds files becomes "
-        "OUTPUT2, OUTPUT3, ... (default: %(default)s)",
+        f"OUTPUT2, OUTPUT3, ... (default: {DEFAULT_PROJECT}/{DEFAULT_RUN_NAME}, numbered "
+        f"{DEFAULT_RUN_NAME}2, ... as YOLOv5's runs/detect/exp)",
     )
     add_project_flags(p, DEFAULT_PROJECT, OUTPUT_FLAG)
     p.add_argument(
@@ -911,7 +913,9 @@ def predict(args: argparse.Namespace) -> None:
     # A bad YOLO_THREADS or limit is reported before anything is loaded (as train.py does).
     check_environment()
     check_flags(args)
-    requested = project_folder(args, OUTPUT_FLAG, DEFAULT_PROJECT) or Path(args.output)
+    requested = project_folder(args, OUTPUT_FLAG, DEFAULT_PROJECT) or Path(
+        args.output or f"{DEFAULT_PROJECT}/{DEFAULT_RUN_NAME}"
+    )
     # Sources first: a missing or empty one is reported before the model is loaded.
     outputs = plan_outputs(args.source)
     captures = open_live_sources(outputs)

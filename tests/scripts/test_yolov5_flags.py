@@ -564,3 +564,21 @@ def test_yolov5_train_flags_run_as_typed(shapes_data, tmp_path, caplog):
     assert not (out / "best.pt").exists()
     assert not list(out.glob("*.png")) and not list(out.glob("*.jpg"))
     assert [r["epoch"] for r in read_results(out / "results.csv")] == ["1"]  # --noval
+
+
+def test_predict_writes_runs_predict_exp_numbered_as_yolov5_writes_runs_detect_exp(
+    shapes_data, nano_checkpoint, tmp_path, monkeypatch
+):
+    """Was: the default output was runs/predict itself, so its pictures lay beside the
+    runs/predict/NAME folders of --name."""
+    image = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
+    pred = ["--weights", str(nano_checkpoint), "--cfg", str(NANO_CFG), "--source", str(image)]
+    pred += ["--img-size", str(IMG), "--device", "cpu"]
+    monkeypatch.chdir(tmp_path)
+    for _ in range(2):
+        assert predict.main(pred) == 0
+    assert predict.main([*pred, "--name", "mine"]) == 0
+    runs = tmp_path / "runs" / "predict"
+    assert sorted(p.name for p in runs.iterdir()) == ["exp", "exp2", "mine"]
+    assert all((runs / name / image.name).is_file() for name in ("exp", "exp2", "mine"))
+
