@@ -958,7 +958,8 @@ def predict(args: argparse.Namespace) -> None:
             out_dir.rmdir()
     done = "predicted (--nosave: no drawn pictures)" if args.nosave else "drawn"
     where = f"in {out_dir}" if out_dir.exists() else "(nothing written)"
-    logger.info("%d images%s %s %s", n_images, frames, done, where)
+    images = "1 image" if n_images == 1 else f"{n_images} images"
+    logger.info("%s%s %s %s", images, frames, done, where)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

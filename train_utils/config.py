@@ -457,7 +457,13 @@ def _add_batches(g: argparse._ArgumentGroup) -> None:
     add_img_size_flag(
         g, DEFAULT_IMG_SIZE, "training/test image side, a multiple of 32 (max side for --rect)"
     )
-    switch(g, "--multi-scale", True, "train at random sides in 67%%-150%% of --img-size")
+    switch(
+        g,
+        "--multi-scale",
+        True,
+        "train at random sides in 67%%-150%% of --img-size, rounded inward to multiples of 32 "
+        "(the start line says the range; YOLOv5's default is --no-multi-scale)",
+    )
     g.add_argument("--rect", action="store_true", help="rectangular training batches (no mosaic)")
     g.add_argument(
         "--nbs",

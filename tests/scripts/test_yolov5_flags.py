@@ -567,10 +567,11 @@ def test_yolov5_train_flags_run_as_typed(shapes_data, tmp_path, caplog):
 
 
 def test_predict_writes_runs_predict_exp_numbered_as_yolov5_writes_runs_detect_exp(
-    shapes_data, nano_checkpoint, tmp_path, monkeypatch
+    shapes_data, nano_checkpoint, tmp_path, monkeypatch, caplog
 ):
     """Was: the default output was runs/predict itself, so its pictures lay beside the
     runs/predict/NAME folders of --name."""
+    caplog.set_level("INFO", logger="predict")
     image = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
     pred = ["--weights", str(nano_checkpoint), "--cfg", str(NANO_CFG), "--source", str(image)]
     pred += ["--img-size", str(IMG), "--device", "cpu"]
@@ -581,4 +582,4 @@ def test_predict_writes_runs_predict_exp_numbered_as_yolov5_writes_runs_detect_e
     runs = tmp_path / "runs" / "predict"
     assert sorted(p.name for p in runs.iterdir()) == ["exp", "exp2", "mine"]
     assert all((runs / name / image.name).is_file() for name in ("exp", "exp2", "mine"))
-
+    assert "1 image drawn in runs/predict/exp" in caplog.messages  # was: "1 images"
