@@ -190,7 +190,14 @@ def label_wh(source: str | Path, img_size: int, nc: int | None) -> np.ndarray:
 
 def fit_anchors(args: argparse.Namespace) -> None:
     check_args(args)
-    n = args.num or (cfg_anchor_count(args.cfg) if args.cfg else None) or 9
+    in_cfg = cfg_anchor_count(args.cfg) if args.cfg else None
+    n = args.num or in_cfg or 9
+    if in_cfg is not None and n != in_cfg:  # before the search, not after it (was: after)
+        raise ConfigError(
+            f"-n {n} but [yolo] num={in_cfg}: the cfg's heads take {in_cfg} anchors; pass "
+            f"-n {in_cfg} or leave -n out",
+            args.cfg,
+        )
     data = parse_data_cfg(args.data) if args.data else None
     source = data["train"] if data else args.list
     if args.out_cfg is not None:

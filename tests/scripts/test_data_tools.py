@@ -735,7 +735,9 @@ def test_kmeans_anchors_cli_writes_a_cfg(make_shapes_data, tmp_path, capsys):
             str(tmp_path / "x.cfg"),
         ]
     )
-    assert rc == 2 and "num=9 but 6 anchors" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 2 and "-n 6 but [yolo] num=9: the cfg's heads take 9 anchors" in err
+    assert "k-means:" not in err  # said before the search (was: after all of it)
 
 
 @pytest.mark.parametrize(
