@@ -101,10 +101,9 @@ from train_utils.load_model import default_img_size, model_from_weights
 from train_utils.precision import inference_precision, replay_precision
 from train_utils.run_folder import (
     REPLACED_PREFIX,
-    RUN_FILES,
     check_not_a_run_file,
-    holds_run,
     move_previous_run,
+    run_files_in,
 )
 
 logger = logging.getLogger("validation")
@@ -383,9 +382,10 @@ def report_place(args: argparse.Namespace) -> Path | None:
 
 def _refuse_a_run_folder(folder: str | Path, flag: str) -> None:
     """A report never writes into a training run's folder (nor an --evolve search's)."""
-    if Path(folder).is_dir() and holds_run(Path(folder)):
+    found = run_files_in(Path(folder)) if Path(folder).is_dir() else []
+    if found:
         raise ConfigError(
-            f"{flag} {folder} holds a training run or search ({', '.join(RUN_FILES)}), which a "
+            f"{flag} {folder} holds a training run or search ({', '.join(found)}), which a "
             f"report never writes into: choose another {flag}"
         )
 
@@ -443,10 +443,10 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
         # replaced unasked (was: per_class.csv and errors.json written over without a word).
         reports = [Path(args.save_dir) / name for name in REPORT_NAMES]
         check_new_outputs(reports, "--save-dir", args.exist_ok)
-    elif args.exist_ok and requested.is_dir() and holds_run(requested):
+    elif args.exist_ok and requested.is_dir() and (found := run_files_in(requested)):
         raise ConfigError(
             f"--exist-ok would move the previous report in {requested} aside, and it holds a "
-            f"training run ({', '.join(RUN_FILES)}): choose another --name for the report"
+            f"training run ({', '.join(found)}): choose another --name for the report"
         )
     folder = json_folder(args, requested)
     if folder is not None:
@@ -454,7 +454,9 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
         _refuse_a_run_folder(folder, "--save-json")
     if args.json_out:
         json_out = Path(args.json_out)
-        check_not_a_run_file(json_out, "--json-out", json_out.with_suffix(".json"))
+        # Suggested beside the run's folder: a report never writes into one.
+        beside = json_out.parent.with_name(f"{json_out.parent.name}-stats.json")
+        check_not_a_run_file(json_out, "--json-out", beside)
     for path, flag in json_files(args, requested).items():
         check_output_place(path, flag)
         check_new_outputs([path], flag, args.exist_ok, files_read(args))

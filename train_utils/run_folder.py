@@ -203,16 +203,22 @@ def is_stale(holder: LockHolder, host: str | None = None, job: str | None = None
     return holder.age_s > FOREIGN_STALE_S
 
 
-def holds_run(folder: Path, names: tuple[str, ...] = RUN_FILES) -> bool:
-    """Whether ``folder`` holds the files of a previous run (empty ones do not count: a run
-    that stopped before logging anything leaves an empty ``train.log``); ``names``: which."""
+def run_files_in(folder: Path, names: tuple[str, ...] = RUN_FILES) -> list[str]:
+    """Which of ``names`` (a previous run's files) ``folder`` holds; empty ones do not count: a
+    run that stopped before logging anything leaves an empty ``train.log``."""
+    found = []
     for name in names:
         try:
             if (folder / name).stat().st_size > 0:
-                return True
+                found.append(name)
         except FileNotFoundError:
             continue
-    return False
+    return found
+
+
+def holds_run(folder: Path, names: tuple[str, ...] = RUN_FILES) -> bool:
+    """Whether ``folder`` holds the files of a previous run (:func:`run_files_in`)."""
+    return bool(run_files_in(folder, names))
 
 
 def is_run_write(name: str) -> bool:

@@ -502,10 +502,9 @@ def test_exist_ok_never_moves_a_training_run(shapes_data, weights5, tmp_path, ca
     for extra in ([], ["--exist-ok"]):
         assert validation.main([*_argv(shapes_data, weights5, "--save-dir", str(run)), *extra]) == 2
         [line] = capsys.readouterr().err.splitlines()
-        assert line == (
-            f"error: --save-dir {run} holds a training run or search (last.pt, best.pt, "
-            "results.csv, train.log, search.yaml), which a report never writes into: choose "
-            "another --save-dir"
+        assert line == (  # the run files found (was: every name looked for)
+            f"error: --save-dir {run} holds a training run or search (last.pt), which a report "
+            "never writes into: choose another --save-dir"
         )
     assert sorted(p.name for p in run.iterdir()) == ["last.pt"]
 
@@ -582,13 +581,13 @@ def test_no_output_replaces_a_file_read_or_a_training_run(
         (
             ["--json-out", str(run / "last.pt")],
             f"--json-out {run / 'last.pt'} is a file of the training run in {run}, which is "
-            "never replaced (not even with --exist-ok)",
+            "never replaced (not even with --exist-ok); choose another --json-out, e.g. "
+            f"{run.parent / 't1-stats.json'}",  # beside the run, not in it
         ),
         (
             ["--save-json", str(run)],
-            f"--save-json {run} holds a training run or search (last.pt, best.pt, results.csv, "
-            "train.log, search.yaml), which a report never writes into: choose another "
-            "--save-json",
+            f"--save-json {run} holds a training run or search (last.pt, results.csv), which a "
+            "report never writes into: choose another --save-json",
         ),
     ]
     for extra, message in cases:
