@@ -400,7 +400,7 @@ def test_validation_and_predict_skip_bad_images(bad_run, console, tmp_path):
     )
     err = console.readouterr().err
     assert code == 0 and "Traceback" not in err, err[-2000:]
-    assert f"{len(VAL_GOOD)} images, conf" in err
+    assert f"{len(VAL_GOOD)} val images, conf" in err
     assert len(json.loads((tmp_path / "stats.json").read_text())) == 12
 
     images = root / "val" / "images"
