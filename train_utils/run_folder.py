@@ -137,6 +137,19 @@ def launch_id(env: Mapping[str, str] | None = None) -> str:
     return f"torchrun-agent:{this_host()}:{os.getppid()}"
 
 
+def _written_by_launch(folder: Path, launch: str) -> bool:
+    """Whether the run in ``folder`` was started by ``launch`` (:func:`launch_id`, recorded in
+    its ``args.yaml``)."""
+    if not launch:
+        return False
+    try:
+        # Bounded (size, aliases, tags): a hostile args.yaml is "not a run of ours".
+        recorded = load_yaml(folder / RUN_ARGS_NAME, "run arguments")
+    except ConfigError:
+        return False
+    return isinstance(recorded, dict) and recorded.get("launch") == launch
+
+
 def folder_of_launch(base: Path, launch: str) -> Path | None:
     """The folder among ``base``, ``base2``, ``base3``, ... that an earlier attempt of this
     launch (:func:`launch_id`, recorded in its ``args.yaml``) wrote a ``last.pt`` into: where a
@@ -147,12 +160,7 @@ def folder_of_launch(base: Path, launch: str) -> Path | None:
     for candidate in sorted(base.parent.iterdir()):
         if not pattern.fullmatch(candidate.name) or not (candidate / "last.pt").is_file():
             continue
-        try:
-            # Bounded (size, aliases, tags): a hostile args.yaml is "not a run of ours".
-            recorded = load_yaml(candidate / RUN_ARGS_NAME, "run arguments")
-        except ConfigError:
-            continue
-        if isinstance(recorded, dict) and recorded.get("launch") == launch:
+        if _written_by_launch(candidate, launch):
             return candidate
     return None
 
@@ -523,6 +531,16 @@ def _choose_folder(
         return base
     written = run_writes_in(base)
     if not (live or written):
+        return base
+    if not live and not (base / "last.pt").exists() and _written_by_launch(base, launch_id()):
+        # An earlier attempt of this job (a SLURM requeue, a torchrun restart) killed before
+        # its first checkpoint (SIGKILL leaves no failed-<time>/): this attempt is that run.
+        entries = [e for e in base.iterdir() if is_run_write(e.name)]
+        moved = _move_into(base, FAILED_PREFIX, entries)
+        notes.append(
+            f"{base}: an earlier attempt of this job ({launch_id()}) stopped before its first "
+            f"checkpoint; its files are in {moved}, and this attempt writes {base}"
+        )
         return base
     folder = _numbered(base)
     if live:

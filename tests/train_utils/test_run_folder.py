@@ -410,6 +410,41 @@ def test_a_restarted_launch_finds_the_numbered_folder_its_first_attempt_wrote(tm
     assert folder_of_launch(base, me) is None
 
 
+def test_a_requeued_job_writes_the_folder_its_killed_first_attempt_left_without_checkpoint(
+    tmp_path, monkeypatch
+):
+    """The README's sbatch script: an attempt SIGKILLed before its first epoch leaves train.log,
+    results.csv, args.yaml and its lock, and no last.pt; each requeue then wrote OUT2, OUT3, ...
+    from epoch 0 and never resumed. Now an attempt of the same job sets those files aside and
+    writes OUT; another job's folder is still never written over."""
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    base = tmp_path / "yolo-4242"
+    base.mkdir()
+    killed = {"args.yaml": "launch: slurm:4242\n", "train.log": "epoch 0\n", "results.csv": "e\n"}
+    for name, text in killed.items():
+        (base / name).write_text(text)
+    (base / "notes.txt").write_text("mine\n")  # not a run's file: stays where it is
+    (base / LOCK_NAME).write_text('{"host": "gone", "pid": 1, "started": "x", "job": "slurm:4242"}')
+    claim = claim_run_folder(base, resume=False, exist_ok=False)
+    assert claim.path == base
+    [aside] = base.glob("failed-*")
+    assert {p.name: p.read_text() for p in aside.iterdir()} == killed
+    assert (base / "notes.txt").read_text() == "mine\n"
+    assert claim.notes[0] == (
+        f"{base}: an earlier attempt of this job (slurm:4242) stopped before its first "
+        f"checkpoint; its files are in {aside}, and this attempt writes {base}"
+    )
+    claim.release()
+    # Another job's killed start: numbered, as any previous run.
+    other = tmp_path / "other"
+    other.mkdir()
+    for name, text in {**killed, "args.yaml": "launch: slurm:7\n"}.items():
+        (other / name).write_text(text)
+    claim = claim_run_folder(other, resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "other2" and not list(other.glob("failed-*"))
+    claim.release()
+
+
 def test_half_written_files_of_a_killed_run_are_removed_when_the_folder_is_claimed(tmp_path):
     """A SIGKILL during last.pt leaves .last.pt.<pid>.<hex>.tmp; the next run that holds the
     folder (--resume) removes it, and nothing else."""

@@ -150,12 +150,13 @@ def spawn_devices(device: str, nprocs: int, cuda_count: int) -> list[torch.devic
 
 
 def _restarted() -> bool:
-    """Whether torchrun restarted this job, the same answer on every rank.
+    """Whether torchrun restarted this job or SLURM requeued it, the same answer on every rank.
 
     Collective. Each node's agent counts only its own workers' failures: after a worker of
     node 1 failed, node 1's ranks see TORCHELASTIC_RESTART_COUNT=1 and node 0's still 0.
     """
-    return all_reduce_flag(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+    counts = (os.environ.get(k, "0") for k in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"))
+    return all_reduce_flag(any(c.isdigit() and int(c) > 0 for c in counts))
 
 
 def train_distributed(args: argparse.Namespace, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
@@ -186,7 +187,10 @@ def train_distributed(args: argparse.Namespace, timeout_s: float = DEFAULT_TIMEO
             folder = broadcast_object(None if found is None else str(found))
             if folder is not None:
                 config.output_dir = Path(folder)
-                logger.warning("restarted by torchrun: resuming from %s", Path(folder) / "last.pt")
+                logger.warning(
+                    "restarted (torchrun, or a SLURM requeue): resuming from %s",
+                    Path(folder) / "last.pt",
+                )
                 config.resume = "auto"
         run(config, dist)
     finally:

@@ -249,3 +249,25 @@ def test_a_dist_timeout_that_is_no_positive_number_is_one_line(bad, capsys):
         f"--dist-timeout must be a positive number of seconds, got {float(bad)}"
     )
     assert "Traceback" not in "\n".join(err)
+
+
+@pytest.mark.parametrize(
+    ("env", "restarted"),
+    [
+        ({}, False),
+        ({"TORCHELASTIC_RESTART_COUNT": "1"}, True),
+        ({"SLURM_RESTART_COUNT": "2"}, True),  # a requeue (scontrol requeue, a node failure)
+        ({"SLURM_RESTART_COUNT": "0", "TORCHELASTIC_RESTART_COUNT": "0"}, False),
+        ({"SLURM_RESTART_COUNT": "x"}, False),
+    ],
+)
+def test_a_slurm_requeue_counts_as_a_restart(monkeypatch, env, restarted):
+    """A requeued job whose first attempt wrote a numbered folder resumes there, as a torchrun
+    restart does (was: only torchrun's count was read)."""
+    from train_utils.distributed import launch
+
+    for key in ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    assert launch._restarted() is restarted
