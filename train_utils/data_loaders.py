@@ -299,11 +299,21 @@ def _cache_in_ram(datasets: list[LoadImagesAndLabels], dist: DistInfo) -> None:
                 caches = [
                     SharedImages.attach(p, ds.ram_cache_sizes()) for p, ds in zip(paths, datasets)
                 ]
+        except DatasetError as e:
+            error = e
+        # Every rank has mapped the files once this returns: their names go before the fill,
+        # so that a process killed during it (SIGKILL, the OOM killer) leaves no file in
+        # /dev/shm (was: unlinked only after the fill).
+        raise_if_any_rank_failed(error, "--cache-images ram")
+        if creator:
+            for p in paths:
+                unlink_quietly(p)
+        try:
             for ds, cache in zip(datasets, caches):
                 ds.fill_shared_ram_cache(cache, dist.local_rank, shares, is_main=dist.is_main)
         except DatasetError as e:
             error = e
-        # Every rank has mapped the files and filled its share once this returns.
+        # Every rank has filled its share once this returns.
         raise_if_any_rank_failed(error, "--cache-images ram")
         missing = sum(cache.missing() for cache in caches)
         if missing:

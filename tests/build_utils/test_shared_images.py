@@ -104,8 +104,18 @@ def test_single_process_cache_counts_one_copy(shapes_data, monkeypatch):
     ds = LoadImagesAndLabels(lst, 96, batch_size=4)
     disk = LoadImagesAndLabels(lst, 96, batch_size=4)
     before = set(shared_cache_dir().glob("yolo-images-*"))
+    fill = LoadImagesAndLabels.fill_shared_ram_cache
+    left_while_filling = []
+
+    def filling(self, *args, **kwargs):
+        # Was: the file stayed until the fill ended, so a SIGKILL during it leaked the cache.
+        left_while_filling.append(set(shared_cache_dir().glob("yolo-images-*")) - before)
+        return fill(self, *args, **kwargs)
+
+    monkeypatch.setattr(LoadImagesAndLabels, "fill_shared_ram_cache", filling)
     data_loaders._cache_in_ram([ds], DistInfo.single("cpu"))
-    assert set(shared_cache_dir().glob("yolo-images-*")) <= before  # unlinked once mapped
+    assert left_while_filling == [set()]  # unlinked once mapped, before the fill
+    assert set(shared_cache_dir().glob("yolo-images-*")) <= before
     assert counted == [1]
     assert isinstance(ds._imgs, SharedImages)
     for i in range(len(ds)):
