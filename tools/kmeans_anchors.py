@@ -49,9 +49,9 @@ from build_utils.datasets import LoadImagesAndLabels
 from build_utils.errors import ConfigError
 from build_utils.labels import data_folders
 from build_utils.limits import MAX_TEXT_BYTES, check_config_file, read_config_text
-from build_utils.parse_config import parse_data_cfg
 from build_utils.safe_yaml import short_text
 from train_utils.cli import HelpFormatter, check_img_size_limit, path_arg, run_script
+from train_utils.config import load_data_config
 from train_utils.run_folder import check_new_file
 
 LOGGER = logging.getLogger("kmeans_anchors")
@@ -198,21 +198,26 @@ def fit_anchors(args: argparse.Namespace) -> None:
             f"-n {in_cfg} or leave -n out",
             args.cfg,
         )
-    data = parse_data_cfg(args.data) if args.data else None
-    source = data["train"] if data else args.list
+    data = load_data_config(args.data) if args.data else None
+    source = data.train if data else args.list
     if args.out_cfg is not None:
-        # Never over a file this tool reads (was: --out-cfg my.data replaced the .data), nor
-        # over any other file without --exist-ok.
+        # Never over a file this tool reads or the data names (was: --out-cfg my.data replaced
+        # the .data, --out-cfg coco_ids.json --exist-ok the id map), nor over any other file
+        # without --exist-ok.
         reads = {"--cfg that": args.cfg, "--data that": args.data, "the image list that": source}
+        reads |= {f"the '{k}' file of --data that": p for k, p in data.files} if data else {}
         check_new_file(args.out_cfg, "--out-cfg", args.exist_ok, reads)
         check_output_place(args.out_cfg, "--out-cfg")  # also when it exists: a folder
-        # Nor among the images and labels it reads (was: --out-cfg <labels>/x.txt --exist-ok
-        # replaced a training label with a cfg).
-        images, labels = data_folders(source)
-        check_apart({"--out-cfg": args.out_cfg}, images + labels, "the dataset's folder")
+        # Nor among the images and labels of any split (was: --out-cfg <labels>/x.txt
+        # --exist-ok replaced a training label, and a val label, with a cfg).
+        folders = []
+        for split in (data.train, data.valid) if data else (source,):
+            images, labels = data_folders(split)
+            folders += images + labels
+        check_apart({"--out-cfg": args.out_cfg}, folders, "the dataset's folder")
     # The label cache is keyed by the class count as well: read it with the .data's (or
     # --classes), as training does, so that the cache written here is the one training reuses.
-    wh = label_wh(source, args.img_size, int(data["classes"]) if data else args.classes)
+    wh = label_wh(source, args.img_size, data.nc if data else args.classes)
     rng = np.random.default_rng(args.seed)
     anchors = kmeans_iou(wh, n, rng)
     LOGGER.info("k-means:  %s; %s", format_anchors(anchors), describe(wh, anchors, args.iou_t))

@@ -770,7 +770,14 @@ def test_kmeans_anchors_never_writes_over_what_it_reads(
     assert {p: p.read_bytes() for p in names.values()} == before
 
 
-@pytest.mark.parametrize("name", ["labels/train_000000.txt", "images/train_000000.jpg"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "train/labels/train_000000.txt",
+        "train/images/train_000000.jpg",
+        "val/labels/val_000000.txt",  # was: written over (only the train split was guarded)
+    ],
+)
 def test_kmeans_anchors_never_writes_into_the_datasets_folders(
     name, make_shapes_data, tmp_path, capsys
 ):
@@ -778,7 +785,7 @@ def test_kmeans_anchors_never_writes_into_the_datasets_folders(
     just read with a cfg (an image alike). The dataset's image and label folders are refused as
     its other inputs are: one line, exit 2, the file unchanged."""
     data = make_shapes_data(n_train=4, n_val=1)
-    out = data.parent / "train" / name
+    out = data.parent / name
     before = out.read_bytes()
     argv = ["--data", str(data), "--cfg", str(NANO_CFG), "--out-cfg", str(out), "--exist-ok"]
     assert kmeans_anchors.main([*argv, "--img-size", "64", "--generations", "3"]) == 2
@@ -787,6 +794,26 @@ def test_kmeans_anchors_never_writes_into_the_datasets_folders(
         "outside it\n"
     )
     assert out.read_bytes() == before
+
+
+def test_kmeans_anchors_never_replaces_a_file_the_data_names(make_shapes_data, tmp_path, capsys):
+    """Was: --out-cfg coco_ids.json --exist-ok (the id map a data.yaml of coco2yolo names, which
+    validation reads) replaced it with a cfg."""
+    data = make_shapes_data(n_train=4, n_val=1)
+    root = data.parent
+    ids = root / "coco_ids.json"
+    ids.write_text("{}")
+    yaml = root / "data.yaml"
+    yaml.write_text(
+        "train: train.txt\nval: val.txt\ncoco_ids: coco_ids.json\nnames: [a, b, c, d, e]\n"
+    )
+    argv = ["--data", str(yaml), "--cfg", str(NANO_CFG), "--out-cfg", str(ids), "--exist-ok"]
+    assert kmeans_anchors.main([*argv, "--img-size", "64", "--generations", "3"]) == 2
+    assert capsys.readouterr().err == (
+        f"error: --out-cfg {ids} is the 'coco_ids' file of --data that this tool reads; choose "
+        "another file\n"
+    )
+    assert ids.read_text() == "{}"
 
 
 def test_kmeans_anchors_never_replaces_a_runs_model_cfg(make_shapes_data, tmp_path, capsys):
