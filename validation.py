@@ -331,9 +331,9 @@ def json_ids(
 
 
 def read_source_gt(
-    args: argparse.Namespace, n: int, gt_ids: list[int] | None, coco_ids: Any
+    args: argparse.Namespace, img_files: Sequence[str], gt_ids: list[int] | None, coco_ids: Any
 ) -> Any:
-    """--coco-gt's images of the data (``n`` images; ids as --save-json writes them, see
+    """--coco-gt's images of the data (``img_files``; ids as --save-json writes them, see
     :func:`json_ids`), read and checked before the evaluation: a wrong file costs no inference
     and writes nothing."""
     if coco_ids is None:
@@ -342,8 +342,9 @@ def read_source_gt(
             "--save-json on data with such ids (a dataset of tools/coco2yolo.py, or COCO)"
         )
     image_ids, category_ids, _ = coco_ids
-    indices = range(n) if gt_ids is None else gt_ids
-    return ground_truth_from_file(args.coco_gt, [image_ids[i] for i in indices], category_ids)
+    indices = range(len(img_files)) if gt_ids is None else gt_ids
+    ids = [image_ids[i] for i in indices]
+    return ground_truth_from_file(args.coco_gt, ids, category_ids, img_files)
 
 
 def score_against_file(
@@ -538,7 +539,7 @@ def prepare(
     coco_ids = json_ids(args, data, dataset.img_files, gt_ids) if args.save_json else None
     source_gt = None
     if args.coco_gt:  # on every rank: a refusal on rank 0 alone would leave the others waiting
-        source_gt = read_source_gt(args, len(dataset), gt_ids, coco_ids)
+        source_gt = read_source_gt(args, dataset.img_files, gt_ids, coco_ids)
     workers = resolve_workers(args.workers)
     loader = make_eval_loader(
         dataset, args.batch_size, dist.world_size, dist.rank, workers, device.type == "cuda"

@@ -266,6 +266,12 @@ OTHER_IMAGES = {
     "annotations": [],
     "categories": [{"id": c, "name": str(c)} for c in COCO80_TO_91],
 }
+# coco_like's ids, as another split's JSON with overlapping ids has them: other pictures.
+SAME_IDS = [{"id": 397133 + 7 * k, "width": 64, "height": 64} for k in range(10)]
+OTHER_SPLIT = {**OTHER_IMAGES, "images": [{**im, "file_name": "x.jpg"} for im in SAME_IDS]}
+# The right pictures, with an annotation pycocotools would fail on mid-evaluation.
+RIGHT_IMAGES = [{**im, "file_name": f"{im['id']:012d}.jpg"} for im in SAME_IDS]
+STRING_BOX = {"id": 5, "image_id": 397133, "category_id": 1, "bbox": ["10", "a", 3, 4]}
 
 
 @pytest.mark.parametrize(
@@ -282,6 +288,15 @@ OTHER_IMAGES = {
             json.dumps(OTHER_IMAGES),
             ": lists no image 397133 (and 9 more) of the data scored: not the JSON the data came "
             "from",
+        ),
+        (  # was: scored against those pictures' boxes, without a word
+            json.dumps(OTHER_SPLIT),
+            ": 10 of its 10 images with the data's ids are other pictures (id 397133: 'x.jpg' "
+            "there, '000000397133.jpg' here): not the JSON the data came from",
+        ),
+        (  # was: a pycocotools traceback after the evaluation
+            json.dumps({**OTHER_IMAGES, "images": RIGHT_IMAGES, "annotations": [STRING_BOX]}),
+            ": annotation 5: bbox ['10', 'a', 3, 4] is not 4 numbers",
         ),
     ],
 )

@@ -29,6 +29,7 @@ import numpy as np
 from pycocotools.coco import COCO
 
 from build_utils.atomic import atomic_write
+from build_utils.checks import is_int, is_real, shown
 from build_utils.errors import ConfigError, DatasetError
 from train_utils.evaluation.detection_files import read_json_file
 
@@ -241,16 +242,21 @@ def _write_cache(path: Path, coco_dict: dict) -> None:
 
 
 def ground_truth_from_file(
-    path: str | os.PathLike[str], image_ids: Sequence[int], category_ids: Sequence[int] = ()
+    path: str | os.PathLike[str],
+    image_ids: Sequence[int],
+    category_ids: Sequence[int] = (),
+    file_names: Sequence[str] = (),
 ) -> COCO:
     """The images ``image_ids`` of a COCO instances JSON and their annotations, crowd regions
     included (pycocotools ignores detections there), as a pycocotools ``COCO``: what a run's
     detections with that file's ids are scored against, as YOLOv5's val.py does for COCO. Read
-    before the evaluation, so that a wrong file costs no inference.
+    before the evaluation, so that a wrong file costs no inference. ``file_names``: the data's
+    image files in the order of ``image_ids``, which the JSON's must mostly match.
 
     Raises:
-        ConfigError: the file is no COCO JSON, or lacks one of ``image_ids`` or
-            ``category_ids`` (the ids the detections will carry).
+        ConfigError: the file is no COCO JSON, lacks one of ``image_ids`` or ``category_ids``
+            (the ids the detections will carry), names other pictures under those ids, or has
+            an annotation pycocotools cannot score (a bbox that is not 4 numbers, ...).
     """
     data = read_json_file(path, "COCO annotation JSON")
     lists = isinstance(data, dict) and all(
@@ -284,4 +290,43 @@ def ground_truth_from_file(
             "came from",
             path,
         )
+    _check_same_pictures(source, image_ids, file_names, path)
+    for a in anns:
+        problem = _annotation_problem(a)
+        if problem is not None:
+            raise ConfigError(f"annotation {shown(a.get('id'))}: {problem}", path)
     return source
+
+
+def _check_same_pictures(
+    source: COCO, image_ids: Sequence[int], file_names: Sequence[str], path: Any
+) -> None:
+    """Most of the JSON's images under ``image_ids`` have the names of the data's pictures
+    (was: another split's JSON with overlapping ids was scored, without a word). Most, not all:
+    a converter may have renamed a few that shared a name."""
+    pairs = [
+        (i, Path(str(source.imgs[i].get("file_name"))).name, Path(f).name)
+        for i, f in zip(image_ids, file_names)
+        if "file_name" in source.imgs[i]
+    ]
+    differ = [p for p in pairs if p[1] != p[2]]
+    if pairs and 2 * len(differ) > len(pairs):
+        i, theirs, ours = min(differ)
+        raise ConfigError(
+            f"{len(differ)} of its {len(pairs)} images with the data's ids are other pictures "
+            f"(id {i}: {shown(theirs)} there, {shown(ours)} here): not the JSON the data came "
+            "from",
+            path,
+        )
+
+
+def _annotation_problem(a: dict[str, Any]) -> str | None:
+    """Why pycocotools could not score annotation ``a`` (it would raise mid-evaluation)."""
+    box = a.get("bbox")
+    if not (isinstance(box, list) and len(box) == 4 and all(is_real(v) for v in box)):
+        return f"bbox {shown(box)} is not 4 numbers"
+    if not is_int(a.get("category_id")):
+        return f"category_id {shown(a.get('category_id'))} is not an integer"
+    if not is_real(a.get("area", 0)) or a.get("iscrowd", 0) not in (0, 1):
+        return f"area {shown(a.get('area'))} or iscrowd {shown(a.get('iscrowd'))} is not valid"
+    return None
