@@ -237,6 +237,17 @@ def prepare_out(out: Path, split: str, coco: CocoFile, exist_ok: bool) -> CocoId
             "another folder",
             out,
         )
+    renamed = [(i, a, b) for i, a, b in zip(old.category_ids, old.names, coco.names) if a != b]
+    if renamed:
+        i, before, now = renamed[0]
+        LOGGER.warning(
+            "%d categories are named otherwise than in --out's earlier conversion (id %d: %s "
+            "there, %s here); the earlier names are kept",
+            len(renamed),
+            i,
+            short_repr(before),
+            short_repr(now),
+        )
     prefix = f"images/{split}/"
     previous = [k for k in old.images if k.startswith(prefix)]
     taken = (out / "images" / split).exists() or (out / "labels" / split).exists()
@@ -386,7 +397,14 @@ def coco_to_yolo(args: argparse.Namespace) -> None:
     id_map = prepare_out(out, split, coco, args.exist_ok)
     with reported_write(out, "--out", folder=True):
         report = convert(coco, args.images, out, split, id_map, args.copy)
-    id_map.splits[role] = f"images/{split}"
+    # A second split of one role (train and train2) is added to it, as the README says (was:
+    # the later replaced the earlier in data.yaml, which then trained on one of them).
+    known = id_map.splits.get(role, [])
+    folders = [known] if isinstance(known, str) else list(known)
+    folders += [f"images/{split}"] if f"images/{split}" not in folders else []
+    id_map.splits[role] = folders[0] if len(folders) == 1 else folders
+    if len(folders) > 1:
+        LOGGER.info("%s: %s is now %s", out / DATA_YAML, role, ", ".join(folders))
     id_map.sources[split] = str(args.json.resolve())
     write_text(out / COCO_IDS_FILE, id_map.to_json(), "--out")
     yaml_text = data_yaml_text(

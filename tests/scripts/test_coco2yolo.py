@@ -17,6 +17,8 @@ import pytest
 from conftest import REPO_ROOT, run_training, train_argv, validation_argv
 
 import validation
+from build_utils.datasets import LoadImagesAndLabels
+from build_utils.parse_config import parse_data_cfg
 
 sys.path.insert(0, str(REPO_ROOT / "tools"))
 
@@ -242,6 +244,32 @@ def test_converting_in_place_is_refused_and_keeps_the_images(tmp_path, make_shap
 
 
 @pytest.mark.slow
+def test_a_second_split_of_one_role_is_added_to_data_yaml(tmp_path, make_shapes_data, caplog):
+    """Was: --split train2 into an --out holding train replaced train: in data.yaml, which then
+    trained on one of them, and a category renamed in the second JSON went unsaid."""
+    shapes = make_shapes_data(n_train=4, n_val=2, img_size_range=(64, 96), n_classes=3).parent
+    coco = _coco_from_shapes(shapes, "train", 500)
+    out = tmp_path / "yolo"
+    first = _write_json(tmp_path / "instances_train.json", coco)
+    renamed = {**coco, "categories": [{"id": 3, "name": "ball"}, *coco["categories"][:2]]}
+    second = _write_json(tmp_path / "renamed.json", renamed)
+    val = _write_json(tmp_path / "instances_val.json", _coco_from_shapes(shapes, "val", 900))
+    assert (
+        _convert("--json", str(val), "--images", str(shapes / "val" / "images"), "--out", str(out))[
+            0
+        ]
+        == 0
+    )
+    images = ["--images", str(shapes / "train" / "images"), "--out", str(out)]
+    assert _convert("--json", str(first), *images)[0] == 0
+    assert _convert("--json", str(second), *images, "--split", "train2")[0] == 0
+    d = parse_data_cfg(out / "data.yaml")
+    assert [Path(p).name for p in d["train"]] == ["train", "train2"]  # both, in that order
+    assert d["class_names"] == NAMES  # the earlier names, said:
+    assert any("id 3: 'circle' there, 'ball' here" in m for m in caplog.messages)
+    assert len(LoadImagesAndLabels(d["train"], 64, nc=3)) == 8
+
+
 def test_coco_json_to_yolo_trains_and_scores_with_the_source_ids(
     tmp_path, make_shapes_data, capsys
 ):

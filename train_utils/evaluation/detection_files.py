@@ -143,7 +143,8 @@ class CocoIdMap:
 
     category_ids: list[int]  # the source JSON's category id of each class
     names: list[str]
-    splits: dict[str, str] = field(default_factory=dict)  # role -> images/<split>
+    # role -> images/<split>, or a list of them (train and train2 both converted)
+    splits: dict[str, str | list[str]] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # split -> source JSON
     images: dict[str, int] = field(default_factory=dict)  # map-relative image path -> image id
 
