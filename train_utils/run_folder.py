@@ -48,13 +48,6 @@ logger = logging.getLogger(__name__)
 RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
 
 
-def resume_command(last: Path) -> str:
-    """The flag that continues the run whose checkpoint is ``last``: bare ``--resume`` finds
-    ``runs/*/last.pt`` only (the newest), so a run elsewhere (``--project``, ``--output-dir``)
-    is named by its path."""
-    return "--resume" if last.parent.parent.resolve() == RUNS_DIR.resolve() else f"--resume {last}"
-
-
 RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
 RUN_HYP_NAME = "hyp.yaml"  # the hyperparameters as the run read them
 LOCK_NAME = "run.lock"
@@ -94,6 +87,16 @@ RUN_FOLDER_FLAGS = "--name/--output-dir"  # the options that choose a run folder
 MAX_NUMBER = 9999  # x2 ... x9999, as YOLOv5's increment_path
 # Default-named runs started together (a job array): each takes the next free number.
 MAX_AUTO_NAME_TRIES = 5
+
+
+def resume_command(last: Path) -> str:
+    """The flag that continues the run whose checkpoint is ``last``: bare ``--resume`` finds
+    ``runs/*/last.pt`` only (the newest), so a run elsewhere (``--project``, ``--output-dir``)
+    is named by its path, and a candidate of an ``--evolve`` search by its search's folder."""
+    search = last.parent.parent
+    if (search / SEARCH_RECORD).is_file():
+        return f"--resume {search}"
+    return "--resume" if search.resolve() == RUNS_DIR.resolve() else f"--resume {last}"
 
 
 @dataclass(frozen=True)

@@ -551,3 +551,8 @@ def test_the_resume_hint_names_the_checkpoint_where_bare_resume_would_not_find_i
     deeper = Path("runs/train/exp3/last.pt")
     assert resume_command(deeper) == f"--resume {deeper}"
     assert resume_command(tmp_path / "x" / "last.pt") == f"--resume {tmp_path / 'x' / 'last.pt'}"
+    # A candidate of an --evolve search: the search continues it (was: the candidate alone).
+    search = tmp_path / "runs" / "evolve"
+    search.mkdir(parents=True)
+    (search / "search.yaml").write_text("generations: 3\n")
+    assert resume_command(search / "candidate-003" / "last.pt") == f"--resume {search}"
