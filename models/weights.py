@@ -235,7 +235,8 @@ def _check_value_count(
     fits = _classes_that_fit(model, n_values - needed) if cutoff < 0 else None
     hint = (
         f"; it holds this cfg's values for {fits} classes (the cfg has {model.nc}): give the "
-        f"class names or data of those {fits} (the heads are rewritten for them)"
+        f"class names or data of those {fits} (--names/--data: the heads are rewritten for "
+        f"them), or a cfg for them (tools/make_cfg.py {cfg} --classes {fits})"
         if fits is not None
         else ""
     )

@@ -277,7 +277,9 @@ def check_not_a_run_file(path: Path, flag: str, instead: Path) -> None:
     path = Path(path)
     if not is_run_write(path.name):
         return
-    others = tuple(name for name in RUN_FILES if name != path.name)
+    # A run's log or results tell its folder (a folder of weights alone, weights/x/best.pt
+    # beside its converted best.weights, is no run: --exist-ok may replace what is there).
+    others = tuple(n for n in RUN_FILES if n != path.name and not RUN_CHECKPOINT.fullmatch(n))
     if path.exists() and holds_run(path.parent, others):
         raise ConfigError(
             f"{flag} {path} is a file of the training run in {path.parent}, which is never "

@@ -210,7 +210,9 @@ def test_weights_of_another_class_count_name_it(file_classes, cfg_classes, tmp_p
         load_darknet_weights(Darknet(rewrite_cfg_classes(blocks, cfg_classes)), path)
     assert str(e.value).endswith(
         f"; it holds this cfg's values for {file_classes} classes (the cfg has {cfg_classes}): "
-        f"give the class names or data of those {file_classes} (the heads are rewritten for them)"
+        f"give the class names or data of those {file_classes} (--names/--data: the heads are "
+        f"rewritten for them), or a cfg for them (tools/make_cfg.py {NANO} --classes "
+        f"{file_classes})"  # convert_weights.py has no --names/--data: make_cfg is its way
     )
     load_darknet_weights(Darknet(rewrite_cfg_classes(blocks, file_classes)), path)  # as it says
 

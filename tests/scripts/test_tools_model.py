@@ -4,6 +4,7 @@ former tools/export_onnx.py), called through main()."""
 from __future__ import annotations
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -343,6 +344,15 @@ def test_convert_weights_never_replaces_a_runs_checkpoint(tiny_pt, tmp_path, cap
     other = ["--weights", str(darknet), "--cfg", str(TINY), "-o", str(run / "last-converted.pt")]
     assert convert_weights.main(other) == 0
     assert convert_weights.main([*other, "--exist-ok"]) == 0
+    # A folder of weights alone is no run: a conversion there is redone with --exist-ok (was:
+    # weights/x/best.weights beside best.pt refused as "a file of the training run").
+    kept = tmp_path / "weights" / "x"
+    kept.mkdir(parents=True)
+    shutil.copy(tiny_pt, kept / "best.pt")
+    again = [str(kept / "best.pt"), "--cfg", str(TINY)]
+    assert convert_weights.main(again) == 0 and (kept / "best.weights").is_file()
+    assert convert_weights.main(again) == 2  # there: not without --exist-ok
+    assert convert_weights.main([*again, "--exist-ok"]) == 0
 
 
 # --------------------------------------------------------------------------------------------
