@@ -679,7 +679,9 @@ def load_label_cache(path: Path, key: str, nc: int | None = None) -> LabelCache 
                 return None
             arrays = {name: z[name] for name in _CACHE_ARRAYS}
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-        LOGGER.warning("label cache %s is unreadable (%s); rebuilding", path, e)
+        # numpy's words for a file that is no .npz advise loading it unsafely: never here.
+        why = "not a .npz file: corrupt" if "allow_pickle" in str(e) else e
+        LOGGER.warning("label cache %s is unreadable (%s); rebuilding", path, why)
         return None
     problem = cache_disagreement(arrays, nc)
     if problem is not None:

@@ -517,6 +517,13 @@ def test_label_cache_reuse_and_invalidation(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="build_utils.labels"):
         LoadImagesAndLabels(lst, 96, nc=80)
     assert len(calls) == 4 and "unreadable" in caplog.text
+    # Random bytes: numpy reads them as a pickle and advises allow_pickle; never said here.
+    caplog.clear()
+    d2.cache_path.write_bytes(bytes(range(256)) * 12)
+    with caplog.at_level(logging.WARNING, logger="build_utils.labels"):
+        LoadImagesAndLabels(lst, 96, nc=80)
+    assert len(calls) == 5 and "not a .npz file: corrupt" in caplog.text
+    assert "pickle" not in caplog.text
 
     def read_only(*a, **k):
         raise PermissionError(13, "Permission denied")
