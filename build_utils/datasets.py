@@ -412,7 +412,7 @@ class LoadImagesAndLabels(Dataset):
         """Fill the image cache ``mode`` asks for: None, ``"ram"`` or ``"disk"`` (``.npy``
         files in ``folder``)."""
         self._imgs: list[np.ndarray] | SharedImages | None = None
-        self._npy_files: list[Path] | None = None
+        self._npy_files: list[Path | None] | None = None
         if mode == "ram":
             self.cache_in_ram(is_main)
         elif mode == "disk":
@@ -533,8 +533,9 @@ class LoadImagesAndLabels(Dataset):
         returned size, not the original one."""
         if self._imgs is not None:
             return self._imgs[i]
-        if self._npy_files is not None:
-            img = read_npy(self._npy_files[i], self._cached_shape(i))
+        npy = None if self._npy_files is None else self._npy_files[i]
+        if npy is not None:
+            img = read_npy(npy, self._cached_shape(i))
             if img is not None:
                 return img
         return self._decode(i, scale)

@@ -177,13 +177,25 @@ def cache_on_disk(
     folder: Path,
     progress: bool,
     shapes: Sequence[tuple[int, int, int]],
-) -> list[Path] | None:
+) -> list[Path | None] | None:
     """The ``.npy`` file of every image in ``folder``, writing those that do not exist yet or do
     not hold an image of ``shapes[i]`` (``(h, w, 3)`` uint8, see :func:`npy_problem`: a
     truncated, foreign or altered file is rewritten, with a warning); None, with a warning, when
-    ``folder`` is not writable (images are then decoded on the fly)."""
-    names = npy_cache_files(img_files, img_size, folder)
+    ``folder`` is not writable (images are then decoded on the fly). An image whose file name is
+    taken by a folder has None (decoded), the others are cached (was: none of them)."""
+    names: list[Path | None] = list(npy_cache_files(img_files, img_size, folder))
     problems = [npy_problem(p, shape) for p, shape in zip(names, shapes)]
+    taken = [i for i, p in enumerate(names) if problems[i] is not None and p.is_dir()]
+    if taken:
+        LOGGER.warning(
+            "%d image cache file name(s) in %s are folders (%s); those images are decoded on "
+            "the fly",
+            len(taken),
+            folder,
+            names[taken[0]].name,
+        )
+        for i in taken:
+            names[i] = problems[i] = None
     todo = [i for i, why in enumerate(problems) if why is not None]
     bad = [(names[i], problems[i]) for i in todo if problems[i] != "missing"]
     if bad:

@@ -557,6 +557,18 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
         a = plain[i][0]
         assert torch.equal(a, ram[i][0]) and torch.equal(a, disk[i][0])
         assert torch.equal(a, disk2[i][0])
+    # A folder where one cache file goes: that image is decoded, the others still cached
+    # (was: "cannot write the image cache", every image decoded in every run).
+    taken, *others = sorted(npys)
+    taken.unlink()
+    taken.mkdir()
+    for npy in others:
+        npy.unlink()
+    disk3 = LoadImagesAndLabels(lst, 96, cache_images="disk")
+    assert taken.is_dir() and all(npy.is_file() for npy in others)
+    assert sum(p is None for p in disk3._npy_files) == 1
+    for i in range(len(plain)):
+        assert torch.equal(plain[i][0], disk3[i][0])
     # Filled later (as bench/bench_scale.py does): the same.
     later = LoadImagesAndLabels(lst, 96)
     later.cache_in_ram()
