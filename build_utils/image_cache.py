@@ -183,6 +183,8 @@ def cache_on_disk(
     truncated, foreign or altered file is rewritten, with a warning); None, with a warning, when
     ``folder`` is not writable (images are then decoded on the fly). An image whose file name is
     taken by a folder has None (decoded), the others are cached (was: none of them)."""
+    if folder.is_symlink():  # a cache moved to another disk by a link: where it is written
+        LOGGER.info("image cache %s is a link: writing into %s", folder, folder.resolve())
     names: list[Path | None] = list(npy_cache_files(img_files, img_size, folder))
     problems = [npy_problem(p, shape) for p, shape in zip(names, shapes)]
     taken = [i for i, p in enumerate(names) if problems[i] is not None and p.is_dir()]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import signal
 import struct
 from pathlib import Path
@@ -545,7 +546,7 @@ def test_train_and_val_caches_do_not_collide(tmp_path):
     assert len(LoadImagesAndLabels(tmp_path / "b.txt", 96)) == 2
 
 
-def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
+def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch, caplog):
     lst = small_dataset(tmp_path)
     plain = LoadImagesAndLabels(lst, 96)
     ram = LoadImagesAndLabels(lst, 96, cache_images=True)
@@ -569,6 +570,13 @@ def test_image_cache_in_ram_and_on_disk(tmp_path, monkeypatch):
     assert sum(p is None for p in disk3._npy_files) == 1
     for i in range(len(plain)):
         assert torch.equal(plain[i][0], disk3[i][0])
+    # A cache folder linked elsewhere (another disk) is used, and said where it writes.
+    elsewhere = tmp_path / "elsewhere"
+    shutil.move(taken.parent, elsewhere)
+    taken.parent.symlink_to(elsewhere)
+    with caplog.at_level(logging.INFO, logger="build_utils.image_cache"):
+        LoadImagesAndLabels(lst, 96, cache_images="disk")
+    assert f"image cache {taken.parent} is a link: writing into {elsewhere}" in caplog.messages
     # Filled later (as bench/bench_scale.py does): the same.
     later = LoadImagesAndLabels(lst, 96)
     later.cache_in_ram()
