@@ -143,7 +143,8 @@ def is_search(args: argparse.Namespace) -> bool:
     typed = [flag for flag in SEARCH_FLAGS if flag in getattr(args, "given", ())]
     if typed:
         raise ConfigError(
-            f"{_flag_names(typed)} only apply to a search: add --evolve N (or --resume a "
+            f"{_flag_names(typed)} {'applies' if len(typed) == 1 else 'apply'} only to a "
+            f"search: add --evolve N (or --resume a "
             f"search's folder)"
         )
     return False
