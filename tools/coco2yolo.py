@@ -307,9 +307,10 @@ def convert(
             if same_aspect((w, h), (float(size[0]), float(size[1]))):
                 why = "boxes normalised by the JSON's (the frame they were drawn in)"
             else:  # not the image resized: a wrong size (trans_voc2yolo.py judges alike)
-                why = "not of its shape: boxes normalised by the image's"
+                why = "not the image's shape: boxes normalised by the image's size"
                 w, h = float(size[0]), float(size[1])
-            given = "x".join(f"{v:g}" if v else "?" for v in (im["width"], im["height"]))
+            # A side the JSON gives as no positive number reads "none".
+            given = "x".join(f"{v:g}" if v else "none" for v in (im["width"], im["height"]))
             report.lines.append(
                 f"{where}: the JSON's size {given} differs from the image's upright "
                 f"{size[0]}x{size[1]}; {why}"
