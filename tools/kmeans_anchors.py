@@ -42,7 +42,7 @@ from build_utils.anchors import (
     kmeans_iou,
     too_small,
 )
-from build_utils.atomic import check_apart, check_output_place, make_output_dir, write_text
+from build_utils.atomic import check_apart, make_output_dir, write_text
 from build_utils.augmentations import GRID
 from build_utils.checks import check_at_least
 from build_utils.datasets import LoadImagesAndLabels
@@ -207,7 +207,6 @@ def fit_anchors(args: argparse.Namespace) -> None:
         reads = {"--cfg that": args.cfg, "--data that": args.data, "the image list that": source}
         reads |= {f"the '{k}' file of --data that": p for k, p in data.files} if data else {}
         check_new_file(args.out_cfg, "--out-cfg", args.exist_ok, reads)
-        check_output_place(args.out_cfg, "--out-cfg")  # also when it exists: a folder
         # Nor among the images and labels of any split (was: --out-cfg <labels>/x.txt
         # --exist-ok replaced a training label, and a val label, with a cfg).
         folders = []

@@ -58,7 +58,6 @@ import numpy as np
 
 from build_utils.atomic import (
     check_apart,
-    check_new_outputs,
     check_output_place,
     make_output_dir,
     write_text,
@@ -86,6 +85,7 @@ from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
 from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
 from train_utils.cli import HelpFormatter, path_arg, run_script
+from train_utils.run_folder import check_new_file
 
 LOGGER = logging.getLogger("trans_voc2yolo")
 NAMES_FILE = "classes.names"  # the class list written beside the labels (default --names-out)
@@ -508,8 +508,7 @@ def plan_outputs(args: argparse.Namespace) -> Outputs:
                 f"{flag} {path} is {read[path.resolve()]} this tool reads; choose another file"
             )
         if path is not None:
-            check_new_outputs([path], flag, args.exist_ok, reads)
-            check_output_place(path, flag)  # also when it exists: a folder passes --exist-ok
+            check_new_file(path, flag, args.exist_ok, reads)
     return outputs
 
 

@@ -34,7 +34,7 @@ from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
 
-from build_utils.atomic import TEMP_SUFFIX, check_new_outputs, write_error
+from build_utils.atomic import TEMP_SUFFIX, check_new_outputs, check_output_place, write_error
 from build_utils.errors import ConfigError
 from build_utils.safe_yaml import load_yaml
 from train_utils.evaluation.coco_gt import CACHE_FILES
@@ -305,6 +305,9 @@ def check_new_file(
         OutputError: its place cannot be written.
     """
     path = Path(path)
+    # A folder where the file goes is said as such first (was: "exists; pass --exist-ok", and
+    # with --exist-ok then "is a folder").
+    check_output_place(path, flag)
     check_not_a_run_file(path, flag, path.with_name(f"{path.stem}-{tag}{path.suffix}"))
     check_new_outputs([path], flag, exist_ok, inputs)
 
