@@ -630,12 +630,12 @@ def describe_frozen(model: Darknet) -> str:
     )
 
 
-def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
+def model_blocks_for(cfg: str | Path | list[Block], nc: int, say: bool = True) -> list[Block]:
     """Parse ``cfg`` (a file, or blocks already parsed) and, when its heads are for another
-    class count, rewrite them for ``nc``."""
+    class count, rewrite them for ``nc`` (``say``: log it; one rank of several says it)."""
     blocks = cfg if isinstance(cfg, list) else parse_model_cfg(cfg)
     cfg_nc = sorted({yolo_classes(b) for b in blocks if b["type"] == "yolo"})
-    if cfg_nc != [nc]:
+    if cfg_nc != [nc] and say:
         LOGGER.warning(
             "%s has classes=%s but the dataset has %d; rewriting the heads for %d classes",
             blocks[0].get("_path", "the cfg"),
@@ -643,5 +643,4 @@ def model_blocks_for(cfg: str | Path | list[Block], nc: int) -> list[Block]:
             nc,
             nc,
         )
-        blocks = rewrite_cfg_classes(blocks, nc)
-    return blocks
+    return blocks if cfg_nc == [nc] else rewrite_cfg_classes(blocks, nc)

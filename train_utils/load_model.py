@@ -132,7 +132,7 @@ def build_training_model(
     resume checkpoint (None when not resuming), whether it is channels_last and the autocast
     dtype it trains in (``amp``, unless ``--amp auto`` on a CPU with native bf16 timed fp32
     faster)."""
-    blocks = model_blocks_for(config.cfg, config.data.nc)
+    blocks = model_blocks_for(config.cfg, config.data.nc, say=dist.is_main)
     error = None
     try:
         _check_model_memory(config, blocks, dist, amp)

@@ -77,3 +77,16 @@ def test_class_names_of_another_count_than_the_checkpoint_are_one_line(tmp_path,
     )
     assert "rewriting the heads" not in caplog.text
     assert load_model.model_from_weights(weights, None, 5, 64).nc == 5
+
+
+def test_the_heads_rewrite_is_said_by_one_rank(caplog):
+    """Was: every rank of a DDP run printed "has classes=80 but the dataset has 5; rewriting
+    the heads"; the training model is built with ``say=dist.is_main``."""
+    from build_utils.parse_config import yolo_classes
+    from models.darknet import model_blocks_for
+
+    for say in (False, True):
+        caplog.clear()
+        blocks = model_blocks_for(NANO_CFG, 5, say=say)
+        assert {yolo_classes(b) for b in blocks if b["type"] == "yolo"} == {5}
+        assert ("rewriting the heads for 5 classes" in caplog.text) is say
