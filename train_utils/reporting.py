@@ -454,9 +454,12 @@ class EpochReporter:
         self.status = KILLED
         logger.warning("stopped: %s", why)
 
-    def finished(self, seconds: float, epochs_run: int, best: float | None) -> None:
-        """The run's last line: ``epochs_run`` epochs (``--recipe darknet``: iterations),
-        ``best`` the best mAP@0.5:0.95 (None: never evaluated). It
+    def finished(
+        self, seconds: float, epochs_run: int, best: float | None, in_all: int = 0
+    ) -> None:
+        """The run's last line: ``epochs_run`` epochs (``--recipe darknet``: iterations) of
+        ``in_all`` with those before a resume, ``best`` the best mAP@0.5:0.95 (None: never
+        evaluated). It
         names only the checkpoints that exist (no best.pt with --no-savebest or no evaluation).
         The external trackers get the run's pictures, text files and weights first."""
         weights = [p for p in (self.out / "last.pt", self.out / "best.pt") if p.is_file()]
@@ -464,9 +467,10 @@ class EpochReporter:
         if self.external:
             self._record_files(weights)
         logger.info(
-            "done: %d %s in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s",
+            "done: %d %s%s in %.1f min | best mAP@0.5:0.95 %s | results %s | weights %s",
             epochs_run,
             f"{self.unit}s",
+            f" ({in_all} in all)" if in_all > epochs_run else "",  # a resumed run's
             seconds / 60,
             "-" if best is None else f"{best:.4f}",
             self.results,

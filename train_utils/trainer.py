@@ -227,7 +227,8 @@ def _train(config: TrainConfig, dist: DistInfo, t_start: float, signals: StopSig
         seconds = time.time() - t_start
         epochs_run = loop.epoch + 1 - start_epoch
         # Before close(): the external trackers record the run's files, then end it finished.
-        reporter.finished(seconds, epochs_run, loop.best)
+        # Iterations count from 1, epochs from 0.
+        reporter.finished(seconds, epochs_run, loop.best, loop.epoch + (not darknet))
     except (KeyboardInterrupt, RunStopped) as e:
         unfinished_saved = not (config.output_dir / "last.pt").is_file()
         if unfinished_saved:

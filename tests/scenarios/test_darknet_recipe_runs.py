@@ -5,6 +5,7 @@ Darknet itself loads and scores as our validation does."""
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 import subprocess
@@ -115,7 +116,7 @@ def test_trains_with_the_cfgs_keys_and_writes_darknet_weights(full_run):
     assert all(float(r["loss"]) > 0 for r in rows)
 
 
-def test_resume_is_exact(full_run, shapes_data, monkeypatch):
+def test_resume_is_exact(full_run, shapes_data, monkeypatch, caplog):
     tmp, cfg = full_run
     part = tmp / "part"
     real = trainer.train_darknet_iterations
@@ -130,7 +131,9 @@ def test_resume_is_exact(full_run, shapes_data, monkeypatch):
         run_training(recipe_argv(shapes_data, part, cfg))
     monkeypatch.setattr(trainer, "train_darknet_iterations", real)
     assert load_checkpoint(part / "last.pt")["epoch"] == 3
-    run_training(recipe_argv(shapes_data, part, cfg, "--resume"))
+    with caplog.at_level(logging.INFO):
+        run_training(recipe_argv(shapes_data, part, cfg, "--resume"))
+    assert any(m.startswith("done: 3 iterations (6 in all) in") for m in caplog.messages)
 
     a, b = load_checkpoint(tmp / "full" / "last.pt"), load_checkpoint(part / "last.pt")
     for k in a["model"]:
