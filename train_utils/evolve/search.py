@@ -568,7 +568,8 @@ def _log_end(search: Search) -> None:
     best_hyp = search.folder / record.BEST_HYP_NAME
     logger.info(
         "--evolve: %d of %d candidates in %s; the best, %s, fitness %.5f. Results: %s, %s. "
-        "Train with it: python train.py --hyp %s",
+        "Train with it: python train.py --hyp %s and the search's other flags (its "
+        "search.yaml's args)",
         done,
         search.total,
         search.folder,
