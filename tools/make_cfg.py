@@ -103,7 +103,10 @@ def scale_width(blocks: list[Block], multiple: float) -> list[Block]:
         if block.get("groups", 1) == filters and filters > 1:
             block["groups"] = scaled
         block["filters"] = scaled
-    return validate_model_cfg(out)
+    try:
+        return validate_model_cfg(out)
+    except ConfigError as e:  # a value --width made, not one of the file's: the flag says why
+        raise ConfigError(f"--width {multiple:g}: {e}") from e
 
 
 def new_coords_heads(blocks: list[Block]) -> list[Block]:

@@ -125,6 +125,10 @@ def test_make_cfg_width(tmp_path):
 def test_make_cfg_width_errors(tmp_path, capsys):
     assert make_cfg.main([str(TINY), "--width", "0", "-o", str(tmp_path / "o.cfg")]) == 2
     assert "--width must be a positive number" in one_error_line(capsys)
+    # A filter count the flag made, over the cfg limit: the flag is named (was: only file:line,
+    # where the file holds another number).
+    assert make_cfg.main([str(TINY), "--width", "1e9", "-o", str(tmp_path / "o.cfg")]) == 2
+    assert one_error_line(capsys).startswith(f"error: --width 1e+09: {TINY}:")
     assert make_cfg.main([str(TINY), "-o", str(tmp_path / "o.cfg")]) == 2
     assert "nothing to do" in one_error_line(capsys)
 
