@@ -362,7 +362,8 @@ def apply_recipe(args: argparse.Namespace, blocks: Sequence[Block]) -> None:
     if args.recipe != "darknet":
         typed = [flag for dest, flag in RECIPE_ONLY_FLAGS.items() if dest in given]
         if typed:
-            logger.warning("%s only apply to --recipe darknet; ignored", ", ".join(typed))
+            verb = "applies" if len(typed) == 1 else "apply"
+            logger.warning("%s %s only to --recipe darknet; ignored", ", ".join(typed), verb)
         return
     settings = check_recipe_blocks(blocks)
     net = blocks[0]

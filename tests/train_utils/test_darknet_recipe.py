@@ -156,7 +156,7 @@ def test_the_cfg_decides_and_typed_flags_are_said_once(caplog):
     with caplog.at_level(logging.WARNING):
         apply_recipe(_args("default", {"clear"}), _cfg())
     assert [r.getMessage() for r in caplog.records] == [
-        "--clear only apply to --recipe darknet; ignored"
+        "--clear applies only to --recipe darknet; ignored"
     ]
 
 
