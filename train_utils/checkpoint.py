@@ -372,13 +372,8 @@ def strip_prefixes(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Te
     """A copy of ``state_dict`` without DDP's ``module.`` and torch.compile's ``_orig_mod.``."""
     out: dict[str, torch.Tensor] = {}
     for key, value in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in _WRAPPER_PREFIXES:
-                if key.startswith(prefix):
-                    key = key[len(prefix) :]
-                    changed = True
+        while key.startswith(_WRAPPER_PREFIXES):  # each a first name component, nested or mixed
+            key = key.split(".", 1)[1]
         out[key] = value
     return out
 
@@ -404,15 +399,12 @@ def _find_state_dict(obj: Any, depth: int) -> Mapping[str, torch.Tensor] | None:
 
 
 def extract_state_dict(obj: Any, path: str | Path | None = None) -> dict[str, torch.Tensor]:
-    """The model weights inside a loaded checkpoint, as ``name -> tensor``.
+    """The model weights inside what :func:`load_checkpoint` read from ``path``, as
+    ``name -> tensor``.
 
     Accepts a bare state_dict, our checkpoint ``{'model': sd, ...}``, ``{'state_dict': sd}``
     and ``{'ema': sd}`` (tried in that order, also nested, e.g. ``{'ema': {'state_dict': sd}}``).
     Wrapper prefixes (``module.``, ``_orig_mod.``) are stripped.
-
-    Args:
-        obj: what :func:`load_checkpoint` returned.
-        path: the file it came from, for error messages.
 
     Raises:
         CheckpointError: no state_dict found ("not a checkpoint").

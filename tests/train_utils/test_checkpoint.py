@@ -193,10 +193,12 @@ def test_extract_state_dict_variants() -> None:
     keys = list(sd)
     ddp_sd = {f"module.{k}": v for k, v in sd.items()}
     compiled = {f"_orig_mod.{k}": v for k, v in sd.items()}
+    both = {f"module._orig_mod.{k}": v for k, v in sd.items()}  # DDP of a compiled model
     for obj in (
         sd,
         ddp_sd,
         compiled,
+        both,
         {"model": sd, "optimizer": None, "epoch": 3},
         {"model": None, "ema": sd, "epoch": -1},
         {"state_dict": ddp_sd},
