@@ -456,8 +456,8 @@ def check_outputs(args: argparse.Namespace, requested: Path | None) -> None:
     if args.json_out:
         json_out = Path(args.json_out)
         # Suggested beside the run's folder: a report never writes into one.
-        beside = json_out.parent.with_name(f"{json_out.parent.name}-stats.json")
-        check_not_a_run_file(json_out, "--json-out", beside)
+        run = json_out.absolute().parent
+        check_not_a_run_file(json_out, "--json-out", run.parent / f"{run.name}-stats.json")
     for path, flag in json_files(args, requested).items():
         check_output_place(path, flag)
         check_new_outputs([path], flag, args.exist_ok, files_read(args))
