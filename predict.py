@@ -233,7 +233,10 @@ class Predictor:
     @torch.no_grad()
     def __call__(self, img: np.ndarray) -> torch.Tensor:
         """Detections ``(n, 6)``: xyxy in ``img`` pixels, confidence, class."""
-        lb, ratio, pad = letterbox(img, self.img_size, auto=True, scale_up=False)
+        # Enlarged as validation's loader enlarges it (long side img_size), so that a small
+        # picture gets the boxes that were scored (was: not enlarged; the lineage's and
+        # YOLOv5's detect enlarge too); padded to the stride, not to a square.
+        lb, ratio, pad = letterbox(img, self.img_size, auto=True)
         x = torch.from_numpy(np.ascontiguousarray(lb[:, :, ::-1].transpose(2, 0, 1)))
         x = to_model_input(x.unsqueeze(0), self.device, dtype=self.precision.weights)
         with autocast_context(self.device, self.precision.autocast):

@@ -132,3 +132,41 @@ def test_bad_inputs(checkpoint, tmp_path, capsys, caplog):
     assert (
         predict.main(["--weights", str(checkpoint), "--source", str(bad), "--img-size", "100"]) == 2
     )
+
+
+def test_a_picture_smaller_than_img_size_gets_the_boxes_validation_scored(
+    checkpoint, shapes_data, tmp_path
+):
+    """Was: predict.py did not enlarge a picture smaller than --img-size while validation's
+    loader does (as the lineage's and YOLOv5's detect both do), so the boxes drawn were not
+    the boxes scored. Both now see the same input: the same boxes, in the same pixels."""
+    import validation
+
+    src = sorted((shapes_data.parent / "val" / "images").glob("*.jpg"))[0]
+    image = tmp_path / "data" / "images" / "small.jpg"  # square: no padding to differ by
+    image.parent.mkdir(parents=True)
+    cv2.imwrite(str(image), cv2.resize(cv2.imread(str(src)), (200, 200)))
+    (tmp_path / "data" / "labels").mkdir()
+    label = shapes_data.parent / "val" / "labels" / f"{src.stem}.txt"
+    (tmp_path / "data" / "labels" / "small.txt").write_text(label.read_text())
+    (tmp_path / "one.txt").write_text(f"{image}\n")
+    data = tmp_path / "one.data"
+    names = shapes_data.parent / "shapes.names"
+    data.write_text(
+        f"classes=5\ntrain={tmp_path / 'one.txt'}\nvalid={tmp_path / 'one.txt'}\nnames={names}\n"
+    )
+    same = ["--weights", str(checkpoint), "--img-size", "320", "--conf-thres", "0.5"]
+    same += ["--iou-thres", "0.6", "--device", "cpu", "--amp", "off", "--save-txt", "--save-conf"]
+    assert predict.main([*same, "--source", str(image), "--output", str(tmp_path / "p")]) == 0
+    val = ["--data", str(data), "--batch-size", "1", "--no-multi-label", "--no-plots"]
+    assert validation.main([*same, *val, "--save-dir", str(tmp_path / "v")]) == 0
+
+    def rows(path: Path) -> np.ndarray:
+        return np.array(
+            sorted([float(v) for v in r.split()] for r in path.read_text().splitlines())
+        )
+
+    ours = rows(tmp_path / "p" / "labels" / "small.txt")
+    scored = rows(tmp_path / "v" / "labels" / "small.txt")
+    assert len(ours) > 0 and ours.shape == scored.shape
+    np.testing.assert_allclose(ours, scored, atol=1e-4)
