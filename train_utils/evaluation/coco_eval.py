@@ -166,11 +166,12 @@ class CocoEvaluator:
     def evaluate(self) -> np.ndarray:
         """Score everything added so far; returns the 12 stats (``STAT_NAMES`` order).
 
-        With no detections at all every stat is 0 (pycocotools cannot load an empty result).
+        With no detections at all every stat is 0 (pycocotools cannot load an empty result),
+        or -1 as pycocotools has it for an area range without ground truth.
         """
         if not self.results:
             self.coco_eval = None
-            self.stats = np.zeros(len(STAT_NAMES))
+            self.stats = self._stats_without_detections()
             return self.stats.copy()
         # Both libraries run the same three steps; pycocotools prints as it goes.
         with contextlib.redirect_stdout(io.StringIO()):
@@ -197,6 +198,19 @@ class CocoEvaluator:
         gt = FasterCOCO(self.coco_gt.dataset, use_deepcopy=True, print_function=quiet)
         dt = gt.loadRes(self.results)
         return COCOeval_faster(gt, dt, "bbox", print_function=quiet)
+
+    def _stats_without_detections(self) -> np.ndarray:
+        areas = [
+            a.get("area", 0)
+            for a in self.coco_gt.dataset.get("annotations", [])
+            if not a.get("iscrowd", 0)
+        ]
+        # pycocotools' area ranges (bounds included): all, small, medium, large.
+        ranges = [(0, 1e10), (0, 32**2), (32**2, 96**2), (96**2, 1e10)]
+        had = [any(lo <= a <= hi for a in areas) for lo, hi in ranges]
+        # Which range each stat is of (STAT_NAMES: 3 AP of all, 3 by area, 3 AR of all, 3 by area).
+        of = [0, 0, 0, 1, 2, 3, 0, 0, 0, 1, 2, 3]
+        return np.array([0.0 if had[r] else -1.0 for r in of])
 
     def per_class_ap(self) -> dict[int, tuple[float, float]]:
         """``{category id: (AP@0.5:0.95, AP@0.5)}`` over all areas at 100 detections per image.

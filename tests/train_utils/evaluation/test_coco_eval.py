@@ -21,6 +21,7 @@ from train_utils.evaluation.coco_eval import (
 from train_utils.evaluation.coco_gt import (
     CACHE_PREFIX,
     coco_dict_from_dataset,
+    coco_from_dict,
     get_coco_api_from_dataset,
 )
 
@@ -223,10 +224,41 @@ def test_shifted_predictions_pass_half_the_thresholds(dataset):
 
 
 def test_zero_detections(dataset):
-    evaluator = CocoEvaluator(get_coco_api_from_dataset(dataset))
+    coco_gt = get_coco_api_from_dataset(dataset)
+    evaluator = CocoEvaluator(coco_gt)
     evaluator.update([])
     stats = evaluator.evaluate()
-    assert stats.tolist() == [0.0] * 12
+    # pycocotools with one detection that matches nothing gives the same: 0, and -1 for an area
+    # range without ground truth (was: 0 there too, unlike a run with detections).
+    img = sorted(coco_gt.getImgIds())[0]
+    reference = CocoEvaluator(coco_gt, backend="pycocotools")
+    reference.update([{"image_id": img, "category_id": 0, "bbox": [0, 0, 1, 1], "score": 0.01}])
+    assert stats.tolist() == reference.evaluate().tolist() == [0.0] * 12  # every size here
+    # Only small objects: the medium and large stats are -1, as pycocotools has them.
+    small = coco_from_dict(
+        {
+            "images": [{"id": 1, "width": 100, "height": 100}],
+            "annotations": [
+                {
+                    "id": 1,
+                    "image_id": 1,
+                    "category_id": 0,
+                    "bbox": [5, 5, 10, 10],
+                    "area": 100,
+                    "iscrowd": 0,
+                }
+            ],
+            "categories": [{"id": 0, "name": "a"}],
+        }
+    )
+
+    def stats_of(results: list[dict]) -> list[float]:
+        evaluator = CocoEvaluator(small, backend="pycocotools")
+        evaluator.update(results)
+        return evaluator.evaluate().tolist()
+
+    miss = [{"image_id": 1, "category_id": 0, "bbox": [80, 80, 1, 1], "score": 0.1}]
+    assert stats_of([]) == stats_of(miss) and stats_of([]).count(-1.0) == 4
     per_class = evaluator.per_class_ap()
     assert per_class[0] == (0.0, 0.0) and math.isnan(per_class[3][0])
 
