@@ -517,9 +517,9 @@ def prepare(
     args: argparse.Namespace, weights: WeightsFile, dist: Any, requested: Path | None
 ) -> Evaluation:
     device = dist.device
-    data = load_data_config(args.data, args.single_cls)
+    data = load_data_config(args.data, args.single_cls, train=False)
     opts = evaluation_options(args, weights, device, dist.is_main)
-    data_nc = load_data_config(args.data).nc if args.single_cls else data.nc
+    data_nc = load_data_config(args.data, train=False).nc if args.single_cls else data.nc
     dataset = make_eval_dataset(
         data.split(args.task), args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
     )

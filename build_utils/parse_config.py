@@ -325,7 +325,9 @@ POSITIVE_FLOAT_MAX: dict[str, dict[str, float]] = {
 
 # Keys holding file paths in a .data file, resolved by parse_data_cfg.
 DATA_PATH_KEYS: tuple[str, ...] = ("train", "valid", "test", "names", "backup")
-DATA_REQUIRED_KEYS: tuple[str, ...] = ("classes", "train", "valid", "names")
+# train is optional here: validation.py scores a file of val only (coco2yolo's of val2017);
+# training asks for it (train_utils.config.load_data_config).
+DATA_REQUIRED_KEYS: tuple[str, ...] = ("classes", "valid", "names")
 
 # The ultralytics (YOLOv5/YOLOv8) dataset file: a YAML mapping, told apart by its extension.
 DATA_YAML_SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
@@ -1009,8 +1011,9 @@ def parse_data_cfg(path: str | os.PathLike[str]) -> dict[str, Any]:
     comments), or an ultralytics ``data.yaml`` (``.yaml``/``.yml``, :func:`parse_data_yaml`),
     into the same dict.
 
-    Required keys: ``classes`` (positive integer), ``train``, ``valid``, ``names``; other keys
-    (``backup``, ``eval``, ...) are kept as strings.
+    Required keys: ``classes`` (positive integer), ``valid``, ``names``; ``train`` for training
+    (:func:`train_utils.config.load_data_config` asks); other keys (``backup``, ``eval``, ...)
+    are kept as strings.
 
     Relative paths (``train``, ``valid``, ``test``, ``names``, ``backup``) are resolved this way:
     if the path exists relative to the folder of the ``.data`` file, that one is used (a
@@ -1222,7 +1225,7 @@ def parse_data_yaml(path: str | os.PathLike[str]) -> dict[str, Any]:
     must number the classes 0..n-1 without gaps. Unknown keys are ignored with one warning.
 
     Returns:
-        ``classes``, ``class_names``, ``train`` and ``valid`` (and ``test`` when given): a path
+        ``classes``, ``class_names``, ``valid`` (and ``train``, ``test`` when given): a path
         string, or a list of them for a list of sources; ``root``; ``coco_ids`` when given;
         ``_lines`` (key -> line, ``valid`` for ``val``); ``_format``: ``"yaml"``.
 
@@ -1302,13 +1305,13 @@ def _data_yaml_splits(
         value = values.get(key)
         ours = "valid" if key == "val" else key
         if value is None or value == []:
-            if key == "test":
-                continue
+            if key != "val":
+                continue  # train and test are optional here (see DATA_REQUIRED_KEYS)
             where = lines.get(key)
             why = f"'{key}' has no value" if where else f"missing required key '{key}'"
             raise ConfigError(
-                f"{why} (needs train and val: a folder of images, a .txt list of images, or a "
-                "list of those)",
+                f"{why} (a folder of images, a .txt list of images, or a list of those; train "
+                "too for training)",
                 path,
                 where,
             )

@@ -425,9 +425,11 @@ def coco_to_yolo(args: argparse.Namespace) -> None:
     missing = [r for r in ("train", "val") if r not in id_map.splits]
     if missing:
         LOGGER.info(
-            "data.yaml has no %s split yet: convert its JSON into the same --out with --split %s",
+            "data.yaml has no %s split yet: convert its JSON into the same --out with --split "
+            "%s to train on it%s",
             " or ".join(missing),
             missing[0],
+            "" if "val" in missing else " (validation.py scores its val split as it is)",
         )
 
 

@@ -240,7 +240,7 @@ class DataConfig:
     path: Path
     nc: int
     names: list[str]
-    train: DataSource
+    train: DataSource | None  # None: a file of val alone, which only validation.py reads
     valid: DataSource
     coco_ids: Path | None = None
     files: tuple[tuple[str, Path], ...] = ()
@@ -249,6 +249,8 @@ class DataConfig:
 
     def split(self, task: str) -> DataSource:
         """The images of ``validation.py --task`` (train, val or test; YOLOv5's ``val.py``)."""
+        if task == "train" and self.train is None:
+            raise ConfigError("--task train: the dataset file names no train split", self.path)
         if task != "test":
             return self.train if task == "train" else self.valid
         if self.test is None:
@@ -271,7 +273,7 @@ def _sources(value: str | list[str]) -> DataSource:
     return tuple(Path(v) for v in value) if isinstance(value, list) else Path(value)
 
 
-def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
+def load_data_config(path: str | Path, single_cls: bool = False, train: bool = True) -> DataConfig:
     """Resolve a ``.data`` or ``data.yaml`` file (``build_utils.parse_config.parse_data_cfg``)
     and check that its train and val sources exist (test: when scored, :meth:`DataConfig.split`;
     YOLOv5's coco.yaml names a test-dev2017.txt few have)."""
@@ -283,7 +285,13 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
         raise ConfigError(f"{what}; pass an existing .data or data.yaml file to --data", path)
     d = parse_data_cfg(path)
     yaml_file = d.get("_format") == "yaml"
-    for key in ("train", "valid"):
+    if train and "train" not in d:  # validation.py passes train=False: it scores val alone
+        raise ConfigError(
+            "missing required key 'train': training needs train and val (validation.py takes "
+            "a file of val alone)",
+            path,
+        )
+    for key in ("train", "valid")[0 if "train" in d else 1 :]:
         shown = "val" if yaml_file and key == "valid" else key
         for source in d[key] if isinstance(d[key], list) else [d[key]]:
             try:
@@ -308,7 +316,7 @@ def load_data_config(path: str | Path, single_cls: bool = False) -> DataConfig:
         for value in (d[key] if isinstance(d.get(key), list) else [d.get(key)])
         if isinstance(value, str)
     )
-    train, valid = _sources(d["train"]), _sources(d["valid"])
+    train, valid = _sources(d["train"]) if "train" in d else None, _sources(d["valid"])
     test = _sources(d["test"]) if d.get("test") else None
     backup = Path(d["backup"]) if d.get("backup") else None
     return DataConfig(path, nc, names, train, valid, coco_ids, files, test, backup)

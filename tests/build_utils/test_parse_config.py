@@ -691,7 +691,7 @@ def test_windows_separators_in_a_data_file_are_named(tmp_path, monkeypatch):
     ("body", "pattern"),
     [
         ("train=t\nvalid=v\nnames=my.names\n", r"my\.data: missing required key 'classes'"),
-        ("classes=2\nvalid=v\nnames=my.names\n", r"missing required key 'train'"),
+        ("classes=2\ntrain=t\nnames=my.names\n", r"missing required key 'valid'"),
         ("classes=2\ntrain=t\nvalid=v\n", r"missing required key 'names'"),
         ("classes=two\ntrain=t\nvalid=v\nnames=my.names\n", r"my\.data:1: classes='two' must be"),
         ("classes=2.0\ntrain=t\nvalid=v\nnames=my.names\n", r"my\.data:1: classes='2.0' must be"),
@@ -713,6 +713,19 @@ def test_parse_data_cfg_errors(tmp_path, monkeypatch, body, pattern):
     path = make_data(tmp_path, body)
     with pytest.raises(ConfigError, match=pattern):
         parse_data_cfg(path)
+
+
+def test_a_file_without_train_is_read_and_only_training_refuses_it(tmp_path):
+    """coco2yolo's conversion of val2017 alone, and any val-only file, is what validation.py
+    scores (was: refused by the parser, "missing required key 'train'", for every script)."""
+    from train_utils.config import load_data_config
+
+    (tmp_path / "v").mkdir()
+    path = make_data(tmp_path, f"classes=2\nvalid={tmp_path / 'v'}\nnames=my.names\n")
+    assert "train" not in parse_data_cfg(path)
+    assert load_data_config(path, train=False).train is None
+    with pytest.raises(ConfigError, match="missing required key 'train': training needs train"):
+        load_data_config(path)
 
 
 def test_weights_given_as_data_are_named(tmp_path):

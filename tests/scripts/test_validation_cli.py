@@ -189,6 +189,16 @@ def test_task_test_and_train_score_that_split_as_yolov5s_val_py(
     reference = _stats_json(_argv(swapped, weights5), tmp_path / "reference.json")
     val = _stats_json(_argv(both, weights5), tmp_path / "val.json")
     assert test == train == reference != val
+    # A data.yaml of val alone (coco2yolo's of val2017) is scored as well (was: refused).
+    alone = tmp_path / "alone.yaml"
+    alone.write_text(f"path: {root}\nval: val.txt\nnames: {names}\n")
+    assert _stats_json(_argv(alone, weights5), tmp_path / "alone.json") == val
+    assert (
+        validation.main(
+            _argv(alone, weights5, "--task", "train", "--save-dir", str(tmp_path / "t"))
+        )
+        == 2
+    )
     capsys.readouterr()
     # A .data file without test=: one line, exit 2.
     argv = _argv(shapes_data, weights5, "--task", "test", "--save-dir", str(tmp_path / "v"))
