@@ -747,6 +747,9 @@ class TrainConfig:
             v = getattr(self, f.name)
             if isinstance(v, DataConfig):
                 v = {k: _plain_path(x) for k, x in dataclasses.asdict(v).items()}
+                # Absolute: --resume and validation.py --weights alone find it from any folder
+                # (was: as typed, relative to the folder the run started in).
+                v["path"] = os.path.abspath(v["path"])
             elif isinstance(v, Path):
                 v = str(v)
             out[f.name] = v

@@ -167,6 +167,19 @@ def test_cli_values(shapes_data, repo_root):
     assert parser.parse_args([*base, "--freeze-layers"]).freeze_layers == "all-but-heads"
 
 
+def test_the_run_record_names_the_data_file_from_any_folder(
+    shapes_data, repo_root, tmp_path, monkeypatch
+):
+    """Was: --data as typed (mydata/x.data), so --resume and validation.py --weights alone run
+    from another folder said "dataset file not found"."""
+    monkeypatch.chdir(shapes_data.parent.parent)
+    relative = Path(shapes_data.parent.name) / shapes_data.name
+    argv = ["--data", str(relative), "--cfg", str(repo_root / "cfg" / "yolov3-spp-nano.cfg")]
+    argv += ["--output-dir", str(tmp_path / "run")]
+    recorded = build_config(get_args_parser().parse_args(argv)).to_dict()["data"]["path"]
+    assert recorded == str(shapes_data) and Path(recorded).is_absolute()
+
+
 def test_derived_values():
     assert check_img_size(416) == 416
     assert accumulate_steps(64, 16, 1, None) == 4
