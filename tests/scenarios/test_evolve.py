@@ -14,13 +14,14 @@ import pytest
 
 import train
 from build_utils.errors import OutputError, RunStopped
+from build_utils.safe_yaml import load_yaml
 from tests.conftest import finish_all, read_results, run_script, start_process, train_argv
 from tests.train_utils.test_stop_signals import InterruptsWhenDeleted, swallowed
 from train_utils import trainer
 from train_utils.checkpoint import load_checkpoint
 from train_utils.config import HYP_SPECS, load_hyp
 from train_utils.engine import NonFiniteLossError
-from train_utils.evolve import record, space
+from train_utils.evolve import record, search, space
 from train_utils.run_folder import SEARCH_RECORD
 
 REPO = Path(__file__).resolve().parents[2]
@@ -146,8 +147,18 @@ def test_a_full_disk_stops_the_search_and_resume_finishes_it(
     rows = csv_rows(out)
     assert [r["candidate"] for r in rows] == ["0", "1"]
     assert all(r["status"] == "done" for r in rows)
-    # --evolve N with --resume extends a finished search; it keeps that size afterwards.
-    assert train.main(["--evolve", "3", "--resume", str(out)]) == 0
+
+    # --evolve N with --resume extends a finished search; it keeps that size afterwards, also
+    # when stopped before the extension is done (the record says it at once).
+    def stop_at_the_third(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    search_here = search._search_here
+    monkeypatch.setattr(search, "_search_here", stop_at_the_third)
+    assert train.main(["--evolve", "3", "--resume", str(out)]) == 130
+    assert load_yaml(out / "search.yaml", "search record")["evolve"] == 3
+    monkeypatch.setattr(search, "_search_here", search_here)
+    assert train.main(["--resume", str(out)]) == 0
     assert [r["candidate"] for r in csv_rows(out)] == ["0", "1", "2"]
     capsys.readouterr()
     assert train.main(["--resume", str(out)]) == 0

@@ -316,6 +316,8 @@ def claim(search: Search, exist_ok: bool, dist: DistInfo) -> RunFolder | None:
             search.folder = held.path
             if search.record_text is not None:
                 write_text(search.folder / SEARCH_RECORD, search.record_text)
+            else:
+                _record_size(search)
             search.rows = record.read_rows(
                 search.folder / record.CSV_NAME, {k: HYP_SPECS[k].kind for k in search.hyp_keys}
             )
@@ -331,6 +333,16 @@ def claim(search: Search, exist_ok: bool, dist: DistInfo) -> RunFolder | None:
     # Collective: every rank writes its candidates under the folder rank 0 claimed.
     search.folder = Path(broadcast_object(str(search.folder)))
     return held
+
+
+def _record_size(search: Search) -> None:
+    """A continued search extended (``--evolve 16 --resume``) records its new size at once, so
+    that a bare ``--resume`` after a stop trains all of them (was: the earlier size, the rest
+    forgotten without a word)."""
+    path = search.folder / SEARCH_RECORD
+    saved = load_yaml(path, "search record")  # checked by settle(): a dict with an int evolve
+    if saved["evolve"] < search.total:
+        write_text(path, dump_yaml({**saved, "evolve": search.total}))
 
 
 def evolve(args: argparse.Namespace, dist: DistInfo | None) -> None:
