@@ -34,3 +34,20 @@ def test_darknet_flags_name_the_flag_to_type(parser_of, argv, line, capsys):
         parse_args(parser_of(), argv)
     assert e.value.code == 2
     assert capsys.readouterr().err.splitlines()[-1].endswith(f"error: {line}")
+
+
+@pytest.mark.parametrize(
+    ("argv", "hint"),
+    [
+        (["--img-szie", "96"], "(did you mean --img-size?)"),
+        (["--weigths", "w.pt", "--batchsize", "4"], "--weights for --weigths, --batch-size for"),
+        (["--quad"], "(--help lists the flags)"),  # YOLOv5's, not offered: nothing near
+    ],
+)
+def test_a_mistyped_flag_is_one_line_naming_the_flag_meant(argv, hint, capsys):
+    """Was: train.py's whole usage (34 lines) and then argparse's bare line."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(config.get_args_parser(), argv)
+    assert e.value.code == 2
+    [line] = capsys.readouterr().err.splitlines()
+    assert line.startswith("YOLOv3-SPP training: error: unrecognized arguments: ") and hint in line
