@@ -63,7 +63,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import common
 from build_utils.checks import check_at_least, check_real
 from build_utils.errors import ConfigError
-from tools.yolo_output import place_image
+from build_utils.yolo_output import place_image
 from train_utils.cli import run_script
 from train_utils.distributed.node import usable_cpus
 

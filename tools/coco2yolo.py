@@ -52,7 +52,7 @@ from build_utils.image_io import check_image, is_image_file
 from build_utils.labels import img2label_path, yolo_txt_lines
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_repr, short_text
-from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
+from build_utils.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
 from train_utils.cli import HelpFormatter, path_arg, run_script
 from train_utils.evaluation.detection_files import (
     COCO_IDS_FILE,

@@ -83,7 +83,7 @@ from build_utils.limits import (
 )
 from build_utils.parse_config import data_yaml_text, split_role
 from build_utils.safe_yaml import short_text
-from tools.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
+from build_utils.yolo_output import DATA_YAML, place_image, report_text, same_aspect, write_labels
 from train_utils.cli import HelpFormatter, path_arg, run_script
 from train_utils.run_folder import check_new_file
 

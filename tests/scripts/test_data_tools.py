@@ -286,9 +286,9 @@ def test_voc_devkit_layout(make_shapes_data, tmp_path):
 
 
 def test_converters_write_boxes_labels_and_images_one_way(tmp_path):
-    """tools/yolo_output.py, what both converters write with: an atomic label file, an image
+    """build_utils/yolo_output.py, what both converters write with: an atomic label file, an image
     linked (or copied) in place, the report's text."""
-    from tools.yolo_output import place_image, report_text, write_labels
+    from build_utils.yolo_output import place_image, report_text, write_labels
 
     label = tmp_path / "x.txt"
     write_labels(label, ["0 0.5 0.5 0.1 0.1", "1 0.2 0.2 0.1 0.1"])
