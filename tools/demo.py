@@ -39,7 +39,7 @@ import validation  # noqa: E402
 from build_utils.augmentations import GRID  # noqa: E402
 from build_utils.checks import check_at_least  # noqa: E402
 from build_utils.datasets import LoadImagesAndLabels  # noqa: E402
-from build_utils.errors import ConfigError  # noqa: E402
+from build_utils.errors import ConfigError, RunStopped  # noqa: E402
 from build_utils.labels import collect_image_files  # noqa: E402
 from data.make_shapes import STAMP_NAME, make_dataset  # noqa: E402
 from train_utils.cli import (  # noqa: E402
@@ -290,7 +290,18 @@ def demo(args: argparse.Namespace) -> None:
     logger.info("training: python train.py %s", shlex.join(argv))
     config = build_config(train_parser().parse_args(argv))
     device = select_device(config.device)
-    summary = run(config, DistInfo.single(device))
+    try:
+        summary = run(config, DistInfo.single(device))
+    except (KeyboardInterrupt, RunStopped):
+        last = config.output_dir / "last.pt"  # the run's folder, as the run claimed it
+        if last.is_file():  # the demo itself has no --resume: the command that has one
+            logger.warning(
+                "the demo's training continues with: python train.py --resume %s (then "
+                "validation.py and predict.py --weights %s)",
+                last,
+                last.with_name("best.pt"),
+            )
+        raise
     out = summary.output_dir  # runs/demo2 when runs/demo holds a previous run
     weights = out / "best.pt" if (out / "best.pt").is_file() else out / "last.pt"
     stats, pred_dir = evaluate_and_predict(out, weights, config.data.valid, device)

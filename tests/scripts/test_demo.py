@@ -105,6 +105,25 @@ def test_demo_on_given_data_runs_within_its_budget(make_shapes_data, tmp_path, c
     assert len(list((out / "predictions").glob("*.jpg"))) == 4
 
 
+def test_an_interrupted_demo_names_the_command_that_continues_it(
+    make_shapes_data, tmp_path, monkeypatch, capsys
+) -> None:
+    """Was: "continue with --resume", which demo.py does not take (and the next demo wrote
+    runs/demo2 from scratch)."""
+    data = make_shapes_data(n_train=4, n_val=2)
+    out = tmp_path / "run"
+
+    def interrupted_after_a_save(config, dist):
+        config.output_dir.mkdir(parents=True)
+        (config.output_dir / "last.pt").write_bytes(b"saved")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run", interrupted_after_a_save)
+    assert demo.main(["--data", str(data), "--output-dir", str(out), "--amp", "off"]) == 130
+    err = capsys.readouterr().err
+    assert f"the demo's training continues with: python train.py --resume {out / 'last.pt'}" in err
+
+
 def test_the_logged_training_command_pastes_as_it_is(tmp_path, monkeypatch) -> None:
     """Was: ``--device  --time-budget ...`` (an empty --device) in the logged command, which a
     shell reads as --device taking the next flag. Left at auto, --device is left out; given,
