@@ -46,8 +46,6 @@ from train_utils.trackers import RECORD_NAME
 logger = logging.getLogger(__name__)
 
 RUNS_DIR = Path("runs")  # where runs go when no --output-dir or --project is given
-
-
 RUN_CFG_NAME = "model.cfg"  # the resolved cfg every run folder keeps (reporting.write_run_files)
 RUN_HYP_NAME = "hyp.yaml"  # the hyperparameters as the run read them
 LOCK_NAME = "run.lock"
