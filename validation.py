@@ -74,7 +74,7 @@ from train_utils.cli import (
     take_from_run,
     warn_save_conf_alone,
 )
-from train_utils.config import DataConfig, load_data_config
+from train_utils.config import TASK_SPLITS, DataConfig, load_data_config
 from train_utils.data_loaders import eval_image_ids, make_eval_dataset, make_eval_loader
 from train_utils.distributed.node import resolve_workers
 from train_utils.distributed.process_group import cleanup, init_distributed_mode
@@ -517,11 +517,17 @@ def prepare(
     args: argparse.Namespace, weights: WeightsFile, dist: Any, requested: Path | None
 ) -> Evaluation:
     device = dist.device
-    data = load_data_config(args.data, args.single_cls, train=False)
+    splits = [TASK_SPLITS[args.task]]  # a file of val alone is scored; test only when asked
+    data = load_data_config(args.data, args.single_cls, splits)
     opts = evaluation_options(args, weights, device, dist.is_main)
-    data_nc = load_data_config(args.data, train=False).nc if args.single_cls else data.nc
+    data_nc = load_data_config(args.data, splits=splits).nc if args.single_cls else data.nc
     dataset = make_eval_dataset(
-        data.split(args.task), args.img_size, args.batch_size, data.nc, args.single_cls, dist.rank
+        getattr(data, splits[0]),
+        args.img_size,
+        args.batch_size,
+        data.nc,
+        args.single_cls,
+        dist.rank,
     )
     check_not_over_inputs(args, requested, data, dataset)
     if args.batch_size > len(dataset):

@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -247,36 +248,29 @@ class DataConfig:
     test: DataSource | None = None
     backup: Path | None = None  # Darknet's weights folder (a .data's backup=), not used here
 
-    def split(self, task: str) -> DataSource:
-        """The images of ``validation.py --task`` (train, val or test; YOLOv5's ``val.py``)."""
-        if task == "train" and self.train is None:
-            raise ConfigError("--task train: the dataset file names no train split", self.path)
-        if task != "test":
-            return self.train if task == "train" else self.valid
-        if self.test is None:
-            raise ConfigError(
-                "--task test: the dataset file names no test split (test: in a data.yaml, "
-                "test= in a .data file)",
-                self.path,
-            )
-        for source in (self.test,) if isinstance(self.test, Path) else self.test:
-            if not source.exists():
-                raise ConfigError(
-                    f"--task test: 'test' points to {short_text(str(source))}, which does not "
-                    "exist",
-                    self.path,
-                )
-        return self.test
+
+# The split (a DataConfig field, a dataset file's key) that each validation.py --task scores.
+TASK_SPLITS = {"train": "train", "test": "test", "val": "valid", "speed": "valid"}
+# Why a split a command reads is not there (val is required by the parser).
+_MISSING_SPLIT = {
+    "train": "missing required key 'train': training needs train and val (validation.py takes "
+    "a file of val alone, but for --task train)",
+    "test": "--task test: the dataset file names no test split (test: in a data.yaml, test= in "
+    "a .data file)",
+}
 
 
 def _sources(value: str | list[str]) -> DataSource:
     return tuple(Path(v) for v in value) if isinstance(value, list) else Path(value)
 
 
-def load_data_config(path: str | Path, single_cls: bool = False, train: bool = True) -> DataConfig:
+def load_data_config(
+    path: str | Path, single_cls: bool = False, splits: Sequence[str] = ("train", "valid")
+) -> DataConfig:
     """Resolve a ``.data`` or ``data.yaml`` file (``build_utils.parse_config.parse_data_cfg``)
-    and check that its train and val sources exist (test: when scored, :meth:`DataConfig.split`;
-    YOLOv5's coco.yaml names a test-dev2017.txt few have)."""
+    and check that the ``splits`` a command reads are there and exist (training: train and
+    val; validation.py: the one its --task scores, so that a file of val alone, or YOLOv5's
+    coco.yaml naming a test-dev2017.txt few have, is scored)."""
     path = Path(path)
     if not path.is_file():
         what = "is a folder, not a dataset file" if path.is_dir() else "dataset file not found"
@@ -285,13 +279,9 @@ def load_data_config(path: str | Path, single_cls: bool = False, train: bool = T
         raise ConfigError(f"{what}; pass an existing .data or data.yaml file to --data", path)
     d = parse_data_cfg(path)
     yaml_file = d.get("_format") == "yaml"
-    if train and "train" not in d:  # validation.py passes train=False: it scores val alone
-        raise ConfigError(
-            "missing required key 'train': training needs train and val (validation.py takes "
-            "a file of val alone)",
-            path,
-        )
-    for key in ("train", "valid")[0 if "train" in d else 1 :]:
+    for key in splits:
+        if not d.get(key):
+            raise ConfigError(_MISSING_SPLIT[key], path)
         shown = "val" if yaml_file and key == "valid" else key
         for source in d[key] if isinstance(d[key], list) else [d[key]]:
             try:
@@ -316,7 +306,7 @@ def load_data_config(path: str | Path, single_cls: bool = False, train: bool = T
         for value in (d[key] if isinstance(d.get(key), list) else [d.get(key)])
         if isinstance(value, str)
     )
-    train, valid = _sources(d["train"]) if "train" in d else None, _sources(d["valid"])
+    train, valid = _sources(d["train"]) if d.get("train") else None, _sources(d["valid"])
     test = _sources(d["test"]) if d.get("test") else None
     backup = Path(d["backup"]) if d.get("backup") else None
     return DataConfig(path, nc, names, train, valid, coco_ids, files, test, backup)

@@ -723,7 +723,7 @@ def test_a_file_without_train_is_read_and_only_training_refuses_it(tmp_path):
     (tmp_path / "v").mkdir()
     path = make_data(tmp_path, f"classes=2\nvalid={tmp_path / 'v'}\nnames=my.names\n")
     assert "train" not in parse_data_cfg(path)
-    assert load_data_config(path, train=False).train is None
+    assert load_data_config(path, splits=["valid"]).train is None  # as validation.py reads it
     with pytest.raises(ConfigError, match="missing required key 'train': training needs train"):
         load_data_config(path)
 
