@@ -541,13 +541,18 @@ def _choose_folder(
     if not live and not (base / "last.pt").exists() and _written_by_launch(base, launch_id()):
         # An earlier attempt of this job (a SLURM requeue, a torchrun restart) killed before
         # its first checkpoint (SIGKILL leaves no failed-<time>/): this attempt is that run.
-        entries = [e for e in base.iterdir() if is_run_write(e.name)]
-        moved = _move_into(base, FAILED_PREFIX, entries)
-        notes.append(
-            f"{base}: an earlier attempt of this job ({launch_id()}) stopped before its first "
-            f"checkpoint; its files are in {moved}, and this attempt writes {base}"
-        )
-        return base
+        try:
+            moved = _move_into(
+                base, FAILED_PREFIX, [e for e in base.iterdir() if is_run_write(e.name)]
+            )
+        except OSError as e:  # a folder that cannot change: numbered, as any previous run
+            notes.append(f"{base}: an earlier attempt's files cannot be moved aside ({e})")
+        else:
+            notes.append(
+                f"{base}: an earlier attempt of this job ({launch_id()}) stopped before its "
+                f"first checkpoint; its files are in {moved}, and this attempt writes {base}"
+            )
+            return base
     folder = _numbered(base)
     if live:
         why = "is in use by another run"

@@ -21,6 +21,7 @@ from conftest import LAUNCH_VARS, REPO_ROOT, read_results, run_training, script_
 import train as train_script
 from build_utils.errors import ConfigError
 from train_utils import run_folder
+from train_utils import run_folder as run_folder_module
 from train_utils import trainer as trainer_module
 from train_utils.config import build_config, get_args_parser
 from train_utils.distributed.process_group import DistInfo
@@ -442,6 +443,20 @@ def test_a_requeued_job_writes_the_folder_its_killed_first_attempt_left_without_
         (other / name).write_text(text)
     claim = claim_run_folder(other, resume=False, exist_ok=False)
     assert claim.path == tmp_path / "other2" and not list(other.glob("failed-*"))
+    claim.release()
+    # This job's folder whose files cannot be moved: numbered too, said, never a traceback.
+    again = tmp_path / "again"
+    again.mkdir()
+    for name, text in killed.items():
+        (again / name).write_text(text)
+
+    def cannot_move(*args):
+        raise PermissionError(13, "Permission denied")
+
+    monkeypatch.setattr(run_folder_module, "_move_into", cannot_move)
+    claim = claim_run_folder(again, resume=False, exist_ok=False)
+    assert claim.path == tmp_path / "again2"
+    assert "an earlier attempt's files cannot be moved aside" in claim.notes[0]
     claim.release()
 
 
